@@ -1,0 +1,21 @@
+"""kiln: a fusion compiler for NVIDIA GPUs."""
+
+from ._errors import KilnError, KilnTypeError
+from .enums import DataType, MemoryType, ParallelType
+from .fusion import FusionDefinition, Scalar, Tensor
+from .schedule import IterDomain
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DataType",
+    "FusionDefinition",
+    "IterDomain",
+    "KilnError",
+    "KilnTypeError",
+    "MemoryType",
+    "ParallelType",
+    "Scalar",
+    "Tensor",
+    "__version__",
+]

@@ -1,0 +1,328 @@
+"""The user API: ``FusionDefinition``, tensor and scalar handles, and ``fd.ops``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+from . import _core
+from ._errors import KilnError, KilnTypeError
+from .enums import DataType
+from .schedule import ScheduleMixin
+
+Operand = Union["Tensor", "Scalar", int, float, bool]
+
+
+def dump_enabled(what: str) -> bool:
+    """True when ``KILN_DUMP`` lists ``what``."""
+    return what in {p.strip() for p in os.environ.get("KILN_DUMP", "").split(",")}
+
+
+class Tensor(ScheduleMixin):
+    """A tensor of a fusion: use it in ``fd.ops`` and schedule it."""
+
+    __slots__ = ("_fd", "_id")
+
+    def __init__(self, fd: FusionDefinition, id_: int) -> None:
+        self._fd = fd
+        self._id = id_
+
+    @property
+    def dtype(self) -> DataType:
+        """Element type."""
+        return DataType(self._fd._core.tv_dtype(self._id))
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        """Sizes: -1 symbolic, 1 broadcast, n static (reduced axes dropped)."""
+        return tuple(self._fd._core.tv_shape(self._id))
+
+    @property
+    def ndim(self) -> int:
+        """Rank, not counting reduced axes."""
+        return len(self.shape)
+
+    def __repr__(self) -> str:
+        return str(self._fd._core.tv_label(self._id))
+
+
+class Scalar:
+    """A scalar of a fusion: a constant or a runtime input."""
+
+    __slots__ = ("_fd", "_id")
+
+    def __init__(self, fd: FusionDefinition, id_: int) -> None:
+        self._fd = fd
+        self._id = id_
+
+    @property
+    def dtype(self) -> DataType:
+        """Scalar type."""
+        return DataType(self._fd._core.scalar_dtype(self._id))
+
+
+def _check_dtype(dtype: object, what: str) -> str:
+    if not isinstance(dtype, DataType):
+        raise KilnTypeError(f"{what}: dtype must be a kiln.DataType, got {dtype!r}")
+    return dtype.value
+
+
+class FusionDefinition:
+    """Define a fusion inside ``with FusionDefinition() as fd:``, then schedule and run it."""
+
+    def __init__(self) -> None:
+        self._core = _core.Fusion()
+        self.ops = Ops(self)
+
+    def __enter__(self) -> FusionDefinition:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None and dump_enabled("fusion"):
+            print(self)
+
+    def __str__(self) -> str:
+        return str(self._core.math())
+
+    # -- definition ------------------------------------------------------------------
+    def define_tensor(self, shape: Sequence[int], dtype: DataType = DataType.Float,
+                      contiguity: Optional[Sequence[Optional[bool]]] = None) -> Tensor:
+        """Declare a tensor input (-1 symbolic size, 1 broadcast, n static)."""
+        name = f"T{self._core.num_tensors}"
+        if not isinstance(shape, (list, tuple)) or not all(
+                isinstance(s, int) and not isinstance(s, bool) for s in shape):
+            raise KilnTypeError(f"define_tensor {name}: shape must be a list of ints, got {shape!r}")
+        dt = _check_dtype(dtype, f"define_tensor {name}")
+        contig = None if contiguity is None else [None if c is None else bool(c) for c in contiguity]
+        return Tensor(self, self._core.define_tensor(list(shape), dt, contig))
+
+    def define_scalar(self, value: Optional[Union[int, float, bool]] = None,
+                      dtype: Optional[DataType] = None) -> Scalar:
+        """A constant scalar (``value`` given) or a runtime scalar input (``value`` None)."""
+        if value is None:
+            return Scalar(self, self._core.define_scalar(_check_dtype(dtype or DataType.Double, "define_scalar")))
+        if dtype is not None:
+            _check_dtype(dtype, "define_scalar")
+            if dtype == DataType.Bool:
+                value = bool(value)
+            elif dtype in (DataType.Int, DataType.Int32):
+                value = int(value)
+            else:
+                value = float(value)
+        return self._const(value)
+
+    def _const(self, value: Union[int, float, bool]) -> Scalar:
+        if isinstance(value, bool):
+            return Scalar(self, self._core.const_bool(value))
+        if isinstance(value, int):
+            return Scalar(self, self._core.const_int(value))
+        if isinstance(value, float):
+            return Scalar(self, self._core.const_float(value))
+        raise KilnTypeError(f"expected a Tensor, Scalar, int, float or bool, got {value!r}")
+
+    def add_output(self, t: Tensor) -> None:
+        """Mark ``t`` as an output of the fusion."""
+        self._core.add_output(self._tensor(t, "add_output"))
+
+    # -- helpers ---------------------------------------------------------------------
+    def _tensor(self, t: object, what: str) -> int:
+        if not isinstance(t, Tensor):
+            raise KilnTypeError(f"{what}: expected a Tensor, got {t!r}")
+        if t._fd is not self:
+            raise KilnError(f"{what}: {t.name} belongs to another FusionDefinition")
+        return t._id
+
+    def _operand(self, x: object, what: str) -> Tuple[bool, int]:
+        if isinstance(x, Tensor):
+            return True, self._tensor(x, what)
+        if isinstance(x, Scalar):
+            if x._fd is not self:
+                raise KilnError(f"{what}: scalar belongs to another FusionDefinition")
+            return False, x._id
+        if isinstance(x, (bool, int, float)):
+            return False, self._const(x)._id
+        raise KilnTypeError(f"{what}: expected a Tensor, Scalar, int, float or bool, got {x!r}")
+
+
+class Ops:
+    """``fd.ops``: the tensor operations of a fusion."""
+
+    def __init__(self, fd: FusionDefinition) -> None:
+        self._fd = fd
+
+    def _unary(self, op: str, x: Operand) -> Tensor:
+        fd = self._fd
+        return Tensor(fd, fd._core.unary(op, fd._operand(x, op)))
+
+    def _binary(self, op: str, a: Operand, b: Operand) -> Tensor:
+        fd = self._fd
+        return Tensor(fd, fd._core.binary(op, fd._operand(a, op), fd._operand(b, op)))
+
+    # unary
+    def abs(self, x: Operand) -> Tensor:
+        """|x|."""
+        return self._unary("abs", x)
+
+    def neg(self, x: Operand) -> Tensor:
+        """-x."""
+        return self._unary("neg", x)
+
+    def exp(self, x: Operand) -> Tensor:
+        """e**x."""
+        return self._unary("exp", x)
+
+    def log(self, x: Operand) -> Tensor:
+        """Natural log."""
+        return self._unary("log", x)
+
+    def sqrt(self, x: Operand) -> Tensor:
+        """Square root."""
+        return self._unary("sqrt", x)
+
+    def rsqrt(self, x: Operand) -> Tensor:
+        """1 / sqrt(x)."""
+        return self._unary("rsqrt", x)
+
+    def reciprocal(self, x: Operand) -> Tensor:
+        """1 / x."""
+        return self._unary("reciprocal", x)
+
+    def sin(self, x: Operand) -> Tensor:
+        """Sine."""
+        return self._unary("sin", x)
+
+    def cos(self, x: Operand) -> Tensor:
+        """Cosine."""
+        return self._unary("cos", x)
+
+    def tanh(self, x: Operand) -> Tensor:
+        """Hyperbolic tangent."""
+        return self._unary("tanh", x)
+
+    def sigmoid(self, x: Operand) -> Tensor:
+        """1 / (1 + e**-x)."""
+        return self._unary("sigmoid", x)
+
+    def relu(self, x: Operand) -> Tensor:
+        """max(x, 0)."""
+        return self._unary("relu", x)
+
+    # binary
+    def add(self, a: Operand, b: Operand) -> Tensor:
+        """a + b."""
+        return self._binary("add", a, b)
+
+    def sub(self, a: Operand, b: Operand) -> Tensor:
+        """a - b."""
+        return self._binary("sub", a, b)
+
+    def mul(self, a: Operand, b: Operand) -> Tensor:
+        """a * b."""
+        return self._binary("mul", a, b)
+
+    def div(self, a: Operand, b: Operand) -> Tensor:
+        """a / b (true division)."""
+        return self._binary("div", a, b)
+
+    def pow(self, a: Operand, b: Operand) -> Tensor:
+        """a ** b."""
+        return self._binary("pow", a, b)
+
+    def maximum(self, a: Operand, b: Operand) -> Tensor:
+        """Element-wise max."""
+        return self._binary("maximum", a, b)
+
+    def minimum(self, a: Operand, b: Operand) -> Tensor:
+        """Element-wise min."""
+        return self._binary("minimum", a, b)
+
+    def eq(self, a: Operand, b: Operand) -> Tensor:
+        """a == b."""
+        return self._binary("eq", a, b)
+
+    def ne(self, a: Operand, b: Operand) -> Tensor:
+        """a != b."""
+        return self._binary("ne", a, b)
+
+    def lt(self, a: Operand, b: Operand) -> Tensor:
+        """a < b."""
+        return self._binary("lt", a, b)
+
+    def le(self, a: Operand, b: Operand) -> Tensor:
+        """a <= b."""
+        return self._binary("le", a, b)
+
+    def gt(self, a: Operand, b: Operand) -> Tensor:
+        """a > b."""
+        return self._binary("gt", a, b)
+
+    def ge(self, a: Operand, b: Operand) -> Tensor:
+        """a >= b."""
+        return self._binary("ge", a, b)
+
+    # others
+    def where(self, cond: Operand, a: Operand, b: Operand) -> Tensor:
+        """``a`` where ``cond`` else ``b``."""
+        fd = self._fd
+        return Tensor(fd, fd._core.where_(fd._operand(cond, "where"), fd._operand(a, "where"),
+                                          fd._operand(b, "where")))
+
+    def cast(self, x: Operand, dtype: DataType) -> Tensor:
+        """Convert ``x`` to ``dtype``."""
+        fd = self._fd
+        return Tensor(fd, fd._core.cast(fd._operand(x, "cast"), _check_dtype(dtype, "cast")))
+
+    def _reduce(self, op: str, x: Tensor, dims: Sequence[int], keepdim: bool,
+                dtype: Optional[DataType]) -> Tensor:
+        fd = self._fd
+        t = fd._tensor(x, op)
+        if isinstance(dims, int):
+            dims = [dims]
+        dt = None if dtype is None else _check_dtype(dtype, op)
+        return Tensor(fd, fd._core.reduction(op, t, [int(d) for d in dims], bool(keepdim), dt))
+
+    def sum(self, x: Tensor, dims: Sequence[int], keepdim: bool = False,
+            dtype: Optional[DataType] = None) -> Tensor:
+        """Sum over ``dims``."""
+        return self._reduce("sum", x, dims, keepdim, dtype)
+
+    def max(self, x: Tensor, dims: Sequence[int], keepdim: bool = False) -> Tensor:
+        """Max over ``dims``."""
+        return self._reduce("max", x, dims, keepdim, None)
+
+    def min(self, x: Tensor, dims: Sequence[int], keepdim: bool = False) -> Tensor:
+        """Min over ``dims``."""
+        return self._reduce("min", x, dims, keepdim, None)
+
+    def broadcast_in_dim(self, x: Tensor, shape: Sequence[int], broadcast_dims: Sequence[int]) -> Tensor:
+        """Place input axis ``i`` at output axis ``broadcast_dims[i]``; other axes are broadcasts."""
+        fd = self._fd
+        t = fd._tensor(x, "broadcast_in_dim")
+        return Tensor(fd, fd._core.broadcast_in_dim(t, [int(s) for s in shape], [int(d) for d in broadcast_dims]))
+
+    def permute(self, x: Tensor, dims: Sequence[int]) -> Tensor:
+        """Output axis ``i`` is input axis ``dims[i]``."""
+        fd = self._fd
+        return Tensor(fd, fd._core.permute(fd._tensor(x, "permute"), [int(d) for d in dims]))
+
+    def index_select(self, x: Tensor, index: Tensor, dim: int) -> Tensor:
+        """Rows of ``x`` along ``dim`` at positions ``index`` (1-D, integer)."""
+        fd = self._fd
+        return Tensor(fd, fd._core.index_select(fd._tensor(x, "index_select"),
+                                                fd._tensor(index, "index_select"), int(dim)))
+
+    def full(self, shape: Sequence[Union[int, Scalar]], value: Union[Scalar, int, float, bool],
+             dtype: DataType) -> Tensor:
+        """A tensor of ``shape`` filled with ``value``."""
+        fd = self._fd
+        dims: List[int] = []
+        for s in shape:
+            if isinstance(s, Scalar):
+                dims.append(s._id)
+            elif isinstance(s, int) and not isinstance(s, bool):
+                if s < 0:
+                    raise KilnError(f"full: size {s} is negative; expected a size >= 0 or a Scalar")
+                dims.append(fd._const(s)._id)
+            else:
+                raise KilnTypeError(f"full: shape entries must be ints or Scalars, got {s!r}")
+        return Tensor(fd, fd._core.full(dims, fd._operand(value, "full"), _check_dtype(dtype, "full")))

@@ -1,0 +1,189 @@
+"""Manual scheduling on tensor handles: split, merge, reorder, parallelize, caches, inlining."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Union
+
+from ._errors import KilnError, KilnTypeError
+from .enums import MemoryType, ParallelType
+
+if TYPE_CHECKING:
+    from .fusion import FusionDefinition, Tensor
+
+
+class IterDomain:
+    """One loop axis (or any axis in a tensor's transform history)."""
+
+    __slots__ = ("_tensor", "_id")
+
+    def __init__(self, tensor: Tensor, id_: int) -> None:
+        self._tensor = tensor
+        self._id = id_
+
+    def _info(self) -> tuple:
+        return self._tensor._fd._core.id_info(self._id)
+
+    @property
+    def extent(self) -> str:
+        """The symbolic extent as text (e.g. ``ceilDiv(i1, 128)``)."""
+        return self._info()[0]
+
+    @property
+    def iter_type(self) -> str:
+        """``Iteration``, ``Reduction`` or ``Broadcast``."""
+        return self._info()[1]
+
+    @property
+    def is_reduction(self) -> bool:
+        """True for a reduction axis."""
+        return self.iter_type == "Reduction"
+
+    @property
+    def is_broadcast(self) -> bool:
+        """True for a broadcast axis."""
+        return self.iter_type == "Broadcast"
+
+    @property
+    def parallel_type(self) -> ParallelType:
+        """The parallel type this axis is mapped to."""
+        return ParallelType(self._info()[2])
+
+    def parallelize(self, pt: ParallelType) -> None:
+        """Map this loop axis onto ``pt``."""
+        if not isinstance(pt, ParallelType):
+            raise KilnTypeError(f"{self._tensor.name}: parallelize expects a ParallelType, got {pt!r}")
+        t = self._tensor
+        loop = t._fd._core.tv_loop(t._id)
+        if self._id not in loop:
+            raise KilnError(f"{t.name}: {self._info()[3]} is no longer a loop axis (it was split or merged)")
+        t._fd._core.parallelize(t._id, loop.index(self._id), pt.value)
+
+    def __repr__(self) -> str:
+        return self._info()[3]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, IterDomain) and other._id == self._id and other._tensor._fd is self._tensor._fd
+
+    def __hash__(self) -> int:
+        return hash(self._id)
+
+
+def _int(value: object, what: str, tensor: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise KilnTypeError(f"{tensor}: {what} must be an int, got {value!r}")
+    return value
+
+
+class ScheduleMixin:
+    """Scheduling primitives shared by tensor handles."""
+
+    _fd: FusionDefinition
+    _id: int
+
+    @property
+    def name(self) -> str:
+        """The tensor's name, ``T{n}``."""
+        return f"T{self._id}"
+
+    @property
+    def loop_domain(self) -> List[IterDomain]:
+        """The loop axes, outermost first (reduction axes included)."""
+        return [IterDomain(self, i) for i in self._fd._core.tv_loop(self._id)]  # type: ignore[arg-type]
+
+    @property
+    def logical_domain(self) -> List[IterDomain]:
+        """The logical axes (the shape the user sees, reduction axes included)."""
+        return [IterDomain(self, i) for i in self._fd._core.tv_logical(self._id)]  # type: ignore[arg-type]
+
+    def axis(self, i: int) -> IterDomain:
+        """Loop axis ``i`` (negative counts from the end)."""
+        loop = self._fd._core.tv_loop(self._id)
+        i = _int(i, "axis", self.name)
+        n = len(loop)
+        if not -n <= i < n:
+            raise KilnError(f"{self.name}: axis {i} is out of range; the loop domain has {n} axes")
+        return IterDomain(self, loop[i])  # type: ignore[arg-type]
+
+    @property
+    def memory_type(self) -> MemoryType:
+        """Where the tensor lives."""
+        return MemoryType(self._fd._core.tv_memory(self._id)[0])
+
+    @property
+    def inline_position(self) -> int:
+        """How many outer loop axes the tensor shares with its consumers."""
+        return int(self._fd._core.tv_memory(self._id)[1])
+
+    def split(self, axis: int, factor: int, inner_split: bool = True) -> None:
+        """Split loop axis ``axis`` into (ceilDiv(extent, factor), factor)."""
+        self._fd._core.split(self._id, _int(axis, "axis", self.name), _int(factor, "factor", self.name),
+                             bool(inner_split))
+
+    def merge(self, a: int, b: Optional[int] = None) -> None:
+        """Merge loop axes ``a`` (outer) and ``b`` (inner, default ``a + 1``)."""
+        a = _int(a, "axis", self.name)
+        if b is None:
+            b = a + 1 if a >= 0 else a + 1 + len(self._fd._core.tv_loop(self._id))
+        self._fd._core.merge(self._id, a, _int(b, "axis", self.name))
+
+    def reorder(self, moves: Dict[int, int]) -> None:
+        """Move loop axes ``{old: new}``; unlisted axes keep their relative order."""
+        if not isinstance(moves, dict):
+            raise KilnTypeError(f"{self.name}: reorder expects a dict {{old: new}}, got {moves!r}")
+        pairs = [(_int(k, "axis", self.name), _int(v, "axis", self.name)) for k, v in moves.items()]
+        self._fd._core.reorder(self._id, pairs)
+
+    def set_memory_type(self, mt: MemoryType) -> None:
+        """Place the tensor in Global, Shared or Local memory."""
+        if not isinstance(mt, MemoryType):
+            raise KilnTypeError(f"{self.name}: set_memory_type expects a MemoryType, got {mt!r}")
+        self._fd._core.set_memory_type(self._id, mt.value)
+
+    def cache_after(self) -> Tensor:
+        """A copy of this tensor that its consumers read instead."""
+        from .fusion import Tensor
+
+        return Tensor(self._fd, self._fd._core.cache_after(self._id))
+
+    def cache_before(self) -> Tensor:
+        """A new tensor that takes over this tensor's definition; this one becomes its copy."""
+        from .fusion import Tensor
+
+        return Tensor(self._fd, self._fd._core.cache_before(self._id))
+
+    def inline_at(self, pos: int) -> None:
+        """Compute this tensor inside its consumers' first ``pos`` loops (-1: deepest valid)."""
+        self._fd._core.inline_at(self._id, _int(pos, "position", self.name))
+
+    def set_allocation_domain(self, axes: Sequence[Union[int, IterDomain]],
+                              contiguity: Sequence[Optional[bool]]) -> None:
+        """Lay the tensor out in memory in the order of ``axes`` (loop axis ints or IterDomains)."""
+        loop = self._fd._core.tv_loop(self._id)
+        ids: List[int] = []
+        for a in axes:
+            if isinstance(a, IterDomain):
+                if a._tensor._fd is not self._fd:
+                    raise KilnError(f"{self.name}: set_allocation_domain got an axis of another fusion")
+                ids.append(a._id)
+            else:
+                i = _int(a, "axis", self.name)
+                if not -len(loop) <= i < len(loop):
+                    raise KilnError(f"{self.name}: set_allocation_domain: axis {i} is out of range "
+                                    f"for {len(loop)} loop axes")
+                ids.append(loop[i])
+        contig = [None if c is None else bool(c) for c in contiguity]
+        self._fd._core.set_allocation_domain(self._id, ids, contig)
+
+    def circular_buffer(self, stages: int) -> None:
+        """Pipeline this tensor's loads over ``stages`` buffers."""
+        self._fd._core.circular_buffer(self._id, _int(stages, "stages", self.name))
+
+    def transforms(self) -> str:
+        """The logical -> loop transforms with extents, as text."""
+        return str(self._fd._core.transforms(self._id))
+
+    def print_transforms(self) -> str:
+        """Print and return :meth:`transforms`."""
+        text = self.transforms()
+        print(text, end="")
+        return text

@@ -1,0 +1,327 @@
+//! Data types, memory types, parallel types and iteration types, plus PyTorch-style
+//! type promotion.
+
+use std::fmt;
+
+/// Element type of a tensor or scalar.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum DataType {
+    Bool,
+    Int32,
+    Int,
+    Half,
+    BFloat16,
+    Float,
+    Double,
+}
+
+/// Promotion category: PyTorch promotes across categories before widths.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Category {
+    Bool,
+    Integer,
+    Floating,
+}
+
+impl DataType {
+    /// All data types, in a stable order.
+    pub const ALL: [DataType; 7] = [
+        DataType::Float,
+        DataType::Double,
+        DataType::Half,
+        DataType::BFloat16,
+        DataType::Int,
+        DataType::Int32,
+        DataType::Bool,
+    ];
+
+    /// The promotion category of this type.
+    pub fn category(self) -> Category {
+        match self {
+            DataType::Bool => Category::Bool,
+            DataType::Int32 | DataType::Int => Category::Integer,
+            _ => Category::Floating,
+        }
+    }
+
+    /// Size of one element in bytes.
+    pub fn size_bytes(self) -> usize {
+        match self {
+            DataType::Bool => 1,
+            DataType::Half | DataType::BFloat16 => 2,
+            DataType::Int32 | DataType::Float => 4,
+            DataType::Int | DataType::Double => 8,
+        }
+    }
+
+    /// True for floating-point types.
+    pub fn is_float(self) -> bool {
+        self.category() == Category::Floating
+    }
+
+    /// True for integer types (not bool).
+    pub fn is_integer(self) -> bool {
+        self.category() == Category::Integer
+    }
+
+    /// Short name used in dumps (`float`, `half`, `int64`, ...).
+    pub fn short_name(self) -> &'static str {
+        match self {
+            DataType::Bool => "bool",
+            DataType::Int32 => "int32",
+            DataType::Int => "int64",
+            DataType::Half => "half",
+            DataType::BFloat16 => "bfloat16",
+            DataType::Float => "float",
+            DataType::Double => "double",
+        }
+    }
+
+    /// The Python enum member name (`Float`, `Int32`, ...).
+    pub fn enum_name(self) -> &'static str {
+        match self {
+            DataType::Bool => "Bool",
+            DataType::Int32 => "Int32",
+            DataType::Int => "Int",
+            DataType::Half => "Half",
+            DataType::BFloat16 => "BFloat16",
+            DataType::Float => "Float",
+            DataType::Double => "Double",
+        }
+    }
+
+    /// Parse the Python enum member name.
+    pub fn from_enum_name(name: &str) -> Option<Self> {
+        DataType::ALL.into_iter().find(|d| d.enum_name() == name)
+    }
+}
+
+impl fmt::Display for DataType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.short_name())
+    }
+}
+
+/// Promote two tensor dtypes (PyTorch `promote_types`).
+pub fn promote_tensor_types(a: DataType, b: DataType) -> DataType {
+    use DataType::*;
+    if a == b {
+        return a;
+    }
+    match (a.category(), b.category()) {
+        (ca, cb) if ca != cb => {
+            if ca > cb {
+                a
+            } else {
+                b
+            }
+        }
+        _ => match (a, b) {
+            // Neither half type can hold the other: PyTorch widens to float.
+            (Half, BFloat16) | (BFloat16, Half) => Float,
+            _ => a.max(b),
+        },
+    }
+}
+
+/// An operand's dtype for promotion: tensors dominate scalars of the same category.
+#[derive(Clone, Copy, Debug)]
+pub struct PromotionOperand {
+    pub dtype: DataType,
+    pub is_tensor: bool,
+}
+
+/// Result dtype of an arithmetic op over tensors and scalars (PyTorch `result_type`).
+pub fn promote(operands: &[PromotionOperand]) -> DataType {
+    let tensor_type = operands
+        .iter()
+        .filter(|o| o.is_tensor)
+        .map(|o| o.dtype)
+        .reduce(promote_tensor_types);
+    let scalar_type = operands
+        .iter()
+        .filter(|o| !o.is_tensor)
+        .map(|o| o.dtype)
+        .reduce(promote_tensor_types);
+    match (tensor_type, scalar_type) {
+        (Some(t), None) => t,
+        (None, Some(s)) => s,
+        (None, None) => DataType::Float,
+        (Some(t), Some(s)) => {
+            if s.category() > t.category() {
+                // A scalar only lifts the category; its width is the default of that category.
+                match s.category() {
+                    Category::Floating => DataType::Float,
+                    Category::Integer => DataType::Int,
+                    Category::Bool => DataType::Bool,
+                }
+            } else {
+                t
+            }
+        }
+    }
+}
+
+/// Where a tensor lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MemoryType {
+    Global,
+    Shared,
+    Local,
+}
+
+impl MemoryType {
+    /// One-letter tag used in tensor names in dumps (`T3_l_float`).
+    pub fn tag(self) -> &'static str {
+        match self {
+            MemoryType::Global => "g",
+            MemoryType::Shared => "s",
+            MemoryType::Local => "l",
+        }
+    }
+    /// The Python enum member name.
+    pub fn enum_name(self) -> &'static str {
+        match self {
+            MemoryType::Global => "Global",
+            MemoryType::Shared => "Shared",
+            MemoryType::Local => "Local",
+        }
+    }
+    /// Parse the Python enum member name.
+    pub fn from_enum_name(name: &str) -> Option<Self> {
+        [MemoryType::Global, MemoryType::Shared, MemoryType::Local]
+            .into_iter()
+            .find(|m| m.enum_name() == name)
+    }
+}
+
+/// How a loop is mapped onto the hardware.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ParallelType {
+    Serial,
+    BIDx,
+    BIDy,
+    BIDz,
+    TIDx,
+    TIDy,
+    TIDz,
+    Vectorize,
+    Unroll,
+    Unswitch,
+}
+
+impl ParallelType {
+    /// Every parallel type, in a stable order.
+    pub const ALL: [ParallelType; 10] = [
+        ParallelType::Serial,
+        ParallelType::BIDx,
+        ParallelType::BIDy,
+        ParallelType::BIDz,
+        ParallelType::TIDx,
+        ParallelType::TIDy,
+        ParallelType::TIDz,
+        ParallelType::Vectorize,
+        ParallelType::Unroll,
+        ParallelType::Unswitch,
+    ];
+    /// True for threadIdx.{x,y,z}.
+    pub fn is_thread(self) -> bool {
+        matches!(self, ParallelType::TIDx | ParallelType::TIDy | ParallelType::TIDz)
+    }
+    /// True for blockIdx.{x,y,z}.
+    pub fn is_block(self) -> bool {
+        matches!(self, ParallelType::BIDx | ParallelType::BIDy | ParallelType::BIDz)
+    }
+    /// True for thread or block parallel types (a hardware dimension).
+    pub fn is_thread_or_block(self) -> bool {
+        self.is_thread() || self.is_block()
+    }
+    /// Types that may appear at most once in a tensor's loop domain.
+    pub fn is_unique_per_tensor(self) -> bool {
+        self.is_thread_or_block() || self == ParallelType::Vectorize
+    }
+    /// The Python enum member name.
+    pub fn enum_name(self) -> &'static str {
+        match self {
+            ParallelType::Serial => "Serial",
+            ParallelType::BIDx => "BIDx",
+            ParallelType::BIDy => "BIDy",
+            ParallelType::BIDz => "BIDz",
+            ParallelType::TIDx => "TIDx",
+            ParallelType::TIDy => "TIDy",
+            ParallelType::TIDz => "TIDz",
+            ParallelType::Vectorize => "Vectorize",
+            ParallelType::Unroll => "Unroll",
+            ParallelType::Unswitch => "Unswitch",
+        }
+    }
+    /// Parse the Python enum member name.
+    pub fn from_enum_name(name: &str) -> Option<Self> {
+        ParallelType::ALL.into_iter().find(|p| p.enum_name() == name)
+    }
+    /// Short tag used in id names in dumps (`iS`, `iblockIdx.x`, `iV`).
+    pub fn tag(self) -> &'static str {
+        match self {
+            ParallelType::Serial => "S",
+            ParallelType::BIDx => "blockIdx.x",
+            ParallelType::BIDy => "blockIdx.y",
+            ParallelType::BIDz => "blockIdx.z",
+            ParallelType::TIDx => "threadIdx.x",
+            ParallelType::TIDy => "threadIdx.y",
+            ParallelType::TIDz => "threadIdx.z",
+            ParallelType::Vectorize => "V",
+            ParallelType::Unroll => "UR",
+            ParallelType::Unswitch => "US",
+        }
+    }
+}
+
+/// What kind of iteration an IterDomain represents.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum IterType {
+    Iteration,
+    Reduction,
+    Broadcast,
+}
+
+impl IterType {
+    /// One-letter tag used in dumps.
+    pub fn tag(self) -> &'static str {
+        match self {
+            IterType::Iteration => "i",
+            IterType::Reduction => "r",
+            IterType::Broadcast => "b",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use DataType::*;
+
+    fn t(d: DataType) -> PromotionOperand {
+        PromotionOperand { dtype: d, is_tensor: true }
+    }
+    fn s(d: DataType) -> PromotionOperand {
+        PromotionOperand { dtype: d, is_tensor: false }
+    }
+
+    #[test]
+    fn tensor_promotion_follows_pytorch() {
+        assert_eq!(promote(&[t(Half), t(BFloat16)]), Float);
+        assert_eq!(promote(&[t(Int32), t(Int)]), Int);
+        assert_eq!(promote(&[t(Bool), t(Int32)]), Int32);
+        assert_eq!(promote(&[t(Int), t(Half)]), Half);
+        assert_eq!(promote(&[t(Float), t(Double)]), Double);
+    }
+
+    #[test]
+    fn scalars_only_lift_the_category() {
+        assert_eq!(promote(&[t(Half), s(Double)]), Half);
+        assert_eq!(promote(&[t(Int32), s(Double)]), Float);
+        assert_eq!(promote(&[t(Int32), s(Int)]), Int32);
+        assert_eq!(promote(&[t(Bool), s(Int)]), Int);
+        assert_eq!(promote(&[t(Float), s(Bool)]), Float);
+    }
+}

@@ -1,0 +1,378 @@
+//! The fusion IR: an arena of plain-data nodes named by typed `u32` ids.
+//! Use-def links are ids; analyses keep their results in side tables.
+
+pub mod dtype;
+pub mod mapping;
+pub mod ops;
+pub mod printer;
+pub mod scalar;
+
+use cranelift_entity::{entity_impl, PrimaryMap};
+use smallvec::SmallVec;
+
+pub use dtype::{DataType, IterType, MemoryType, ParallelType};
+pub use scalar::{Scalars, Symbol, ValId};
+
+use crate::error::Result;
+
+/// Id of an [`IterDomain`].
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct IterDomainId(u32);
+entity_impl!(IterDomainId, "id");
+
+/// Id of a domain [`Transform`].
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TransformId(u32);
+entity_impl!(TransformId, "tr");
+
+/// Id of a [`TensorView`]; printed `T{n}`.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TvId(u32);
+entity_impl!(TvId, "T");
+
+/// Id of a tensor [`Expr`].
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ExprId(u32);
+entity_impl!(ExprId, "e");
+
+/// One axis of iteration: an extent, an iteration kind and a hardware mapping.
+#[derive(Clone, Debug)]
+pub struct IterDomain {
+    pub extent: ValId,
+    pub start: ValId,
+    pub iter_type: IterType,
+    pub parallel: ParallelType,
+    /// The transform that produced this id; `None` for logical ids.
+    pub definition: Option<TransformId>,
+    /// The transform that consumes this id, if it was split or merged.
+    pub use_: Option<TransformId>,
+}
+
+/// A transform between IterDomains of one tensor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Transform {
+    /// `input` -> (`outer`, `inner`); the `factor` sizes `inner` when `inner_split`,
+    /// else `outer`. The other side is `ceilDiv(extent, factor)`.
+    Split { input: IterDomainId, factor: ValId, inner_split: bool, outer: IterDomainId, inner: IterDomainId },
+    /// (`outer`, `inner`) -> `out` with extent `outer * inner`.
+    Merge { outer: IterDomainId, inner: IterDomainId, out: IterDomainId },
+}
+
+impl Transform {
+    /// Ids this transform consumes.
+    pub fn inputs(&self) -> SmallVec<[IterDomainId; 2]> {
+        match *self {
+            Transform::Split { input, .. } => SmallVec::from_slice(&[input]),
+            Transform::Merge { outer, inner, .. } => SmallVec::from_slice(&[outer, inner]),
+        }
+    }
+    /// Ids this transform produces.
+    pub fn outputs(&self) -> SmallVec<[IterDomainId; 2]> {
+        match *self {
+            Transform::Split { outer, inner, .. } => SmallVec::from_slice(&[outer, inner]),
+            Transform::Merge { out, .. } => SmallVec::from_slice(&[out]),
+        }
+    }
+}
+
+/// A tensor: its domains, dtype, memory and inline position.
+#[derive(Clone, Debug)]
+pub struct TensorView {
+    pub dtype: DataType,
+    pub memory: MemoryType,
+    /// The shape the user sees (reduction outputs keep their reduced ids here).
+    pub logical: Vec<IterDomainId>,
+    /// Set where a reduction's rfactor needs a domain before `logical`.
+    pub root: Option<Vec<IterDomainId>>,
+    /// Memory layout, any transform of `logical`; `None` means logical order.
+    pub allocation: Option<Vec<IterDomainId>>,
+    /// Per id of the allocation (or logical) domain; `None` for broadcast ids.
+    pub contiguity: Vec<Option<bool>>,
+    /// What the loop nest iterates.
+    pub loop_domain: Vec<IterDomainId>,
+    /// Number of outer loop ids shared with consumers (compute-at position).
+    pub inline_pos: usize,
+    pub definition: Option<ExprId>,
+    pub uses: Vec<ExprId>,
+    pub circular_buffer: Option<u32>,
+}
+
+impl TensorView {
+    /// The allocation domain if set, else the logical domain.
+    pub fn maybe_allocation(&self) -> &[IterDomainId] {
+        self.allocation.as_deref().unwrap_or(&self.logical)
+    }
+}
+
+/// An operand of a tensor expression.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Operand {
+    Tensor(TvId),
+    Scalar(ValId),
+}
+
+impl Operand {
+    /// The tensor behind the operand, if it is one.
+    pub fn tensor(self) -> Option<TvId> {
+        match self {
+            Operand::Tensor(t) => Some(t),
+            Operand::Scalar(_) => None,
+        }
+    }
+}
+
+/// Element-wise unary math.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum UnaryOp {
+    Abs,
+    Neg,
+    Exp,
+    Log,
+    Sqrt,
+    Rsqrt,
+    Reciprocal,
+    Sin,
+    Cos,
+    Tanh,
+    Sigmoid,
+    Relu,
+}
+
+/// Element-wise binary math.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Pow,
+    Maximum,
+    Minimum,
+    Eq,
+    Ne,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+}
+
+/// Reduction combiners.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReductionOp {
+    Sum,
+    Max,
+    Min,
+}
+
+/// What a tensor expression computes.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Op {
+    Unary(UnaryOp),
+    Binary(BinaryOp),
+    /// `where(cond, a, b)`.
+    Where,
+    Cast(DataType),
+    /// Reduces the output's Reduction ids; `init` is the identity.
+    Reduction { op: ReductionOp, init: ValId },
+    /// `is_new[i]` marks output logical ids that are new broadcast ids.
+    Broadcast { is_new: Vec<bool> },
+    /// `output.logical[i]` comes from `input.logical[perm[i]]`.
+    Permute { perm: Vec<usize> },
+    /// `out = input.index_select(dim, index)`; inputs are [input, index].
+    IndexSelect { dim: usize },
+    /// A copy (`set`), used by caches.
+    Set,
+    /// A tensor filled with a scalar.
+    Full { value: ValId },
+}
+
+/// A tensor expression with one output.
+#[derive(Clone, Debug)]
+pub struct Expr {
+    pub op: Op,
+    pub inputs: SmallVec<[Operand; 3]>,
+    pub output: TvId,
+}
+
+impl Expr {
+    /// Tensor inputs, in operand order.
+    pub fn input_tvs(&self) -> impl Iterator<Item = TvId> + '_ {
+        self.inputs.iter().filter_map(|o| o.tensor())
+    }
+}
+
+/// A whole fusion: the arena every other stage reads.
+#[derive(Clone, Debug, Default)]
+pub struct Fusion {
+    pub scalars: Scalars,
+    pub ids: PrimaryMap<IterDomainId, IterDomain>,
+    pub transforms: PrimaryMap<TransformId, Transform>,
+    pub tvs: PrimaryMap<TvId, TensorView>,
+    pub exprs: PrimaryMap<ExprId, Expr>,
+    /// Fusion inputs in the order `execute` takes them (tensors and scalars).
+    pub inputs: Vec<Operand>,
+    pub outputs: Vec<TvId>,
+    /// Dtype of each runtime scalar input `s{n}`.
+    pub scalar_input_dtypes: Vec<DataType>,
+    next_extent: u32,
+    /// True once any scheduling primitive was called; the auto-schedulers then stay out.
+    pub manually_scheduled: bool,
+}
+
+impl Fusion {
+    /// An empty fusion.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A fresh symbolic extent `i{n}`.
+    pub fn new_extent_symbol(&mut self) -> ValId {
+        let n = self.next_extent;
+        self.next_extent += 1;
+        self.scalars.symbol(Symbol::Extent(n))
+    }
+
+    /// A new logical IterDomain.
+    pub fn new_id(&mut self, extent: ValId, iter_type: IterType) -> IterDomainId {
+        let start = self.scalars.int(0);
+        self.ids.push(IterDomain { extent, start, iter_type, parallel: ParallelType::Serial, definition: None, use_: None })
+    }
+
+    /// A new tensor whose loop domain is its logical domain.
+    pub fn new_tv(&mut self, dtype: DataType, memory: MemoryType, logical: Vec<IterDomainId>) -> TvId {
+        let contiguity = logical
+            .iter()
+            .map(|&id| if self.ids[id].iter_type == IterType::Broadcast { None } else { Some(true) })
+            .collect();
+        self.tvs.push(TensorView {
+            dtype,
+            memory,
+            loop_domain: logical.clone(),
+            logical,
+            root: None,
+            allocation: None,
+            contiguity,
+            inline_pos: 0,
+            definition: None,
+            uses: Vec::new(),
+            circular_buffer: None,
+        })
+    }
+
+    /// Add an expression and wire its use-def links.
+    pub fn add_expr(&mut self, op: Op, inputs: SmallVec<[Operand; 3]>, output: TvId) -> ExprId {
+        let e = self.exprs.push(Expr { op, inputs: inputs.clone(), output });
+        for t in inputs.iter().filter_map(|o| o.tensor()) {
+            if !self.tvs[t].uses.contains(&e) {
+                self.tvs[t].uses.push(e);
+            }
+        }
+        self.tvs[output].definition = Some(e);
+        e
+    }
+
+    /// True when `tv` is a fusion input.
+    pub fn is_input(&self, tv: TvId) -> bool {
+        self.inputs.contains(&Operand::Tensor(tv))
+    }
+
+    /// True when `tv` is a fusion output.
+    pub fn is_output(&self, tv: TvId) -> bool {
+        self.outputs.contains(&tv)
+    }
+
+    /// Logical ids that are not reductions: the shape consumers see.
+    pub fn no_reduction_logical(&self, tv: TvId) -> Vec<IterDomainId> {
+        self.tvs[tv].logical.iter().copied().filter(|&id| self.ids[id].iter_type != IterType::Reduction).collect()
+    }
+
+    /// Tensors that read `tv`.
+    pub fn consumers(&self, tv: TvId) -> Vec<TvId> {
+        self.tvs[tv].uses.iter().map(|&e| self.exprs[e].output).collect()
+    }
+
+    /// Tensors `tv` is computed from.
+    pub fn producers(&self, tv: TvId) -> Vec<TvId> {
+        match self.tvs[tv].definition {
+            Some(e) => self.exprs[e].input_tvs().collect(),
+            None => Vec::new(),
+        }
+    }
+
+    /// Exprs that contribute to the outputs, in dependency order.
+    pub fn topo_exprs(&self) -> Vec<ExprId> {
+        let mut order = Vec::new();
+        let mut visited = cranelift_entity::EntitySet::<ExprId>::new();
+        // Iterative DFS: deep chains (benchmarks build 1,000 ops) must not blow the stack.
+        for &out in &self.outputs {
+            let Some(root) = self.tvs[out].definition else { continue };
+            let mut stack: Vec<(ExprId, bool)> = vec![(root, false)];
+            while let Some((e, done)) = stack.pop() {
+                if done {
+                    order.push(e);
+                    continue;
+                }
+                if visited.contains(e) {
+                    continue;
+                }
+                visited.insert(e);
+                stack.push((e, true));
+                for t in self.exprs[e].input_tvs() {
+                    if let Some(d) = self.tvs[t].definition {
+                        if !visited.contains(d) {
+                            stack.push((d, false));
+                        }
+                    }
+                }
+            }
+        }
+        order
+    }
+
+    /// Every id between `tv`'s logical domain and its loop/allocation domains,
+    /// with the transforms connecting them in application order.
+    pub fn transforms_of(&self, tv: TvId) -> Vec<TransformId> {
+        let mut out = Vec::new();
+        let mut frontier: Vec<IterDomainId> = self.tvs[tv].logical.clone();
+        if let Some(root) = &self.tvs[tv].root {
+            frontier = root.clone();
+        }
+        let mut i = 0;
+        while i < frontier.len() {
+            if let Some(t) = self.ids[frontier[i]].use_ {
+                if !out.contains(&t) {
+                    // A merge is applied once both inputs are reached; the second reach records it.
+                    let ready = self.transforms[t].inputs().iter().all(|x| frontier.contains(x));
+                    if ready {
+                        out.push(t);
+                        frontier.extend(self.transforms[t].outputs());
+                    }
+                }
+            }
+            i += 1;
+        }
+        // Transform ids are allocated in application order.
+        out.sort();
+        out
+    }
+
+    /// Name of a tensor, `T{n}`.
+    pub fn tv_name(&self, tv: TvId) -> String {
+        format!("T{}", tv.as_u32())
+    }
+
+    /// Position of `id` in `tv`'s loop domain.
+    pub fn loop_position(&self, tv: TvId, id: IterDomainId) -> Option<usize> {
+        self.tvs[tv].loop_domain.iter().position(|&x| x == id)
+    }
+
+    /// Check a user-given axis against `tv`'s loop domain; negative counts from the end.
+    pub fn normalize_axis(&self, tv: TvId, axis: i64) -> Result<usize> {
+        let n = self.tvs[tv].loop_domain.len() as i64;
+        let a = if axis < 0 { axis + n } else { axis };
+        if a < 0 || a >= n {
+            crate::bail!("{}: axis {axis} is out of range; the loop domain has {n} axes (valid: {} to {})", self.tv_name(tv), -n, n - 1);
+        }
+        Ok(a as usize)
+    }
+}

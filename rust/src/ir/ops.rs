@@ -1,0 +1,479 @@
+//! Builders for tensor ops: each checks its operands, infers the output's shape and
+//! dtype (PyTorch promotion), creates fresh output ids and records the expr.
+
+use smallvec::{smallvec, SmallVec};
+
+use crate::error::Result;
+use crate::ir::dtype::{promote, PromotionOperand};
+use crate::ir::{
+    BinaryOp, DataType, Fusion, IterDomainId, IterType, MemoryType, Op, Operand, ReductionOp, Symbol, TvId, UnaryOp,
+    ValId,
+};
+use crate::{bail, bail_type};
+
+impl Fusion {
+    /// Declare a tensor input: `-1` symbolic, `1` broadcast, `n > 1` static size.
+    pub fn define_tensor(&mut self, shape: &[i64], dtype: DataType, contiguity: Option<&[Option<bool>]>) -> Result<TvId> {
+        let name = format!("T{}", self.tvs.len());
+        if let Some(c) = contiguity {
+            if c.len() != shape.len() {
+                bail!("define_tensor {name}: contiguity has {} entries but the shape has rank {}", c.len(), shape.len());
+            }
+        }
+        let mut logical = Vec::with_capacity(shape.len());
+        for (axis, &s) in shape.iter().enumerate() {
+            let id = match s {
+                -1 => {
+                    let e = self.new_extent_symbol();
+                    self.new_id(e, IterType::Iteration)
+                }
+                1 => {
+                    let e = self.scalars.int(1);
+                    self.new_id(e, IterType::Broadcast)
+                }
+                n if n >= 0 => {
+                    let e = self.scalars.int(n);
+                    self.new_id(e, IterType::Iteration)
+                }
+                n => bail!("define_tensor {name}: axis {axis} has size {n}; expected -1 (symbolic), 1 (broadcast) or a size >= 0"),
+            };
+            logical.push(id);
+        }
+        let tv = self.new_tv(dtype, MemoryType::Global, logical);
+        if let Some(c) = contiguity {
+            for (axis, (&flag, &id)) in c.iter().zip(&self.tvs[tv].logical).enumerate() {
+                let is_bcast = self.ids[id].iter_type == IterType::Broadcast;
+                match (is_bcast, flag) {
+                    (true, Some(_)) => {
+                        bail!("define_tensor {name}: axis {axis} is a broadcast (size 1) and takes contiguity None, got {flag:?}")
+                    }
+                    (false, None) => {
+                        bail!("define_tensor {name}: axis {axis} is not a broadcast and needs contiguity True or False, got None")
+                    }
+                    _ => {}
+                }
+            }
+            self.tvs[tv].contiguity = c.to_vec();
+        }
+        self.inputs.push(Operand::Tensor(tv));
+        Ok(tv)
+    }
+
+    /// Declare a runtime scalar input `s{n}`.
+    pub fn define_scalar_input(&mut self, dtype: DataType) -> ValId {
+        let n = self.scalar_input_dtypes.len() as u32;
+        self.scalar_input_dtypes.push(dtype);
+        let v = self.scalars.symbol(Symbol::ScalarInput(n));
+        self.inputs.push(Operand::Scalar(v));
+        v
+    }
+
+    /// Mark a tensor as a fusion output.
+    pub fn add_output(&mut self, tv: TvId) -> Result<()> {
+        if self.outputs.contains(&tv) {
+            bail!("add_output: {} is already an output", self.tv_name(tv));
+        }
+        self.outputs.push(tv);
+        // Outputs are handed back to the caller, so they always live in Global memory.
+        self.tvs[tv].memory = MemoryType::Global;
+        Ok(())
+    }
+
+    fn operand_dtype(&self, o: Operand) -> PromotionOperand {
+        match o {
+            Operand::Tensor(t) => PromotionOperand { dtype: self.tvs[t].dtype, is_tensor: true },
+            Operand::Scalar(v) => {
+                PromotionOperand { dtype: self.scalars.dtype(v, &self.scalar_input_dtypes), is_tensor: false }
+            }
+        }
+    }
+
+    fn describe(&self, o: Operand) -> String {
+        match o {
+            Operand::Tensor(t) => self.tv_name(t),
+            Operand::Scalar(v) => format!("scalar {}", self.scalars.render(v)),
+        }
+    }
+
+    /// Output logical ids of an element-wise op over `operands` (same rank, broadcast-compatible).
+    fn pointwise_domain(&mut self, op_name: &str, operands: &[Operand]) -> Result<Vec<IterDomainId>> {
+        let tensors: Vec<TvId> = operands.iter().filter_map(|o| o.tensor()).collect();
+        let Some(&first) = tensors.first() else {
+            bail!("{op_name}: at least one operand must be a tensor; got only scalars");
+        };
+        let doms: Vec<Vec<IterDomainId>> = tensors.iter().map(|&t| self.no_reduction_logical(t)).collect();
+        let rank = doms[0].len();
+        for (t, d) in tensors.iter().zip(&doms) {
+            if d.len() != rank {
+                bail!(
+                    "{op_name}: {} has rank {} but {} has rank {}; operands must have the same rank (use broadcast_in_dim to add axes)",
+                    self.tv_name(first),
+                    rank,
+                    self.tv_name(*t),
+                    d.len()
+                );
+            }
+        }
+        let mut out = Vec::with_capacity(rank);
+        for axis in 0..rank {
+            // The first non-broadcast operand axis decides the extent.
+            let mut chosen: Option<(TvId, IterDomainId)> = None;
+            for (&t, d) in tensors.iter().zip(&doms) {
+                let id = d[axis];
+                if self.ids[id].iter_type == IterType::Broadcast {
+                    continue;
+                }
+                match chosen {
+                    None => chosen = Some((t, id)),
+                    Some((t0, id0)) => {
+                        let (e0, e1) = (self.scalars.as_int(self.ids[id0].extent), self.scalars.as_int(self.ids[id].extent));
+                        if let (Some(a), Some(b)) = (e0, e1) {
+                            if a != b {
+                                bail!(
+                                    "{op_name}: axis {axis} has size {a} in {} but size {b} in {}; sizes must match or one must be a broadcast",
+                                    self.tv_name(t0),
+                                    self.tv_name(t)
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+            let id = match chosen {
+                Some((_, id)) => {
+                    let e = self.ids[id].extent;
+                    self.new_id(e, IterType::Iteration)
+                }
+                None => {
+                    let one = self.scalars.int(1);
+                    self.new_id(one, IterType::Broadcast)
+                }
+            };
+            out.push(id);
+        }
+        Ok(out)
+    }
+
+    fn pointwise(&mut self, op_name: &str, op: Op, operands: SmallVec<[Operand; 3]>, dtype: DataType) -> Result<TvId> {
+        let logical = self.pointwise_domain(op_name, &operands)?;
+        let out = self.new_tv(dtype, MemoryType::Local, logical);
+        self.add_expr(op, operands, out);
+        Ok(out)
+    }
+
+    /// An element-wise unary op.
+    pub fn unary(&mut self, op: UnaryOp, x: Operand) -> Result<TvId> {
+        let name = unary_name(op);
+        let dt = self.operand_dtype(x).dtype;
+        let out_dt = match op {
+            UnaryOp::Abs | UnaryOp::Relu => dt,
+            UnaryOp::Neg => {
+                if dt == DataType::Bool {
+                    bail_type!("neg: {} is Bool; negation of Bool is not defined (use eq(x, False))", self.describe(x));
+                }
+                dt
+            }
+            // Transcendentals of integers compute in the default float type, as PyTorch does.
+            _ if dt.is_float() => dt,
+            _ => DataType::Float,
+        };
+        self.pointwise(name, Op::Unary(op), smallvec![x], out_dt)
+    }
+
+    /// An element-wise binary op.
+    pub fn binary(&mut self, op: BinaryOp, a: Operand, b: Operand) -> Result<TvId> {
+        let promoted = promote(&[self.operand_dtype(a), self.operand_dtype(b)]);
+        let out_dt = match op {
+            BinaryOp::Eq | BinaryOp::Ne | BinaryOp::Lt | BinaryOp::Le | BinaryOp::Gt | BinaryOp::Ge => DataType::Bool,
+            BinaryOp::Div if !promoted.is_float() => DataType::Float,
+            _ => promoted,
+        };
+        self.pointwise(binary_name(op), Op::Binary(op), smallvec![a, b], out_dt)
+    }
+
+    /// `where(cond, a, b)`.
+    pub fn where_(&mut self, cond: Operand, a: Operand, b: Operand) -> Result<TvId> {
+        let cd = self.operand_dtype(cond).dtype;
+        if cd != DataType::Bool {
+            bail_type!("where: condition {} has dtype {cd}; expected Bool", self.describe(cond));
+        }
+        let out_dt = promote(&[self.operand_dtype(a), self.operand_dtype(b)]);
+        self.pointwise("where", Op::Where, smallvec![cond, a, b], out_dt)
+    }
+
+    /// Convert a tensor to `dtype`.
+    pub fn cast(&mut self, x: Operand, dtype: DataType) -> Result<TvId> {
+        self.pointwise("cast", Op::Cast(dtype), smallvec![x], dtype)
+    }
+
+    /// A copy of a tensor (used by caches and `set`).
+    pub fn set(&mut self, x: TvId) -> Result<TvId> {
+        let dt = self.tvs[x].dtype;
+        self.pointwise("set", Op::Set, smallvec![Operand::Tensor(x)], dt)
+    }
+
+    /// Normalize reduction/permute dims against a rank; names the tensor on error.
+    fn normalize_dims(&self, op_name: &str, tv: TvId, dims: &[i64], rank: usize) -> Result<Vec<usize>> {
+        let mut out = Vec::with_capacity(dims.len());
+        for &d in dims {
+            let n = rank as i64;
+            let a = if d < 0 { d + n } else { d };
+            if a < 0 || a >= n {
+                bail!("{op_name}: {}: axis {d} is out of range for rank {rank} (valid: {} to {})", self.tv_name(tv), -n, n - 1);
+            }
+            if out.contains(&(a as usize)) {
+                bail!("{op_name}: {}: axis {a} is listed twice", self.tv_name(tv));
+            }
+            out.push(a as usize);
+        }
+        Ok(out)
+    }
+
+    /// Reduce `x` over `dims` with `op`; `keepdim` keeps size-one axes there.
+    pub fn reduction(&mut self, op: ReductionOp, x: TvId, dims: &[i64], keepdim: bool, dtype: Option<DataType>) -> Result<TvId> {
+        let name = reduction_name(op);
+        let inp = self.no_reduction_logical(x);
+        if dims.is_empty() {
+            bail!("{name}: {}: no axes to reduce; pass dims=[...]", self.tv_name(x));
+        }
+        let dims = self.normalize_dims(name, x, dims, inp.len())?;
+        let in_dt = self.tvs[x].dtype;
+        let out_dt = dtype.unwrap_or(match op {
+            ReductionOp::Sum if !in_dt.is_float() => DataType::Int,
+            _ => in_dt,
+        });
+        let mut logical = Vec::with_capacity(inp.len());
+        for (axis, &id) in inp.iter().enumerate() {
+            let src = self.ids[id].clone();
+            let it = if dims.contains(&axis) { IterType::Reduction } else { src.iter_type };
+            logical.push(self.new_id(src.extent, it));
+        }
+        let init = match (op, out_dt.is_float()) {
+            (ReductionOp::Sum, true) => self.scalars.float(0.0),
+            (ReductionOp::Sum, false) => self.scalars.int(0),
+            (ReductionOp::Max, true) => self.scalars.float(f64::NEG_INFINITY),
+            (ReductionOp::Max, false) => self.scalars.int(if out_dt == DataType::Int32 { i32::MIN as i64 } else { i64::MIN }),
+            (ReductionOp::Min, true) => self.scalars.float(f64::INFINITY),
+            (ReductionOp::Min, false) => self.scalars.int(if out_dt == DataType::Int32 { i32::MAX as i64 } else { i64::MAX }),
+        };
+        let out = self.new_tv(out_dt, MemoryType::Local, logical);
+        self.add_expr(Op::Reduction { op, init }, smallvec![Operand::Tensor(x)], out);
+        if !keepdim {
+            return Ok(out);
+        }
+        let rank = inp.len();
+        let is_new: Vec<bool> = (0..rank).map(|a| dims.contains(&a)).collect();
+        self.broadcast(out, is_new)
+    }
+
+    /// Insert new broadcast axes where `is_new` is true.
+    pub fn broadcast(&mut self, x: TvId, is_new: Vec<bool>) -> Result<TvId> {
+        let inp = self.no_reduction_logical(x);
+        let n_old = is_new.iter().filter(|&&b| !b).count();
+        if n_old != inp.len() {
+            crate::bail_internal!("broadcast of {}: {} kept axes for rank {}", self.tv_name(x), n_old, inp.len());
+        }
+        let mut it = inp.into_iter();
+        let mut logical = Vec::with_capacity(is_new.len());
+        for &new in &is_new {
+            let id = if new {
+                let one = self.scalars.int(1);
+                self.new_id(one, IterType::Broadcast)
+            } else {
+                let src = self.ids[it.next().expect("counted above")].clone();
+                self.new_id(src.extent, src.iter_type)
+            };
+            logical.push(id);
+        }
+        let dt = self.tvs[x].dtype;
+        let out = self.new_tv(dt, MemoryType::Local, logical);
+        self.add_expr(Op::Broadcast { is_new }, smallvec![Operand::Tensor(x)], out);
+        Ok(out)
+    }
+
+    /// nvFuser's `broadcast_in_dim`: input axis `i` becomes output axis `broadcast_dims[i]`.
+    pub fn broadcast_in_dim(&mut self, x: TvId, shape: &[i64], broadcast_dims: &[i64]) -> Result<TvId> {
+        let name = self.tv_name(x);
+        let inp = self.no_reduction_logical(x);
+        if broadcast_dims.len() != inp.len() {
+            bail!(
+                "broadcast_in_dim: {name} has rank {} but broadcast_dims has {} entries; expected one output axis per input axis",
+                inp.len(),
+                broadcast_dims.len()
+            );
+        }
+        let out_rank = shape.len();
+        let mut is_new = vec![true; out_rank];
+        let mut prev: i64 = -1;
+        for (i, &d) in broadcast_dims.iter().enumerate() {
+            if d < 0 || d as usize >= out_rank {
+                bail!("broadcast_in_dim: {name} axis {i} maps to output axis {d}, out of range for output rank {out_rank}");
+            }
+            if d <= prev {
+                bail!("broadcast_in_dim: {name}: broadcast_dims must be strictly increasing, got {broadcast_dims:?}");
+            }
+            prev = d;
+            let s = shape[d as usize];
+            if s < -1 {
+                bail!("broadcast_in_dim: output axis {d} has size {s}; expected -1 or a size >= 0");
+            }
+            let id = inp[i];
+            let in_iter = self.ids[id].iter_type;
+            if let Some(e) = self.scalars.as_int(self.ids[id].extent) {
+                if in_iter != IterType::Broadcast && s >= 0 && s != e {
+                    bail!("broadcast_in_dim: {name} axis {i} has size {e} but output axis {d} asks for size {s}");
+                }
+            }
+            is_new[d as usize] = false;
+        }
+        for (d, &s) in shape.iter().enumerate() {
+            if is_new[d] && s < -1 {
+                bail!("broadcast_in_dim: output axis {d} has size {s}; expected -1 or a size >= 0");
+            }
+        }
+        if is_new.iter().all(|&n| !n) {
+            // Nothing to add: a copy keeps the op graph simple for the schedulers.
+            return self.set(x);
+        }
+        self.broadcast(x, is_new)
+    }
+
+    /// Reorder axes: output axis `i` is input axis `dims[i]`.
+    pub fn permute(&mut self, x: TvId, dims: &[i64]) -> Result<TvId> {
+        let inp = self.no_reduction_logical(x);
+        if dims.len() != inp.len() {
+            bail!("permute: {} has rank {} but dims {dims:?} has {} entries; expected a permutation of 0..{}", self.tv_name(x), inp.len(), dims.len(), inp.len());
+        }
+        let perm = self.normalize_dims("permute", x, dims, inp.len())?;
+        let mut logical = Vec::with_capacity(perm.len());
+        for &p in &perm {
+            let src = self.ids[inp[p]].clone();
+            logical.push(self.new_id(src.extent, src.iter_type));
+        }
+        let dt = self.tvs[x].dtype;
+        let out = self.new_tv(dt, MemoryType::Local, logical);
+        self.add_expr(Op::Permute { perm }, smallvec![Operand::Tensor(x)], out);
+        Ok(out)
+    }
+
+    /// Select slices of `x` along `dim` at the positions in the 1-D integer `index`.
+    pub fn index_select(&mut self, x: TvId, index: TvId, dim: i64) -> Result<TvId> {
+        let inp = self.no_reduction_logical(x);
+        let idx = self.no_reduction_logical(index);
+        let idt = self.tvs[index].dtype;
+        if !idt.is_integer() {
+            bail_type!("index_select: index {} has dtype {idt}; expected Int or Int32", self.tv_name(index));
+        }
+        if idx.len() != 1 {
+            bail!("index_select: index {} has rank {}; expected rank 1", self.tv_name(index), idx.len());
+        }
+        let dim = self.normalize_dims("index_select", x, &[dim], inp.len())?[0];
+        let mut logical = Vec::with_capacity(inp.len());
+        for (axis, &id) in inp.iter().enumerate() {
+            let src = if axis == dim { self.ids[idx[0]].clone() } else { self.ids[id].clone() };
+            logical.push(self.new_id(src.extent, src.iter_type));
+        }
+        let dt = self.tvs[x].dtype;
+        let out = self.new_tv(dt, MemoryType::Local, logical);
+        self.add_expr(Op::IndexSelect { dim }, smallvec![Operand::Tensor(x), Operand::Tensor(index)], out);
+        Ok(out)
+    }
+
+    /// A tensor of `shape` (static sizes or scalar extents) filled with `value`.
+    pub fn full(&mut self, shape: &[ValId], value: Operand, dtype: DataType) -> Result<TvId> {
+        let Operand::Scalar(v) = value else {
+            bail_type!("full: the fill value must be a scalar, got {}", self.describe(value));
+        };
+        let mut logical = Vec::with_capacity(shape.len());
+        for (axis, &e) in shape.iter().enumerate() {
+            let it = match self.scalars.as_int(e) {
+                Some(1) => IterType::Broadcast,
+                Some(n) if n < 0 => bail!("full: axis {axis} has size {n}; expected a size >= 0"),
+                _ => IterType::Iteration,
+            };
+            logical.push(self.new_id(e, it));
+        }
+        let out = self.new_tv(dtype, MemoryType::Local, logical);
+        self.add_expr(Op::Full { value: v }, smallvec![], out);
+        Ok(out)
+    }
+}
+
+/// Name of a unary op as the Python API spells it.
+pub fn unary_name(op: UnaryOp) -> &'static str {
+    match op {
+        UnaryOp::Abs => "abs",
+        UnaryOp::Neg => "neg",
+        UnaryOp::Exp => "exp",
+        UnaryOp::Log => "log",
+        UnaryOp::Sqrt => "sqrt",
+        UnaryOp::Rsqrt => "rsqrt",
+        UnaryOp::Reciprocal => "reciprocal",
+        UnaryOp::Sin => "sin",
+        UnaryOp::Cos => "cos",
+        UnaryOp::Tanh => "tanh",
+        UnaryOp::Sigmoid => "sigmoid",
+        UnaryOp::Relu => "relu",
+    }
+}
+
+/// Every unary op, for name lookup.
+pub const UNARY_OPS: [UnaryOp; 12] = [
+    UnaryOp::Abs,
+    UnaryOp::Neg,
+    UnaryOp::Exp,
+    UnaryOp::Log,
+    UnaryOp::Sqrt,
+    UnaryOp::Rsqrt,
+    UnaryOp::Reciprocal,
+    UnaryOp::Sin,
+    UnaryOp::Cos,
+    UnaryOp::Tanh,
+    UnaryOp::Sigmoid,
+    UnaryOp::Relu,
+];
+
+/// Every binary op, for name lookup.
+pub const BINARY_OPS: [BinaryOp; 13] = [
+    BinaryOp::Add,
+    BinaryOp::Sub,
+    BinaryOp::Mul,
+    BinaryOp::Div,
+    BinaryOp::Pow,
+    BinaryOp::Maximum,
+    BinaryOp::Minimum,
+    BinaryOp::Eq,
+    BinaryOp::Ne,
+    BinaryOp::Lt,
+    BinaryOp::Le,
+    BinaryOp::Gt,
+    BinaryOp::Ge,
+];
+
+/// Name of a binary op as the Python API spells it.
+pub fn binary_name(op: BinaryOp) -> &'static str {
+    match op {
+        BinaryOp::Add => "add",
+        BinaryOp::Sub => "sub",
+        BinaryOp::Mul => "mul",
+        BinaryOp::Div => "div",
+        BinaryOp::Pow => "pow",
+        BinaryOp::Maximum => "maximum",
+        BinaryOp::Minimum => "minimum",
+        BinaryOp::Eq => "eq",
+        BinaryOp::Ne => "ne",
+        BinaryOp::Lt => "lt",
+        BinaryOp::Le => "le",
+        BinaryOp::Gt => "gt",
+        BinaryOp::Ge => "ge",
+    }
+}
+
+/// Name of a reduction op as the Python API spells it.
+pub fn reduction_name(op: ReductionOp) -> &'static str {
+    match op {
+        ReductionOp::Sum => "sum",
+        ReductionOp::Max => "max",
+        ReductionOp::Min => "min",
+    }
+}

@@ -1,0 +1,504 @@
+//! Symbolic scalars: a hash-consed DAG of constants, named scalars and integer
+//! arithmetic. Every builder call simplifies, so extents stay readable
+//! (`ceilDiv(i0, 128)`, never `ceilDiv(i0 * 1 + 0, 128)`).
+
+use cranelift_entity::{entity_impl, PrimaryMap};
+use rustc_hash::FxHashMap;
+use std::fmt::Write as _;
+
+use crate::error::{KilnError, Result};
+use crate::ir::dtype::{DataType, ParallelType};
+use crate::ir::TvId;
+
+/// Id of a scalar value in a [`Scalars`] arena.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ValId(u32);
+entity_impl!(ValId, "v");
+
+/// Named leaves of the scalar DAG: values known only at run time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Symbol {
+    /// A symbolic extent of an input tensor, printed `i{n}`.
+    Extent(u32),
+    /// A runtime stride of a tensor's allocation axis, printed `T3.stride[1]`.
+    Stride(TvId, u32),
+    /// A runtime scalar input of the fusion, printed `s{n}`.
+    ScalarInput(u32),
+    /// A loop index of the kernel, printed `i{n}` in kernel IR as `idx{n}`.
+    LoopIndex(u32),
+    /// threadIdx/blockIdx of a parallel type.
+    ParallelIndex(ParallelType),
+    /// blockDim/gridDim of a parallel type.
+    ParallelDim(ParallelType),
+}
+
+/// Integer binary operators of the scalar DAG.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ScalarOp {
+    Add,
+    Sub,
+    Mul,
+    /// Floor division of non-negative integers.
+    Div,
+    Mod,
+    CeilDiv,
+    Min,
+    Max,
+    Lt,
+    Le,
+    Eq,
+    And,
+}
+
+impl ScalarOp {
+    fn is_commutative(self) -> bool {
+        matches!(self, ScalarOp::Add | ScalarOp::Mul | ScalarOp::Min | ScalarOp::Max | ScalarOp::Eq | ScalarOp::And)
+    }
+    fn infix(self) -> Option<&'static str> {
+        Some(match self {
+            ScalarOp::Add => "+",
+            ScalarOp::Sub => "-",
+            ScalarOp::Mul => "*",
+            ScalarOp::Div => "/",
+            ScalarOp::Mod => "%",
+            ScalarOp::Lt => "<",
+            ScalarOp::Le => "<=",
+            ScalarOp::Eq => "==",
+            ScalarOp::And => "&&",
+            _ => return None,
+        })
+    }
+    fn precedence(self) -> u8 {
+        match self {
+            ScalarOp::Mul | ScalarOp::Div | ScalarOp::Mod => 5,
+            ScalarOp::Add | ScalarOp::Sub => 4,
+            ScalarOp::Lt | ScalarOp::Le => 3,
+            ScalarOp::Eq => 2,
+            ScalarOp::And => 1,
+            _ => 9,
+        }
+    }
+    /// Evaluate on concrete integers; `None` on division by zero.
+    pub fn apply(self, a: i64, b: i64) -> Option<i64> {
+        Some(match self {
+            ScalarOp::Add => a.checked_add(b)?,
+            ScalarOp::Sub => a.checked_sub(b)?,
+            ScalarOp::Mul => a.checked_mul(b)?,
+            ScalarOp::Div => a.checked_div_euclid(b)?,
+            ScalarOp::Mod => a.checked_rem_euclid(b)?,
+            ScalarOp::CeilDiv => {
+                if b == 0 {
+                    return None;
+                }
+                (a + b - 1).div_euclid(b)
+            }
+            ScalarOp::Min => a.min(b),
+            ScalarOp::Max => a.max(b),
+            ScalarOp::Lt => (a < b) as i64,
+            ScalarOp::Le => (a <= b) as i64,
+            ScalarOp::Eq => (a == b) as i64,
+            ScalarOp::And => (a != 0 && b != 0) as i64,
+        })
+    }
+}
+
+/// A node of the scalar DAG.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Val {
+    Int(i64),
+    /// A float constant, stored as its bit pattern so nodes can be hash-consed.
+    Float(u64),
+    Bool(bool),
+    Symbol(Symbol),
+    Binary(ScalarOp, ValId, ValId),
+}
+
+/// Arena of scalar values with hash-consing and simplification.
+#[derive(Clone, Debug, Default)]
+pub struct Scalars {
+    nodes: PrimaryMap<ValId, Val>,
+    dedup: FxHashMap<Val, ValId>,
+}
+
+impl Scalars {
+    /// An empty arena.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The node behind an id.
+    pub fn get(&self, v: ValId) -> Val {
+        self.nodes[v]
+    }
+
+    /// Number of distinct nodes.
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// True when no node was built yet.
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    fn intern(&mut self, val: Val) -> ValId {
+        if let Some(&id) = self.dedup.get(&val) {
+            return id;
+        }
+        let id = self.nodes.push(val);
+        self.dedup.insert(val, id);
+        id
+    }
+
+    /// An integer constant.
+    pub fn int(&mut self, v: i64) -> ValId {
+        self.intern(Val::Int(v))
+    }
+    /// A float constant.
+    pub fn float(&mut self, v: f64) -> ValId {
+        self.intern(Val::Float(v.to_bits()))
+    }
+    /// A bool constant.
+    pub fn boolean(&mut self, v: bool) -> ValId {
+        self.intern(Val::Bool(v))
+    }
+    /// A named runtime value.
+    pub fn symbol(&mut self, s: Symbol) -> ValId {
+        self.intern(Val::Symbol(s))
+    }
+
+    /// The integer constant behind `v`, if it is one.
+    pub fn as_int(&self, v: ValId) -> Option<i64> {
+        match self.nodes[v] {
+            Val::Int(i) => Some(i),
+            Val::Bool(b) => Some(b as i64),
+            _ => None,
+        }
+    }
+
+    /// True when `v` is the integer constant `c`.
+    pub fn is_const(&self, v: ValId, c: i64) -> bool {
+        self.as_int(v) == Some(c)
+    }
+
+    /// The dtype of a scalar node as seen by type promotion.
+    pub fn dtype(&self, v: ValId, scalar_inputs: &[DataType]) -> DataType {
+        match self.nodes[v] {
+            Val::Int(_) => DataType::Int,
+            Val::Float(_) => DataType::Double,
+            Val::Bool(_) => DataType::Bool,
+            Val::Symbol(Symbol::ScalarInput(i)) => scalar_inputs.get(i as usize).copied().unwrap_or(DataType::Double),
+            Val::Symbol(_) => DataType::Int,
+            Val::Binary(op, a, _) => match op {
+                ScalarOp::Lt | ScalarOp::Le | ScalarOp::Eq | ScalarOp::And => DataType::Bool,
+                _ => self.dtype(a, scalar_inputs),
+            },
+        }
+    }
+
+    /// Build `a op b`, simplified.
+    pub fn binary(&mut self, op: ScalarOp, a: ValId, b: ValId) -> ValId {
+        if let Some(v) = self.simplify(op, a, b) {
+            return v;
+        }
+        // Canonical operand order for commutative ops: constants on the right,
+        // so `4 * i0` and `i0 * 4` are one node.
+        let (a, b) = if op.is_commutative() && self.as_int(a).is_some() && self.as_int(b).is_none() {
+            (b, a)
+        } else {
+            (a, b)
+        };
+        self.intern(Val::Binary(op, a, b))
+    }
+
+    fn simplify(&mut self, op: ScalarOp, a: ValId, b: ValId) -> Option<ValId> {
+        use ScalarOp::*;
+        let (ca, cb) = (self.as_int(a), self.as_int(b));
+        if let (Some(x), Some(y)) = (ca, cb) {
+            if let Some(r) = op.apply(x, y) {
+                return Some(match op {
+                    Lt | Le | Eq | And => self.boolean(r != 0),
+                    _ => self.int(r),
+                });
+            }
+            return None;
+        }
+        // Put a lone constant on the right for the identity rules below.
+        let (a, b, ca, cb) = if op.is_commutative() && ca.is_some() { (b, a, cb, ca) } else { (a, b, ca, cb) };
+        match (op, cb) {
+            (Add | Sub, Some(0)) | (Mul | Div | CeilDiv, Some(1)) => return Some(a),
+            (Mul, Some(0)) => return Some(self.int(0)),
+            (Mod, Some(1)) => return Some(self.int(0)),
+            _ => {}
+        }
+        if a == b {
+            match op {
+                Sub => return Some(self.int(0)),
+                Min | Max => return Some(a),
+                Eq | Le => return Some(self.boolean(true)),
+                Lt => return Some(self.boolean(false)),
+                _ => {}
+            }
+        }
+        let _ = ca;
+        // Re-associate constants: (x op c1) op c2 -> x op (c1 op c2).
+        if let (Some(c2), Val::Binary(inner, x, c1)) = (cb, self.nodes[a]) {
+            if let Some(c1) = self.as_int(c1) {
+                match (op, inner) {
+                    (Add, Add) => return Some(self.binary_with_const(Add, x, c1 + c2)),
+                    (Sub, Add) => return Some(self.binary_with_const(Add, x, c1 - c2)),
+                    (Mul, Mul) => return Some(self.binary_with_const(Mul, x, c1 * c2)),
+                    // ceil(ceil(x / a) / b) == ceil(x / (a * b)) for positive a, b.
+                    (CeilDiv, CeilDiv) if c1 > 0 && c2 > 0 => {
+                        return Some(self.binary_with_const(CeilDiv, x, c1 * c2))
+                    }
+                    (Div, Div) if c1 > 0 && c2 > 0 => return Some(self.binary_with_const(Div, x, c1 * c2)),
+                    // (x * c1) / c2 when c2 divides c1: merge-then-split of the same factor.
+                    (CeilDiv | Div, Mul) if c2 > 0 && c1 % c2 == 0 => {
+                        return Some(self.binary_with_const(Mul, x, c1 / c2))
+                    }
+                    (Mod, Mul) if c2 > 0 && c1 % c2 == 0 => return Some(self.int(0)),
+                    _ => {}
+                }
+            }
+        }
+        None
+    }
+
+    fn binary_with_const(&mut self, op: ScalarOp, x: ValId, c: i64) -> ValId {
+        let c = self.int(c);
+        self.binary(op, x, c)
+    }
+
+    /// `a + b`, simplified.
+    pub fn add(&mut self, a: ValId, b: ValId) -> ValId {
+        self.binary(ScalarOp::Add, a, b)
+    }
+    /// `a - b`, simplified.
+    pub fn sub(&mut self, a: ValId, b: ValId) -> ValId {
+        self.binary(ScalarOp::Sub, a, b)
+    }
+    /// `a * b`, simplified.
+    pub fn mul(&mut self, a: ValId, b: ValId) -> ValId {
+        self.binary(ScalarOp::Mul, a, b)
+    }
+    /// `a / b` (floor), simplified.
+    pub fn div(&mut self, a: ValId, b: ValId) -> ValId {
+        self.binary(ScalarOp::Div, a, b)
+    }
+    /// `a % b`, simplified.
+    pub fn rem(&mut self, a: ValId, b: ValId) -> ValId {
+        self.binary(ScalarOp::Mod, a, b)
+    }
+    /// `ceilDiv(a, b)`, simplified.
+    pub fn ceil_div(&mut self, a: ValId, b: ValId) -> ValId {
+        self.binary(ScalarOp::CeilDiv, a, b)
+    }
+    /// `min(a, b)`, simplified.
+    pub fn min(&mut self, a: ValId, b: ValId) -> ValId {
+        self.binary(ScalarOp::Min, a, b)
+    }
+    /// `max(a, b)`, simplified.
+    pub fn max(&mut self, a: ValId, b: ValId) -> ValId {
+        self.binary(ScalarOp::Max, a, b)
+    }
+    /// `a < b`, simplified.
+    pub fn lt(&mut self, a: ValId, b: ValId) -> ValId {
+        self.binary(ScalarOp::Lt, a, b)
+    }
+    /// Product of a list of values (1 for an empty list).
+    pub fn product(&mut self, vals: impl IntoIterator<Item = ValId>) -> ValId {
+        let one = self.int(1);
+        vals.into_iter().fold(one, |acc, v| self.mul(acc, v))
+    }
+
+    /// Evaluate `v` given values for its symbols.
+    pub fn eval(&self, v: ValId, env: &dyn Fn(Symbol) -> Option<i64>) -> Result<i64> {
+        match self.nodes[v] {
+            Val::Int(i) => Ok(i),
+            Val::Bool(b) => Ok(b as i64),
+            Val::Float(bits) => Ok(f64::from_bits(bits) as i64),
+            Val::Symbol(s) => env(s).ok_or_else(|| KilnError::value(format!("no value bound for {}", self.render(v)))),
+            Val::Binary(op, a, b) => {
+                let (x, y) = (self.eval(a, env)?, self.eval(b, env)?);
+                op.apply(x, y)
+                    .ok_or_else(|| KilnError::value(format!("cannot evaluate {}: {x} and {y} overflow or divide by zero", self.render(v))))
+            }
+        }
+    }
+
+    /// Render `v` as readable text (`ceilDiv(i0, 128)`, `i1 * 4`).
+    pub fn render(&self, v: ValId) -> String {
+        let mut out = String::new();
+        self.render_into(v, 0, &mut out);
+        out
+    }
+
+    fn render_into(&self, v: ValId, parent_prec: u8, out: &mut String) {
+        match self.nodes[v] {
+            Val::Int(i) => {
+                let _ = write!(out, "{i}");
+            }
+            Val::Float(bits) => {
+                let _ = write!(out, "{:?}", f64::from_bits(bits));
+            }
+            Val::Bool(b) => {
+                let _ = write!(out, "{b}");
+            }
+            Val::Symbol(s) => render_symbol(s, out),
+            Val::Binary(op, a, b) => match op.infix() {
+                Some(sym) => {
+                    let prec = op.precedence();
+                    let paren = prec < parent_prec;
+                    if paren {
+                        out.push('(');
+                    }
+                    self.render_into(a, prec, out);
+                    let _ = write!(out, " {sym} ");
+                    // Right operand binds tighter so `a - (b - c)` keeps its parentheses.
+                    self.render_into(b, prec + 1, out);
+                    if paren {
+                        out.push(')');
+                    }
+                }
+                None => {
+                    let name = match op {
+                        ScalarOp::CeilDiv => "ceilDiv",
+                        ScalarOp::Min => "min",
+                        _ => "max",
+                    };
+                    let _ = write!(out, "{name}(");
+                    self.render_into(a, 0, out);
+                    out.push_str(", ");
+                    self.render_into(b, 0, out);
+                    out.push(')');
+                }
+            },
+        }
+    }
+}
+
+/// Text of a symbol as it appears in dumps and generated code.
+pub fn render_symbol(s: Symbol, out: &mut String) {
+    let _ = match s {
+        Symbol::Extent(n) => write!(out, "i{n}"),
+        Symbol::Stride(tv, axis) => write!(out, "T{}.stride[{axis}]", tv.as_u32()),
+        Symbol::ScalarInput(n) => write!(out, "s{n}"),
+        Symbol::LoopIndex(n) => write!(out, "idx{n}"),
+        Symbol::ParallelIndex(p) => write!(out, "{}", parallel_index_name(p)),
+        Symbol::ParallelDim(p) => write!(out, "{}", parallel_dim_name(p)),
+    };
+}
+
+/// CUDA name of the index of a thread/block parallel type.
+pub fn parallel_index_name(p: ParallelType) -> &'static str {
+    match p {
+        ParallelType::BIDx => "blockIdx.x",
+        ParallelType::BIDy => "blockIdx.y",
+        ParallelType::BIDz => "blockIdx.z",
+        ParallelType::TIDx => "threadIdx.x",
+        ParallelType::TIDy => "threadIdx.y",
+        ParallelType::TIDz => "threadIdx.z",
+        _ => "0",
+    }
+}
+
+/// CUDA name of the extent of a thread/block parallel type.
+pub fn parallel_dim_name(p: ParallelType) -> &'static str {
+    match p {
+        ParallelType::BIDx => "gridDim.x",
+        ParallelType::BIDy => "gridDim.y",
+        ParallelType::BIDz => "gridDim.z",
+        ParallelType::TIDx => "blockDim.x",
+        ParallelType::TIDy => "blockDim.y",
+        ParallelType::TIDz => "blockDim.z",
+        _ => "1",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constants_fold_and_dedup() {
+        let mut s = Scalars::new();
+        let a = s.int(6);
+        let b = s.int(4);
+        let c = s.ceil_div(a, b);
+        assert_eq!(s.as_int(c), Some(2));
+        let d = s.mul(a, b);
+        assert_eq!(s.as_int(d), Some(24));
+        assert_eq!(s.int(24), d, "constants are hash-consed");
+    }
+
+    #[test]
+    fn identities_simplify() {
+        let mut s = Scalars::new();
+        let x = s.symbol(Symbol::Extent(0));
+        let one = s.int(1);
+        let zero = s.int(0);
+        assert_eq!(s.mul(x, one), x);
+        assert_eq!(s.mul(one, x), x);
+        assert_eq!(s.add(x, zero), x);
+        assert_eq!(s.add(zero, x), x);
+        assert_eq!(s.sub(x, zero), x);
+        assert_eq!(s.ceil_div(x, one), x);
+        let m0 = s.mul(x, zero);
+        assert!(s.is_const(m0, 0));
+        let d = s.sub(x, x);
+        assert!(s.is_const(d, 0));
+    }
+
+    #[test]
+    fn constants_reassociate() {
+        let mut s = Scalars::new();
+        let x = s.symbol(Symbol::Extent(0));
+        let four = s.int(4);
+        let eight = s.int(8);
+        let a = s.mul(x, four);
+        let b = s.mul(a, eight);
+        assert_eq!(s.render(b), "i0 * 32");
+        let c1 = s.ceil_div(x, four);
+        let c2 = s.ceil_div(c1, eight);
+        assert_eq!(s.render(c2), "ceilDiv(i0, 32)");
+        // merge(i0, 4) split by 4 gives back i0.
+        assert_eq!(s.ceil_div(a, four), x);
+        assert_eq!(s.mul(four, x), a, "commutative ops are canonicalised");
+    }
+
+    #[test]
+    fn render_uses_parentheses_only_when_needed() {
+        let mut s = Scalars::new();
+        let x = s.symbol(Symbol::Extent(0));
+        let y = s.symbol(Symbol::Extent(1));
+        let z = s.symbol(Symbol::Extent(2));
+        let sum = s.add(x, y);
+        let prod = s.mul(sum, z);
+        assert_eq!(s.render(prod), "(i0 + i1) * i2");
+        let p2 = s.mul(x, y);
+        let sum2 = s.add(p2, z);
+        assert_eq!(s.render(sum2), "i0 * i1 + i2");
+        let d = s.sub(y, z);
+        let d2 = s.sub(x, d);
+        assert_eq!(s.render(d2), "i0 - (i1 - i2)");
+    }
+
+    #[test]
+    fn eval_binds_symbols() {
+        let mut s = Scalars::new();
+        let x = s.symbol(Symbol::Extent(0));
+        let k = s.int(128);
+        let c = s.ceil_div(x, k);
+        let env = |sym: Symbol| match sym {
+            Symbol::Extent(0) => Some(1000),
+            _ => None,
+        };
+        assert_eq!(s.eval(c, &env).unwrap(), 8);
+        let y = s.symbol(Symbol::Extent(1));
+        assert!(s.eval(y, &env).is_err());
+        let zero = s.int(0);
+        let bad = s.binary(ScalarOp::CeilDiv, x, zero);
+        assert!(s.eval(bad, &env).is_err(), "division by zero is an error, not a panic");
+    }
+}

@@ -1,0 +1,11 @@
+//! kiln: a fusion compiler for NVIDIA GPUs. The crate holds the whole compiler; the
+//! `python` feature adds the PyO3 bindings that the `kiln` Python package loads.
+
+pub mod error;
+pub mod ir;
+pub mod sched;
+
+#[cfg(feature = "python")]
+mod python;
+
+pub use error::{KilnError, Result};

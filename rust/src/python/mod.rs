@@ -1,0 +1,385 @@
+//! PyO3 bindings: convert Python arguments, delegate to the Rust core, convert
+//! errors. No compiler logic lives here. Every entry point runs under a panic guard
+//! so a compiler bug surfaces as `KilnError`, never as a crashed interpreter.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use pyo3::prelude::*;
+use pyo3::types::PyModule;
+
+use crate::error::{ErrorKind, KilnError};
+use crate::ir::ops::{binary_name, reduction_name, unary_name, BINARY_OPS, UNARY_OPS};
+use crate::ir::{
+    DataType, Fusion, IterDomainId, IterType, MemoryType, Operand, ParallelType, ReductionOp, TvId, ValId,
+};
+
+/// Raise `err` as `kiln.KilnError` (or `kiln.KilnTypeError`).
+fn to_py(py: Python<'_>, err: KilnError) -> PyErr {
+    let class = match err.kind {
+        ErrorKind::Type => "KilnTypeError",
+        _ => "KilnError",
+    };
+    match py.import("kiln._errors").and_then(|m| m.getattr(class)) {
+        Ok(cls) => PyErr::from_value(cls.call1((err.to_string(),)).unwrap_or_else(|e| e.into_value(py).into_bound(py).into_any())),
+        Err(e) => e,
+    }
+}
+
+/// Run `f`, turning both `KilnError`s and panics into Python exceptions.
+fn guarded<T>(py: Python<'_>, f: impl FnOnce() -> crate::Result<T>) -> PyResult<T> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(to_py(py, e)),
+        Err(payload) => {
+            let msg = payload
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(to_py(py, KilnError::internal(format!("panic in the Rust core: {msg}"))))
+        }
+    }
+}
+
+fn parse_enum<T>(what: &str, name: &str, f: impl Fn(&str) -> Option<T>) -> crate::Result<T> {
+    f(name).ok_or_else(|| KilnError::type_error(format!("unknown {what} {name:?}")))
+}
+
+/// An operand as Python passes it: (is_tensor, id).
+type PyOperand = (bool, u32);
+
+/// The fusion arena, owned by a Python `FusionDefinition`.
+#[pyclass(name = "Fusion", module = "kiln._core")]
+pub struct PyFusion {
+    inner: Fusion,
+}
+
+impl PyFusion {
+    fn tv(&self, t: u32) -> crate::Result<TvId> {
+        if (t as usize) < self.inner.tvs.len() {
+            Ok(TvId::from_u32(t))
+        } else {
+            Err(KilnError::value(format!("T{t} is not a tensor of this fusion")))
+        }
+    }
+    fn val(&self, v: u32) -> crate::Result<ValId> {
+        if (v as usize) < self.inner.scalars.len() {
+            Ok(ValId::from_u32(v))
+        } else {
+            Err(KilnError::value(format!("scalar {v} is not a scalar of this fusion")))
+        }
+    }
+    fn id(&self, i: u32) -> crate::Result<IterDomainId> {
+        if (i as usize) < self.inner.ids.len() {
+            Ok(IterDomainId::from_u32(i))
+        } else {
+            Err(KilnError::value(format!("iter domain {i} is not part of this fusion")))
+        }
+    }
+    fn operand(&self, o: PyOperand) -> crate::Result<Operand> {
+        Ok(if o.0 { Operand::Tensor(self.tv(o.1)?) } else { Operand::Scalar(self.val(o.1)?) })
+    }
+}
+
+#[pymethods]
+impl PyFusion {
+    #[new]
+    fn new() -> Self {
+        Self { inner: Fusion::new() }
+    }
+
+    /// Declare a tensor input; returns its tensor id.
+    #[pyo3(signature = (shape, dtype, contiguity=None))]
+    fn define_tensor(&mut self, py: Python<'_>, shape: Vec<i64>, dtype: &str, contiguity: Option<Vec<Option<bool>>>) -> PyResult<u32> {
+        guarded(py, || {
+            let dt = Fusion::parse_dtype(dtype)?;
+            Ok(self.inner.define_tensor(&shape, dt, contiguity.as_deref())?.as_u32())
+        })
+    }
+
+    /// Declare a runtime scalar input; returns its scalar id.
+    fn define_scalar(&mut self, py: Python<'_>, dtype: &str) -> PyResult<u32> {
+        guarded(py, || Ok(self.inner.define_scalar_input(Fusion::parse_dtype(dtype)?).as_u32()))
+    }
+
+    /// An integer constant scalar.
+    fn const_int(&mut self, v: i64) -> u32 {
+        self.inner.scalars.int(v).as_u32()
+    }
+    /// A float constant scalar.
+    fn const_float(&mut self, v: f64) -> u32 {
+        self.inner.scalars.float(v).as_u32()
+    }
+    /// A bool constant scalar.
+    fn const_bool(&mut self, v: bool) -> u32 {
+        self.inner.scalars.boolean(v).as_u32()
+    }
+
+    /// Element-wise unary op by name.
+    fn unary(&mut self, py: Python<'_>, op: &str, x: PyOperand) -> PyResult<u32> {
+        guarded(py, || {
+            let u = parse_enum("unary op", op, |n| UNARY_OPS.into_iter().find(|&u| unary_name(u) == n))?;
+            let x = self.operand(x)?;
+            Ok(self.inner.unary(u, x)?.as_u32())
+        })
+    }
+
+    /// Element-wise binary op by name.
+    fn binary(&mut self, py: Python<'_>, op: &str, a: PyOperand, b: PyOperand) -> PyResult<u32> {
+        guarded(py, || {
+            let o = parse_enum("binary op", op, |n| BINARY_OPS.into_iter().find(|&b| binary_name(b) == n))?;
+            let (a, b) = (self.operand(a)?, self.operand(b)?);
+            Ok(self.inner.binary(o, a, b)?.as_u32())
+        })
+    }
+
+    /// `where(cond, a, b)`.
+    fn where_(&mut self, py: Python<'_>, c: PyOperand, a: PyOperand, b: PyOperand) -> PyResult<u32> {
+        guarded(py, || {
+            let (c, a, b) = (self.operand(c)?, self.operand(a)?, self.operand(b)?);
+            Ok(self.inner.where_(c, a, b)?.as_u32())
+        })
+    }
+
+    /// Cast to a dtype.
+    fn cast(&mut self, py: Python<'_>, x: PyOperand, dtype: &str) -> PyResult<u32> {
+        guarded(py, || {
+            let x = self.operand(x)?;
+            Ok(self.inner.cast(x, Fusion::parse_dtype(dtype)?)?.as_u32())
+        })
+    }
+
+    /// Reduction (`sum`, `max`, `min`) over dims.
+    #[pyo3(signature = (op, x, dims, keepdim, dtype=None))]
+    fn reduction(&mut self, py: Python<'_>, op: &str, x: u32, dims: Vec<i64>, keepdim: bool, dtype: Option<&str>) -> PyResult<u32> {
+        guarded(py, || {
+            let r = parse_enum("reduction", op, |n| {
+                [ReductionOp::Sum, ReductionOp::Max, ReductionOp::Min].into_iter().find(|&r| reduction_name(r) == n)
+            })?;
+            let dt = dtype.map(Fusion::parse_dtype).transpose()?;
+            let x = self.tv(x)?;
+            Ok(self.inner.reduction(r, x, &dims, keepdim, dt)?.as_u32())
+        })
+    }
+
+    /// nvFuser-style broadcast_in_dim.
+    fn broadcast_in_dim(&mut self, py: Python<'_>, x: u32, shape: Vec<i64>, broadcast_dims: Vec<i64>) -> PyResult<u32> {
+        guarded(py, || {
+            let x = self.tv(x)?;
+            Ok(self.inner.broadcast_in_dim(x, &shape, &broadcast_dims)?.as_u32())
+        })
+    }
+
+    /// Permute axes.
+    fn permute(&mut self, py: Python<'_>, x: u32, dims: Vec<i64>) -> PyResult<u32> {
+        guarded(py, || {
+            let x = self.tv(x)?;
+            Ok(self.inner.permute(x, &dims)?.as_u32())
+        })
+    }
+
+    /// index_select along dim.
+    fn index_select(&mut self, py: Python<'_>, x: u32, index: u32, dim: i64) -> PyResult<u32> {
+        guarded(py, || {
+            let (x, i) = (self.tv(x)?, self.tv(index)?);
+            Ok(self.inner.index_select(x, i, dim)?.as_u32())
+        })
+    }
+
+    /// A filled tensor; `shape` holds scalar ids of the extents.
+    fn full(&mut self, py: Python<'_>, shape: Vec<u32>, value: PyOperand, dtype: &str) -> PyResult<u32> {
+        guarded(py, || {
+            let shape = shape.into_iter().map(|v| self.val(v)).collect::<crate::Result<Vec<_>>>()?;
+            let value = self.operand(value)?;
+            Ok(self.inner.full(&shape, value, Fusion::parse_dtype(dtype)?)?.as_u32())
+        })
+    }
+
+    /// Mark a tensor as output.
+    fn add_output(&mut self, py: Python<'_>, t: u32) -> PyResult<()> {
+        guarded(py, || {
+            let t = self.tv(t)?;
+            self.inner.add_output(t)
+        })
+    }
+
+    /// Dtype name of a tensor.
+    fn tv_dtype(&self, py: Python<'_>, t: u32) -> PyResult<&'static str> {
+        guarded(py, || Ok(self.inner.tvs[self.tv(t)?].dtype.enum_name()))
+    }
+
+    /// Dtype name of a scalar.
+    fn scalar_dtype(&self, py: Python<'_>, v: u32) -> PyResult<&'static str> {
+        guarded(py, || Ok(self.inner.scalars.dtype(self.val(v)?, &self.inner.scalar_input_dtypes).enum_name()))
+    }
+
+    /// Shape of a tensor: -1 symbolic, 1 broadcast, n static (reduced axes dropped).
+    fn tv_shape(&self, py: Python<'_>, t: u32) -> PyResult<Vec<i64>> {
+        guarded(py, || {
+            let t = self.tv(t)?;
+            Ok(self
+                .inner
+                .no_reduction_logical(t)
+                .iter()
+                .map(|&id| {
+                    let d = &self.inner.ids[id];
+                    if d.iter_type == IterType::Broadcast {
+                        1
+                    } else {
+                        self.inner.scalars.as_int(d.extent).unwrap_or(-1)
+                    }
+                })
+                .collect())
+        })
+    }
+
+    /// Loop domain ids of a tensor.
+    fn tv_loop(&self, py: Python<'_>, t: u32) -> PyResult<Vec<u32>> {
+        guarded(py, || Ok(self.inner.tvs[self.tv(t)?].loop_domain.iter().map(|i| i.as_u32()).collect()))
+    }
+
+    /// Logical domain ids of a tensor.
+    fn tv_logical(&self, py: Python<'_>, t: u32) -> PyResult<Vec<u32>> {
+        guarded(py, || Ok(self.inner.tvs[self.tv(t)?].logical.iter().map(|i| i.as_u32()).collect()))
+    }
+
+    /// Memory type name and inline position of a tensor.
+    fn tv_memory(&self, py: Python<'_>, t: u32) -> PyResult<(&'static str, usize)> {
+        guarded(py, || {
+            let tv = &self.inner.tvs[self.tv(t)?];
+            Ok((tv.memory.enum_name(), tv.inline_pos))
+        })
+    }
+
+    /// (extent text, iter type, parallel type, label) of an id.
+    fn id_info(&self, py: Python<'_>, i: u32) -> PyResult<(String, &'static str, &'static str, String)> {
+        guarded(py, || {
+            let id = self.id(i)?;
+            let d = &self.inner.ids[id];
+            let it = match d.iter_type {
+                IterType::Iteration => "Iteration",
+                IterType::Reduction => "Reduction",
+                IterType::Broadcast => "Broadcast",
+            };
+            Ok((self.inner.scalars.render(d.extent), it, d.parallel.enum_name(), self.inner.id_label(id)))
+        })
+    }
+
+    /// The math dump.
+    fn math(&self, py: Python<'_>) -> PyResult<String> {
+        guarded(py, || Ok(self.inner.math_string()))
+    }
+
+    /// The transform dump of one tensor.
+    fn transforms(&self, py: Python<'_>, t: u32) -> PyResult<String> {
+        guarded(py, || Ok(self.inner.transforms_string(self.tv(t)?)))
+    }
+
+    /// Label of a tensor (`T3_l_float[...]`).
+    fn tv_label(&self, py: Python<'_>, t: u32) -> PyResult<String> {
+        guarded(py, || Ok(self.inner.tv_label(self.tv(t)?)))
+    }
+
+    /// Number of tensors created so far (the next tensor is `T{n}`).
+    #[getter]
+    fn num_tensors(&self) -> usize {
+        self.inner.tvs.len()
+    }
+
+    /// True once a scheduling primitive was used.
+    #[getter]
+    fn manually_scheduled(&self) -> bool {
+        self.inner.manually_scheduled
+    }
+
+    /// Split a loop axis.
+    fn split(&mut self, py: Python<'_>, t: u32, axis: i64, factor: i64, inner_split: bool) -> PyResult<()> {
+        guarded(py, || {
+            let t = self.tv(t)?;
+            self.inner.split(t, axis, factor, inner_split)
+        })
+    }
+
+    /// Merge two loop axes.
+    fn merge(&mut self, py: Python<'_>, t: u32, a: i64, b: i64) -> PyResult<()> {
+        guarded(py, || {
+            let t = self.tv(t)?;
+            self.inner.merge(t, a, b)
+        })
+    }
+
+    /// Reorder loop axes.
+    fn reorder(&mut self, py: Python<'_>, t: u32, moves: Vec<(i64, i64)>) -> PyResult<()> {
+        guarded(py, || {
+            let t = self.tv(t)?;
+            self.inner.reorder(t, &moves)
+        })
+    }
+
+    /// Parallelize a loop axis.
+    fn parallelize(&mut self, py: Python<'_>, t: u32, axis: i64, pt: &str) -> PyResult<()> {
+        guarded(py, || {
+            let t = self.tv(t)?;
+            let p = parse_enum("parallel type", pt, ParallelType::from_enum_name)?;
+            self.inner.parallelize(t, axis, p)
+        })
+    }
+
+    /// Set the memory type.
+    fn set_memory_type(&mut self, py: Python<'_>, t: u32, mt: &str) -> PyResult<()> {
+        guarded(py, || {
+            let t = self.tv(t)?;
+            let m = parse_enum("memory type", mt, MemoryType::from_enum_name)?;
+            self.inner.set_memory_type(t, m)
+        })
+    }
+
+    /// Read cache.
+    fn cache_after(&mut self, py: Python<'_>, t: u32) -> PyResult<u32> {
+        guarded(py, || {
+            let t = self.tv(t)?;
+            Ok(self.inner.cache_after(t)?.as_u32())
+        })
+    }
+
+    /// Write cache.
+    fn cache_before(&mut self, py: Python<'_>, t: u32) -> PyResult<u32> {
+        guarded(py, || {
+            let t = self.tv(t)?;
+            Ok(self.inner.cache_before(t)?.as_u32())
+        })
+    }
+
+    /// Inline at a position.
+    fn inline_at(&mut self, py: Python<'_>, t: u32, pos: i64) -> PyResult<()> {
+        guarded(py, || {
+            let t = self.tv(t)?;
+            self.inner.inline_at(t, pos)
+        })
+    }
+
+    /// Set the allocation domain from id numbers.
+    fn set_allocation_domain(&mut self, py: Python<'_>, t: u32, ids: Vec<u32>, contiguity: Vec<Option<bool>>) -> PyResult<()> {
+        guarded(py, || {
+            let t = self.tv(t)?;
+            let ids = ids.into_iter().map(|i| self.id(i)).collect::<crate::Result<Vec<_>>>()?;
+            self.inner.set_allocation_domain(t, &ids, &contiguity)
+        })
+    }
+
+    /// Circular-buffer a tensor.
+    fn circular_buffer(&mut self, py: Python<'_>, t: u32, stages: i64) -> PyResult<()> {
+        guarded(py, || {
+            let t = self.tv(t)?;
+            self.inner.circular_buffer(t, stages)
+        })
+    }
+}
+
+/// The extension module `kiln._core`.
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyFusion>()?;
+    m.add("DTYPES", DataType::ALL.iter().map(|d| d.enum_name()).collect::<Vec<_>>())?;
+    Ok(())
+}

@@ -1,0 +1,432 @@
+//! Manual scheduling primitives on a fusion's tensors (split, merge, reorder,
+//! parallelize, memory type, caches, inlining, allocation domain). Each one checks
+//! its arguments and leaves the fusion unchanged when it returns an error.
+
+pub mod replay;
+
+use rustc_hash::FxHashMap;
+use smallvec::smallvec;
+
+use crate::error::Result;
+use crate::ir::mapping::producer_to_consumer;
+use crate::ir::{
+    DataType, Fusion, IterDomain, IterDomainId, IterType, MemoryType, Op, Operand, ParallelType, Transform, TvId,
+};
+use crate::{bail, bail_type};
+
+impl Fusion {
+    /// Largest inline position of any producer of `tv`: axes left of it are shared.
+    pub fn max_producer_inline_pos(&self, tv: TvId) -> usize {
+        self.producers(tv).iter().map(|&p| self.tvs[p].inline_pos).max().unwrap_or(0)
+    }
+
+    /// Reject transforming `axis` of `tv` when an inlined loop depends on it.
+    fn check_axis_not_inlined(&self, tv: TvId, axis: usize, what: &str) -> Result<()> {
+        let own = self.tvs[tv].inline_pos;
+        if axis < own {
+            bail!("{what} {}: axis {axis} is inside the inline position {own} of {}; transform axes before inlining", self.tv_name(tv), self.tv_name(tv));
+        }
+        for p in self.producers(tv) {
+            let pos = self.tvs[p].inline_pos;
+            if axis < pos {
+                bail!(
+                    "{what} {}: axis {axis} is shared with producer {} inlined at position {pos}; transform axes before inlining",
+                    self.tv_name(tv),
+                    self.tv_name(p)
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn check_not_input(&self, tv: TvId, what: &str) -> Result<()> {
+        if self.is_input(tv) {
+            bail!("{what}: {} is a fusion input; inputs are read as given (use cache_after() and schedule the cache)", self.tv_name(tv));
+        }
+        Ok(())
+    }
+
+    fn new_derived_id(&mut self, extent: crate::ir::ValId, iter_type: IterType) -> IterDomainId {
+        let start = self.scalars.int(0);
+        self.ids.push(IterDomain { extent, start, iter_type, parallel: ParallelType::Serial, definition: None, use_: None })
+    }
+
+    /// Split loop axis `axis` by `factor` into (outer, inner); non-divisible sizes round up.
+    pub fn split(&mut self, tv: TvId, axis: i64, factor: i64, inner_split: bool) -> Result<()> {
+        let a = self.normalize_axis(tv, axis)?;
+        if factor < 1 {
+            bail!("split {}: axis {a}: factor must be >= 1, got {factor}", self.tv_name(tv));
+        }
+        self.check_axis_not_inlined(tv, a, "split")?;
+        let id = self.tvs[tv].loop_domain[a];
+        if self.ids[id].parallel == ParallelType::Vectorize {
+            bail!("split {}: axis {a} is vectorized; split before parallelizing", self.tv_name(tv));
+        }
+        let it = self.ids[id].iter_type;
+        let extent = self.ids[id].extent;
+        let f = self.scalars.int(factor);
+        let rest = self.scalars.ceil_div(extent, f);
+        let (oe, ie) = if inner_split { (rest, f) } else { (f, rest) };
+        let outer = self.new_derived_id(oe, it);
+        let inner = self.new_derived_id(ie, it);
+        let t = self.transforms.push(Transform::Split { input: id, factor: f, inner_split, outer, inner });
+        self.ids[outer].definition = Some(t);
+        self.ids[inner].definition = Some(t);
+        self.ids[id].use_ = Some(t);
+        self.tvs[tv].loop_domain.splice(a..=a, [outer, inner]);
+        self.manually_scheduled = true;
+        Ok(())
+    }
+
+    /// Merge loop axes `a` (outer) and `b` (inner); the result takes `a`'s place.
+    pub fn merge(&mut self, tv: TvId, a: i64, b: i64) -> Result<()> {
+        let ia = self.normalize_axis(tv, a)?;
+        let ib = self.normalize_axis(tv, b)?;
+        let name = self.tv_name(tv);
+        if ia == ib {
+            bail!("merge {name}: axis {ia} cannot be merged with itself");
+        }
+        self.check_axis_not_inlined(tv, ia.min(ib), "merge")?;
+        let (oa, ob) = (self.tvs[tv].loop_domain[ia], self.tvs[tv].loop_domain[ib]);
+        let (ta, tb) = (self.ids[oa].iter_type, self.ids[ob].iter_type);
+        let it = match (ta, tb) {
+            (IterType::Broadcast, x) | (x, IterType::Broadcast) => x,
+            (IterType::Reduction, IterType::Iteration) | (IterType::Iteration, IterType::Reduction) => {
+                let (r, i) = if ta == IterType::Reduction { (ia, ib) } else { (ib, ia) };
+                bail!("merge {name}: axis {r} is a reduction and axis {i} is an iteration axis; they cannot be merged");
+            }
+            (x, _) => x,
+        };
+        for (ax, id) in [(ia, oa), (ib, ob)] {
+            if self.ids[id].parallel == ParallelType::Vectorize {
+                bail!("merge {name}: axis {ax} is vectorized; merge before parallelizing");
+            }
+        }
+        let extent = self.scalars.mul(self.ids[oa].extent, self.ids[ob].extent);
+        let out = self.new_derived_id(extent, it);
+        let t = self.transforms.push(Transform::Merge { outer: oa, inner: ob, out });
+        self.ids[out].definition = Some(t);
+        self.ids[oa].use_ = Some(t);
+        self.ids[ob].use_ = Some(t);
+        let ld = &mut self.tvs[tv].loop_domain;
+        ld[ia] = out;
+        ld.remove(ib);
+        self.manually_scheduled = true;
+        Ok(())
+    }
+
+    /// Move loop axes: `moves` lists (old, new); other axes keep their relative order.
+    pub fn reorder(&mut self, tv: TvId, moves: &[(i64, i64)]) -> Result<()> {
+        let name = self.tv_name(tv);
+        let n = self.tvs[tv].loop_domain.len();
+        let mut target: Vec<Option<usize>> = vec![None; n];
+        let mut taken = vec![false; n];
+        for &(old, new) in moves {
+            let o = self.normalize_axis(tv, old)?;
+            let nn = self.normalize_axis(tv, new).map_err(|_| {
+                crate::error::KilnError::value(format!("reorder {name}: target position {new} for axis {o} is out of range for {n} axes"))
+            })?;
+            if target[o].is_some() {
+                bail!("reorder {name}: axis {o} is moved twice");
+            }
+            if taken[nn] {
+                bail!("reorder {name}: two axes are moved to position {nn} (axis {o} and another)");
+            }
+            target[o] = Some(nn);
+            taken[nn] = true;
+        }
+        let mut new_loop: Vec<Option<IterDomainId>> = vec![None; n];
+        let old_loop = self.tvs[tv].loop_domain.clone();
+        for (o, t) in target.iter().enumerate() {
+            if let Some(t) = t {
+                new_loop[*t] = Some(old_loop[o]);
+            }
+        }
+        let mut free = new_loop.iter().enumerate().filter(|(_, x)| x.is_none()).map(|(i, _)| i).collect::<Vec<_>>().into_iter();
+        for (o, t) in target.iter().enumerate() {
+            if t.is_none() {
+                let slot = free.next().expect("one free slot per unmoved axis");
+                new_loop[slot] = Some(old_loop[o]);
+            }
+        }
+        let new_loop: Vec<IterDomainId> = new_loop.into_iter().map(|x| x.expect("all slots filled")).collect();
+        let first_changed = (0..n).find(|&i| new_loop[i] != old_loop[i]);
+        if let Some(i) = first_changed {
+            self.check_axis_not_inlined(tv, i, "reorder")?;
+        }
+        if let Some(v) = new_loop.iter().position(|&id| self.ids[id].parallel == ParallelType::Vectorize) {
+            if v + 1 != n {
+                bail!("reorder {name}: the vectorized axis would move to axis {v}; a vectorized axis must stay innermost");
+            }
+        }
+        self.tvs[tv].loop_domain = new_loop;
+        self.manually_scheduled = true;
+        Ok(())
+    }
+
+    /// Map loop axis `axis` onto a parallel type.
+    pub fn parallelize(&mut self, tv: TvId, axis: i64, pt: ParallelType) -> Result<()> {
+        let a = self.normalize_axis(tv, axis)?;
+        let name = self.tv_name(tv);
+        let ld = self.tvs[tv].loop_domain.clone();
+        let id = ld[a];
+        if pt.is_unique_per_tensor() {
+            if let Some(other) = ld.iter().position(|&x| x != id && self.ids[x].parallel == pt) {
+                bail!("parallelize {name}: axis {a}: {} is already used by axis {other}; each tensor may use it once", pt.enum_name());
+            }
+        }
+        if pt == ParallelType::Vectorize {
+            if a + 1 != ld.len() {
+                bail!("parallelize {name}: axis {a}: Vectorize must be on the innermost axis ({}), not axis {a}", ld.len() - 1);
+            }
+            if self.ids[id].iter_type == IterType::Reduction {
+                bail!("parallelize {name}: axis {a} is a reduction axis; it cannot be vectorized");
+            }
+            let Some(w) = self.scalars.as_int(self.ids[id].extent) else {
+                bail!(
+                    "parallelize {name}: axis {a} has symbolic extent {}; Vectorize needs a constant extent (split by 2, 4, 8 ... first)",
+                    self.scalars.render(self.ids[id].extent)
+                );
+            };
+            let bytes = w as usize * self.tvs[tv].dtype.size_bytes();
+            if !(w as u64).is_power_of_two() || bytes > 16 {
+                bail!(
+                    "parallelize {name}: axis {a} has extent {w} ({bytes} bytes of {}); Vectorize needs a power-of-two width of at most 16 bytes",
+                    self.tvs[tv].dtype
+                );
+            }
+        }
+        self.ids[id].parallel = pt;
+        self.manually_scheduled = true;
+        Ok(())
+    }
+
+    /// Choose where `tv` lives.
+    pub fn set_memory_type(&mut self, tv: TvId, mt: MemoryType) -> Result<()> {
+        let name = self.tv_name(tv);
+        if mt != MemoryType::Global && (self.is_input(tv) || self.is_output(tv)) {
+            let kind = if self.is_input(tv) { "input" } else { "output" };
+            bail!("set_memory_type {name}: {name} is a fusion {kind} and must stay in Global memory (cache it instead)");
+        }
+        self.tvs[tv].memory = mt;
+        self.manually_scheduled = true;
+        Ok(())
+    }
+
+    /// A copy of `tv` that `tv`'s consumers read instead (a read cache).
+    pub fn cache_after(&mut self, tv: TvId) -> Result<TvId> {
+        let name = self.tv_name(tv);
+        if self.tvs[tv].inline_pos > 0 {
+            bail!("cache_after {name}: {name} is already inlined; call cache_after before inline_at");
+        }
+        let old_uses = self.tvs[tv].uses.clone();
+        let c = self.set(tv)?;
+        let set_expr = self.tvs[c].definition.expect("set defines its output");
+        for e in old_uses {
+            for o in self.exprs[e].inputs.iter_mut() {
+                if *o == Operand::Tensor(tv) {
+                    *o = Operand::Tensor(c);
+                }
+            }
+            self.tvs[tv].uses.retain(|&u| u != e);
+            if !self.tvs[c].uses.contains(&e) {
+                self.tvs[c].uses.push(e);
+            }
+        }
+        debug_assert_eq!(self.tvs[tv].uses, vec![set_expr]);
+        self.manually_scheduled = true;
+        Ok(c)
+    }
+
+    /// A new tensor that takes over `tv`'s definition; `tv` becomes a copy of it (a write cache).
+    pub fn cache_before(&mut self, tv: TvId) -> Result<TvId> {
+        let name = self.tv_name(tv);
+        self.check_not_input(tv, "cache_before")?;
+        let Some(def) = self.tvs[tv].definition else {
+            bail!("cache_before {name}: {name} has no definition to cache");
+        };
+        // The cache gets copies of all logical ids (reductions included) and tv's loop transforms.
+        let old_logical = self.tvs[tv].logical.clone();
+        let mut map: FxHashMap<IterDomainId, IterDomainId> = FxHashMap::default();
+        let mut c_logical = Vec::with_capacity(old_logical.len());
+        for &id in &old_logical {
+            let src = self.ids[id].clone();
+            let n = self.new_id(src.extent, src.iter_type);
+            map.insert(id, n);
+            c_logical.push(n);
+        }
+        let dtype = self.tvs[tv].dtype;
+        let c = self.new_tv(dtype, MemoryType::Local, c_logical);
+        let c_loop = replay::replay_onto(self, tv, &mut map);
+        self.tvs[c].loop_domain = c_loop;
+        self.exprs[def].output = c;
+        self.tvs[c].definition = Some(def);
+        let has_reduction = old_logical.iter().any(|&id| self.ids[id].iter_type == IterType::Reduction);
+        if has_reduction {
+            // tv is now a plain copy: it no longer has the reduced axes, so its schedule restarts.
+            let nr = self.no_reduction_logical(tv);
+            self.tvs[tv].logical = nr.clone();
+            self.tvs[tv].contiguity = nr.iter().map(|&id| if self.ids[id].iter_type == IterType::Broadcast { None } else { Some(true) }).collect();
+            self.tvs[tv].loop_domain = nr;
+            self.tvs[tv].allocation = None;
+        }
+        self.tvs[tv].definition = None;
+        self.add_expr(Op::Set, smallvec![Operand::Tensor(c)], tv);
+        self.manually_scheduled = true;
+        Ok(c)
+    }
+
+    /// Inline `tv` into its consumers at loop position `pos` (`-1`: as deep as valid).
+    pub fn inline_at(&mut self, tv: TvId, pos: i64) -> Result<()> {
+        let name = self.tv_name(tv);
+        self.check_not_input(tv, "inline_at")?;
+        let n = self.tvs[tv].loop_domain.len();
+        if pos == -1 {
+            let p = self.max_inline_pos(tv);
+            self.tvs[tv].inline_pos = p;
+            self.manually_scheduled = true;
+            return Ok(());
+        }
+        if pos < 0 || pos as usize > n {
+            bail!("inline_at {name}: position {pos} is out of range; expected 0 to {n} (or -1 for the deepest valid position)");
+        }
+        let pos = pos as usize;
+        if pos > 0 && self.tvs[tv].uses.is_empty() {
+            bail!("inline_at {name}: {name} has no consumers to inline into");
+        }
+        self.check_inline(tv, pos)?;
+        self.tvs[tv].inline_pos = pos;
+        self.manually_scheduled = true;
+        Ok(())
+    }
+
+    /// The deepest position at which `tv` can be inlined into all its consumers.
+    pub fn max_inline_pos(&self, tv: TvId) -> usize {
+        if self.tvs[tv].uses.is_empty() || self.is_input(tv) {
+            return 0;
+        }
+        let n = self.tvs[tv].loop_domain.len();
+        (0..=n).rev().find(|&p| self.check_inline(tv, p).is_ok()).unwrap_or(0)
+    }
+
+    /// Check that `tv`'s first `pos` loop axes are shared with every consumer.
+    pub fn check_inline(&self, tv: TvId, pos: usize) -> Result<()> {
+        let name = self.tv_name(tv);
+        let ld = &self.tvs[tv].loop_domain;
+        for (i, &id) in ld.iter().enumerate().take(pos) {
+            if self.ids[id].iter_type == IterType::Reduction {
+                bail!("inline_at {name}: position {pos} is past axis {i}, a reduction axis; a reduction must complete before consumers read it (inline at {i} or less)");
+            }
+        }
+        for &e in &self.tvs[tv].uses {
+            let c = self.exprs[e].output;
+            let cname = self.tv_name(c);
+            let cl = &self.tvs[c].loop_domain;
+            if pos > cl.len() {
+                bail!("inline_at {name}: position {pos} exceeds the {} loop axes of consumer {cname}", cl.len());
+            }
+            for input_pos in 0..self.exprs[e].inputs.len() {
+                if self.exprs[e].inputs[input_pos] != Operand::Tensor(tv) {
+                    continue;
+                }
+                let map = producer_to_consumer(self, e, input_pos);
+                for i in 0..pos {
+                    if map.get(&ld[i]) != Some(&cl[i]) {
+                        bail!(
+                            "inline_at {name}: axis {i} ({}) does not match axis {i} of consumer {cname} ({}); schedule both the same way up to position {pos}",
+                            self.id_label(ld[i]),
+                            self.id_label(cl[i])
+                        );
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Set the memory layout of `tv` to `ids` (a transform of its logical domain).
+    pub fn set_allocation_domain(&mut self, tv: TvId, ids: &[IterDomainId], contiguity: &[Option<bool>]) -> Result<()> {
+        let name = self.tv_name(tv);
+        if contiguity.len() != ids.len() {
+            bail!("set_allocation_domain {name}: contiguity has {} entries but the allocation domain has {} axes", contiguity.len(), ids.len());
+        }
+        for (i, &id) in ids.iter().enumerate() {
+            if ids[..i].contains(&id) {
+                bail!("set_allocation_domain {name}: axis {i} ({}) is listed twice", self.id_label(id));
+            }
+            match (self.ids[id].iter_type == IterType::Broadcast, contiguity[i]) {
+                (true, Some(_)) => bail!("set_allocation_domain {name}: axis {i} is a broadcast and takes contiguity None"),
+                (false, None) => bail!("set_allocation_domain {name}: axis {i} is not a broadcast and needs contiguity True or False"),
+                _ => {}
+            }
+        }
+        self.check_covers_logical(tv, ids)?;
+        self.tvs[tv].allocation = Some(ids.to_vec());
+        self.tvs[tv].contiguity = contiguity.to_vec();
+        self.manually_scheduled = true;
+        Ok(())
+    }
+
+    /// `ids` must be exactly a cut of `tv`'s transform graph over its logical domain.
+    fn check_covers_logical(&self, tv: TvId, ids: &[IterDomainId]) -> Result<()> {
+        let name = self.tv_name(tv);
+        let known: Vec<IterDomainId> = {
+            let mut v = self.tvs[tv].logical.clone();
+            for t in self.transforms_of(tv) {
+                v.extend(self.transforms[t].outputs());
+            }
+            v
+        };
+        for (i, id) in ids.iter().enumerate() {
+            if !known.contains(id) {
+                bail!("set_allocation_domain {name}: axis {i} ({}) is not an axis of {name}", self.id_label(*id));
+            }
+        }
+        // Walk back to the logical domain, undoing a transform only when all its outputs are present.
+        let mut set: Vec<IterDomainId> = ids.to_vec();
+        loop {
+            let mut changed = false;
+            for t in self.transforms_of(tv).into_iter().rev() {
+                let outs = self.transforms[t].outputs();
+                if outs.iter().all(|o| set.contains(o)) {
+                    set.retain(|x| !outs.contains(x));
+                    set.extend(self.transforms[t].inputs());
+                    changed = true;
+                }
+            }
+            if !changed {
+                break;
+            }
+        }
+        for (axis, &l) in self.tvs[tv].logical.iter().enumerate() {
+            let optional = self.ids[l].iter_type != IterType::Iteration;
+            if !set.contains(&l) && !optional {
+                bail!("set_allocation_domain {name}: logical axis {axis} ({}) is not covered by the allocation domain", self.id_label(l));
+            }
+        }
+        if let Some(&extra) = set.iter().find(|x| !self.tvs[tv].logical.contains(x)) {
+            bail!("set_allocation_domain {name}: {} covers only part of a split axis; list both halves of a split", self.id_label(extra));
+        }
+        Ok(())
+    }
+
+    /// Pipeline loads of `tv` over `stages` buffers (lowered by the circular-buffering pass).
+    pub fn circular_buffer(&mut self, tv: TvId, stages: i64) -> Result<()> {
+        let name = self.tv_name(tv);
+        self.check_not_input(tv, "circular_buffer")?;
+        if stages < 2 {
+            bail!("circular_buffer {name}: stages must be >= 2, got {stages}");
+        }
+        self.tvs[tv].circular_buffer = Some(stages as u32);
+        self.manually_scheduled = true;
+        Ok(())
+    }
+
+    /// Cast helper used by bindings: validates that a dtype name exists.
+    pub fn parse_dtype(name: &str) -> Result<DataType> {
+        match DataType::from_enum_name(name) {
+            Some(d) => Ok(d),
+            None => bail_type!("unknown dtype {name:?}; expected one of Float, Double, Half, BFloat16, Int, Int32, Bool"),
+        }
+    }
+}

@@ -1,0 +1,75 @@
+"""Shared fixtures for the fusion-definition, error and dump suites (CPU only)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from kiln import DataType, FusionDefinition
+
+
+@dataclass
+class Chain:
+    """``x`` (T0, input) -> ``y = exp(x)`` (T1) -> ``z = neg(y)`` (T2, output)."""
+
+    fd: FusionDefinition
+    x: Any
+    y: Any
+    z: Any
+
+
+@dataclass
+class Reduction:
+    """``x`` (T0, input) -> ``r = sum(x, dims=[1])`` (T1) -> ``out = neg(r)`` (T2)."""
+
+    fd: FusionDefinition
+    x: Any
+    r: Any
+    out: Any
+
+
+def build_chain(shape: Sequence[int], dtype: Any = DataType.Float) -> Chain:
+    """Build (and close) the three-tensor pointwise chain on an input of ``shape``."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=list(shape), dtype=dtype)
+        y = fd.ops.exp(x)
+        z = fd.ops.neg(y)
+        fd.add_output(z)
+    return Chain(fd, x, y, z)
+
+
+@pytest.fixture(autouse=True)
+def _no_dump_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests must not depend on a KILN_DUMP set in the caller's environment."""
+    monkeypatch.delenv("KILN_DUMP", raising=False)
+
+
+@pytest.fixture
+def make_chain() -> Callable[..., Chain]:
+    """Factory: ``make_chain([4, 8], DataType.Half)``."""
+    return build_chain
+
+
+@pytest.fixture
+def chain() -> Chain:
+    """Symbolic 2-D pointwise chain: T0[-1, -1] -> T1 -> T2 (all Float)."""
+    return build_chain([-1, -1])
+
+
+@pytest.fixture
+def static_chain() -> Chain:
+    """Static 2-D pointwise chain: T0[4, 8] -> T1 -> T2 (all Float)."""
+    return build_chain([4, 8])
+
+
+@pytest.fixture
+def reduction() -> Reduction:
+    """T0[-1, -1] -> T1 = sum(T0, dims=[1]) -> T2 = neg(T1), output T2."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1], dtype=DataType.Float)
+        r = fd.ops.sum(x, dims=[1], keepdim=False)
+        out = fd.ops.neg(r)
+        fd.add_output(out)
+    return Reduction(fd, x, r, out)
