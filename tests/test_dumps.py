@@ -47,11 +47,12 @@ def test_str_fd_names_every_tensor_and_headers() -> None:
 def test_str_fd_inputs_and_outputs_sections() -> None:
     fd, _ = canonical()
     text = str(fd)
-    inputs = text[text.index("Inputs") : text.index("Outputs")]
+    start, end = text.index("Inputs"), text.index("Outputs")
+    inputs = text[start:end]
     # Both fusion inputs are listed in the Inputs section, the output is not.
     assert {"T0", "T1"} <= names_in(inputs)
     assert "T4" not in names_in(inputs)
-    assert "T4" in names_in(text[text.index("Outputs") :])
+    assert "T4" in names_in(text[end:])
 
 
 def test_str_fd_reduction_marker() -> None:
@@ -128,7 +129,8 @@ def test_print_transforms_split(chain: Any, capfd: pytest.CaptureFixture[str]) -
     assert "Merge" not in text
     logical, split = text.index("logical domain"), text.index("Split")
     assert logical < split < text.index("loop domain")
-    loop_part = text[text.index("loop domain") :]
+    loop_at = text.index("loop domain")
+    loop_part = text[loop_at:]
     assert "ceilDiv(" in loop_part and "128" in loop_part
     # It is printed as well as returned.
     out = capfd.readouterr().out
@@ -141,7 +143,8 @@ def test_print_transforms_merge(static_chain: Any) -> None:
     text = z.print_transforms()
     assert "Merge" in text
     assert "Split" not in text
-    assert "32" in text[text.index("loop domain") :]
+    loop_at = text.index("loop domain")
+    assert "32" in text[loop_at:]
 
 
 def test_print_transforms_one_line_per_transform(chain: Any) -> None:

@@ -128,6 +128,7 @@ def test_index_select_non_integer_index(idx_dtype: str) -> None:
             fd.ops.index_select(x, idx, 0)
         fd.add_output(fd.ops.neg(x))
     check(ei, "T1")
+    assert isinstance(ei.value, TypeError)
 
 
 def test_index_select_2d_index() -> None:
@@ -187,6 +188,7 @@ def test_where_non_bool_condition(cond_dtype: str) -> None:
             fd.ops.where(c, a, 0.0)
         fd.add_output(fd.ops.neg(a))
     check(ei, "T0")
+    assert isinstance(ei.value, TypeError)
 
 
 @pytest.mark.parametrize("bad", ["float", 3, None, type(F)], ids=repr)
@@ -197,6 +199,7 @@ def test_cast_to_non_datatype(bad: Any) -> None:
         with pytest.raises(KilnError) as ei:
             fd.ops.cast(y, bad)
         fd.add_output(y)
+    assert isinstance(ei.value, TypeError)
     check(ei, "T1")
 
 

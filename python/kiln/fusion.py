@@ -100,7 +100,8 @@ class FusionDefinition:
                       dtype: Optional[DataType] = None) -> Scalar:
         """A constant scalar (``value`` given) or a runtime scalar input (``value`` None)."""
         if value is None:
-            return Scalar(self, self._core.define_scalar(_check_dtype(dtype or DataType.Double, "define_scalar")))
+            dt = _check_dtype(dtype or DataType.Double, "define_scalar")
+            return Scalar(self, self._core.define_scalar(dt))
         if dtype is not None:
             _check_dtype(dtype, "define_scalar")
             if dtype == DataType.Bool:
@@ -270,7 +271,9 @@ class Ops:
     def cast(self, x: Operand, dtype: DataType) -> Tensor:
         """Convert ``x`` to ``dtype``."""
         fd = self._fd
-        return Tensor(fd, fd._core.cast(fd._operand(x, "cast"), _check_dtype(dtype, "cast")))
+        op = fd._operand(x, "cast")
+        what = f"cast {x.name}" if isinstance(x, Tensor) else "cast"
+        return Tensor(fd, fd._core.cast(op, _check_dtype(dtype, what)))
 
     def _reduce(self, op: str, x: Tensor, dims: Sequence[int], keepdim: bool,
                 dtype: Optional[DataType]) -> Tensor:
@@ -298,7 +301,8 @@ class Ops:
         """Place input axis ``i`` at output axis ``broadcast_dims[i]``; other axes are broadcasts."""
         fd = self._fd
         t = fd._tensor(x, "broadcast_in_dim")
-        return Tensor(fd, fd._core.broadcast_in_dim(t, [int(s) for s in shape], [int(d) for d in broadcast_dims]))
+        out = fd._core.broadcast_in_dim(t, [int(s) for s in shape], [int(d) for d in broadcast_dims])
+        return Tensor(fd, out)
 
     def permute(self, x: Tensor, dims: Sequence[int]) -> Tensor:
         """Output axis ``i`` is input axis ``dims[i]``."""

@@ -62,7 +62,8 @@ class IterDomain:
         return self._info()[3]
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, IterDomain) and other._id == self._id and other._tensor._fd is self._tensor._fd
+        same_fusion = isinstance(other, IterDomain) and other._tensor._fd is self._tensor._fd
+        return same_fusion and other._id == self._id  # type: ignore[union-attr]
 
     def __hash__(self) -> int:
         return hash(self._id)

@@ -226,11 +226,17 @@ impl ParallelType {
     ];
     /// True for threadIdx.{x,y,z}.
     pub fn is_thread(self) -> bool {
-        matches!(self, ParallelType::TIDx | ParallelType::TIDy | ParallelType::TIDz)
+        matches!(
+            self,
+            ParallelType::TIDx | ParallelType::TIDy | ParallelType::TIDz
+        )
     }
     /// True for blockIdx.{x,y,z}.
     pub fn is_block(self) -> bool {
-        matches!(self, ParallelType::BIDx | ParallelType::BIDy | ParallelType::BIDz)
+        matches!(
+            self,
+            ParallelType::BIDx | ParallelType::BIDy | ParallelType::BIDz
+        )
     }
     /// True for thread or block parallel types (a hardware dimension).
     pub fn is_thread_or_block(self) -> bool {
@@ -257,7 +263,9 @@ impl ParallelType {
     }
     /// Parse the Python enum member name.
     pub fn from_enum_name(name: &str) -> Option<Self> {
-        ParallelType::ALL.into_iter().find(|p| p.enum_name() == name)
+        ParallelType::ALL
+            .into_iter()
+            .find(|p| p.enum_name() == name)
     }
     /// Short tag used in id names in dumps (`iS`, `iblockIdx.x`, `iV`).
     pub fn tag(self) -> &'static str {
@@ -301,10 +309,16 @@ mod tests {
     use DataType::*;
 
     fn t(d: DataType) -> PromotionOperand {
-        PromotionOperand { dtype: d, is_tensor: true }
+        PromotionOperand {
+            dtype: d,
+            is_tensor: true,
+        }
     }
     fn s(d: DataType) -> PromotionOperand {
-        PromotionOperand { dtype: d, is_tensor: false }
+        PromotionOperand {
+            dtype: d,
+            is_tensor: false,
+        }
     }
 
     #[test]

@@ -9,7 +9,9 @@ use crate::ir::{ExprId, Fusion, IterDomainId, IterType, Op, Transform};
 /// Logical (producer id, consumer id) pairs that expr `e` aligns for its input at `input_pos`.
 pub fn logical_pairs(f: &Fusion, e: ExprId, input_pos: usize) -> Vec<(IterDomainId, IterDomainId)> {
     let expr = &f.exprs[e];
-    let Some(p) = expr.inputs.get(input_pos).and_then(|o| o.tensor()) else { return Vec::new() };
+    let Some(p) = expr.inputs.get(input_pos).and_then(|o| o.tensor()) else {
+        return Vec::new();
+    };
     let pdom = f.no_reduction_logical(p);
     let cdom = &f.tvs[expr.output].logical;
     match &expr.op {
@@ -17,14 +19,28 @@ pub fn logical_pairs(f: &Fusion, e: ExprId, input_pos: usize) -> Vec<(IterDomain
             pdom.iter().copied().zip(cdom.iter().copied()).collect()
         }
         Op::Broadcast { is_new } => {
-            let kept = cdom.iter().zip(is_new).filter(|(_, &n)| !n).map(|(&c, _)| c);
+            let kept = cdom
+                .iter()
+                .zip(is_new)
+                .filter(|(_, &n)| !n)
+                .map(|(&c, _)| c);
             pdom.iter().copied().zip(kept).collect()
         }
-        Op::Permute { perm } => perm.iter().enumerate().map(|(i, &src)| (pdom[src], cdom[i])).collect(),
+        Op::Permute { perm } => perm
+            .iter()
+            .enumerate()
+            .map(|(i, &src)| (pdom[src], cdom[i]))
+            .collect(),
         Op::IndexSelect { dim } => {
             if input_pos == 0 {
                 // The indexed axis is read at data-dependent positions: it maps to nothing.
-                pdom.iter().copied().zip(cdom.iter().copied()).enumerate().filter(|(i, _)| i != dim).map(|(_, p)| p).collect()
+                pdom.iter()
+                    .copied()
+                    .zip(cdom.iter().copied())
+                    .enumerate()
+                    .filter(|(i, _)| i != dim)
+                    .map(|(_, p)| p)
+                    .collect()
             } else {
                 vec![(pdom[0], cdom[*dim])]
             }
@@ -38,7 +54,11 @@ pub fn logical_pairs(f: &Fusion, e: ExprId, input_pos: usize) -> Vec<(IterDomain
 /// Besides identical transforms, a consumer id merged with a broadcast id that has no
 /// producer counterpart still maps ("broadcast forwarding"), so a producer of a
 /// broadcast can be inlined into its consumer's merged loops.
-pub fn producer_to_consumer(f: &Fusion, e: ExprId, input_pos: usize) -> FxHashMap<IterDomainId, IterDomainId> {
+pub fn producer_to_consumer(
+    f: &Fusion,
+    e: ExprId,
+    input_pos: usize,
+) -> FxHashMap<IterDomainId, IterDomainId> {
     let mut map: FxHashMap<IterDomainId, IterDomainId> = FxHashMap::default();
     let pairs = logical_pairs(f, e, input_pos);
     let mapped_consumer: Vec<IterDomainId> = pairs.iter().map(|&(_, c)| c).collect();
@@ -51,11 +71,28 @@ pub fn producer_to_consumer(f: &Fusion, e: ExprId, input_pos: usize) -> FxHashMa
     };
     for t in f.transforms_of(p) {
         match f.transforms[t] {
-            Transform::Split { input, factor, inner_split, outer, inner } => {
-                let Some(&c_in) = map.get(&input) else { continue };
+            Transform::Split {
+                input,
+                factor,
+                inner_split,
+                outer,
+                inner,
+            } => {
+                let Some(&c_in) = map.get(&input) else {
+                    continue;
+                };
                 let Some(ct) = f.ids[c_in].use_ else { continue };
-                if let Transform::Split { input: ci, factor: cf, inner_split: cis, outer: co, inner: cin } = f.transforms[ct] {
-                    let same_factor = cf == factor || f.scalars.as_int(cf).is_some() && f.scalars.as_int(cf) == f.scalars.as_int(factor);
+                if let Transform::Split {
+                    input: ci,
+                    factor: cf,
+                    inner_split: cis,
+                    outer: co,
+                    inner: cin,
+                } = f.transforms[ct]
+                {
+                    let same_factor = cf == factor
+                        || f.scalars.as_int(cf).is_some()
+                            && f.scalars.as_int(cf) == f.scalars.as_int(factor);
                     if ci == c_in && same_factor && cis == inner_split {
                         insert_forwarded(f, &mut map, &mapped_consumer, outer, co);
                         insert_forwarded(f, &mut map, &mapped_consumer, inner, cin);
@@ -63,9 +100,16 @@ pub fn producer_to_consumer(f: &Fusion, e: ExprId, input_pos: usize) -> FxHashMa
                 }
             }
             Transform::Merge { outer, inner, out } => {
-                let (Some(&co), Some(&ci)) = (map.get(&outer), map.get(&inner)) else { continue };
+                let (Some(&co), Some(&ci)) = (map.get(&outer), map.get(&inner)) else {
+                    continue;
+                };
                 let Some(ct) = f.ids[co].use_ else { continue };
-                if let Transform::Merge { outer: mo, inner: mi, out: cout } = f.transforms[ct] {
+                if let Transform::Merge {
+                    outer: mo,
+                    inner: mi,
+                    out: cout,
+                } = f.transforms[ct]
+                {
                     if mo == co && mi == ci {
                         insert_forwarded(f, &mut map, &mapped_consumer, out, cout);
                     }
@@ -88,7 +132,9 @@ fn insert_forwarded(
     map.insert(p, c);
     // Follow a chain of merges with broadcast ids the producer does not have.
     while let Some(t) = f.ids[c].use_ {
-        let Transform::Merge { outer, inner, out } = f.transforms[t] else { break };
+        let Transform::Merge { outer, inner, out } = f.transforms[t] else {
+            break;
+        };
         let other = if outer == c { inner } else { outer };
         let other_is_new_bcast = f.ids[other].iter_type == IterType::Broadcast
             && f.ids[other].definition.is_none()

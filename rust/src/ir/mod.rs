@@ -53,9 +53,19 @@ pub struct IterDomain {
 pub enum Transform {
     /// `input` -> (`outer`, `inner`); the `factor` sizes `inner` when `inner_split`,
     /// else `outer`. The other side is `ceilDiv(extent, factor)`.
-    Split { input: IterDomainId, factor: ValId, inner_split: bool, outer: IterDomainId, inner: IterDomainId },
+    Split {
+        input: IterDomainId,
+        factor: ValId,
+        inner_split: bool,
+        outer: IterDomainId,
+        inner: IterDomainId,
+    },
     /// (`outer`, `inner`) -> `out` with extent `outer * inner`.
-    Merge { outer: IterDomainId, inner: IterDomainId, out: IterDomainId },
+    Merge {
+        outer: IterDomainId,
+        inner: IterDomainId,
+        out: IterDomainId,
+    },
 }
 
 impl Transform {
@@ -173,17 +183,28 @@ pub enum Op {
     Where,
     Cast(DataType),
     /// Reduces the output's Reduction ids; `init` is the identity.
-    Reduction { op: ReductionOp, init: ValId },
+    Reduction {
+        op: ReductionOp,
+        init: ValId,
+    },
     /// `is_new[i]` marks output logical ids that are new broadcast ids.
-    Broadcast { is_new: Vec<bool> },
+    Broadcast {
+        is_new: Vec<bool>,
+    },
     /// `output.logical[i]` comes from `input.logical[perm[i]]`.
-    Permute { perm: Vec<usize> },
+    Permute {
+        perm: Vec<usize>,
+    },
     /// `out = input.index_select(dim, index)`; inputs are [input, index].
-    IndexSelect { dim: usize },
+    IndexSelect {
+        dim: usize,
+    },
     /// A copy (`set`), used by caches.
     Set,
     /// A tensor filled with a scalar.
-    Full { value: ValId },
+    Full {
+        value: ValId,
+    },
 }
 
 /// A tensor expression with one output.
@@ -235,14 +256,32 @@ impl Fusion {
     /// A new logical IterDomain.
     pub fn new_id(&mut self, extent: ValId, iter_type: IterType) -> IterDomainId {
         let start = self.scalars.int(0);
-        self.ids.push(IterDomain { extent, start, iter_type, parallel: ParallelType::Serial, definition: None, use_: None })
+        self.ids.push(IterDomain {
+            extent,
+            start,
+            iter_type,
+            parallel: ParallelType::Serial,
+            definition: None,
+            use_: None,
+        })
     }
 
     /// A new tensor whose loop domain is its logical domain.
-    pub fn new_tv(&mut self, dtype: DataType, memory: MemoryType, logical: Vec<IterDomainId>) -> TvId {
+    pub fn new_tv(
+        &mut self,
+        dtype: DataType,
+        memory: MemoryType,
+        logical: Vec<IterDomainId>,
+    ) -> TvId {
         let contiguity = logical
             .iter()
-            .map(|&id| if self.ids[id].iter_type == IterType::Broadcast { None } else { Some(true) })
+            .map(|&id| {
+                if self.ids[id].iter_type == IterType::Broadcast {
+                    None
+                } else {
+                    Some(true)
+                }
+            })
             .collect();
         self.tvs.push(TensorView {
             dtype,
@@ -261,7 +300,11 @@ impl Fusion {
 
     /// Add an expression and wire its use-def links.
     pub fn add_expr(&mut self, op: Op, inputs: SmallVec<[Operand; 3]>, output: TvId) -> ExprId {
-        let e = self.exprs.push(Expr { op, inputs: inputs.clone(), output });
+        let e = self.exprs.push(Expr {
+            op,
+            inputs: inputs.clone(),
+            output,
+        });
         for t in inputs.iter().filter_map(|o| o.tensor()) {
             if !self.tvs[t].uses.contains(&e) {
                 self.tvs[t].uses.push(e);
@@ -283,12 +326,21 @@ impl Fusion {
 
     /// Logical ids that are not reductions: the shape consumers see.
     pub fn no_reduction_logical(&self, tv: TvId) -> Vec<IterDomainId> {
-        self.tvs[tv].logical.iter().copied().filter(|&id| self.ids[id].iter_type != IterType::Reduction).collect()
+        self.tvs[tv]
+            .logical
+            .iter()
+            .copied()
+            .filter(|&id| self.ids[id].iter_type != IterType::Reduction)
+            .collect()
     }
 
     /// Tensors that read `tv`.
     pub fn consumers(&self, tv: TvId) -> Vec<TvId> {
-        self.tvs[tv].uses.iter().map(|&e| self.exprs[e].output).collect()
+        self.tvs[tv]
+            .uses
+            .iter()
+            .map(|&e| self.exprs[e].output)
+            .collect()
     }
 
     /// Tensors `tv` is computed from.
@@ -305,7 +357,9 @@ impl Fusion {
         let mut visited = cranelift_entity::EntitySet::<ExprId>::new();
         // Iterative DFS: deep chains (benchmarks build 1,000 ops) must not blow the stack.
         for &out in &self.outputs {
-            let Some(root) = self.tvs[out].definition else { continue };
+            let Some(root) = self.tvs[out].definition else {
+                continue;
+            };
             let mut stack: Vec<(ExprId, bool)> = vec![(root, false)];
             while let Some((e, done)) = stack.pop() {
                 if done {
@@ -342,7 +396,10 @@ impl Fusion {
             if let Some(t) = self.ids[frontier[i]].use_ {
                 if !out.contains(&t) {
                     // A merge is applied once both inputs are reached; the second reach records it.
-                    let ready = self.transforms[t].inputs().iter().all(|x| frontier.contains(x));
+                    let ready = self.transforms[t]
+                        .inputs()
+                        .iter()
+                        .all(|x| frontier.contains(x));
                     if ready {
                         out.push(t);
                         frontier.extend(self.transforms[t].outputs());
@@ -371,7 +428,12 @@ impl Fusion {
         let n = self.tvs[tv].loop_domain.len() as i64;
         let a = if axis < 0 { axis + n } else { axis };
         if a < 0 || a >= n {
-            crate::bail!("{}: axis {axis} is out of range; the loop domain has {n} axes (valid: {} to {})", self.tv_name(tv), -n, n - 1);
+            crate::bail!(
+                "{}: axis {axis} is out of range; the loop domain has {n} axes (valid: {} to {})",
+                self.tv_name(tv),
+                -n,
+                n - 1
+            );
         }
         Ok(a as usize)
     }

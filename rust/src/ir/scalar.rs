@@ -52,7 +52,15 @@ pub enum ScalarOp {
 
 impl ScalarOp {
     fn is_commutative(self) -> bool {
-        matches!(self, ScalarOp::Add | ScalarOp::Mul | ScalarOp::Min | ScalarOp::Max | ScalarOp::Eq | ScalarOp::And)
+        matches!(
+            self,
+            ScalarOp::Add
+                | ScalarOp::Mul
+                | ScalarOp::Min
+                | ScalarOp::Max
+                | ScalarOp::Eq
+                | ScalarOp::And
+        )
     }
     fn infix(self) -> Option<&'static str> {
         Some(match self {
@@ -187,7 +195,10 @@ impl Scalars {
             Val::Int(_) => DataType::Int,
             Val::Float(_) => DataType::Double,
             Val::Bool(_) => DataType::Bool,
-            Val::Symbol(Symbol::ScalarInput(i)) => scalar_inputs.get(i as usize).copied().unwrap_or(DataType::Double),
+            Val::Symbol(Symbol::ScalarInput(i)) => scalar_inputs
+                .get(i as usize)
+                .copied()
+                .unwrap_or(DataType::Double),
             Val::Symbol(_) => DataType::Int,
             Val::Binary(op, a, _) => match op {
                 ScalarOp::Lt | ScalarOp::Le | ScalarOp::Eq | ScalarOp::And => DataType::Bool,
@@ -203,7 +214,8 @@ impl Scalars {
         }
         // Canonical operand order for commutative ops: constants on the right,
         // so `4 * i0` and `i0 * 4` are one node.
-        let (a, b) = if op.is_commutative() && self.as_int(a).is_some() && self.as_int(b).is_none() {
+        let (a, b) = if op.is_commutative() && self.as_int(a).is_some() && self.as_int(b).is_none()
+        {
             (b, a)
         } else {
             (a, b)
@@ -224,7 +236,11 @@ impl Scalars {
             return None;
         }
         // Put a lone constant on the right for the identity rules below.
-        let (a, b, ca, cb) = if op.is_commutative() && ca.is_some() { (b, a, cb, ca) } else { (a, b, ca, cb) };
+        let (a, b, ca, cb) = if op.is_commutative() && ca.is_some() {
+            (b, a, cb, ca)
+        } else {
+            (a, b, ca, cb)
+        };
         match (op, cb) {
             (Add | Sub, Some(0)) | (Mul | Div | CeilDiv, Some(1)) => return Some(a),
             (Mul, Some(0)) => return Some(self.int(0)),
@@ -252,7 +268,9 @@ impl Scalars {
                     (CeilDiv, CeilDiv) if c1 > 0 && c2 > 0 => {
                         return Some(self.binary_with_const(CeilDiv, x, c1 * c2))
                     }
-                    (Div, Div) if c1 > 0 && c2 > 0 => return Some(self.binary_with_const(Div, x, c1 * c2)),
+                    (Div, Div) if c1 > 0 && c2 > 0 => {
+                        return Some(self.binary_with_const(Div, x, c1 * c2))
+                    }
                     // (x * c1) / c2 when c2 divides c1: merge-then-split of the same factor.
                     (CeilDiv | Div, Mul) if c2 > 0 && c1 % c2 == 0 => {
                         return Some(self.binary_with_const(Mul, x, c1 / c2))
@@ -318,11 +336,16 @@ impl Scalars {
             Val::Int(i) => Ok(i),
             Val::Bool(b) => Ok(b as i64),
             Val::Float(bits) => Ok(f64::from_bits(bits) as i64),
-            Val::Symbol(s) => env(s).ok_or_else(|| KilnError::value(format!("no value bound for {}", self.render(v)))),
+            Val::Symbol(s) => env(s)
+                .ok_or_else(|| KilnError::value(format!("no value bound for {}", self.render(v)))),
             Val::Binary(op, a, b) => {
                 let (x, y) = (self.eval(a, env)?, self.eval(b, env)?);
-                op.apply(x, y)
-                    .ok_or_else(|| KilnError::value(format!("cannot evaluate {}: {x} and {y} overflow or divide by zero", self.render(v))))
+                op.apply(x, y).ok_or_else(|| {
+                    KilnError::value(format!(
+                        "cannot evaluate {}: {x} and {y} overflow or divide by zero",
+                        self.render(v)
+                    ))
+                })
             }
         }
     }
@@ -499,6 +522,9 @@ mod tests {
         assert!(s.eval(y, &env).is_err());
         let zero = s.int(0);
         let bad = s.binary(ScalarOp::CeilDiv, x, zero);
-        assert!(s.eval(bad, &env).is_err(), "division by zero is an error, not a panic");
+        assert!(
+            s.eval(bad, &env).is_err(),
+            "division by zero is an error, not a panic"
+        );
     }
 }

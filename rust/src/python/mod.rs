@@ -10,7 +10,8 @@ use pyo3::types::PyModule;
 use crate::error::{ErrorKind, KilnError};
 use crate::ir::ops::{binary_name, reduction_name, unary_name, BINARY_OPS, UNARY_OPS};
 use crate::ir::{
-    DataType, Fusion, IterDomainId, IterType, MemoryType, Operand, ParallelType, ReductionOp, TvId, ValId,
+    DataType, Fusion, IterDomainId, IterType, MemoryType, Operand, ParallelType, ReductionOp, TvId,
+    ValId,
 };
 
 /// Raise `err` as `kiln.KilnError` (or `kiln.KilnTypeError`).
@@ -20,7 +21,10 @@ fn to_py(py: Python<'_>, err: KilnError) -> PyErr {
         _ => "KilnError",
     };
     match py.import("kiln._errors").and_then(|m| m.getattr(class)) {
-        Ok(cls) => PyErr::from_value(cls.call1((err.to_string(),)).unwrap_or_else(|e| e.into_value(py).into_bound(py).into_any())),
+        Ok(cls) => PyErr::from_value(
+            cls.call1((err.to_string(),))
+                .unwrap_or_else(|e| e.into_value(py).into_bound(py).into_any()),
+        ),
         Err(e) => e,
     }
 }
@@ -36,7 +40,10 @@ fn guarded<T>(py: Python<'_>, f: impl FnOnce() -> crate::Result<T>) -> PyResult<
                 .cloned()
                 .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_else(|| "unknown panic".into());
-            Err(to_py(py, KilnError::internal(format!("panic in the Rust core: {msg}"))))
+            Err(to_py(
+                py,
+                KilnError::internal(format!("panic in the Rust core: {msg}")),
+            ))
         }
     }
 }
@@ -59,25 +66,35 @@ impl PyFusion {
         if (t as usize) < self.inner.tvs.len() {
             Ok(TvId::from_u32(t))
         } else {
-            Err(KilnError::value(format!("T{t} is not a tensor of this fusion")))
+            Err(KilnError::value(format!(
+                "T{t} is not a tensor of this fusion"
+            )))
         }
     }
     fn val(&self, v: u32) -> crate::Result<ValId> {
         if (v as usize) < self.inner.scalars.len() {
             Ok(ValId::from_u32(v))
         } else {
-            Err(KilnError::value(format!("scalar {v} is not a scalar of this fusion")))
+            Err(KilnError::value(format!(
+                "scalar {v} is not a scalar of this fusion"
+            )))
         }
     }
     fn id(&self, i: u32) -> crate::Result<IterDomainId> {
         if (i as usize) < self.inner.ids.len() {
             Ok(IterDomainId::from_u32(i))
         } else {
-            Err(KilnError::value(format!("iter domain {i} is not part of this fusion")))
+            Err(KilnError::value(format!(
+                "iter domain {i} is not part of this fusion"
+            )))
         }
     }
     fn operand(&self, o: PyOperand) -> crate::Result<Operand> {
-        Ok(if o.0 { Operand::Tensor(self.tv(o.1)?) } else { Operand::Scalar(self.val(o.1)?) })
+        Ok(if o.0 {
+            Operand::Tensor(self.tv(o.1)?)
+        } else {
+            Operand::Scalar(self.val(o.1)?)
+        })
     }
 }
 
@@ -85,21 +102,37 @@ impl PyFusion {
 impl PyFusion {
     #[new]
     fn new() -> Self {
-        Self { inner: Fusion::new() }
+        Self {
+            inner: Fusion::new(),
+        }
     }
 
     /// Declare a tensor input; returns its tensor id.
     #[pyo3(signature = (shape, dtype, contiguity=None))]
-    fn define_tensor(&mut self, py: Python<'_>, shape: Vec<i64>, dtype: &str, contiguity: Option<Vec<Option<bool>>>) -> PyResult<u32> {
+    fn define_tensor(
+        &mut self,
+        py: Python<'_>,
+        shape: Vec<i64>,
+        dtype: &str,
+        contiguity: Option<Vec<Option<bool>>>,
+    ) -> PyResult<u32> {
         guarded(py, || {
             let dt = Fusion::parse_dtype(dtype)?;
-            Ok(self.inner.define_tensor(&shape, dt, contiguity.as_deref())?.as_u32())
+            Ok(self
+                .inner
+                .define_tensor(&shape, dt, contiguity.as_deref())?
+                .as_u32())
         })
     }
 
     /// Declare a runtime scalar input; returns its scalar id.
     fn define_scalar(&mut self, py: Python<'_>, dtype: &str) -> PyResult<u32> {
-        guarded(py, || Ok(self.inner.define_scalar_input(Fusion::parse_dtype(dtype)?).as_u32()))
+        guarded(py, || {
+            Ok(self
+                .inner
+                .define_scalar_input(Fusion::parse_dtype(dtype)?)
+                .as_u32())
+        })
     }
 
     /// An integer constant scalar.
@@ -118,7 +151,9 @@ impl PyFusion {
     /// Element-wise unary op by name.
     fn unary(&mut self, py: Python<'_>, op: &str, x: PyOperand) -> PyResult<u32> {
         guarded(py, || {
-            let u = parse_enum("unary op", op, |n| UNARY_OPS.into_iter().find(|&u| unary_name(u) == n))?;
+            let u = parse_enum("unary op", op, |n| {
+                UNARY_OPS.into_iter().find(|&u| unary_name(u) == n)
+            })?;
             let x = self.operand(x)?;
             Ok(self.inner.unary(u, x)?.as_u32())
         })
@@ -127,14 +162,22 @@ impl PyFusion {
     /// Element-wise binary op by name.
     fn binary(&mut self, py: Python<'_>, op: &str, a: PyOperand, b: PyOperand) -> PyResult<u32> {
         guarded(py, || {
-            let o = parse_enum("binary op", op, |n| BINARY_OPS.into_iter().find(|&b| binary_name(b) == n))?;
+            let o = parse_enum("binary op", op, |n| {
+                BINARY_OPS.into_iter().find(|&b| binary_name(b) == n)
+            })?;
             let (a, b) = (self.operand(a)?, self.operand(b)?);
             Ok(self.inner.binary(o, a, b)?.as_u32())
         })
     }
 
     /// `where(cond, a, b)`.
-    fn where_(&mut self, py: Python<'_>, c: PyOperand, a: PyOperand, b: PyOperand) -> PyResult<u32> {
+    fn where_(
+        &mut self,
+        py: Python<'_>,
+        c: PyOperand,
+        a: PyOperand,
+        b: PyOperand,
+    ) -> PyResult<u32> {
         guarded(py, || {
             let (c, a, b) = (self.operand(c)?, self.operand(a)?, self.operand(b)?);
             Ok(self.inner.where_(c, a, b)?.as_u32())
@@ -151,10 +194,20 @@ impl PyFusion {
 
     /// Reduction (`sum`, `max`, `min`) over dims.
     #[pyo3(signature = (op, x, dims, keepdim, dtype=None))]
-    fn reduction(&mut self, py: Python<'_>, op: &str, x: u32, dims: Vec<i64>, keepdim: bool, dtype: Option<&str>) -> PyResult<u32> {
+    fn reduction(
+        &mut self,
+        py: Python<'_>,
+        op: &str,
+        x: u32,
+        dims: Vec<i64>,
+        keepdim: bool,
+        dtype: Option<&str>,
+    ) -> PyResult<u32> {
         guarded(py, || {
             let r = parse_enum("reduction", op, |n| {
-                [ReductionOp::Sum, ReductionOp::Max, ReductionOp::Min].into_iter().find(|&r| reduction_name(r) == n)
+                [ReductionOp::Sum, ReductionOp::Max, ReductionOp::Min]
+                    .into_iter()
+                    .find(|&r| reduction_name(r) == n)
             })?;
             let dt = dtype.map(Fusion::parse_dtype).transpose()?;
             let x = self.tv(x)?;
@@ -163,10 +216,19 @@ impl PyFusion {
     }
 
     /// nvFuser-style broadcast_in_dim.
-    fn broadcast_in_dim(&mut self, py: Python<'_>, x: u32, shape: Vec<i64>, broadcast_dims: Vec<i64>) -> PyResult<u32> {
+    fn broadcast_in_dim(
+        &mut self,
+        py: Python<'_>,
+        x: u32,
+        shape: Vec<i64>,
+        broadcast_dims: Vec<i64>,
+    ) -> PyResult<u32> {
         guarded(py, || {
             let x = self.tv(x)?;
-            Ok(self.inner.broadcast_in_dim(x, &shape, &broadcast_dims)?.as_u32())
+            Ok(self
+                .inner
+                .broadcast_in_dim(x, &shape, &broadcast_dims)?
+                .as_u32())
         })
     }
 
@@ -187,11 +249,23 @@ impl PyFusion {
     }
 
     /// A filled tensor; `shape` holds scalar ids of the extents.
-    fn full(&mut self, py: Python<'_>, shape: Vec<u32>, value: PyOperand, dtype: &str) -> PyResult<u32> {
+    fn full(
+        &mut self,
+        py: Python<'_>,
+        shape: Vec<u32>,
+        value: PyOperand,
+        dtype: &str,
+    ) -> PyResult<u32> {
         guarded(py, || {
-            let shape = shape.into_iter().map(|v| self.val(v)).collect::<crate::Result<Vec<_>>>()?;
+            let shape = shape
+                .into_iter()
+                .map(|v| self.val(v))
+                .collect::<crate::Result<Vec<_>>>()?;
             let value = self.operand(value)?;
-            Ok(self.inner.full(&shape, value, Fusion::parse_dtype(dtype)?)?.as_u32())
+            Ok(self
+                .inner
+                .full(&shape, value, Fusion::parse_dtype(dtype)?)?
+                .as_u32())
         })
     }
 
@@ -210,7 +284,13 @@ impl PyFusion {
 
     /// Dtype name of a scalar.
     fn scalar_dtype(&self, py: Python<'_>, v: u32) -> PyResult<&'static str> {
-        guarded(py, || Ok(self.inner.scalars.dtype(self.val(v)?, &self.inner.scalar_input_dtypes).enum_name()))
+        guarded(py, || {
+            Ok(self
+                .inner
+                .scalars
+                .dtype(self.val(v)?, &self.inner.scalar_input_dtypes)
+                .enum_name())
+        })
     }
 
     /// Shape of a tensor: -1 symbolic, 1 broadcast, n static (reduced axes dropped).
@@ -235,12 +315,24 @@ impl PyFusion {
 
     /// Loop domain ids of a tensor.
     fn tv_loop(&self, py: Python<'_>, t: u32) -> PyResult<Vec<u32>> {
-        guarded(py, || Ok(self.inner.tvs[self.tv(t)?].loop_domain.iter().map(|i| i.as_u32()).collect()))
+        guarded(py, || {
+            Ok(self.inner.tvs[self.tv(t)?]
+                .loop_domain
+                .iter()
+                .map(|i| i.as_u32())
+                .collect())
+        })
     }
 
     /// Logical domain ids of a tensor.
     fn tv_logical(&self, py: Python<'_>, t: u32) -> PyResult<Vec<u32>> {
-        guarded(py, || Ok(self.inner.tvs[self.tv(t)?].logical.iter().map(|i| i.as_u32()).collect()))
+        guarded(py, || {
+            Ok(self.inner.tvs[self.tv(t)?]
+                .logical
+                .iter()
+                .map(|i| i.as_u32())
+                .collect())
+        })
     }
 
     /// Memory type name and inline position of a tensor.
@@ -252,7 +344,11 @@ impl PyFusion {
     }
 
     /// (extent text, iter type, parallel type, label) of an id.
-    fn id_info(&self, py: Python<'_>, i: u32) -> PyResult<(String, &'static str, &'static str, String)> {
+    fn id_info(
+        &self,
+        py: Python<'_>,
+        i: u32,
+    ) -> PyResult<(String, &'static str, &'static str, String)> {
         guarded(py, || {
             let id = self.id(i)?;
             let d = &self.inner.ids[id];
@@ -261,7 +357,12 @@ impl PyFusion {
                 IterType::Reduction => "Reduction",
                 IterType::Broadcast => "Broadcast",
             };
-            Ok((self.inner.scalars.render(d.extent), it, d.parallel.enum_name(), self.inner.id_label(id)))
+            Ok((
+                self.inner.scalars.render(d.extent),
+                it,
+                d.parallel.enum_name(),
+                self.inner.id_label(id),
+            ))
         })
     }
 
@@ -293,7 +394,14 @@ impl PyFusion {
     }
 
     /// Split a loop axis.
-    fn split(&mut self, py: Python<'_>, t: u32, axis: i64, factor: i64, inner_split: bool) -> PyResult<()> {
+    fn split(
+        &mut self,
+        py: Python<'_>,
+        t: u32,
+        axis: i64,
+        factor: i64,
+        inner_split: bool,
+    ) -> PyResult<()> {
         guarded(py, || {
             let t = self.tv(t)?;
             self.inner.split(t, axis, factor, inner_split)
@@ -359,10 +467,19 @@ impl PyFusion {
     }
 
     /// Set the allocation domain from id numbers.
-    fn set_allocation_domain(&mut self, py: Python<'_>, t: u32, ids: Vec<u32>, contiguity: Vec<Option<bool>>) -> PyResult<()> {
+    fn set_allocation_domain(
+        &mut self,
+        py: Python<'_>,
+        t: u32,
+        ids: Vec<u32>,
+        contiguity: Vec<Option<bool>>,
+    ) -> PyResult<()> {
         guarded(py, || {
             let t = self.tv(t)?;
-            let ids = ids.into_iter().map(|i| self.id(i)).collect::<crate::Result<Vec<_>>>()?;
+            let ids = ids
+                .into_iter()
+                .map(|i| self.id(i))
+                .collect::<crate::Result<Vec<_>>>()?;
             self.inner.set_allocation_domain(t, &ids, &contiguity)
         })
     }
@@ -380,6 +497,12 @@ impl PyFusion {
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyFusion>()?;
-    m.add("DTYPES", DataType::ALL.iter().map(|d| d.enum_name()).collect::<Vec<_>>())?;
+    m.add(
+        "DTYPES",
+        DataType::ALL
+            .iter()
+            .map(|d| d.enum_name())
+            .collect::<Vec<_>>(),
+    )?;
     Ok(())
 }

@@ -10,14 +10,19 @@ use smallvec::smallvec;
 use crate::error::Result;
 use crate::ir::mapping::producer_to_consumer;
 use crate::ir::{
-    DataType, Fusion, IterDomain, IterDomainId, IterType, MemoryType, Op, Operand, ParallelType, Transform, TvId,
+    DataType, Fusion, IterDomain, IterDomainId, IterType, MemoryType, Op, Operand, ParallelType,
+    Transform, TvId,
 };
 use crate::{bail, bail_type};
 
 impl Fusion {
     /// Largest inline position of any producer of `tv`: axes left of it are shared.
     pub fn max_producer_inline_pos(&self, tv: TvId) -> usize {
-        self.producers(tv).iter().map(|&p| self.tvs[p].inline_pos).max().unwrap_or(0)
+        self.producers(tv)
+            .iter()
+            .map(|&p| self.tvs[p].inline_pos)
+            .max()
+            .unwrap_or(0)
     }
 
     /// Reject transforming `axis` of `tv` when an inlined loop depends on it.
@@ -48,19 +53,32 @@ impl Fusion {
 
     fn new_derived_id(&mut self, extent: crate::ir::ValId, iter_type: IterType) -> IterDomainId {
         let start = self.scalars.int(0);
-        self.ids.push(IterDomain { extent, start, iter_type, parallel: ParallelType::Serial, definition: None, use_: None })
+        self.ids.push(IterDomain {
+            extent,
+            start,
+            iter_type,
+            parallel: ParallelType::Serial,
+            definition: None,
+            use_: None,
+        })
     }
 
     /// Split loop axis `axis` by `factor` into (outer, inner); non-divisible sizes round up.
     pub fn split(&mut self, tv: TvId, axis: i64, factor: i64, inner_split: bool) -> Result<()> {
         let a = self.normalize_axis(tv, axis)?;
         if factor < 1 {
-            bail!("split {}: axis {a}: factor must be >= 1, got {factor}", self.tv_name(tv));
+            bail!(
+                "split {}: axis {a}: factor must be >= 1, got {factor}",
+                self.tv_name(tv)
+            );
         }
         self.check_axis_not_inlined(tv, a, "split")?;
         let id = self.tvs[tv].loop_domain[a];
         if self.ids[id].parallel == ParallelType::Vectorize {
-            bail!("split {}: axis {a} is vectorized; split before parallelizing", self.tv_name(tv));
+            bail!(
+                "split {}: axis {a} is vectorized; split before parallelizing",
+                self.tv_name(tv)
+            );
         }
         let it = self.ids[id].iter_type;
         let extent = self.ids[id].extent;
@@ -69,7 +87,13 @@ impl Fusion {
         let (oe, ie) = if inner_split { (rest, f) } else { (f, rest) };
         let outer = self.new_derived_id(oe, it);
         let inner = self.new_derived_id(ie, it);
-        let t = self.transforms.push(Transform::Split { input: id, factor: f, inner_split, outer, inner });
+        let t = self.transforms.push(Transform::Split {
+            input: id,
+            factor: f,
+            inner_split,
+            outer,
+            inner,
+        });
         self.ids[outer].definition = Some(t);
         self.ids[inner].definition = Some(t);
         self.ids[id].use_ = Some(t);
@@ -91,8 +115,13 @@ impl Fusion {
         let (ta, tb) = (self.ids[oa].iter_type, self.ids[ob].iter_type);
         let it = match (ta, tb) {
             (IterType::Broadcast, x) | (x, IterType::Broadcast) => x,
-            (IterType::Reduction, IterType::Iteration) | (IterType::Iteration, IterType::Reduction) => {
-                let (r, i) = if ta == IterType::Reduction { (ia, ib) } else { (ib, ia) };
+            (IterType::Reduction, IterType::Iteration)
+            | (IterType::Iteration, IterType::Reduction) => {
+                let (r, i) = if ta == IterType::Reduction {
+                    (ia, ib)
+                } else {
+                    (ib, ia)
+                };
                 bail!("merge {name}: axis {r} is a reduction and axis {i} is an iteration axis; they cannot be merged");
             }
             (x, _) => x,
@@ -104,7 +133,11 @@ impl Fusion {
         }
         let extent = self.scalars.mul(self.ids[oa].extent, self.ids[ob].extent);
         let out = self.new_derived_id(extent, it);
-        let t = self.transforms.push(Transform::Merge { outer: oa, inner: ob, out });
+        let t = self.transforms.push(Transform::Merge {
+            outer: oa,
+            inner: ob,
+            out,
+        });
         self.ids[out].definition = Some(t);
         self.ids[oa].use_ = Some(t);
         self.ids[ob].use_ = Some(t);
@@ -142,19 +175,31 @@ impl Fusion {
                 new_loop[*t] = Some(old_loop[o]);
             }
         }
-        let mut free = new_loop.iter().enumerate().filter(|(_, x)| x.is_none()).map(|(i, _)| i).collect::<Vec<_>>().into_iter();
+        let mut free = new_loop
+            .iter()
+            .enumerate()
+            .filter(|(_, x)| x.is_none())
+            .map(|(i, _)| i)
+            .collect::<Vec<_>>()
+            .into_iter();
         for (o, t) in target.iter().enumerate() {
             if t.is_none() {
                 let slot = free.next().expect("one free slot per unmoved axis");
                 new_loop[slot] = Some(old_loop[o]);
             }
         }
-        let new_loop: Vec<IterDomainId> = new_loop.into_iter().map(|x| x.expect("all slots filled")).collect();
+        let new_loop: Vec<IterDomainId> = new_loop
+            .into_iter()
+            .map(|x| x.expect("all slots filled"))
+            .collect();
         let first_changed = (0..n).find(|&i| new_loop[i] != old_loop[i]);
         if let Some(i) = first_changed {
             self.check_axis_not_inlined(tv, i, "reorder")?;
         }
-        if let Some(v) = new_loop.iter().position(|&id| self.ids[id].parallel == ParallelType::Vectorize) {
+        if let Some(v) = new_loop
+            .iter()
+            .position(|&id| self.ids[id].parallel == ParallelType::Vectorize)
+        {
             if v + 1 != n {
                 bail!("reorder {name}: the vectorized axis would move to axis {v}; a vectorized axis must stay innermost");
             }
@@ -171,7 +216,10 @@ impl Fusion {
         let ld = self.tvs[tv].loop_domain.clone();
         let id = ld[a];
         if pt.is_unique_per_tensor() {
-            if let Some(other) = ld.iter().position(|&x| x != id && self.ids[x].parallel == pt) {
+            if let Some(other) = ld
+                .iter()
+                .position(|&x| x != id && self.ids[x].parallel == pt)
+            {
                 bail!("parallelize {name}: axis {a}: {} is already used by axis {other}; each tensor may use it once", pt.enum_name());
             }
         }
@@ -217,7 +265,9 @@ impl Fusion {
     pub fn cache_after(&mut self, tv: TvId) -> Result<TvId> {
         let name = self.tv_name(tv);
         if self.tvs[tv].inline_pos > 0 {
-            bail!("cache_after {name}: {name} is already inlined; call cache_after before inline_at");
+            bail!(
+                "cache_after {name}: {name} is already inlined; call cache_after before inline_at"
+            );
         }
         let old_uses = self.tvs[tv].uses.clone();
         let c = self.set(tv)?;
@@ -261,12 +311,23 @@ impl Fusion {
         self.tvs[c].loop_domain = c_loop;
         self.exprs[def].output = c;
         self.tvs[c].definition = Some(def);
-        let has_reduction = old_logical.iter().any(|&id| self.ids[id].iter_type == IterType::Reduction);
+        let has_reduction = old_logical
+            .iter()
+            .any(|&id| self.ids[id].iter_type == IterType::Reduction);
         if has_reduction {
             // tv is now a plain copy: it no longer has the reduced axes, so its schedule restarts.
             let nr = self.no_reduction_logical(tv);
             self.tvs[tv].logical = nr.clone();
-            self.tvs[tv].contiguity = nr.iter().map(|&id| if self.ids[id].iter_type == IterType::Broadcast { None } else { Some(true) }).collect();
+            self.tvs[tv].contiguity = nr
+                .iter()
+                .map(|&id| {
+                    if self.ids[id].iter_type == IterType::Broadcast {
+                        None
+                    } else {
+                        Some(true)
+                    }
+                })
+                .collect();
             self.tvs[tv].loop_domain = nr;
             self.tvs[tv].allocation = None;
         }
@@ -306,7 +367,10 @@ impl Fusion {
             return 0;
         }
         let n = self.tvs[tv].loop_domain.len();
-        (0..=n).rev().find(|&p| self.check_inline(tv, p).is_ok()).unwrap_or(0)
+        (0..=n)
+            .rev()
+            .find(|&p| self.check_inline(tv, p).is_ok())
+            .unwrap_or(0)
     }
 
     /// Check that `tv`'s first `pos` loop axes are shared with every consumer.
@@ -323,7 +387,10 @@ impl Fusion {
             let cname = self.tv_name(c);
             let cl = &self.tvs[c].loop_domain;
             if pos > cl.len() {
-                bail!("inline_at {name}: position {pos} exceeds the {} loop axes of consumer {cname}", cl.len());
+                bail!(
+                    "inline_at {name}: position {pos} exceeds the {} loop axes of consumer {cname}",
+                    cl.len()
+                );
             }
             for input_pos in 0..self.exprs[e].inputs.len() {
                 if self.exprs[e].inputs[input_pos] != Operand::Tensor(tv) {
@@ -345,14 +412,22 @@ impl Fusion {
     }
 
     /// Set the memory layout of `tv` to `ids` (a transform of its logical domain).
-    pub fn set_allocation_domain(&mut self, tv: TvId, ids: &[IterDomainId], contiguity: &[Option<bool>]) -> Result<()> {
+    pub fn set_allocation_domain(
+        &mut self,
+        tv: TvId,
+        ids: &[IterDomainId],
+        contiguity: &[Option<bool>],
+    ) -> Result<()> {
         let name = self.tv_name(tv);
         if contiguity.len() != ids.len() {
             bail!("set_allocation_domain {name}: contiguity has {} entries but the allocation domain has {} axes", contiguity.len(), ids.len());
         }
         for (i, &id) in ids.iter().enumerate() {
             if ids[..i].contains(&id) {
-                bail!("set_allocation_domain {name}: axis {i} ({}) is listed twice", self.id_label(id));
+                bail!(
+                    "set_allocation_domain {name}: axis {i} ({}) is listed twice",
+                    self.id_label(id)
+                );
             }
             match (self.ids[id].iter_type == IterType::Broadcast, contiguity[i]) {
                 (true, Some(_)) => bail!("set_allocation_domain {name}: axis {i} is a broadcast and takes contiguity None"),
@@ -379,7 +454,10 @@ impl Fusion {
         };
         for (i, id) in ids.iter().enumerate() {
             if !known.contains(id) {
-                bail!("set_allocation_domain {name}: axis {i} ({}) is not an axis of {name}", self.id_label(*id));
+                bail!(
+                    "set_allocation_domain {name}: axis {i} ({}) is not an axis of {name}",
+                    self.id_label(*id)
+                );
             }
         }
         // Walk back to the logical domain, undoing a transform only when all its outputs are present.
@@ -430,3 +508,6 @@ impl Fusion {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;
