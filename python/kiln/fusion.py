@@ -8,6 +8,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 from . import _core
 from ._errors import KilnError, KilnTypeError
 from .enums import DataType
+from .lowering import LoweredFusion, LoweredKernel, check_inputs
 from .schedule import ScheduleMixin
 
 Operand = Union["Tensor", "Scalar", int, float, bool]
@@ -124,6 +125,17 @@ class FusionDefinition:
     def add_output(self, t: Tensor) -> None:
         """Mark ``t`` as an output of the fusion."""
         self._core.add_output(self._tensor(t, "add_output"))
+
+    # -- lowering --------------------------------------------------------------------
+    def lower(self, inputs: Sequence[Any]) -> LoweredFusion:
+        """Lower for inputs like ``inputs`` (only shapes, dtypes and strides are read)."""
+        check_inputs(self, inputs)
+        kernel = LoweredKernel(self._core.lower())
+        if dump_enabled("kernel_ir"):
+            print(kernel.kernel_ir)
+        if dump_enabled("allocations"):
+            print(kernel.allocations_text)
+        return LoweredFusion([kernel])
 
     # -- helpers ---------------------------------------------------------------------
     def _tensor(self, t: object, what: str) -> int:

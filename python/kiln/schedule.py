@@ -179,6 +179,10 @@ class ScheduleMixin:
         """Pipeline this tensor's loads over ``stages`` buffers."""
         self._fd._core.circular_buffer(self._id, _int(stages, "stages", self.name))
 
+    def set_serial_grid_reduction(self) -> None:
+        """Reduce across blocks one block at a time (deterministic; semaphores return to zero)."""
+        self._fd._core.set_serial_grid_reduction(self._id)
+
     def transforms(self) -> str:
         """The logical -> loop transforms with extents, as text."""
         return str(self._fd._core.transforms(self._id))

@@ -1,8 +1,11 @@
 //! kiln: a fusion compiler for NVIDIA GPUs. The crate holds the whole compiler; the
 //! `python` feature adds the PyO3 bindings that the `kiln` Python package loads.
 
+pub mod analysis;
 pub mod error;
 pub mod ir;
+pub mod kernel;
+pub mod lower;
 pub mod sched;
 
 #[cfg(feature = "python")]

@@ -105,6 +105,8 @@ pub struct TensorView {
     pub definition: Option<ExprId>,
     pub uses: Vec<ExprId>,
     pub circular_buffer: Option<u32>,
+    /// Reduce across blocks one block at a time (deterministic; semaphores reset to zero).
+    pub serial_grid_reduction: bool,
 }
 
 impl TensorView {
@@ -295,6 +297,7 @@ impl Fusion {
             definition: None,
             uses: Vec::new(),
             circular_buffer: None,
+            serial_grid_reduction: false,
         })
     }
 

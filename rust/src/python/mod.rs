@@ -381,6 +381,32 @@ impl PyFusion {
         guarded(py, || Ok(self.inner.tv_label(self.tv(t)?)))
     }
 
+    /// Each input as (kind, name, dtype, shape) with kind "tensor" or "scalar".
+    fn input_specs(&self) -> Vec<(&'static str, String, &'static str, Vec<i64>)> {
+        let f = &self.inner;
+        f.inputs
+            .iter()
+            .map(|&op| match op {
+                Operand::Tensor(t) => {
+                    let shape = f
+                        .no_reduction_logical(t)
+                        .iter()
+                        .map(|&id| {
+                            let d = &f.ids[id];
+                            if d.iter_type == IterType::Broadcast {
+                                1
+                            } else {
+                                f.scalars.as_int(d.extent).unwrap_or(-1)
+                            }
+                        })
+                        .collect();
+                    ("tensor", f.tv_name(t), f.tvs[t].dtype.enum_name(), shape)
+                }
+                Operand::Scalar(v) => ("scalar", f.scalars.render(v), f.scalars.dtype(v, &f.scalar_input_dtypes).enum_name(), Vec::new()),
+            })
+            .collect()
+    }
+
     /// Number of tensors created so far (the next tensor is `T{n}`).
     #[getter]
     fn num_tensors(&self) -> usize {
@@ -484,6 +510,19 @@ impl PyFusion {
         })
     }
 
+    /// Lower the fusion to one kernel.
+    fn lower(&self, py: Python<'_>) -> PyResult<PyKernel> {
+        guarded(py, || Ok(PyKernel { inner: crate::lower::lower(&self.inner)? }))
+    }
+
+    /// Request the serial grid-reduction protocol.
+    fn set_serial_grid_reduction(&mut self, py: Python<'_>, t: u32) -> PyResult<()> {
+        guarded(py, || {
+            let t = self.tv(t)?;
+            self.inner.set_serial_grid_reduction(t)
+        })
+    }
+
     /// Circular-buffer a tensor.
     fn circular_buffer(&mut self, py: Python<'_>, t: u32, stages: i64) -> PyResult<()> {
         guarded(py, || {
@@ -493,10 +532,66 @@ impl PyFusion {
     }
 }
 
+/// A lowered kernel: kernel IR text, allocation records, global buffers.
+#[pyclass(name = "Kernel", module = "kiln._core", frozen)]
+pub struct PyKernel {
+    inner: crate::kernel::Kernel,
+}
+
+#[pymethods]
+impl PyKernel {
+    /// Kernel IR as text.
+    fn kernel_ir(&self) -> String {
+        self.inner.to_text()
+    }
+
+    /// The allocation table as text.
+    fn allocations_text(&self) -> String {
+        self.inner.allocations_text()
+    }
+
+    /// AllocationInfo records: (tensor, memory, id labels, extents, strides, contiguity, position, zero_init, resets_to_zero).
+    #[allow(clippy::type_complexity)]
+    fn allocations(&self) -> Vec<(String, &'static str, Vec<String>, Vec<String>, Vec<String>, Vec<bool>, usize, bool, bool)> {
+        let f = &self.inner.fusion;
+        self.inner
+            .allocation_list()
+            .into_iter()
+            .map(|a| {
+                (
+                    f.tv_name(a.tv),
+                    a.memory.enum_name(),
+                    a.ids.iter().map(|&i| f.id_label(i)).collect(),
+                    a.ids.iter().map(|&i| f.scalars.render(f.ids[i].extent)).collect(),
+                    a.strides.iter().map(|&s| f.scalars.render(s)).collect(),
+                    a.contiguity.clone(),
+                    a.position,
+                    a.zero_init,
+                    a.resets_to_zero,
+                )
+            })
+            .collect()
+    }
+
+    /// KernelSummary global buffers: (name, dtype, shape, zero_init, resets_to_zero).
+    fn global_allocations(&self) -> Vec<(String, &'static str, Vec<String>, bool, bool)> {
+        let f = &self.inner.fusion;
+        self.inner
+            .summary
+            .global_allocations
+            .iter()
+            .map(|b| {
+                (b.name.clone(), b.dtype.enum_name(), b.shape.iter().map(|&s| f.scalars.render(s)).collect(), b.zero_init, b.resets_to_zero)
+            })
+            .collect()
+    }
+}
+
 /// The extension module `kiln._core`.
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyFusion>()?;
+    m.add_class::<PyKernel>()?;
     m.add(
         "DTYPES",
         DataType::ALL

@@ -309,6 +309,17 @@ impl Fusion {
         let c = self.new_tv(dtype, MemoryType::Local, c_logical);
         let c_loop = replay::replay_onto(self, tv, &mut map);
         self.tvs[c].loop_domain = c_loop;
+        // The cache follows tv's memory layout, so a vectorized store needs no reshuffle.
+        if let Some(alloc) = self.tvs[tv].allocation.clone() {
+            if let Some(mapped) = alloc.iter().map(|id| map.get(id).copied()).collect::<Option<Vec<_>>>() {
+                let contig = mapped
+                    .iter()
+                    .map(|&id| if self.ids[id].iter_type == IterType::Broadcast { None } else { Some(true) })
+                    .collect();
+                self.tvs[c].allocation = Some(mapped);
+                self.tvs[c].contiguity = contig;
+            }
+        }
         self.exprs[def].output = c;
         self.tvs[c].definition = Some(def);
         let has_reduction = old_logical
@@ -496,6 +507,18 @@ impl Fusion {
             bail!("circular_buffer {name}: stages must be >= 2, got {stages}");
         }
         self.tvs[tv].circular_buffer = Some(stages as u32);
+        self.manually_scheduled = true;
+        Ok(())
+    }
+
+    /// Ask for the serial grid-reduction protocol on reduction output `tv`.
+    pub fn set_serial_grid_reduction(&mut self, tv: TvId) -> Result<()> {
+        let name = self.tv_name(tv);
+        let is_reduction = matches!(self.tvs[tv].definition.map(|e| &self.exprs[e].op), Some(Op::Reduction { .. }));
+        if !is_reduction {
+            bail!("set_serial_grid_reduction {name}: {name} is not the output of a reduction");
+        }
+        self.tvs[tv].serial_grid_reduction = true;
         self.manually_scheduled = true;
         Ok(())
     }

@@ -1,0 +1,116 @@
+"""Inspection of device lowering: ``fd.lower(inputs)`` and its kernels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Sequence, Tuple
+
+from ._errors import KilnError, KilnTypeError
+from .enums import DataType, MemoryType
+
+_NUMPY_DTYPES = {
+    "float32": DataType.Float,
+    "float64": DataType.Double,
+    "float16": DataType.Half,
+    "bfloat16": DataType.BFloat16,
+    "int64": DataType.Int,
+    "int32": DataType.Int32,
+    "bool": DataType.Bool,
+}
+
+
+@dataclass(frozen=True)
+class AllocationInfo:
+    """How one tensor is laid out and where it is allocated in the kernel."""
+
+    tensor: str
+    memory_type: MemoryType
+    ids: Tuple[str, ...]
+    extents: Tuple[str, ...]
+    strides: Tuple[str, ...]
+    contiguity: Tuple[bool, ...]
+    position: int
+    zero_init: bool
+    resets_to_zero: bool
+
+
+@dataclass(frozen=True)
+class GlobalBuffer:
+    """A Global buffer a kernel needs besides its inputs and outputs (KernelSummary)."""
+
+    name: str
+    dtype: DataType
+    shape: Tuple[str, ...]
+    zero_init: bool
+    resets_to_zero: bool
+
+
+class LoweredKernel:
+    """One kernel of a lowered fusion."""
+
+    def __init__(self, core: Any) -> None:
+        self._core = core
+        self.kernel_ir: str = core.kernel_ir()
+        self.allocations: List[AllocationInfo] = [
+            AllocationInfo(t, MemoryType(m), tuple(ids), tuple(ext), tuple(st), tuple(c), p, z, r)
+            for (t, m, ids, ext, st, c, p, z, r) in core.allocations()
+        ]
+        self.global_allocations: List[GlobalBuffer] = [
+            GlobalBuffer(n, DataType(d), tuple(s), z, r) for (n, d, s, z, r) in core.global_allocations()
+        ]
+
+    def allocation(self, tensor: str) -> AllocationInfo:
+        """The AllocationInfo of tensor ``tensor`` (e.g. ``"T3"``)."""
+        for a in self.allocations:
+            if a.tensor == tensor:
+                return a
+        raise KilnError(f"{tensor} has no allocation in this kernel (known: {[a.tensor for a in self.allocations]})")
+
+    @property
+    def allocations_text(self) -> str:
+        """The allocation table as text."""
+        return str(self._core.allocations_text())
+
+    def __repr__(self) -> str:
+        return self.kernel_ir
+
+
+class LoweredFusion:
+    """Result of ``fd.lower(inputs)``: the kernels of a fusion."""
+
+    def __init__(self, kernels: List[LoweredKernel]) -> None:
+        self.kernels = kernels
+
+
+def array_dtype(x: Any, what: str) -> DataType:
+    """The kiln DataType of an array-like (NumPy, CuPy or torch)."""
+    name = str(getattr(x, "dtype", None)).replace("torch.", "")
+    if name not in _NUMPY_DTYPES:
+        raise KilnTypeError(f"{what}: unsupported dtype {name}; expected one of {sorted(_NUMPY_DTYPES)}")
+    return _NUMPY_DTYPES[name]
+
+
+def check_inputs(fd: Any, inputs: Sequence[Any]) -> None:
+    """Validate arrays against the fusion's tensor inputs: count, dtype, rank, static sizes."""
+    if not isinstance(inputs, (list, tuple)):
+        raise KilnTypeError(f"inputs must be a list of arrays, got {type(inputs).__name__}")
+    specs = fd._core.input_specs()
+    if len(inputs) != len(specs):
+        raise KilnError(f"the fusion takes {len(specs)} inputs but {len(inputs)} were given")
+    for i, ((kind, name, dtype, shape), x) in enumerate(zip(specs, inputs)):
+        what = f"input {i} ({name})"
+        if kind == "scalar":
+            if not isinstance(x, (int, float, bool)):
+                raise KilnTypeError(f"{what}: expected a Python scalar, got {type(x).__name__}")
+            continue
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise KilnTypeError(f"{what}: expected an array (NumPy, CuPy or torch), got {type(x).__name__}")
+        got = array_dtype(x, what)
+        if got.value != dtype:
+            raise KilnTypeError(f"{what}: dtype {got.name} does not match the definition's {dtype}")
+        xs = tuple(int(s) for s in x.shape)
+        if len(xs) != len(shape):
+            raise KilnError(f"{what}: rank {len(xs)} does not match the definition's rank {len(shape)}")
+        for axis, (want, have) in enumerate(zip(shape, xs)):
+            if want >= 0 and want != have:
+                raise KilnError(f"{what}: axis {axis} has size {have} but the definition fixes it to {want}")

@@ -1,0 +1,221 @@
+"""Load and launch kiln kernels with CuPy.
+
+CuPy is imported lazily (first call), so ``kiln.runtime`` imports on machines without it.
+
+* ``load_module(source, kernel_name)`` compiles ``source`` with NVRTC to a CUBIN for the
+  current device's own ``sm_XX`` — never PTX, because the driver may be older than NVRTC
+  and could not JIT newer PTX — and returns a ``CompiledKernel``. The compile goes
+  through ``kiln.runtime.nvrtc`` (cuda-bindings) when that is installed, else through
+  CuPy's own NVRTC (``cupy.cuda.compiler.compile_using_nvrtc``), whose output is checked
+  to be an ELF CUBIN. Modules are cached in memory (per device) and on disk at
+  ``$KILN_CACHE_DIR`` or ``~/.cache/kiln``, file ``<sha256(source, options, arch)>.cubin``;
+  the key is computed once per ``load_module`` miss, never per launch.
+* ``launch(kernel, grid, block, shared_mem, args)`` launches on CuPy's current stream.
+  ``args``: CuPy arrays (passed as device pointers) and NumPy scalars (passed by value
+  with their own dtype: ``np.int64``, ``np.float32``, ``np.float64``, ...). Plain Python
+  ints/floats are passed by CuPy as int64/float64; prefer explicit NumPy scalars.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+from .._errors import KilnError
+from . import nvrtc as _nvrtc
+
+__all__ = [
+    "CompiledKernel",
+    "as_cupy",
+    "cache_dir",
+    "clear_memory_cache",
+    "device_arch",
+    "empty_buffer",
+    "launch",
+    "load_module",
+    "zeroed_buffer",
+]
+
+_DEFAULT_SMEM_LIMIT = 48 * 1024
+_ELF_MAGIC = b"\x7fELF"
+
+
+def _cupy() -> Any:
+    try:
+        import cupy  # type: ignore[import-not-found]
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        raise KilnError("the GPU runtime needs CuPy: pip install cupy-cuda13x") from e
+    return cupy
+
+
+class CompiledKernel:
+    """A loaded kernel: the CuPy module and function plus what the compile reported."""
+
+    __slots__ = ("arch", "function", "key", "max_dynamic_smem", "module", "name", "registers", "spills")
+
+    def __init__(self, module: Any, function: Any, name: str, arch: str, key: str) -> None:
+        self.module = module
+        self.function = function
+        self.name = name
+        self.arch = arch
+        self.key = key
+        self.registers: Optional[int] = None
+        self.spills: Optional[int] = None
+        self.max_dynamic_smem = _DEFAULT_SMEM_LIMIT
+
+    def __repr__(self) -> str:
+        return f"CompiledKernel({self.name!r}, arch={self.arch}, key={self.key[:12]})"
+
+
+# (device id, source, kernel name, options, arch) -> CompiledKernel. Python caches str
+# hashes, so a hit costs no re-hash of the source text.
+_MEMORY_CACHE: Dict[Tuple[int, str, str, Tuple[str, ...], str], CompiledKernel] = {}
+
+
+def clear_memory_cache() -> None:
+    """Forget every loaded module (the disk cache stays)."""
+    _MEMORY_CACHE.clear()
+
+
+def cache_dir() -> Path:
+    """$KILN_CACHE_DIR, else ~/.cache/kiln."""
+    env = os.environ.get("KILN_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "kiln"
+
+
+def device_arch() -> str:
+    """``sm_XX`` of CuPy's current device."""
+    cp = _cupy()
+    return f"sm_{cp.cuda.Device().compute_capability}"
+
+
+def _cache_key(source: str, name: str, options: Tuple[str, ...], arch: str) -> str:
+    h = hashlib.sha256()
+    for part in (source, name, "\0".join(options), arch):
+        h.update(part.encode())
+        h.update(b"\x00\x01")
+    return h.hexdigest()
+
+
+def _compile(
+    source: str, name: str, options: Tuple[str, ...], arch: str
+) -> Tuple[bytes, Optional[int], Optional[int]]:
+    """CUBIN bytes (+ registers/spills of ``name`` when known)."""
+    if _nvrtc.nvrtc_available():
+        res = _nvrtc.compile_cubin(source, f"{name}.cu", arch=arch, extra_options=options)
+        return res.cubin, res.registers.get(name), res.spills.get(name)
+    _cupy()
+    from cupy.cuda import compiler  # type: ignore[import-not-found]
+
+    opts = [o for o in _nvrtc.default_options(arch) if not o.startswith(("-arch", "--ptxas"))]
+    opts += list(options)
+    try:
+        binary, _mapping = compiler.compile_using_nvrtc(
+            source, tuple(opts), arch=arch[len("sm_") :], cache_in_memory=True
+        )
+    except compiler.CompileException as e:
+        raise KilnError(f"NVRTC (CuPy) failed to compile {name} for {arch}:\n{e}") from e
+    if isinstance(binary, str):
+        binary = binary.encode()
+    if not binary.startswith(_ELF_MAGIC):
+        raise KilnError(
+            f"CuPy's NVRTC produced PTX, not a CUBIN, for {arch} (is CUPY_COMPILE_WITH_PTX set, or is "
+            "the device newer than NVRTC?); install cuda-bindings to compile with kiln's own NVRTC path"
+        )
+    return bytes(binary), None, None
+
+
+def load_module(
+    source: str, kernel_name: str, arch: Optional[str] = None, options: Sequence[str] = ()
+) -> CompiledKernel:
+    """Compile (or fetch from the caches) ``source`` for ``arch`` (default: the current
+    device's ``sm_XX``) and return its kernel ``kernel_name`` (an ``extern "C"`` name or a
+    mangled one)."""
+    cp = _cupy()
+    dev = cp.cuda.Device()
+    if arch is None:
+        arch = f"sm_{dev.compute_capability}"
+    opts = tuple(options)
+    mkey = (dev.id, source, kernel_name, opts, arch)
+    hit = _MEMORY_CACHE.get(mkey)
+    if hit is not None:
+        return hit
+
+    key = _cache_key(source, kernel_name, opts, arch)
+    path = cache_dir() / f"{key}.cubin"
+    cubin: Optional[bytes] = None
+    regs = spills = None
+    try:
+        data = path.read_bytes()
+        if data.startswith(_ELF_MAGIC):
+            cubin = data
+    except OSError:
+        pass
+    if cubin is None:
+        cubin, regs, spills = _compile(source, kernel_name, opts, arch)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(cubin)
+            os.replace(tmp, path)  # atomic: concurrent writers leave one whole file
+        except OSError:
+            pass  # a read-only cache is not an error
+
+    module = cp.cuda.function.Module()
+    module.load(cubin)
+    try:
+        function = module.get_function(kernel_name)
+    except Exception as e:
+        raise KilnError(f"kernel {kernel_name!r} not found in the compiled module for {arch}") from e
+    kernel = CompiledKernel(module, function, kernel_name, arch, key)
+    kernel.registers, kernel.spills = regs, spills
+    _MEMORY_CACHE[mkey] = kernel
+    return kernel
+
+
+def launch(
+    kernel: Any,
+    grid: Tuple[int, ...],
+    block: Tuple[int, ...],
+    shared_mem: int,
+    args: Sequence[Any],
+) -> None:
+    """Launch ``kernel`` (a CompiledKernel or a raw ``cupy.cuda.Function``) on the current
+    stream. Dynamic shared memory above 48 KiB raises the function's limit once."""
+    if type(kernel) is CompiledKernel:
+        if shared_mem > kernel.max_dynamic_smem:
+            kernel.function.max_dynamic_shared_size_bytes = shared_mem
+            kernel.max_dynamic_smem = shared_mem
+        fn = kernel.function
+    else:
+        fn = kernel
+    fn(grid, block, tuple(args), shared_mem=shared_mem)
+
+
+def zeroed_buffer(nbytes: int) -> Any:
+    """A zero-filled uint8 CuPy array of ``nbytes`` (at least 1) bytes."""
+    cp = _cupy()
+    return cp.zeros(max(int(nbytes), 1), dtype=cp.uint8)
+
+
+def empty_buffer(nbytes: int) -> Any:
+    """An uninitialised uint8 CuPy array of ``nbytes`` (at least 1) bytes."""
+    cp = _cupy()
+    return cp.empty(max(int(nbytes), 1), dtype=cp.uint8)
+
+
+def as_cupy(x: Any) -> Any:
+    """A CuPy view of a CuPy array, a torch CUDA tensor or anything with
+    ``__cuda_array_interface__`` / DLPack (zero-copy)."""
+    cp = _cupy()
+    if isinstance(x, cp.ndarray):
+        return x
+    if hasattr(x, "__cuda_array_interface__"):
+        return cp.asarray(x)
+    if hasattr(x, "__dlpack__"):
+        return cp.from_dlpack(x)
+    raise KilnError(f"expected a GPU array (CuPy, torch CUDA tensor), got {type(x).__name__}")

@@ -1,0 +1,150 @@
+//! Loop groups and loop promotion. Inlining makes a producer's outer loop axes the
+//! same loops as its consumers' axes; each group of (tensor, axis) pairs becomes one
+//! ForLoop. The group's *promoted* id is the concrete id it iterates: for a producer
+//! of a broadcast inlined into its consumer, that is the consumer's id, whose extent
+//! is the real one.
+
+use rustc_hash::FxHashMap;
+
+use crate::analysis::id_graph::IdGraph;
+use crate::bail;
+use crate::error::Result;
+use crate::ir::{Fusion, IterDomainId, IterType, ParallelType, TvId};
+
+/// Index of a loop group.
+pub type LoopGroup = usize;
+
+/// One loop group: its members, promoted id and parallel type.
+#[derive(Clone, Debug)]
+pub struct GroupInfo {
+    pub members: Vec<(TvId, usize)>,
+    pub promoted: IterDomainId,
+    pub parallel: ParallelType,
+}
+
+/// Loop groups of every tensor's loop axes.
+#[derive(Clone, Debug, Default)]
+pub struct LoopGraph {
+    group_of: FxHashMap<(TvId, usize), LoopGroup>,
+    pub groups: Vec<GroupInfo>,
+}
+
+impl LoopGraph {
+    /// The group of loop axis `axis` of `tv`.
+    pub fn group(&self, tv: TvId, axis: usize) -> LoopGroup {
+        self.group_of[&(tv, axis)]
+    }
+
+    /// The promoted (concrete) id of `tv`'s loop axis `axis`.
+    pub fn promoted(&self, tv: TvId, axis: usize) -> IterDomainId {
+        self.groups[self.group(tv, axis)].promoted
+    }
+
+    /// Build the groups; `tv_order[tv]` ranks tensors producer-before-consumer.
+    pub fn build(f: &Fusion, exact: &IdGraph, tv_order: &FxHashMap<TvId, usize>) -> Result<Self> {
+        let mut keys: Vec<(TvId, usize)> = Vec::new();
+        let mut index: FxHashMap<(TvId, usize), usize> = FxHashMap::default();
+        for (tv, t) in f.tvs.iter() {
+            if !tv_order.contains_key(&tv) {
+                continue;
+            }
+            for a in 0..t.loop_domain.len() {
+                index.insert((tv, a), keys.len());
+                keys.push((tv, a));
+            }
+        }
+        let mut parent: Vec<usize> = (0..keys.len()).collect();
+        fn find(p: &mut [usize], mut x: usize) -> usize {
+            while p[x] != x {
+                p[x] = p[p[x]];
+                x = p[x];
+            }
+            x
+        }
+        for (tv, t) in f.tvs.iter() {
+            if !tv_order.contains_key(&tv) || t.inline_pos == 0 {
+                continue;
+            }
+            f.check_inline(tv, t.inline_pos)?;
+            for c in f.consumers(tv) {
+                if !tv_order.contains_key(&c) {
+                    continue;
+                }
+                for a in 0..t.inline_pos {
+                    let (x, y) = (find(&mut parent, index[&(tv, a)]), find(&mut parent, index[&(c, a)]));
+                    parent[x] = y;
+                }
+            }
+        }
+        let mut root_group: FxHashMap<usize, LoopGroup> = FxHashMap::default();
+        let mut lg = LoopGraph::default();
+        for (k, &key) in keys.iter().enumerate() {
+            let r = find(&mut parent, k);
+            let g = *root_group.entry(r).or_insert_with(|| {
+                lg.groups.push(GroupInfo { members: Vec::new(), promoted: f.tvs[key.0].loop_domain[key.1], parallel: ParallelType::Serial });
+                lg.groups.len() - 1
+            });
+            lg.groups[g].members.push(key);
+            lg.group_of.insert(key, g);
+        }
+        for g in lg.groups.iter_mut() {
+            g.members.sort_by_key(|(tv, a)| (tv_order[tv], *a));
+            promote(f, exact, g)?;
+        }
+        Ok(lg)
+    }
+}
+
+/// True when `id` is derived from a broadcast logical id.
+fn depends_on_broadcast(f: &Fusion, id: IterDomainId) -> bool {
+    let d = &f.ids[id];
+    match d.definition {
+        None => d.iter_type == IterType::Broadcast,
+        Some(t) => f.transforms[t].inputs().iter().any(|&i| depends_on_broadcast(f, i)),
+    }
+}
+
+fn promote(f: &Fusion, exact: &IdGraph, g: &mut GroupInfo) -> Result<()> {
+    let ids: Vec<(TvId, usize, IterDomainId)> =
+        g.members.iter().map(|&(tv, a)| (tv, a, f.tvs[tv].loop_domain[a])).collect();
+    // Concrete candidates: ids not derived from a broadcast; the most-consumer one wins.
+    let candidates: Vec<&(TvId, usize, IterDomainId)> = ids.iter().filter(|(_, _, id)| !depends_on_broadcast(f, *id)).collect();
+    let chosen = candidates.last().copied().or(ids.last()).expect("a group has members");
+    for c in &candidates {
+        if !exact.same(c.2, chosen.2) {
+            bail!(
+                "cannot promote loop axis {} of {}: it iterates {} of {} and {} of {}, which are not the same iteration space",
+                ids[0].1,
+                f.tv_name(ids[0].0),
+                f.id_label(c.2),
+                f.tv_name(c.0),
+                f.id_label(chosen.2),
+                f.tv_name(chosen.0)
+            );
+        }
+    }
+    g.promoted = chosen.2;
+    let mut parallel = ParallelType::Serial;
+    let mut owner: Option<(TvId, usize)> = None;
+    for &(tv, a, id) in &ids {
+        let p = f.ids[id].parallel;
+        if p == ParallelType::Serial {
+            continue;
+        }
+        match owner {
+            Some((otv, oa)) if p != parallel => bail!(
+                "inconsistent parallelization: {} axis {a} is {} but the same loop is {} in {} axis {oa}",
+                f.tv_name(tv),
+                p.enum_name(),
+                parallel.enum_name(),
+                f.tv_name(otv)
+            ),
+            _ => {
+                parallel = p;
+                owner = Some((tv, a));
+            }
+        }
+    }
+    g.parallel = parallel;
+    Ok(())
+}

@@ -1,0 +1,894 @@
+// kiln CUDA runtime header.
+//
+// codegen::cuda `include_str!`s this file and prepends it to every generated kernel, so it
+// must compile with NVRTC alone: no host headers (<cstdint>, <cmath>, <cfloat>, ...). The
+// only includes are <cuda_fp16.h> and <cuda_bf16.h>, which NVRTC finds through
+// `-I <site-packages>/nvidia/cu13/include` (the nvidia-cuda-runtime wheel). Compile with
+// `--std=c++17 -default-device` (python/kiln/runtime/nvrtc.py does).
+//
+// Contents (all in namespace kiln unless noted):
+//   integer typedefs (global scope)  int8_t .. uint64_t, guarded by KILN_NO_INT_TYPEDEFS
+//   ceilDiv, numeric<T>::lowest/highest (infinities for floating types)
+//   to_float, from_float<T>            half / bf16 <-> float
+//   math: abs neg exp log sqrt rsqrt reciprocal sin cos tanh sigmoid relu pow maximum
+//         minimum add sub mul div eq ne lt le gt ge where   (float, double, __half,
+//         __nv_bfloat16; half/bf16 computed in float; integer overloads where they make sense)
+//   cast<To>(From)                     every pair of {bool, int, int64_t, __half,
+//                                      __nv_bfloat16, float, double}
+//   Array<T, N>, loadVec, storeVec     vectorized global/shared accesses
+//   loadVolatile, storeVolatile        bitwise volatile accesses for any T of 1/2/4/8 bytes
+//   Sum, Max, Min                      reduction functors (with identity<T>())
+//   threadIndex/threadCount/blockIndex/blockCount<X,Y,Z>   linearisation helpers
+//   warpReduce, blockReduce, blockAllReduce                block reductions
+//   gridReduce, gridReduceSerial                           grid reductions (semaphores)
+//
+// Conventions shared by the reductions:
+//   * Linearisation is always x fastest, then y, then z, restricted to the chosen dims.
+//     A thread's "reduced index" is its linear index over the reduced thread dims, its
+//     "segment" the linear index over the other thread dims (likewise for blocks).
+//   * Every thread of the block must call a block/grid reduction (they contain
+//     __syncthreads); the call must be block-uniform. Predicated-off threads pass `init`.
+//   * `smem` must hold blockDim.x*blockDim.y*blockDim.z elements of T (dynamic shared
+//     memory is fine). The functions end with a barrier, so `smem` can be reused right away.
+
+#ifndef KILN_RUNTIME_CUH
+#define KILN_RUNTIME_CUH
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+// ---------------------------------------------------------------------------------------
+// Integer typedefs. NVRTC has no <cstdint>; these match the LP64 sizes. Define
+// KILN_NO_INT_TYPEDEFS if the including source already provides them.
+#ifndef KILN_NO_INT_TYPEDEFS
+#ifndef KILN_INT_TYPEDEFS_DEFINED
+#define KILN_INT_TYPEDEFS_DEFINED
+typedef signed char int8_t;
+typedef unsigned char uint8_t;
+typedef short int16_t;
+typedef unsigned short uint16_t;
+typedef int int32_t;
+typedef unsigned int uint32_t;
+typedef long long int int64_t;
+typedef unsigned long long int uint64_t;
+#endif
+#endif
+
+#define KILN_DEVICE __device__ __forceinline__
+
+namespace kiln {
+
+// ---------------------------------------------------------------------------------------
+// Basic helpers
+
+template <typename T>
+KILN_DEVICE constexpr T ceilDiv(T a, T b) {
+  return (a + b - 1) / b;
+}
+KILN_DEVICE constexpr int64_t ceilDiv(int64_t a, int b) { return (a + b - 1) / b; }
+KILN_DEVICE constexpr int64_t ceilDiv(int a, int64_t b) { return (a + b - 1) / b; }
+
+template <typename T>
+struct numeric;
+template <>
+struct numeric<bool> {
+  static KILN_DEVICE bool lowest() { return false; }
+  static KILN_DEVICE bool highest() { return true; }
+};
+template <>
+struct numeric<int> {
+  static KILN_DEVICE int lowest() { return -2147483647 - 1; }
+  static KILN_DEVICE int highest() { return 2147483647; }
+};
+template <>
+struct numeric<int64_t> {
+  static KILN_DEVICE int64_t lowest() { return -9223372036854775807LL - 1; }
+  static KILN_DEVICE int64_t highest() { return 9223372036854775807LL; }
+};
+template <>
+struct numeric<float> {
+  static KILN_DEVICE float lowest() { return __int_as_float(0xff800000); }   // -inf
+  static KILN_DEVICE float highest() { return __int_as_float(0x7f800000); }  // +inf
+};
+template <>
+struct numeric<double> {
+  static KILN_DEVICE double lowest() { return __longlong_as_double(0xfff0000000000000ULL); }
+  static KILN_DEVICE double highest() { return __longlong_as_double(0x7ff0000000000000ULL); }
+};
+template <>
+struct numeric<__half> {
+  static KILN_DEVICE __half lowest() { return __ushort_as_half((unsigned short)0xfc00U); }
+  static KILN_DEVICE __half highest() { return __ushort_as_half((unsigned short)0x7c00U); }
+};
+template <>
+struct numeric<__nv_bfloat16> {
+  static KILN_DEVICE __nv_bfloat16 lowest() { return __ushort_as_bfloat16((unsigned short)0xff80U); }
+  static KILN_DEVICE __nv_bfloat16 highest() { return __ushort_as_bfloat16((unsigned short)0x7f80U); }
+};
+
+// Bit-level copy between same-sized trivially-copyable types.
+template <typename To, typename From>
+KILN_DEVICE To bitCast(const From& x) {
+  static_assert(sizeof(To) == sizeof(From), "kiln::bitCast needs equal sizes");
+  To r;
+  memcpy(&r, &x, sizeof(To));
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------
+// half / bf16 <-> float
+
+KILN_DEVICE float to_float(float x) { return x; }
+KILN_DEVICE float to_float(__half x) { return __half2float(x); }
+KILN_DEVICE float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+KILN_DEVICE T from_float(float x) {
+  return static_cast<T>(x);
+}
+template <>
+KILN_DEVICE __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+KILN_DEVICE __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// ---------------------------------------------------------------------------------------
+// Math. float and double call the CUDA math library directly; __half and __nv_bfloat16
+// convert to float, compute, and round back (round-to-nearest-even).
+
+// float
+KILN_DEVICE float abs(float a) { return fabsf(a); }
+KILN_DEVICE float neg(float a) { return -a; }
+KILN_DEVICE float exp(float a) { return expf(a); }
+KILN_DEVICE float log(float a) { return logf(a); }
+KILN_DEVICE float sqrt(float a) { return sqrtf(a); }
+KILN_DEVICE float rsqrt(float a) { return rsqrtf(a); }
+KILN_DEVICE float reciprocal(float a) { return 1.0f / a; }
+KILN_DEVICE float sin(float a) { return sinf(a); }
+KILN_DEVICE float cos(float a) { return cosf(a); }
+KILN_DEVICE float tanh(float a) { return tanhf(a); }
+KILN_DEVICE float sigmoid(float a) { return 1.0f / (1.0f + expf(-a)); }
+KILN_DEVICE float relu(float a) { return a <= 0.0f ? 0.0f : a; }  // NaN stays NaN
+KILN_DEVICE float pow(float a, float b) { return powf(a, b); }
+
+// double
+KILN_DEVICE double abs(double a) { return fabs(a); }
+KILN_DEVICE double neg(double a) { return -a; }
+KILN_DEVICE double exp(double a) { return ::exp(a); }
+KILN_DEVICE double log(double a) { return ::log(a); }
+KILN_DEVICE double sqrt(double a) { return ::sqrt(a); }
+KILN_DEVICE double rsqrt(double a) { return ::rsqrt(a); }
+KILN_DEVICE double reciprocal(double a) { return 1.0 / a; }
+KILN_DEVICE double sin(double a) { return ::sin(a); }
+KILN_DEVICE double cos(double a) { return ::cos(a); }
+KILN_DEVICE double tanh(double a) { return ::tanh(a); }
+KILN_DEVICE double sigmoid(double a) { return 1.0 / (1.0 + ::exp(-a)); }
+KILN_DEVICE double relu(double a) { return a <= 0.0 ? 0.0 : a; }
+KILN_DEVICE double pow(double a, double b) { return ::pow(a, b); }
+
+// integers (abs/neg wrap like torch for the minimum value)
+KILN_DEVICE int abs(int a) { return a < 0 ? -a : a; }
+KILN_DEVICE int64_t abs(int64_t a) { return a < 0 ? -a : a; }
+KILN_DEVICE int neg(int a) { return -a; }
+KILN_DEVICE int64_t neg(int64_t a) { return -a; }
+KILN_DEVICE int relu(int a) { return a < 0 ? 0 : a; }
+KILN_DEVICE int64_t relu(int64_t a) { return a < 0 ? 0 : a; }
+// Integer power by squaring; negative exponents follow torch: 1 for base 1, +-1 for base
+// -1, 0 otherwise.
+template <typename I>
+KILN_DEVICE I ipow(I a, I b) {
+  if (b < 0) {
+    if (a == 1) return 1;
+    if (a == -1) return (b & 1) ? -1 : 1;
+    return 0;
+  }
+  I r = 1;
+  while (b) {
+    if (b & 1) r *= a;
+    b >>= 1;
+    a *= a;
+  }
+  return r;
+}
+KILN_DEVICE int pow(int a, int b) { return ipow<int>(a, b); }
+KILN_DEVICE int64_t pow(int64_t a, int64_t b) { return ipow<int64_t>(a, b); }
+
+// half / bf16 through float
+#define KILN_UNARY_VIA_FLOAT(NAME)                                                      \
+  KILN_DEVICE __half NAME(__half a) { return __float2half_rn(NAME(__half2float(a))); } \
+  KILN_DEVICE __nv_bfloat16 NAME(__nv_bfloat16 a) {                                    \
+    return __float2bfloat16_rn(NAME(__bfloat162float(a)));                             \
+  }
+KILN_UNARY_VIA_FLOAT(exp)
+KILN_UNARY_VIA_FLOAT(log)
+KILN_UNARY_VIA_FLOAT(sqrt)
+KILN_UNARY_VIA_FLOAT(rsqrt)
+KILN_UNARY_VIA_FLOAT(reciprocal)
+KILN_UNARY_VIA_FLOAT(sin)
+KILN_UNARY_VIA_FLOAT(cos)
+KILN_UNARY_VIA_FLOAT(tanh)
+KILN_UNARY_VIA_FLOAT(sigmoid)
+#undef KILN_UNARY_VIA_FLOAT
+// Sign-bit operations are exact on the bits (no rounding, NaN payload kept).
+KILN_DEVICE __half abs(__half a) {
+  return __ushort_as_half((unsigned short)(__half_as_ushort(a) & 0x7fffU));
+}
+KILN_DEVICE __nv_bfloat16 abs(__nv_bfloat16 a) {
+  return __ushort_as_bfloat16((unsigned short)(__bfloat16_as_ushort(a) & 0x7fffU));
+}
+KILN_DEVICE __half neg(__half a) {
+  return __ushort_as_half((unsigned short)(__half_as_ushort(a) ^ 0x8000U));
+}
+KILN_DEVICE __nv_bfloat16 neg(__nv_bfloat16 a) {
+  return __ushort_as_bfloat16((unsigned short)(__bfloat16_as_ushort(a) ^ 0x8000U));
+}
+KILN_DEVICE __half relu(__half a) { return __half2float(a) <= 0.0f ? __ushort_as_half(0) : a; }
+KILN_DEVICE __nv_bfloat16 relu(__nv_bfloat16 a) {
+  return __bfloat162float(a) <= 0.0f ? __ushort_as_bfloat16(0) : a;
+}
+
+// Binary arithmetic: generic for float/double/integers, via float for half/bf16.
+template <typename T>
+KILN_DEVICE T add(T a, T b) {
+  return a + b;
+}
+template <typename T>
+KILN_DEVICE T sub(T a, T b) {
+  return a - b;
+}
+template <typename T>
+KILN_DEVICE T mul(T a, T b) {
+  return a * b;
+}
+template <typename T>
+KILN_DEVICE T div(T a, T b) {
+  return a / b;
+}
+#define KILN_BINARY_VIA_FLOAT(NAME, EXPR)                                              \
+  template <>                                                                          \
+  KILN_DEVICE __half NAME<__half>(__half a_, __half b_) {                              \
+    const float a = __half2float(a_), b = __half2float(b_);                            \
+    return __float2half_rn(EXPR);                                                      \
+  }                                                                                    \
+  template <>                                                                          \
+  KILN_DEVICE __nv_bfloat16 NAME<__nv_bfloat16>(__nv_bfloat16 a_, __nv_bfloat16 b_) {  \
+    const float a = __bfloat162float(a_), b = __bfloat162float(b_);                    \
+    return __float2bfloat16_rn(EXPR);                                                  \
+  }
+KILN_BINARY_VIA_FLOAT(add, a + b)
+KILN_BINARY_VIA_FLOAT(sub, a - b)
+KILN_BINARY_VIA_FLOAT(mul, a * b)
+KILN_BINARY_VIA_FLOAT(div, a / b)
+#undef KILN_BINARY_VIA_FLOAT
+KILN_DEVICE __half pow(__half a, __half b) {
+  return __float2half_rn(powf(__half2float(a), __half2float(b)));
+}
+KILN_DEVICE __nv_bfloat16 pow(__nv_bfloat16 a, __nv_bfloat16 b) {
+  return __float2bfloat16_rn(powf(__bfloat162float(a), __bfloat162float(b)));
+}
+
+// maximum / minimum propagate NaN like torch.maximum / torch.minimum.
+KILN_DEVICE bool isnan_(float a) { return a != a; }
+KILN_DEVICE bool isnan_(double a) { return a != a; }
+template <typename T>
+KILN_DEVICE T maximum(T a, T b) {  // integers and bool
+  return a > b ? a : b;
+}
+template <typename T>
+KILN_DEVICE T minimum(T a, T b) {
+  return a < b ? a : b;
+}
+template <>
+KILN_DEVICE float maximum<float>(float a, float b) {
+  return isnan_(a) ? a : (isnan_(b) ? b : (a > b ? a : b));
+}
+template <>
+KILN_DEVICE float minimum<float>(float a, float b) {
+  return isnan_(a) ? a : (isnan_(b) ? b : (a < b ? a : b));
+}
+template <>
+KILN_DEVICE double maximum<double>(double a, double b) {
+  return isnan_(a) ? a : (isnan_(b) ? b : (a > b ? a : b));
+}
+template <>
+KILN_DEVICE double minimum<double>(double a, double b) {
+  return isnan_(a) ? a : (isnan_(b) ? b : (a < b ? a : b));
+}
+template <>
+KILN_DEVICE __half maximum<__half>(__half a, __half b) {
+  const float x = __half2float(a), y = __half2float(b);
+  return isnan_(x) ? a : (isnan_(y) ? b : (x > y ? a : b));
+}
+template <>
+KILN_DEVICE __half minimum<__half>(__half a, __half b) {
+  const float x = __half2float(a), y = __half2float(b);
+  return isnan_(x) ? a : (isnan_(y) ? b : (x < y ? a : b));
+}
+template <>
+KILN_DEVICE __nv_bfloat16 maximum<__nv_bfloat16>(__nv_bfloat16 a, __nv_bfloat16 b) {
+  const float x = __bfloat162float(a), y = __bfloat162float(b);
+  return isnan_(x) ? a : (isnan_(y) ? b : (x > y ? a : b));
+}
+template <>
+KILN_DEVICE __nv_bfloat16 minimum<__nv_bfloat16>(__nv_bfloat16 a, __nv_bfloat16 b) {
+  const float x = __bfloat162float(a), y = __bfloat162float(b);
+  return isnan_(x) ? a : (isnan_(y) ? b : (x < y ? a : b));
+}
+
+// Comparisons (half/bf16 compared in float) and select.
+KILN_DEVICE float cmpValue(__half a) { return __half2float(a); }
+KILN_DEVICE float cmpValue(__nv_bfloat16 a) { return __bfloat162float(a); }
+template <typename T>
+KILN_DEVICE T cmpValue(T a) {
+  return a;
+}
+template <typename T>
+KILN_DEVICE bool eq(T a, T b) {
+  return cmpValue(a) == cmpValue(b);
+}
+template <typename T>
+KILN_DEVICE bool ne(T a, T b) {
+  return cmpValue(a) != cmpValue(b);
+}
+template <typename T>
+KILN_DEVICE bool lt(T a, T b) {
+  return cmpValue(a) < cmpValue(b);
+}
+template <typename T>
+KILN_DEVICE bool le(T a, T b) {
+  return cmpValue(a) <= cmpValue(b);
+}
+template <typename T>
+KILN_DEVICE bool gt(T a, T b) {
+  return cmpValue(a) > cmpValue(b);
+}
+template <typename T>
+KILN_DEVICE bool ge(T a, T b) {
+  return cmpValue(a) >= cmpValue(b);
+}
+template <typename T>
+KILN_DEVICE T where(bool c, T a, T b) {
+  return c ? a : b;
+}
+
+// ---------------------------------------------------------------------------------------
+// cast<To>(From). Covers every pair of {bool, int, int64_t, __half, __nv_bfloat16, float,
+// double}. Float -> bool is `x != 0` (NaN -> true, like torch); float -> int truncates
+// (CUDA's cvt.rzi saturates out-of-range values and maps NaN to 0).
+
+namespace detail {
+template <typename To, typename From>
+struct Cast {
+  static KILN_DEVICE To apply(From x) { return static_cast<To>(x); }
+};
+template <typename From>
+struct Cast<bool, From> {
+  static KILN_DEVICE bool apply(From x) { return x != From(0); }
+};
+template <>
+struct Cast<bool, bool> {
+  static KILN_DEVICE bool apply(bool x) { return x; }
+};
+// -> half
+template <typename From>
+struct Cast<__half, From> {
+  static KILN_DEVICE __half apply(From x) { return __float2half_rn(static_cast<float>(x)); }
+};
+template <>
+struct Cast<__half, double> {
+  static KILN_DEVICE __half apply(double x) { return __double2half(x); }
+};
+template <>
+struct Cast<__half, int> {
+  static KILN_DEVICE __half apply(int x) { return __int2half_rn(x); }
+};
+template <>
+struct Cast<__half, int64_t> {
+  static KILN_DEVICE __half apply(int64_t x) { return __ll2half_rn(x); }
+};
+template <>
+struct Cast<__half, bool> {
+  static KILN_DEVICE __half apply(bool x) { return __ushort_as_half(x ? (unsigned short)0x3c00U : (unsigned short)0U); }
+};
+// -> bf16
+template <typename From>
+struct Cast<__nv_bfloat16, From> {
+  static KILN_DEVICE __nv_bfloat16 apply(From x) { return __float2bfloat16_rn(static_cast<float>(x)); }
+};
+template <>
+struct Cast<__nv_bfloat16, double> {
+  static KILN_DEVICE __nv_bfloat16 apply(double x) { return __double2bfloat16(x); }
+};
+template <>
+struct Cast<__nv_bfloat16, int> {
+  static KILN_DEVICE __nv_bfloat16 apply(int x) { return __int2bfloat16_rn(x); }
+};
+template <>
+struct Cast<__nv_bfloat16, int64_t> {
+  static KILN_DEVICE __nv_bfloat16 apply(int64_t x) { return __ll2bfloat16_rn(x); }
+};
+template <>
+struct Cast<__nv_bfloat16, bool> {
+  static KILN_DEVICE __nv_bfloat16 apply(bool x) {
+    return __ushort_as_bfloat16(x ? (unsigned short)0x3f80U : (unsigned short)0U);
+  }
+};
+// half -> *
+template <typename To>
+struct Cast<To, __half> {
+  static KILN_DEVICE To apply(__half x) { return Cast<To, float>::apply(__half2float(x)); }
+};
+template <>
+struct Cast<bool, __half> {
+  static KILN_DEVICE bool apply(__half x) { return (__half_as_ushort(x) & 0x7fffU) != 0; }
+};
+// bf16 -> *
+template <typename To>
+struct Cast<To, __nv_bfloat16> {
+  static KILN_DEVICE To apply(__nv_bfloat16 x) { return Cast<To, float>::apply(__bfloat162float(x)); }
+};
+template <>
+struct Cast<bool, __nv_bfloat16> {
+  static KILN_DEVICE bool apply(__nv_bfloat16 x) { return (__bfloat16_as_ushort(x) & 0x7fffU) != 0; }
+};
+// half <-> bf16 (both partial specialisations match: spell them out)
+template <>
+struct Cast<__half, __half> {
+  static KILN_DEVICE __half apply(__half x) { return x; }
+};
+template <>
+struct Cast<__nv_bfloat16, __nv_bfloat16> {
+  static KILN_DEVICE __nv_bfloat16 apply(__nv_bfloat16 x) { return x; }
+};
+template <>
+struct Cast<__half, __nv_bfloat16> {
+  static KILN_DEVICE __half apply(__nv_bfloat16 x) { return __float2half_rn(__bfloat162float(x)); }
+};
+template <>
+struct Cast<__nv_bfloat16, __half> {
+  static KILN_DEVICE __nv_bfloat16 apply(__half x) { return __float2bfloat16_rn(__half2float(x)); }
+};
+}  // namespace detail
+
+template <typename To, typename From>
+KILN_DEVICE To cast(From x) {
+  return detail::Cast<To, From>::apply(x);
+}
+
+// ---------------------------------------------------------------------------------------
+// Vectorized access. Array<T, N> is aligned to the largest power of two dividing
+// sizeof(T)*N, capped at 16 bytes (so Array<float, 4> is 16-byte aligned, Array<float, 3>
+// 4-byte aligned). loadVec/storeVec move the whole array with one 1/2/4/8/16-byte access
+// (several 16-byte ones when sizeof(T)*N is a multiple of 16 larger than 16); the pointer
+// must be aligned to that width — the scheduler's Vectorize guarantees it.
+
+namespace detail {
+constexpr int vecAlign(int bytes) {
+  return (bytes % 16 == 0) ? 16 : (bytes % 8 == 0) ? 8 : (bytes % 4 == 0) ? 4 : (bytes % 2 == 0) ? 2 : 1;
+}
+}  // namespace detail
+
+template <typename T, int N>
+struct alignas(detail::vecAlign(sizeof(T) * N)) Array {
+  T v[N];
+  KILN_DEVICE T& operator[](int i) { return v[i]; }
+  KILN_DEVICE const T& operator[](int i) const { return v[i]; }
+  KILN_DEVICE void set(T x) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = x;
+  }
+};
+
+template <typename T, int N>
+KILN_DEVICE void loadVec(Array<T, N>& dst, const T* src) {
+  constexpr int BYTES = sizeof(T) * N;
+  static_assert(BYTES == 1 || BYTES == 2 || BYTES == 4 || BYTES == 8 || BYTES % 16 == 0,
+                "kiln::loadVec: sizeof(T)*N must be 1, 2, 4, 8 or a multiple of 16 bytes");
+  if constexpr (BYTES % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < BYTES / 16; ++i) {
+      reinterpret_cast<uint4*>(&dst)[i] = reinterpret_cast<const uint4*>(src)[i];
+    }
+  } else if constexpr (BYTES == 8) {
+    *reinterpret_cast<uint2*>(&dst) = *reinterpret_cast<const uint2*>(src);
+  } else if constexpr (BYTES == 4) {
+    *reinterpret_cast<unsigned int*>(&dst) = *reinterpret_cast<const unsigned int*>(src);
+  } else if constexpr (BYTES == 2) {
+    *reinterpret_cast<unsigned short*>(&dst) = *reinterpret_cast<const unsigned short*>(src);
+  } else {
+    *reinterpret_cast<unsigned char*>(&dst) = *reinterpret_cast<const unsigned char*>(src);
+  }
+}
+
+template <typename T, int N>
+KILN_DEVICE void storeVec(T* dst, const Array<T, N>& src) {
+  constexpr int BYTES = sizeof(T) * N;
+  static_assert(BYTES == 1 || BYTES == 2 || BYTES == 4 || BYTES == 8 || BYTES % 16 == 0,
+                "kiln::storeVec: sizeof(T)*N must be 1, 2, 4, 8 or a multiple of 16 bytes");
+  if constexpr (BYTES % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < BYTES / 16; ++i) {
+      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(&src)[i];
+    }
+  } else if constexpr (BYTES == 8) {
+    *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(&src);
+  } else if constexpr (BYTES == 4) {
+    *reinterpret_cast<unsigned int*>(dst) = *reinterpret_cast<const unsigned int*>(&src);
+  } else if constexpr (BYTES == 2) {
+    *reinterpret_cast<unsigned short*>(dst) = *reinterpret_cast<const unsigned short*>(&src);
+  } else {
+    *reinterpret_cast<unsigned char*>(dst) = *reinterpret_cast<const unsigned char*>(&src);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Volatile accesses by bits, so types without volatile copy operations (__half, bf16)
+// work. Used on grid-reduction work buffers.
+
+template <typename T>
+KILN_DEVICE T loadVolatile(const volatile T* p) {
+  static_assert(sizeof(T) == 1 || sizeof(T) == 2 || sizeof(T) == 4 || sizeof(T) == 8,
+                "kiln::loadVolatile: T must be 1, 2, 4 or 8 bytes");
+  if constexpr (sizeof(T) == 8) {
+    const unsigned long long u = *reinterpret_cast<const volatile unsigned long long*>(p);
+    return bitCast<T>(u);
+  } else if constexpr (sizeof(T) == 4) {
+    const unsigned int u = *reinterpret_cast<const volatile unsigned int*>(p);
+    return bitCast<T>(u);
+  } else if constexpr (sizeof(T) == 2) {
+    const unsigned short u = *reinterpret_cast<const volatile unsigned short*>(p);
+    return bitCast<T>(u);
+  } else {
+    const unsigned char u = *reinterpret_cast<const volatile unsigned char*>(p);
+    return bitCast<T>(u);
+  }
+}
+
+template <typename T>
+KILN_DEVICE void storeVolatile(volatile T* p, T x) {
+  static_assert(sizeof(T) == 1 || sizeof(T) == 2 || sizeof(T) == 4 || sizeof(T) == 8,
+                "kiln::storeVolatile: T must be 1, 2, 4 or 8 bytes");
+  if constexpr (sizeof(T) == 8) {
+    *reinterpret_cast<volatile unsigned long long*>(p) = bitCast<unsigned long long>(x);
+  } else if constexpr (sizeof(T) == 4) {
+    *reinterpret_cast<volatile unsigned int*>(p) = bitCast<unsigned int>(x);
+  } else if constexpr (sizeof(T) == 2) {
+    *reinterpret_cast<volatile unsigned short*>(p) = bitCast<unsigned short>(x);
+  } else {
+    *reinterpret_cast<volatile unsigned char*>(p) = bitCast<unsigned char>(x);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Reduction functors. op(a, b) must be associative and commutative; Max/Min propagate NaN.
+
+struct Sum {
+  template <typename T>
+  KILN_DEVICE T operator()(T a, T b) const {
+    return add(a, b);
+  }
+  template <typename T>
+  static KILN_DEVICE T identity() {
+    return cast<T>(0);
+  }
+};
+struct Max {
+  template <typename T>
+  KILN_DEVICE T operator()(T a, T b) const {
+    return maximum(a, b);
+  }
+  template <typename T>
+  static KILN_DEVICE T identity() {
+    return numeric<T>::lowest();
+  }
+};
+struct Min {
+  template <typename T>
+  KILN_DEVICE T operator()(T a, T b) const {
+    return minimum(a, b);
+  }
+  template <typename T>
+  static KILN_DEVICE T identity() {
+    return numeric<T>::highest();
+  }
+};
+
+// ---------------------------------------------------------------------------------------
+// Index helpers. X/Y/Z select the dims; linearisation is x fastest.
+
+template <bool X, bool Y, bool Z>
+KILN_DEVICE unsigned threadCount() {
+  return (X ? blockDim.x : 1u) * (Y ? blockDim.y : 1u) * (Z ? blockDim.z : 1u);
+}
+template <bool X, bool Y, bool Z>
+KILN_DEVICE unsigned threadIndex() {
+  unsigned idx = 0, stride = 1;
+  if (X) {
+    idx += threadIdx.x;
+    stride *= blockDim.x;
+  }
+  if (Y) {
+    idx += threadIdx.y * stride;
+    stride *= blockDim.y;
+  }
+  if (Z) idx += threadIdx.z * stride;
+  return idx;
+}
+template <bool X, bool Y, bool Z>
+KILN_DEVICE int64_t blockCount() {
+  return (X ? (int64_t)gridDim.x : 1LL) * (Y ? (int64_t)gridDim.y : 1LL) * (Z ? (int64_t)gridDim.z : 1LL);
+}
+template <bool X, bool Y, bool Z>
+KILN_DEVICE int64_t blockIndex() {
+  int64_t idx = 0, stride = 1;
+  if (X) {
+    idx += blockIdx.x;
+    stride *= gridDim.x;
+  }
+  if (Y) {
+    idx += (int64_t)blockIdx.y * stride;
+    stride *= gridDim.y;
+  }
+  if (Z) idx += (int64_t)blockIdx.z * stride;
+  return idx;
+}
+KILN_DEVICE bool isFirstThread() { return threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0; }
+
+// ---------------------------------------------------------------------------------------
+// Warp shuffles for any T of at most 8 bytes.
+
+template <typename T>
+KILN_DEVICE T shflDown(T v, unsigned offset, int width = 32) {
+  static_assert(sizeof(T) <= 8, "kiln::shflDown: T must be at most 8 bytes");
+  if constexpr (sizeof(T) == 8) {
+    unsigned long long u = bitCast<unsigned long long>(v);
+    u = __shfl_down_sync(0xffffffffu, u, offset, width);
+    return bitCast<T>(u);
+  } else if constexpr (sizeof(T) == 4) {
+    unsigned int u = bitCast<unsigned int>(v);
+    u = __shfl_down_sync(0xffffffffu, u, offset, width);
+    return bitCast<T>(u);
+  } else {
+    unsigned int u = 0;
+    memcpy(&u, &v, sizeof(T));
+    u = __shfl_down_sync(0xffffffffu, u, offset, width);
+    T r;
+    memcpy(&r, &u, sizeof(T));
+    return r;
+  }
+}
+
+// Reduce over aligned groups of WIDTH lanes (WIDTH a power of two <= 32); the result is
+// valid in the first lane of each group. All 32 lanes of the warp must call it.
+template <typename T, typename Op>
+KILN_DEVICE T warpReduce(T val, Op op, int width = 32) {
+  for (int offset = width / 2; offset > 0; offset /= 2) {
+    val = op(val, shflDown(val, offset, width));
+  }
+  return val;
+}
+
+// ---------------------------------------------------------------------------------------
+// Block reduction over the thread dims selected by X_REDUCE/Y_REDUCE/Z_REDUCE.
+//
+// Returns the reduction of `val` over each segment; the result is valid in the threads
+// whose reduced index is 0 (threadIdx.<d> == 0 for every reduced d), unspecified
+// elsewhere. `smem`: blockDim.x*blockDim.y*blockDim.z elements of T. `init` is the
+// identity of `op`. Ends with __syncthreads() (unless it used no shared memory).
+//
+// Paths (chosen per block at run time, block-uniformly):
+//   * reduced threads contiguous in the linear thread id (e.g. reducing over x, or x and
+//     y, or over y with blockDim.x == 1) and R = #reduced threads:
+//       - R a multiple of 32: warp shuffles, one smem slot per warp, warp shuffles again.
+//       - R a power of two <= 32 and the block a whole number of warps: shuffles only.
+//   * otherwise: shared-memory tree (first folds the part above the largest power of two).
+template <bool X_REDUCE, bool Y_REDUCE, bool Z_REDUCE, typename T, typename Op>
+__device__ T blockReduce(T val, Op op, T init, T* smem) {
+  if constexpr (!X_REDUCE && !Y_REDUCE && !Z_REDUCE) {
+    return val;
+  } else {
+    const unsigned R = threadCount<X_REDUCE, Y_REDUCE, Z_REDUCE>();
+    const unsigned r = threadIndex<X_REDUCE, Y_REDUCE, Z_REDUCE>();
+    const unsigned s = threadIndex<!X_REDUCE, !Y_REDUCE, !Z_REDUCE>();
+    const unsigned nthreads = blockDim.x * blockDim.y * blockDim.z;
+    if (R == 1) return val;
+    bool contiguous = true;
+    if (!X_REDUCE && (Y_REDUCE || Z_REDUCE)) contiguous = contiguous && blockDim.x == 1;
+    if (!Y_REDUCE && Z_REDUCE) contiguous = contiguous && blockDim.y == 1;
+
+    if (contiguous && R % 32 == 0) {
+      // linear tid == s * R + r, segments start on warp boundaries.
+      const unsigned tid = s * R + r;
+      const unsigned W = R / 32;  // warps per segment, <= 32
+      val = warpReduce(val, op);
+      if (W == 1) return val;
+      if ((tid & 31) == 0) smem[tid / 32] = val;
+      __syncthreads();
+      if (r < 32) {  // the first warp of each segment
+        val = (r < W) ? smem[s * W + r] : init;
+        val = warpReduce(val, op);
+      }
+      __syncthreads();
+      return val;
+    }
+    if (contiguous && R < 32 && (R & (R - 1)) == 0 && nthreads % 32 == 0) {
+      return warpReduce(val, op, (int)R);
+    }
+
+    // Generic shared-memory tree.
+    const unsigned off = s * R + r;
+    smem[off] = val;
+    __syncthreads();
+    unsigned np2 = 1u << (31 - __clz(R));  // largest power of two <= R
+    if (np2 != R) {
+      if (r + np2 < R) smem[off] = op(smem[off], smem[off + np2]);
+      __syncthreads();
+    }
+    for (unsigned factor = np2 / 2; factor > 0; factor /= 2) {
+      if (r < factor) smem[off] = op(smem[off], smem[off + factor]);
+      __syncthreads();
+    }
+    T result = smem[off];
+    __syncthreads();
+    return result;
+  }
+}
+
+// Reduce over threadIdx.x only (each (y, z) row reduces separately); valid where
+// threadIdx.x == 0.
+template <typename T, typename Op>
+__device__ T blockReduce(T val, Op op, T init, T* smem) {
+  return blockReduce<true, false, false>(val, op, init, smem);
+}
+
+// Like blockReduce, but the result is valid in every thread of the segment.
+// `smem`: blockDim.x*blockDim.y*blockDim.z elements of T.
+template <bool X_REDUCE, bool Y_REDUCE, bool Z_REDUCE, typename T, typename Op>
+__device__ T blockAllReduce(T val, Op op, T init, T* smem) {
+  if constexpr (!X_REDUCE && !Y_REDUCE && !Z_REDUCE) {
+    return val;
+  } else {
+    T result = blockReduce<X_REDUCE, Y_REDUCE, Z_REDUCE>(val, op, init, smem);
+    const unsigned s = threadIndex<!X_REDUCE, !Y_REDUCE, !Z_REDUCE>();
+    if (threadIndex<X_REDUCE, Y_REDUCE, Z_REDUCE>() == 0) smem[s] = result;
+    __syncthreads();
+    result = smem[s];
+    __syncthreads();
+    return result;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Grid reductions.
+//
+// Template parameters: X_BLOCK/Y_BLOCK/Z_BLOCK select the reduced grid dims,
+// X_THREAD/Y_THREAD/Z_THREAD the reduced thread dims (reduced first, in the block, with
+// blockReduce). Names used below:
+//   G   = number of reducing blocks    = blockCount<X_BLOCK, Y_BLOCK, Z_BLOCK>()
+//   b   = a block's index among them   = blockIndex<X_BLOCK, Y_BLOCK, Z_BLOCK>()
+//   seg = its output segment           = blockIndex<!X_BLOCK, !Y_BLOCK, !Z_BLOCK>()
+//   NSEG = number of output segments   = blockCount<!X_BLOCK, !Y_BLOCK, !Z_BLOCK>()
+//   P   = outputs per block            = threadCount<!X_THREAD, !Y_THREAD, !Z_THREAD>()
+//   p   = a thread's output slot       = threadIndex<!X_THREAD, !Y_THREAD, !Z_THREAD>()
+// Every thread of every block must call it (block-uniformly); pass `init` where a thread
+// has no input. The result goes to `out` only in the thread that holds it and only if
+// `write_pred`; the function returns true in exactly the threads that hold a result (one
+// thread per (seg, p): the reduced-thread-index-0 threads of one block per segment).
+// `smem`: blockDim.x*blockDim.y*blockDim.z elements of T. T must be 1, 2, 4 or 8 bytes.
+// Work buffers are addressed with int64 offsets. If G == 1 nothing global is touched.
+//
+// gridReduce — the normal (parallel) protocol:
+//   work_buf : NSEG * G * P elements of T  (P outputs per block x G reducing blocks per
+//              segment); no initialisation needed.
+//   sync_flags: NSEG int64 semaphores, ZERO-INITIALISED before the first launch.
+//   Each block writes its partials to work_buf[(seg*G + b)*P + p], __threadfence(), and
+//   then one thread does atomicAdd(&sync_flags[seg], 1). The block that sees G-1 is the
+//   last to arrive: it stores 0 back into sync_flags[seg] (nobody else touches it again
+//   in this launch) and combines the G partials with volatile loads. So the semaphores
+//   END AT ZERO after every launch: the buffer is zero_init + resets_to_zero.
+//
+// gridReduceSerial — the serial protocol (deterministic order b = 0, 1, ..., G-1):
+//   work_buf : NSEG * P elements of T (the running result); no initialisation needed
+//              (block 0 writes before anyone reads).
+//   sync_flags: NSEG int64 semaphores, ZERO-INITIALISED before the first launch.
+//   Block b waits until sync_flags[seg] == b, reads the running result (b > 0), combines
+//   acc = op(running, own partial), writes it back (b < G-1) or to `out` (b == G-1),
+//   __threadfence(), and then sets sync_flags[seg] = b + 1 — except the last block, which
+//   sets it to 0. So the semaphores END AT ZERO after every launch: zero_init +
+//   resets_to_zero. Blocks spin, so a block may only wait on blocks with a smaller linear
+//   blockIdx (true here: b-1 differs only in reduced coordinates, which are smaller); the
+//   hardware dispatches blocks in linear order, so this cannot deadlock in practice.
+template <bool X_BLOCK, bool Y_BLOCK, bool Z_BLOCK, bool X_THREAD, bool Y_THREAD, bool Z_THREAD,
+          typename T, typename Op>
+__device__ bool gridReduce(T& out, T in, Op op, T init, volatile T* work_buf, int64_t* sync_flags,
+                           T* smem, bool write_pred) {
+  __shared__ bool kiln_last_block;
+  const T partial = blockReduce<X_THREAD, Y_THREAD, Z_THREAD>(in, op, init, smem);
+  const bool holder = threadIndex<X_THREAD, Y_THREAD, Z_THREAD>() == 0;
+  const int64_t G = blockCount<X_BLOCK, Y_BLOCK, Z_BLOCK>();
+  if (G == 1) {
+    if (holder && write_pred) out = partial;
+    return holder;
+  }
+  const int64_t b = blockIndex<X_BLOCK, Y_BLOCK, Z_BLOCK>();
+  const int64_t seg = blockIndex<!X_BLOCK, !Y_BLOCK, !Z_BLOCK>();
+  const int64_t P = threadCount<!X_THREAD, !Y_THREAD, !Z_THREAD>();
+  const int64_t p = threadIndex<!X_THREAD, !Y_THREAD, !Z_THREAD>();
+  volatile T* seg_buf = work_buf + seg * G * P;
+
+  if (holder) storeVolatile(seg_buf + b * P + p, partial);
+  __threadfence();  // make the partial visible device-wide before signalling
+  __syncthreads();
+  if (isFirstThread()) {
+    const unsigned long long old =
+        atomicAdd(reinterpret_cast<unsigned long long*>(sync_flags + seg), 1ULL);
+    const bool last = old == (unsigned long long)(G - 1);
+    if (last) {
+      *reinterpret_cast<volatile int64_t*>(sync_flags + seg) = 0;  // reset for the next launch
+      __threadfence();  // acquire: order the partial reads below after the atomic
+    }
+    kiln_last_block = last;
+  }
+  __syncthreads();
+  if (!kiln_last_block) return false;  // block-uniform
+
+  const unsigned R = threadCount<X_THREAD, Y_THREAD, Z_THREAD>();
+  const unsigned r = threadIndex<X_THREAD, Y_THREAD, Z_THREAD>();
+  T acc = init;
+  for (int64_t i = r; i < G; i += R) acc = op(acc, loadVolatile(seg_buf + i * P + p));
+  const T result = blockReduce<X_THREAD, Y_THREAD, Z_THREAD>(acc, op, init, smem);
+  if (holder && write_pred) out = result;
+  return holder;
+}
+
+template <bool X_BLOCK, bool Y_BLOCK, bool Z_BLOCK, bool X_THREAD, bool Y_THREAD, bool Z_THREAD,
+          typename T, typename Op>
+__device__ bool gridReduceSerial(T& out, T in, Op op, T init, volatile T* work_buf, int64_t* sync_flags,
+                                 T* smem, bool write_pred) {
+  const T partial = blockReduce<X_THREAD, Y_THREAD, Z_THREAD>(in, op, init, smem);
+  const bool holder = threadIndex<X_THREAD, Y_THREAD, Z_THREAD>() == 0;
+  const int64_t G = blockCount<X_BLOCK, Y_BLOCK, Z_BLOCK>();
+  if (G == 1) {
+    if (holder && write_pred) out = partial;
+    return holder;
+  }
+  const int64_t b = blockIndex<X_BLOCK, Y_BLOCK, Z_BLOCK>();
+  const int64_t seg = blockIndex<!X_BLOCK, !Y_BLOCK, !Z_BLOCK>();
+  const int64_t P = threadCount<!X_THREAD, !Y_THREAD, !Z_THREAD>();
+  const int64_t p = threadIndex<!X_THREAD, !Y_THREAD, !Z_THREAD>();
+  volatile int64_t* flag = reinterpret_cast<volatile int64_t*>(sync_flags + seg);
+  volatile T* slot = work_buf + seg * P + p;
+  const bool last = b == G - 1;
+
+  if (isFirstThread()) {
+    while (*flag != b) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 700
+      __nanosleep(64);
+#endif
+    }
+    __threadfence();  // acquire: the predecessor's writes are visible after this
+  }
+  __syncthreads();
+  bool result_here = false;
+  if (holder) {
+    const T acc = (b == 0) ? partial : op(loadVolatile(slot), partial);
+    if (!last) {
+      storeVolatile(slot, acc);
+    } else {
+      if (write_pred) out = acc;
+      result_here = true;
+    }
+  }
+  __threadfence();  // release the running result before handing over the turn
+  __syncthreads();
+  if (isFirstThread()) *flag = last ? 0 : b + 1;
+  return result_here;
+}
+
+}  // namespace kiln
+
+#undef KILN_DEVICE
+#endif  // KILN_RUNTIME_CUH

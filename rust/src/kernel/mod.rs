@@ -1,0 +1,215 @@
+//! Kernel IR: the loop nest of one kernel with allocations, reduction inits and
+//! syncs, plus the side tables lowering hands to indexing and codegen.
+
+use std::fmt::Write as _;
+
+use rustc_hash::FxHashMap;
+
+use crate::analysis::loop_graph::LoopGraph;
+use crate::ir::{DataType, ExprId, Fusion, IterDomainId, MemoryType, ParallelType, TvId, ValId};
+
+/// A loop of the nest. `group` is `None` for loops that lowering adds on its own
+/// (reduction-init nests).
+#[derive(Clone, Debug)]
+pub struct ForLoop {
+    pub group: Option<usize>,
+    /// The promoted id this loop iterates.
+    pub id: IterDomainId,
+    /// The loop variable (`idx{n}`, or threadIdx/blockIdx for parallel loops).
+    pub index: ValId,
+    pub extent: ValId,
+    pub parallel: ParallelType,
+    pub body: Vec<Node>,
+}
+
+/// What an `Allocate` reserves memory for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AllocTarget {
+    /// A tensor of the fusion.
+    Tensor(TvId),
+    /// Entry `n` of `KernelSummary::global_allocations` that is not a fusion tensor.
+    Buffer(usize),
+}
+
+/// Reserve memory for a tensor or buffer.
+#[derive(Clone, Debug)]
+pub struct Allocate {
+    pub target: AllocTarget,
+    pub memory: MemoryType,
+    pub dtype: DataType,
+    /// Extent of each allocated id, outermost first.
+    pub shape: Vec<ValId>,
+    pub zero_init: bool,
+    pub resets_to_zero: bool,
+}
+
+/// Kind of a block synchronization.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SyncKind {
+    /// Read-after-write on Shared memory.
+    Raw,
+    /// Write-after-read on Shared memory (before a buffer is overwritten).
+    War,
+}
+
+/// A node of the loop nest.
+#[derive(Clone, Debug)]
+pub enum Node {
+    Loop(ForLoop),
+    Alloc(Allocate),
+    /// Fill `tv` with `value` at the current indices (reduction identity).
+    Init { tv: TvId, value: ValId },
+    /// A tensor expression of the fusion, computed at the current indices.
+    Expr(ExprId),
+    Sync(SyncKind),
+}
+
+/// A global buffer the kernel needs besides its inputs and outputs.
+#[derive(Clone, Debug)]
+pub struct GlobalBuffer {
+    /// Printed name (`T4` for a Global intermediate, `T4_work`, `T4_sync`).
+    pub name: String,
+    /// The fusion tensor for Global intermediates; `None` for work buffers and semaphores.
+    pub tv: Option<TvId>,
+    pub dtype: DataType,
+    pub shape: Vec<ValId>,
+    pub zero_init: bool,
+    pub resets_to_zero: bool,
+}
+
+/// Facts about a kernel that its launcher needs.
+#[derive(Clone, Debug, Default)]
+pub struct KernelSummary {
+    /// Buffers the caller (host program or executor) allocates, in kernel parameter order.
+    pub global_allocations: Vec<GlobalBuffer>,
+    /// True when any reduction spans blocks.
+    pub has_grid_reduction: bool,
+}
+
+/// Where and how a tensor is allocated; what indexing reads.
+#[derive(Clone, Debug)]
+pub struct AllocationInfo {
+    pub tv: TvId,
+    pub memory: MemoryType,
+    /// Allocated ids after loop promotion, outermost first.
+    pub ids: Vec<IterDomainId>,
+    /// Symbolic stride of each id (elements).
+    pub strides: Vec<ValId>,
+    pub contiguity: Vec<bool>,
+    /// Number of loops enclosing the Allocate (0: kernel top level).
+    pub position: usize,
+    pub zero_init: bool,
+    pub resets_to_zero: bool,
+}
+
+/// One lowered kernel.
+#[derive(Clone, Debug)]
+pub struct Kernel {
+    /// The fusion the kernel was lowered from, extended with lowering's scalars.
+    pub fusion: Fusion,
+    pub loops: LoopGraph,
+    pub body: Vec<Node>,
+    pub allocations: FxHashMap<TvId, AllocationInfo>,
+    pub summary: KernelSummary,
+}
+
+impl Kernel {
+    /// Allocation records in tensor order.
+    pub fn allocation_list(&self) -> Vec<&AllocationInfo> {
+        let mut v: Vec<&AllocationInfo> = self.allocations.values().collect();
+        v.sort_by_key(|a| a.tv);
+        v
+    }
+
+    /// Readable kernel IR.
+    pub fn to_text(&self) -> String {
+        let mut s = String::new();
+        for n in &self.body {
+            self.write_node(n, 0, &mut s);
+        }
+        s
+    }
+
+    fn write_node(&self, n: &Node, depth: usize, s: &mut String) {
+        let f = &self.fusion;
+        let pad = "  ".repeat(depth);
+        match n {
+            Node::Loop(l) => {
+                let _ = writeln!(
+                    s,
+                    "{pad}FOR {} in {}:",
+                    f.scalars.render(l.index),
+                    if l.parallel == ParallelType::Serial {
+                        f.id_label(l.id)
+                    } else {
+                        format!("{} ({})", f.id_label(l.id), l.parallel.enum_name())
+                    }
+                );
+                for c in &l.body {
+                    self.write_node(c, depth + 1, s);
+                }
+            }
+            Node::Alloc(a) => {
+                let name = match a.target {
+                    AllocTarget::Tensor(tv) => f.tv_name(tv),
+                    AllocTarget::Buffer(i) => self.summary.global_allocations[i].name.clone(),
+                };
+                let shape: Vec<String> = a.shape.iter().map(|&v| f.scalars.render(v)).collect();
+                let _ = writeln!(
+                    s,
+                    "{pad}ALLOCATE {name} {} {} [{}]{}{}",
+                    a.memory.enum_name(),
+                    a.dtype,
+                    shape.join(", "),
+                    if a.zero_init { " zero_init" } else { "" },
+                    if a.resets_to_zero { " resets_to_zero" } else { "" }
+                );
+            }
+            Node::Init { tv, value } => {
+                let _ = writeln!(s, "{pad}{} = {}  // init", f.tv_name(*tv), f.scalars.render(*value));
+            }
+            Node::Expr(e) => {
+                let line = f.expr_line(&f.exprs[*e]).replace('\n', " ");
+                let _ = writeln!(s, "{pad}{}", line.split_whitespace().collect::<Vec<_>>().join(" "));
+            }
+            Node::Sync(k) => {
+                let _ = writeln!(s, "{pad}__syncthreads()  // {}", if *k == SyncKind::Raw { "RAW" } else { "WAR" });
+            }
+        }
+    }
+
+    /// The allocation table as text (`KILN_DUMP=allocations`).
+    pub fn allocations_text(&self) -> String {
+        let f = &self.fusion;
+        let mut s = String::new();
+        for a in self.allocation_list() {
+            let ids: Vec<String> = a.ids.iter().map(|&i| f.id_label(i)).collect();
+            let strides: Vec<String> = a.strides.iter().map(|&v| f.scalars.render(v)).collect();
+            let _ = writeln!(
+                s,
+                "{} {} ids=[{}] strides=[{}] contiguity={:?} position={}{}{}",
+                f.tv_name(a.tv),
+                a.memory.enum_name(),
+                ids.join(", "),
+                strides.join(", "),
+                a.contiguity,
+                a.position,
+                if a.zero_init { " zero_init" } else { "" },
+                if a.resets_to_zero { " resets_to_zero" } else { "" }
+            );
+        }
+        for b in &self.summary.global_allocations {
+            let shape: Vec<String> = b.shape.iter().map(|&v| f.scalars.render(v)).collect();
+            let _ = writeln!(
+                s,
+                "global buffer {} {} [{}] zero_init={} resets_to_zero={}",
+                b.name,
+                b.dtype,
+                shape.join(", "),
+                b.zero_init,
+                b.resets_to_zero
+            );
+        }
+        s
+    }
+}

@@ -1,0 +1,118 @@
+//! The allocation pass (seed 000).
+//! Consumes: the loop nest (kernel IR before indexing), the loop graph and the exact
+//! id graph. Produces: (1) an `AllocationInfo` for every tensor the kernel touches —
+//! allocated ids after loop promotion, stride per id, contiguity — for indexing;
+//! (2) `Allocate` nodes placed in the nest, with reduction-init loop nests; (3) the
+//! kernel's global buffers in `KernelSummary`.
+//! Guarantees: every violated precondition is a `KilnError` naming tensor and ids.
+//!
+//! Three pieces, one file each: `domain` (which ids, strides, contiguity),
+//! `placement` (where the Allocate and the init go), `global_buffers` (grid
+//! reduction work buffers and semaphores, Global intermediates).
+
+pub mod domain;
+pub mod global_buffers;
+pub mod placement;
+
+use rustc_hash::FxHashMap;
+
+use crate::analysis::id_graph::IdGraph;
+use crate::analysis::loop_graph::LoopGraph;
+use crate::error::Result;
+use crate::ir::{ExprId, Fusion, MemoryType, Op, TvId};
+use crate::kernel::{AllocTarget, Allocate, AllocationInfo, GlobalBuffer, KernelSummary, Node};
+
+/// Output of the allocation pass.
+pub struct AllocationResult {
+    pub allocations: FxHashMap<TvId, AllocationInfo>,
+    pub summary: KernelSummary,
+}
+
+/// Run the pass over `body` (mutated in place: Allocate and init nodes are inserted).
+pub fn run(
+    f: &mut Fusion,
+    lg: &LoopGraph,
+    exact: &IdGraph,
+    order: &[ExprId],
+    body: &mut Vec<Node>,
+    next_index: &mut u32,
+) -> Result<AllocationResult> {
+    let mut allocations: FxHashMap<TvId, AllocationInfo> = FxHashMap::default();
+    let mut summary = KernelSummary::default();
+    let mut top: Vec<Node> = Vec::new();
+
+    // Inputs are read as given: their layout is their logical (or set) domain.
+    for op in f.inputs.clone() {
+        let Some(tv) = op.tensor() else { continue };
+        if f.tvs[tv].uses.is_empty() {
+            continue;
+        }
+        let (ids, contig) = domain::infer_ids(f, lg, exact, tv, 0)?;
+        let info = domain::allocation_info(f, lg, tv, &ids, &contig, 0)?;
+        allocations.insert(tv, info);
+    }
+
+    for &e in order {
+        let tv = f.exprs[e].output;
+        let mem = f.tvs[tv].memory;
+        let alloc_pos = if mem == MemoryType::Local { domain::alloc_position(f, lg, tv) } else { 0 };
+        let (ids, contig) = domain::infer_ids(f, lg, exact, tv, alloc_pos)?;
+        let mut info = domain::allocation_info(f, lg, tv, &ids, &contig, alloc_pos)?;
+        let is_output = f.is_output(tv);
+
+        let mut nodes: Vec<Node> = Vec::new();
+        if !is_output {
+            let mut shape: Vec<_> = info.ids.iter().map(|&id| f.ids[id].extent).collect();
+            if shape.is_empty() {
+                shape.push(f.scalars.int(1));
+            }
+            let dtype = f.tvs[tv].dtype;
+            let alloc = Allocate { target: AllocTarget::Tensor(tv), memory: mem, dtype, shape: shape.clone(), zero_init: false, resets_to_zero: false };
+            match mem {
+                MemoryType::Local => nodes.push(Node::Alloc(alloc)),
+                MemoryType::Shared => top.push(Node::Alloc(alloc)),
+                MemoryType::Global => {
+                    // A Global intermediate is a kernel buffer the caller provides.
+                    summary.global_allocations.push(GlobalBuffer {
+                        name: f.tv_name(tv),
+                        tv: Some(tv),
+                        dtype,
+                        shape,
+                        zero_init: false,
+                        resets_to_zero: false,
+                    });
+                    top.push(Node::Alloc(alloc));
+                }
+            }
+        }
+
+        if let Op::Reduction { init, .. } = f.exprs[e].op {
+            let nest = placement::init_nest(f, lg, tv, info.position, init, next_index);
+            nodes.push(nest);
+            for b in global_buffers::grid_reduction_buffers(f, lg, tv)? {
+                summary.has_grid_reduction = true;
+                summary.global_allocations.push(b);
+                let i = summary.global_allocations.len() - 1;
+                let b = &summary.global_allocations[i];
+                top.push(Node::Alloc(Allocate {
+                    target: AllocTarget::Buffer(i),
+                    memory: MemoryType::Global,
+                    dtype: b.dtype,
+                    shape: b.shape.clone(),
+                    zero_init: b.zero_init,
+                    resets_to_zero: b.resets_to_zero,
+                }));
+            }
+        }
+        if !nodes.is_empty() {
+            // Shared and Global allocations live at the top; only Local ones and inits sit in the nest.
+            let depth = if mem == MemoryType::Local { info.position } else { 0 };
+            info.position = depth;
+            placement::insert_before_expr(f, body, lg, tv, depth, e, nodes)?;
+        }
+        allocations.insert(tv, info);
+    }
+    top.append(body);
+    *body = top;
+    Ok(AllocationResult { allocations, summary })
+}

@@ -1,0 +1,103 @@
+//! Loop nest generation.
+//! Consumes: a validated fusion and its loop graph. Produces: the expression order and
+//! a nest of ForLoops (one per loop group) with each expr placed inside the loops of
+//! its output's loop domain. Guarantees: a producer inlined at position k sits inside
+//! the same first k loops as its consumers, and precedes them.
+
+use rustc_hash::{FxHashMap, FxHashSet};
+
+use crate::analysis::loop_graph::LoopGraph;
+use crate::bail;
+use crate::error::Result;
+use crate::ir::{ExprId, Fusion, Symbol, TvId};
+use crate::kernel::{ForLoop, Node};
+
+/// Expressions in an order that keeps inlined producers next to their consumers.
+pub fn expr_order(f: &Fusion) -> Vec<ExprId> {
+    let mut order = Vec::new();
+    let mut done: FxHashSet<ExprId> = FxHashSet::default();
+    for &out in &f.outputs {
+        visit(f, out, &mut done, &mut order);
+    }
+    order
+}
+
+fn visit(f: &Fusion, tv: TvId, done: &mut FxHashSet<ExprId>, order: &mut Vec<ExprId>) {
+    let Some(e) = f.tvs[tv].definition else { return };
+    if done.contains(&e) {
+        return;
+    }
+    done.insert(e);
+    // Producers not inlined here go first, then inlined ones from shallowest to deepest,
+    // so nothing lands between an inlined producer and its consumer.
+    let mut producers: Vec<TvId> = f.exprs[e].input_tvs().collect();
+    producers.sort_by_key(|&p| f.tvs[p].inline_pos);
+    for p in producers {
+        visit(f, p, done, order);
+    }
+    order.push(e);
+}
+
+/// Rank of each tensor in producer-before-consumer order (inputs first).
+pub fn tensor_order(f: &Fusion, order: &[ExprId]) -> FxHashMap<TvId, usize> {
+    let mut rank = FxHashMap::default();
+    for op in &f.inputs {
+        if let Some(t) = op.tensor() {
+            rank.insert(t, 0);
+        }
+    }
+    for (i, &e) in order.iter().enumerate() {
+        rank.insert(f.exprs[e].output, i + 1);
+        for t in f.exprs[e].input_tvs() {
+            rank.entry(t).or_insert(0);
+        }
+    }
+    rank
+}
+
+/// Build the loop nest of `order`; loop variables are added to `f.scalars`.
+pub fn run(f: &mut Fusion, lg: &LoopGraph, order: &[ExprId]) -> Result<(Vec<Node>, u32)> {
+    let mut body: Vec<Node> = Vec::new();
+    let mut opened: FxHashSet<usize> = FxHashSet::default();
+    let mut next_index = 0u32;
+    for &e in order {
+        let out = f.exprs[e].output;
+        let path: Vec<usize> = (0..f.tvs[out].loop_domain.len()).map(|a| lg.group(out, a)).collect();
+        let mut cur = &mut body;
+        let mut k = 0;
+        while k < path.len() {
+            let reuse = matches!(cur.last(), Some(Node::Loop(l)) if l.group == Some(path[k]));
+            if !reuse {
+                break;
+            }
+            let Some(Node::Loop(l)) = cur.last_mut() else { unreachable!("checked above") };
+            cur = &mut l.body;
+            k += 1;
+        }
+        for &g in &path[k..] {
+            if !opened.insert(g) {
+                let (tv, axis) = lg.groups[g].members[0];
+                bail!(
+                    "cannot place {}: its loop axis {} is shared with {} axis {axis}, but that loop was already closed by other computation; inline {} and its producers consistently",
+                    f.tv_name(out),
+                    path.iter().position(|&x| x == g).unwrap_or(0),
+                    f.tv_name(tv),
+                    f.tv_name(out)
+                );
+            }
+            let info = &lg.groups[g];
+            let extent = f.ids[info.promoted].extent;
+            let index = if info.parallel.is_thread_or_block() {
+                f.scalars.symbol(Symbol::ParallelIndex(info.parallel))
+            } else {
+                next_index += 1;
+                f.scalars.symbol(Symbol::LoopIndex(next_index - 1))
+            };
+            cur.push(Node::Loop(ForLoop { group: Some(g), id: info.promoted, index, extent, parallel: info.parallel, body: Vec::new() }));
+            let Some(Node::Loop(l)) = cur.last_mut() else { unreachable!("just pushed") };
+            cur = &mut l.body;
+        }
+        cur.push(Node::Expr(e));
+    }
+    Ok((body, next_index))
+}
