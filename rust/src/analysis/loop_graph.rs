@@ -71,7 +71,10 @@ impl LoopGraph {
                     continue;
                 }
                 for a in 0..t.inline_pos {
-                    let (x, y) = (find(&mut parent, index[&(tv, a)]), find(&mut parent, index[&(c, a)]));
+                    let (x, y) = (
+                        find(&mut parent, index[&(tv, a)]),
+                        find(&mut parent, index[&(c, a)]),
+                    );
                     parent[x] = y;
                 }
             }
@@ -81,7 +84,11 @@ impl LoopGraph {
         for (k, &key) in keys.iter().enumerate() {
             let r = find(&mut parent, k);
             let g = *root_group.entry(r).or_insert_with(|| {
-                lg.groups.push(GroupInfo { members: Vec::new(), promoted: f.tvs[key.0].loop_domain[key.1], parallel: ParallelType::Serial });
+                lg.groups.push(GroupInfo {
+                    members: Vec::new(),
+                    promoted: f.tvs[key.0].loop_domain[key.1],
+                    parallel: ParallelType::Serial,
+                });
                 lg.groups.len() - 1
             });
             lg.groups[g].members.push(key);
@@ -100,18 +107,48 @@ fn depends_on_broadcast(f: &Fusion, id: IterDomainId) -> bool {
     let d = &f.ids[id];
     match d.definition {
         None => d.iter_type == IterType::Broadcast,
-        Some(t) => f.transforms[t].inputs().iter().any(|&i| depends_on_broadcast(f, i)),
+        Some(t) => f.transforms[t]
+            .inputs()
+            .iter()
+            .any(|&i| depends_on_broadcast(f, i)),
     }
 }
 
+/// True when `a` is `b` or one of its (transitive) producers.
+fn is_upstream(f: &Fusion, a: TvId, b: TvId) -> bool {
+    let mut stack = vec![b];
+    let mut seen = rustc_hash::FxHashSet::default();
+    while let Some(t) = stack.pop() {
+        if t == a {
+            return true;
+        }
+        if seen.insert(t) {
+            stack.extend(f.producers(t));
+        }
+    }
+    false
+}
+
 fn promote(f: &Fusion, exact: &IdGraph, g: &mut GroupInfo) -> Result<()> {
-    let ids: Vec<(TvId, usize, IterDomainId)> =
-        g.members.iter().map(|&(tv, a)| (tv, a, f.tvs[tv].loop_domain[a])).collect();
+    let ids: Vec<(TvId, usize, IterDomainId)> = g
+        .members
+        .iter()
+        .map(|&(tv, a)| (tv, a, f.tvs[tv].loop_domain[a]))
+        .collect();
     // Concrete candidates: ids not derived from a broadcast; the most-consumer one wins.
-    let candidates: Vec<&(TvId, usize, IterDomainId)> = ids.iter().filter(|(_, _, id)| !depends_on_broadcast(f, *id)).collect();
-    let chosen = candidates.last().copied().or(ids.last()).expect("a group has members");
+    let candidates: Vec<&(TvId, usize, IterDomainId)> = ids
+        .iter()
+        .filter(|(_, _, id)| !depends_on_broadcast(f, *id))
+        .collect();
+    let chosen = candidates
+        .last()
+        .copied()
+        .or(ids.last())
+        .expect("a group has members");
     for c in &candidates {
-        if !exact.same(c.2, chosen.2) {
+        // A producer upstream of the chosen tensor iterates a sub-space of it (inlining
+        // was checked pair by pair); only unrelated tensors can disagree.
+        if !exact.same(c.2, chosen.2) && !is_upstream(f, c.0, chosen.0) {
             bail!(
                 "cannot promote loop axis {} of {}: it iterates {} of {} and {} of {}, which are not the same iteration space",
                 ids[0].1,

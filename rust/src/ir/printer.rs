@@ -77,6 +77,28 @@ impl Fusion {
         format!("{out}\n   = {rhs}")
     }
 
+    /// One line of math with tensor names only (`T2 = mul(T1, 2.0)`), for kernel IR.
+    pub fn expr_short(&self, e: &Expr) -> String {
+        let name = |o: &Operand| match *o {
+            Operand::Tensor(t) => self.tv_name(t),
+            Operand::Scalar(v) => self.scalars.render(v),
+        };
+        let args: Vec<String> = e.inputs.iter().map(name).collect();
+        let op = match &e.op {
+            Op::Unary(u) => unary_name(*u).to_string(),
+            Op::Binary(b) => binary_name(*b).to_string(),
+            Op::Where => "where".into(),
+            Op::Cast(d) => format!("cast<{}>", d.enum_name()),
+            Op::Reduction { op, .. } => format!("reduce_{}", reduction_name(*op)),
+            Op::Broadcast { .. } => "broadcast".into(),
+            Op::Permute { perm } => format!("permute{perm:?}"),
+            Op::IndexSelect { dim } => format!("index_select<dim={dim}>"),
+            Op::Set => "set".into(),
+            Op::Full { value } => format!("full<{}>", self.scalars.render(*value)),
+        };
+        format!("{} = {op}({})", self.tv_name(e.output), args.join(", "))
+    }
+
     /// The whole fusion as text: inputs, outputs and the math in dependency order.
     pub fn math_string(&self) -> String {
         let mut s = String::from("Inputs:\n");

@@ -58,7 +58,10 @@ pub enum Node {
     Loop(ForLoop),
     Alloc(Allocate),
     /// Fill `tv` with `value` at the current indices (reduction identity).
-    Init { tv: TvId, value: ValId },
+    Init {
+        tv: TvId,
+        value: ValId,
+    },
     /// A tensor expression of the fusion, computed at the current indices.
     Expr(ExprId),
     Sync(SyncKind),
@@ -162,18 +165,30 @@ impl Kernel {
                     a.dtype,
                     shape.join(", "),
                     if a.zero_init { " zero_init" } else { "" },
-                    if a.resets_to_zero { " resets_to_zero" } else { "" }
+                    if a.resets_to_zero {
+                        " resets_to_zero"
+                    } else {
+                        ""
+                    }
                 );
             }
             Node::Init { tv, value } => {
-                let _ = writeln!(s, "{pad}{} = {}  // init", f.tv_name(*tv), f.scalars.render(*value));
+                let _ = writeln!(
+                    s,
+                    "{pad}{} = {}  // init",
+                    f.tv_name(*tv),
+                    f.scalars.render(*value)
+                );
             }
             Node::Expr(e) => {
-                let line = f.expr_line(&f.exprs[*e]).replace('\n', " ");
-                let _ = writeln!(s, "{pad}{}", line.split_whitespace().collect::<Vec<_>>().join(" "));
+                let _ = writeln!(s, "{pad}{}", f.expr_short(&f.exprs[*e]));
             }
             Node::Sync(k) => {
-                let _ = writeln!(s, "{pad}__syncthreads()  // {}", if *k == SyncKind::Raw { "RAW" } else { "WAR" });
+                let _ = writeln!(
+                    s,
+                    "{pad}__syncthreads()  // {}",
+                    if *k == SyncKind::Raw { "RAW" } else { "WAR" }
+                );
             }
         }
     }
@@ -195,7 +210,11 @@ impl Kernel {
                 a.contiguity,
                 a.position,
                 if a.zero_init { " zero_init" } else { "" },
-                if a.resets_to_zero { " resets_to_zero" } else { "" }
+                if a.resets_to_zero {
+                    " resets_to_zero"
+                } else {
+                    ""
+                }
             );
         }
         for b in &self.summary.global_allocations {

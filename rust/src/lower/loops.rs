@@ -23,7 +23,9 @@ pub fn expr_order(f: &Fusion) -> Vec<ExprId> {
 }
 
 fn visit(f: &Fusion, tv: TvId, done: &mut FxHashSet<ExprId>, order: &mut Vec<ExprId>) {
-    let Some(e) = f.tvs[tv].definition else { return };
+    let Some(e) = f.tvs[tv].definition else {
+        return;
+    };
     if done.contains(&e) {
         return;
     }
@@ -62,7 +64,9 @@ pub fn run(f: &mut Fusion, lg: &LoopGraph, order: &[ExprId]) -> Result<(Vec<Node
     let mut next_index = 0u32;
     for &e in order {
         let out = f.exprs[e].output;
-        let path: Vec<usize> = (0..f.tvs[out].loop_domain.len()).map(|a| lg.group(out, a)).collect();
+        let path: Vec<usize> = (0..f.tvs[out].loop_domain.len())
+            .map(|a| lg.group(out, a))
+            .collect();
         let mut cur = &mut body;
         let mut k = 0;
         while k < path.len() {
@@ -70,7 +74,9 @@ pub fn run(f: &mut Fusion, lg: &LoopGraph, order: &[ExprId]) -> Result<(Vec<Node
             if !reuse {
                 break;
             }
-            let Some(Node::Loop(l)) = cur.last_mut() else { unreachable!("checked above") };
+            let Some(Node::Loop(l)) = cur.last_mut() else {
+                unreachable!("checked above")
+            };
             cur = &mut l.body;
             k += 1;
         }
@@ -93,8 +99,17 @@ pub fn run(f: &mut Fusion, lg: &LoopGraph, order: &[ExprId]) -> Result<(Vec<Node
                 next_index += 1;
                 f.scalars.symbol(Symbol::LoopIndex(next_index - 1))
             };
-            cur.push(Node::Loop(ForLoop { group: Some(g), id: info.promoted, index, extent, parallel: info.parallel, body: Vec::new() }));
-            let Some(Node::Loop(l)) = cur.last_mut() else { unreachable!("just pushed") };
+            cur.push(Node::Loop(ForLoop {
+                group: Some(g),
+                id: info.promoted,
+                index,
+                extent,
+                parallel: info.parallel,
+                body: Vec::new(),
+            }));
+            let Some(Node::Loop(l)) = cur.last_mut() else {
+                unreachable!("just pushed")
+            };
             cur = &mut l.body;
         }
         cur.push(Node::Expr(e));

@@ -28,7 +28,13 @@ pub fn lower(fusion: &Fusion) -> Result<Kernel> {
     let lg = LoopGraph::build(&f, &exact, &tv_order)?;
     let (mut body, mut next_index) = loops::run(&mut f, &lg, &order)?;
     let alloc = allocation::run(&mut f, &lg, &exact, &order, &mut body, &mut next_index)?;
-    Ok(Kernel { fusion: f, loops: lg, body, allocations: alloc.allocations, summary: alloc.summary })
+    Ok(Kernel {
+        fusion: f,
+        loops: lg,
+        body,
+        allocations: alloc.allocations,
+        summary: alloc.summary,
+    })
 }
 
 #[cfg(test)]

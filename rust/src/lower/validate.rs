@@ -19,7 +19,10 @@ pub fn run(f: &Fusion) -> Result<()> {
         let n = t.loop_domain.len();
         for (a, &id) in t.loop_domain.iter().enumerate() {
             if f.ids[id].parallel == ParallelType::Vectorize && a + 1 != n {
-                bail!("{name}: axis {a} is vectorized but is not the innermost axis ({})", n - 1);
+                bail!(
+                    "{name}: axis {a} is vectorized but is not the innermost axis ({})",
+                    n - 1
+                );
             }
         }
         if t.inline_pos > 0 {

@@ -402,7 +402,12 @@ impl PyFusion {
                         .collect();
                     ("tensor", f.tv_name(t), f.tvs[t].dtype.enum_name(), shape)
                 }
-                Operand::Scalar(v) => ("scalar", f.scalars.render(v), f.scalars.dtype(v, &f.scalar_input_dtypes).enum_name(), Vec::new()),
+                Operand::Scalar(v) => (
+                    "scalar",
+                    f.scalars.render(v),
+                    f.scalars.dtype(v, &f.scalar_input_dtypes).enum_name(),
+                    Vec::new(),
+                ),
             })
             .collect()
     }
@@ -512,7 +517,11 @@ impl PyFusion {
 
     /// Lower the fusion to one kernel.
     fn lower(&self, py: Python<'_>) -> PyResult<PyKernel> {
-        guarded(py, || Ok(PyKernel { inner: crate::lower::lower(&self.inner)? }))
+        guarded(py, || {
+            Ok(PyKernel {
+                inner: crate::lower::lower(&self.inner)?,
+            })
+        })
     }
 
     /// Request the serial grid-reduction protocol.
@@ -552,7 +561,19 @@ impl PyKernel {
 
     /// AllocationInfo records: (tensor, memory, id labels, extents, strides, contiguity, position, zero_init, resets_to_zero).
     #[allow(clippy::type_complexity)]
-    fn allocations(&self) -> Vec<(String, &'static str, Vec<String>, Vec<String>, Vec<String>, Vec<bool>, usize, bool, bool)> {
+    fn allocations(
+        &self,
+    ) -> Vec<(
+        String,
+        &'static str,
+        Vec<String>,
+        Vec<String>,
+        Vec<String>,
+        Vec<bool>,
+        usize,
+        bool,
+        bool,
+    )> {
         let f = &self.inner.fusion;
         self.inner
             .allocation_list()
@@ -562,7 +583,10 @@ impl PyKernel {
                     f.tv_name(a.tv),
                     a.memory.enum_name(),
                     a.ids.iter().map(|&i| f.id_label(i)).collect(),
-                    a.ids.iter().map(|&i| f.scalars.render(f.ids[i].extent)).collect(),
+                    a.ids
+                        .iter()
+                        .map(|&i| f.scalars.render(f.ids[i].extent))
+                        .collect(),
                     a.strides.iter().map(|&s| f.scalars.render(s)).collect(),
                     a.contiguity.clone(),
                     a.position,
@@ -581,7 +605,13 @@ impl PyKernel {
             .global_allocations
             .iter()
             .map(|b| {
-                (b.name.clone(), b.dtype.enum_name(), b.shape.iter().map(|&s| f.scalars.render(s)).collect(), b.zero_init, b.resets_to_zero)
+                (
+                    b.name.clone(),
+                    b.dtype.enum_name(),
+                    b.shape.iter().map(|&s| f.scalars.render(s)).collect(),
+                    b.zero_init,
+                    b.resets_to_zero,
+                )
             })
             .collect()
     }

@@ -311,10 +311,20 @@ impl Fusion {
         self.tvs[c].loop_domain = c_loop;
         // The cache follows tv's memory layout, so a vectorized store needs no reshuffle.
         if let Some(alloc) = self.tvs[tv].allocation.clone() {
-            if let Some(mapped) = alloc.iter().map(|id| map.get(id).copied()).collect::<Option<Vec<_>>>() {
+            if let Some(mapped) = alloc
+                .iter()
+                .map(|id| map.get(id).copied())
+                .collect::<Option<Vec<_>>>()
+            {
                 let contig = mapped
                     .iter()
-                    .map(|&id| if self.ids[id].iter_type == IterType::Broadcast { None } else { Some(true) })
+                    .map(|&id| {
+                        if self.ids[id].iter_type == IterType::Broadcast {
+                            None
+                        } else {
+                            Some(true)
+                        }
+                    })
                     .collect();
                 self.tvs[c].allocation = Some(mapped);
                 self.tvs[c].contiguity = contig;
@@ -514,7 +524,10 @@ impl Fusion {
     /// Ask for the serial grid-reduction protocol on reduction output `tv`.
     pub fn set_serial_grid_reduction(&mut self, tv: TvId) -> Result<()> {
         let name = self.tv_name(tv);
-        let is_reduction = matches!(self.tvs[tv].definition.map(|e| &self.exprs[e].op), Some(Op::Reduction { .. }));
+        let is_reduction = matches!(
+            self.tvs[tv].definition.map(|e| &self.exprs[e].op),
+            Some(Op::Reduction { .. })
+        );
         if !is_reduction {
             bail!("set_serial_grid_reduction {name}: {name} is not the output of a reduction");
         }

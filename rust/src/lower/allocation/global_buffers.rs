@@ -9,10 +9,15 @@ use crate::ir::{DataType, Fusion, IterType, TvId};
 use crate::kernel::GlobalBuffer;
 
 /// Buffers for `tv` if it is the output of a grid reduction; empty otherwise.
-pub fn grid_reduction_buffers(f: &mut Fusion, lg: &LoopGraph, tv: TvId) -> Result<Vec<GlobalBuffer>> {
+pub fn grid_reduction_buffers(
+    f: &mut Fusion,
+    lg: &LoopGraph,
+    tv: TvId,
+) -> Result<Vec<GlobalBuffer>> {
     let ld = f.tvs[tv].loop_domain.clone();
     let par = |a: usize| lg.groups[lg.group(tv, a)].parallel;
-    let is_grid = (0..ld.len()).any(|a| f.ids[ld[a]].iter_type == IterType::Reduction && par(a).is_block());
+    let is_grid =
+        (0..ld.len()).any(|a| f.ids[ld[a]].iter_type == IterType::Reduction && par(a).is_block());
     if !is_grid {
         return Ok(Vec::new());
     }
@@ -28,7 +33,11 @@ pub fn grid_reduction_buffers(f: &mut Fusion, lg: &LoopGraph, tv: TvId) -> Resul
     let segments = f.scalars.product(seg);
     let work_shape = if serial {
         // Serial: the running result of every output element lives in the work buffer.
-        f.no_reduction_logical(tv).iter().map(|&id| f.ids[id].extent).filter(|&e| !f.scalars.is_const(e, 1)).collect()
+        f.no_reduction_logical(tv)
+            .iter()
+            .map(|&id| f.ids[id].extent)
+            .filter(|&e| !f.scalars.is_const(e, 1))
+            .collect()
     } else {
         // One partial per (block, thread) that takes part.
         let mut v = Vec::new();
@@ -39,7 +48,11 @@ pub fn grid_reduction_buffers(f: &mut Fusion, lg: &LoopGraph, tv: TvId) -> Resul
         }
         v
     };
-    let work_shape = if work_shape.is_empty() { vec![f.scalars.int(1)] } else { work_shape };
+    let work_shape = if work_shape.is_empty() {
+        vec![f.scalars.int(1)]
+    } else {
+        work_shape
+    };
     Ok(vec![
         GlobalBuffer {
             name: format!("{name}_work"),

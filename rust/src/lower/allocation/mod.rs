@@ -55,9 +55,19 @@ pub fn run(
     for &e in order {
         let tv = f.exprs[e].output;
         let mem = f.tvs[tv].memory;
-        let alloc_pos = if mem == MemoryType::Local { domain::alloc_position(f, lg, tv) } else { 0 };
+        let alloc_pos = if mem == MemoryType::Global {
+            0
+        } else {
+            domain::alloc_position(f, lg, tv)
+        };
         let (ids, contig) = domain::infer_ids(f, lg, exact, tv, alloc_pos)?;
-        let mut info = domain::allocation_info(f, lg, tv, &ids, &contig, alloc_pos)?;
+        // Only Local allocations sit inside the nest; Shared and Global ones are at the top.
+        let position = if mem == MemoryType::Local {
+            alloc_pos
+        } else {
+            0
+        };
+        let info = domain::allocation_info(f, lg, tv, &ids, &contig, position)?;
         let is_output = f.is_output(tv);
 
         let mut nodes: Vec<Node> = Vec::new();
@@ -67,7 +77,14 @@ pub fn run(
                 shape.push(f.scalars.int(1));
             }
             let dtype = f.tvs[tv].dtype;
-            let alloc = Allocate { target: AllocTarget::Tensor(tv), memory: mem, dtype, shape: shape.clone(), zero_init: false, resets_to_zero: false };
+            let alloc = Allocate {
+                target: AllocTarget::Tensor(tv),
+                memory: mem,
+                dtype,
+                shape: shape.clone(),
+                zero_init: false,
+                resets_to_zero: false,
+            };
             match mem {
                 MemoryType::Local => nodes.push(Node::Alloc(alloc)),
                 MemoryType::Shared => top.push(Node::Alloc(alloc)),
@@ -87,7 +104,7 @@ pub fn run(
         }
 
         if let Op::Reduction { init, .. } = f.exprs[e].op {
-            let nest = placement::init_nest(f, lg, tv, info.position, init, next_index);
+            let nest = placement::init_nest(f, lg, tv, alloc_pos, init, next_index);
             nodes.push(nest);
             for b in global_buffers::grid_reduction_buffers(f, lg, tv)? {
                 summary.has_grid_reduction = true;
@@ -105,14 +122,15 @@ pub fn run(
             }
         }
         if !nodes.is_empty() {
-            // Shared and Global allocations live at the top; only Local ones and inits sit in the nest.
-            let depth = if mem == MemoryType::Local { info.position } else { 0 };
-            info.position = depth;
-            placement::insert_before_expr(f, body, lg, tv, depth, e, nodes)?;
+            // Local allocations and every init sit at the allocation position in the nest.
+            placement::insert_before_expr(f, body, lg, tv, alloc_pos, e, nodes)?;
         }
         allocations.insert(tv, info);
     }
     top.append(body);
     *body = top;
-    Ok(AllocationResult { allocations, summary })
+    Ok(AllocationResult {
+        allocations,
+        summary,
+    })
 }
