@@ -1,7 +1,8 @@
 //! Compiler-side speed: build a 1,000-op fusion and schedule every tensor of it.
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
-use kiln::ir::{BinaryOp, DataType, Fusion, Operand, ParallelType, TvId, UnaryOp};
+use kiln::ir::{BinaryOp, DataType, Fusion, Operand, ParallelType, ReductionOp, TvId, UnaryOp};
+use kiln::lower::lower;
 
 fn build(n_ops: usize) -> (Fusion, Vec<TvId>) {
     let mut f = Fusion::new();
@@ -41,7 +42,32 @@ fn schedule(f: &mut Fusion, tvs: &[TvId]) {
     }
 }
 
+/// 50 pointwise ops then a row sum, scheduled [BIDx, serial, TIDx] and inlined.
+fn pointwise_reduction(n_ops: usize) -> Fusion {
+    let (mut f, mut tvs) = build(n_ops);
+    let last = *tvs.last().unwrap();
+    f.outputs.clear();
+    let s = f
+        .reduction(ReductionOp::Sum, last, &[1], false, None)
+        .unwrap();
+    f.add_output(s).unwrap();
+    tvs.push(s);
+    for &t in &tvs {
+        f.split(t, 1, 128, true).unwrap();
+        f.parallelize(t, 0, ParallelType::BIDx).unwrap();
+        f.parallelize(t, 2, ParallelType::TIDx).unwrap();
+    }
+    for &t in &tvs[..tvs.len() - 1] {
+        f.inline_at(t, -1).unwrap();
+    }
+    f
+}
+
 fn bench(c: &mut Criterion) {
+    let f = pointwise_reduction(50);
+    c.bench_function("lower 50-op pointwise + reduction", |bch| {
+        bch.iter(|| black_box(lower(black_box(&f)).unwrap()))
+    });
     c.bench_function("build 1000 ops", |bch| bch.iter(|| black_box(build(1000))));
     c.bench_function("build + schedule 1000 ops", |bch| {
         bch.iter(|| {

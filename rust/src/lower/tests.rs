@@ -1,1 +1,201 @@
+//! Unit tests of the lowering passes' helpers, on small hand-scheduled fusions.
 
+use crate::analysis::id_graph::IdGraph;
+use crate::analysis::loop_graph::LoopGraph;
+use crate::ir::{DataType, Fusion, MemoryType, Operand, ParallelType, ReductionOp, TvId, UnaryOp};
+use crate::kernel::Node;
+use crate::lower::allocation::domain;
+use crate::lower::{loops, lower};
+
+fn graphs(f: &Fusion) -> (IdGraph, LoopGraph) {
+    let exact = IdGraph::exact(f);
+    let order = loops::expr_order(f);
+    let tv_order = loops::tensor_order(f, &order);
+    let lg = LoopGraph::build(f, &exact, &tv_order).unwrap();
+    (exact, lg)
+}
+
+fn extents(f: &Fusion, ids: &[crate::ir::IterDomainId]) -> Vec<String> {
+    ids.iter()
+        .map(|&i| f.scalars.render(f.ids[i].extent))
+        .collect()
+}
+
+/// x -> exp -> neg, each [BIDx, TIDx 32, 4], producer inlined at `pos`.
+fn chain(pos: i64, unroll: bool) -> (Fusion, TvId, TvId) {
+    let mut f = Fusion::new();
+    let x = f.define_tensor(&[-1], DataType::Float, None).unwrap();
+    let a = f.unary(UnaryOp::Exp, Operand::Tensor(x)).unwrap();
+    let b = f.unary(UnaryOp::Neg, Operand::Tensor(a)).unwrap();
+    f.add_output(b).unwrap();
+    for t in [a, b] {
+        f.split(t, 0, 128, true).unwrap();
+        f.split(t, 1, 4, true).unwrap();
+        f.parallelize(t, 0, ParallelType::BIDx).unwrap();
+        f.parallelize(t, 1, ParallelType::TIDx).unwrap();
+        if unroll {
+            f.parallelize(t, 2, ParallelType::Unroll).unwrap();
+        }
+    }
+    f.inline_at(a, pos).unwrap();
+    (f, a, b)
+}
+
+#[test]
+fn alloc_position_moves_out_of_unrolled_loops() {
+    let (f, a, _) = chain(3, false);
+    let (_, lg) = graphs(&f);
+    assert_eq!(domain::alloc_position(&f, &lg, a), 3);
+    let (f, a, _) = chain(3, true);
+    let (_, lg) = graphs(&f);
+    assert_eq!(
+        domain::alloc_position(&f, &lg, a),
+        2,
+        "the Unroll loop at axis 2 keeps its storage"
+    );
+}
+
+#[test]
+fn partitioned_and_size_one_ids_take_no_room() {
+    let (mut f, a, _) = chain(1, false);
+    let (_, lg) = graphs(&f);
+    let ld = f.tvs[a].loop_domain.clone();
+    assert!(
+        !domain::may_require_allocation(&f, &lg, a, ld[0]),
+        "BIDx partitions Local"
+    );
+    assert!(
+        !domain::may_require_allocation(&f, &lg, a, ld[1]),
+        "TIDx partitions Local"
+    );
+    assert!(domain::may_require_allocation(&f, &lg, a, ld[2]));
+    f.tvs[a].memory = MemoryType::Shared;
+    let (_, lg) = graphs(&f);
+    assert!(
+        domain::may_require_allocation(&f, &lg, a, ld[1]),
+        "Shared is shared across TIDx"
+    );
+    assert!(
+        !domain::may_require_allocation(&f, &lg, a, ld[0]),
+        "BIDx partitions Shared"
+    );
+}
+
+#[test]
+fn inferred_ids_and_strides() {
+    let (mut f, a, _) = chain(1, false);
+    let (exact, lg) = graphs(&f);
+    let (ids, contig) = domain::infer_ids(&f, &lg, &exact, a, 1).unwrap();
+    assert_eq!(extents(&f, &ids), ["4"]);
+    assert_eq!(contig, [Some(true)]);
+    f.tvs[a].memory = MemoryType::Shared;
+    let (exact, lg) = graphs(&f);
+    let (ids, contig) = domain::infer_ids(&f, &lg, &exact, a, 1).unwrap();
+    assert_eq!(extents(&f, &ids), ["32", "4"]);
+    let info = domain::allocation_info(&mut f, &lg, a, &ids, &contig, 0).unwrap();
+    let strides: Vec<String> = info.strides.iter().map(|&s| f.scalars.render(s)).collect();
+    assert_eq!(strides, ["4", "1"]);
+}
+
+#[test]
+fn non_contiguous_strides_come_from_runtime_strides() {
+    let mut f = Fusion::new();
+    let x = f
+        .define_tensor(
+            &[-1, -1, -1],
+            DataType::Float,
+            Some(&[Some(false), Some(true), Some(false)]),
+        )
+        .unwrap();
+    let y = f.unary(UnaryOp::Neg, Operand::Tensor(x)).unwrap();
+    f.add_output(y).unwrap();
+    let (exact, lg) = graphs(&f);
+    let (ids, contig) = domain::infer_ids(&f, &lg, &exact, x, 0).unwrap();
+    let info = domain::allocation_info(&mut f, &lg, x, &ids, &contig, 0).unwrap();
+    let strides: Vec<String> = info.strides.iter().map(|&s| f.scalars.render(s)).collect();
+    assert_eq!(
+        strides,
+        ["T0.stride[0]", "T0.stride[2] * i2", "T0.stride[2]"]
+    );
+    assert_eq!(info.contiguity, [false, true, false]);
+}
+
+#[test]
+fn reorder_follows_the_logical_order() {
+    let mut f = Fusion::new();
+    let x = f.define_tensor(&[-1, -1], DataType::Float, None).unwrap();
+    let y = f.unary(UnaryOp::Exp, Operand::Tensor(x)).unwrap();
+    f.add_output(y).unwrap();
+    f.split(y, 1, 4, true).unwrap(); // [i0, i1/4, 4]
+    f.reorder(y, &[(2, 0)]).unwrap(); // [4, i0, i1/4]
+    let ld = f.tvs[y].loop_domain.clone();
+    let r = domain::reorder_allocation_ids(&f, y, &ld).expect("reordered");
+    assert_eq!(extents(&f, &r), ["i0", "ceilDiv(i1, 4)", "4"]);
+    assert!(
+        domain::reorder_allocation_ids(&f, y, &r).is_none(),
+        "already in order"
+    );
+}
+
+#[test]
+fn indexed_producer_patch_replaces_derived_ids() {
+    let mut f = Fusion::new();
+    let x = f.define_tensor(&[-1, -1], DataType::Float, None).unwrap();
+    let idx = f.define_tensor(&[-1], DataType::Int, None).unwrap();
+    let t1 = f.unary(UnaryOp::Exp, Operand::Tensor(x)).unwrap();
+    let t2 = f.index_select(t1, idx, 0).unwrap();
+    f.add_output(t2).unwrap();
+    f.split(t1, 0, 4, true).unwrap();
+    let ld = f.tvs[t1].loop_domain.clone();
+    let patched = domain::patch_indexed_producer(&f, t1, &ld)
+        .unwrap()
+        .unwrap();
+    assert_eq!(patched, vec![f.tvs[t1].logical[0], ld[2]]);
+    // Without any id covering the indexed one the patch is an error, not a guess.
+    let e = domain::patch_indexed_producer(&f, t1, &ld[2..]).unwrap_err();
+    assert!(
+        e.message.contains("T2") && e.message.contains("iS"),
+        "{}",
+        e.message
+    );
+}
+
+#[test]
+fn grid_reduction_summary_and_top_level_allocations() {
+    let mut f = Fusion::new();
+    let x = f.define_tensor(&[-1, -1], DataType::Float, None).unwrap();
+    let s = f.reduction(ReductionOp::Sum, x, &[0], false, None).unwrap();
+    f.add_output(s).unwrap();
+    f.split(s, 0, 8, true).unwrap();
+    f.parallelize(s, 0, ParallelType::BIDx).unwrap();
+    f.parallelize(s, 2, ParallelType::BIDy).unwrap();
+    let k = lower(&f).unwrap();
+    let g = &k.summary.global_allocations;
+    assert_eq!(g.len(), 2);
+    assert!(k.summary.has_grid_reduction);
+    assert!(!g[0].zero_init && g[1].zero_init && !g[1].resets_to_zero);
+    assert_eq!(g[1].dtype, DataType::Int);
+    let tops = k
+        .body
+        .iter()
+        .take_while(|n| matches!(n, Node::Alloc(_)))
+        .count();
+    assert_eq!(
+        tops, 2,
+        "work buffer and semaphore are allocated at the top level"
+    );
+}
+
+#[test]
+fn loop_nest_shares_loops_of_inlined_producers() {
+    let (f, _, _) = chain(2, false);
+    let k = lower(&f).unwrap();
+    let text = k.to_text();
+    assert_eq!(text.matches("FOR blockIdx.x").count(), 1, "{text}");
+    assert_eq!(text.matches("FOR threadIdx.x").count(), 1, "{text}");
+    assert_eq!(
+        text.matches("FOR idx").count(),
+        2,
+        "each tensor keeps its own serial loop: {text}"
+    );
+}
