@@ -64,7 +64,8 @@ class LoweredKernel:
         for a in self.allocations:
             if a.tensor == tensor:
                 return a
-        raise KilnError(f"{tensor} has no allocation in this kernel (known: {[a.tensor for a in self.allocations]})")
+        known = [a.tensor for a in self.allocations]
+        raise KilnError(f"{tensor} has no allocation in this kernel (known: {known})")
 
     @property
     def allocations_text(self) -> str:

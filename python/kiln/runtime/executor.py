@@ -70,14 +70,27 @@ class CompiledKernel:
         return f"CompiledKernel({self.name!r}, arch={self.arch}, key={self.key[:12]})"
 
 
+# (device id, source, options, arch) -> _LoadedModule, and
 # (device id, source, kernel name, options, arch) -> CompiledKernel. Python caches str
 # hashes, so a hit costs no re-hash of the source text.
+class _LoadedModule:
+    __slots__ = ("key", "module", "registers", "spills")
+
+    def __init__(self, module: Any, key: str, registers: Dict[str, int], spills: Dict[str, int]) -> None:
+        self.module = module
+        self.key = key
+        self.registers = registers
+        self.spills = spills
+
+
+_MODULE_CACHE: Dict[Tuple[int, str, Tuple[str, ...], str], _LoadedModule] = {}
 _MEMORY_CACHE: Dict[Tuple[int, str, str, Tuple[str, ...], str], CompiledKernel] = {}
 
 
 def clear_memory_cache() -> None:
     """Forget every loaded module (the disk cache stays)."""
     _MEMORY_CACHE.clear()
+    _MODULE_CACHE.clear()
 
 
 def cache_dir() -> Path:
@@ -92,21 +105,21 @@ def device_arch() -> str:
     return f"sm_{cp.cuda.Device().compute_capability}"
 
 
-def _cache_key(source: str, name: str, options: Tuple[str, ...], arch: str) -> str:
+def _cache_key(source: str, options: Tuple[str, ...], arch: str) -> str:
     h = hashlib.sha256()
-    for part in (source, name, "\0".join(options), arch):
+    for part in (source, "\0".join(options), arch):
         h.update(part.encode())
         h.update(b"\x00\x01")
     return h.hexdigest()
 
 
 def _compile(
-    source: str, name: str, options: Tuple[str, ...], arch: str
-) -> Tuple[bytes, Optional[int], Optional[int]]:
-    """CUBIN bytes (+ registers/spills of ``name`` when known)."""
+    source: str, options: Tuple[str, ...], arch: str
+) -> Tuple[bytes, Dict[str, int], Dict[str, int]]:
+    """CUBIN bytes, plus registers/spills per kernel when the compile path reports them."""
     if _nvrtc.nvrtc_available():
-        res = _nvrtc.compile_cubin(source, f"{name}.cu", arch=arch, extra_options=options)
-        return res.cubin, res.registers.get(name), res.spills.get(name)
+        res = _nvrtc.compile_cubin(source, "kiln_kernel.cu", arch=arch, extra_options=options)
+        return res.cubin, res.registers, res.spills
     _cupy()
     from cupy.cuda import compiler  # type: ignore[import-not-found]
 
@@ -117,7 +130,7 @@ def _compile(
             source, tuple(opts), arch=arch[len("sm_") :], cache_in_memory=True
         )
     except compiler.CompileException as e:
-        raise KilnError(f"NVRTC (CuPy) failed to compile {name} for {arch}:\n{e}") from e
+        raise KilnError(f"NVRTC (CuPy) failed to compile for {arch}:\n{e}") from e
     if isinstance(binary, str):
         binary = binary.encode()
     if not binary.startswith(_ELF_MAGIC):
@@ -125,29 +138,19 @@ def _compile(
             f"CuPy's NVRTC produced PTX, not a CUBIN, for {arch} (is CUPY_COMPILE_WITH_PTX set, or is "
             "the device newer than NVRTC?); install cuda-bindings to compile with kiln's own NVRTC path"
         )
-    return bytes(binary), None, None
+    return bytes(binary), {}, {}
 
 
-def load_module(
-    source: str, kernel_name: str, arch: Optional[str] = None, options: Sequence[str] = ()
-) -> CompiledKernel:
-    """Compile (or fetch from the caches) ``source`` for ``arch`` (default: the current
-    device's ``sm_XX``) and return its kernel ``kernel_name`` (an ``extern "C"`` name or a
-    mangled one)."""
-    cp = _cupy()
-    dev = cp.cuda.Device()
-    if arch is None:
-        arch = f"sm_{dev.compute_capability}"
-    opts = tuple(options)
-    mkey = (dev.id, source, kernel_name, opts, arch)
-    hit = _MEMORY_CACHE.get(mkey)
+def _load_module(cp: Any, dev_id: int, source: str, opts: Tuple[str, ...], arch: str) -> _LoadedModule:
+    mkey = (dev_id, source, opts, arch)
+    hit = _MODULE_CACHE.get(mkey)
     if hit is not None:
         return hit
-
-    key = _cache_key(source, kernel_name, opts, arch)
+    key = _cache_key(source, opts, arch)
     path = cache_dir() / f"{key}.cubin"
     cubin: Optional[bytes] = None
-    regs = spills = None
+    regs: Dict[str, int] = {}
+    spills: Dict[str, int] = {}
     try:
         data = path.read_bytes()
         if data.startswith(_ELF_MAGIC):
@@ -155,7 +158,7 @@ def load_module(
     except OSError:
         pass
     if cubin is None:
-        cubin, regs, spills = _compile(source, kernel_name, opts, arch)
+        cubin, regs, spills = _compile(source, opts, arch)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
@@ -164,16 +167,37 @@ def load_module(
             os.replace(tmp, path)  # atomic: concurrent writers leave one whole file
         except OSError:
             pass  # a read-only cache is not an error
-
     module = cp.cuda.function.Module()
     module.load(cubin)
+    loaded = _LoadedModule(module, key, regs, spills)
+    _MODULE_CACHE[mkey] = loaded
+    return loaded
+
+
+def load_module(
+    source: str, kernel_name: str, arch: Optional[str] = None, options: Sequence[str] = ()
+) -> CompiledKernel:
+    """Compile (or fetch from the caches) ``source`` for ``arch`` (default: the current
+    device's ``sm_XX``) and return its kernel ``kernel_name`` (an ``extern "C"`` name or a
+    mangled one). Several kernels of one source share one compile and one module."""
+    cp = _cupy()
+    dev = cp.cuda.Device()
+    if arch is None:
+        arch = f"sm_{dev.compute_capability}"
+    opts = tuple(options)
+    kkey = (dev.id, source, kernel_name, opts, arch)
+    hit = _MEMORY_CACHE.get(kkey)
+    if hit is not None:
+        return hit
+    loaded = _load_module(cp, dev.id, source, opts, arch)
     try:
-        function = module.get_function(kernel_name)
+        function = loaded.module.get_function(kernel_name)
     except Exception as e:
         raise KilnError(f"kernel {kernel_name!r} not found in the compiled module for {arch}") from e
-    kernel = CompiledKernel(module, function, kernel_name, arch, key)
-    kernel.registers, kernel.spills = regs, spills
-    _MEMORY_CACHE[mkey] = kernel
+    kernel = CompiledKernel(loaded.module, function, kernel_name, arch, loaded.key)
+    kernel.registers = loaded.registers.get(kernel_name)
+    kernel.spills = loaded.spills.get(kernel_name)
+    _MEMORY_CACHE[kkey] = kernel
     return kernel
 
 

@@ -39,8 +39,9 @@ _INCLUDE_CANDIDATES = ("cu13/include", "cuda_runtime/include")
 class CompileResult:
     """A compiled CUBIN plus what ptxas said about each entry function.
 
-    ``registers``/``spills``/``spill_stores``/``spill_loads``/``stack_frame`` are keyed by
-    the entry function's name as ptxas prints it (the plain name for ``extern "C"``
+    ``registers`` (entry functions only) and ``spills``/``spill_stores``/``spill_loads``/
+    ``stack_frame`` (every function ptxas reports, non-inlined device functions included) are
+    keyed by the function's name as ptxas prints it (the plain name for ``extern "C"``
     kernels, the mangled one otherwise); names given as ``name_expressions`` are also
     keys. ``spills`` is spill-store bytes + spill-load bytes.
     """
@@ -129,10 +130,15 @@ _FRAME_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+
 _REGS_RE = re.compile(r"Used (\d+) registers")
 
 
+def _new_record() -> Dict[str, int]:
+    return {"entry": 0, "registers": 0, "spill_stores": 0, "spill_loads": 0, "stack_frame": 0}
+
+
 def parse_ptxas_log(log: str) -> Dict[str, Dict[str, int]]:
-    """Parse ``--ptxas-options=-v`` output into ``{entry: {registers, spill_stores,
-    spill_loads, stack_frame}}``. Properties of non-entry (non-inlined) device functions
-    are attributed to themselves, not to the entry being compiled."""
+    """Parse ``--ptxas-options=-v`` output into ``{function: {entry, registers,
+    spill_stores, spill_loads, stack_frame}}``. Non-entry (non-inlined) device functions,
+    e.g. libdevice's ``__internal_accurate_pow``, get their own record with ``entry`` 0
+    (their registers count towards the calling entry, as ptxas reports)."""
     out: Dict[str, Dict[str, int]] = {}
     entry: Optional[str] = None
     props_for: Optional[str] = None
@@ -140,7 +146,8 @@ def parse_ptxas_log(log: str) -> Dict[str, Dict[str, int]]:
         m = _ENTRY_RE.search(line)
         if m:
             entry = m.group(1)
-            out.setdefault(entry, {"registers": 0, "spill_stores": 0, "spill_loads": 0, "stack_frame": 0})
+            rec = out.setdefault(entry, _new_record())
+            rec["entry"] = 1
             props_for = None
             continue
         m = _PROPS_RE.search(line)
@@ -149,9 +156,7 @@ def parse_ptxas_log(log: str) -> Dict[str, Dict[str, int]]:
             continue
         m = _FRAME_RE.search(line)
         if m and props_for is not None:
-            rec = out.setdefault(
-                props_for, {"registers": 0, "spill_stores": 0, "spill_loads": 0, "stack_frame": 0}
-            )
+            rec = out.setdefault(props_for, _new_record())
             rec["stack_frame"] = int(m.group(1))
             rec["spill_stores"] = int(m.group(2))
             rec["spill_loads"] = int(m.group(3))
@@ -240,7 +245,8 @@ def compile_cubin(
     for fn, rec in stats.items():
         keys = [fn] + ([aliases[fn]] if fn in aliases else [])
         for k in keys:
-            res.registers[k] = rec["registers"]
+            if rec["entry"]:
+                res.registers[k] = rec["registers"]
             res.spill_stores[k] = rec["spill_stores"]
             res.spill_loads[k] = rec["spill_loads"]
             res.spills[k] = rec["spill_stores"] + rec["spill_loads"]

@@ -30,6 +30,8 @@ pub enum Symbol {
     ParallelIndex(ParallelType),
     /// blockDim/gridDim of a parallel type.
     ParallelDim(ParallelType),
+    /// A value read from an index tensor (index_select), printed `g{n}`.
+    Gathered(u32),
 }
 
 /// Integer binary operators of the scalar DAG.
@@ -410,6 +412,7 @@ pub fn render_symbol(s: Symbol, out: &mut String) {
         Symbol::LoopIndex(n) => write!(out, "idx{n}"),
         Symbol::ParallelIndex(p) => write!(out, "{}", parallel_index_name(p)),
         Symbol::ParallelDim(p) => write!(out, "{}", parallel_dim_name(p)),
+        Symbol::Gathered(n) => write!(out, "g{n}"),
     };
 }
 

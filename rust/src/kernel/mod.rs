@@ -19,7 +19,30 @@ pub struct ForLoop {
     pub index: ValId,
     pub extent: ValId,
     pub parallel: ParallelType,
+    /// For loops of a reduction-init nest: the loop axis of the initialised tensor.
+    pub init_axis: Option<usize>,
     pub body: Vec<Node>,
+}
+
+/// A data-dependent index: the value of `index_tv` at `at`, bound to symbol `Symbol::Gathered(id)`.
+#[derive(Clone, Debug)]
+pub struct Gather {
+    pub id: u32,
+    pub index_tv: TvId,
+    pub at: ValId,
+}
+
+/// Memory offsets and guard of one tensor access site (filled by indexing).
+#[derive(Clone, Debug)]
+pub struct AccessIndex {
+    /// Element offset of the written tensor.
+    pub out: ValId,
+    /// Element offset of each tensor operand (`None` for scalar operands).
+    pub inputs: Vec<Option<ValId>>,
+    /// Only compute where this holds (bounds of non-divisible splits, idle threads).
+    pub predicate: ValId,
+    /// Index-tensor reads this access depends on, in evaluation order.
+    pub gathers: Vec<Gather>,
 }
 
 /// What an `Allocate` reserves memory for.
@@ -58,12 +81,9 @@ pub enum Node {
     Loop(ForLoop),
     Alloc(Allocate),
     /// Fill `tv` with `value` at the current indices (reduction identity).
-    Init {
-        tv: TvId,
-        value: ValId,
-    },
+    Init { tv: TvId, value: ValId, index: Option<AccessIndex> },
     /// A tensor expression of the fusion, computed at the current indices.
-    Expr(ExprId),
+    Expr { expr: ExprId, index: Option<AccessIndex> },
     Sync(SyncKind),
 }
 
@@ -172,7 +192,7 @@ impl Kernel {
                     }
                 );
             }
-            Node::Init { tv, value } => {
+            Node::Init { tv, value, .. } => {
                 let _ = writeln!(
                     s,
                     "{pad}{} = {}  // init",
@@ -180,8 +200,8 @@ impl Kernel {
                     f.scalars.render(*value)
                 );
             }
-            Node::Expr(e) => {
-                let _ = writeln!(s, "{pad}{}", f.expr_short(&f.exprs[*e]));
+            Node::Expr { expr, .. } => {
+                let _ = writeln!(s, "{pad}{}", f.expr_short(&f.exprs[*expr]));
             }
             Node::Sync(k) => {
                 let _ = writeln!(

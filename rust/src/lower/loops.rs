@@ -105,6 +105,7 @@ pub fn run(f: &mut Fusion, lg: &LoopGraph, order: &[ExprId]) -> Result<(Vec<Node
                 index,
                 extent,
                 parallel: info.parallel,
+                init_axis: None,
                 body: Vec::new(),
             }));
             let Some(Node::Loop(l)) = cur.last_mut() else {
@@ -112,7 +113,7 @@ pub fn run(f: &mut Fusion, lg: &LoopGraph, order: &[ExprId]) -> Result<(Vec<Node
             };
             cur = &mut l.body;
         }
-        cur.push(Node::Expr(e));
+        cur.push(Node::Expr { expr: e, index: None });
     }
     Ok((body, next_index))
 }

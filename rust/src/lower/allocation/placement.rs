@@ -9,7 +9,7 @@ use crate::kernel::{ForLoop, Node};
 
 fn contains_expr(n: &Node, e: ExprId) -> bool {
     match n {
-        Node::Expr(x) => *x == e,
+        Node::Expr { expr, .. } => *expr == e,
         Node::Loop(l) => l.body.iter().any(|c| contains_expr(c, e)),
         _ => false,
     }
@@ -65,7 +65,7 @@ pub fn init_nest(
     value: ValId,
     next_index: &mut u32,
 ) -> Node {
-    let mut node = Node::Init { tv, value };
+    let mut node = Node::Init { tv, value, index: None };
     let ld = f.tvs[tv].loop_domain.clone();
     for a in (alloc_pos..ld.len()).rev() {
         let it = f.ids[ld[a]].iter_type;
@@ -94,6 +94,7 @@ pub fn init_nest(
             index,
             extent,
             parallel,
+            init_axis: Some(a),
             body: vec![node],
         });
     }
