@@ -275,7 +275,8 @@ def test_h_grid_column_reduction_buffers():
     k = fd.lower([arr(64, 300)]).kernels[0]
     work, sync = k.global_allocations
     assert work.name == f"{s.name}_work" and work.dtype == DataType.Float
-    assert work.shape == ("ceilDiv(i0, 4)", "ceilDiv(i1, 128)", "128")
+    # [segments (BIDy), reducing blocks (BIDx), threads per block]: the runtime's layout.
+    assert work.shape == ("ceilDiv(i1, 128)", "ceilDiv(i0, 4)", "128")
     assert (work.zero_init, work.resets_to_zero) == (False, False)
     assert sync.name == f"{s.name}_sync" and sync.dtype == DataType.Int
     assert sync.shape == ("ceilDiv(i1, 128)",)
@@ -292,7 +293,9 @@ def test_h_serial_grid_reduction_semaphore_resets_to_zero():
     fd, s = _column_sum(serial=True)
     k = fd.lower([arr(64, 300)]).kernels[0]
     work, sync = k.global_allocations
-    assert work.shape == ("i1",) and (work.zero_init, work.resets_to_zero) == (False, False)
+    # One running result per (segment, thread): [BIDy, TIDx].
+    assert work.shape == ("ceilDiv(i1, 128)", "128")
+    assert (work.zero_init, work.resets_to_zero) == (False, False)
     assert (sync.zero_init, sync.resets_to_zero) == (True, True)
     assert "resets_to_zero" in k.kernel_ir
 

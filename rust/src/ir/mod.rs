@@ -238,6 +238,8 @@ pub struct Fusion {
     /// Dtype of each runtime scalar input `s{n}`.
     pub scalar_input_dtypes: Vec<DataType>,
     next_extent: u32,
+    /// Where each symbolic extent `i{n}` comes from: (input tensor, logical axis).
+    pub extent_sources: Vec<(TvId, usize)>,
     /// True once any scheduling primitive was called; the auto-schedulers then stay out.
     pub manually_scheduled: bool,
 }

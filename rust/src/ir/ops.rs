@@ -34,6 +34,9 @@ impl Fusion {
             let id = match s {
                 -1 => {
                     let e = self.new_extent_symbol();
+                    // The tensor is created below with the next id.
+                    let tv_next = TvId::from_u32(self.tvs.len() as u32);
+                    self.extent_sources.push((tv_next, axis));
                     self.new_id(e, IterType::Iteration)
                 }
                 1 => {

@@ -247,6 +247,8 @@ impl Scalars {
             (Add | Sub, Some(0)) | (Mul | Div | CeilDiv, Some(1)) => return Some(a),
             (Mul, Some(0)) => return Some(self.int(0)),
             (Mod, Some(1)) => return Some(self.int(0)),
+            (And, Some(0)) => return Some(self.boolean(false)),
+            (And, Some(_)) if matches!(self.nodes[b], Val::Bool(_)) => return Some(a),
             _ => {}
         }
         if a == b {

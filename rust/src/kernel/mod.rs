@@ -41,6 +41,9 @@ pub struct AccessIndex {
     pub inputs: Vec<Option<ValId>>,
     /// Only compute where this holds (bounds of non-divisible splits, idle threads).
     pub predicate: ValId,
+    /// Guard of the write of a reduction's result: `predicate` without the bounds and
+    /// idle-thread guards of reduced ids (out-of-range threads still hold partials).
+    pub write_predicate: ValId,
     /// Index-tensor reads this access depends on, in evaluation order.
     pub gathers: Vec<Gather>,
 }
@@ -81,9 +84,16 @@ pub enum Node {
     Loop(ForLoop),
     Alloc(Allocate),
     /// Fill `tv` with `value` at the current indices (reduction identity).
-    Init { tv: TvId, value: ValId, index: Option<AccessIndex> },
+    Init {
+        tv: TvId,
+        value: ValId,
+        index: Option<AccessIndex>,
+    },
     /// A tensor expression of the fusion, computed at the current indices.
-    Expr { expr: ExprId, index: Option<AccessIndex> },
+    Expr {
+        expr: ExprId,
+        index: Option<AccessIndex>,
+    },
     Sync(SyncKind),
 }
 
@@ -125,6 +135,21 @@ pub struct AllocationInfo {
     pub resets_to_zero: bool,
 }
 
+/// Launch configuration as expressions of input sizes.
+#[derive(Clone, Debug)]
+pub struct LaunchParams {
+    /// gridDim.{x,y,z}.
+    pub grid: [ValId; 3],
+    /// blockDim.{x,y,z}.
+    pub block: [ValId; 3],
+    /// Dynamic shared memory in bytes (Shared tensors, then reduction workspace).
+    pub smem_bytes: ValId,
+    /// Byte offset of each Shared tensor in dynamic shared memory.
+    pub smem_offsets: Vec<(TvId, ValId)>,
+    /// Byte offset of the block-reduction workspace (blockDim.x*y*z elements of 8 bytes).
+    pub reduction_workspace: Option<ValId>,
+}
+
 /// One lowered kernel.
 #[derive(Clone, Debug)]
 pub struct Kernel {
@@ -134,6 +159,7 @@ pub struct Kernel {
     pub body: Vec<Node>,
     pub allocations: FxHashMap<TvId, AllocationInfo>,
     pub summary: KernelSummary,
+    pub launch: LaunchParams,
 }
 
 impl Kernel {
@@ -192,16 +218,18 @@ impl Kernel {
                     }
                 );
             }
-            Node::Init { tv, value, .. } => {
+            Node::Init { tv, value, index } => {
+                let note = self.index_note(index.as_ref());
                 let _ = writeln!(
                     s,
-                    "{pad}{} = {}  // init",
+                    "{pad}{} = {}  // init{note}",
                     f.tv_name(*tv),
                     f.scalars.render(*value)
                 );
             }
-            Node::Expr { expr, .. } => {
-                let _ = writeln!(s, "{pad}{}", f.expr_short(&f.exprs[*expr]));
+            Node::Expr { expr, index } => {
+                let note = self.index_note(index.as_ref());
+                let _ = writeln!(s, "{pad}{}{note}", f.expr_short(&f.exprs[*expr]));
             }
             Node::Sync(k) => {
                 let _ = writeln!(
@@ -211,6 +239,37 @@ impl Kernel {
                 );
             }
         }
+    }
+
+    /// `  @ [out offset] <- [input offsets] if predicate` for an indexed node.
+    fn index_note(&self, index: Option<&AccessIndex>) -> String {
+        let Some(ix) = index else {
+            return String::new();
+        };
+        let sc = &self.fusion.scalars;
+        let mut s = format!("  @ [{}]", sc.render(ix.out));
+        let ins: Vec<String> = ix
+            .inputs
+            .iter()
+            .flatten()
+            .map(|&v| format!("[{}]", sc.render(v)))
+            .collect();
+        if !ins.is_empty() {
+            let _ = write!(s, " <- {}", ins.join(", "));
+        }
+        for g in &ix.gathers {
+            let _ = write!(
+                s,
+                " with g{} = {}[{}]",
+                g.id,
+                self.fusion.tv_name(g.index_tv),
+                sc.render(g.at)
+            );
+        }
+        if sc.as_int(ix.predicate) != Some(1) {
+            let _ = write!(s, " if {}", sc.render(ix.predicate));
+        }
+        s
     }
 
     /// The allocation table as text (`KILN_DUMP=allocations`).

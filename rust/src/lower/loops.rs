@@ -113,7 +113,10 @@ pub fn run(f: &mut Fusion, lg: &LoopGraph, order: &[ExprId]) -> Result<(Vec<Node
             };
             cur = &mut l.body;
         }
-        cur.push(Node::Expr { expr: e, index: None });
+        cur.push(Node::Expr {
+            expr: e,
+            index: None,
+        });
     }
     Ok((body, next_index))
 }

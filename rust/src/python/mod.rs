@@ -4,6 +4,8 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+mod interp;
+
 use pyo3::prelude::*;
 use pyo3::types::PyModule;
 
@@ -15,7 +17,7 @@ use crate::ir::{
 };
 
 /// Raise `err` as `kiln.KilnError` (or `kiln.KilnTypeError`).
-fn to_py(py: Python<'_>, err: KilnError) -> PyErr {
+pub(crate) fn to_py(py: Python<'_>, err: KilnError) -> PyErr {
     let class = match err.kind {
         ErrorKind::Type => "KilnTypeError",
         _ => "KilnError",
@@ -30,7 +32,7 @@ fn to_py(py: Python<'_>, err: KilnError) -> PyErr {
 }
 
 /// Run `f`, turning both `KilnError`s and panics into Python exceptions.
-fn guarded<T>(py: Python<'_>, f: impl FnOnce() -> crate::Result<T>) -> PyResult<T> {
+pub(crate) fn guarded<T>(py: Python<'_>, f: impl FnOnce() -> crate::Result<T>) -> PyResult<T> {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => Err(to_py(py, e)),
@@ -544,7 +546,7 @@ impl PyFusion {
 /// A lowered kernel: kernel IR text, allocation records, global buffers.
 #[pyclass(name = "Kernel", module = "kiln._core", frozen)]
 pub struct PyKernel {
-    inner: crate::kernel::Kernel,
+    pub(crate) inner: crate::kernel::Kernel,
 }
 
 #[pymethods]
@@ -622,6 +624,7 @@ impl PyKernel {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyFusion>()?;
     m.add_class::<PyKernel>()?;
+    interp::register(m)?;
     m.add(
         "DTYPES",
         DataType::ALL

@@ -4,55 +4,94 @@
 //! serial protocol also returns it to zero, so a host may reuse a zeroed pool.
 
 use crate::analysis::loop_graph::LoopGraph;
+use crate::bail;
 use crate::error::Result;
-use crate::ir::{DataType, Fusion, IterType, TvId};
+use crate::ir::{DataType, Fusion, IterType, MemoryType, ParallelType, TvId, ValId};
 use crate::kernel::GlobalBuffer;
 
+/// Launch extent of `pt`: the largest extent of any loop group mapped to it (1 if none).
+pub fn launch_extent(f: &mut Fusion, lg: &LoopGraph, pt: ParallelType) -> ValId {
+    let mut exts: Vec<ValId> = Vec::new();
+    for g in &lg.groups {
+        if g.parallel == pt {
+            let e = f.ids[g.promoted].extent;
+            if !exts.contains(&e) {
+                exts.push(e);
+            }
+        }
+    }
+    let one = f.scalars.int(1);
+    exts.into_iter()
+        .reduce(|a, b| f.scalars.max(a, b))
+        .unwrap_or(one)
+}
+
 /// Buffers for `tv` if it is the output of a grid reduction; empty otherwise.
+///
+/// Sizes follow the runtime's protocols (`runtime.cuh`): with NSEG output segments
+/// (non-reduced grid dims), G reducing blocks and P non-reduced threads per block, the
+/// normal work buffer holds NSEG*G*P partials, the serial one NSEG*P running results,
+/// and there is one int64 semaphore per segment.
 pub fn grid_reduction_buffers(
     f: &mut Fusion,
     lg: &LoopGraph,
     tv: TvId,
 ) -> Result<Vec<GlobalBuffer>> {
     let ld = f.tvs[tv].loop_domain.clone();
-    let par = |a: usize| lg.groups[lg.group(tv, a)].parallel;
-    let is_grid =
-        (0..ld.len()).any(|a| f.ids[ld[a]].iter_type == IterType::Reduction && par(a).is_block());
-    if !is_grid {
+    let mut reduced: Vec<ParallelType> = Vec::new();
+    for (a, &id) in ld.iter().enumerate() {
+        let p = lg.groups[lg.group(tv, a)].parallel;
+        if f.ids[id].iter_type == IterType::Reduction && p.is_thread_or_block() {
+            reduced.push(p);
+        }
+    }
+    if !reduced.iter().any(|p| p.is_block()) {
         return Ok(Vec::new());
     }
     let name = f.tv_name(tv);
-    let serial = f.tvs[tv].serial_grid_reduction;
-    // One semaphore per output segment: the non-reduced block dims.
-    let mut seg = Vec::new();
-    for (a, &id) in ld.iter().enumerate() {
-        if par(a).is_block() && f.ids[id].iter_type != IterType::Reduction {
-            seg.push(f.ids[lg.promoted(tv, a)].extent);
-        }
+    if f.tvs[tv].memory != MemoryType::Global {
+        bail!(
+            "{name} is reduced across blocks but lives in {} memory; only one block would hold the result, so a grid reduction's output must be Global (make it a fusion output or set_memory_type(Global))",
+            f.tvs[tv].memory.enum_name()
+        );
     }
-    let segments = f.scalars.product(seg);
-    let work_shape = if serial {
-        // Serial: the running result of every output element lives in the work buffer.
-        f.no_reduction_logical(tv)
-            .iter()
-            .map(|&id| f.ids[id].extent)
-            .filter(|&e| !f.scalars.is_const(e, 1))
-            .collect()
-    } else {
-        // One partial per (block, thread) that takes part.
-        let mut v = Vec::new();
-        for (a, _) in ld.iter().enumerate() {
-            if par(a).is_thread_or_block() {
-                v.push(f.ids[lg.promoted(tv, a)].extent);
-            }
-        }
-        v
+    let serial = f.tvs[tv].serial_grid_reduction;
+    let product = |f: &mut Fusion, lg: &LoopGraph, types: &[ParallelType]| -> ValId {
+        let exts: Vec<ValId> = types.iter().map(|&p| launch_extent(f, lg, p)).collect();
+        f.scalars.product(exts)
     };
-    let work_shape = if work_shape.is_empty() {
-        vec![f.scalars.int(1)]
+    let blocks = [ParallelType::BIDx, ParallelType::BIDy, ParallelType::BIDz];
+    let threads = [ParallelType::TIDx, ParallelType::TIDy, ParallelType::TIDz];
+    let seg_types: Vec<ParallelType> = blocks
+        .iter()
+        .copied()
+        .filter(|p| !reduced.contains(p))
+        .collect();
+    let red_block_types: Vec<ParallelType> = blocks
+        .iter()
+        .copied()
+        .filter(|p| reduced.contains(p))
+        .collect();
+    let out_thread_types: Vec<ParallelType> = threads
+        .iter()
+        .copied()
+        .filter(|p| !reduced.contains(p))
+        .collect();
+    let nseg = product(f, lg, &seg_types);
+    let g = product(f, lg, &red_block_types);
+    let p = product(f, lg, &out_thread_types);
+    let dims = if serial {
+        vec![nseg, p]
     } else {
-        work_shape
+        vec![nseg, g, p]
     };
+    let mut work_shape: Vec<ValId> = dims
+        .into_iter()
+        .filter(|&d| !f.scalars.is_const(d, 1))
+        .collect();
+    if work_shape.is_empty() {
+        work_shape.push(f.scalars.int(1));
+    }
     Ok(vec![
         GlobalBuffer {
             name: format!("{name}_work"),
@@ -66,7 +105,7 @@ pub fn grid_reduction_buffers(
             name: format!("{name}_sync"),
             tv: None,
             dtype: DataType::Int,
-            shape: vec![segments],
+            shape: vec![nseg],
             zero_init: true,
             resets_to_zero: serial,
         },

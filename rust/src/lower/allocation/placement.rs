@@ -65,7 +65,11 @@ pub fn init_nest(
     value: ValId,
     next_index: &mut u32,
 ) -> Node {
-    let mut node = Node::Init { tv, value, index: None };
+    let mut node = Node::Init {
+        tv,
+        value,
+        index: None,
+    };
     let ld = f.tvs[tv].loop_domain.clone();
     for a in (alloc_pos..ld.len()).rev() {
         let it = f.ids[ld[a]].iter_type;

@@ -1,0 +1,413 @@
+//! Indexing and predicates.
+//! Consumes: the loop nest with allocations and the AllocationInfo table. Produces: for
+//! every expr and init, the element offset of each tensor access (through the
+//! transforms to the allocation ids, times their strides), the index-tensor reads of
+//! gathers, and a predicate. Guarantees: an access whose predicate holds is inside its
+//! allocation; out-of-range elements of non-divisible splits and idle threads are
+//! predicated off.
+
+use rustc_hash::FxHashMap;
+
+use crate::analysis::loop_graph::LoopGraph;
+use crate::bail_internal;
+use crate::error::Result;
+use crate::ir::mapping::logical_pairs;
+use crate::ir::scalar::ScalarOp;
+use crate::ir::{
+    ExprId, Fusion, IterDomainId, IterType, Op, Operand, ParallelType, Symbol, Transform, TvId,
+    ValId,
+};
+use crate::kernel::{AccessIndex, AllocationInfo, Gather, Node};
+
+/// An enclosing loop as indexing sees it.
+#[derive(Clone, Copy)]
+struct Enclosing {
+    group: Option<usize>,
+    init_axis: Option<usize>,
+    index: ValId,
+    extent: ValId,
+    parallel: ParallelType,
+}
+
+struct Ctx<'a> {
+    lg: &'a LoopGraph,
+    allocs: &'a FxHashMap<TvId, AllocationInfo>,
+    /// Parallel types whose loops do not all have the same extent: those need `index < extent`.
+    ragged: Vec<ParallelType>,
+    next_gather: u32,
+}
+
+/// Fill `AccessIndex` into every Expr and Init node of `body`.
+pub fn run(
+    f: &mut Fusion,
+    lg: &LoopGraph,
+    allocs: &FxHashMap<TvId, AllocationInfo>,
+    body: &mut [Node],
+) -> Result<()> {
+    let mut extents: FxHashMap<ParallelType, Vec<ValId>> = FxHashMap::default();
+    collect_parallel_extents(body, &mut extents);
+    let ragged = extents
+        .into_iter()
+        .filter(|(_, v)| v.len() > 1)
+        .map(|(p, _)| p)
+        .collect();
+    let mut ctx = Ctx {
+        lg,
+        allocs,
+        ragged,
+        next_gather: 0,
+    };
+    let mut stack = Vec::new();
+    walk(f, &mut ctx, body, &mut stack)
+}
+
+fn collect_parallel_extents(body: &[Node], out: &mut FxHashMap<ParallelType, Vec<ValId>>) {
+    for n in body {
+        if let Node::Loop(l) = n {
+            if l.parallel.is_thread_or_block() {
+                let v = out.entry(l.parallel).or_default();
+                if !v.contains(&l.extent) {
+                    v.push(l.extent);
+                }
+            }
+            collect_parallel_extents(&l.body, out);
+        }
+    }
+}
+
+fn walk(
+    f: &mut Fusion,
+    ctx: &mut Ctx,
+    body: &mut [Node],
+    stack: &mut Vec<Enclosing>,
+) -> Result<()> {
+    for n in body.iter_mut() {
+        match n {
+            Node::Loop(l) => {
+                stack.push(Enclosing {
+                    group: l.group,
+                    init_axis: l.init_axis,
+                    index: l.index,
+                    extent: l.extent,
+                    parallel: l.parallel,
+                });
+                walk(f, ctx, &mut l.body, stack)?;
+                stack.pop();
+            }
+            Node::Expr { expr, index } => *index = Some(index_expr(f, ctx, *expr, stack)?),
+            Node::Init { tv, index, .. } => *index = Some(index_init(f, ctx, *tv, stack)?),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Index of each promoted loop id of the enclosing loops.
+fn group_indices(ctx: &Ctx, stack: &[Enclosing]) -> FxHashMap<IterDomainId, ValId> {
+    let mut m = FxHashMap::default();
+    for l in stack {
+        if let Some(g) = l.group {
+            m.insert(ctx.lg.groups[g].promoted, l.index);
+        }
+    }
+    m
+}
+
+/// Indices of all of `tv`'s ids from its loop-id indices, walking transforms backward.
+fn backward(f: &mut Fusion, tv: TvId, idx: &mut FxHashMap<IterDomainId, ValId>) {
+    for t in f.transforms_of(tv).into_iter().rev() {
+        match f.transforms[t] {
+            Transform::Split {
+                input,
+                outer,
+                inner,
+                ..
+            } => {
+                if let (Some(&o), Some(&i)) = (idx.get(&outer), idx.get(&inner)) {
+                    let ie = f.ids[inner].extent;
+                    let m = f.scalars.mul(o, ie);
+                    let v = f.scalars.add(m, i);
+                    idx.insert(input, v);
+                }
+            }
+            Transform::Merge { outer, inner, out } => {
+                if let Some(&o) = idx.get(&out) {
+                    let ie = f.ids[inner].extent;
+                    let a = f.scalars.div(o, ie);
+                    let b = f.scalars.rem(o, ie);
+                    idx.insert(outer, a);
+                    idx.insert(inner, b);
+                }
+            }
+        }
+    }
+}
+
+/// Indices of `tv`'s derived ids from its logical-id indices, walking transforms forward.
+fn forward(f: &mut Fusion, tv: TvId, idx: &mut FxHashMap<IterDomainId, ValId>) {
+    for t in f.transforms_of(tv) {
+        match f.transforms[t] {
+            Transform::Split {
+                input,
+                outer,
+                inner,
+                ..
+            } => {
+                if let Some(&v) = idx.get(&input) {
+                    let ie = f.ids[inner].extent;
+                    let a = f.scalars.div(v, ie);
+                    let b = f.scalars.rem(v, ie);
+                    idx.entry(outer).or_insert(a);
+                    idx.entry(inner).or_insert(b);
+                }
+            }
+            Transform::Merge { outer, inner, out } => {
+                if let (Some(&o), Some(&i)) = (idx.get(&outer), idx.get(&inner)) {
+                    let ie = f.ids[inner].extent;
+                    let m = f.scalars.mul(o, ie);
+                    let v = f.scalars.add(m, i);
+                    idx.entry(out).or_insert(v);
+                }
+            }
+        }
+    }
+}
+
+/// Linear offset of `tv` given indices of its ids (or of promoted ids of enclosing loops).
+fn offset(
+    f: &mut Fusion,
+    ctx: &Ctx,
+    tv: TvId,
+    idx: &FxHashMap<IterDomainId, ValId>,
+    groups: &FxHashMap<IterDomainId, ValId>,
+) -> Result<ValId> {
+    let Some(info) = ctx.allocs.get(&tv) else {
+        bail_internal!("{} has no allocation info", f.tv_name(tv));
+    };
+    let mut acc = f.scalars.int(0);
+    for (&id, &stride) in info.ids.iter().zip(&info.strides) {
+        let Some(&i) = idx.get(&id).or_else(|| groups.get(&id)) else {
+            bail_internal!(
+                "no index for allocation id {} of {}",
+                f.id_label(id),
+                f.tv_name(tv)
+            );
+        };
+        let term = f.scalars.mul(i, stride);
+        acc = f.scalars.add(acc, term);
+    }
+    Ok(acc)
+}
+
+/// True when the split chain below logical id `l` may produce indices past its extent.
+fn needs_bound(f: &Fusion, l: IterDomainId) -> bool {
+    let mut stack = vec![l];
+    while let Some(id) = stack.pop() {
+        let Some(t) = f.ids[id].use_ else { continue };
+        match f.transforms[t] {
+            Transform::Split {
+                input,
+                factor,
+                outer,
+                inner,
+                ..
+            } => {
+                let divisible = matches!((f.scalars.as_int(f.ids[input].extent), f.scalars.as_int(factor)), (Some(e), Some(k)) if k > 0 && e % k == 0);
+                if !divisible {
+                    return true;
+                }
+                stack.push(outer);
+                stack.push(inner);
+            }
+            Transform::Merge { out, .. } => stack.push(out),
+        }
+    }
+    false
+}
+
+/// Bounds on `tv`'s logical ids and idle-thread guards of the enclosing loops.
+fn predicate(
+    f: &mut Fusion,
+    ctx: &Ctx,
+    tv: TvId,
+    idx: &FxHashMap<IterDomainId, ValId>,
+    stack: &[Enclosing],
+    skip_reductions: bool,
+) -> ValId {
+    let mut pred = f.scalars.boolean(true);
+    for l in f.tvs[tv].logical.clone() {
+        let it = f.ids[l].iter_type;
+        if it == IterType::Broadcast
+            || (skip_reductions && it == IterType::Reduction)
+            || !needs_bound(f, l)
+        {
+            continue;
+        }
+        if let Some(&i) = idx.get(&l) {
+            let e = f.ids[l].extent;
+            let c = f.scalars.lt(i, e);
+            pred = f.scalars.binary(ScalarOp::And, pred, c);
+        }
+    }
+    for l in stack {
+        let reduced = l
+            .group
+            .is_some_and(|g| f.ids[ctx.lg.groups[g].promoted].iter_type == IterType::Reduction);
+        if skip_reductions && reduced {
+            continue;
+        }
+        if ctx.ragged.contains(&l.parallel) {
+            let c = f.scalars.lt(l.index, l.extent);
+            pred = f.scalars.binary(ScalarOp::And, pred, c);
+        }
+    }
+    pred
+}
+
+fn consumer_indices(
+    f: &mut Fusion,
+    ctx: &Ctx,
+    tv: TvId,
+    stack: &[Enclosing],
+) -> Result<FxHashMap<IterDomainId, ValId>> {
+    let mut idx = FxHashMap::default();
+    let ld = f.tvs[tv].loop_domain.clone();
+    for (a, &id) in ld.iter().enumerate() {
+        let g = ctx.lg.group(tv, a);
+        let Some(l) = stack.iter().rev().find(|l| l.group == Some(g)) else {
+            bail_internal!(
+                "{} axis {a}: its loop does not enclose the expression",
+                f.tv_name(tv)
+            );
+        };
+        idx.insert(id, l.index);
+    }
+    backward(f, tv, &mut idx);
+    Ok(idx)
+}
+
+fn index_expr(
+    f: &mut Fusion,
+    ctx: &mut Ctx,
+    e: ExprId,
+    stack: &[Enclosing],
+) -> Result<AccessIndex> {
+    let c = f.exprs[e].output;
+    let groups = group_indices(ctx, stack);
+    let cidx = consumer_indices(f, ctx, c, stack)?;
+    let out = offset(f, ctx, c, &cidx, &groups)?;
+    let mut inputs = Vec::new();
+    let mut gathers = Vec::new();
+    let operands = f.exprs[e].inputs.clone();
+    for (pos, op) in operands.iter().enumerate() {
+        let Operand::Tensor(p) = *op else {
+            inputs.push(None);
+            continue;
+        };
+        let mut pidx: FxHashMap<IterDomainId, ValId> = FxHashMap::default();
+        for (pid, cid) in logical_pairs(f, e, pos) {
+            if let Some(&v) = cidx.get(&cid) {
+                pidx.insert(pid, v);
+            }
+        }
+        let zero = f.scalars.int(0);
+        for pid in f.tvs[p].logical.clone() {
+            if f.ids[pid].iter_type != IterType::Iteration {
+                pidx.insert(pid, zero);
+            }
+        }
+        if let (Op::IndexSelect { dim }, 0) = (&f.exprs[e].op, pos) {
+            // The selected position is the index tensor's value at the consumer's `dim` index.
+            let idx_tv = operands[1]
+                .tensor()
+                .expect("index_select takes a tensor index");
+            let sel = f.no_reduction_logical(p)[*dim];
+            let at = index_operand(f, ctx, e, 1, idx_tv, &cidx, &groups, stack)?;
+            let id = ctx.next_gather;
+            ctx.next_gather += 1;
+            gathers.push(Gather {
+                id,
+                index_tv: idx_tv,
+                at,
+            });
+            let g = f.scalars.symbol(Symbol::Gathered(id));
+            pidx.insert(sel, g);
+        }
+        // Loop ids shared with the enclosing loops use the loop index itself.
+        for (a, &id) in f.tvs[p].loop_domain.clone().iter().enumerate() {
+            if a < f.tvs[p].inline_pos {
+                let g = ctx.lg.group(p, a);
+                if let Some(l) = stack.iter().rev().find(|l| l.group == Some(g)) {
+                    pidx.insert(id, l.index);
+                }
+            }
+        }
+        forward(f, p, &mut pidx);
+        inputs.push(Some(offset(f, ctx, p, &pidx, &groups)?));
+    }
+    let pred = predicate(f, ctx, c, &cidx, stack, false);
+    let write_pred = predicate(f, ctx, c, &cidx, stack, true);
+    Ok(AccessIndex {
+        out,
+        inputs,
+        predicate: pred,
+        write_predicate: write_pred,
+        gathers,
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn index_operand(
+    f: &mut Fusion,
+    ctx: &Ctx,
+    e: ExprId,
+    pos: usize,
+    p: TvId,
+    cidx: &FxHashMap<IterDomainId, ValId>,
+    groups: &FxHashMap<IterDomainId, ValId>,
+    stack: &[Enclosing],
+) -> Result<ValId> {
+    let mut pidx: FxHashMap<IterDomainId, ValId> = FxHashMap::default();
+    for (pid, cid) in logical_pairs(f, e, pos) {
+        if let Some(&v) = cidx.get(&cid) {
+            pidx.insert(pid, v);
+        }
+    }
+    for (a, &id) in f.tvs[p].loop_domain.clone().iter().enumerate() {
+        if a < f.tvs[p].inline_pos {
+            let g = ctx.lg.group(p, a);
+            if let Some(l) = stack.iter().rev().find(|l| l.group == Some(g)) {
+                pidx.insert(id, l.index);
+            }
+        }
+    }
+    forward(f, p, &mut pidx);
+    offset(f, ctx, p, &pidx, groups)
+}
+
+fn index_init(f: &mut Fusion, ctx: &mut Ctx, tv: TvId, stack: &[Enclosing]) -> Result<AccessIndex> {
+    let groups = group_indices(ctx, stack);
+    let mut idx = FxHashMap::default();
+    let zero = f.scalars.int(0);
+    let ld = f.tvs[tv].loop_domain.clone();
+    for (a, &id) in ld.iter().enumerate() {
+        let g = ctx.lg.group(tv, a);
+        let v = stack
+            .iter()
+            .rev()
+            .find(|l| l.init_axis == Some(a) || (l.init_axis.is_none() && l.group == Some(g)))
+            .map(|l| l.index)
+            .unwrap_or(zero);
+        idx.insert(id, v);
+    }
+    backward(f, tv, &mut idx);
+    let out = offset(f, ctx, tv, &idx, &groups)?;
+    let pred = predicate(f, ctx, tv, &idx, stack, true);
+    Ok(AccessIndex {
+        out,
+        inputs: Vec::new(),
+        predicate: pred,
+        write_predicate: pred,
+        gathers: Vec::new(),
+    })
+}
