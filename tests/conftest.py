@@ -73,3 +73,42 @@ def reduction() -> Reduction:
         out = fd.ops.neg(r)
         fd.add_output(out)
     return Reduction(fd, x, r, out)
+
+
+# -- every kernel the suite generates compiles with NVRTC (sm_90), without spills --------
+_COMPILED: dict = {}
+
+
+def _nvrtc_ready() -> bool:
+    try:
+        from kiln.runtime.nvrtc import nvrtc_available
+
+        return nvrtc_available()
+    except Exception:
+        return False
+
+
+@pytest.fixture(autouse=True)
+def _compile_generated_kernels():
+    """After each test, compile each kernel it lowered; a compile error or spill fails it."""
+    from kiln import KilnError
+    from kiln.lowering import take_generated
+
+    take_generated()
+    yield
+    kernels = take_generated()
+    if not kernels or not _nvrtc_ready():
+        return
+    from kiln.runtime.nvrtc import compile_cubin
+
+    for k in kernels:
+        try:
+            src = k.cuda_source
+        except KilnError:
+            continue  # codegen refused the schedule with a user-facing error: nothing to compile
+        if src not in _COMPILED:
+            res = compile_cubin(src, k.kernel_name, arch="sm_90")
+            _COMPILED[src] = res
+        res = _COMPILED[src]
+        spills = {n: s for n, s in res.spills.items() if s}
+        assert not spills, f"kernel spills registers: {spills}\n{res.log}"

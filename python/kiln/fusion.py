@@ -137,6 +137,22 @@ class FusionDefinition:
             print(kernel.allocations_text)
         return LoweredFusion([kernel])
 
+    # -- execution -------------------------------------------------------------------
+    def _lowered(self) -> LoweredKernel:
+        """The lowered kernel of the current schedule (re-lowered when the schedule changes)."""
+        cached = getattr(self, "_lowered_cache", None)
+        if cached is not None and cached[0] == self._core.version:
+            return cached[1]
+        kernel = LoweredKernel(self._core.lower())
+        self._lowered_cache = (self._core.version, kernel)
+        return kernel
+
+    def execute(self, inputs: Sequence[Any], device: Optional[str] = None) -> List[Any]:
+        """Run the fusion: on the GPU for CuPy/torch inputs, in the CPU interpreter for NumPy."""
+        from .execute import execute  # noqa: PLC0415
+
+        return execute(self, inputs, device)
+
     # -- helpers ---------------------------------------------------------------------
     def _tensor(self, t: object, what: str) -> int:
         if not isinstance(t, Tensor):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from ._errors import KilnError, KilnTypeError
 from .enums import DataType, MemoryType
@@ -58,6 +58,28 @@ class LoweredKernel:
         self.global_allocations: List[GlobalBuffer] = [
             GlobalBuffer(n, DataType(d), tuple(s), z, r) for (n, d, s, z, r) in core.global_allocations()
         ]
+        self._cuda: Optional[Tuple[str, str, list]] = None
+        _GENERATED.append(self)
+
+    def _codegen(self) -> Tuple[str, str, list]:
+        if self._cuda is None:
+            self._cuda = self._core.cuda()
+        return self._cuda
+
+    @property
+    def cuda_source(self) -> str:
+        """The CUDA C++ translation unit (runtime header + kernel)."""
+        return self._codegen()[0]
+
+    @property
+    def kernel_name(self) -> str:
+        """Name of the ``__global__`` function in :attr:`cuda_source`."""
+        return self._codegen()[1]
+
+    @property
+    def params(self) -> list:
+        """Kernel parameters in order: (name, kind, index, axis, dtype)."""
+        return self._codegen()[2]
 
     def allocation(self, tensor: str) -> AllocationInfo:
         """The AllocationInfo of tensor ``tensor`` (e.g. ``"T3"``)."""
@@ -74,6 +96,17 @@ class LoweredKernel:
 
     def __repr__(self) -> str:
         return self.kernel_ir
+
+
+# Kernels lowered in this process, so test suites can compile every one of them.
+_GENERATED: List[LoweredKernel] = []
+
+
+def take_generated() -> List[LoweredKernel]:
+    """Kernels lowered since the last call (and forget them)."""
+    out = list(_GENERATED)
+    _GENERATED.clear()
+    return out
 
 
 class LoweredFusion:

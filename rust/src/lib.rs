@@ -2,7 +2,9 @@
 //! `python` feature adds the PyO3 bindings that the `kiln` Python package loads.
 
 pub mod analysis;
+pub mod codegen;
 pub mod error;
+pub mod host;
 pub mod ir;
 pub mod kernel;
 pub mod lower;

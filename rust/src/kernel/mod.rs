@@ -160,6 +160,8 @@ pub struct Kernel {
     pub allocations: FxHashMap<TvId, AllocationInfo>,
     pub summary: KernelSummary,
     pub launch: LaunchParams,
+    /// Extents that must be equal at run time, with what combines them.
+    pub size_constraints: Vec<(ValId, ValId, String)>,
 }
 
 impl Kernel {

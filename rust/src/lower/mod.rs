@@ -5,7 +5,8 @@
 //! 3. `loops`      — loop nest generation
 //! 4. `allocation` — allocation domains, Allocate placement, reduction inits, global buffers
 //! 5. `indexing`   — element offsets of every access, gathers, predicates
-//! 6. `launch`     — grid/block dims and the dynamic shared memory layout
+//! 6. `syncs`      — block syncs for Shared memory RAW/WAR hazards
+//! 7. `launch`     — grid/block dims and the dynamic shared memory layout
 //!
 //! Passes hand results on explicitly (kernel IR plus side tables); none reaches into
 //! another's internals.
@@ -14,6 +15,7 @@ pub mod allocation;
 pub mod indexing;
 pub mod launch;
 pub mod loops;
+pub mod syncs;
 pub mod validate;
 
 use crate::analysis::id_graph::IdGraph;
@@ -33,6 +35,8 @@ pub fn lower(fusion: &Fusion) -> Result<Kernel> {
     let (mut body, mut next_index) = loops::run(&mut f, &lg, &order)?;
     let alloc = allocation::run(&mut f, &lg, &exact, &order, &mut body, &mut next_index)?;
     indexing::run(&mut f, &lg, &alloc.allocations, &mut body)?;
+    syncs::run(&f, &mut body);
+    let size_constraints = size_constraints(&f);
     let launch = launch::run(&mut f, &body);
     Ok(Kernel {
         fusion: f,
@@ -41,7 +45,39 @@ pub fn lower(fusion: &Fusion) -> Result<Kernel> {
         allocations: alloc.allocations,
         summary: alloc.summary,
         launch,
+        size_constraints,
     })
+}
+
+/// Pairs of extents an expr aligns (both iteration ids): they must agree at run time.
+fn size_constraints(f: &Fusion) -> Vec<(crate::ir::ValId, crate::ir::ValId, String)> {
+    let mut out = Vec::new();
+    for e in f.topo_exprs() {
+        for pos in 0..f.exprs[e].inputs.len() {
+            let Some(p) = f.exprs[e].inputs[pos].tensor() else {
+                continue;
+            };
+            for (pid, cid) in crate::ir::mapping::logical_pairs(f, e, pos) {
+                let (a, b) = (&f.ids[pid], &f.ids[cid]);
+                if a.iter_type == crate::ir::IterType::Broadcast
+                    || b.iter_type == crate::ir::IterType::Broadcast
+                    || a.extent == b.extent
+                {
+                    continue;
+                }
+                let c = f.exprs[e].output;
+                let axis = f.tvs[c].logical.iter().position(|&x| x == cid).unwrap_or(0);
+                let what = format!(
+                    "{} axis {axis} and its input {} ({})",
+                    f.tv_name(c),
+                    f.tv_name(p),
+                    f.expr_short(&f.exprs[e])
+                );
+                out.push((a.extent, b.extent, what));
+            }
+        }
+    }
+    out
 }
 
 #[cfg(test)]

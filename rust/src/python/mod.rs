@@ -61,6 +61,8 @@ type PyOperand = (bool, u32);
 #[pyclass(name = "Fusion", module = "kiln._core")]
 pub struct PyFusion {
     inner: Fusion,
+    /// Bumped by every mutation, so Python can tell when a cached lowering is stale.
+    version: u64,
 }
 
 impl PyFusion {
@@ -106,6 +108,7 @@ impl PyFusion {
     fn new() -> Self {
         Self {
             inner: Fusion::new(),
+            version: 0,
         }
     }
 
@@ -118,6 +121,7 @@ impl PyFusion {
         dtype: &str,
         contiguity: Option<Vec<Option<bool>>>,
     ) -> PyResult<u32> {
+        self.version += 1;
         guarded(py, || {
             let dt = Fusion::parse_dtype(dtype)?;
             Ok(self
@@ -129,6 +133,7 @@ impl PyFusion {
 
     /// Declare a runtime scalar input; returns its scalar id.
     fn define_scalar(&mut self, py: Python<'_>, dtype: &str) -> PyResult<u32> {
+        self.version += 1;
         guarded(py, || {
             Ok(self
                 .inner
@@ -139,19 +144,23 @@ impl PyFusion {
 
     /// An integer constant scalar.
     fn const_int(&mut self, v: i64) -> u32 {
+        self.version += 1;
         self.inner.scalars.int(v).as_u32()
     }
     /// A float constant scalar.
     fn const_float(&mut self, v: f64) -> u32 {
+        self.version += 1;
         self.inner.scalars.float(v).as_u32()
     }
     /// A bool constant scalar.
     fn const_bool(&mut self, v: bool) -> u32 {
+        self.version += 1;
         self.inner.scalars.boolean(v).as_u32()
     }
 
     /// Element-wise unary op by name.
     fn unary(&mut self, py: Python<'_>, op: &str, x: PyOperand) -> PyResult<u32> {
+        self.version += 1;
         guarded(py, || {
             let u = parse_enum("unary op", op, |n| {
                 UNARY_OPS.into_iter().find(|&u| unary_name(u) == n)
@@ -163,6 +172,7 @@ impl PyFusion {
 
     /// Element-wise binary op by name.
     fn binary(&mut self, py: Python<'_>, op: &str, a: PyOperand, b: PyOperand) -> PyResult<u32> {
+        self.version += 1;
         guarded(py, || {
             let o = parse_enum("binary op", op, |n| {
                 BINARY_OPS.into_iter().find(|&b| binary_name(b) == n)
@@ -180,6 +190,7 @@ impl PyFusion {
         a: PyOperand,
         b: PyOperand,
     ) -> PyResult<u32> {
+        self.version += 1;
         guarded(py, || {
             let (c, a, b) = (self.operand(c)?, self.operand(a)?, self.operand(b)?);
             Ok(self.inner.where_(c, a, b)?.as_u32())
@@ -188,6 +199,7 @@ impl PyFusion {
 
     /// Cast to a dtype.
     fn cast(&mut self, py: Python<'_>, x: PyOperand, dtype: &str) -> PyResult<u32> {
+        self.version += 1;
         guarded(py, || {
             let x = self.operand(x)?;
             Ok(self.inner.cast(x, Fusion::parse_dtype(dtype)?)?.as_u32())
@@ -205,6 +217,7 @@ impl PyFusion {
         keepdim: bool,
         dtype: Option<&str>,
     ) -> PyResult<u32> {
+        self.version += 1;
         guarded(py, || {
             let r = parse_enum("reduction", op, |n| {
                 [ReductionOp::Sum, ReductionOp::Max, ReductionOp::Min]
@@ -225,6 +238,7 @@ impl PyFusion {
         shape: Vec<i64>,
         broadcast_dims: Vec<i64>,
     ) -> PyResult<u32> {
+        self.version += 1;
         guarded(py, || {
             let x = self.tv(x)?;
             Ok(self
@@ -236,6 +250,7 @@ impl PyFusion {
 
     /// Permute axes.
     fn permute(&mut self, py: Python<'_>, x: u32, dims: Vec<i64>) -> PyResult<u32> {
+        self.version += 1;
         guarded(py, || {
             let x = self.tv(x)?;
             Ok(self.inner.permute(x, &dims)?.as_u32())
@@ -244,6 +259,7 @@ impl PyFusion {
 
     /// index_select along dim.
     fn index_select(&mut self, py: Python<'_>, x: u32, index: u32, dim: i64) -> PyResult<u32> {
+        self.version += 1;
         guarded(py, || {
             let (x, i) = (self.tv(x)?, self.tv(index)?);
             Ok(self.inner.index_select(x, i, dim)?.as_u32())
@@ -258,6 +274,7 @@ impl PyFusion {
         value: PyOperand,
         dtype: &str,
     ) -> PyResult<u32> {
+        self.version += 1;
         guarded(py, || {
             let shape = shape
                 .into_iter()
@@ -273,6 +290,7 @@ impl PyFusion {
 
     /// Mark a tensor as output.
     fn add_output(&mut self, py: Python<'_>, t: u32) -> PyResult<()> {
+        self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
             self.inner.add_output(t)
@@ -414,6 +432,12 @@ impl PyFusion {
             .collect()
     }
 
+    /// Mutation counter (changes whenever the definition or schedule changes).
+    #[getter]
+    fn version(&self) -> u64 {
+        self.version
+    }
+
     /// Number of tensors created so far (the next tensor is `T{n}`).
     #[getter]
     fn num_tensors(&self) -> usize {
@@ -435,6 +459,7 @@ impl PyFusion {
         factor: i64,
         inner_split: bool,
     ) -> PyResult<()> {
+        self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
             self.inner.split(t, axis, factor, inner_split)
@@ -443,6 +468,7 @@ impl PyFusion {
 
     /// Merge two loop axes.
     fn merge(&mut self, py: Python<'_>, t: u32, a: i64, b: i64) -> PyResult<()> {
+        self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
             self.inner.merge(t, a, b)
@@ -451,6 +477,7 @@ impl PyFusion {
 
     /// Reorder loop axes.
     fn reorder(&mut self, py: Python<'_>, t: u32, moves: Vec<(i64, i64)>) -> PyResult<()> {
+        self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
             self.inner.reorder(t, &moves)
@@ -459,6 +486,7 @@ impl PyFusion {
 
     /// Parallelize a loop axis.
     fn parallelize(&mut self, py: Python<'_>, t: u32, axis: i64, pt: &str) -> PyResult<()> {
+        self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
             let p = parse_enum("parallel type", pt, ParallelType::from_enum_name)?;
@@ -468,6 +496,7 @@ impl PyFusion {
 
     /// Set the memory type.
     fn set_memory_type(&mut self, py: Python<'_>, t: u32, mt: &str) -> PyResult<()> {
+        self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
             let m = parse_enum("memory type", mt, MemoryType::from_enum_name)?;
@@ -477,6 +506,7 @@ impl PyFusion {
 
     /// Read cache.
     fn cache_after(&mut self, py: Python<'_>, t: u32) -> PyResult<u32> {
+        self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
             Ok(self.inner.cache_after(t)?.as_u32())
@@ -485,6 +515,7 @@ impl PyFusion {
 
     /// Write cache.
     fn cache_before(&mut self, py: Python<'_>, t: u32) -> PyResult<u32> {
+        self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
             Ok(self.inner.cache_before(t)?.as_u32())
@@ -493,6 +524,7 @@ impl PyFusion {
 
     /// Inline at a position.
     fn inline_at(&mut self, py: Python<'_>, t: u32, pos: i64) -> PyResult<()> {
+        self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
             self.inner.inline_at(t, pos)
@@ -507,6 +539,7 @@ impl PyFusion {
         ids: Vec<u32>,
         contiguity: Vec<Option<bool>>,
     ) -> PyResult<()> {
+        self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
             let ids = ids
@@ -519,15 +552,12 @@ impl PyFusion {
 
     /// Lower the fusion to one kernel.
     fn lower(&self, py: Python<'_>) -> PyResult<PyKernel> {
-        guarded(py, || {
-            Ok(PyKernel {
-                inner: crate::lower::lower(&self.inner)?,
-            })
-        })
+        guarded(py, || Ok(PyKernel::new(crate::lower::lower(&self.inner)?)))
     }
 
     /// Request the serial grid-reduction protocol.
     fn set_serial_grid_reduction(&mut self, py: Python<'_>, t: u32) -> PyResult<()> {
+        self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
             self.inner.set_serial_grid_reduction(t)
@@ -536,6 +566,7 @@ impl PyFusion {
 
     /// Circular-buffer a tensor.
     fn circular_buffer(&mut self, py: Python<'_>, t: u32, stages: i64) -> PyResult<()> {
+        self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
             self.inner.circular_buffer(t, stages)
@@ -547,6 +578,33 @@ impl PyFusion {
 #[pyclass(name = "Kernel", module = "kiln._core", frozen)]
 pub struct PyKernel {
     pub(crate) inner: crate::kernel::Kernel,
+    cuda: std::sync::OnceLock<crate::codegen::CudaKernel>,
+}
+
+impl PyKernel {
+    pub(crate) fn new(inner: crate::kernel::Kernel) -> Self {
+        Self {
+            inner,
+            cuda: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Generated CUDA, produced once per kernel.
+    fn cuda_kernel(&self) -> crate::Result<&crate::codegen::CudaKernel> {
+        if let Some(k) = self.cuda.get() {
+            return Ok(k);
+        }
+        let k = crate::codegen::generate(&self.inner)?;
+        Ok(self.cuda.get_or_init(|| k))
+    }
+}
+
+/// A scalar argument as Python passes it.
+#[derive(FromPyObject)]
+enum PyScalarArg {
+    Bool(bool),
+    Int(i64),
+    Float(f64),
 }
 
 #[pymethods]
@@ -554,6 +612,109 @@ impl PyKernel {
     /// Kernel IR as text.
     fn kernel_ir(&self) -> String {
         self.inner.to_text()
+    }
+
+    /// CUDA source (runtime header + kernel) and its parameters as (name, kind, index, dtype).
+    #[allow(clippy::type_complexity)]
+    fn cuda(
+        &self,
+        py: Python<'_>,
+    ) -> PyResult<(
+        String,
+        String,
+        Vec<(String, &'static str, i64, i64, &'static str)>,
+    )> {
+        guarded(py, || {
+            let k = self.cuda_kernel()?;
+            let params = k
+                .params
+                .iter()
+                .map(|(name, kind, dt)| {
+                    use crate::codegen::ParamKind as P;
+                    let (kname, a, b) = match kind {
+                        P::Input(i) => ("input", *i as i64, 0),
+                        P::Output(i) => ("output", *i as i64, 0),
+                        P::Buffer(i) => ("buffer", *i as i64, 0),
+                        P::Scalar(n) => ("scalar", *n as i64, 0),
+                        P::Extent(n) => ("extent", *n as i64, 0),
+                        P::Stride(t, a) => ("stride", t.as_u32() as i64, *a as i64),
+                    };
+                    (name.clone(), kname, a, b, dt.enum_name())
+                })
+                .collect();
+            Ok((k.source(), k.name.clone(), params))
+        })
+    }
+
+    /// Concrete launch plan for input sizes/strides (elements) and scalar inputs:
+    /// (outputs [(sizes, layout, dtype)], buffers [(name, elements, dtype, zero_init, resets_to_zero)],
+    /// scalar args, grid, block, smem bytes).
+    #[allow(clippy::type_complexity)]
+    fn plan(
+        &self,
+        py: Python<'_>,
+        sizes: Vec<Vec<i64>>,
+        strides: Vec<Vec<i64>>,
+        scalars: Vec<PyScalarArg>,
+    ) -> PyResult<(
+        Vec<(Vec<i64>, Vec<usize>, &'static str)>,
+        Vec<(String, i64, &'static str, bool, bool)>,
+        Vec<PyObject>,
+        [i64; 3],
+        [i64; 3],
+        i64,
+    )> {
+        use crate::host::eval::{plan, InputDesc, ScalarArg};
+        let p = guarded(py, || {
+            let k = self.cuda_kernel()?;
+            let inputs: Vec<InputDesc> = sizes
+                .into_iter()
+                .zip(strides)
+                .map(|(sizes, strides)| InputDesc { sizes, strides })
+                .collect();
+            let sc: Vec<ScalarArg> = scalars
+                .iter()
+                .map(|s| match s {
+                    PyScalarArg::Bool(b) => ScalarArg::Bool(*b),
+                    PyScalarArg::Int(i) => ScalarArg::Int(*i),
+                    PyScalarArg::Float(x) => ScalarArg::Float(*x),
+                })
+                .collect();
+            plan(&self.inner, k, &inputs, &sc)
+        })?;
+        let args = p
+            .scalar_args
+            .iter()
+            .map(|a| -> PyResult<PyObject> {
+                Ok(match a {
+                    ScalarArg::Int(i) => i.into_pyobject(py)?.into_any().unbind(),
+                    ScalarArg::Float(x) => x.into_pyobject(py)?.into_any().unbind(),
+                    ScalarArg::Bool(b) => b.into_pyobject(py)?.to_owned().into_any().unbind(),
+                })
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok((
+            p.outputs
+                .into_iter()
+                .map(|o| (o.sizes, o.layout, o.dtype.enum_name()))
+                .collect(),
+            p.buffers
+                .into_iter()
+                .map(|b| {
+                    (
+                        b.name,
+                        b.elements,
+                        b.dtype.enum_name(),
+                        b.zero_init,
+                        b.resets_to_zero,
+                    )
+                })
+                .collect(),
+            args,
+            p.grid,
+            p.block,
+            p.smem_bytes,
+        ))
     }
 
     /// The allocation table as text.

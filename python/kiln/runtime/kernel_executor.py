@@ -1,0 +1,112 @@
+"""Run one lowered kernel on the GPU: plan (cached per input signature), allocate outputs
+and global buffers, launch.
+
+The executor allocates the kernel's global buffers itself when the caller passes none
+(zero_init buffers zeroed); a host program passes its own. Parameter order is the
+kernel's: inputs, outputs, global buffers, then scalars.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .._errors import KilnError, KilnTypeError
+from . import executor
+
+_NP_DTYPES = {
+    "Float": np.float32,
+    "Double": np.float64,
+    "Half": np.float16,
+    "Int": np.int64,
+    "Int32": np.int32,
+    "Bool": np.bool_,
+}
+
+
+def np_dtype(name: str) -> Any:
+    """The NumPy/CuPy dtype of a kiln dtype name (bfloat16 needs ml_dtypes or torch)."""
+    if name == "BFloat16":
+        try:
+            import ml_dtypes  # noqa: PLC0415
+
+            return ml_dtypes.bfloat16
+        except ImportError as e:
+            raise KilnTypeError("BFloat16 buffers need the ml_dtypes package (or torch inputs)") from e
+    return _NP_DTYPES[name]
+
+
+def _scalar(value: Any, dtype: str) -> Any:
+    if dtype in ("Int",):
+        return np.int64(value)
+    if dtype == "Int32":
+        return np.int32(value)
+    if dtype == "Bool":
+        return np.bool_(value)
+    if dtype == "Float":
+        return np.float32(value)
+    return np.float64(value)
+
+
+class KernelExecutor:
+    """Compiles a lowered kernel once and launches it for CuPy inputs."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel  # kiln.lowering.LoweredKernel
+        self._compiled: Any = None
+        self._plans: Dict[Tuple, Tuple] = {}
+        params = kernel.params
+        self._scalar_dtypes = [p[4] for p in params if p[1] in ("scalar", "extent", "stride")]
+        self.launches = 0
+
+    def compiled(self) -> Any:
+        """The loaded CUDA function (compiled on first use, cached in memory and on disk)."""
+        if self._compiled is None:
+            self._compiled = executor.load_module(self.kernel.cuda_source, self.kernel.kernel_name)
+        return self._compiled
+
+    def plan(self, arrays: Sequence[Any], scalars: Sequence[Any]) -> Tuple:
+        """The launch plan for these inputs; cached per (dtype, shape, strides, scalars)."""
+        key = tuple((a.dtype.str, a.shape, a.strides) for a in arrays) + tuple(scalars)
+        hit = self._plans.get(key)
+        if hit is None:
+            sizes = [list(a.shape) for a in arrays]
+            strides = [[s // a.itemsize for s in a.strides] for a in arrays]
+            hit = self.kernel._core.plan(sizes, strides, list(scalars))
+            self._plans[key] = hit
+        return hit
+
+    def run(self, arrays: Sequence[Any], scalars: Sequence[Any] = (),
+            buffers: Optional[Sequence[Any]] = None) -> List[Any]:
+        """Launch on CuPy ``arrays``; returns the outputs (CuPy, logical order)."""
+        import cupy as cp  # noqa: PLC0415
+
+        outs_plan, bufs_plan, scalar_args, grid, block, smem = self.plan(arrays, scalars)
+        outputs = []
+        for sizes, layout, dtype in outs_plan:
+            stored = cp.empty([sizes[a] for a in layout], dtype=np_dtype(dtype))
+            inverse = [layout.index(a) for a in range(len(layout))]
+            outputs.append(stored.transpose(inverse) if layout != sorted(layout) else stored)
+        if buffers is None:
+            bufs = []
+            for _name, n, dtype, zero_init, _resets in bufs_plan:
+                alloc = cp.zeros if zero_init else cp.empty
+                bufs.append(alloc(max(n, 1), dtype=np_dtype(dtype)))
+        else:
+            bufs = list(buffers)
+            if len(bufs) != len(bufs_plan):
+                raise KilnError(f"the kernel needs {len(bufs_plan)} global buffers "
+                                f"({[b[0] for b in bufs_plan]}) but {len(bufs)} were passed")
+            for b, (name, n, dtype, _z, _r) in zip(bufs, bufs_plan):
+                if np.dtype(b.dtype) != np.dtype(np_dtype(dtype)):
+                    raise KilnTypeError(f"global buffer {name}: dtype {b.dtype} but the kernel needs {dtype}")
+                if b.size < n:
+                    raise KilnError(f"global buffer {name}: {b.size} elements but the kernel needs {n}")
+        if min(grid) == 0 or min(block) == 0:
+            return outputs  # empty tensors: nothing to compute
+        args: List[Any] = [*arrays, *outputs, *bufs]
+        args += [_scalar(v, d) for v, d in zip(scalar_args, self._scalar_dtypes)]
+        executor.launch(self.compiled(), tuple(grid), tuple(block), int(smem), args)
+        self.launches += 1
+        return outputs

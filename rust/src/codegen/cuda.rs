@@ -1,0 +1,678 @@
+//! Kernel IR -> readable CUDA C++ (one `__global__` function per kernel) with the
+//! runtime header prepended.
+//!
+//! Kernel parameter order (fixed): tensor inputs (fusion input order), outputs (fusion
+//! output order), the KernelSummary global buffers (in order), then scalar inputs, then
+//! the symbolic sizes and strides the kernel reads (extents `i{n}` ascending, then
+//! strides). `CudaKernel::params` lists them with their sources.
+
+use std::fmt::Write as _;
+
+use rustc_hash::{FxHashMap, FxHashSet};
+
+use crate::bail;
+use crate::error::Result;
+use crate::ir::scalar::{ScalarOp, Val};
+use crate::ir::{
+    BinaryOp, DataType, ExprId, Fusion, IterType, MemoryType, Op, Operand, ParallelType,
+    ReductionOp, Symbol, TvId, UnaryOp, ValId,
+};
+use crate::kernel::{AccessIndex, AllocTarget, Kernel, Node, SyncKind};
+
+/// The runtime header every kernel includes.
+pub const RUNTIME_HEADER: &str = include_str!("runtime.cuh");
+
+/// Name of the generated `__global__` function.
+pub const KERNEL_NAME: &str = "kiln_kernel";
+
+/// Where a kernel parameter's value comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ParamKind {
+    /// Tensor input number `n` (position among the fusion's tensor inputs).
+    Input(usize),
+    /// Fusion output number `n`.
+    Output(usize),
+    /// `KernelSummary::global_allocations[n]`.
+    Buffer(usize),
+    /// Runtime scalar input `s{n}`.
+    Scalar(u32),
+    /// Symbolic extent `i{n}`.
+    Extent(u32),
+    /// Element stride `k` of a tensor's allocation domain.
+    Stride(TvId, u32),
+}
+
+/// Generated CUDA source and its parameter list.
+#[derive(Clone, Debug)]
+pub struct CudaKernel {
+    pub name: String,
+    /// The kernel body (without the runtime header).
+    pub body: String,
+    /// Parameters in order: (C name, source, dtype).
+    pub params: Vec<(String, ParamKind, DataType)>,
+}
+
+impl CudaKernel {
+    /// Full translation unit: runtime header + kernel.
+    pub fn source(&self) -> String {
+        format!("{RUNTIME_HEADER}\n{}", self.body)
+    }
+}
+
+/// C type of a dtype.
+pub fn c_type(d: DataType) -> &'static str {
+    match d {
+        DataType::Float => "float",
+        DataType::Double => "double",
+        DataType::Half => "__half",
+        DataType::BFloat16 => "__nv_bfloat16",
+        DataType::Int => "int64_t",
+        DataType::Int32 => "int",
+        DataType::Bool => "bool",
+    }
+}
+
+struct Gen<'a> {
+    k: &'a Kernel,
+    f: &'a Fusion,
+    out: String,
+    /// C name of each tensor's buffer.
+    names: FxHashMap<TvId, String>,
+    scratch: u32,
+}
+
+fn collect_symbols(f: &Fusion, v: ValId, seen: &mut FxHashSet<ValId>, out: &mut FxHashSet<Symbol>) {
+    if !seen.insert(v) {
+        return;
+    }
+    match f.scalars.get(v) {
+        Val::Symbol(s) => {
+            out.insert(s);
+        }
+        Val::Binary(_, a, b) => {
+            collect_symbols(f, a, seen, out);
+            collect_symbols(f, b, seen, out);
+        }
+        _ => {}
+    }
+}
+
+fn node_vals(n: &Node, f: &Fusion, acc: &mut Vec<ValId>) {
+    match n {
+        Node::Loop(l) => {
+            acc.push(l.extent);
+            for c in &l.body {
+                node_vals(c, f, acc);
+            }
+        }
+        Node::Alloc(a) => acc.extend(a.shape.iter().copied()),
+        Node::Init { value, index, .. } => {
+            acc.push(*value);
+            push_index(index.as_ref(), acc);
+        }
+        Node::Expr { expr, index } => {
+            push_index(index.as_ref(), acc);
+            for o in &f.exprs[*expr].inputs {
+                if let Operand::Scalar(v) = o {
+                    acc.push(*v);
+                }
+            }
+            match &f.exprs[*expr].op {
+                Op::Reduction { init, .. } => acc.push(*init),
+                Op::Full { value } => acc.push(*value),
+                _ => {}
+            }
+        }
+        Node::Sync(_) => {}
+    }
+}
+
+fn push_index(ix: Option<&AccessIndex>, acc: &mut Vec<ValId>) {
+    if let Some(ix) = ix {
+        acc.push(ix.out);
+        acc.extend(ix.inputs.iter().flatten().copied());
+        acc.push(ix.predicate);
+        acc.push(ix.write_predicate);
+        for g in &ix.gathers {
+            acc.push(g.at);
+        }
+    }
+}
+
+/// Generate CUDA for a lowered kernel.
+pub fn generate(k: &Kernel) -> Result<CudaKernel> {
+    let f = &k.fusion;
+    let mut params: Vec<(String, ParamKind, DataType)> = Vec::new();
+    let mut names: FxHashMap<TvId, String> = FxHashMap::default();
+    let tensor_inputs: Vec<TvId> = f.inputs.iter().filter_map(|o| o.tensor()).collect();
+    for (i, &tv) in tensor_inputs.iter().enumerate() {
+        names.insert(tv, f.tv_name(tv));
+        params.push((f.tv_name(tv), ParamKind::Input(i), f.tvs[tv].dtype));
+    }
+    for (i, &tv) in f.outputs.iter().enumerate() {
+        if names.contains_key(&tv) {
+            bail!(
+                "{} is both an input and an output of the fusion; copy it with a set op first",
+                f.tv_name(tv)
+            );
+        }
+        names.insert(tv, f.tv_name(tv));
+        params.push((f.tv_name(tv), ParamKind::Output(i), f.tvs[tv].dtype));
+    }
+    for (i, b) in k.summary.global_allocations.iter().enumerate() {
+        if let Some(tv) = b.tv {
+            names.insert(tv, b.name.clone());
+        }
+        params.push((b.name.clone(), ParamKind::Buffer(i), b.dtype));
+    }
+    // Scalars the kernel reads.
+    let mut vals = Vec::new();
+    for n in &k.body {
+        node_vals(n, f, &mut vals);
+    }
+    if let Some(ws) = k.launch.reduction_workspace {
+        vals.push(ws);
+    }
+    vals.extend(k.launch.smem_offsets.iter().map(|&(_, o)| o));
+    let mut syms = FxHashSet::default();
+    let mut seen = FxHashSet::default();
+    for v in vals {
+        collect_symbols(f, v, &mut seen, &mut syms);
+    }
+    let mut scalar_ins: Vec<u32> = syms
+        .iter()
+        .filter_map(|s| {
+            if let Symbol::ScalarInput(n) = s {
+                Some(*n)
+            } else {
+                None
+            }
+        })
+        .collect();
+    scalar_ins.sort();
+    for n in scalar_ins {
+        params.push((
+            format!("s{n}"),
+            ParamKind::Scalar(n),
+            f.scalar_input_dtypes[n as usize],
+        ));
+    }
+    let mut extents: Vec<u32> = syms
+        .iter()
+        .filter_map(|s| {
+            if let Symbol::Extent(n) = s {
+                Some(*n)
+            } else {
+                None
+            }
+        })
+        .collect();
+    extents.sort();
+    for n in extents {
+        params.push((format!("i{n}"), ParamKind::Extent(n), DataType::Int));
+    }
+    let mut strides: Vec<(TvId, u32)> = syms
+        .iter()
+        .filter_map(|s| {
+            if let Symbol::Stride(t, a) = s {
+                Some((*t, *a))
+            } else {
+                None
+            }
+        })
+        .collect();
+    strides.sort();
+    for (t, a) in strides {
+        params.push((
+            format!("{}_stride{a}", f.tv_name(t)),
+            ParamKind::Stride(t, a),
+            DataType::Int,
+        ));
+    }
+
+    let mut g = Gen {
+        k,
+        f,
+        out: String::new(),
+        names,
+        scratch: 0,
+    };
+    let sig: Vec<String> = params
+        .iter()
+        .map(|(name, kind, dt)| match kind {
+            ParamKind::Input(_) => format!("const {}* __restrict__ {name}", c_type(*dt)),
+            ParamKind::Output(_) => format!("{}* __restrict__ {name}", c_type(*dt)),
+            ParamKind::Buffer(_) => format!("{}* {name}", c_type(*dt)),
+            _ => format!("{} {name}", c_type(*dt)),
+        })
+        .collect();
+    let _ = writeln!(
+        g.out,
+        "extern \"C\" __global__ void {KERNEL_NAME}({}) {{",
+        sig.join(", ")
+    );
+    g.out
+        .push_str("  extern __shared__ __align__(16) char kiln_smem[];\n");
+    for n in &k.body {
+        g.node(n, 1)?;
+    }
+    g.out.push_str("}\n");
+    Ok(CudaKernel {
+        name: KERNEL_NAME.to_string(),
+        body: g.out,
+        params,
+    })
+}
+
+impl Gen<'_> {
+    fn pad(depth: usize) -> String {
+        "  ".repeat(depth)
+    }
+
+    /// C expression of an integer/bool scalar.
+    fn c(&self, v: ValId) -> String {
+        let sc = &self.f.scalars;
+        match sc.get(v) {
+            Val::Int(i) => {
+                if i == i64::MIN {
+                    "(-9223372036854775807LL - 1)".into()
+                } else {
+                    format!("{i}LL")
+                }
+            }
+            Val::Bool(b) => b.to_string(),
+            Val::Float(bits) => float_literal(f64::from_bits(bits)),
+            Val::Symbol(s) => match s {
+                Symbol::Extent(n) => format!("i{n}"),
+                Symbol::Stride(t, a) => format!("{}_stride{a}", self.f.tv_name(t)),
+                Symbol::ScalarInput(n) => format!("s{n}"),
+                Symbol::LoopIndex(n) => format!("idx{n}"),
+                Symbol::Gathered(n) => format!("g{n}"),
+                Symbol::ParallelIndex(p) => {
+                    format!("((int64_t){})", crate::ir::scalar::parallel_index_name(p))
+                }
+                Symbol::ParallelDim(p) => {
+                    format!("((int64_t){})", crate::ir::scalar::parallel_dim_name(p))
+                }
+            },
+            Val::Binary(op, a, b) => {
+                let (x, y) = (self.c(a), self.c(b));
+                match op {
+                    ScalarOp::Add => format!("({x} + {y})"),
+                    ScalarOp::Sub => format!("({x} - {y})"),
+                    ScalarOp::Mul => format!("({x} * {y})"),
+                    ScalarOp::Div => format!("({x} / {y})"),
+                    ScalarOp::Mod => format!("({x} % {y})"),
+                    ScalarOp::CeilDiv => format!("kiln::ceilDiv((int64_t){x}, (int64_t){y})"),
+                    ScalarOp::Min => format!("min((int64_t){x}, (int64_t){y})"),
+                    ScalarOp::Max => format!("max((int64_t){x}, (int64_t){y})"),
+                    ScalarOp::Lt => format!("({x} < {y})"),
+                    ScalarOp::Le => format!("({x} <= {y})"),
+                    ScalarOp::Eq => format!("({x} == {y})"),
+                    ScalarOp::And => format!("({x} && {y})"),
+                }
+            }
+        }
+    }
+
+    fn buf(&self, tv: TvId) -> String {
+        self.names
+            .get(&tv)
+            .cloned()
+            .unwrap_or_else(|| self.f.tv_name(tv))
+    }
+
+    fn node(&mut self, n: &Node, depth: usize) -> Result<()> {
+        let pad = Self::pad(depth);
+        match n {
+            Node::Loop(l) => {
+                if l.parallel.is_thread_or_block() {
+                    let _ = writeln!(
+                        self.out,
+                        "{pad}{{  // {} over {}",
+                        l.parallel.enum_name(),
+                        self.f.id_label(l.id)
+                    );
+                } else {
+                    let idx = self.c(l.index);
+                    let unroll =
+                        matches!(l.parallel, ParallelType::Unroll | ParallelType::Vectorize)
+                            && self.f.scalars.as_int(l.extent).is_some();
+                    if unroll {
+                        let _ = writeln!(self.out, "{pad}#pragma unroll");
+                    }
+                    let _ = writeln!(
+                        self.out,
+                        "{pad}for (int64_t {idx} = 0; {idx} < {}; ++{idx}) {{  // {}",
+                        self.c(l.extent),
+                        self.f.id_label(l.id)
+                    );
+                }
+                for c in &l.body {
+                    self.node(c, depth + 1)?;
+                }
+                let _ = writeln!(self.out, "{pad}}}");
+            }
+            Node::Alloc(a) => {
+                let AllocTarget::Tensor(tv) = a.target else {
+                    return Ok(());
+                };
+                let ty = c_type(a.dtype);
+                let name = self.buf(tv);
+                match a.memory {
+                    MemoryType::Local => {
+                        let Some(size) = a
+                            .shape
+                            .iter()
+                            .try_fold(1i64, |acc, &e| self.f.scalars.as_int(e).map(|x| acc * x))
+                        else {
+                            let dims: Vec<String> =
+                                a.shape.iter().map(|&e| self.f.scalars.render(e)).collect();
+                            bail!(
+                                "{name} is in Local memory but its allocation [{}] is not a constant size; inline it further or make the allocated axes constant",
+                                dims.join(", ")
+                            );
+                        };
+                        let _ = writeln!(self.out, "{pad}{ty} {name}[{size}];");
+                    }
+                    MemoryType::Shared => {
+                        let off = self
+                            .k
+                            .launch
+                            .smem_offsets
+                            .iter()
+                            .find(|(t, _)| *t == tv)
+                            .map(|&(_, o)| o);
+                        let Some(off) = off else {
+                            crate::bail_internal!("{name}: no shared memory offset")
+                        };
+                        let _ = writeln!(
+                            self.out,
+                            "{pad}{ty}* {name} = reinterpret_cast<{ty}*>(kiln_smem + {});",
+                            self.c(off)
+                        );
+                    }
+                    // Global buffers are kernel parameters.
+                    MemoryType::Global => {}
+                }
+            }
+            Node::Init { tv, value, index } => {
+                let Some(ix) = index else {
+                    crate::bail_internal!("init of {} was not indexed", self.f.tv_name(*tv))
+                };
+                let ty = c_type(self.f.tvs[*tv].dtype);
+                let _ = writeln!(
+                    self.out,
+                    "{pad}if ({}) {{ {}[{}] = kiln::cast<{ty}>({}); }}",
+                    self.c(ix.predicate),
+                    self.buf(*tv),
+                    self.c(ix.out),
+                    self.c(*value)
+                );
+            }
+            Node::Expr { expr, index } => {
+                let Some(ix) = index else {
+                    crate::bail_internal!("expr was not indexed")
+                };
+                self.expr(*expr, ix, depth)?;
+            }
+            Node::Sync(k) => {
+                let _ = writeln!(
+                    self.out,
+                    "{pad}__syncthreads();  // {}",
+                    if *k == SyncKind::Raw { "RAW" } else { "WAR" }
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// C expression reading operand `pos` of `e`, converted to dtype `to`.
+    fn operand(&self, e: ExprId, ix: &AccessIndex, pos: usize, to: DataType) -> String {
+        let ty = c_type(to);
+        match self.f.exprs[e].inputs[pos] {
+            Operand::Tensor(t) => {
+                let off = ix.inputs[pos]
+                    .map(|v| self.c(v))
+                    .unwrap_or_else(|| "0".into());
+                format!("kiln::cast<{ty}>({}[{off}])", self.buf(t))
+            }
+            Operand::Scalar(v) => format!("kiln::cast<{ty}>({})", self.c(v)),
+        }
+    }
+
+    fn operand_dtype(&self, o: Operand) -> DataType {
+        match o {
+            Operand::Tensor(t) => self.f.tvs[t].dtype,
+            Operand::Scalar(v) => self.f.scalars.dtype(v, &self.f.scalar_input_dtypes),
+        }
+    }
+
+    fn expr(&mut self, e: ExprId, ix: &AccessIndex, depth: usize) -> Result<()> {
+        let pad = Self::pad(depth);
+        let f = self.f;
+        let ex = &f.exprs[e];
+        let out_tv = ex.output;
+        let out_dt = f.tvs[out_tv].dtype;
+        let out_ty = c_type(out_dt);
+        let out = format!("{}[{}]", self.buf(out_tv), self.c(ix.out));
+        let pred = self.c(ix.predicate);
+        let mut pre = String::new();
+        for gth in &ix.gathers {
+            let _ = write!(
+                pre,
+                "const int64_t g{} = ({}) ? (int64_t){}[{}] : 0LL; ",
+                gth.id,
+                pred,
+                self.buf(gth.index_tv),
+                self.c(gth.at)
+            );
+        }
+        let value = match &ex.op {
+            Op::Unary(u) => {
+                let cd = if matches!(u, UnaryOp::Abs | UnaryOp::Neg | UnaryOp::Relu) {
+                    self.operand_dtype(ex.inputs[0])
+                } else {
+                    out_dt
+                };
+                format!(
+                    "kiln::cast<{out_ty}>(kiln::{}({}))",
+                    unary_fn(*u),
+                    self.operand(e, ix, 0, cd)
+                )
+            }
+            Op::Binary(b) => {
+                let cd = if is_comparison(*b) || (*b == BinaryOp::Div) {
+                    let dts: Vec<_> = ex
+                        .inputs
+                        .iter()
+                        .map(|&o| crate::ir::dtype::PromotionOperand {
+                            dtype: self.operand_dtype(o),
+                            is_tensor: o.tensor().is_some(),
+                        })
+                        .collect();
+                    let p = crate::ir::dtype::promote(&dts);
+                    if *b == BinaryOp::Div && !p.is_float() {
+                        DataType::Float
+                    } else {
+                        p
+                    }
+                } else {
+                    out_dt
+                };
+                format!(
+                    "kiln::cast<{out_ty}>(kiln::{}({}, {}))",
+                    binary_fn(*b),
+                    self.operand(e, ix, 0, cd),
+                    self.operand(e, ix, 1, cd)
+                )
+            }
+            Op::Where => format!(
+                "kiln::where({}, {}, {})",
+                self.operand(e, ix, 0, DataType::Bool),
+                self.operand(e, ix, 1, out_dt),
+                self.operand(e, ix, 2, out_dt)
+            ),
+            Op::Cast(_)
+            | Op::Set
+            | Op::Broadcast { .. }
+            | Op::Permute { .. }
+            | Op::IndexSelect { .. } => self.operand(e, ix, 0, out_dt),
+            Op::Full { value } => format!("kiln::cast<{out_ty}>({})", self.c(*value)),
+            Op::Reduction { op, init } => return self.reduction(e, ix, *op, *init, depth, &pre),
+        };
+        let _ = writeln!(self.out, "{pad}if ({pred}) {{ {pre}{out} = {value}; }}");
+        Ok(())
+    }
+
+    fn reduction(
+        &mut self,
+        e: ExprId,
+        ix: &AccessIndex,
+        op: ReductionOp,
+        init: ValId,
+        depth: usize,
+        pre: &str,
+    ) -> Result<()> {
+        let pad = Self::pad(depth);
+        let f = self.f;
+        let out_tv = f.exprs[e].output;
+        let dt = f.tvs[out_tv].dtype;
+        let ty = c_type(dt);
+        let functor = match op {
+            ReductionOp::Sum => "kiln::Sum()",
+            ReductionOp::Max => "kiln::Max()",
+            ReductionOp::Min => "kiln::Min()",
+        };
+        let out = format!("{}[{}]", self.buf(out_tv), self.c(ix.out));
+        let input = self.operand(e, ix, 0, dt);
+        let init_c = format!("kiln::cast<{ty}>({})", self.c(init));
+        // Parallel types of the reduced axes of the output.
+        let mut red: Vec<ParallelType> = Vec::new();
+        let ld = &f.tvs[out_tv].loop_domain;
+        for (a, &id) in ld.iter().enumerate() {
+            let p = self.k.loops.groups[self.k.loops.group(out_tv, a)].parallel;
+            if f.ids[id].iter_type == IterType::Reduction && p.is_thread_or_block() {
+                red.push(p);
+            }
+        }
+        let pred = self.c(ix.predicate);
+        let wpred = self.c(ix.write_predicate);
+        if red.is_empty() {
+            let _ = writeln!(
+                self.out,
+                "{pad}if ({pred}) {{ {pre}{out} = {functor}({out}, {input}); }}"
+            );
+            return Ok(());
+        }
+        let has = |p: ParallelType| red.contains(&p);
+        let tflags = format!(
+            "{}, {}, {}",
+            has(ParallelType::TIDx),
+            has(ParallelType::TIDy),
+            has(ParallelType::TIDz)
+        );
+        let bflags = format!(
+            "{}, {}, {}",
+            has(ParallelType::BIDx),
+            has(ParallelType::BIDy),
+            has(ParallelType::BIDz)
+        );
+        let Some(ws) = self.k.launch.reduction_workspace else {
+            crate::bail_internal!("reduction without workspace")
+        };
+        self.scratch += 1;
+        let v = format!("kiln_v{}", self.scratch);
+        let r = format!("kiln_r{}", self.scratch);
+        let _ = writeln!(self.out, "{pad}{{");
+        let _ = writeln!(
+            self.out,
+            "{pad}  {ty}* kiln_ws = reinterpret_cast<{ty}*>(kiln_smem + {});",
+            self.c(ws)
+        );
+        let _ = writeln!(
+            self.out,
+            "{pad}  {pre}const {ty} {v} = ({pred}) ? {input} : {init_c};"
+        );
+        if red.iter().any(|p| p.is_block()) {
+            let names = &self.k.summary.global_allocations;
+            let tname = f.tv_name(out_tv);
+            let work = names
+                .iter()
+                .find(|b| b.name == format!("{tname}_work"))
+                .map(|b| b.name.clone());
+            let sync = names
+                .iter()
+                .find(|b| b.name == format!("{tname}_sync"))
+                .map(|b| b.name.clone());
+            let (Some(work), Some(sync)) = (work, sync) else {
+                crate::bail_internal!("{tname}: grid reduction buffers missing")
+            };
+            let func = if f.tvs[out_tv].serial_grid_reduction {
+                "gridReduceSerial"
+            } else {
+                "gridReduce"
+            };
+            let _ = writeln!(self.out, "{pad}  {ty} {r};");
+            let _ = writeln!(
+                self.out,
+                "{pad}  if (kiln::{func}<{bflags}, {tflags}>({r}, {v}, {functor}, {init_c}, {work}, {sync}, kiln_ws, true)) {{"
+            );
+            let _ = writeln!(
+                self.out,
+                "{pad}    if ({wpred}) {{ {out} = {functor}({out}, {r}); }}"
+            );
+            let _ = writeln!(self.out, "{pad}  }}");
+        } else if f.tvs[out_tv].memory == MemoryType::Local {
+            // Every thread may read a Local result later: all threads get it.
+            let _ = writeln!(self.out, "{pad}  const {ty} {r} = kiln::blockAllReduce<{tflags}>({v}, {functor}, {init_c}, kiln_ws);");
+            let _ = writeln!(
+                self.out,
+                "{pad}  if ({wpred}) {{ {out} = {functor}({out}, {r}); }}"
+            );
+        } else {
+            let _ = writeln!(self.out, "{pad}  const {ty} {r} = kiln::blockReduce<{tflags}>({v}, {functor}, {init_c}, kiln_ws);");
+            let holder: Vec<String> = red
+                .iter()
+                .filter(|p| p.is_thread())
+                .map(|p| format!("{} == 0", crate::ir::scalar::parallel_index_name(*p)))
+                .collect();
+            let _ = writeln!(
+                self.out,
+                "{pad}  if ({} && ({wpred})) {{ {out} = {functor}({out}, {r}); }}",
+                holder.join(" && ")
+            );
+        }
+        let _ = writeln!(self.out, "{pad}}}");
+        Ok(())
+    }
+}
+
+fn float_literal(x: f64) -> String {
+    if x.is_nan() {
+        "(0.0/0.0)".into()
+    } else if x.is_infinite() {
+        if x > 0.0 {
+            "(1.0/0.0)".into()
+        } else {
+            "(-1.0/0.0)".into()
+        }
+    } else {
+        format!("{x:?}")
+    }
+}
+
+fn is_comparison(b: BinaryOp) -> bool {
+    matches!(
+        b,
+        BinaryOp::Eq | BinaryOp::Ne | BinaryOp::Lt | BinaryOp::Le | BinaryOp::Gt | BinaryOp::Ge
+    )
+}
+
+fn unary_fn(u: UnaryOp) -> &'static str {
+    crate::ir::ops::unary_name(u)
+}
+
+fn binary_fn(b: BinaryOp) -> &'static str {
+    crate::ir::ops::binary_name(b)
+}

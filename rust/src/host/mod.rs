@@ -1,0 +1,3 @@
+//! Host side of a compiled fusion: turning symbolic sizes into a concrete launch plan.
+
+pub mod eval;

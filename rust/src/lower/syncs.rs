@@ -1,0 +1,137 @@
+//! Block synchronization for Shared memory.
+//! Consumes: the loop nest. Produces: `Sync` nodes. Guarantees: between a write of a
+//! Shared tensor and a later read of it there is a `__syncthreads()` (RAW); when both
+//! sit in one loop, the loop body ends with one so the next iteration's write cannot
+//! overtake slow readers (WAR). No sync is added where one already separates them.
+
+use crate::ir::{Fusion, MemoryType, Operand, TvId};
+use crate::kernel::{Node, SyncKind};
+
+/// A Shared-memory access site: its path in the nest and the tensor.
+struct Site {
+    path: Vec<usize>,
+    tv: TvId,
+    write: bool,
+}
+
+fn collect(f: &Fusion, body: &[Node], prefix: &mut Vec<usize>, out: &mut Vec<Site>) {
+    for (i, n) in body.iter().enumerate() {
+        prefix.push(i);
+        match n {
+            Node::Loop(l) => collect(f, &l.body, prefix, out),
+            Node::Init { tv, .. } if f.tvs[*tv].memory == MemoryType::Shared => out.push(Site {
+                path: prefix.clone(),
+                tv: *tv,
+                write: true,
+            }),
+            Node::Expr { expr, .. } => {
+                let e = &f.exprs[*expr];
+                for o in &e.inputs {
+                    if let Operand::Tensor(t) = o {
+                        if f.tvs[*t].memory == MemoryType::Shared {
+                            out.push(Site {
+                                path: prefix.clone(),
+                                tv: *t,
+                                write: false,
+                            });
+                        }
+                    }
+                }
+                if f.tvs[e.output].memory == MemoryType::Shared {
+                    out.push(Site {
+                        path: prefix.clone(),
+                        tv: e.output,
+                        write: true,
+                    });
+                }
+            }
+            _ => {}
+        }
+        prefix.pop();
+    }
+}
+
+/// True when a loop on `path` iterates within a thread (not a thread/block loop).
+fn in_real_loop(body: &[Node], path: &[usize]) -> bool {
+    let mut cur = body;
+    for &i in path {
+        let Node::Loop(l) = &cur[i] else { return false };
+        if !l.parallel.is_thread_or_block() {
+            return true;
+        }
+        cur = &l.body;
+    }
+    false
+}
+
+fn scope_mut<'a>(body: &'a mut Vec<Node>, path: &[usize]) -> &'a mut Vec<Node> {
+    let mut cur = body;
+    for &i in path {
+        match &mut cur[i] {
+            Node::Loop(l) => cur = &mut l.body,
+            _ => unreachable!("scope paths only go through loops"),
+        }
+    }
+    cur
+}
+
+/// True when every thread-parallel loop axis of `tv` is inlined into its readers: each
+/// element is then read by the thread that wrote it, and no barrier is needed.
+fn same_thread_reads(f: &Fusion, tv: TvId) -> bool {
+    let t = &f.tvs[tv];
+    t.loop_domain
+        .iter()
+        .enumerate()
+        .all(|(a, &id)| !f.ids[id].parallel.is_thread() || a < t.inline_pos)
+}
+
+/// Insert RAW and WAR syncs into `body`.
+pub fn run(f: &Fusion, body: &mut Vec<Node>) {
+    // Each insertion shifts positions, so recompute the sites after every change.
+    loop {
+        let mut sites = Vec::new();
+        collect(f, body, &mut Vec::new(), &mut sites);
+        let mut change: Option<(Vec<usize>, usize, SyncKind)> = None;
+        'outer: for r in sites
+            .iter()
+            .filter(|s| !s.write && !same_thread_reads(f, s.tv))
+        {
+            for w in sites.iter().filter(|s| s.write && s.tv == r.tv) {
+                let l = w
+                    .path
+                    .iter()
+                    .zip(&r.path)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                if l == w.path.len() || l == r.path.len() {
+                    continue; // the same statement reads and writes (e.g. a reduction)
+                }
+                let (iw, ir) = (w.path[l], r.path[l]);
+                if iw >= ir {
+                    continue;
+                }
+                let scope = scope_mut(body, &w.path[..l]);
+                if !scope[iw + 1..ir].iter().any(|n| matches!(n, Node::Sync(_))) {
+                    change = Some((w.path[..l].to_vec(), ir, SyncKind::Raw));
+                    break 'outer;
+                }
+                // Inside a real loop, the next iteration's write must wait for this one's
+                // reads. Thread and block loops run once per thread/block: no WAR there.
+                if in_real_loop(body, &w.path[..l])
+                    && !scope_mut(body, &w.path[..l])[ir + 1..]
+                        .iter()
+                        .any(|n| matches!(n, Node::Sync(_)))
+                {
+                    let scope = scope_mut(body, &w.path[..l]);
+                    let end = scope.len();
+                    change = Some((w.path[..l].to_vec(), end, SyncKind::War));
+                    break 'outer;
+                }
+            }
+        }
+        match change {
+            Some((path, at, kind)) => scope_mut(body, &path).insert(at, Node::Sync(kind)),
+            None => break,
+        }
+    }
+}

@@ -1,0 +1,219 @@
+"""The allocation issue's scenarios a)–h) as runnable fusions with NumPy float64 references.
+
+Each builder returns a Scenario: a scheduled FusionDefinition, a function making its inputs
+with a given array module (NumPy or CuPy), and the reference. Shapes are chosen so every
+Local allocation has a constant size (a requirement of CUDA codegen); several are not
+multiples of the split factors, so predicates are exercised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, List
+
+import numpy as np
+from kiln import DataType, FusionDefinition, MemoryType, ParallelType
+
+
+@dataclass
+class Scenario:
+    name: str
+    fd: FusionDefinition
+    make_inputs: Callable[[Any], List[Any]]
+    reference: Callable[[List[np.ndarray]], List[np.ndarray]]
+
+
+def _rand(xp: Any, *shape: int, seed: int = 0) -> Any:
+    a = np.random.default_rng(seed + sum(shape)).standard_normal(shape).astype(np.float32)
+    return xp.asarray(a)
+
+
+def a_pointwise() -> Scenario:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        a = fd.ops.exp(x)
+        b = fd.ops.mul(a, 2.0)
+        c = fd.ops.sub(b, 1.5)
+        fd.add_output(c)
+    for t in (a, b, c):
+        t.merge(0)
+        t.split(0, 128)
+        t.split(1, 4)
+        t.axis(0).parallelize(ParallelType.BIDx)
+        t.axis(1).parallelize(ParallelType.TIDx)
+    a.inline_at(2)
+    b.inline_at(-1)
+    return Scenario("a_pointwise", fd, lambda xp: [_rand(xp, 37, 129)],
+                    lambda i: [np.exp(i[0].astype(np.float64)) * 2.0 - 1.5])
+
+
+def _cache(mem: MemoryType) -> Scenario:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([3, 300])
+        y = fd.ops.sigmoid(x)
+        fd.add_output(y)
+    c = x.cache_after()
+    c.set_memory_type(mem)
+    for t in (c, y):
+        t.split(1, 128)
+        t.reorder({2: 1})
+        t.axis(0).parallelize(ParallelType.BIDx)
+        t.axis(1).parallelize(ParallelType.TIDx)
+    c.inline_at(2)
+    return Scenario(f"b_cache_{mem.value}", fd, lambda xp: [_rand(xp, 3, 300)],
+                    lambda i: [1 / (1 + np.exp(-i[0].astype(np.float64)))])
+
+
+def b_shared() -> Scenario:
+    return _cache(MemoryType.Shared)
+
+
+def b_local() -> Scenario:
+    return _cache(MemoryType.Local)
+
+
+def c_inlined_unroll() -> Scenario:
+    with FusionDefinition() as fd:
+        x0 = fd.define_tensor([6])
+        x1 = fd.define_tensor([6, 5])
+        t2 = fd.ops.exp(x0)
+        t3 = fd.ops.broadcast_in_dim(t2, shape=[-1, -1], broadcast_dims=[0])
+        t4 = fd.ops.add(t3, x1)
+        fd.add_output(t4)
+    for t in (t3, t4):
+        t.merge(0)
+        t.split(0, 4, inner_split=False)
+        t.axis(0).parallelize(ParallelType.Unroll)
+    t2.split(0, 4, inner_split=False)
+    t2.inline_at(2)
+    t3.inline_at(2)
+    return Scenario("c_inlined_unroll", fd, lambda xp: [_rand(xp, 6), _rand(xp, 6, 5, seed=1)],
+                    lambda i: [np.exp(i[0].astype(np.float64))[:, None] + i[1]])
+
+
+def d_non_contiguous() -> Scenario:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], contiguity=[True, False])
+        y = fd.ops.neg(x)
+        fd.add_output(y)
+    for t in (y,):
+        t.split(1, 32)
+        t.axis(0).parallelize(ParallelType.BIDx)
+        t.axis(2).parallelize(ParallelType.TIDx)
+
+    def inputs(xp: Any) -> List[Any]:
+        return [_rand(xp, 9, 100)[:, ::3]]  # stride 3 along the last axis
+
+    return Scenario("d_non_contiguous", fd, inputs, lambda i: [-i[0].astype(np.float64)])
+
+
+def e_nhwc() -> Scenario:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([2, 8, 3, 5])
+        y = fd.ops.relu(x)
+        fd.add_output(y)
+    y.set_allocation_domain([0, 2, 3, 1], [True, True, True, True])
+    c = y.cache_before()
+    y.reorder({1: 3})
+    y.split(3, 4)
+    y.axis(0).parallelize(ParallelType.BIDx)
+    y.axis(4).parallelize(ParallelType.Vectorize)
+    c.split(1, 4)
+    c.reorder({2: 4})
+    c.axis(0).parallelize(ParallelType.BIDx)
+    c.axis(4).parallelize(ParallelType.Vectorize)
+    c.inline_at(1)
+    return Scenario("e_nhwc", fd, lambda xp: [_rand(xp, 2, 8, 3, 5)],
+                    lambda i: [np.maximum(i[0].astype(np.float64), 0)])
+
+
+def f_transpose(m: int = 64, n: int = 96) -> Scenario:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        t = fd.ops.permute(x, [1, 0])
+        fd.add_output(t)
+    s = t.cache_before()
+    s.set_memory_type(MemoryType.Shared)
+    t.split(0, 32)
+    t.split(2, 32)
+    t.reorder({1: 2})
+    t.merge(2, 3)
+    t.split(2, 4)
+    t.axis(0).parallelize(ParallelType.BIDy)
+    t.axis(1).parallelize(ParallelType.BIDx)
+    t.axis(2).parallelize(ParallelType.TIDx)
+    t.axis(3).parallelize(ParallelType.Vectorize)
+    s.split(0, 32)
+    s.split(2, 32)
+    s.reorder({1: 3, 3: 2})
+    s.merge(2, 3)
+    s.split(2, 4)
+    s.axis(0).parallelize(ParallelType.BIDy)
+    s.axis(1).parallelize(ParallelType.BIDx)
+    s.axis(2).parallelize(ParallelType.TIDx)
+    s.inline_at(2)
+    return Scenario(f"f_transpose_{m}x{n}", fd, lambda xp: [_rand(xp, m, n)],
+                    lambda i: [i[0].T.astype(np.float64)])
+
+
+def g_index_select() -> Scenario:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([10, -1])
+        idx = fd.define_tensor([-1], dtype=DataType.Int)
+        t1 = fd.ops.exp(x)
+        t2 = fd.ops.index_select(t1, idx, 0)
+        fd.add_output(t2)
+    t1.reorder({0: 1})
+    t1.split(1, 4)
+    t2.reorder({0: 1})
+    t2.axis(0).parallelize(ParallelType.BIDx)
+    t1.inline_at(1)
+
+    def inputs(xp: Any) -> List[Any]:
+        return [_rand(xp, 10, 7), xp.asarray(np.array([3, 0, 9, 3, 5], dtype=np.int64))]
+
+    return Scenario("g_index_select", fd, inputs, lambda i: [np.exp(i[0].astype(np.float64))[i[1]]])
+
+
+def h_block_row_sum() -> Scenario:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        s = fd.ops.sum(x, dims=[1])
+        fd.add_output(s)
+    s.split(1, 128)
+    s.axis(0).parallelize(ParallelType.BIDx)
+    s.axis(2).parallelize(ParallelType.TIDx)
+    acc = s.cache_before()
+    s.axis(0).parallelize(ParallelType.BIDx)
+    acc.inline_at(1)
+    return Scenario("h_block_row_sum", fd, lambda xp: [_rand(xp, 7, 1000)],
+                    lambda i: [i[0].astype(np.float64).sum(axis=1)])
+
+
+def _column_sum(serial: bool) -> Scenario:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        s = fd.ops.sum(x, dims=[0])
+        fd.add_output(s)
+    s.split(0, 4)
+    s.split(2, 128)
+    s.axis(0).parallelize(ParallelType.BIDx)
+    s.axis(2).parallelize(ParallelType.BIDy)
+    s.axis(3).parallelize(ParallelType.TIDx)
+    if serial:
+        s.set_serial_grid_reduction()
+    return Scenario(f"h_grid_column_sum{'_serial' if serial else ''}", fd, lambda xp: [_rand(xp, 61, 300)],
+                    lambda i: [i[0].astype(np.float64).sum(axis=0)])
+
+
+def h_grid_column_sum() -> Scenario:
+    return _column_sum(False)
+
+
+def h_serial_grid_column_sum() -> Scenario:
+    return _column_sum(True)
+
+
+ALL = [a_pointwise, b_shared, b_local, c_inlined_unroll, d_non_contiguous, e_nhwc, f_transpose,
+       lambda: f_transpose(50, 70), g_index_select, h_block_row_sum, h_grid_column_sum,
+       h_serial_grid_column_sum]
