@@ -102,7 +102,9 @@ def d_non_contiguous() -> Scenario:
         t.axis(2).parallelize(ParallelType.TIDx)
 
     def inputs(xp: Any) -> List[Any]:
-        return [_rand(xp, 9, 100)[:, ::3]]  # stride 3 along the last axis
+        # Stride 3 along the last axis; rows stay packed (row stride 102 = 3 * 34), as
+        # contiguity [True, False] says.
+        return [_rand(xp, 9, 102)[:, ::3]]
 
     return Scenario("d_non_contiguous", fd, inputs, lambda i: [-i[0].astype(np.float64)])
 

@@ -264,12 +264,55 @@ fn predicate(
     pred
 }
 
+/// The consumer that a fully inlined `tv` is indexed through: its loops are all shared
+/// with that consumer, whose (possibly broadcast-concretized) iteration space they run.
+fn inlined_reference(f: &Fusion, tv: TvId) -> Option<(ExprId, usize)> {
+    let t = &f.tvs[tv];
+    if t.inline_pos == 0 || t.inline_pos < t.loop_domain.len() {
+        return None;
+    }
+    let e = *t.uses.first()?;
+    let pos = f.exprs[e].inputs.iter().position(|o| *o == Operand::Tensor(tv))?;
+    if matches!(f.exprs[e].op, Op::IndexSelect { .. }) {
+        return None;
+    }
+    Some((e, pos))
+}
+
 fn consumer_indices(
     f: &mut Fusion,
     ctx: &Ctx,
     tv: TvId,
     stack: &[Enclosing],
 ) -> Result<FxHashMap<IterDomainId, ValId>> {
+    if let Some((e, pos)) = inlined_reference(f, tv) {
+        // Index through the consumer's logical indices, exactly as the consumer reads tv;
+        // tv's own extents may be smaller where it has broadcasts the consumer concretizes.
+        let d = f.exprs[e].output;
+        let didx = consumer_indices(f, ctx, d, stack)?;
+        let mut idx: FxHashMap<IterDomainId, ValId> = FxHashMap::default();
+        for (pid, cid) in logical_pairs(f, e, pos) {
+            if let Some(&v) = didx.get(&cid) {
+                idx.insert(pid, v);
+            }
+        }
+        let zero = f.scalars.int(0);
+        for pid in f.tvs[tv].logical.clone() {
+            if f.ids[pid].iter_type == IterType::Broadcast {
+                idx.insert(pid, zero);
+            }
+        }
+        if f.tvs[tv].logical.iter().all(|l| idx.contains_key(l)) {
+            for (a, &id) in f.tvs[tv].loop_domain.clone().iter().enumerate() {
+                let g = ctx.lg.group(tv, a);
+                if let Some(l) = stack.iter().rev().find(|l| l.group == Some(g)) {
+                    idx.insert(id, l.index);
+                }
+            }
+            forward(f, tv, &mut idx);
+            return Ok(idx);
+        }
+    }
     let mut idx = FxHashMap::default();
     let ld = f.tvs[tv].loop_domain.clone();
     for (a, &id) in ld.iter().enumerate() {

@@ -32,6 +32,7 @@ pub fn lower(fusion: &Fusion) -> Result<Kernel> {
     let order = loops::expr_order(&f);
     let tv_order = loops::tensor_order(&f, &order);
     let lg = LoopGraph::build(&f, &exact, &tv_order)?;
+    validate::partial_inlining(&f, &lg, &exact)?;
     let (mut body, mut next_index) = loops::run(&mut f, &lg, &order)?;
     let alloc = allocation::run(&mut f, &lg, &exact, &order, &mut body, &mut next_index)?;
     indexing::run(&mut f, &lg, &alloc.allocations, &mut body)?;

@@ -3,9 +3,36 @@
 //! least one output, a vectorized axis is innermost, inline positions are valid, and
 //! features this build cannot lower are rejected by name.
 
+use crate::analysis::id_graph::IdGraph;
+use crate::analysis::loop_graph::LoopGraph;
 use crate::bail;
 use crate::error::Result;
 use crate::ir::{Fusion, ParallelType};
+
+/// A partly inlined tensor may not share loops that iterate a broadcast its consumer
+/// concretizes: its private loops would cover only its own (size-one) extent of that
+/// space. Fully inlined tensors are indexed through their consumer instead.
+pub fn partial_inlining(f: &Fusion, lg: &LoopGraph, exact: &IdGraph) -> Result<()> {
+    for (tv, t) in f.tvs.iter() {
+        if t.inline_pos == 0 || t.inline_pos >= t.loop_domain.len() || t.uses.is_empty() {
+            continue;
+        }
+        for a in 0..t.inline_pos {
+            let own = t.loop_domain[a];
+            let promoted = lg.promoted(tv, a);
+            if promoted != own && !exact.same(own, promoted) && f.ids[own].extent != f.ids[promoted].extent {
+                bail!(
+                    "{}: inlined at position {} but axis {a} ({}) runs the concretized loop {}; inline it fully (inline_at(-1)) or at {a}",
+                    f.tv_name(tv),
+                    t.inline_pos,
+                    f.id_label(own),
+                    f.id_label(promoted)
+                );
+            }
+        }
+    }
+    Ok(())
+}
 
 /// Check `f` can be lowered.
 pub fn run(f: &Fusion) -> Result<()> {

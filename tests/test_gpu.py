@@ -1,0 +1,78 @@
+"""The allocation issue's scenarios a)–h) compiled with NVRTC for the device and run on it,
+against NumPy float64 references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scenarios
+from gpu_util import cupy_or_skip
+from kiln import KilnError
+
+pytestmark = pytest.mark.gpu
+
+RUNNABLE = [b for b in scenarios.ALL if b is not scenarios.b_local]
+
+
+@pytest.mark.parametrize("build", RUNNABLE, ids=lambda b: b.__name__)
+def test_scenario_matches_numpy(build):
+    cp = cupy_or_skip()
+    sc = build()
+    arrays = sc.make_inputs(cp)
+    outs = sc.fd.execute(arrays)
+    refs = sc.reference([cp.asnumpy(a) for a in arrays])
+    assert len(outs) == len(refs)
+    for o, r in zip(outs, refs):
+        got = cp.asnumpy(o)
+        assert got.shape == r.shape
+        np.testing.assert_allclose(got, r, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(r).max())))
+
+
+def test_local_cache_with_symbolic_size_is_refused_before_launch():
+    cp = cupy_or_skip()
+    sc = scenarios.b_local()
+    # Static [3, 300]: constant Local size, so it runs.
+    out = sc.fd.execute(sc.make_inputs(cp))
+    assert out[0].shape == (3, 300)
+
+
+def test_executor_allocates_buffers_or_takes_them():
+    cp = cupy_or_skip()
+    from kiln.runtime.kernel_executor import KernelExecutor
+
+    sc = scenarios.h_grid_column_sum()
+    x = sc.make_inputs(cp)[0]
+    ref = sc.reference([cp.asnumpy(x)])[0]
+    k = sc.fd.lower([x]).kernels[0]
+    ex = KernelExecutor(k)
+    (own,) = ex.run([x])  # executor allocates work buffer and zeroed semaphore
+    np.testing.assert_allclose(cp.asnumpy(own), ref, rtol=1e-5, atol=1e-4)
+    plan = ex.plan([x], [])
+    bufs = [cp.zeros(n, dtype=cp.float32 if d == "Float" else cp.int64) for _, n, d, _, _ in plan[1]]
+    (given,) = ex.run([x], buffers=bufs)
+    np.testing.assert_allclose(cp.asnumpy(given), ref, rtol=1e-5, atol=1e-4)
+    assert int(bufs[1].sum()) == 0, "the semaphore is back to zero after the launch"
+    with pytest.raises(KilnError, match="global buffer T1_work"):
+        ex.run([x], buffers=[bufs[0][:3], bufs[1]])
+    with pytest.raises(KilnError, match="needs 2 global buffers"):
+        ex.run([x], buffers=bufs[:1])
+
+
+def test_serial_grid_reduction_is_deterministic():
+    cp = cupy_or_skip()
+    sc = scenarios.h_serial_grid_column_sum()
+    x = sc.make_inputs(cp)[0]
+    first = cp.asnumpy(sc.fd.execute([x])[0])
+    for _ in range(5):
+        np.testing.assert_array_equal(cp.asnumpy(sc.fd.execute([x])[0]), first)
+
+
+def test_torch_inputs_give_torch_outputs():
+    cupy_or_skip()
+    torch = pytest.importorskip("torch")
+    sc = scenarios.a_pointwise()
+    x = torch.randn(37, 129, device="cuda")
+    (out,) = sc.fd.execute([x])
+    assert isinstance(out, torch.Tensor) and out.is_cuda
+    ref = np.exp(x.cpu().numpy().astype(np.float64)) * 2.0 - 1.5
+    np.testing.assert_allclose(out.cpu().numpy(), ref, rtol=1e-5, atol=1e-5)
