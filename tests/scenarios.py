@@ -200,6 +200,7 @@ def _column_sum(serial: bool) -> Scenario:
     s.split(0, 4)
     s.split(2, 128)
     s.axis(0).parallelize(ParallelType.BIDx)
+    s.axis(1).parallelize(ParallelType.TIDy)
     s.axis(2).parallelize(ParallelType.BIDy)
     s.axis(3).parallelize(ParallelType.TIDx)
     if serial:

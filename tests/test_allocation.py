@@ -263,6 +263,7 @@ def _column_sum(serial: bool):
     s.split(0, 4)  # [r ceilDiv(i0, 4), r 4, i1]
     s.split(2, 128)  # [.., ceilDiv(i1, 128), 128]
     s.axis(0).parallelize(ParallelType.BIDx)  # reduce across blocks
+    s.axis(1).parallelize(ParallelType.TIDy)  # and across threads: no serial step around it
     s.axis(2).parallelize(ParallelType.BIDy)
     s.axis(3).parallelize(ParallelType.TIDx)
     if serial:
@@ -338,6 +339,19 @@ def test_i_set_allocation_domain_dropping_an_inlined_id_is_rejected():
     c.inline_at(1)
     with pytest.raises(KilnError, match=rf"{c.name}: the set allocation domain drops inlined id\(s\) iS\d+"):
         fd.lower([arr(4, 4)])
+
+
+def test_grid_reduction_inside_a_serial_reduction_loop_is_rejected():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        s = fd.ops.sum(x, dims=[0])
+        fd.add_output(s)
+    s.split(0, 4)
+    s.axis(0).parallelize(ParallelType.BIDx)  # axis 1 (r4) stays a serial loop
+    with pytest.raises(KilnError, match=r"T1: reduction axis 1 \(rS\d+\{4\}\) is a serial loop"):
+        fd.lower([arr(8, 3)])
+    s.set_serial_grid_reduction()  # the serial protocol takes one step at a time: allowed
+    assert fd.lower([arr(8, 3)]).kernels[0].global_allocations[1].resets_to_zero
 
 
 def test_i_id_that_cannot_be_promoted_is_rejected():

@@ -37,7 +37,7 @@ def test_parameter_order_inputs_outputs_buffers_then_scalars():
     sig = re.search(r"kiln_kernel\((.*?)\)", k.cuda_source).group(1)
     head = "const float* __restrict__ T0, float* __restrict__ T1, float* T1_work, int64_t* T1_sync"
     assert sig.startswith(head)
-    assert "kiln::gridReduce<true, false, false, false, false, false>" in k.cuda_source
+    assert "kiln::gridReduce<true, false, false, false, true, false>" in k.cuda_source
 
 
 def test_launch_plan_is_evaluated_in_rust():
@@ -45,8 +45,8 @@ def test_launch_plan_is_evaluated_in_rust():
     k = sc.fd.lower(sc.make_inputs(np)).kernels[0]
     outs, bufs, args, grid, block, smem = k._core.plan([[61, 300]], [[300, 1]], [])
     assert outs == [([300], [0], "Float")]
-    assert grid == [16, 3, 1] and block == [128, 1, 1]
-    assert smem == 128 * 8
+    assert grid == [16, 3, 1] and block == [128, 4, 1]
+    assert smem == 128 * 4 * 8  # block-reduction workspace: one 8-byte slot per thread
     assert bufs[0][:2] == ("T1_work", 3 * 16 * 128) and bufs[1][:2] == ("T1_sync", 3)
     assert args == [61, 300]
 

@@ -272,7 +272,10 @@ fn inlined_reference(f: &Fusion, tv: TvId) -> Option<(ExprId, usize)> {
         return None;
     }
     let e = *t.uses.first()?;
-    let pos = f.exprs[e].inputs.iter().position(|o| *o == Operand::Tensor(tv))?;
+    let pos = f.exprs[e]
+        .inputs
+        .iter()
+        .position(|o| *o == Operand::Tensor(tv))?;
     if matches!(f.exprs[e].op, Op::IndexSelect { .. }) {
         return None;
     }

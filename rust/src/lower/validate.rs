@@ -20,7 +20,10 @@ pub fn partial_inlining(f: &Fusion, lg: &LoopGraph, exact: &IdGraph) -> Result<(
         for a in 0..t.inline_pos {
             let own = t.loop_domain[a];
             let promoted = lg.promoted(tv, a);
-            if promoted != own && !exact.same(own, promoted) && f.ids[own].extent != f.ids[promoted].extent {
+            if promoted != own
+                && !exact.same(own, promoted)
+                && f.ids[own].extent != f.ids[promoted].extent
+            {
                 bail!(
                     "{}: inlined at position {} but axis {a} ({}) runs the concretized loop {}; inline it fully (inline_at(-1)) or at {a}",
                     f.tv_name(tv),
