@@ -217,6 +217,37 @@ def h_serial_grid_column_sum() -> Scenario:
     return _column_sum(True)
 
 
+def v_vectorized(m: int = 64, n: int = 256) -> Scenario:
+    """Pointwise chain with 16-byte vectorized load and store (nvFuser's pointwise schedule)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        y = fd.ops.mul(fd.ops.relu(fd.ops.add(fd.ops.mul(x, 1.5), 0.5)), fd.ops.sigmoid(x))
+        fd.add_output(y)
+    xc = x.cache_after()
+    yc = y.cache_before()
+    from kiln.fusion import Tensor
+
+    every = [Tensor(fd, i) for i in range(fd._core.num_tensors) if i != x._id]
+    for t in every:
+        t.merge(0)
+        t.split(0, 4)
+        t.split(0, 128)
+        t.axis(0).parallelize(ParallelType.BIDx)
+        t.axis(1).parallelize(ParallelType.TIDx)
+    xc.axis(2).parallelize(ParallelType.Vectorize)
+    y.axis(2).parallelize(ParallelType.Vectorize)
+    for t in every:
+        if t._id != y._id:
+            t.inline_at(-1)
+    _ = yc
+
+    def ref(i: List[np.ndarray]) -> List[np.ndarray]:
+        a = i[0].astype(np.float64)
+        return [np.maximum(a * 1.5 + 0.5, 0) * (1 / (1 + np.exp(-a)))]
+
+    return Scenario(f"v_vectorized_{m}x{n}", fd, lambda xp: [_rand(xp, m, n)], ref)
+
+
 ALL = [a_pointwise, b_shared, b_local, c_inlined_unroll, d_non_contiguous, e_nhwc, f_transpose,
        lambda: f_transpose(50, 70), g_index_select, h_block_row_sum, h_grid_column_sum,
-       h_serial_grid_column_sum]
+       h_serial_grid_column_sum, v_vectorized, lambda: v_vectorized(37, 129)]

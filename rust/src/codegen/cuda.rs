@@ -75,6 +75,8 @@ pub fn c_type(d: DataType) -> &'static str {
 struct Gen<'a> {
     k: &'a Kernel,
     f: &'a Fusion,
+    /// A copy of the kernel's scalars: codegen specializes index expressions (vector bases).
+    sc: crate::ir::Scalars,
     out: String,
     /// C name of each tensor's buffer.
     names: FxHashMap<TvId, String>,
@@ -233,6 +235,7 @@ pub fn generate(k: &Kernel) -> Result<CudaKernel> {
     let mut g = Gen {
         k,
         f,
+        sc: f.scalars.clone(),
         out: String::new(),
         names,
         scratch: 0,
@@ -271,7 +274,7 @@ impl Gen<'_> {
 
     /// C expression of an integer/bool scalar.
     fn c(&self, v: ValId) -> String {
-        let sc = &self.f.scalars;
+        let sc = &self.sc;
         match sc.get(v) {
             Val::Int(i) => {
                 if i == i64::MIN {
@@ -325,6 +328,7 @@ impl Gen<'_> {
     fn node(&mut self, n: &Node, depth: usize) -> Result<()> {
         let pad = Self::pad(depth);
         match n {
+            Node::Loop(l) if self.try_vectorized_copy(l, depth)? => {}
             Node::Loop(l) => {
                 if l.parallel.is_thread_or_block() {
                     let _ = writeln!(
@@ -425,6 +429,100 @@ impl Gen<'_> {
             }
         }
         Ok(())
+    }
+
+    /// Emit a Vectorize loop holding one copy as a single wide load and store, with a
+    /// scalar fallback for misaligned or partly out-of-range vectors. Returns false (and
+    /// emits nothing) when the loop is not such a copy.
+    fn try_vectorized_copy(&mut self, l: &crate::kernel::ForLoop, depth: usize) -> Result<bool> {
+        if l.parallel != ParallelType::Vectorize {
+            return Ok(false);
+        }
+        let Some(n) = self.sc.as_int(l.extent) else {
+            return Ok(false);
+        };
+        let [Node::Expr {
+            expr,
+            index: Some(ix),
+        }] = l.body.as_slice()
+        else {
+            return Ok(false);
+        };
+        let f = self.f;
+        let e = &f.exprs[*expr];
+        let (Op::Set, Some(Operand::Tensor(src))) = (&e.op, e.inputs.first().copied()) else {
+            return Ok(false);
+        };
+        let dt = f.tvs[e.output].dtype;
+        let bytes = n as usize * dt.size_bytes();
+        if !matches!(bytes, 2 | 4 | 8 | 16) || f.tvs[src].dtype != dt {
+            return Ok(false);
+        }
+        let Val::Symbol(sym) = self.sc.get(l.index) else {
+            return Ok(false);
+        };
+        let Some(in_off) = ix.inputs[0] else {
+            return Ok(false);
+        };
+        let (zero, one, last) = (self.sc.int(0), self.sc.int(1), self.sc.int(n - 1));
+        let at = |v: ValId, k: ValId, sc: &mut crate::ir::Scalars| sc.substitute(v, sym, k);
+        let (o0, o1) = (
+            at(ix.out, zero, &mut self.sc),
+            at(ix.out, one, &mut self.sc),
+        );
+        let (i0, i1) = (
+            at(in_off, zero, &mut self.sc),
+            at(in_off, one, &mut self.sc),
+        );
+        // Unit stride in the vector index on both sides, or no wide access.
+        if self.sc.add(o0, one) != o1 || self.sc.add(i0, one) != i1 {
+            return Ok(false);
+        }
+        let (p0, pl) = (
+            at(ix.predicate, zero, &mut self.sc),
+            at(ix.predicate, last, &mut self.sc),
+        );
+        let pad = Self::pad(depth);
+        let ty = c_type(dt);
+        let (ob, ib) = (self.buf(e.output), self.buf(src));
+        let _ = writeln!(
+            self.out,
+            "{pad}{{  // Vectorize x{n} over {}",
+            f.id_label(l.id)
+        );
+        let _ = writeln!(
+            self.out,
+            "{pad}  const int64_t kiln_ob = {}, kiln_ib = {};",
+            self.c(o0),
+            self.c(i0)
+        );
+        let _ = writeln!(
+            self.out,
+            "{pad}  if (({}) && ({}) && reinterpret_cast<unsigned long long>(&{ob}[kiln_ob]) % {bytes} == 0 && reinterpret_cast<unsigned long long>(&{ib}[kiln_ib]) % {bytes} == 0) {{",
+            self.c(p0),
+            self.c(pl)
+        );
+        let _ = writeln!(self.out, "{pad}    kiln::Array<{ty}, {n}> kiln_vec;");
+        let _ = writeln!(
+            self.out,
+            "{pad}    kiln::loadVec<{ty}, {n}>(kiln_vec, &{ib}[kiln_ib]);"
+        );
+        let _ = writeln!(
+            self.out,
+            "{pad}    kiln::storeVec<{ty}, {n}>(&{ob}[kiln_ob], kiln_vec);"
+        );
+        let _ = writeln!(self.out, "{pad}  }} else {{");
+        let idx = self.c(l.index);
+        let _ = writeln!(self.out, "{pad}    #pragma unroll");
+        let _ = writeln!(
+            self.out,
+            "{pad}    for (int64_t {idx} = 0; {idx} < {n}; ++{idx}) {{"
+        );
+        self.expr(*expr, ix, depth + 3)?;
+        let _ = writeln!(self.out, "{pad}    }}");
+        let _ = writeln!(self.out, "{pad}  }}");
+        let _ = writeln!(self.out, "{pad}}}");
+        Ok(true)
     }
 
     /// C expression reading operand `pos` of `e`, converted to dtype `to`.

@@ -128,6 +128,8 @@ pub enum Val {
 pub struct Scalars {
     nodes: PrimaryMap<ValId, Val>,
     dedup: FxHashMap<Val, ValId>,
+    /// Exclusive upper bounds of symbols known to lie in `[0, bound)` (loop indices).
+    bounds: FxHashMap<Symbol, i64>,
 }
 
 impl Scalars {
@@ -225,8 +227,64 @@ impl Scalars {
         self.intern(Val::Binary(op, a, b))
     }
 
+    /// Declare that `sym` lies in `[0, bound)` (a loop index of constant extent).
+    pub fn set_bound(&mut self, sym: Symbol, bound: i64) {
+        self.bounds.insert(sym, bound);
+    }
+
+    /// Inclusive range of an integer expression, assuming symbols are non-negative.
+    /// `None` as the upper end means unbounded.
+    pub fn range(&self, v: ValId) -> (i64, Option<i64>) {
+        match self.nodes[v] {
+            Val::Int(i) => (i, Some(i)),
+            Val::Bool(b) => (b as i64, Some(b as i64)),
+            Val::Float(_) => (i64::MIN, None),
+            Val::Symbol(s) => (0, self.bounds.get(&s).map(|b| b - 1)),
+            Val::Binary(op, a, b) => {
+                let ((al, ah), (bl, bh)) = (self.range(a), self.range(b));
+                if al < 0 || bl < 0 {
+                    return (i64::MIN, None);
+                }
+                match op {
+                    ScalarOp::Add => (
+                        al.saturating_add(bl),
+                        ah.zip(bh).map(|(x, y)| x.saturating_add(y)),
+                    ),
+                    ScalarOp::Mul => (
+                        al.saturating_mul(bl),
+                        ah.zip(bh).map(|(x, y)| x.saturating_mul(y)),
+                    ),
+                    ScalarOp::Div if bl > 0 => {
+                        (al / bh.unwrap_or(i64::MAX).max(1), ah.map(|x| x / bl))
+                    }
+                    ScalarOp::CeilDiv if bl > 0 => (0, ah.map(|x| (x + bl - 1) / bl)),
+                    ScalarOp::Mod if bl > 0 => (
+                        0,
+                        Some(
+                            bh.map_or(ah.unwrap_or(i64::MAX), |m| m - 1)
+                                .min(ah.unwrap_or(i64::MAX)),
+                        ),
+                    ),
+                    ScalarOp::Min => (
+                        al.min(bl),
+                        match (ah, bh) {
+                            (Some(x), Some(y)) => Some(x.min(y)),
+                            (x, y) => x.or(y),
+                        },
+                    ),
+                    ScalarOp::Max => (al.max(bl), ah.zip(bh).map(|(x, y)| x.max(y))),
+                    ScalarOp::Lt | ScalarOp::Le | ScalarOp::Eq | ScalarOp::And => (0, Some(1)),
+                    _ => (i64::MIN, None),
+                }
+            }
+        }
+    }
+
     fn simplify(&mut self, op: ScalarOp, a: ValId, b: ValId) -> Option<ValId> {
         use ScalarOp::*;
+        if let Some(v) = self.simplify_structure(op, a, b) {
+            return Some(v);
+        }
         let (ca, cb) = (self.as_int(a), self.as_int(b));
         if let (Some(x), Some(y)) = (ca, cb) {
             if let Some(r) = op.apply(x, y) {
@@ -287,6 +345,68 @@ impl Scalars {
         None
     }
 
+    /// Rules that need the shape of the operands: div/mod identities and ranges.
+    fn simplify_structure(&mut self, op: ScalarOp, a: ValId, b: ValId) -> Option<ValId> {
+        use ScalarOp::*;
+        match op {
+            Add => {
+                // (x / y) * y + x % y == x, in either order.
+                for (p, q) in [(a, b), (b, a)] {
+                    if let (Val::Binary(Mul, d, y1), Val::Binary(Mod, x2, y2)) =
+                        (self.nodes[p], self.nodes[q])
+                    {
+                        if let Val::Binary(Div, x1, y0) = self.nodes[d] {
+                            if x1 == x2 && y0 == y1 && y1 == y2 {
+                                return Some(x1);
+                            }
+                        }
+                    }
+                }
+            }
+            Mod | Div => {
+                let c = self.as_int(b)?;
+                if c <= 0 {
+                    return None;
+                }
+                let (lo, hi) = self.range(a);
+                if lo >= 0 && hi.is_some_and(|h| h < c) {
+                    return Some(if op == Mod { a } else { self.int(0) });
+                }
+                // (x * c + y) % c == y % c and (x * c + y) / c == x + y / c (non-negative terms).
+                if let Val::Binary(Add, l, r) = self.nodes[a] {
+                    if let Val::Binary(Mul, x, k) = self.nodes[l] {
+                        if self.as_int(k) == Some(c) && self.range(r).0 >= 0 && self.range(x).0 >= 0
+                        {
+                            let rest = self.binary(op, r, b);
+                            return Some(if op == Mod { rest } else { self.add(x, rest) });
+                        }
+                    }
+                }
+            }
+            Lt => {
+                // x % y < y always holds for y > 0.
+                if let Val::Binary(Mod, _, y) = self.nodes[a] {
+                    if y == b {
+                        return Some(self.boolean(true));
+                    }
+                }
+                let ((al, ah), (bl, _)) = (self.range(a), self.range(b));
+                if al >= 0 && ah.is_some_and(|h| h < bl) {
+                    return Some(self.boolean(true));
+                }
+                // x / y < z  <=>  x < y * z for non-negative x and positive y: no division.
+                if let Val::Binary(Div, x, y) = self.nodes[a] {
+                    if self.range(x).0 >= 0 && self.range(b).0 >= 0 {
+                        let yz = self.mul(y, b);
+                        return Some(self.binary(Lt, x, yz));
+                    }
+                }
+            }
+            _ => {}
+        }
+        None
+    }
+
     fn binary_with_const(&mut self, op: ScalarOp, x: ValId, c: i64) -> ValId {
         let c = self.int(c);
         self.binary(op, x, c)
@@ -332,6 +452,41 @@ impl Scalars {
     pub fn product(&mut self, vals: impl IntoIterator<Item = ValId>) -> ValId {
         let one = self.int(1);
         vals.into_iter().fold(one, |acc, v| self.mul(acc, v))
+    }
+
+    /// `v` with every occurrence of `sym` replaced by `by`, simplified.
+    pub fn substitute(&mut self, v: ValId, sym: Symbol, by: ValId) -> ValId {
+        let mut memo: FxHashMap<ValId, ValId> = FxHashMap::default();
+        self.substitute_memo(v, sym, by, &mut memo)
+    }
+
+    fn substitute_memo(
+        &mut self,
+        v: ValId,
+        sym: Symbol,
+        by: ValId,
+        memo: &mut FxHashMap<ValId, ValId>,
+    ) -> ValId {
+        if let Some(&r) = memo.get(&v) {
+            return r;
+        }
+        let r = match self.nodes[v] {
+            Val::Symbol(s) if s == sym => by,
+            Val::Binary(op, a, b) => {
+                let (na, nb) = (
+                    self.substitute_memo(a, sym, by, memo),
+                    self.substitute_memo(b, sym, by, memo),
+                );
+                if na == a && nb == b {
+                    v
+                } else {
+                    self.binary(op, na, nb)
+                }
+            }
+            _ => v,
+        };
+        memo.insert(v, r);
+        r
     }
 
     /// Evaluate `v` given values for its symbols.
@@ -510,6 +665,35 @@ mod tests {
         let d = s.sub(y, z);
         let d2 = s.sub(x, d);
         assert_eq!(s.render(d2), "i0 - (i1 - i2)");
+    }
+
+    #[test]
+    fn div_mod_identities_and_ranges() {
+        let mut s = Scalars::new();
+        let x = s.symbol(Symbol::Extent(0));
+        let n = s.symbol(Symbol::Extent(1));
+        let q = s.div(x, n);
+        let qn = s.mul(q, n);
+        let r = s.rem(x, n);
+        assert_eq!(s.add(qn, r), x, "(x / n) * n + x % n == x");
+        let v = Symbol::LoopIndex(0);
+        s.set_bound(v, 4);
+        let vi = s.symbol(v);
+        let four = s.int(4);
+        let x4 = s.mul(x, four);
+        let m = s.add(x4, vi);
+        assert_eq!(s.rem(m, four), vi, "(x * 4 + v) % 4 == v for v < 4");
+        assert_eq!(s.div(m, four), x, "(x * 4 + v) / 4 == x for v < 4");
+        let lt = s.lt(r, n);
+        assert_eq!(s.as_int(lt), Some(1), "x % n < n");
+        let d = s.div(m, n);
+        let c = s.lt(d, x);
+        assert_eq!(
+            s.render(c),
+            "x * 4 + v < i1 * i0"
+                .replace("x", "i0")
+                .replace("v", "idx0")
+        );
     }
 
     #[test]

@@ -97,7 +97,11 @@ pub fn run(f: &mut Fusion, lg: &LoopGraph, order: &[ExprId]) -> Result<(Vec<Node
                 f.scalars.symbol(Symbol::ParallelIndex(info.parallel))
             } else {
                 next_index += 1;
-                f.scalars.symbol(Symbol::LoopIndex(next_index - 1))
+                let sym = Symbol::LoopIndex(next_index - 1);
+                if let Some(c) = f.scalars.as_int(extent) {
+                    f.scalars.set_bound(sym, c);
+                }
+                f.scalars.symbol(sym)
             };
             cur.push(Node::Loop(ForLoop {
                 group: Some(g),
@@ -117,6 +121,20 @@ pub fn run(f: &mut Fusion, lg: &LoopGraph, order: &[ExprId]) -> Result<(Vec<Node
             expr: e,
             index: None,
         });
+    }
+    // Thread and block indices stay below the largest extent of their loops.
+    let mut widest: FxHashMap<crate::ir::ParallelType, Option<i64>> = FxHashMap::default();
+    for g in &lg.groups {
+        if g.parallel.is_thread_or_block() {
+            let c = f.scalars.as_int(f.ids[g.promoted].extent);
+            let e = widest.entry(g.parallel).or_insert(Some(0));
+            *e = e.zip(c).map(|(a, b)| a.max(b));
+        }
+    }
+    for (p, w) in widest {
+        if let Some(w) = w {
+            f.scalars.set_bound(Symbol::ParallelIndex(p), w);
+        }
     }
     Ok((body, next_index))
 }

@@ -168,6 +168,7 @@ fn grid_reduction_summary_and_top_level_allocations() {
     f.add_output(s).unwrap();
     f.split(s, 0, 8, true).unwrap();
     f.parallelize(s, 0, ParallelType::BIDx).unwrap();
+    f.parallelize(s, 1, ParallelType::TIDx).unwrap();
     f.parallelize(s, 2, ParallelType::BIDy).unwrap();
     let k = lower(&f).unwrap();
     let g = &k.summary.global_allocations;

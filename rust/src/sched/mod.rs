@@ -387,7 +387,20 @@ impl Fusion {
         if self.tvs[tv].uses.is_empty() || self.is_input(tv) {
             return 0;
         }
-        let n = self.tvs[tv].loop_domain.len();
+        // Like nvFuser's inlineMost: stop before a vectorized axis, so the vectorized
+        // copy keeps its own loop and can be emitted as one wide access.
+        let vec_pos = |t: TvId| {
+            self.tvs[t]
+                .loop_domain
+                .iter()
+                .position(|&id| self.ids[id].parallel == ParallelType::Vectorize)
+        };
+        let mut n = self.tvs[tv].loop_domain.len();
+        for t in std::iter::once(tv).chain(self.consumers(tv)) {
+            if let Some(v) = vec_pos(t) {
+                n = n.min(v);
+            }
+        }
         (0..=n)
             .rev()
             .find(|&p| self.check_inline(tv, p).is_ok())

@@ -88,7 +88,11 @@ pub fn init_nest(
             f.scalars.symbol(Symbol::ParallelIndex(parallel))
         } else {
             *next_index += 1;
-            f.scalars.symbol(Symbol::LoopIndex(*next_index - 1))
+            let sym = Symbol::LoopIndex(*next_index - 1);
+            if let Some(c) = f.scalars.as_int(f.ids[info.promoted].extent) {
+                f.scalars.set_bound(sym, c);
+            }
+            f.scalars.symbol(sym)
         };
         let id = info.promoted;
         let extent = f.ids[id].extent;
