@@ -12,14 +12,12 @@ fn build(n_ops: usize) -> (Fusion, Vec<TvId>) {
     let mut tvs = Vec::with_capacity(n_ops);
     for i in 0..n_ops {
         cur = if i % 3 == 0 {
-            f.binary(BinaryOp::Add, Operand::Tensor(cur), Operand::Tensor(b))
-                .unwrap()
+            f.binary(BinaryOp::Add, Operand::Tensor(cur), Operand::Tensor(b)).unwrap()
         } else if i % 3 == 1 {
             f.unary(UnaryOp::Tanh, Operand::Tensor(cur)).unwrap()
         } else {
             let c = f.scalars.float(0.5);
-            f.binary(BinaryOp::Mul, Operand::Tensor(cur), Operand::Scalar(c))
-                .unwrap()
+            f.binary(BinaryOp::Mul, Operand::Tensor(cur), Operand::Scalar(c)).unwrap()
         };
         tvs.push(cur);
     }
@@ -47,9 +45,7 @@ fn pointwise_reduction(n_ops: usize) -> Fusion {
     let (mut f, mut tvs) = build(n_ops);
     let last = *tvs.last().unwrap();
     f.outputs.clear();
-    let s = f
-        .reduction(ReductionOp::Sum, last, &[1], false, None)
-        .unwrap();
+    let s = f.reduction(ReductionOp::Sum, last, &[1], false, None).unwrap();
     f.add_output(s).unwrap();
     tvs.push(s);
     for &t in &tvs {
@@ -65,9 +61,7 @@ fn pointwise_reduction(n_ops: usize) -> Fusion {
 
 fn bench(c: &mut Criterion) {
     let f = pointwise_reduction(50);
-    c.bench_function("lower 50-op pointwise + reduction", |bch| {
-        bch.iter(|| black_box(lower(black_box(&f)).unwrap()))
-    });
+    c.bench_function("lower 50-op pointwise + reduction", |bch| bch.iter(|| black_box(lower(black_box(&f)).unwrap())));
     c.bench_function("build 1000 ops", |bch| bch.iter(|| black_box(build(1000))));
     c.bench_function("build + schedule 1000 ops", |bch| {
         bch.iter(|| {

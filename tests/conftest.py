@@ -102,13 +102,13 @@ def _compile_generated_kernels():
     from kiln.runtime.nvrtc import compile_cubin
 
     for k in kernels:
-        try:
-            src = k.cuda_source
-        except KilnError:
-            continue  # codegen refused the schedule with a user-facing error: nothing to compile
-        if src not in _COMPILED:
-            res = compile_cubin(src, k.kernel_name, arch="sm_90")
-            _COMPILED[src] = res
-        res = _COMPILED[src]
-        spills = {n: s for n, s in res.spills.items() if s}
-        assert not spills, f"kernel spills registers: {spills}\n{res.log}"
+        for index32 in (False, True):
+            try:
+                src = k.cuda_source_for(index32)
+            except KilnError:
+                break  # codegen refused the schedule with a user-facing error: nothing to compile
+            if src not in _COMPILED:
+                _COMPILED[src] = compile_cubin(src, k.kernel_name, arch="sm_90")
+            res = _COMPILED[src]
+            spills = {n: s for n, s in res.spills.items() if s}
+            assert not spills, f"kernel spills registers: {spills}\n{res.log}"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Sequence, Tuple
 
 from ._errors import KilnError, KilnTypeError
 from .enums import DataType, MemoryType
@@ -58,17 +58,28 @@ class LoweredKernel:
         self.global_allocations: List[GlobalBuffer] = [
             GlobalBuffer(n, DataType(d), tuple(s), z, r) for (n, d, s, z, r) in core.global_allocations()
         ]
-        self._cuda: Optional[Tuple[str, str, list]] = None
+        self._cuda: dict = {}
         _GENERATED.append(self)
 
-    def _codegen(self) -> Tuple[str, str, list]:
-        if self._cuda is None:
-            self._cuda = self._core.cuda()
-        return self._cuda
+    def _codegen(self, index32: bool = False) -> Tuple[str, str, list]:
+        hit = self._cuda.get(index32)
+        if hit is None:
+            hit = self._cuda[index32] = self._core.cuda(index32)
+        return hit
+
+    def cuda_source_for(self, index32: bool) -> str:
+        """The CUDA source with 32-bit (``True``) or 64-bit index arithmetic."""
+        return self._codegen(index32)[0]
+
+    @property
+    def launch(self) -> dict:
+        """Launch configuration as expressions of input sizes: grid, block, shared memory bytes."""
+        grid, block, smem = self._core.launch()
+        return {"grid": tuple(grid), "block": tuple(block), "smem_bytes": smem}
 
     @property
     def cuda_source(self) -> str:
-        """The CUDA C++ translation unit (runtime header + kernel)."""
+        """The CUDA C++ translation unit (runtime header + kernel), 64-bit indexing."""
         return self._codegen()[0]
 
     @property

@@ -24,35 +24,22 @@ pub struct KilnError {
 impl KilnError {
     /// A value/shape/schedule error.
     pub fn value(message: impl Into<String>) -> Self {
-        Self {
-            kind: ErrorKind::Value,
-            message: message.into(),
-        }
+        Self { kind: ErrorKind::Value, message: message.into() }
     }
     /// A dtype/argument-type error.
     pub fn type_error(message: impl Into<String>) -> Self {
-        Self {
-            kind: ErrorKind::Type,
-            message: message.into(),
-        }
+        Self { kind: ErrorKind::Type, message: message.into() }
     }
     /// A broken internal invariant.
     pub fn internal(message: impl Into<String>) -> Self {
-        Self {
-            kind: ErrorKind::Internal,
-            message: message.into(),
-        }
+        Self { kind: ErrorKind::Internal, message: message.into() }
     }
 }
 
 impl fmt::Display for KilnError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.kind {
-            ErrorKind::Internal => write!(
-                f,
-                "internal compiler error (please report): {}",
-                self.message
-            ),
+            ErrorKind::Internal => write!(f, "internal compiler error (please report): {}", self.message),
             _ => f.write_str(&self.message),
         }
     }

@@ -54,17 +54,22 @@ class KernelExecutor:
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel  # kiln.lowering.LoweredKernel
-        self._compiled: Any = None
+        self._compiled: Dict[bool, Any] = {}
         self._plans: Dict[Tuple, Tuple] = {}
-        params = kernel.params
-        self._scalar_dtypes = [p[4] for p in params if p[1] in ("scalar", "extent", "stride")]
+        params = [p for p in kernel.params if p[1] in ("scalar", "extent", "stride")]
+        # Sizes and strides take the kernel's index type; scalar inputs keep their dtype.
+        self._scalar_dtypes = {
+            idx32: [("Int32" if idx32 and p[1] != "scalar" else p[4]) for p in params] for idx32 in (False, True)
+        }
         self.launches = 0
 
-    def compiled(self) -> Any:
+    def compiled(self, index32: bool = False) -> Any:
         """The loaded CUDA function (compiled on first use, cached in memory and on disk)."""
-        if self._compiled is None:
-            self._compiled = executor.load_module(self.kernel.cuda_source, self.kernel.kernel_name)
-        return self._compiled
+        hit = self._compiled.get(index32)
+        if hit is None:
+            src = self.kernel.cuda_source_for(index32)
+            hit = self._compiled[index32] = executor.load_module(src, self.kernel.kernel_name)
+        return hit
 
     def plan(self, arrays: Sequence[Any], scalars: Sequence[Any]) -> Tuple:
         """The launch plan for these inputs; cached per (dtype, shape, strides, scalars)."""
@@ -82,7 +87,7 @@ class KernelExecutor:
         """Launch on CuPy ``arrays``; returns the outputs (CuPy, logical order)."""
         import cupy as cp  # noqa: PLC0415
 
-        outs_plan, bufs_plan, scalar_args, grid, block, smem = self.plan(arrays, scalars)
+        outs_plan, bufs_plan, scalar_args, grid, block, smem, index32 = self.plan(arrays, scalars)
         outputs = []
         for sizes, layout, dtype in outs_plan:
             stored = cp.empty([sizes[a] for a in layout], dtype=np_dtype(dtype))
@@ -106,7 +111,7 @@ class KernelExecutor:
         if min(grid) == 0 or min(block) == 0:
             return outputs  # empty tensors: nothing to compute
         args: List[Any] = [*arrays, *outputs, *bufs]
-        args += [_scalar(v, d) for v, d in zip(scalar_args, self._scalar_dtypes)]
-        executor.launch(self.compiled(), tuple(grid), tuple(block), int(smem), args)
+        args += [_scalar(v, d) for v, d in zip(scalar_args, self._scalar_dtypes[index32])]
+        executor.launch(self.compiled(index32), tuple(grid), tuple(block), int(smem), args)
         self.launches += 1
         return outputs

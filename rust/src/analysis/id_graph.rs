@@ -16,9 +16,7 @@ pub struct IdGraph {
 
 impl IdGraph {
     fn new(n: usize) -> Self {
-        Self {
-            parent: (0..n as u32).collect(),
-        }
+        Self { parent: (0..n as u32).collect() }
     }
 
     /// Representative of `id`'s group.
@@ -71,36 +69,21 @@ impl IdGraph {
         // Identical transforms of mapped inputs produce mapped outputs; repeat to a fixed point.
         loop {
             let mut changed = false;
-            let mut seen: FxHashMap<(u8, IterDomainId, IterDomainId, i64, bool), TransformId> =
-                FxHashMap::default();
+            let mut seen: FxHashMap<(u8, IterDomainId, IterDomainId, i64, bool), TransformId> = FxHashMap::default();
             for (t, tr) in f.transforms.iter() {
                 let key = match *tr {
-                    Transform::Split {
-                        input,
-                        factor,
-                        inner_split,
-                        ..
-                    } => {
-                        let fc = f
-                            .scalars
-                            .as_int(factor)
-                            .unwrap_or(-(factor.as_u32() as i64) - 1);
+                    Transform::Split { input, factor, inner_split, .. } => {
+                        let fc = f.scalars.as_int(factor).unwrap_or(-(factor.as_u32() as i64) - 1);
                         (0, g.find(input), g.find(input), fc, inner_split)
                     }
-                    Transform::Merge { outer, inner, .. } => {
-                        (1, g.find(outer), g.find(inner), 0, false)
-                    }
+                    Transform::Merge { outer, inner, .. } => (1, g.find(outer), g.find(inner), 0, false),
                 };
                 match seen.get(&key) {
                     None => {
                         seen.insert(key, t);
                     }
                     Some(&other) => {
-                        for (a, b) in f.transforms[t]
-                            .outputs()
-                            .iter()
-                            .zip(f.transforms[other].outputs().iter())
-                        {
+                        for (a, b) in f.transforms[t].outputs().iter().zip(f.transforms[other].outputs().iter()) {
                             changed |= g.union(*a, *b);
                         }
                     }
@@ -124,18 +107,12 @@ mod tests {
         let mut f = Fusion::new();
         let x = f.define_tensor(&[-1, -1], DataType::Float, None).unwrap();
         let b = f.define_tensor(&[1, -1], DataType::Float, None).unwrap();
-        let y = f
-            .binary(BinaryOp::Add, Operand::Tensor(x), Operand::Tensor(b))
-            .unwrap();
+        let y = f.binary(BinaryOp::Add, Operand::Tensor(x), Operand::Tensor(b)).unwrap();
         f.add_output(y).unwrap();
         f.split(x, 1, 4, true).unwrap();
         f.split(y, 1, 4, true).unwrap();
         let g = IdGraph::exact(&f);
-        let (xl, yl, bl) = (
-            f.tvs[x].loop_domain.clone(),
-            f.tvs[y].loop_domain.clone(),
-            f.tvs[b].logical.clone(),
-        );
+        let (xl, yl, bl) = (f.tvs[x].loop_domain.clone(), f.tvs[y].loop_domain.clone(), f.tvs[b].logical.clone());
         assert!(g.same(xl[0], yl[0]));
         assert!(g.same(xl[2], yl[2]), "inner halves of identical splits map");
         assert!(g.same(f.tvs[b].logical[1], f.tvs[y].logical[1]));

@@ -71,10 +71,7 @@ impl LoopGraph {
                     continue;
                 }
                 for a in 0..t.inline_pos {
-                    let (x, y) = (
-                        find(&mut parent, index[&(tv, a)]),
-                        find(&mut parent, index[&(c, a)]),
-                    );
+                    let (x, y) = (find(&mut parent, index[&(tv, a)]), find(&mut parent, index[&(c, a)]));
                     parent[x] = y;
                 }
             }
@@ -107,10 +104,7 @@ fn depends_on_broadcast(f: &Fusion, id: IterDomainId) -> bool {
     let d = &f.ids[id];
     match d.definition {
         None => d.iter_type == IterType::Broadcast,
-        Some(t) => f.transforms[t]
-            .inputs()
-            .iter()
-            .any(|&i| depends_on_broadcast(f, i)),
+        Some(t) => f.transforms[t].inputs().iter().any(|&i| depends_on_broadcast(f, i)),
     }
 }
 
@@ -130,21 +124,12 @@ fn is_upstream(f: &Fusion, a: TvId, b: TvId) -> bool {
 }
 
 fn promote(f: &Fusion, exact: &IdGraph, g: &mut GroupInfo) -> Result<()> {
-    let ids: Vec<(TvId, usize, IterDomainId)> = g
-        .members
-        .iter()
-        .map(|&(tv, a)| (tv, a, f.tvs[tv].loop_domain[a]))
-        .collect();
+    let ids: Vec<(TvId, usize, IterDomainId)> =
+        g.members.iter().map(|&(tv, a)| (tv, a, f.tvs[tv].loop_domain[a])).collect();
     // Concrete candidates: ids not derived from a broadcast; the most-consumer one wins.
-    let candidates: Vec<&(TvId, usize, IterDomainId)> = ids
-        .iter()
-        .filter(|(_, _, id)| !depends_on_broadcast(f, *id))
-        .collect();
-    let chosen = candidates
-        .last()
-        .copied()
-        .or(ids.last())
-        .expect("a group has members");
+    let candidates: Vec<&(TvId, usize, IterDomainId)> =
+        ids.iter().filter(|(_, _, id)| !depends_on_broadcast(f, *id)).collect();
+    let chosen = candidates.last().copied().or(ids.last()).expect("a group has members");
     for c in &candidates {
         // A producer upstream of the chosen tensor iterates a sub-space of it (inlining
         // was checked pair by pair); only unrelated tensors can disagree.

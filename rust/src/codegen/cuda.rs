@@ -14,8 +14,8 @@ use crate::bail;
 use crate::error::Result;
 use crate::ir::scalar::{ScalarOp, Val};
 use crate::ir::{
-    BinaryOp, DataType, ExprId, Fusion, IterType, MemoryType, Op, Operand, ParallelType,
-    ReductionOp, Symbol, TvId, UnaryOp, ValId,
+    BinaryOp, DataType, ExprId, Fusion, IterType, MemoryType, Op, Operand, ParallelType, ReductionOp, Symbol, TvId,
+    UnaryOp, ValId,
 };
 use crate::kernel::{AccessIndex, AllocTarget, Kernel, Node, SyncKind};
 
@@ -141,8 +141,10 @@ fn push_index(ix: Option<&AccessIndex>, acc: &mut Vec<ValId>) {
     }
 }
 
-/// Generate CUDA for a lowered kernel.
-pub fn generate(k: &Kernel) -> Result<CudaKernel> {
+/// Generate CUDA for a lowered kernel; `index32` picks 32-bit index arithmetic (valid
+/// when every offset fits, which the host plan checks for concrete sizes).
+pub fn generate(k: &Kernel, index32: bool) -> Result<CudaKernel> {
+    let index_dt = if index32 { DataType::Int32 } else { DataType::Int };
     let f = &k.fusion;
     let mut params: Vec<(String, ParamKind, DataType)> = Vec::new();
     let mut names: FxHashMap<TvId, String> = FxHashMap::default();
@@ -153,10 +155,7 @@ pub fn generate(k: &Kernel) -> Result<CudaKernel> {
     }
     for (i, &tv) in f.outputs.iter().enumerate() {
         if names.contains_key(&tv) {
-            bail!(
-                "{} is both an input and an output of the fusion; copy it with a set op first",
-                f.tv_name(tv)
-            );
+            bail!("{} is both an input and an output of the fusion; copy it with a set op first", f.tv_name(tv));
         }
         names.insert(tv, f.tv_name(tv));
         params.push((f.tv_name(tv), ParamKind::Output(i), f.tvs[tv].dtype));
@@ -181,90 +180,44 @@ pub fn generate(k: &Kernel) -> Result<CudaKernel> {
     for v in vals {
         collect_symbols(f, v, &mut seen, &mut syms);
     }
-    let mut scalar_ins: Vec<u32> = syms
-        .iter()
-        .filter_map(|s| {
-            if let Symbol::ScalarInput(n) = s {
-                Some(*n)
-            } else {
-                None
-            }
-        })
-        .collect();
+    let mut scalar_ins: Vec<u32> =
+        syms.iter().filter_map(|s| if let Symbol::ScalarInput(n) = s { Some(*n) } else { None }).collect();
     scalar_ins.sort();
     for n in scalar_ins {
-        params.push((
-            format!("s{n}"),
-            ParamKind::Scalar(n),
-            f.scalar_input_dtypes[n as usize],
-        ));
+        params.push((format!("s{n}"), ParamKind::Scalar(n), f.scalar_input_dtypes[n as usize]));
     }
-    let mut extents: Vec<u32> = syms
-        .iter()
-        .filter_map(|s| {
-            if let Symbol::Extent(n) = s {
-                Some(*n)
-            } else {
-                None
-            }
-        })
-        .collect();
+    let mut extents: Vec<u32> =
+        syms.iter().filter_map(|s| if let Symbol::Extent(n) = s { Some(*n) } else { None }).collect();
     extents.sort();
     for n in extents {
-        params.push((format!("i{n}"), ParamKind::Extent(n), DataType::Int));
+        params.push((format!("i{n}"), ParamKind::Extent(n), index_dt));
     }
-    let mut strides: Vec<(TvId, u32)> = syms
-        .iter()
-        .filter_map(|s| {
-            if let Symbol::Stride(t, a) = s {
-                Some((*t, *a))
-            } else {
-                None
-            }
-        })
-        .collect();
+    let mut strides: Vec<(TvId, u32)> =
+        syms.iter().filter_map(|s| if let Symbol::Stride(t, a) = s { Some((*t, *a)) } else { None }).collect();
     strides.sort();
     for (t, a) in strides {
-        params.push((
-            format!("{}_stride{a}", f.tv_name(t)),
-            ParamKind::Stride(t, a),
-            DataType::Int,
-        ));
+        params.push((format!("{}_stride{a}", f.tv_name(t)), ParamKind::Stride(t, a), DataType::Int));
     }
 
-    let mut g = Gen {
-        k,
-        f,
-        sc: f.scalars.clone(),
-        out: String::new(),
-        names,
-        scratch: 0,
-    };
+    let mut g = Gen { k, f, sc: f.scalars.clone(), out: String::new(), names, scratch: 0 };
     let sig: Vec<String> = params
         .iter()
         .map(|(name, kind, dt)| match kind {
             ParamKind::Input(_) => format!("const {}* __restrict__ {name}", c_type(*dt)),
             ParamKind::Output(_) => format!("{}* __restrict__ {name}", c_type(*dt)),
             ParamKind::Buffer(_) => format!("{}* {name}", c_type(*dt)),
+            ParamKind::Extent(_) | ParamKind::Stride(..) => format!("kiln_index_t {name}"),
             _ => format!("{} {name}", c_type(*dt)),
         })
         .collect();
-    let _ = writeln!(
-        g.out,
-        "extern \"C\" __global__ void {KERNEL_NAME}({}) {{",
-        sig.join(", ")
-    );
-    g.out
-        .push_str("  extern __shared__ __align__(16) char kiln_smem[];\n");
+    let _ = writeln!(g.out, "typedef {} kiln_index_t;", if index32 { "int" } else { "int64_t" });
+    let _ = writeln!(g.out, "extern \"C\" __global__ void {KERNEL_NAME}({}) {{", sig.join(", "));
+    g.out.push_str("  extern __shared__ __align__(16) char kiln_smem[];\n");
     for n in &k.body {
         g.node(n, 1)?;
     }
     g.out.push_str("}\n");
-    Ok(CudaKernel {
-        name: KERNEL_NAME.to_string(),
-        body: g.out,
-        params,
-    })
+    Ok(CudaKernel { name: KERNEL_NAME.to_string(), body: g.out, params })
 }
 
 impl Gen<'_> {
@@ -279,6 +232,9 @@ impl Gen<'_> {
             Val::Int(i) => {
                 if i == i64::MIN {
                     "(-9223372036854775807LL - 1)".into()
+                } else if i32::try_from(i).is_ok() {
+                    // Unsuffixed: takes the index type of the other operand.
+                    format!("{i}")
                 } else {
                     format!("{i}LL")
                 }
@@ -292,10 +248,10 @@ impl Gen<'_> {
                 Symbol::LoopIndex(n) => format!("idx{n}"),
                 Symbol::Gathered(n) => format!("g{n}"),
                 Symbol::ParallelIndex(p) => {
-                    format!("((int64_t){})", crate::ir::scalar::parallel_index_name(p))
+                    format!("((kiln_index_t){})", crate::ir::scalar::parallel_index_name(p))
                 }
                 Symbol::ParallelDim(p) => {
-                    format!("((int64_t){})", crate::ir::scalar::parallel_dim_name(p))
+                    format!("((kiln_index_t){})", crate::ir::scalar::parallel_dim_name(p))
                 }
             },
             Val::Binary(op, a, b) => {
@@ -306,9 +262,9 @@ impl Gen<'_> {
                     ScalarOp::Mul => format!("({x} * {y})"),
                     ScalarOp::Div => format!("({x} / {y})"),
                     ScalarOp::Mod => format!("({x} % {y})"),
-                    ScalarOp::CeilDiv => format!("kiln::ceilDiv((int64_t){x}, (int64_t){y})"),
-                    ScalarOp::Min => format!("min((int64_t){x}, (int64_t){y})"),
-                    ScalarOp::Max => format!("max((int64_t){x}, (int64_t){y})"),
+                    ScalarOp::CeilDiv => format!("kiln::ceilDiv((kiln_index_t){x}, (kiln_index_t){y})"),
+                    ScalarOp::Min => format!("min((kiln_index_t){x}, (kiln_index_t){y})"),
+                    ScalarOp::Max => format!("max((kiln_index_t){x}, (kiln_index_t){y})"),
                     ScalarOp::Lt => format!("({x} < {y})"),
                     ScalarOp::Le => format!("({x} <= {y})"),
                     ScalarOp::Eq => format!("({x} == {y})"),
@@ -319,10 +275,7 @@ impl Gen<'_> {
     }
 
     fn buf(&self, tv: TvId) -> String {
-        self.names
-            .get(&tv)
-            .cloned()
-            .unwrap_or_else(|| self.f.tv_name(tv))
+        self.names.get(&tv).cloned().unwrap_or_else(|| self.f.tv_name(tv))
     }
 
     fn node(&mut self, n: &Node, depth: usize) -> Result<()> {
@@ -331,23 +284,17 @@ impl Gen<'_> {
             Node::Loop(l) if self.try_vectorized_copy(l, depth)? => {}
             Node::Loop(l) => {
                 if l.parallel.is_thread_or_block() {
-                    let _ = writeln!(
-                        self.out,
-                        "{pad}{{  // {} over {}",
-                        l.parallel.enum_name(),
-                        self.f.id_label(l.id)
-                    );
+                    let _ = writeln!(self.out, "{pad}{{  // {} over {}", l.parallel.enum_name(), self.f.id_label(l.id));
                 } else {
                     let idx = self.c(l.index);
-                    let unroll =
-                        matches!(l.parallel, ParallelType::Unroll | ParallelType::Vectorize)
-                            && self.f.scalars.as_int(l.extent).is_some();
+                    let unroll = matches!(l.parallel, ParallelType::Unroll | ParallelType::Vectorize)
+                        && self.f.scalars.as_int(l.extent).is_some();
                     if unroll {
                         let _ = writeln!(self.out, "{pad}#pragma unroll");
                     }
                     let _ = writeln!(
                         self.out,
-                        "{pad}for (int64_t {idx} = 0; {idx} < {}; ++{idx}) {{  // {}",
+                        "{pad}for (kiln_index_t {idx} = 0; {idx} < {}; ++{idx}) {{  // {}",
                         self.c(l.extent),
                         self.f.id_label(l.id)
                     );
@@ -365,13 +312,10 @@ impl Gen<'_> {
                 let name = self.buf(tv);
                 match a.memory {
                     MemoryType::Local => {
-                        let Some(size) = a
-                            .shape
-                            .iter()
-                            .try_fold(1i64, |acc, &e| self.f.scalars.as_int(e).map(|x| acc * x))
+                        let Some(size) =
+                            a.shape.iter().try_fold(1i64, |acc, &e| self.f.scalars.as_int(e).map(|x| acc * x))
                         else {
-                            let dims: Vec<String> =
-                                a.shape.iter().map(|&e| self.f.scalars.render(e)).collect();
+                            let dims: Vec<String> = a.shape.iter().map(|&e| self.f.scalars.render(e)).collect();
                             bail!(
                                 "{name} is in Local memory but its allocation [{}] is not a constant size; inline it further or make the allocated axes constant",
                                 dims.join(", ")
@@ -380,16 +324,8 @@ impl Gen<'_> {
                         let _ = writeln!(self.out, "{pad}{ty} {name}[{size}];");
                     }
                     MemoryType::Shared => {
-                        let off = self
-                            .k
-                            .launch
-                            .smem_offsets
-                            .iter()
-                            .find(|(t, _)| *t == tv)
-                            .map(|&(_, o)| o);
-                        let Some(off) = off else {
-                            crate::bail_internal!("{name}: no shared memory offset")
-                        };
+                        let off = self.k.launch.smem_offsets.iter().find(|(t, _)| *t == tv).map(|&(_, o)| o);
+                        let Some(off) = off else { crate::bail_internal!("{name}: no shared memory offset") };
                         let _ = writeln!(
                             self.out,
                             "{pad}{ty}* {name} = reinterpret_cast<{ty}*>(kiln_smem + {});",
@@ -401,9 +337,7 @@ impl Gen<'_> {
                 }
             }
             Node::Init { tv, value, index } => {
-                let Some(ix) = index else {
-                    crate::bail_internal!("init of {} was not indexed", self.f.tv_name(*tv))
-                };
+                let Some(ix) = index else { crate::bail_internal!("init of {} was not indexed", self.f.tv_name(*tv)) };
                 let ty = c_type(self.f.tvs[*tv].dtype);
                 let _ = writeln!(
                     self.out,
@@ -415,17 +349,12 @@ impl Gen<'_> {
                 );
             }
             Node::Expr { expr, index } => {
-                let Some(ix) = index else {
-                    crate::bail_internal!("expr was not indexed")
-                };
+                let Some(ix) = index else { crate::bail_internal!("expr was not indexed") };
                 self.expr(*expr, ix, depth)?;
             }
             Node::Sync(k) => {
-                let _ = writeln!(
-                    self.out,
-                    "{pad}__syncthreads();  // {}",
-                    if *k == SyncKind::Raw { "RAW" } else { "WAR" }
-                );
+                let _ =
+                    writeln!(self.out, "{pad}__syncthreads();  // {}", if *k == SyncKind::Raw { "RAW" } else { "WAR" });
             }
         }
         Ok(())
@@ -441,11 +370,7 @@ impl Gen<'_> {
         let Some(n) = self.sc.as_int(l.extent) else {
             return Ok(false);
         };
-        let [Node::Expr {
-            expr,
-            index: Some(ix),
-        }] = l.body.as_slice()
-        else {
+        let [Node::Expr { expr, index: Some(ix) }] = l.body.as_slice() else {
             return Ok(false);
         };
         let f = self.f;
@@ -466,36 +391,18 @@ impl Gen<'_> {
         };
         let (zero, one, last) = (self.sc.int(0), self.sc.int(1), self.sc.int(n - 1));
         let at = |v: ValId, k: ValId, sc: &mut crate::ir::Scalars| sc.substitute(v, sym, k);
-        let (o0, o1) = (
-            at(ix.out, zero, &mut self.sc),
-            at(ix.out, one, &mut self.sc),
-        );
-        let (i0, i1) = (
-            at(in_off, zero, &mut self.sc),
-            at(in_off, one, &mut self.sc),
-        );
+        let (o0, o1) = (at(ix.out, zero, &mut self.sc), at(ix.out, one, &mut self.sc));
+        let (i0, i1) = (at(in_off, zero, &mut self.sc), at(in_off, one, &mut self.sc));
         // Unit stride in the vector index on both sides, or no wide access.
         if self.sc.add(o0, one) != o1 || self.sc.add(i0, one) != i1 {
             return Ok(false);
         }
-        let (p0, pl) = (
-            at(ix.predicate, zero, &mut self.sc),
-            at(ix.predicate, last, &mut self.sc),
-        );
+        let (p0, pl) = (at(ix.predicate, zero, &mut self.sc), at(ix.predicate, last, &mut self.sc));
         let pad = Self::pad(depth);
         let ty = c_type(dt);
         let (ob, ib) = (self.buf(e.output), self.buf(src));
-        let _ = writeln!(
-            self.out,
-            "{pad}{{  // Vectorize x{n} over {}",
-            f.id_label(l.id)
-        );
-        let _ = writeln!(
-            self.out,
-            "{pad}  const int64_t kiln_ob = {}, kiln_ib = {};",
-            self.c(o0),
-            self.c(i0)
-        );
+        let _ = writeln!(self.out, "{pad}{{  // Vectorize x{n} over {}", f.id_label(l.id));
+        let _ = writeln!(self.out, "{pad}  const kiln_index_t kiln_ob = {}, kiln_ib = {};", self.c(o0), self.c(i0));
         let _ = writeln!(
             self.out,
             "{pad}  if (({}) && ({}) && reinterpret_cast<unsigned long long>(&{ob}[kiln_ob]) % {bytes} == 0 && reinterpret_cast<unsigned long long>(&{ib}[kiln_ib]) % {bytes} == 0) {{",
@@ -503,21 +410,12 @@ impl Gen<'_> {
             self.c(pl)
         );
         let _ = writeln!(self.out, "{pad}    kiln::Array<{ty}, {n}> kiln_vec;");
-        let _ = writeln!(
-            self.out,
-            "{pad}    kiln::loadVec<{ty}, {n}>(kiln_vec, &{ib}[kiln_ib]);"
-        );
-        let _ = writeln!(
-            self.out,
-            "{pad}    kiln::storeVec<{ty}, {n}>(&{ob}[kiln_ob], kiln_vec);"
-        );
+        let _ = writeln!(self.out, "{pad}    kiln::loadVec<{ty}, {n}>(kiln_vec, &{ib}[kiln_ib]);");
+        let _ = writeln!(self.out, "{pad}    kiln::storeVec<{ty}, {n}>(&{ob}[kiln_ob], kiln_vec);");
         let _ = writeln!(self.out, "{pad}  }} else {{");
         let idx = self.c(l.index);
         let _ = writeln!(self.out, "{pad}    #pragma unroll");
-        let _ = writeln!(
-            self.out,
-            "{pad}    for (int64_t {idx} = 0; {idx} < {n}; ++{idx}) {{"
-        );
+        let _ = writeln!(self.out, "{pad}    for (kiln_index_t {idx} = 0; {idx} < {n}; ++{idx}) {{");
         self.expr(*expr, ix, depth + 3)?;
         let _ = writeln!(self.out, "{pad}    }}");
         let _ = writeln!(self.out, "{pad}  }}");
@@ -530,9 +428,7 @@ impl Gen<'_> {
         let ty = c_type(to);
         match self.f.exprs[e].inputs[pos] {
             Operand::Tensor(t) => {
-                let off = ix.inputs[pos]
-                    .map(|v| self.c(v))
-                    .unwrap_or_else(|| "0".into());
+                let off = ix.inputs[pos].map(|v| self.c(v)).unwrap_or_else(|| "0".into());
                 format!("kiln::cast<{ty}>({}[{off}])", self.buf(t))
             }
             Operand::Scalar(v) => format!("kiln::cast<{ty}>({})", self.c(v)),
@@ -559,7 +455,7 @@ impl Gen<'_> {
         for gth in &ix.gathers {
             let _ = write!(
                 pre,
-                "const int64_t g{} = ({}) ? (int64_t){}[{}] : 0LL; ",
+                "const kiln_index_t g{} = ({}) ? (kiln_index_t){}[{}] : 0; ",
                 gth.id,
                 pred,
                 self.buf(gth.index_tv),
@@ -573,11 +469,7 @@ impl Gen<'_> {
                 } else {
                     out_dt
                 };
-                format!(
-                    "kiln::cast<{out_ty}>(kiln::{}({}))",
-                    unary_fn(*u),
-                    self.operand(e, ix, 0, cd)
-                )
+                format!("kiln::cast<{out_ty}>(kiln::{}({}))", unary_fn(*u), self.operand(e, ix, 0, cd))
             }
             Op::Binary(b) => {
                 let cd = if is_comparison(*b) || (*b == BinaryOp::Div) {
@@ -611,11 +503,9 @@ impl Gen<'_> {
                 self.operand(e, ix, 1, out_dt),
                 self.operand(e, ix, 2, out_dt)
             ),
-            Op::Cast(_)
-            | Op::Set
-            | Op::Broadcast { .. }
-            | Op::Permute { .. }
-            | Op::IndexSelect { .. } => self.operand(e, ix, 0, out_dt),
+            Op::Cast(_) | Op::Set | Op::Broadcast { .. } | Op::Permute { .. } | Op::IndexSelect { .. } => {
+                self.operand(e, ix, 0, out_dt)
+            }
             Op::Full { value } => format!("kiln::cast<{out_ty}>({})", self.c(*value)),
             Op::Reduction { op, init } => return self.reduction(e, ix, *op, *init, depth, &pre),
         };
@@ -657,79 +547,47 @@ impl Gen<'_> {
         let pred = self.c(ix.predicate);
         let wpred = self.c(ix.write_predicate);
         if red.is_empty() {
-            let _ = writeln!(
-                self.out,
-                "{pad}if ({pred}) {{ {pre}{out} = {functor}({out}, {input}); }}"
-            );
+            let _ = writeln!(self.out, "{pad}if ({pred}) {{ {pre}{out} = {functor}({out}, {input}); }}");
             return Ok(());
         }
         let has = |p: ParallelType| red.contains(&p);
-        let tflags = format!(
-            "{}, {}, {}",
-            has(ParallelType::TIDx),
-            has(ParallelType::TIDy),
-            has(ParallelType::TIDz)
-        );
-        let bflags = format!(
-            "{}, {}, {}",
-            has(ParallelType::BIDx),
-            has(ParallelType::BIDy),
-            has(ParallelType::BIDz)
-        );
-        let Some(ws) = self.k.launch.reduction_workspace else {
-            crate::bail_internal!("reduction without workspace")
-        };
+        let tflags = format!("{}, {}, {}", has(ParallelType::TIDx), has(ParallelType::TIDy), has(ParallelType::TIDz));
+        let bflags = format!("{}, {}, {}", has(ParallelType::BIDx), has(ParallelType::BIDy), has(ParallelType::BIDz));
+        let Some(ws) = self.k.launch.reduction_workspace else { crate::bail_internal!("reduction without workspace") };
         self.scratch += 1;
         let v = format!("kiln_v{}", self.scratch);
         let r = format!("kiln_r{}", self.scratch);
         let _ = writeln!(self.out, "{pad}{{");
-        let _ = writeln!(
-            self.out,
-            "{pad}  {ty}* kiln_ws = reinterpret_cast<{ty}*>(kiln_smem + {});",
-            self.c(ws)
-        );
-        let _ = writeln!(
-            self.out,
-            "{pad}  {pre}const {ty} {v} = ({pred}) ? {input} : {init_c};"
-        );
+        let _ = writeln!(self.out, "{pad}  {ty}* kiln_ws = reinterpret_cast<{ty}*>(kiln_smem + {});", self.c(ws));
+        let _ = writeln!(self.out, "{pad}  {pre}const {ty} {v} = ({pred}) ? {input} : {init_c};");
         if red.iter().any(|p| p.is_block()) {
             let names = &self.k.summary.global_allocations;
             let tname = f.tv_name(out_tv);
-            let work = names
-                .iter()
-                .find(|b| b.name == format!("{tname}_work"))
-                .map(|b| b.name.clone());
-            let sync = names
-                .iter()
-                .find(|b| b.name == format!("{tname}_sync"))
-                .map(|b| b.name.clone());
+            let work = names.iter().find(|b| b.name == format!("{tname}_work")).map(|b| b.name.clone());
+            let sync = names.iter().find(|b| b.name == format!("{tname}_sync")).map(|b| b.name.clone());
             let (Some(work), Some(sync)) = (work, sync) else {
                 crate::bail_internal!("{tname}: grid reduction buffers missing")
             };
-            let func = if f.tvs[out_tv].serial_grid_reduction {
-                "gridReduceSerial"
-            } else {
-                "gridReduce"
-            };
+            let func = if f.tvs[out_tv].serial_grid_reduction { "gridReduceSerial" } else { "gridReduce" };
             let _ = writeln!(self.out, "{pad}  {ty} {r};");
             let _ = writeln!(
                 self.out,
                 "{pad}  if (kiln::{func}<{bflags}, {tflags}>({r}, {v}, {functor}, {init_c}, {work}, {sync}, kiln_ws, true)) {{"
             );
-            let _ = writeln!(
-                self.out,
-                "{pad}    if ({wpred}) {{ {out} = {functor}({out}, {r}); }}"
-            );
+            let _ = writeln!(self.out, "{pad}    if ({wpred}) {{ {out} = {functor}({out}, {r}); }}");
             let _ = writeln!(self.out, "{pad}  }}");
         } else if f.tvs[out_tv].memory == MemoryType::Local {
             // Every thread may read a Local result later: all threads get it.
-            let _ = writeln!(self.out, "{pad}  const {ty} {r} = kiln::blockAllReduce<{tflags}>({v}, {functor}, {init_c}, kiln_ws);");
             let _ = writeln!(
                 self.out,
-                "{pad}  if ({wpred}) {{ {out} = {functor}({out}, {r}); }}"
+                "{pad}  const {ty} {r} = kiln::blockAllReduce<{tflags}>({v}, {functor}, {init_c}, kiln_ws);"
             );
+            let _ = writeln!(self.out, "{pad}  if ({wpred}) {{ {out} = {functor}({out}, {r}); }}");
         } else {
-            let _ = writeln!(self.out, "{pad}  const {ty} {r} = kiln::blockReduce<{tflags}>({v}, {functor}, {init_c}, kiln_ws);");
+            let _ = writeln!(
+                self.out,
+                "{pad}  const {ty} {r} = kiln::blockReduce<{tflags}>({v}, {functor}, {init_c}, kiln_ws);"
+            );
             let holder: Vec<String> = red
                 .iter()
                 .filter(|p| p.is_thread())
@@ -761,10 +619,7 @@ fn float_literal(x: f64) -> String {
 }
 
 fn is_comparison(b: BinaryOp) -> bool {
-    matches!(
-        b,
-        BinaryOp::Eq | BinaryOp::Ne | BinaryOp::Lt | BinaryOp::Le | BinaryOp::Gt | BinaryOp::Ge
-    )
+    matches!(b, BinaryOp::Eq | BinaryOp::Ne | BinaryOp::Lt | BinaryOp::Le | BinaryOp::Gt | BinaryOp::Ge)
 }
 
 fn unary_fn(u: UnaryOp) -> &'static str {

@@ -54,6 +54,8 @@ pub struct Plan {
     pub grid: [i64; 3],
     pub block: [i64; 3],
     pub smem_bytes: i64,
+    /// True when every offset fits in 32 bits: the int32-index variant of the kernel is safe.
+    pub index32: bool,
 }
 
 /// Bindings of the symbols of a kernel for concrete inputs.
@@ -82,35 +84,18 @@ impl Env<'_> {
 }
 
 /// Bind input sizes/strides and check them against the definition.
-pub fn bind<'a>(
-    kernel: &'a Kernel,
-    inputs: &[InputDesc],
-    scalars: &[ScalarArg],
-) -> Result<Env<'a>> {
+pub fn bind<'a>(kernel: &'a Kernel, inputs: &[InputDesc], scalars: &[ScalarArg]) -> Result<Env<'a>> {
     let f = &kernel.fusion;
     let tensor_inputs: Vec<TvId> = f.inputs.iter().filter_map(|o| o.tensor()).collect();
     if inputs.len() != tensor_inputs.len() {
-        bail!(
-            "the fusion takes {} tensor inputs but {} were given",
-            tensor_inputs.len(),
-            inputs.len()
-        );
+        bail!("the fusion takes {} tensor inputs but {} were given", tensor_inputs.len(), inputs.len());
     }
-    let pos: FxHashMap<TvId, usize> = tensor_inputs
-        .iter()
-        .enumerate()
-        .map(|(i, &t)| (t, i))
-        .collect();
+    let pos: FxHashMap<TvId, usize> = tensor_inputs.iter().enumerate().map(|(i, &t)| (t, i)).collect();
     let mut extents = Vec::with_capacity(f.extent_sources.len());
     for &(tv, axis) in &f.extent_sources {
         let d = &inputs[pos[&tv]];
         let Some(&s) = d.sizes.get(axis) else {
-            bail!(
-                "input {} ({}): rank {} but axis {axis} is needed",
-                pos[&tv],
-                f.tv_name(tv),
-                d.sizes.len()
-            );
+            bail!("input {} ({}): rank {} but axis {axis} is needed", pos[&tv], f.tv_name(tv), d.sizes.len());
         };
         extents.push(s);
     }
@@ -137,7 +122,11 @@ pub fn bind<'a>(
             }
             if let Some(c) = f.scalars.as_int(want.extent) {
                 if c != d.sizes[axis] {
-                    bail!("input {i} ({}): axis {axis} has size {} but the definition fixes it to {c}", f.tv_name(tv), d.sizes[axis]);
+                    bail!(
+                        "input {i} ({}): axis {axis} has size {} but the definition fixes it to {c}",
+                        f.tv_name(tv),
+                        d.sizes[axis]
+                    );
                 }
             }
         }
@@ -149,19 +138,17 @@ pub fn bind<'a>(
                 continue;
             }
             let axis = logical.iter().position(|&l| l == id).ok_or_else(|| {
-                KilnError::value(format!("input {i} ({}): its allocation domain must be a permutation of its logical axes", f.tv_name(tv)))
+                KilnError::value(format!(
+                    "input {i} ({}): its allocation domain must be a permutation of its logical axes",
+                    f.tv_name(tv)
+                ))
             })?;
             strides.insert((tv, k), d.strides[axis]);
             k += 1;
         }
         check_contiguity(f, tv, i, d)?;
     }
-    let env = Env {
-        kernel,
-        extents,
-        strides,
-        scalars: scalars.to_vec(),
-    };
+    let env = Env { kernel, extents, strides, scalars: scalars.to_vec() };
     for (a, b, what) in &kernel.size_constraints {
         let (x, y) = (env.eval(*a)?, env.eval(*b)?);
         if x != y {
@@ -175,12 +162,8 @@ pub fn bind<'a>(
 fn check_contiguity(f: &crate::ir::Fusion, tv: TvId, i: usize, d: &InputDesc) -> Result<()> {
     let t = &f.tvs[tv];
     let logical = f.no_reduction_logical(tv);
-    let alloc: Vec<_> = t
-        .maybe_allocation()
-        .iter()
-        .copied()
-        .filter(|&id| f.ids[id].iter_type != IterType::Reduction)
-        .collect();
+    let alloc: Vec<_> =
+        t.maybe_allocation().iter().copied().filter(|&id| f.ids[id].iter_type != IterType::Reduction).collect();
     let contig: Vec<Option<bool>> = t
         .maybe_allocation()
         .iter()
@@ -212,42 +195,29 @@ fn check_contiguity(f: &crate::ir::Fusion, tv: TvId, i: usize, d: &InputDesc) ->
 }
 
 /// Evaluate the plan of `kernel` (generated as `cuda`) for concrete inputs.
-pub fn plan(
-    kernel: &Kernel,
-    cuda: &CudaKernel,
-    inputs: &[InputDesc],
-    scalars: &[ScalarArg],
-) -> Result<Plan> {
+pub fn plan(kernel: &Kernel, cuda: &CudaKernel, inputs: &[InputDesc], scalars: &[ScalarArg]) -> Result<Plan> {
     let f = &kernel.fusion;
     let env = bind(kernel, inputs, scalars)?;
     let mut outputs = Vec::new();
     for &tv in &f.outputs {
         let logical = f.no_reduction_logical(tv);
-        let sizes = logical
-            .iter()
-            .map(|&id| env.eval(f.ids[id].extent))
-            .collect::<Result<Vec<_>>>()?;
+        let sizes = logical.iter().map(|&id| env.eval(f.ids[id].extent)).collect::<Result<Vec<_>>>()?;
         let alloc: Vec<_> = f.tvs[tv]
             .maybe_allocation()
             .iter()
             .copied()
             .filter(|&id| f.ids[id].iter_type != IterType::Reduction)
             .collect();
-        let layout = alloc
-            .iter()
-            .map(|id| logical.iter().position(|l| l == id))
-            .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| {
-                KilnError::value(format!(
-                    "output {}: its allocation domain must be a permutation of its logical axes",
-                    f.tv_name(tv)
-                ))
-            })?;
-        outputs.push(OutputPlan {
-            sizes,
-            layout,
-            dtype: f.tvs[tv].dtype,
-        });
+        let layout =
+            alloc.iter().map(|id| logical.iter().position(|l| l == id)).collect::<Option<Vec<_>>>().ok_or_else(
+                || {
+                    KilnError::value(format!(
+                        "output {}: its allocation domain must be a permutation of its logical axes",
+                        f.tv_name(tv)
+                    ))
+                },
+            )?;
+        outputs.push(OutputPlan { sizes, layout, dtype: f.tvs[tv].dtype });
     }
     let mut buffers = Vec::new();
     for b in &kernel.summary.global_allocations {
@@ -273,25 +243,14 @@ pub fn plan(
                 };
                 scalar_args.push(ScalarArg::Int(s));
             }
-            ParamKind::Scalar(n) => scalar_args.push(
-                *scalars
-                    .get(*n as usize)
-                    .ok_or_else(|| KilnError::value(format!("scalar input s{n} missing")))?,
-            ),
+            ParamKind::Scalar(n) => scalar_args
+                .push(*scalars.get(*n as usize).ok_or_else(|| KilnError::value(format!("scalar input s{n} missing")))?),
             _ => {}
         }
     }
     let l = &kernel.launch;
-    let grid = [
-        env.eval(l.grid[0])?,
-        env.eval(l.grid[1])?,
-        env.eval(l.grid[2])?,
-    ];
-    let block = [
-        env.eval(l.block[0])?,
-        env.eval(l.block[1])?,
-        env.eval(l.block[2])?,
-    ];
+    let grid = [env.eval(l.grid[0])?, env.eval(l.grid[1])?, env.eval(l.grid[2])?];
+    let block = [env.eval(l.block[0])?, env.eval(l.block[1])?, env.eval(l.block[2])?];
     let threads = block.iter().product::<i64>();
     if threads > 1024 {
         bail!("the schedule launches {threads} threads per block ({block:?}); the GPU allows at most 1024");
@@ -300,12 +259,24 @@ pub fn plan(
         bail!("the schedule launches a grid of {grid:?}; gridDim.y and gridDim.z are limited to 65535 (map the large axis to BIDx)");
     }
     let smem_bytes = env.eval(l.smem_bytes)?;
-    Ok(Plan {
-        outputs,
-        buffers,
-        scalar_args,
-        grid,
-        block,
-        smem_bytes,
-    })
+    // Largest element offset any access can form: tensor spans, buffers, and the linear
+    // thread index (loops may round up past a tensor's end before predicates apply).
+    let mut span = grid.iter().chain(block.iter()).map(|&d| d.max(1)).fold(1i64, |a, b| a.saturating_mul(b));
+    for d in inputs {
+        let s =
+            d.sizes.iter().zip(&d.strides).map(|(&n, &st)| (n - 1).max(0).saturating_mul(st.abs())).sum::<i64>() + 1;
+        span = span.max(s);
+    }
+    for o in &outputs {
+        span = span.max(o.sizes.iter().product::<i64>());
+    }
+    for b in &buffers {
+        span = span.max(b.elements);
+    }
+    for &e in &env.extents {
+        span = span.max(e);
+    }
+    // Margin of 2x for index arithmetic that steps one tile past the end.
+    let index32 = span.saturating_mul(2) < i64::from(i32::MAX);
+    Ok(Plan { outputs, buffers, scalar_args, grid, block, smem_bytes, index32 })
 }

@@ -133,16 +133,8 @@ pub struct PromotionOperand {
 
 /// Result dtype of an arithmetic op over tensors and scalars (PyTorch `result_type`).
 pub fn promote(operands: &[PromotionOperand]) -> DataType {
-    let tensor_type = operands
-        .iter()
-        .filter(|o| o.is_tensor)
-        .map(|o| o.dtype)
-        .reduce(promote_tensor_types);
-    let scalar_type = operands
-        .iter()
-        .filter(|o| !o.is_tensor)
-        .map(|o| o.dtype)
-        .reduce(promote_tensor_types);
+    let tensor_type = operands.iter().filter(|o| o.is_tensor).map(|o| o.dtype).reduce(promote_tensor_types);
+    let scalar_type = operands.iter().filter(|o| !o.is_tensor).map(|o| o.dtype).reduce(promote_tensor_types);
     match (tensor_type, scalar_type) {
         (Some(t), None) => t,
         (None, Some(s)) => s,
@@ -189,9 +181,7 @@ impl MemoryType {
     }
     /// Parse the Python enum member name.
     pub fn from_enum_name(name: &str) -> Option<Self> {
-        [MemoryType::Global, MemoryType::Shared, MemoryType::Local]
-            .into_iter()
-            .find(|m| m.enum_name() == name)
+        [MemoryType::Global, MemoryType::Shared, MemoryType::Local].into_iter().find(|m| m.enum_name() == name)
     }
 }
 
@@ -226,17 +216,11 @@ impl ParallelType {
     ];
     /// True for threadIdx.{x,y,z}.
     pub fn is_thread(self) -> bool {
-        matches!(
-            self,
-            ParallelType::TIDx | ParallelType::TIDy | ParallelType::TIDz
-        )
+        matches!(self, ParallelType::TIDx | ParallelType::TIDy | ParallelType::TIDz)
     }
     /// True for blockIdx.{x,y,z}.
     pub fn is_block(self) -> bool {
-        matches!(
-            self,
-            ParallelType::BIDx | ParallelType::BIDy | ParallelType::BIDz
-        )
+        matches!(self, ParallelType::BIDx | ParallelType::BIDy | ParallelType::BIDz)
     }
     /// True for thread or block parallel types (a hardware dimension).
     pub fn is_thread_or_block(self) -> bool {
@@ -263,9 +247,7 @@ impl ParallelType {
     }
     /// Parse the Python enum member name.
     pub fn from_enum_name(name: &str) -> Option<Self> {
-        ParallelType::ALL
-            .into_iter()
-            .find(|p| p.enum_name() == name)
+        ParallelType::ALL.into_iter().find(|p| p.enum_name() == name)
     }
     /// Short tag used in id names in dumps (`iS`, `iblockIdx.x`, `iV`).
     pub fn tag(self) -> &'static str {
@@ -309,16 +291,10 @@ mod tests {
     use DataType::*;
 
     fn t(d: DataType) -> PromotionOperand {
-        PromotionOperand {
-            dtype: d,
-            is_tensor: true,
-        }
+        PromotionOperand { dtype: d, is_tensor: true }
     }
     fn s(d: DataType) -> PromotionOperand {
-        PromotionOperand {
-            dtype: d,
-            is_tensor: false,
-        }
+        PromotionOperand { dtype: d, is_tensor: false }
     }
 
     #[test]

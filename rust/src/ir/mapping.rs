@@ -19,18 +19,10 @@ pub fn logical_pairs(f: &Fusion, e: ExprId, input_pos: usize) -> Vec<(IterDomain
             pdom.iter().copied().zip(cdom.iter().copied()).collect()
         }
         Op::Broadcast { is_new } => {
-            let kept = cdom
-                .iter()
-                .zip(is_new)
-                .filter(|(_, &n)| !n)
-                .map(|(&c, _)| c);
+            let kept = cdom.iter().zip(is_new).filter(|(_, &n)| !n).map(|(&c, _)| c);
             pdom.iter().copied().zip(kept).collect()
         }
-        Op::Permute { perm } => perm
-            .iter()
-            .enumerate()
-            .map(|(i, &src)| (pdom[src], cdom[i]))
-            .collect(),
+        Op::Permute { perm } => perm.iter().enumerate().map(|(i, &src)| (pdom[src], cdom[i])).collect(),
         Op::IndexSelect { dim } => {
             if input_pos == 0 {
                 // The indexed axis is read at data-dependent positions: it maps to nothing.
@@ -54,11 +46,7 @@ pub fn logical_pairs(f: &Fusion, e: ExprId, input_pos: usize) -> Vec<(IterDomain
 /// Besides identical transforms, a consumer id merged with a broadcast id that has no
 /// producer counterpart still maps ("broadcast forwarding"), so a producer of a
 /// broadcast can be inlined into its consumer's merged loops.
-pub fn producer_to_consumer(
-    f: &Fusion,
-    e: ExprId,
-    input_pos: usize,
-) -> FxHashMap<IterDomainId, IterDomainId> {
+pub fn producer_to_consumer(f: &Fusion, e: ExprId, input_pos: usize) -> FxHashMap<IterDomainId, IterDomainId> {
     let mut map: FxHashMap<IterDomainId, IterDomainId> = FxHashMap::default();
     let pairs = logical_pairs(f, e, input_pos);
     let mapped_consumer: Vec<IterDomainId> = pairs.iter().map(|&(_, c)| c).collect();
@@ -71,28 +59,16 @@ pub fn producer_to_consumer(
     };
     for t in f.transforms_of(p) {
         match f.transforms[t] {
-            Transform::Split {
-                input,
-                factor,
-                inner_split,
-                outer,
-                inner,
-            } => {
+            Transform::Split { input, factor, inner_split, outer, inner } => {
                 let Some(&c_in) = map.get(&input) else {
                     continue;
                 };
                 let Some(ct) = f.ids[c_in].use_ else { continue };
-                if let Transform::Split {
-                    input: ci,
-                    factor: cf,
-                    inner_split: cis,
-                    outer: co,
-                    inner: cin,
-                } = f.transforms[ct]
+                if let Transform::Split { input: ci, factor: cf, inner_split: cis, outer: co, inner: cin } =
+                    f.transforms[ct]
                 {
                     let same_factor = cf == factor
-                        || f.scalars.as_int(cf).is_some()
-                            && f.scalars.as_int(cf) == f.scalars.as_int(factor);
+                        || f.scalars.as_int(cf).is_some() && f.scalars.as_int(cf) == f.scalars.as_int(factor);
                     if ci == c_in && same_factor && cis == inner_split {
                         insert_forwarded(f, &mut map, &mapped_consumer, outer, co);
                         insert_forwarded(f, &mut map, &mapped_consumer, inner, cin);
@@ -104,12 +80,7 @@ pub fn producer_to_consumer(
                     continue;
                 };
                 let Some(ct) = f.ids[co].use_ else { continue };
-                if let Transform::Merge {
-                    outer: mo,
-                    inner: mi,
-                    out: cout,
-                } = f.transforms[ct]
-                {
+                if let Transform::Merge { outer: mo, inner: mi, out: cout } = f.transforms[ct] {
                     if mo == co && mi == ci {
                         insert_forwarded(f, &mut map, &mapped_consumer, out, cout);
                     }

@@ -53,19 +53,9 @@ pub struct IterDomain {
 pub enum Transform {
     /// `input` -> (`outer`, `inner`); the `factor` sizes `inner` when `inner_split`,
     /// else `outer`. The other side is `ceilDiv(extent, factor)`.
-    Split {
-        input: IterDomainId,
-        factor: ValId,
-        inner_split: bool,
-        outer: IterDomainId,
-        inner: IterDomainId,
-    },
+    Split { input: IterDomainId, factor: ValId, inner_split: bool, outer: IterDomainId, inner: IterDomainId },
     /// (`outer`, `inner`) -> `out` with extent `outer * inner`.
-    Merge {
-        outer: IterDomainId,
-        inner: IterDomainId,
-        out: IterDomainId,
-    },
+    Merge { outer: IterDomainId, inner: IterDomainId, out: IterDomainId },
 }
 
 impl Transform {
@@ -271,21 +261,10 @@ impl Fusion {
     }
 
     /// A new tensor whose loop domain is its logical domain.
-    pub fn new_tv(
-        &mut self,
-        dtype: DataType,
-        memory: MemoryType,
-        logical: Vec<IterDomainId>,
-    ) -> TvId {
+    pub fn new_tv(&mut self, dtype: DataType, memory: MemoryType, logical: Vec<IterDomainId>) -> TvId {
         let contiguity = logical
             .iter()
-            .map(|&id| {
-                if self.ids[id].iter_type == IterType::Broadcast {
-                    None
-                } else {
-                    Some(true)
-                }
-            })
+            .map(|&id| if self.ids[id].iter_type == IterType::Broadcast { None } else { Some(true) })
             .collect();
         self.tvs.push(TensorView {
             dtype,
@@ -305,11 +284,7 @@ impl Fusion {
 
     /// Add an expression and wire its use-def links.
     pub fn add_expr(&mut self, op: Op, inputs: SmallVec<[Operand; 3]>, output: TvId) -> ExprId {
-        let e = self.exprs.push(Expr {
-            op,
-            inputs: inputs.clone(),
-            output,
-        });
+        let e = self.exprs.push(Expr { op, inputs: inputs.clone(), output });
         for t in inputs.iter().filter_map(|o| o.tensor()) {
             if !self.tvs[t].uses.contains(&e) {
                 self.tvs[t].uses.push(e);
@@ -331,21 +306,12 @@ impl Fusion {
 
     /// Logical ids that are not reductions: the shape consumers see.
     pub fn no_reduction_logical(&self, tv: TvId) -> Vec<IterDomainId> {
-        self.tvs[tv]
-            .logical
-            .iter()
-            .copied()
-            .filter(|&id| self.ids[id].iter_type != IterType::Reduction)
-            .collect()
+        self.tvs[tv].logical.iter().copied().filter(|&id| self.ids[id].iter_type != IterType::Reduction).collect()
     }
 
     /// Tensors that read `tv`.
     pub fn consumers(&self, tv: TvId) -> Vec<TvId> {
-        self.tvs[tv]
-            .uses
-            .iter()
-            .map(|&e| self.exprs[e].output)
-            .collect()
+        self.tvs[tv].uses.iter().map(|&e| self.exprs[e].output).collect()
     }
 
     /// Tensors `tv` is computed from.
@@ -401,10 +367,7 @@ impl Fusion {
             if let Some(t) = self.ids[frontier[i]].use_ {
                 if !out.contains(&t) {
                     // A merge is applied once both inputs are reached; the second reach records it.
-                    let ready = self.transforms[t]
-                        .inputs()
-                        .iter()
-                        .all(|x| frontier.contains(x));
+                    let ready = self.transforms[t].inputs().iter().all(|x| frontier.contains(x));
                     if ready {
                         out.push(t);
                         frontier.extend(self.transforms[t].outputs());

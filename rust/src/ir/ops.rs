@@ -6,8 +6,8 @@ use smallvec::{smallvec, SmallVec};
 use crate::error::Result;
 use crate::ir::dtype::{promote, PromotionOperand};
 use crate::ir::{
-    BinaryOp, DataType, Fusion, IterDomainId, IterType, MemoryType, Op, Operand, ReductionOp,
-    Symbol, TvId, UnaryOp, ValId,
+    BinaryOp, DataType, Fusion, IterDomainId, IterType, MemoryType, Op, Operand, ReductionOp, Symbol, TvId, UnaryOp,
+    ValId,
 };
 use crate::{bail, bail_type};
 
@@ -93,14 +93,10 @@ impl Fusion {
 
     fn operand_dtype(&self, o: Operand) -> PromotionOperand {
         match o {
-            Operand::Tensor(t) => PromotionOperand {
-                dtype: self.tvs[t].dtype,
-                is_tensor: true,
-            },
-            Operand::Scalar(v) => PromotionOperand {
-                dtype: self.scalars.dtype(v, &self.scalar_input_dtypes),
-                is_tensor: false,
-            },
+            Operand::Tensor(t) => PromotionOperand { dtype: self.tvs[t].dtype, is_tensor: true },
+            Operand::Scalar(v) => {
+                PromotionOperand { dtype: self.scalars.dtype(v, &self.scalar_input_dtypes), is_tensor: false }
+            }
         }
     }
 
@@ -112,19 +108,12 @@ impl Fusion {
     }
 
     /// Output logical ids of an element-wise op over `operands` (same rank, broadcast-compatible).
-    fn pointwise_domain(
-        &mut self,
-        op_name: &str,
-        operands: &[Operand],
-    ) -> Result<Vec<IterDomainId>> {
+    fn pointwise_domain(&mut self, op_name: &str, operands: &[Operand]) -> Result<Vec<IterDomainId>> {
         let tensors: Vec<TvId> = operands.iter().filter_map(|o| o.tensor()).collect();
         let Some(&first) = tensors.first() else {
             bail!("{op_name}: at least one operand must be a tensor; got only scalars");
         };
-        let doms: Vec<Vec<IterDomainId>> = tensors
-            .iter()
-            .map(|&t| self.no_reduction_logical(t))
-            .collect();
+        let doms: Vec<Vec<IterDomainId>> = tensors.iter().map(|&t| self.no_reduction_logical(t)).collect();
         let rank = doms[0].len();
         for (t, d) in tensors.iter().zip(&doms) {
             if d.len() != rank {
@@ -149,10 +138,8 @@ impl Fusion {
                 match chosen {
                     None => chosen = Some((t, id)),
                     Some((t0, id0)) => {
-                        let (e0, e1) = (
-                            self.scalars.as_int(self.ids[id0].extent),
-                            self.scalars.as_int(self.ids[id].extent),
-                        );
+                        let (e0, e1) =
+                            (self.scalars.as_int(self.ids[id0].extent), self.scalars.as_int(self.ids[id].extent));
                         if let (Some(a), Some(b)) = (e0, e1) {
                             if a != b {
                                 bail!(
@@ -180,13 +167,7 @@ impl Fusion {
         Ok(out)
     }
 
-    fn pointwise(
-        &mut self,
-        op_name: &str,
-        op: Op,
-        operands: SmallVec<[Operand; 3]>,
-        dtype: DataType,
-    ) -> Result<TvId> {
+    fn pointwise(&mut self, op_name: &str, op: Op, operands: SmallVec<[Operand; 3]>, dtype: DataType) -> Result<TvId> {
         let logical = self.pointwise_domain(op_name, &operands)?;
         let out = self.new_tv(dtype, MemoryType::Local, logical);
         self.add_expr(op, operands, out);
@@ -201,10 +182,7 @@ impl Fusion {
             UnaryOp::Abs | UnaryOp::Relu => dt,
             UnaryOp::Neg => {
                 if dt == DataType::Bool {
-                    bail_type!(
-                        "neg: {} is Bool; negation of Bool is not defined (use eq(x, False))",
-                        self.describe(x)
-                    );
+                    bail_type!("neg: {} is Bool; negation of Bool is not defined (use eq(x, False))", self.describe(x));
                 }
                 dt
             }
@@ -219,12 +197,7 @@ impl Fusion {
     pub fn binary(&mut self, op: BinaryOp, a: Operand, b: Operand) -> Result<TvId> {
         let promoted = promote(&[self.operand_dtype(a), self.operand_dtype(b)]);
         let out_dt = match op {
-            BinaryOp::Eq
-            | BinaryOp::Ne
-            | BinaryOp::Lt
-            | BinaryOp::Le
-            | BinaryOp::Gt
-            | BinaryOp::Ge => DataType::Bool,
+            BinaryOp::Eq | BinaryOp::Ne | BinaryOp::Lt | BinaryOp::Le | BinaryOp::Gt | BinaryOp::Ge => DataType::Bool,
             BinaryOp::Div if !promoted.is_float() => DataType::Float,
             _ => promoted,
         };
@@ -235,10 +208,7 @@ impl Fusion {
     pub fn where_(&mut self, cond: Operand, a: Operand, b: Operand) -> Result<TvId> {
         let cd = self.operand_dtype(cond).dtype;
         if cd != DataType::Bool {
-            bail_type!(
-                "where: condition {} has dtype {cd}; expected Bool",
-                self.describe(cond)
-            );
+            bail_type!("where: condition {} has dtype {cd}; expected Bool", self.describe(cond));
         }
         let out_dt = promote(&[self.operand_dtype(a), self.operand_dtype(b)]);
         self.pointwise("where", Op::Where, smallvec![cond, a, b], out_dt)
@@ -256,13 +226,7 @@ impl Fusion {
     }
 
     /// Normalize reduction/permute dims against a rank; names the tensor on error.
-    fn normalize_dims(
-        &self,
-        op_name: &str,
-        tv: TvId,
-        dims: &[i64],
-        rank: usize,
-    ) -> Result<Vec<usize>> {
+    fn normalize_dims(&self, op_name: &str, tv: TvId, dims: &[i64], rank: usize) -> Result<Vec<usize>> {
         let mut out = Vec::with_capacity(dims.len());
         for &d in dims {
             let n = rank as i64;
@@ -295,10 +259,7 @@ impl Fusion {
         let name = reduction_name(op);
         let inp = self.no_reduction_logical(x);
         if dims.is_empty() {
-            bail!(
-                "{name}: {}: no axes to reduce; pass dims=[...]",
-                self.tv_name(x)
-            );
+            bail!("{name}: {}: no axes to reduce; pass dims=[...]", self.tv_name(x));
         }
         let dims = self.normalize_dims(name, x, dims, inp.len())?;
         let in_dt = self.tvs[x].dtype;
@@ -309,35 +270,23 @@ impl Fusion {
         let mut logical = Vec::with_capacity(inp.len());
         for (axis, &id) in inp.iter().enumerate() {
             let src = self.ids[id].clone();
-            let it = if dims.contains(&axis) {
-                IterType::Reduction
-            } else {
-                src.iter_type
-            };
+            let it = if dims.contains(&axis) { IterType::Reduction } else { src.iter_type };
             logical.push(self.new_id(src.extent, it));
         }
         let init = match (op, out_dt.is_float()) {
             (ReductionOp::Sum, true) => self.scalars.float(0.0),
             (ReductionOp::Sum, false) => self.scalars.int(0),
             (ReductionOp::Max, true) => self.scalars.float(f64::NEG_INFINITY),
-            (ReductionOp::Max, false) => self.scalars.int(if out_dt == DataType::Int32 {
-                i32::MIN as i64
-            } else {
-                i64::MIN
-            }),
+            (ReductionOp::Max, false) => {
+                self.scalars.int(if out_dt == DataType::Int32 { i32::MIN as i64 } else { i64::MIN })
+            }
             (ReductionOp::Min, true) => self.scalars.float(f64::INFINITY),
-            (ReductionOp::Min, false) => self.scalars.int(if out_dt == DataType::Int32 {
-                i32::MAX as i64
-            } else {
-                i64::MAX
-            }),
+            (ReductionOp::Min, false) => {
+                self.scalars.int(if out_dt == DataType::Int32 { i32::MAX as i64 } else { i64::MAX })
+            }
         };
         let out = self.new_tv(out_dt, MemoryType::Local, logical);
-        self.add_expr(
-            Op::Reduction { op, init },
-            smallvec![Operand::Tensor(x)],
-            out,
-        );
+        self.add_expr(Op::Reduction { op, init }, smallvec![Operand::Tensor(x)], out);
         if !keepdim {
             return Ok(out);
         }
@@ -351,12 +300,7 @@ impl Fusion {
         let inp = self.no_reduction_logical(x);
         let n_old = is_new.iter().filter(|&&b| !b).count();
         if n_old != inp.len() {
-            crate::bail_internal!(
-                "broadcast of {}: {} kept axes for rank {}",
-                self.tv_name(x),
-                n_old,
-                inp.len()
-            );
+            crate::bail_internal!("broadcast of {}: {} kept axes for rank {}", self.tv_name(x), n_old, inp.len());
         }
         let mut it = inp.into_iter();
         let mut logical = Vec::with_capacity(is_new.len());
@@ -377,12 +321,7 @@ impl Fusion {
     }
 
     /// nvFuser's `broadcast_in_dim`: input axis `i` becomes output axis `broadcast_dims[i]`.
-    pub fn broadcast_in_dim(
-        &mut self,
-        x: TvId,
-        shape: &[i64],
-        broadcast_dims: &[i64],
-    ) -> Result<TvId> {
+    pub fn broadcast_in_dim(&mut self, x: TvId, shape: &[i64], broadcast_dims: &[i64]) -> Result<TvId> {
         let name = self.tv_name(x);
         let inp = self.no_reduction_logical(x);
         if broadcast_dims.len() != inp.len() {
@@ -432,7 +371,13 @@ impl Fusion {
     pub fn permute(&mut self, x: TvId, dims: &[i64]) -> Result<TvId> {
         let inp = self.no_reduction_logical(x);
         if dims.len() != inp.len() {
-            bail!("permute: {} has rank {} but dims {dims:?} has {} entries; expected a permutation of 0..{}", self.tv_name(x), inp.len(), dims.len(), inp.len());
+            bail!(
+                "permute: {} has rank {} but dims {dims:?} has {} entries; expected a permutation of 0..{}",
+                self.tv_name(x),
+                inp.len(),
+                dims.len(),
+                inp.len()
+            );
         }
         let perm = self.normalize_dims("permute", x, dims, inp.len())?;
         let mut logical = Vec::with_capacity(perm.len());
@@ -452,45 +397,27 @@ impl Fusion {
         let idx = self.no_reduction_logical(index);
         let idt = self.tvs[index].dtype;
         if !idt.is_integer() {
-            bail_type!(
-                "index_select: index {} has dtype {idt}; expected Int or Int32",
-                self.tv_name(index)
-            );
+            bail_type!("index_select: index {} has dtype {idt}; expected Int or Int32", self.tv_name(index));
         }
         if idx.len() != 1 {
-            bail!(
-                "index_select: index {} has rank {}; expected rank 1",
-                self.tv_name(index),
-                idx.len()
-            );
+            bail!("index_select: index {} has rank {}; expected rank 1", self.tv_name(index), idx.len());
         }
         let dim = self.normalize_dims("index_select", x, &[dim], inp.len())?[0];
         let mut logical = Vec::with_capacity(inp.len());
         for (axis, &id) in inp.iter().enumerate() {
-            let src = if axis == dim {
-                self.ids[idx[0]].clone()
-            } else {
-                self.ids[id].clone()
-            };
+            let src = if axis == dim { self.ids[idx[0]].clone() } else { self.ids[id].clone() };
             logical.push(self.new_id(src.extent, src.iter_type));
         }
         let dt = self.tvs[x].dtype;
         let out = self.new_tv(dt, MemoryType::Local, logical);
-        self.add_expr(
-            Op::IndexSelect { dim },
-            smallvec![Operand::Tensor(x), Operand::Tensor(index)],
-            out,
-        );
+        self.add_expr(Op::IndexSelect { dim }, smallvec![Operand::Tensor(x), Operand::Tensor(index)], out);
         Ok(out)
     }
 
     /// A tensor of `shape` (static sizes or scalar extents) filled with `value`.
     pub fn full(&mut self, shape: &[ValId], value: Operand, dtype: DataType) -> Result<TvId> {
         let Operand::Scalar(v) = value else {
-            bail_type!(
-                "full: the fill value must be a scalar, got {}",
-                self.describe(value)
-            );
+            bail_type!("full: the fill value must be a scalar, got {}", self.describe(value));
         };
         let mut logical = Vec::with_capacity(shape.len());
         for (axis, &e) in shape.iter().enumerate() {

@@ -10,18 +10,8 @@ impl Fusion {
     /// An id as `iS7{i0}`: iter type, parallel type, number, extent.
     pub fn id_label(&self, id: IterDomainId) -> String {
         let d = &self.ids[id];
-        let p = if d.parallel == ParallelType::Serial {
-            "S"
-        } else {
-            d.parallel.tag()
-        };
-        format!(
-            "{}{}{}{{{}}}",
-            d.iter_type.tag(),
-            p,
-            id.as_u32(),
-            self.scalars.render(d.extent)
-        )
+        let p = if d.parallel == ParallelType::Serial { "S" } else { d.parallel.tag() };
+        format!("{}{}{}{{{}}}", d.iter_type.tag(), p, id.as_u32(), self.scalars.render(d.extent))
     }
 
     /// A tensor as `T3_l_float[iS6{i0}, rS7{i1}]` (its loop domain, `ca` marks the inline position).
@@ -58,19 +48,11 @@ impl Fusion {
             Op::Where => format!("where({}, {}, {})", args[0], args[1], args[2]),
             Op::Cast(d) => format!("cast({}, {})", args[0], d.enum_name()),
             Op::Reduction { op, init } => {
-                format!(
-                    "reduction({}, op = {}, init = {})",
-                    args[0],
-                    reduction_name(*op),
-                    self.scalars.render(*init)
-                )
+                format!("reduction({}, op = {}, init = {})", args[0], reduction_name(*op), self.scalars.render(*init))
             }
             Op::Broadcast { is_new } => format!("broadcast({}, is_new = {:?})", args[0], is_new),
             Op::Permute { perm } => format!("permute({}, dims = {:?})", args[0], perm),
-            Op::IndexSelect { dim } => format!(
-                "index_select({}, dim = {dim}, index = {})",
-                args[0], args[1]
-            ),
+            Op::IndexSelect { dim } => format!("index_select({}, dim = {dim}, index = {})", args[0], args[1]),
             Op::Set => format!("set({})", args[0]),
             Op::Full { value } => format!("full(value = {})", self.scalars.render(*value)),
         };
@@ -120,12 +102,7 @@ impl Fusion {
     /// `tv`'s domains and the transforms between them.
     pub fn transforms_string(&self, tv: TvId) -> String {
         let t = &self.tvs[tv];
-        let ids = |v: &[IterDomainId]| {
-            v.iter()
-                .map(|&i| self.id_label(i))
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
+        let ids = |v: &[IterDomainId]| v.iter().map(|&i| self.id_label(i)).collect::<Vec<_>>().join(", ");
         let mut s = format!("{}\n", self.tv_label(tv));
         if let Some(r) = &t.root {
             let _ = writeln!(s, " root domain : ({})", ids(r));
@@ -146,13 +123,7 @@ impl Fusion {
         );
         for tr in self.transforms_of(tv) {
             match self.transforms[tr] {
-                Transform::Split {
-                    input,
-                    factor,
-                    inner_split,
-                    outer,
-                    inner,
-                } => {
+                Transform::Split { input, factor, inner_split, outer, inner } => {
                     let _ = writeln!(
                         s,
                         "  Split: {} by factor {} -> {}, {}{}",

@@ -54,15 +54,7 @@ pub enum ScalarOp {
 
 impl ScalarOp {
     fn is_commutative(self) -> bool {
-        matches!(
-            self,
-            ScalarOp::Add
-                | ScalarOp::Mul
-                | ScalarOp::Min
-                | ScalarOp::Max
-                | ScalarOp::Eq
-                | ScalarOp::And
-        )
+        matches!(self, ScalarOp::Add | ScalarOp::Mul | ScalarOp::Min | ScalarOp::Max | ScalarOp::Eq | ScalarOp::And)
     }
     fn infix(self) -> Option<&'static str> {
         Some(match self {
@@ -199,10 +191,7 @@ impl Scalars {
             Val::Int(_) => DataType::Int,
             Val::Float(_) => DataType::Double,
             Val::Bool(_) => DataType::Bool,
-            Val::Symbol(Symbol::ScalarInput(i)) => scalar_inputs
-                .get(i as usize)
-                .copied()
-                .unwrap_or(DataType::Double),
+            Val::Symbol(Symbol::ScalarInput(i)) => scalar_inputs.get(i as usize).copied().unwrap_or(DataType::Double),
             Val::Symbol(_) => DataType::Int,
             Val::Binary(op, a, _) => match op {
                 ScalarOp::Lt | ScalarOp::Le | ScalarOp::Eq | ScalarOp::And => DataType::Bool,
@@ -218,12 +207,8 @@ impl Scalars {
         }
         // Canonical operand order for commutative ops: constants on the right,
         // so `4 * i0` and `i0 * 4` are one node.
-        let (a, b) = if op.is_commutative() && self.as_int(a).is_some() && self.as_int(b).is_none()
-        {
-            (b, a)
-        } else {
-            (a, b)
-        };
+        let (a, b) =
+            if op.is_commutative() && self.as_int(a).is_some() && self.as_int(b).is_none() { (b, a) } else { (a, b) };
         self.intern(Val::Binary(op, a, b))
     }
 
@@ -246,25 +231,13 @@ impl Scalars {
                     return (i64::MIN, None);
                 }
                 match op {
-                    ScalarOp::Add => (
-                        al.saturating_add(bl),
-                        ah.zip(bh).map(|(x, y)| x.saturating_add(y)),
-                    ),
-                    ScalarOp::Mul => (
-                        al.saturating_mul(bl),
-                        ah.zip(bh).map(|(x, y)| x.saturating_mul(y)),
-                    ),
-                    ScalarOp::Div if bl > 0 => {
-                        (al / bh.unwrap_or(i64::MAX).max(1), ah.map(|x| x / bl))
-                    }
+                    ScalarOp::Add => (al.saturating_add(bl), ah.zip(bh).map(|(x, y)| x.saturating_add(y))),
+                    ScalarOp::Mul => (al.saturating_mul(bl), ah.zip(bh).map(|(x, y)| x.saturating_mul(y))),
+                    ScalarOp::Div if bl > 0 => (al / bh.unwrap_or(i64::MAX).max(1), ah.map(|x| x / bl)),
                     ScalarOp::CeilDiv if bl > 0 => (0, ah.map(|x| (x + bl - 1) / bl)),
-                    ScalarOp::Mod if bl > 0 => (
-                        0,
-                        Some(
-                            bh.map_or(ah.unwrap_or(i64::MAX), |m| m - 1)
-                                .min(ah.unwrap_or(i64::MAX)),
-                        ),
-                    ),
+                    ScalarOp::Mod if bl > 0 => {
+                        (0, Some(bh.map_or(ah.unwrap_or(i64::MAX), |m| m - 1).min(ah.unwrap_or(i64::MAX))))
+                    }
                     ScalarOp::Min => (
                         al.min(bl),
                         match (ah, bh) {
@@ -296,11 +269,7 @@ impl Scalars {
             return None;
         }
         // Put a lone constant on the right for the identity rules below.
-        let (a, b, ca, cb) = if op.is_commutative() && ca.is_some() {
-            (b, a, cb, ca)
-        } else {
-            (a, b, ca, cb)
-        };
+        let (a, b, ca, cb) = if op.is_commutative() && ca.is_some() { (b, a, cb, ca) } else { (a, b, ca, cb) };
         match (op, cb) {
             (Add | Sub, Some(0)) | (Mul | Div | CeilDiv, Some(1)) => return Some(a),
             (Mul, Some(0)) => return Some(self.int(0)),
@@ -327,12 +296,8 @@ impl Scalars {
                     (Sub, Add) => return Some(self.binary_with_const(Add, x, c1 - c2)),
                     (Mul, Mul) => return Some(self.binary_with_const(Mul, x, c1 * c2)),
                     // ceil(ceil(x / a) / b) == ceil(x / (a * b)) for positive a, b.
-                    (CeilDiv, CeilDiv) if c1 > 0 && c2 > 0 => {
-                        return Some(self.binary_with_const(CeilDiv, x, c1 * c2))
-                    }
-                    (Div, Div) if c1 > 0 && c2 > 0 => {
-                        return Some(self.binary_with_const(Div, x, c1 * c2))
-                    }
+                    (CeilDiv, CeilDiv) if c1 > 0 && c2 > 0 => return Some(self.binary_with_const(CeilDiv, x, c1 * c2)),
+                    (Div, Div) if c1 > 0 && c2 > 0 => return Some(self.binary_with_const(Div, x, c1 * c2)),
                     // (x * c1) / c2 when c2 divides c1: merge-then-split of the same factor.
                     (CeilDiv | Div, Mul) if c2 > 0 && c1 % c2 == 0 => {
                         return Some(self.binary_with_const(Mul, x, c1 / c2))
@@ -352,9 +317,7 @@ impl Scalars {
             Add => {
                 // (x / y) * y + x % y == x, in either order.
                 for (p, q) in [(a, b), (b, a)] {
-                    if let (Val::Binary(Mul, d, y1), Val::Binary(Mod, x2, y2)) =
-                        (self.nodes[p], self.nodes[q])
-                    {
+                    if let (Val::Binary(Mul, d, y1), Val::Binary(Mod, x2, y2)) = (self.nodes[p], self.nodes[q]) {
                         if let Val::Binary(Div, x1, y0) = self.nodes[d] {
                             if x1 == x2 && y0 == y1 && y1 == y2 {
                                 return Some(x1);
@@ -375,8 +338,7 @@ impl Scalars {
                 // (x * c + y) % c == y % c and (x * c + y) / c == x + y / c (non-negative terms).
                 if let Val::Binary(Add, l, r) = self.nodes[a] {
                     if let Val::Binary(Mul, x, k) = self.nodes[l] {
-                        if self.as_int(k) == Some(c) && self.range(r).0 >= 0 && self.range(x).0 >= 0
-                        {
+                        if self.as_int(k) == Some(c) && self.range(r).0 >= 0 && self.range(x).0 >= 0 {
                             let rest = self.binary(op, r, b);
                             return Some(if op == Mod { rest } else { self.add(x, rest) });
                         }
@@ -460,23 +422,14 @@ impl Scalars {
         self.substitute_memo(v, sym, by, &mut memo)
     }
 
-    fn substitute_memo(
-        &mut self,
-        v: ValId,
-        sym: Symbol,
-        by: ValId,
-        memo: &mut FxHashMap<ValId, ValId>,
-    ) -> ValId {
+    fn substitute_memo(&mut self, v: ValId, sym: Symbol, by: ValId, memo: &mut FxHashMap<ValId, ValId>) -> ValId {
         if let Some(&r) = memo.get(&v) {
             return r;
         }
         let r = match self.nodes[v] {
             Val::Symbol(s) if s == sym => by,
             Val::Binary(op, a, b) => {
-                let (na, nb) = (
-                    self.substitute_memo(a, sym, by, memo),
-                    self.substitute_memo(b, sym, by, memo),
-                );
+                let (na, nb) = (self.substitute_memo(a, sym, by, memo), self.substitute_memo(b, sym, by, memo));
                 if na == a && nb == b {
                     v
                 } else {
@@ -495,8 +448,7 @@ impl Scalars {
             Val::Int(i) => Ok(i),
             Val::Bool(b) => Ok(b as i64),
             Val::Float(bits) => Ok(f64::from_bits(bits) as i64),
-            Val::Symbol(s) => env(s)
-                .ok_or_else(|| KilnError::value(format!("no value bound for {}", self.render(v)))),
+            Val::Symbol(s) => env(s).ok_or_else(|| KilnError::value(format!("no value bound for {}", self.render(v)))),
             Val::Binary(op, a, b) => {
                 let (x, y) = (self.eval(a, env)?, self.eval(b, env)?);
                 op.apply(x, y).ok_or_else(|| {
@@ -688,12 +640,7 @@ mod tests {
         assert_eq!(s.as_int(lt), Some(1), "x % n < n");
         let d = s.div(m, n);
         let c = s.lt(d, x);
-        assert_eq!(
-            s.render(c),
-            "x * 4 + v < i1 * i0"
-                .replace("x", "i0")
-                .replace("v", "idx0")
-        );
+        assert_eq!(s.render(c), "x * 4 + v < i1 * i0".replace("x", "i0").replace("v", "idx0"));
     }
 
     #[test]
@@ -711,9 +658,6 @@ mod tests {
         assert!(s.eval(y, &env).is_err());
         let zero = s.int(0);
         let bad = s.binary(ScalarOp::CeilDiv, x, zero);
-        assert!(
-            s.eval(bad, &env).is_err(),
-            "division by zero is an error, not a panic"
-        );
+        assert!(s.eval(bad, &env).is_err(), "division by zero is an error, not a panic");
     }
 }

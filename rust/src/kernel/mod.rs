@@ -213,32 +213,19 @@ impl Kernel {
                     a.dtype,
                     shape.join(", "),
                     if a.zero_init { " zero_init" } else { "" },
-                    if a.resets_to_zero {
-                        " resets_to_zero"
-                    } else {
-                        ""
-                    }
+                    if a.resets_to_zero { " resets_to_zero" } else { "" }
                 );
             }
             Node::Init { tv, value, index } => {
                 let note = self.index_note(index.as_ref());
-                let _ = writeln!(
-                    s,
-                    "{pad}{} = {}  // init{note}",
-                    f.tv_name(*tv),
-                    f.scalars.render(*value)
-                );
+                let _ = writeln!(s, "{pad}{} = {}  // init{note}", f.tv_name(*tv), f.scalars.render(*value));
             }
             Node::Expr { expr, index } => {
                 let note = self.index_note(index.as_ref());
                 let _ = writeln!(s, "{pad}{}{note}", f.expr_short(&f.exprs[*expr]));
             }
             Node::Sync(k) => {
-                let _ = writeln!(
-                    s,
-                    "{pad}__syncthreads()  // {}",
-                    if *k == SyncKind::Raw { "RAW" } else { "WAR" }
-                );
+                let _ = writeln!(s, "{pad}__syncthreads()  // {}", if *k == SyncKind::Raw { "RAW" } else { "WAR" });
             }
         }
     }
@@ -250,23 +237,12 @@ impl Kernel {
         };
         let sc = &self.fusion.scalars;
         let mut s = format!("  @ [{}]", sc.render(ix.out));
-        let ins: Vec<String> = ix
-            .inputs
-            .iter()
-            .flatten()
-            .map(|&v| format!("[{}]", sc.render(v)))
-            .collect();
+        let ins: Vec<String> = ix.inputs.iter().flatten().map(|&v| format!("[{}]", sc.render(v))).collect();
         if !ins.is_empty() {
             let _ = write!(s, " <- {}", ins.join(", "));
         }
         for g in &ix.gathers {
-            let _ = write!(
-                s,
-                " with g{} = {}[{}]",
-                g.id,
-                self.fusion.tv_name(g.index_tv),
-                sc.render(g.at)
-            );
+            let _ = write!(s, " with g{} = {}[{}]", g.id, self.fusion.tv_name(g.index_tv), sc.render(g.at));
         }
         if sc.as_int(ix.predicate) != Some(1) {
             let _ = write!(s, " if {}", sc.render(ix.predicate));
@@ -291,11 +267,7 @@ impl Kernel {
                 a.contiguity,
                 a.position,
                 if a.zero_init { " zero_init" } else { "" },
-                if a.resets_to_zero {
-                    " resets_to_zero"
-                } else {
-                    ""
-                }
+                if a.resets_to_zero { " resets_to_zero" } else { "" }
             );
         }
         for b in &self.summary.global_allocations {

@@ -13,10 +13,7 @@ use crate::bail_internal;
 use crate::error::Result;
 use crate::ir::mapping::logical_pairs;
 use crate::ir::scalar::ScalarOp;
-use crate::ir::{
-    ExprId, Fusion, IterDomainId, IterType, Op, Operand, ParallelType, Symbol, Transform, TvId,
-    ValId,
-};
+use crate::ir::{ExprId, Fusion, IterDomainId, IterType, Op, Operand, ParallelType, Symbol, Transform, TvId, ValId};
 use crate::kernel::{AccessIndex, AllocationInfo, Gather, Node};
 
 /// An enclosing loop as indexing sees it.
@@ -38,25 +35,11 @@ struct Ctx<'a> {
 }
 
 /// Fill `AccessIndex` into every Expr and Init node of `body`.
-pub fn run(
-    f: &mut Fusion,
-    lg: &LoopGraph,
-    allocs: &FxHashMap<TvId, AllocationInfo>,
-    body: &mut [Node],
-) -> Result<()> {
+pub fn run(f: &mut Fusion, lg: &LoopGraph, allocs: &FxHashMap<TvId, AllocationInfo>, body: &mut [Node]) -> Result<()> {
     let mut extents: FxHashMap<ParallelType, Vec<ValId>> = FxHashMap::default();
     collect_parallel_extents(body, &mut extents);
-    let ragged = extents
-        .into_iter()
-        .filter(|(_, v)| v.len() > 1)
-        .map(|(p, _)| p)
-        .collect();
-    let mut ctx = Ctx {
-        lg,
-        allocs,
-        ragged,
-        next_gather: 0,
-    };
+    let ragged = extents.into_iter().filter(|(_, v)| v.len() > 1).map(|(p, _)| p).collect();
+    let mut ctx = Ctx { lg, allocs, ragged, next_gather: 0 };
     let mut stack = Vec::new();
     walk(f, &mut ctx, body, &mut stack)
 }
@@ -75,12 +58,7 @@ fn collect_parallel_extents(body: &[Node], out: &mut FxHashMap<ParallelType, Vec
     }
 }
 
-fn walk(
-    f: &mut Fusion,
-    ctx: &mut Ctx,
-    body: &mut [Node],
-    stack: &mut Vec<Enclosing>,
-) -> Result<()> {
+fn walk(f: &mut Fusion, ctx: &mut Ctx, body: &mut [Node], stack: &mut Vec<Enclosing>) -> Result<()> {
     for n in body.iter_mut() {
         match n {
             Node::Loop(l) => {
@@ -117,12 +95,7 @@ fn group_indices(ctx: &Ctx, stack: &[Enclosing]) -> FxHashMap<IterDomainId, ValI
 fn backward(f: &mut Fusion, tv: TvId, idx: &mut FxHashMap<IterDomainId, ValId>) {
     for t in f.transforms_of(tv).into_iter().rev() {
         match f.transforms[t] {
-            Transform::Split {
-                input,
-                outer,
-                inner,
-                ..
-            } => {
+            Transform::Split { input, outer, inner, .. } => {
                 if let (Some(&o), Some(&i)) = (idx.get(&outer), idx.get(&inner)) {
                     let ie = f.ids[inner].extent;
                     let m = f.scalars.mul(o, ie);
@@ -147,12 +120,7 @@ fn backward(f: &mut Fusion, tv: TvId, idx: &mut FxHashMap<IterDomainId, ValId>) 
 fn forward(f: &mut Fusion, tv: TvId, idx: &mut FxHashMap<IterDomainId, ValId>) {
     for t in f.transforms_of(tv) {
         match f.transforms[t] {
-            Transform::Split {
-                input,
-                outer,
-                inner,
-                ..
-            } => {
+            Transform::Split { input, outer, inner, .. } => {
                 if let Some(&v) = idx.get(&input) {
                     let ie = f.ids[inner].extent;
                     let a = f.scalars.div(v, ie);
@@ -187,11 +155,7 @@ fn offset(
     let mut acc = f.scalars.int(0);
     for (&id, &stride) in info.ids.iter().zip(&info.strides) {
         let Some(&i) = idx.get(&id).or_else(|| groups.get(&id)) else {
-            bail_internal!(
-                "no index for allocation id {} of {}",
-                f.id_label(id),
-                f.tv_name(tv)
-            );
+            bail_internal!("no index for allocation id {} of {}", f.id_label(id), f.tv_name(tv));
         };
         let term = f.scalars.mul(i, stride);
         acc = f.scalars.add(acc, term);
@@ -205,13 +169,7 @@ fn needs_bound(f: &Fusion, l: IterDomainId) -> bool {
     while let Some(id) = stack.pop() {
         let Some(t) = f.ids[id].use_ else { continue };
         match f.transforms[t] {
-            Transform::Split {
-                input,
-                factor,
-                outer,
-                inner,
-                ..
-            } => {
+            Transform::Split { input, factor, outer, inner, .. } => {
                 let divisible = matches!((f.scalars.as_int(f.ids[input].extent), f.scalars.as_int(factor)), (Some(e), Some(k)) if k > 0 && e % k == 0);
                 if !divisible {
                     return true;
@@ -237,10 +195,7 @@ fn predicate(
     let mut pred = f.scalars.boolean(true);
     for l in f.tvs[tv].logical.clone() {
         let it = f.ids[l].iter_type;
-        if it == IterType::Broadcast
-            || (skip_reductions && it == IterType::Reduction)
-            || !needs_bound(f, l)
-        {
+        if it == IterType::Broadcast || (skip_reductions && it == IterType::Reduction) || !needs_bound(f, l) {
             continue;
         }
         if let Some(&i) = idx.get(&l) {
@@ -250,9 +205,7 @@ fn predicate(
         }
     }
     for l in stack {
-        let reduced = l
-            .group
-            .is_some_and(|g| f.ids[ctx.lg.groups[g].promoted].iter_type == IterType::Reduction);
+        let reduced = l.group.is_some_and(|g| f.ids[ctx.lg.groups[g].promoted].iter_type == IterType::Reduction);
         if skip_reductions && reduced {
             continue;
         }
@@ -272,10 +225,7 @@ fn inlined_reference(f: &Fusion, tv: TvId) -> Option<(ExprId, usize)> {
         return None;
     }
     let e = *t.uses.first()?;
-    let pos = f.exprs[e]
-        .inputs
-        .iter()
-        .position(|o| *o == Operand::Tensor(tv))?;
+    let pos = f.exprs[e].inputs.iter().position(|o| *o == Operand::Tensor(tv))?;
     if matches!(f.exprs[e].op, Op::IndexSelect { .. }) {
         return None;
     }
@@ -321,10 +271,7 @@ fn consumer_indices(
     for (a, &id) in ld.iter().enumerate() {
         let g = ctx.lg.group(tv, a);
         let Some(l) = stack.iter().rev().find(|l| l.group == Some(g)) else {
-            bail_internal!(
-                "{} axis {a}: its loop does not enclose the expression",
-                f.tv_name(tv)
-            );
+            bail_internal!("{} axis {a}: its loop does not enclose the expression", f.tv_name(tv));
         };
         idx.insert(id, l.index);
     }
@@ -332,12 +279,7 @@ fn consumer_indices(
     Ok(idx)
 }
 
-fn index_expr(
-    f: &mut Fusion,
-    ctx: &mut Ctx,
-    e: ExprId,
-    stack: &[Enclosing],
-) -> Result<AccessIndex> {
+fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> Result<AccessIndex> {
     let c = f.exprs[e].output;
     let groups = group_indices(ctx, stack);
     let cidx = consumer_indices(f, ctx, c, stack)?;
@@ -364,18 +306,12 @@ fn index_expr(
         }
         if let (Op::IndexSelect { dim }, 0) = (&f.exprs[e].op, pos) {
             // The selected position is the index tensor's value at the consumer's `dim` index.
-            let idx_tv = operands[1]
-                .tensor()
-                .expect("index_select takes a tensor index");
+            let idx_tv = operands[1].tensor().expect("index_select takes a tensor index");
             let sel = f.no_reduction_logical(p)[*dim];
             let at = index_operand(f, ctx, e, 1, idx_tv, &cidx, &groups, stack)?;
             let id = ctx.next_gather;
             ctx.next_gather += 1;
-            gathers.push(Gather {
-                id,
-                index_tv: idx_tv,
-                at,
-            });
+            gathers.push(Gather { id, index_tv: idx_tv, at });
             let g = f.scalars.symbol(Symbol::Gathered(id));
             pidx.insert(sel, g);
         }
@@ -393,13 +329,7 @@ fn index_expr(
     }
     let pred = predicate(f, ctx, c, &cidx, stack, false);
     let write_pred = predicate(f, ctx, c, &cidx, stack, true);
-    Ok(AccessIndex {
-        out,
-        inputs,
-        predicate: pred,
-        write_predicate: write_pred,
-        gathers,
-    })
+    Ok(AccessIndex { out, inputs, predicate: pred, write_predicate: write_pred, gathers })
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -449,11 +379,5 @@ fn index_init(f: &mut Fusion, ctx: &mut Ctx, tv: TvId, stack: &[Enclosing]) -> R
     backward(f, tv, &mut idx);
     let out = offset(f, ctx, tv, &idx, &groups)?;
     let pred = predicate(f, ctx, tv, &idx, stack, true);
-    Ok(AccessIndex {
-        out,
-        inputs: Vec::new(),
-        predicate: pred,
-        write_predicate: pred,
-        gathers: Vec::new(),
-    })
+    Ok(AccessIndex { out, inputs: Vec::new(), predicate: pred, write_predicate: pred, gathers: Vec::new() })
 }

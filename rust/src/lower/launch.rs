@@ -45,11 +45,7 @@ pub fn run(f: &mut Fusion, body: &[Node]) -> LaunchParams {
     let one = f.scalars.int(1);
     let mut out = [one; 6];
     for (i, v) in dims.iter().enumerate() {
-        out[i] = v
-            .iter()
-            .copied()
-            .reduce(|a, b| f.scalars.max(a, b))
-            .unwrap_or(one);
+        out[i] = v.iter().copied().reduce(|a, b| f.scalars.max(a, b)).unwrap_or(one);
     }
     // Shared tensors first, each 16-byte aligned, then the reduction workspace.
     let mut offset = f.scalars.int(0);

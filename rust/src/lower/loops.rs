@@ -64,9 +64,7 @@ pub fn run(f: &mut Fusion, lg: &LoopGraph, order: &[ExprId]) -> Result<(Vec<Node
     let mut next_index = 0u32;
     for &e in order {
         let out = f.exprs[e].output;
-        let path: Vec<usize> = (0..f.tvs[out].loop_domain.len())
-            .map(|a| lg.group(out, a))
-            .collect();
+        let path: Vec<usize> = (0..f.tvs[out].loop_domain.len()).map(|a| lg.group(out, a)).collect();
         let mut cur = &mut body;
         let mut k = 0;
         while k < path.len() {
@@ -74,9 +72,7 @@ pub fn run(f: &mut Fusion, lg: &LoopGraph, order: &[ExprId]) -> Result<(Vec<Node
             if !reuse {
                 break;
             }
-            let Some(Node::Loop(l)) = cur.last_mut() else {
-                unreachable!("checked above")
-            };
+            let Some(Node::Loop(l)) = cur.last_mut() else { unreachable!("checked above") };
             cur = &mut l.body;
             k += 1;
         }
@@ -112,15 +108,10 @@ pub fn run(f: &mut Fusion, lg: &LoopGraph, order: &[ExprId]) -> Result<(Vec<Node
                 init_axis: None,
                 body: Vec::new(),
             }));
-            let Some(Node::Loop(l)) = cur.last_mut() else {
-                unreachable!("just pushed")
-            };
+            let Some(Node::Loop(l)) = cur.last_mut() else { unreachable!("just pushed") };
             cur = &mut l.body;
         }
-        cur.push(Node::Expr {
-            expr: e,
-            index: None,
-        });
+        cur.push(Node::Expr { expr: e, index: None });
     }
     // Thread and block indices stay below the largest extent of their loops.
     let mut widest: FxHashMap<crate::ir::ParallelType, Option<i64>> = FxHashMap::default();

@@ -19,30 +19,20 @@ fn collect(f: &Fusion, body: &[Node], prefix: &mut Vec<usize>, out: &mut Vec<Sit
         prefix.push(i);
         match n {
             Node::Loop(l) => collect(f, &l.body, prefix, out),
-            Node::Init { tv, .. } if f.tvs[*tv].memory == MemoryType::Shared => out.push(Site {
-                path: prefix.clone(),
-                tv: *tv,
-                write: true,
-            }),
+            Node::Init { tv, .. } if f.tvs[*tv].memory == MemoryType::Shared => {
+                out.push(Site { path: prefix.clone(), tv: *tv, write: true })
+            }
             Node::Expr { expr, .. } => {
                 let e = &f.exprs[*expr];
                 for o in &e.inputs {
                     if let Operand::Tensor(t) = o {
                         if f.tvs[*t].memory == MemoryType::Shared {
-                            out.push(Site {
-                                path: prefix.clone(),
-                                tv: *t,
-                                write: false,
-                            });
+                            out.push(Site { path: prefix.clone(), tv: *t, write: false });
                         }
                     }
                 }
                 if f.tvs[e.output].memory == MemoryType::Shared {
-                    out.push(Site {
-                        path: prefix.clone(),
-                        tv: e.output,
-                        write: true,
-                    });
+                    out.push(Site { path: prefix.clone(), tv: e.output, write: true });
                 }
             }
             _ => {}
@@ -79,10 +69,7 @@ fn scope_mut<'a>(body: &'a mut Vec<Node>, path: &[usize]) -> &'a mut Vec<Node> {
 /// element is then read by the thread that wrote it, and no barrier is needed.
 fn same_thread_reads(f: &Fusion, tv: TvId) -> bool {
     let t = &f.tvs[tv];
-    t.loop_domain
-        .iter()
-        .enumerate()
-        .all(|(a, &id)| !f.ids[id].parallel.is_thread() || a < t.inline_pos)
+    t.loop_domain.iter().enumerate().all(|(a, &id)| !f.ids[id].parallel.is_thread() || a < t.inline_pos)
 }
 
 /// Insert RAW and WAR syncs into `body`.
@@ -92,17 +79,9 @@ pub fn run(f: &Fusion, body: &mut Vec<Node>) {
         let mut sites = Vec::new();
         collect(f, body, &mut Vec::new(), &mut sites);
         let mut change: Option<(Vec<usize>, usize, SyncKind)> = None;
-        'outer: for r in sites
-            .iter()
-            .filter(|s| !s.write && !same_thread_reads(f, s.tv))
-        {
+        'outer: for r in sites.iter().filter(|s| !s.write && !same_thread_reads(f, s.tv)) {
             for w in sites.iter().filter(|s| s.write && s.tv == r.tv) {
-                let l = w
-                    .path
-                    .iter()
-                    .zip(&r.path)
-                    .take_while(|(a, b)| a == b)
-                    .count();
+                let l = w.path.iter().zip(&r.path).take_while(|(a, b)| a == b).count();
                 if l == w.path.len() || l == r.path.len() {
                     continue; // the same statement reads and writes (e.g. a reduction)
                 }
@@ -118,9 +97,7 @@ pub fn run(f: &Fusion, body: &mut Vec<Node>) {
                 // Inside a real loop, the next iteration's write must wait for this one's
                 // reads. Thread and block loops run once per thread/block: no WAR there.
                 if in_real_loop(body, &w.path[..l])
-                    && !scope_mut(body, &w.path[..l])[ir + 1..]
-                        .iter()
-                        .any(|n| matches!(n, Node::Sync(_)))
+                    && !scope_mut(body, &w.path[..l])[ir + 1..].iter().any(|n| matches!(n, Node::Sync(_)))
                 {
                     let scope = scope_mut(body, &w.path[..l]);
                     let end = scope.len();

@@ -16,9 +16,7 @@ fn graphs(f: &Fusion) -> (IdGraph, LoopGraph) {
 }
 
 fn extents(f: &Fusion, ids: &[crate::ir::IterDomainId]) -> Vec<String> {
-    ids.iter()
-        .map(|&i| f.scalars.render(f.ids[i].extent))
-        .collect()
+    ids.iter().map(|&i| f.scalars.render(f.ids[i].extent)).collect()
 }
 
 /// x -> exp -> neg, each [BIDx, TIDx 32, 4], producer inlined at `pos`.
@@ -48,11 +46,7 @@ fn alloc_position_moves_out_of_unrolled_loops() {
     assert_eq!(domain::alloc_position(&f, &lg, a), 3);
     let (f, a, _) = chain(3, true);
     let (_, lg) = graphs(&f);
-    assert_eq!(
-        domain::alloc_position(&f, &lg, a),
-        2,
-        "the Unroll loop at axis 2 keeps its storage"
-    );
+    assert_eq!(domain::alloc_position(&f, &lg, a), 2, "the Unroll loop at axis 2 keeps its storage");
 }
 
 #[test]
@@ -60,25 +54,13 @@ fn partitioned_and_size_one_ids_take_no_room() {
     let (mut f, a, _) = chain(1, false);
     let (_, lg) = graphs(&f);
     let ld = f.tvs[a].loop_domain.clone();
-    assert!(
-        !domain::may_require_allocation(&f, &lg, a, ld[0]),
-        "BIDx partitions Local"
-    );
-    assert!(
-        !domain::may_require_allocation(&f, &lg, a, ld[1]),
-        "TIDx partitions Local"
-    );
+    assert!(!domain::may_require_allocation(&f, &lg, a, ld[0]), "BIDx partitions Local");
+    assert!(!domain::may_require_allocation(&f, &lg, a, ld[1]), "TIDx partitions Local");
     assert!(domain::may_require_allocation(&f, &lg, a, ld[2]));
     f.tvs[a].memory = MemoryType::Shared;
     let (_, lg) = graphs(&f);
-    assert!(
-        domain::may_require_allocation(&f, &lg, a, ld[1]),
-        "Shared is shared across TIDx"
-    );
-    assert!(
-        !domain::may_require_allocation(&f, &lg, a, ld[0]),
-        "BIDx partitions Shared"
-    );
+    assert!(domain::may_require_allocation(&f, &lg, a, ld[1]), "Shared is shared across TIDx");
+    assert!(!domain::may_require_allocation(&f, &lg, a, ld[0]), "BIDx partitions Shared");
 }
 
 #[test]
@@ -100,23 +82,14 @@ fn inferred_ids_and_strides() {
 #[test]
 fn non_contiguous_strides_come_from_runtime_strides() {
     let mut f = Fusion::new();
-    let x = f
-        .define_tensor(
-            &[-1, -1, -1],
-            DataType::Float,
-            Some(&[Some(false), Some(true), Some(false)]),
-        )
-        .unwrap();
+    let x = f.define_tensor(&[-1, -1, -1], DataType::Float, Some(&[Some(false), Some(true), Some(false)])).unwrap();
     let y = f.unary(UnaryOp::Neg, Operand::Tensor(x)).unwrap();
     f.add_output(y).unwrap();
     let (exact, lg) = graphs(&f);
     let (ids, contig) = domain::infer_ids(&f, &lg, &exact, x, 0).unwrap();
     let info = domain::allocation_info(&mut f, &lg, x, &ids, &contig, 0).unwrap();
     let strides: Vec<String> = info.strides.iter().map(|&s| f.scalars.render(s)).collect();
-    assert_eq!(
-        strides,
-        ["T0.stride[0]", "T0.stride[2] * i2", "T0.stride[2]"]
-    );
+    assert_eq!(strides, ["T0.stride[0]", "T0.stride[2] * i2", "T0.stride[2]"]);
     assert_eq!(info.contiguity, [false, true, false]);
 }
 
@@ -131,10 +104,7 @@ fn reorder_follows_the_logical_order() {
     let ld = f.tvs[y].loop_domain.clone();
     let r = domain::reorder_allocation_ids(&f, y, &ld).expect("reordered");
     assert_eq!(extents(&f, &r), ["i0", "ceilDiv(i1, 4)", "4"]);
-    assert!(
-        domain::reorder_allocation_ids(&f, y, &r).is_none(),
-        "already in order"
-    );
+    assert!(domain::reorder_allocation_ids(&f, y, &r).is_none(), "already in order");
 }
 
 #[test]
@@ -147,17 +117,11 @@ fn indexed_producer_patch_replaces_derived_ids() {
     f.add_output(t2).unwrap();
     f.split(t1, 0, 4, true).unwrap();
     let ld = f.tvs[t1].loop_domain.clone();
-    let patched = domain::patch_indexed_producer(&f, t1, &ld)
-        .unwrap()
-        .unwrap();
+    let patched = domain::patch_indexed_producer(&f, t1, &ld).unwrap().unwrap();
     assert_eq!(patched, vec![f.tvs[t1].logical[0], ld[2]]);
     // Without any id covering the indexed one the patch is an error, not a guess.
     let e = domain::patch_indexed_producer(&f, t1, &ld[2..]).unwrap_err();
-    assert!(
-        e.message.contains("T2") && e.message.contains("iS"),
-        "{}",
-        e.message
-    );
+    assert!(e.message.contains("T2") && e.message.contains("iS"), "{}", e.message);
 }
 
 #[test]
@@ -176,15 +140,8 @@ fn grid_reduction_summary_and_top_level_allocations() {
     assert!(k.summary.has_grid_reduction);
     assert!(!g[0].zero_init && g[1].zero_init && !g[1].resets_to_zero);
     assert_eq!(g[1].dtype, DataType::Int);
-    let tops = k
-        .body
-        .iter()
-        .take_while(|n| matches!(n, Node::Alloc(_)))
-        .count();
-    assert_eq!(
-        tops, 2,
-        "work buffer and semaphore are allocated at the top level"
-    );
+    let tops = k.body.iter().take_while(|n| matches!(n, Node::Alloc(_))).count();
+    assert_eq!(tops, 2, "work buffer and semaphore are allocated at the top level");
 }
 
 #[test]
@@ -194,9 +151,5 @@ fn loop_nest_shares_loops_of_inlined_producers() {
     let text = k.to_text();
     assert_eq!(text.matches("FOR blockIdx.x").count(), 1, "{text}");
     assert_eq!(text.matches("FOR threadIdx.x").count(), 1, "{text}");
-    assert_eq!(
-        text.matches("FOR idx").count(),
-        2,
-        "each tensor keeps its own serial loop: {text}"
-    );
+    assert_eq!(text.matches("FOR idx").count(), 2, "each tensor keeps its own serial loop: {text}");
 }

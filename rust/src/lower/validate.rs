@@ -20,10 +20,7 @@ pub fn partial_inlining(f: &Fusion, lg: &LoopGraph, exact: &IdGraph) -> Result<(
         for a in 0..t.inline_pos {
             let own = t.loop_domain[a];
             let promoted = lg.promoted(tv, a);
-            if promoted != own
-                && !exact.same(own, promoted)
-                && f.ids[own].extent != f.ids[promoted].extent
-            {
+            if promoted != own && !exact.same(own, promoted) && f.ids[own].extent != f.ids[promoted].extent {
                 bail!(
                     "{}: inlined at position {} but axis {a} ({}) runs the concretized loop {}; inline it fully (inline_at(-1)) or at {a}",
                     f.tv_name(tv),
@@ -49,10 +46,7 @@ pub fn run(f: &Fusion) -> Result<()> {
         let n = t.loop_domain.len();
         for (a, &id) in t.loop_domain.iter().enumerate() {
             if f.ids[id].parallel == ParallelType::Vectorize && a + 1 != n {
-                bail!(
-                    "{name}: axis {a} is vectorized but is not the innermost axis ({})",
-                    n - 1
-                );
+                bail!("{name}: axis {a} is vectorized but is not the innermost axis ({})", n - 1);
             }
         }
         if t.inline_pos > 0 {

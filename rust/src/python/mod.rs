@@ -12,8 +12,7 @@ use pyo3::types::PyModule;
 use crate::error::{ErrorKind, KilnError};
 use crate::ir::ops::{binary_name, reduction_name, unary_name, BINARY_OPS, UNARY_OPS};
 use crate::ir::{
-    DataType, Fusion, IterDomainId, IterType, MemoryType, Operand, ParallelType, ReductionOp, TvId,
-    ValId,
+    DataType, Fusion, IterDomainId, IterType, MemoryType, Operand, ParallelType, ReductionOp, TvId, ValId,
 };
 
 /// Raise `err` as `kiln.KilnError` (or `kiln.KilnTypeError`).
@@ -24,8 +23,7 @@ pub(crate) fn to_py(py: Python<'_>, err: KilnError) -> PyErr {
     };
     match py.import("kiln._errors").and_then(|m| m.getattr(class)) {
         Ok(cls) => PyErr::from_value(
-            cls.call1((err.to_string(),))
-                .unwrap_or_else(|e| e.into_value(py).into_bound(py).into_any()),
+            cls.call1((err.to_string(),)).unwrap_or_else(|e| e.into_value(py).into_bound(py).into_any()),
         ),
         Err(e) => e,
     }
@@ -42,10 +40,7 @@ pub(crate) fn guarded<T>(py: Python<'_>, f: impl FnOnce() -> crate::Result<T>) -
                 .cloned()
                 .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_else(|| "unknown panic".into());
-            Err(to_py(
-                py,
-                KilnError::internal(format!("panic in the Rust core: {msg}")),
-            ))
+            Err(to_py(py, KilnError::internal(format!("panic in the Rust core: {msg}"))))
         }
     }
 }
@@ -70,35 +65,25 @@ impl PyFusion {
         if (t as usize) < self.inner.tvs.len() {
             Ok(TvId::from_u32(t))
         } else {
-            Err(KilnError::value(format!(
-                "T{t} is not a tensor of this fusion"
-            )))
+            Err(KilnError::value(format!("T{t} is not a tensor of this fusion")))
         }
     }
     fn val(&self, v: u32) -> crate::Result<ValId> {
         if (v as usize) < self.inner.scalars.len() {
             Ok(ValId::from_u32(v))
         } else {
-            Err(KilnError::value(format!(
-                "scalar {v} is not a scalar of this fusion"
-            )))
+            Err(KilnError::value(format!("scalar {v} is not a scalar of this fusion")))
         }
     }
     fn id(&self, i: u32) -> crate::Result<IterDomainId> {
         if (i as usize) < self.inner.ids.len() {
             Ok(IterDomainId::from_u32(i))
         } else {
-            Err(KilnError::value(format!(
-                "iter domain {i} is not part of this fusion"
-            )))
+            Err(KilnError::value(format!("iter domain {i} is not part of this fusion")))
         }
     }
     fn operand(&self, o: PyOperand) -> crate::Result<Operand> {
-        Ok(if o.0 {
-            Operand::Tensor(self.tv(o.1)?)
-        } else {
-            Operand::Scalar(self.val(o.1)?)
-        })
+        Ok(if o.0 { Operand::Tensor(self.tv(o.1)?) } else { Operand::Scalar(self.val(o.1)?) })
     }
 }
 
@@ -106,10 +91,7 @@ impl PyFusion {
 impl PyFusion {
     #[new]
     fn new() -> Self {
-        Self {
-            inner: Fusion::new(),
-            version: 0,
-        }
+        Self { inner: Fusion::new(), version: 0 }
     }
 
     /// Declare a tensor input; returns its tensor id.
@@ -124,22 +106,14 @@ impl PyFusion {
         self.version += 1;
         guarded(py, || {
             let dt = Fusion::parse_dtype(dtype)?;
-            Ok(self
-                .inner
-                .define_tensor(&shape, dt, contiguity.as_deref())?
-                .as_u32())
+            Ok(self.inner.define_tensor(&shape, dt, contiguity.as_deref())?.as_u32())
         })
     }
 
     /// Declare a runtime scalar input; returns its scalar id.
     fn define_scalar(&mut self, py: Python<'_>, dtype: &str) -> PyResult<u32> {
         self.version += 1;
-        guarded(py, || {
-            Ok(self
-                .inner
-                .define_scalar_input(Fusion::parse_dtype(dtype)?)
-                .as_u32())
-        })
+        guarded(py, || Ok(self.inner.define_scalar_input(Fusion::parse_dtype(dtype)?).as_u32()))
     }
 
     /// An integer constant scalar.
@@ -162,9 +136,7 @@ impl PyFusion {
     fn unary(&mut self, py: Python<'_>, op: &str, x: PyOperand) -> PyResult<u32> {
         self.version += 1;
         guarded(py, || {
-            let u = parse_enum("unary op", op, |n| {
-                UNARY_OPS.into_iter().find(|&u| unary_name(u) == n)
-            })?;
+            let u = parse_enum("unary op", op, |n| UNARY_OPS.into_iter().find(|&u| unary_name(u) == n))?;
             let x = self.operand(x)?;
             Ok(self.inner.unary(u, x)?.as_u32())
         })
@@ -174,22 +146,14 @@ impl PyFusion {
     fn binary(&mut self, py: Python<'_>, op: &str, a: PyOperand, b: PyOperand) -> PyResult<u32> {
         self.version += 1;
         guarded(py, || {
-            let o = parse_enum("binary op", op, |n| {
-                BINARY_OPS.into_iter().find(|&b| binary_name(b) == n)
-            })?;
+            let o = parse_enum("binary op", op, |n| BINARY_OPS.into_iter().find(|&b| binary_name(b) == n))?;
             let (a, b) = (self.operand(a)?, self.operand(b)?);
             Ok(self.inner.binary(o, a, b)?.as_u32())
         })
     }
 
     /// `where(cond, a, b)`.
-    fn where_(
-        &mut self,
-        py: Python<'_>,
-        c: PyOperand,
-        a: PyOperand,
-        b: PyOperand,
-    ) -> PyResult<u32> {
+    fn where_(&mut self, py: Python<'_>, c: PyOperand, a: PyOperand, b: PyOperand) -> PyResult<u32> {
         self.version += 1;
         guarded(py, || {
             let (c, a, b) = (self.operand(c)?, self.operand(a)?, self.operand(b)?);
@@ -220,9 +184,7 @@ impl PyFusion {
         self.version += 1;
         guarded(py, || {
             let r = parse_enum("reduction", op, |n| {
-                [ReductionOp::Sum, ReductionOp::Max, ReductionOp::Min]
-                    .into_iter()
-                    .find(|&r| reduction_name(r) == n)
+                [ReductionOp::Sum, ReductionOp::Max, ReductionOp::Min].into_iter().find(|&r| reduction_name(r) == n)
             })?;
             let dt = dtype.map(Fusion::parse_dtype).transpose()?;
             let x = self.tv(x)?;
@@ -231,20 +193,11 @@ impl PyFusion {
     }
 
     /// nvFuser-style broadcast_in_dim.
-    fn broadcast_in_dim(
-        &mut self,
-        py: Python<'_>,
-        x: u32,
-        shape: Vec<i64>,
-        broadcast_dims: Vec<i64>,
-    ) -> PyResult<u32> {
+    fn broadcast_in_dim(&mut self, py: Python<'_>, x: u32, shape: Vec<i64>, broadcast_dims: Vec<i64>) -> PyResult<u32> {
         self.version += 1;
         guarded(py, || {
             let x = self.tv(x)?;
-            Ok(self
-                .inner
-                .broadcast_in_dim(x, &shape, &broadcast_dims)?
-                .as_u32())
+            Ok(self.inner.broadcast_in_dim(x, &shape, &broadcast_dims)?.as_u32())
         })
     }
 
@@ -267,24 +220,12 @@ impl PyFusion {
     }
 
     /// A filled tensor; `shape` holds scalar ids of the extents.
-    fn full(
-        &mut self,
-        py: Python<'_>,
-        shape: Vec<u32>,
-        value: PyOperand,
-        dtype: &str,
-    ) -> PyResult<u32> {
+    fn full(&mut self, py: Python<'_>, shape: Vec<u32>, value: PyOperand, dtype: &str) -> PyResult<u32> {
         self.version += 1;
         guarded(py, || {
-            let shape = shape
-                .into_iter()
-                .map(|v| self.val(v))
-                .collect::<crate::Result<Vec<_>>>()?;
+            let shape = shape.into_iter().map(|v| self.val(v)).collect::<crate::Result<Vec<_>>>()?;
             let value = self.operand(value)?;
-            Ok(self
-                .inner
-                .full(&shape, value, Fusion::parse_dtype(dtype)?)?
-                .as_u32())
+            Ok(self.inner.full(&shape, value, Fusion::parse_dtype(dtype)?)?.as_u32())
         })
     }
 
@@ -304,13 +245,7 @@ impl PyFusion {
 
     /// Dtype name of a scalar.
     fn scalar_dtype(&self, py: Python<'_>, v: u32) -> PyResult<&'static str> {
-        guarded(py, || {
-            Ok(self
-                .inner
-                .scalars
-                .dtype(self.val(v)?, &self.inner.scalar_input_dtypes)
-                .enum_name())
-        })
+        guarded(py, || Ok(self.inner.scalars.dtype(self.val(v)?, &self.inner.scalar_input_dtypes).enum_name()))
     }
 
     /// Shape of a tensor: -1 symbolic, 1 broadcast, n static (reduced axes dropped).
@@ -335,24 +270,12 @@ impl PyFusion {
 
     /// Loop domain ids of a tensor.
     fn tv_loop(&self, py: Python<'_>, t: u32) -> PyResult<Vec<u32>> {
-        guarded(py, || {
-            Ok(self.inner.tvs[self.tv(t)?]
-                .loop_domain
-                .iter()
-                .map(|i| i.as_u32())
-                .collect())
-        })
+        guarded(py, || Ok(self.inner.tvs[self.tv(t)?].loop_domain.iter().map(|i| i.as_u32()).collect()))
     }
 
     /// Logical domain ids of a tensor.
     fn tv_logical(&self, py: Python<'_>, t: u32) -> PyResult<Vec<u32>> {
-        guarded(py, || {
-            Ok(self.inner.tvs[self.tv(t)?]
-                .logical
-                .iter()
-                .map(|i| i.as_u32())
-                .collect())
-        })
+        guarded(py, || Ok(self.inner.tvs[self.tv(t)?].logical.iter().map(|i| i.as_u32()).collect()))
     }
 
     /// Memory type name and inline position of a tensor.
@@ -364,11 +287,7 @@ impl PyFusion {
     }
 
     /// (extent text, iter type, parallel type, label) of an id.
-    fn id_info(
-        &self,
-        py: Python<'_>,
-        i: u32,
-    ) -> PyResult<(String, &'static str, &'static str, String)> {
+    fn id_info(&self, py: Python<'_>, i: u32) -> PyResult<(String, &'static str, &'static str, String)> {
         guarded(py, || {
             let id = self.id(i)?;
             let d = &self.inner.ids[id];
@@ -377,12 +296,7 @@ impl PyFusion {
                 IterType::Reduction => "Reduction",
                 IterType::Broadcast => "Broadcast",
             };
-            Ok((
-                self.inner.scalars.render(d.extent),
-                it,
-                d.parallel.enum_name(),
-                self.inner.id_label(id),
-            ))
+            Ok((self.inner.scalars.render(d.extent), it, d.parallel.enum_name(), self.inner.id_label(id)))
         })
     }
 
@@ -422,12 +336,9 @@ impl PyFusion {
                         .collect();
                     ("tensor", f.tv_name(t), f.tvs[t].dtype.enum_name(), shape)
                 }
-                Operand::Scalar(v) => (
-                    "scalar",
-                    f.scalars.render(v),
-                    f.scalars.dtype(v, &f.scalar_input_dtypes).enum_name(),
-                    Vec::new(),
-                ),
+                Operand::Scalar(v) => {
+                    ("scalar", f.scalars.render(v), f.scalars.dtype(v, &f.scalar_input_dtypes).enum_name(), Vec::new())
+                }
             })
             .collect()
     }
@@ -451,14 +362,7 @@ impl PyFusion {
     }
 
     /// Split a loop axis.
-    fn split(
-        &mut self,
-        py: Python<'_>,
-        t: u32,
-        axis: i64,
-        factor: i64,
-        inner_split: bool,
-    ) -> PyResult<()> {
+    fn split(&mut self, py: Python<'_>, t: u32, axis: i64, factor: i64, inner_split: bool) -> PyResult<()> {
         self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
@@ -542,10 +446,7 @@ impl PyFusion {
         self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
-            let ids = ids
-                .into_iter()
-                .map(|i| self.id(i))
-                .collect::<crate::Result<Vec<_>>>()?;
+            let ids = ids.into_iter().map(|i| self.id(i)).collect::<crate::Result<Vec<_>>>()?;
             self.inner.set_allocation_domain(t, &ids, &contiguity)
         })
     }
@@ -578,24 +479,23 @@ impl PyFusion {
 #[pyclass(name = "Kernel", module = "kiln._core", frozen)]
 pub struct PyKernel {
     pub(crate) inner: crate::kernel::Kernel,
-    cuda: std::sync::OnceLock<crate::codegen::CudaKernel>,
+    /// Generated CUDA with 64-bit and 32-bit index arithmetic, produced on first use.
+    cuda: [std::sync::OnceLock<crate::codegen::CudaKernel>; 2],
 }
 
 impl PyKernel {
     pub(crate) fn new(inner: crate::kernel::Kernel) -> Self {
-        Self {
-            inner,
-            cuda: std::sync::OnceLock::new(),
-        }
+        Self { inner, cuda: [std::sync::OnceLock::new(), std::sync::OnceLock::new()] }
     }
 
-    /// Generated CUDA, produced once per kernel.
-    fn cuda_kernel(&self) -> crate::Result<&crate::codegen::CudaKernel> {
-        if let Some(k) = self.cuda.get() {
+    /// Generated CUDA, produced once per kernel and index type.
+    fn cuda_kernel(&self, index32: bool) -> crate::Result<&crate::codegen::CudaKernel> {
+        let slot = &self.cuda[index32 as usize];
+        if let Some(k) = slot.get() {
             return Ok(k);
         }
-        let k = crate::codegen::generate(&self.inner)?;
-        Ok(self.cuda.get_or_init(|| k))
+        let k = crate::codegen::generate(&self.inner, index32)?;
+        Ok(slot.get_or_init(|| k))
     }
 }
 
@@ -616,16 +516,14 @@ impl PyKernel {
 
     /// CUDA source (runtime header + kernel) and its parameters as (name, kind, index, dtype).
     #[allow(clippy::type_complexity)]
+    #[pyo3(signature = (index32=false))]
     fn cuda(
         &self,
         py: Python<'_>,
-    ) -> PyResult<(
-        String,
-        String,
-        Vec<(String, &'static str, i64, i64, &'static str)>,
-    )> {
+        index32: bool,
+    ) -> PyResult<(String, String, Vec<(String, &'static str, i64, i64, &'static str)>)> {
         guarded(py, || {
-            let k = self.cuda_kernel()?;
+            let k = self.cuda_kernel(index32)?;
             let params = k
                 .params
                 .iter()
@@ -663,15 +561,14 @@ impl PyKernel {
         [i64; 3],
         [i64; 3],
         i64,
+        bool,
     )> {
         use crate::host::eval::{plan, InputDesc, ScalarArg};
         let p = guarded(py, || {
-            let k = self.cuda_kernel()?;
-            let inputs: Vec<InputDesc> = sizes
-                .into_iter()
-                .zip(strides)
-                .map(|(sizes, strides)| InputDesc { sizes, strides })
-                .collect();
+            // Both index variants take the same parameters; the 64-bit one names them.
+            let k = self.cuda_kernel(false)?;
+            let inputs: Vec<InputDesc> =
+                sizes.into_iter().zip(strides).map(|(sizes, strides)| InputDesc { sizes, strides }).collect();
             let sc: Vec<ScalarArg> = scalars
                 .iter()
                 .map(|s| match s {
@@ -694,27 +591,28 @@ impl PyKernel {
             })
             .collect::<PyResult<Vec<_>>>()?;
         Ok((
-            p.outputs
-                .into_iter()
-                .map(|o| (o.sizes, o.layout, o.dtype.enum_name()))
-                .collect(),
+            p.outputs.into_iter().map(|o| (o.sizes, o.layout, o.dtype.enum_name())).collect(),
             p.buffers
                 .into_iter()
-                .map(|b| {
-                    (
-                        b.name,
-                        b.elements,
-                        b.dtype.enum_name(),
-                        b.zero_init,
-                        b.resets_to_zero,
-                    )
-                })
+                .map(|b| (b.name, b.elements, b.dtype.enum_name(), b.zero_init, b.resets_to_zero))
                 .collect(),
             args,
             p.grid,
             p.block,
             p.smem_bytes,
+            p.index32,
         ))
+    }
+
+    /// Launch configuration as expressions: (grid, block, dynamic shared memory bytes).
+    fn launch(&self) -> (Vec<String>, Vec<String>, String) {
+        let sc = &self.inner.fusion.scalars;
+        let l = &self.inner.launch;
+        (
+            l.grid.iter().map(|&v| sc.render(v)).collect(),
+            l.block.iter().map(|&v| sc.render(v)).collect(),
+            sc.render(l.smem_bytes),
+        )
     }
 
     /// The allocation table as text.
@@ -726,17 +624,7 @@ impl PyKernel {
     #[allow(clippy::type_complexity)]
     fn allocations(
         &self,
-    ) -> Vec<(
-        String,
-        &'static str,
-        Vec<String>,
-        Vec<String>,
-        Vec<String>,
-        Vec<bool>,
-        usize,
-        bool,
-        bool,
-    )> {
+    ) -> Vec<(String, &'static str, Vec<String>, Vec<String>, Vec<String>, Vec<bool>, usize, bool, bool)> {
         let f = &self.inner.fusion;
         self.inner
             .allocation_list()
@@ -746,10 +634,7 @@ impl PyKernel {
                     f.tv_name(a.tv),
                     a.memory.enum_name(),
                     a.ids.iter().map(|&i| f.id_label(i)).collect(),
-                    a.ids
-                        .iter()
-                        .map(|&i| f.scalars.render(f.ids[i].extent))
-                        .collect(),
+                    a.ids.iter().map(|&i| f.scalars.render(f.ids[i].extent)).collect(),
                     a.strides.iter().map(|&s| f.scalars.render(s)).collect(),
                     a.contiguity.clone(),
                     a.position,
@@ -786,12 +671,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyFusion>()?;
     m.add_class::<PyKernel>()?;
     interp::register(m)?;
-    m.add(
-        "DTYPES",
-        DataType::ALL
-            .iter()
-            .map(|d| d.enum_name())
-            .collect::<Vec<_>>(),
-    )?;
+    m.add("DTYPES", DataType::ALL.iter().map(|d| d.enum_name()).collect::<Vec<_>>())?;
     Ok(())
 }

@@ -10,26 +10,25 @@ use smallvec::smallvec;
 use crate::error::Result;
 use crate::ir::mapping::producer_to_consumer;
 use crate::ir::{
-    DataType, Fusion, IterDomain, IterDomainId, IterType, MemoryType, Op, Operand, ParallelType,
-    Transform, TvId,
+    DataType, Fusion, IterDomain, IterDomainId, IterType, MemoryType, Op, Operand, ParallelType, Transform, TvId,
 };
 use crate::{bail, bail_type};
 
 impl Fusion {
     /// Largest inline position of any producer of `tv`: axes left of it are shared.
     pub fn max_producer_inline_pos(&self, tv: TvId) -> usize {
-        self.producers(tv)
-            .iter()
-            .map(|&p| self.tvs[p].inline_pos)
-            .max()
-            .unwrap_or(0)
+        self.producers(tv).iter().map(|&p| self.tvs[p].inline_pos).max().unwrap_or(0)
     }
 
     /// Reject transforming `axis` of `tv` when an inlined loop depends on it.
     fn check_axis_not_inlined(&self, tv: TvId, axis: usize, what: &str) -> Result<()> {
         let own = self.tvs[tv].inline_pos;
         if axis < own {
-            bail!("{what} {}: axis {axis} is inside the inline position {own} of {}; transform axes before inlining", self.tv_name(tv), self.tv_name(tv));
+            bail!(
+                "{what} {}: axis {axis} is inside the inline position {own} of {}; transform axes before inlining",
+                self.tv_name(tv),
+                self.tv_name(tv)
+            );
         }
         for p in self.producers(tv) {
             let pos = self.tvs[p].inline_pos;
@@ -46,7 +45,10 @@ impl Fusion {
 
     fn check_not_input(&self, tv: TvId, what: &str) -> Result<()> {
         if self.is_input(tv) {
-            bail!("{what}: {} is a fusion input; inputs are read as given (use cache_after() and schedule the cache)", self.tv_name(tv));
+            bail!(
+                "{what}: {} is a fusion input; inputs are read as given (use cache_after() and schedule the cache)",
+                self.tv_name(tv)
+            );
         }
         Ok(())
     }
@@ -67,18 +69,12 @@ impl Fusion {
     pub fn split(&mut self, tv: TvId, axis: i64, factor: i64, inner_split: bool) -> Result<()> {
         let a = self.normalize_axis(tv, axis)?;
         if factor < 1 {
-            bail!(
-                "split {}: axis {a}: factor must be >= 1, got {factor}",
-                self.tv_name(tv)
-            );
+            bail!("split {}: axis {a}: factor must be >= 1, got {factor}", self.tv_name(tv));
         }
         self.check_axis_not_inlined(tv, a, "split")?;
         let id = self.tvs[tv].loop_domain[a];
         if self.ids[id].parallel == ParallelType::Vectorize {
-            bail!(
-                "split {}: axis {a} is vectorized; split before parallelizing",
-                self.tv_name(tv)
-            );
+            bail!("split {}: axis {a} is vectorized; split before parallelizing", self.tv_name(tv));
         }
         let it = self.ids[id].iter_type;
         let extent = self.ids[id].extent;
@@ -87,13 +83,7 @@ impl Fusion {
         let (oe, ie) = if inner_split { (rest, f) } else { (f, rest) };
         let outer = self.new_derived_id(oe, it);
         let inner = self.new_derived_id(ie, it);
-        let t = self.transforms.push(Transform::Split {
-            input: id,
-            factor: f,
-            inner_split,
-            outer,
-            inner,
-        });
+        let t = self.transforms.push(Transform::Split { input: id, factor: f, inner_split, outer, inner });
         self.ids[outer].definition = Some(t);
         self.ids[inner].definition = Some(t);
         self.ids[id].use_ = Some(t);
@@ -115,13 +105,8 @@ impl Fusion {
         let (ta, tb) = (self.ids[oa].iter_type, self.ids[ob].iter_type);
         let it = match (ta, tb) {
             (IterType::Broadcast, x) | (x, IterType::Broadcast) => x,
-            (IterType::Reduction, IterType::Iteration)
-            | (IterType::Iteration, IterType::Reduction) => {
-                let (r, i) = if ta == IterType::Reduction {
-                    (ia, ib)
-                } else {
-                    (ib, ia)
-                };
+            (IterType::Reduction, IterType::Iteration) | (IterType::Iteration, IterType::Reduction) => {
+                let (r, i) = if ta == IterType::Reduction { (ia, ib) } else { (ib, ia) };
                 bail!("merge {name}: axis {r} is a reduction and axis {i} is an iteration axis; they cannot be merged");
             }
             (x, _) => x,
@@ -133,11 +118,7 @@ impl Fusion {
         }
         let extent = self.scalars.mul(self.ids[oa].extent, self.ids[ob].extent);
         let out = self.new_derived_id(extent, it);
-        let t = self.transforms.push(Transform::Merge {
-            outer: oa,
-            inner: ob,
-            out,
-        });
+        let t = self.transforms.push(Transform::Merge { outer: oa, inner: ob, out });
         self.ids[out].definition = Some(t);
         self.ids[oa].use_ = Some(t);
         self.ids[ob].use_ = Some(t);
@@ -157,7 +138,9 @@ impl Fusion {
         for &(old, new) in moves {
             let o = self.normalize_axis(tv, old)?;
             let nn = self.normalize_axis(tv, new).map_err(|_| {
-                crate::error::KilnError::value(format!("reorder {name}: target position {new} for axis {o} is out of range for {n} axes"))
+                crate::error::KilnError::value(format!(
+                    "reorder {name}: target position {new} for axis {o} is out of range for {n} axes"
+                ))
             })?;
             if target[o].is_some() {
                 bail!("reorder {name}: axis {o} is moved twice");
@@ -175,33 +158,24 @@ impl Fusion {
                 new_loop[*t] = Some(old_loop[o]);
             }
         }
-        let mut free = new_loop
-            .iter()
-            .enumerate()
-            .filter(|(_, x)| x.is_none())
-            .map(|(i, _)| i)
-            .collect::<Vec<_>>()
-            .into_iter();
+        let mut free =
+            new_loop.iter().enumerate().filter(|(_, x)| x.is_none()).map(|(i, _)| i).collect::<Vec<_>>().into_iter();
         for (o, t) in target.iter().enumerate() {
             if t.is_none() {
                 let slot = free.next().expect("one free slot per unmoved axis");
                 new_loop[slot] = Some(old_loop[o]);
             }
         }
-        let new_loop: Vec<IterDomainId> = new_loop
-            .into_iter()
-            .map(|x| x.expect("all slots filled"))
-            .collect();
+        let new_loop: Vec<IterDomainId> = new_loop.into_iter().map(|x| x.expect("all slots filled")).collect();
         let first_changed = (0..n).find(|&i| new_loop[i] != old_loop[i]);
         if let Some(i) = first_changed {
             self.check_axis_not_inlined(tv, i, "reorder")?;
         }
-        if let Some(v) = new_loop
-            .iter()
-            .position(|&id| self.ids[id].parallel == ParallelType::Vectorize)
-        {
+        if let Some(v) = new_loop.iter().position(|&id| self.ids[id].parallel == ParallelType::Vectorize) {
             if v + 1 != n {
-                bail!("reorder {name}: the vectorized axis would move to axis {v}; a vectorized axis must stay innermost");
+                bail!(
+                    "reorder {name}: the vectorized axis would move to axis {v}; a vectorized axis must stay innermost"
+                );
             }
         }
         self.tvs[tv].loop_domain = new_loop;
@@ -216,16 +190,19 @@ impl Fusion {
         let ld = self.tvs[tv].loop_domain.clone();
         let id = ld[a];
         if pt.is_unique_per_tensor() {
-            if let Some(other) = ld
-                .iter()
-                .position(|&x| x != id && self.ids[x].parallel == pt)
-            {
-                bail!("parallelize {name}: axis {a}: {} is already used by axis {other}; each tensor may use it once", pt.enum_name());
+            if let Some(other) = ld.iter().position(|&x| x != id && self.ids[x].parallel == pt) {
+                bail!(
+                    "parallelize {name}: axis {a}: {} is already used by axis {other}; each tensor may use it once",
+                    pt.enum_name()
+                );
             }
         }
         if pt == ParallelType::Vectorize {
             if a + 1 != ld.len() {
-                bail!("parallelize {name}: axis {a}: Vectorize must be on the innermost axis ({}), not axis {a}", ld.len() - 1);
+                bail!(
+                    "parallelize {name}: axis {a}: Vectorize must be on the innermost axis ({}), not axis {a}",
+                    ld.len() - 1
+                );
             }
             if self.ids[id].iter_type == IterType::Reduction {
                 bail!("parallelize {name}: axis {a} is a reduction axis; it cannot be vectorized");
@@ -254,7 +231,9 @@ impl Fusion {
         let name = self.tv_name(tv);
         if mt != MemoryType::Global && (self.is_input(tv) || self.is_output(tv)) {
             let kind = if self.is_input(tv) { "input" } else { "output" };
-            bail!("set_memory_type {name}: {name} is a fusion {kind} and must stay in Global memory (cache it instead)");
+            bail!(
+                "set_memory_type {name}: {name} is a fusion {kind} and must stay in Global memory (cache it instead)"
+            );
         }
         self.tvs[tv].memory = mt;
         self.manually_scheduled = true;
@@ -265,9 +244,7 @@ impl Fusion {
     pub fn cache_after(&mut self, tv: TvId) -> Result<TvId> {
         let name = self.tv_name(tv);
         if self.tvs[tv].inline_pos > 0 {
-            bail!(
-                "cache_after {name}: {name} is already inlined; call cache_after before inline_at"
-            );
+            bail!("cache_after {name}: {name} is already inlined; call cache_after before inline_at");
         }
         let old_uses = self.tvs[tv].uses.clone();
         let c = self.set(tv)?;
@@ -311,20 +288,10 @@ impl Fusion {
         self.tvs[c].loop_domain = c_loop;
         // The cache follows tv's memory layout, so a vectorized store needs no reshuffle.
         if let Some(alloc) = self.tvs[tv].allocation.clone() {
-            if let Some(mapped) = alloc
-                .iter()
-                .map(|id| map.get(id).copied())
-                .collect::<Option<Vec<_>>>()
-            {
+            if let Some(mapped) = alloc.iter().map(|id| map.get(id).copied()).collect::<Option<Vec<_>>>() {
                 let contig = mapped
                     .iter()
-                    .map(|&id| {
-                        if self.ids[id].iter_type == IterType::Broadcast {
-                            None
-                        } else {
-                            Some(true)
-                        }
-                    })
+                    .map(|&id| if self.ids[id].iter_type == IterType::Broadcast { None } else { Some(true) })
                     .collect();
                 self.tvs[c].allocation = Some(mapped);
                 self.tvs[c].contiguity = contig;
@@ -332,22 +299,14 @@ impl Fusion {
         }
         self.exprs[def].output = c;
         self.tvs[c].definition = Some(def);
-        let has_reduction = old_logical
-            .iter()
-            .any(|&id| self.ids[id].iter_type == IterType::Reduction);
+        let has_reduction = old_logical.iter().any(|&id| self.ids[id].iter_type == IterType::Reduction);
         if has_reduction {
             // tv is now a plain copy: it no longer has the reduced axes, so its schedule restarts.
             let nr = self.no_reduction_logical(tv);
             self.tvs[tv].logical = nr.clone();
             self.tvs[tv].contiguity = nr
                 .iter()
-                .map(|&id| {
-                    if self.ids[id].iter_type == IterType::Broadcast {
-                        None
-                    } else {
-                        Some(true)
-                    }
-                })
+                .map(|&id| if self.ids[id].iter_type == IterType::Broadcast { None } else { Some(true) })
                 .collect();
             self.tvs[tv].loop_domain = nr;
             self.tvs[tv].allocation = None;
@@ -389,22 +348,15 @@ impl Fusion {
         }
         // Like nvFuser's inlineMost: stop before a vectorized axis, so the vectorized
         // copy keeps its own loop and can be emitted as one wide access.
-        let vec_pos = |t: TvId| {
-            self.tvs[t]
-                .loop_domain
-                .iter()
-                .position(|&id| self.ids[id].parallel == ParallelType::Vectorize)
-        };
+        let vec_pos =
+            |t: TvId| self.tvs[t].loop_domain.iter().position(|&id| self.ids[id].parallel == ParallelType::Vectorize);
         let mut n = self.tvs[tv].loop_domain.len();
         for t in std::iter::once(tv).chain(self.consumers(tv)) {
             if let Some(v) = vec_pos(t) {
                 n = n.min(v);
             }
         }
-        (0..=n)
-            .rev()
-            .find(|&p| self.check_inline(tv, p).is_ok())
-            .unwrap_or(0)
+        (0..=n).rev().find(|&p| self.check_inline(tv, p).is_ok()).unwrap_or(0)
     }
 
     /// Check that `tv`'s first `pos` loop axes are shared with every consumer.
@@ -421,10 +373,7 @@ impl Fusion {
             let cname = self.tv_name(c);
             let cl = &self.tvs[c].loop_domain;
             if pos > cl.len() {
-                bail!(
-                    "inline_at {name}: position {pos} exceeds the {} loop axes of consumer {cname}",
-                    cl.len()
-                );
+                bail!("inline_at {name}: position {pos} exceeds the {} loop axes of consumer {cname}", cl.len());
             }
             for input_pos in 0..self.exprs[e].inputs.len() {
                 if self.exprs[e].inputs[input_pos] != Operand::Tensor(tv) {
@@ -446,26 +395,26 @@ impl Fusion {
     }
 
     /// Set the memory layout of `tv` to `ids` (a transform of its logical domain).
-    pub fn set_allocation_domain(
-        &mut self,
-        tv: TvId,
-        ids: &[IterDomainId],
-        contiguity: &[Option<bool>],
-    ) -> Result<()> {
+    pub fn set_allocation_domain(&mut self, tv: TvId, ids: &[IterDomainId], contiguity: &[Option<bool>]) -> Result<()> {
         let name = self.tv_name(tv);
         if contiguity.len() != ids.len() {
-            bail!("set_allocation_domain {name}: contiguity has {} entries but the allocation domain has {} axes", contiguity.len(), ids.len());
+            bail!(
+                "set_allocation_domain {name}: contiguity has {} entries but the allocation domain has {} axes",
+                contiguity.len(),
+                ids.len()
+            );
         }
         for (i, &id) in ids.iter().enumerate() {
             if ids[..i].contains(&id) {
-                bail!(
-                    "set_allocation_domain {name}: axis {i} ({}) is listed twice",
-                    self.id_label(id)
-                );
+                bail!("set_allocation_domain {name}: axis {i} ({}) is listed twice", self.id_label(id));
             }
             match (self.ids[id].iter_type == IterType::Broadcast, contiguity[i]) {
-                (true, Some(_)) => bail!("set_allocation_domain {name}: axis {i} is a broadcast and takes contiguity None"),
-                (false, None) => bail!("set_allocation_domain {name}: axis {i} is not a broadcast and needs contiguity True or False"),
+                (true, Some(_)) => {
+                    bail!("set_allocation_domain {name}: axis {i} is a broadcast and takes contiguity None")
+                }
+                (false, None) => bail!(
+                    "set_allocation_domain {name}: axis {i} is not a broadcast and needs contiguity True or False"
+                ),
                 _ => {}
             }
         }
@@ -488,10 +437,7 @@ impl Fusion {
         };
         for (i, id) in ids.iter().enumerate() {
             if !known.contains(id) {
-                bail!(
-                    "set_allocation_domain {name}: axis {i} ({}) is not an axis of {name}",
-                    self.id_label(*id)
-                );
+                bail!("set_allocation_domain {name}: axis {i} ({}) is not an axis of {name}", self.id_label(*id));
             }
         }
         // Walk back to the logical domain, undoing a transform only when all its outputs are present.
@@ -513,11 +459,17 @@ impl Fusion {
         for (axis, &l) in self.tvs[tv].logical.iter().enumerate() {
             let optional = self.ids[l].iter_type != IterType::Iteration;
             if !set.contains(&l) && !optional {
-                bail!("set_allocation_domain {name}: logical axis {axis} ({}) is not covered by the allocation domain", self.id_label(l));
+                bail!(
+                    "set_allocation_domain {name}: logical axis {axis} ({}) is not covered by the allocation domain",
+                    self.id_label(l)
+                );
             }
         }
         if let Some(&extra) = set.iter().find(|x| !self.tvs[tv].logical.contains(x)) {
-            bail!("set_allocation_domain {name}: {} covers only part of a split axis; list both halves of a split", self.id_label(extra));
+            bail!(
+                "set_allocation_domain {name}: {} covers only part of a split axis; list both halves of a split",
+                self.id_label(extra)
+            );
         }
         Ok(())
     }
@@ -537,10 +489,7 @@ impl Fusion {
     /// Ask for the serial grid-reduction protocol on reduction output `tv`.
     pub fn set_serial_grid_reduction(&mut self, tv: TvId) -> Result<()> {
         let name = self.tv_name(tv);
-        let is_reduction = matches!(
-            self.tvs[tv].definition.map(|e| &self.exprs[e].op),
-            Some(Op::Reduction { .. })
-        );
+        let is_reduction = matches!(self.tvs[tv].definition.map(|e| &self.exprs[e].op), Some(Op::Reduction { .. }));
         if !is_reduction {
             bail!("set_serial_grid_reduction {name}: {name} is not the output of a reduction");
         }
@@ -553,7 +502,9 @@ impl Fusion {
     pub fn parse_dtype(name: &str) -> Result<DataType> {
         match DataType::from_enum_name(name) {
             Some(d) => Ok(d),
-            None => bail_type!("unknown dtype {name:?}; expected one of Float, Double, Half, BFloat16, Int, Int32, Bool"),
+            None => {
+                bail_type!("unknown dtype {name:?}; expected one of Float, Double, Half, BFloat16, Int, Int32, Bool")
+            }
         }
     }
 }

@@ -8,31 +8,15 @@ use crate::ir::{Fusion, IterDomain, IterDomainId, ParallelType, Transform, TvId}
 /// Replay `src`'s transforms onto the ids `map` gives for its logical ids; returns the
 /// replayed loop domain (ids of `src` without a counterpart are skipped). `map` is
 /// extended with every replayed id.
-pub fn replay_onto(
-    f: &mut Fusion,
-    src: TvId,
-    map: &mut FxHashMap<IterDomainId, IterDomainId>,
-) -> Vec<IterDomainId> {
+pub fn replay_onto(f: &mut Fusion, src: TvId, map: &mut FxHashMap<IterDomainId, IterDomainId>) -> Vec<IterDomainId> {
     for t in f.transforms_of(src) {
         match f.transforms[t].clone() {
-            Transform::Split {
-                input,
-                factor,
-                inner_split,
-                outer,
-                inner,
-            } => {
+            Transform::Split { input, factor, inner_split, outer, inner } => {
                 let Some(&din) = map.get(&input) else {
                     continue;
                 };
                 let (no, ni) = (clone_id(f, outer), clone_id(f, inner));
-                let nt = f.transforms.push(Transform::Split {
-                    input: din,
-                    factor,
-                    inner_split,
-                    outer: no,
-                    inner: ni,
-                });
+                let nt = f.transforms.push(Transform::Split { input: din, factor, inner_split, outer: no, inner: ni });
                 f.ids[no].definition = Some(nt);
                 f.ids[ni].definition = Some(nt);
                 f.ids[din].use_ = Some(nt);
@@ -44,11 +28,7 @@ pub fn replay_onto(
                     continue;
                 };
                 let no = clone_id(f, out);
-                let nt = f.transforms.push(Transform::Merge {
-                    outer: dout,
-                    inner: din,
-                    out: no,
-                });
+                let nt = f.transforms.push(Transform::Merge { outer: dout, inner: din, out: no });
                 f.ids[no].definition = Some(nt);
                 f.ids[dout].use_ = Some(nt);
                 f.ids[din].use_ = Some(nt);
@@ -68,10 +48,5 @@ pub fn replay_onto(
 
 fn clone_id(f: &mut Fusion, id: IterDomainId) -> IterDomainId {
     let src = f.ids[id].clone();
-    f.ids.push(IterDomain {
-        parallel: ParallelType::Serial,
-        definition: None,
-        use_: None,
-        ..src
-    })
+    f.ids.push(IterDomain { parallel: ParallelType::Serial, definition: None, use_: None, ..src })
 }

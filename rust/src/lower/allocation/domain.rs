@@ -6,9 +6,7 @@ use crate::analysis::loop_graph::LoopGraph;
 use crate::analysis::parallel::{is_partitioned_across, is_shared_across};
 use crate::bail;
 use crate::error::Result;
-use crate::ir::{
-    Fusion, IterDomainId, IterType, MemoryType, Op, Operand, ParallelType, Symbol, Transform, TvId,
-};
+use crate::ir::{Fusion, IterDomainId, IterType, MemoryType, Op, Operand, ParallelType, Symbol, Transform, TvId};
 use crate::kernel::AllocationInfo;
 
 /// The allocation position: the inline position, moved out of Unroll/Unswitch loops
@@ -16,12 +14,7 @@ use crate::kernel::AllocationInfo;
 pub fn alloc_position(f: &Fusion, lg: &LoopGraph, tv: TvId) -> usize {
     let ca = f.tvs[tv].inline_pos;
     (0..ca)
-        .find(|&a| {
-            matches!(
-                lg.groups[lg.group(tv, a)].parallel,
-                ParallelType::Unroll | ParallelType::Unswitch
-            )
-        })
+        .find(|&a| matches!(lg.groups[lg.group(tv, a)].parallel, ParallelType::Unroll | ParallelType::Unswitch))
         .unwrap_or(ca)
 }
 
@@ -37,8 +30,8 @@ fn effective_parallel(f: &Fusion, lg: &LoopGraph, tv: TvId, id: IterDomainId) ->
 pub fn may_require_allocation(f: &Fusion, lg: &LoopGraph, tv: TvId, id: IterDomainId) -> bool {
     let d = &f.ids[id];
     let mem = f.tvs[tv].memory;
-    let partitioned = f.loop_position(tv, id).is_some()
-        && is_partitioned_across(mem, effective_parallel(f, lg, tv, id));
+    let partitioned =
+        f.loop_position(tv, id).is_some() && is_partitioned_across(mem, effective_parallel(f, lg, tv, id));
     let size_one = d.iter_type == IterType::Broadcast || f.scalars.is_const(d.extent, 1);
     !partitioned && !size_one && d.iter_type != IterType::Reduction
 }
@@ -69,9 +62,7 @@ pub fn infer_ids(
     // Shared when it is a permutation of the loop domain.
     let use_set = match (&t.allocation, mem) {
         (Some(_), MemoryType::Global) => true,
-        (Some(a), MemoryType::Shared) => {
-            a.len() == t.loop_domain.len() && a.iter().all(|x| t.loop_domain.contains(x))
-        }
+        (Some(a), MemoryType::Shared) => a.len() == t.loop_domain.len() && a.iter().all(|x| t.loop_domain.contains(x)),
         _ => false,
     };
     if mem == MemoryType::Global {
@@ -82,9 +73,7 @@ pub fn infer_ids(
         // set before they were transformed) is an error, not something to drop silently.
         let dropped: Vec<String> = (0..alloc_pos)
             .map(|a| t.loop_domain[a])
-            .filter(|&id| {
-                !is_shared_across(mem, effective_parallel(f, lg, tv, id)) && !alloc.contains(&id)
-            })
+            .filter(|&id| !is_shared_across(mem, effective_parallel(f, lg, tv, id)) && !alloc.contains(&id))
             .map(|id| f.id_label(id))
             .collect();
         if !dropped.is_empty() {
@@ -108,9 +97,7 @@ pub fn infer_ids(
                 excluded.remove(p);
                 continue;
             }
-            if f.loop_position(tv, id).is_some()
-                && is_partitioned_across(mem, effective_parallel(f, lg, tv, id))
-            {
+            if f.loop_position(tv, id).is_some() && is_partitioned_across(mem, effective_parallel(f, lg, tv, id)) {
                 continue;
             }
             ids.push(id);
@@ -123,13 +110,8 @@ pub fn infer_ids(
                 names.join(", ")
             );
         }
-        let keep: Vec<usize> = (0..ids.len())
-            .filter(|&i| may_require_allocation(f, lg, tv, ids[i]))
-            .collect();
-        return Ok((
-            keep.iter().map(|&i| ids[i]).collect(),
-            keep.iter().map(|&i| contig[i]).collect(),
-        ));
+        let keep: Vec<usize> = (0..ids.len()).filter(|&i| may_require_allocation(f, lg, tv, ids[i])).collect();
+        return Ok((keep.iter().map(|&i| ids[i]).collect(), keep.iter().map(|&i| contig[i]).collect()));
     }
     // Inferred: loop ids right of the allocation position, plus ids left of it whose
     // parallel type the memory is shared across.
@@ -165,23 +147,14 @@ pub fn allocation_info(
 ) -> Result<AllocationInfo> {
     let name = f.tv_name(tv);
     let mem = f.tvs[tv].memory;
-    let promoted: Vec<IterDomainId> = ids
-        .iter()
-        .map(|&id| {
-            f.loop_position(tv, id)
-                .map(|a| lg.promoted(tv, a))
-                .unwrap_or(id)
-        })
-        .collect();
+    let promoted: Vec<IterDomainId> =
+        ids.iter().map(|&id| f.loop_position(tv, id).map(|a| lg.promoted(tv, a)).unwrap_or(id)).collect();
     // Runtime strides count every non-reduction allocation dim (broadcasts included).
     let stride_dim = |f: &Fusion, i: usize| -> u32 {
         let alloc = f.tvs[tv].maybe_allocation();
         let target = ids[i];
-        alloc
-            .iter()
-            .take_while(|&&x| x != target)
-            .filter(|&&x| f.ids[x].iter_type != IterType::Reduction)
-            .count() as u32
+        alloc.iter().take_while(|&&x| x != target).filter(|&&x| f.ids[x].iter_type != IterType::Reduction).count()
+            as u32
     };
     let n = ids.len();
     let mut strides = vec![None; n];
@@ -198,20 +171,14 @@ pub fn allocation_info(
             }
             Some(false) => {
                 if mem != MemoryType::Global {
-                    bail!(
-                        "{name}: {} is non-contiguous, but only Global tensors may be",
-                        f.id_label(ids[i])
-                    );
+                    bail!("{name}: {} is non-contiguous, but only Global tensors may be", f.id_label(ids[i]));
                 }
                 let k = stride_dim(f, i);
                 let s = f.scalars.symbol(Symbol::Stride(tv, k));
                 strides[i] = Some(s);
                 cur = f.scalars.mul(s, extent);
             }
-            None => bail!(
-                "{name}: {} has no contiguity flag but takes room in memory",
-                f.id_label(ids[i])
-            ),
+            None => bail!("{name}: {} has no contiguity flag but takes room in memory", f.id_label(ids[i])),
         }
     }
     let mut out = AllocationInfo {
@@ -237,31 +204,19 @@ pub fn allocation_info(
 /// Rule 4: order allocation ids by replaying the transforms from the logical (or set
 /// allocation) domain, so a vectorized id ends innermost and a cache follows its
 /// consumer's layout. `None` when the order already matches or cannot be replayed.
-pub fn reorder_allocation_ids(
-    f: &Fusion,
-    tv: TvId,
-    ids: &[IterDomainId],
-) -> Option<Vec<IterDomainId>> {
+pub fn reorder_allocation_ids(f: &Fusion, tv: TvId, ids: &[IterDomainId]) -> Option<Vec<IterDomainId>> {
     let mut ordered: Vec<IterDomainId> = f.tvs[tv].maybe_allocation().to_vec();
     let mut any = false;
     for t in f.transforms_of(tv) {
         let tr = &f.transforms[t];
         let ins = tr.inputs();
-        let positions: Vec<usize> = ins
-            .iter()
-            .filter_map(|i| ordered.iter().position(|x| x == i))
-            .collect();
+        let positions: Vec<usize> = ins.iter().filter_map(|i| ordered.iter().position(|x| x == i)).collect();
         if positions.len() != ins.len() {
             continue;
         }
         any = true;
         // Outputs go right after the last input, in transform order.
-        let at = positions
-            .iter()
-            .max()
-            .copied()
-            .expect("a transform has inputs")
-            + 1;
+        let at = positions.iter().max().copied().expect("a transform has inputs") + 1;
         ordered.splice(at..at, tr.outputs());
         ordered.retain(|x| !ins.contains(x));
     }
@@ -273,10 +228,7 @@ pub fn reorder_allocation_ids(
 }
 
 /// The merge an id comes from, looking through splits.
-fn originating_merge(
-    f: &Fusion,
-    mut id: IterDomainId,
-) -> Option<(IterDomainId, IterDomainId, IterDomainId)> {
+fn originating_merge(f: &Fusion, mut id: IterDomainId) -> Option<(IterDomainId, IterDomainId, IterDomainId)> {
     loop {
         match f.transforms[f.ids[id].definition?] {
             Transform::Merge { outer, inner, out } => return Some((outer, inner, out)),
@@ -299,10 +251,7 @@ pub fn patch_transposed_smem(
     if ids.is_empty() || t.memory != MemoryType::Shared || t.uses.len() != 1 {
         return None;
     }
-    if ids
-        .iter()
-        .any(|&id| effective_parallel(f, lg, tv, id).is_block())
-    {
+    if ids.iter().any(|&id| effective_parallel(f, lg, tv, id).is_block()) {
         return None;
     }
     let use_ = &f.exprs[t.uses[0]];
@@ -313,22 +262,14 @@ pub fn patch_transposed_smem(
     if f.tvs[consumer].memory != MemoryType::Global {
         return None;
     }
-    let vec_id = *f.tvs[consumer]
-        .loop_domain
-        .iter()
-        .find(|&&id| f.ids[id].parallel == ParallelType::Vectorize)?;
+    let vec_id = *f.tvs[consumer].loop_domain.iter().find(|&&id| f.ids[id].parallel == ParallelType::Vectorize)?;
     let (m_outer, m_inner, m_out) = originating_merge(f, ids[0])?;
     // The allocation ids must be exactly what the merge output was split into.
     let mut set: Vec<IterDomainId> = ids.to_vec();
     let between: Vec<_> = f
         .transforms_of(tv)
         .into_iter()
-        .filter(|&tr| {
-            f.transforms[tr]
-                .inputs()
-                .iter()
-                .all(|&i| depends_on(f, i, m_out))
-        })
+        .filter(|&tr| f.transforms[tr].inputs().iter().all(|&i| depends_on(f, i, m_out)))
         .collect();
     for tr in between.into_iter().rev() {
         let outs = f.transforms[tr].outputs();
@@ -349,17 +290,11 @@ pub fn patch_transposed_smem(
     }
     // Find the reverse merge (outer ~ our inner, inner ~ our outer) and its output in the consumer.
     let reverse_out = f.transforms.values().find_map(|tr| match *tr {
-        Transform::Merge { outer, inner, out }
-            if exact.same(outer, m_inner) && exact.same(inner, m_outer) =>
-        {
-            Some(out)
-        }
+        Transform::Merge { outer, inner, out } if exact.same(outer, m_inner) && exact.same(inner, m_outer) => Some(out),
         _ => None,
     })?;
     let consumer_ids = all_ids(f, consumer);
-    let consumer_merge_out = *consumer_ids
-        .iter()
-        .find(|&&id| exact.same(id, reverse_out))?;
+    let consumer_merge_out = *consumer_ids.iter().find(|&&id| exact.same(id, reverse_out))?;
     if !depends_on(f, vec_id, consumer_merge_out) {
         return None;
     }
@@ -381,21 +316,14 @@ fn depends_on(f: &Fusion, id: IterDomainId, ancestor: IterDomainId) -> bool {
         return true;
     }
     match f.ids[id].definition {
-        Some(t) => f.transforms[t]
-            .inputs()
-            .iter()
-            .any(|&i| depends_on(f, i, ancestor)),
+        Some(t) => f.transforms[t].inputs().iter().any(|&i| depends_on(f, i, ancestor)),
         None => false,
     }
 }
 
 /// Rule 6: a producer read through indices (index_select) allocates the whole indexed
 /// logical id in place of the allocation ids derived from it.
-pub fn patch_indexed_producer(
-    f: &Fusion,
-    tv: TvId,
-    ids: &[IterDomainId],
-) -> Result<Option<Vec<IterDomainId>>> {
+pub fn patch_indexed_producer(f: &Fusion, tv: TvId, ids: &[IterDomainId]) -> Result<Option<Vec<IterDomainId>>> {
     let mut indexed: Vec<IterDomainId> = Vec::new();
     for &u in &f.tvs[tv].uses {
         let e = &f.exprs[u];
@@ -414,11 +342,7 @@ pub fn patch_indexed_producer(
     }
     let mut patched = ids.to_vec();
     for idx in indexed {
-        let dependents: Vec<IterDomainId> = patched
-            .iter()
-            .copied()
-            .filter(|&a| depends_on(f, a, idx))
-            .collect();
+        let dependents: Vec<IterDomainId> = patched.iter().copied().filter(|&a| depends_on(f, a, idx)).collect();
         if dependents.is_empty() {
             bail!(
                 "{}: it is read through indices along {}, which must be allocated whole, but none of its allocated ids [{}] covers it; inline {} to the left of that axis",
@@ -428,10 +352,7 @@ pub fn patch_indexed_producer(
                 f.tv_name(tv)
             );
         }
-        let last = patched
-            .iter()
-            .rposition(|a| dependents.contains(a))
-            .expect("non-empty");
+        let last = patched.iter().rposition(|a| dependents.contains(a)).expect("non-empty");
         let mut next = Vec::with_capacity(patched.len());
         for (i, &a) in patched.iter().enumerate() {
             if i == last {

@@ -21,9 +21,7 @@ pub fn launch_extent(f: &mut Fusion, lg: &LoopGraph, pt: ParallelType) -> ValId 
         }
     }
     let one = f.scalars.int(1);
-    exts.into_iter()
-        .reduce(|a, b| f.scalars.max(a, b))
-        .unwrap_or(one)
+    exts.into_iter().reduce(|a, b| f.scalars.max(a, b)).unwrap_or(one)
 }
 
 /// Buffers for `tv` if it is the output of a grid reduction; empty otherwise.
@@ -32,11 +30,7 @@ pub fn launch_extent(f: &mut Fusion, lg: &LoopGraph, pt: ParallelType) -> ValId 
 /// (non-reduced grid dims), G reducing blocks and P non-reduced threads per block, the
 /// normal work buffer holds NSEG*G*P partials, the serial one NSEG*P running results,
 /// and there is one int64 semaphore per segment.
-pub fn grid_reduction_buffers(
-    f: &mut Fusion,
-    lg: &LoopGraph,
-    tv: TvId,
-) -> Result<Vec<GlobalBuffer>> {
+pub fn grid_reduction_buffers(f: &mut Fusion, lg: &LoopGraph, tv: TvId) -> Result<Vec<GlobalBuffer>> {
     let ld = f.tvs[tv].loop_domain.clone();
     let mut reduced: Vec<ParallelType> = Vec::new();
     for (a, &id) in ld.iter().enumerate() {
@@ -75,33 +69,14 @@ pub fn grid_reduction_buffers(
     };
     let blocks = [ParallelType::BIDx, ParallelType::BIDy, ParallelType::BIDz];
     let threads = [ParallelType::TIDx, ParallelType::TIDy, ParallelType::TIDz];
-    let seg_types: Vec<ParallelType> = blocks
-        .iter()
-        .copied()
-        .filter(|p| !reduced.contains(p))
-        .collect();
-    let red_block_types: Vec<ParallelType> = blocks
-        .iter()
-        .copied()
-        .filter(|p| reduced.contains(p))
-        .collect();
-    let out_thread_types: Vec<ParallelType> = threads
-        .iter()
-        .copied()
-        .filter(|p| !reduced.contains(p))
-        .collect();
+    let seg_types: Vec<ParallelType> = blocks.iter().copied().filter(|p| !reduced.contains(p)).collect();
+    let red_block_types: Vec<ParallelType> = blocks.iter().copied().filter(|p| reduced.contains(p)).collect();
+    let out_thread_types: Vec<ParallelType> = threads.iter().copied().filter(|p| !reduced.contains(p)).collect();
     let nseg = product(f, lg, &seg_types);
     let g = product(f, lg, &red_block_types);
     let p = product(f, lg, &out_thread_types);
-    let dims = if serial {
-        vec![nseg, p]
-    } else {
-        vec![nseg, g, p]
-    };
-    let mut work_shape: Vec<ValId> = dims
-        .into_iter()
-        .filter(|&d| !f.scalars.is_const(d, 1))
-        .collect();
+    let dims = if serial { vec![nseg, p] } else { vec![nseg, g, p] };
+    let mut work_shape: Vec<ValId> = dims.into_iter().filter(|&d| !f.scalars.is_const(d, 1)).collect();
     if work_shape.is_empty() {
         work_shape.push(f.scalars.int(1));
     }

@@ -55,18 +55,10 @@ pub fn run(
     for &e in order {
         let tv = f.exprs[e].output;
         let mem = f.tvs[tv].memory;
-        let alloc_pos = if mem == MemoryType::Global {
-            0
-        } else {
-            domain::alloc_position(f, lg, tv)
-        };
+        let alloc_pos = if mem == MemoryType::Global { 0 } else { domain::alloc_position(f, lg, tv) };
         let (ids, contig) = domain::infer_ids(f, lg, exact, tv, alloc_pos)?;
         // Only Local allocations sit inside the nest; Shared and Global ones are at the top.
-        let position = if mem == MemoryType::Local {
-            alloc_pos
-        } else {
-            0
-        };
+        let position = if mem == MemoryType::Local { alloc_pos } else { 0 };
         let info = domain::allocation_info(f, lg, tv, &ids, &contig, position)?;
         let is_output = f.is_output(tv);
 
@@ -129,8 +121,5 @@ pub fn run(
     }
     top.append(body);
     *body = top;
-    Ok(AllocationResult {
-        allocations,
-        summary,
-    })
+    Ok(AllocationResult { allocations, summary })
 }

@@ -29,25 +29,15 @@ pub fn insert_before_expr(
     let mut cur = body;
     for a in 0..depth {
         let g = lg.group(tv, a);
-        let pos = cur
-            .iter()
-            .position(|n| matches!(n, Node::Loop(l) if l.group == Some(g) && contains_expr(n, e)));
+        let pos = cur.iter().position(|n| matches!(n, Node::Loop(l) if l.group == Some(g) && contains_expr(n, e)));
         let Some(pos) = pos else {
-            crate::bail_internal!(
-                "allocation of {}: loop {a} around its definition not found",
-                f.tv_name(tv)
-            );
+            crate::bail_internal!("allocation of {}: loop {a} around its definition not found", f.tv_name(tv));
         };
-        let Node::Loop(l) = &mut cur[pos] else {
-            unreachable!("matched a loop")
-        };
+        let Node::Loop(l) = &mut cur[pos] else { unreachable!("matched a loop") };
         cur = &mut l.body;
     }
     let Some(at) = cur.iter().position(|n| contains_expr(n, e)) else {
-        crate::bail_internal!(
-            "allocation of {}: its definition is not inside its loops",
-            f.tv_name(tv)
-        );
+        crate::bail_internal!("allocation of {}: its definition is not inside its loops", f.tv_name(tv));
     };
     for (k, n) in nodes.into_iter().enumerate() {
         cur.insert(at + k, n);
@@ -65,11 +55,7 @@ pub fn init_nest(
     value: ValId,
     next_index: &mut u32,
 ) -> Node {
-    let mut node = Node::Init {
-        tv,
-        value,
-        index: None,
-    };
+    let mut node = Node::Init { tv, value, index: None };
     let ld = f.tvs[tv].loop_domain.clone();
     for a in (alloc_pos..ld.len()).rev() {
         let it = f.ids[ld[a]].iter_type;
@@ -79,11 +65,7 @@ pub fn init_nest(
         let g = lg.group(tv, a);
         let info = &lg.groups[g];
         // A vectorized id is written element by element here: the init is not a vector store.
-        let parallel = if info.parallel == ParallelType::Vectorize {
-            ParallelType::Serial
-        } else {
-            info.parallel
-        };
+        let parallel = if info.parallel == ParallelType::Vectorize { ParallelType::Serial } else { info.parallel };
         let index = if parallel.is_thread_or_block() {
             f.scalars.symbol(Symbol::ParallelIndex(parallel))
         } else {
@@ -96,15 +78,7 @@ pub fn init_nest(
         };
         let id = info.promoted;
         let extent = f.ids[id].extent;
-        node = Node::Loop(ForLoop {
-            group: None,
-            id,
-            index,
-            extent,
-            parallel,
-            init_axis: Some(a),
-            body: vec![node],
-        });
+        node = Node::Loop(ForLoop { group: None, id, index, extent, parallel, init_axis: Some(a), body: vec![node] });
     }
     node
 }
