@@ -59,7 +59,8 @@ class KernelExecutor:
         params = [p for p in kernel.params if p[1] in ("scalar", "extent", "stride")]
         # Sizes and strides take the kernel's index type; scalar inputs keep their dtype.
         self._scalar_dtypes = {
-            idx32: [("Int32" if idx32 and p[1] != "scalar" else p[4]) for p in params] for idx32 in (False, True)
+            idx32: [("Int32" if idx32 and p[1] != "scalar" else p[4]) for p in params]
+            for idx32 in (False, True)
         }
         self.launches = 0
 
