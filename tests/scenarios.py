@@ -209,6 +209,23 @@ def _column_sum(serial: bool) -> Scenario:
                     lambda i: [i[0].astype(np.float64).sum(axis=0)])
 
 
+def h_grid_column_sum_hoisted() -> Scenario:
+    """Column sum across blocks with a serial reduction loop inside each block (hoisted)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        s = fd.ops.sum(x, dims=[0])
+        fd.add_output(s)
+    s.split(0, 16)  # [r ceilDiv(i0, 16), r 16, i1]
+    s.split(1, 4)  # [.., r 4 (TIDy), r 4 (serial), i1]
+    s.split(3, 128)
+    s.axis(0).parallelize(ParallelType.BIDx)
+    s.axis(1).parallelize(ParallelType.TIDy)
+    s.axis(3).parallelize(ParallelType.BIDy)
+    s.axis(4).parallelize(ParallelType.TIDx)
+    return Scenario("h_grid_column_sum_hoisted", fd, lambda xp: [_rand(xp, 250, 300)],
+                    lambda i: [i[0].astype(np.float64).sum(axis=0)])
+
+
 def h_grid_column_sum() -> Scenario:
     return _column_sum(False)
 
@@ -250,4 +267,4 @@ def v_vectorized(m: int = 64, n: int = 256) -> Scenario:
 
 ALL = [a_pointwise, b_shared, b_local, c_inlined_unroll, d_non_contiguous, e_nhwc, f_transpose,
        lambda: f_transpose(50, 70), g_index_select, h_block_row_sum, h_grid_column_sum,
-       h_serial_grid_column_sum, v_vectorized, lambda: v_vectorized(37, 129)]
+       h_serial_grid_column_sum, h_grid_column_sum_hoisted, v_vectorized, lambda: v_vectorized(37, 129)]

@@ -341,17 +341,24 @@ def test_i_set_allocation_domain_dropping_an_inlined_id_is_rejected():
         fd.lower([arr(4, 4)])
 
 
-def test_grid_reduction_inside_a_serial_reduction_loop_is_rejected():
+def test_grid_reduction_inside_a_serial_reduction_loop_is_hoisted():
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, -1])
         s = fd.ops.sum(x, dims=[0])
         fd.add_output(s)
     s.split(0, 4)
     s.axis(0).parallelize(ParallelType.BIDx)  # axis 1 (r4) stays a serial loop
-    with pytest.raises(KilnError, match=r"T1: reduction axis 1 \(rS\d+\{4\}\) is a serial loop"):
+    # Axis 2 is a serial output loop: the grid reduction would repeat inside it.
+    repeat = r"T1: its reduction across blocks would run once per iteration of the serial loop iS\d+\{i1\}"
+    with pytest.raises(KilnError, match=repeat):
         fd.lower([arr(8, 3)])
-    s.set_serial_grid_reduction()  # the serial protocol takes one step at a time: allowed
-    assert fd.lower([arr(8, 3)]).kernels[0].global_allocations[1].resets_to_zero
+    s.axis(2).parallelize(ParallelType.TIDx)
+    k = fd.lower([arr(8, 3)]).kernels[0]
+    src = k.cuda_source
+    body = src[src.index("kiln_kernel("):]
+    # One register accumulates through the serial loop; one grid reduction follows it.
+    assert body.count("kiln::gridReduce<") == 1
+    assert body.index("float kiln_acc") < body.index("for (kiln_index_t") < body.index("kiln::gridReduce<")
 
 
 def test_i_id_that_cannot_be_promoted_is_rejected():

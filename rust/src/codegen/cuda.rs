@@ -78,6 +78,8 @@ struct Gen<'a> {
     /// A copy of the kernel's scalars: codegen specializes index expressions (vector bases).
     sc: crate::ir::Scalars,
     out: String,
+    /// Register accumulator of each hoisted reduction while its loops are emitted.
+    hoisted: FxHashMap<ExprId, String>,
     /// C name of each tensor's buffer.
     names: FxHashMap<TvId, String>,
     scratch: u32,
@@ -199,7 +201,8 @@ pub fn generate(k: &Kernel, index32: bool) -> Result<CudaKernel> {
         params.push((format!("{}_stride{a}", f.tv_name(t)), ParamKind::Stride(t, a), DataType::Int));
     }
 
-    let mut g = Gen { k, f, sc: f.scalars.clone(), out: String::new(), names, scratch: 0 };
+    let mut g =
+        Gen { k, f, sc: f.scalars.clone(), out: String::new(), hoisted: FxHashMap::default(), names, scratch: 0 };
     let sig: Vec<String> = params
         .iter()
         .map(|(name, kind, dt)| match kind {
@@ -282,6 +285,7 @@ impl Gen<'_> {
         let pad = Self::pad(depth);
         match n {
             Node::Loop(l) if self.try_vectorized_copy(l, depth)? => {}
+            Node::Loop(l) if !l.hoisted.is_empty() => self.hoisting_loop(l, depth)?,
             Node::Loop(l) => {
                 if l.parallel.is_thread_or_block() {
                     let _ = writeln!(self.out, "{pad}{{  // {} over {}", l.parallel.enum_name(), self.f.id_label(l.id));
@@ -356,6 +360,46 @@ impl Gen<'_> {
                 let _ =
                     writeln!(self.out, "{pad}__syncthreads();  // {}", if *k == SyncKind::Raw { "RAW" } else { "WAR" });
             }
+        }
+        Ok(())
+    }
+
+    /// A loop that hoisted reductions accumulate through: registers before it, the
+    /// block/grid reductions after it.
+    fn hoisting_loop(&mut self, l: &crate::kernel::ForLoop, depth: usize) -> Result<()> {
+        let pad = Self::pad(depth);
+        let f = self.f;
+        let mut after = Vec::new();
+        for &e in &l.hoisted {
+            let Op::Reduction { op, init } = f.exprs[e].op else { crate::bail_internal!("hoisted a non-reduction") };
+            let Some(ix) = find_index(&l.body, e) else { crate::bail_internal!("hoisted reduction not in its loop") };
+            let ty = c_type(f.tvs[f.exprs[e].output].dtype);
+            self.scratch += 1;
+            let acc = format!("kiln_acc{}", self.scratch);
+            let init_c = format!("kiln::cast<{ty}>({})", self.c(init));
+            let _ = writeln!(self.out, "{pad}{ty} {acc} = {init_c};");
+            self.hoisted.insert(e, acc.clone());
+            after.push((e, ix.clone(), op, init_c, acc));
+        }
+        let mut plain = l.clone();
+        plain.hoisted.clear();
+        self.node(&Node::Loop(plain), depth)?;
+        for (e, ix, op, init_c, acc) in after {
+            self.hoisted.remove(&e);
+            let out_tv = f.exprs[e].output;
+            let mut red = Vec::new();
+            for (a, &id) in f.tvs[out_tv].loop_domain.iter().enumerate() {
+                let p = self.k.loops.groups[self.k.loops.group(out_tv, a)].parallel;
+                if f.ids[id].iter_type == IterType::Reduction && p.is_thread_or_block() {
+                    red.push(p);
+                }
+            }
+            let functor = match op {
+                ReductionOp::Sum => "kiln::Sum()",
+                ReductionOp::Max => "kiln::Max()",
+                ReductionOp::Min => "kiln::Min()",
+            };
+            self.parallel_reduce(e, &ix, &red, functor, &init_c, &acc, depth, "")?;
         }
         Ok(())
     }
@@ -545,11 +589,38 @@ impl Gen<'_> {
             }
         }
         let pred = self.c(ix.predicate);
-        let wpred = self.c(ix.write_predicate);
         if red.is_empty() {
             let _ = writeln!(self.out, "{pad}if ({pred}) {{ {pre}{out} = {functor}({out}, {input}); }}");
             return Ok(());
         }
+        if let Some(acc) = self.hoisted.get(&e) {
+            // Hoisted: accumulate per thread now; the block/grid reduction follows the loop.
+            let _ = writeln!(self.out, "{pad}if ({pred}) {{ {pre}{acc} = {functor}({acc}, {input}); }}");
+            return Ok(());
+        }
+        let value = format!("({pred}) ? {input} : {init_c}");
+        self.parallel_reduce(e, ix, &red, functor, &init_c, &value, depth, pre)
+    }
+
+    /// The block or grid reduction of a per-thread `value`, combined into the output.
+    #[allow(clippy::too_many_arguments)]
+    fn parallel_reduce(
+        &mut self,
+        e: ExprId,
+        ix: &AccessIndex,
+        red: &[ParallelType],
+        functor: &str,
+        init_c: &str,
+        value: &str,
+        depth: usize,
+        pre: &str,
+    ) -> Result<()> {
+        let pad = Self::pad(depth);
+        let f = self.f;
+        let out_tv = f.exprs[e].output;
+        let ty = c_type(f.tvs[out_tv].dtype);
+        let out = format!("{}[{}]", self.buf(out_tv), self.c(ix.out));
+        let wpred = self.c(ix.write_predicate);
         let has = |p: ParallelType| red.contains(&p);
         let tflags = format!("{}, {}, {}", has(ParallelType::TIDx), has(ParallelType::TIDy), has(ParallelType::TIDz));
         let bflags = format!("{}, {}, {}", has(ParallelType::BIDx), has(ParallelType::BIDy), has(ParallelType::BIDz));
@@ -559,7 +630,7 @@ impl Gen<'_> {
         let r = format!("kiln_r{}", self.scratch);
         let _ = writeln!(self.out, "{pad}{{");
         let _ = writeln!(self.out, "{pad}  {ty}* kiln_ws = reinterpret_cast<{ty}*>(kiln_smem + {});", self.c(ws));
-        let _ = writeln!(self.out, "{pad}  {pre}const {ty} {v} = ({pred}) ? {input} : {init_c};");
+        let _ = writeln!(self.out, "{pad}  {pre}const {ty} {v} = {value};");
         if red.iter().any(|p| p.is_block()) {
             let names = &self.k.summary.global_allocations;
             let tname = f.tv_name(out_tv);
@@ -602,6 +673,22 @@ impl Gen<'_> {
         let _ = writeln!(self.out, "{pad}}}");
         Ok(())
     }
+}
+
+/// The access index of expr `e` somewhere in `body`.
+fn find_index(body: &[Node], e: ExprId) -> Option<AccessIndex> {
+    for n in body {
+        match n {
+            Node::Expr { expr, index } if *expr == e => return index.clone(),
+            Node::Loop(l) => {
+                if let Some(ix) = find_index(&l.body, e) {
+                    return Some(ix);
+                }
+            }
+            _ => {}
+        }
+    }
+    None
 }
 
 fn float_literal(x: f64) -> String {

@@ -21,6 +21,9 @@ pub struct ForLoop {
     pub parallel: ParallelType,
     /// For loops of a reduction-init nest: the loop axis of the initialised tensor.
     pub init_axis: Option<usize>,
+    /// Reductions across threads/blocks that accumulate per thread through this loop and
+    /// reduce once after it (set by the reduction-hoisting pass).
+    pub hoisted: Vec<ExprId>,
     pub body: Vec<Node>,
 }
 

@@ -13,7 +13,9 @@ use crate::bail_internal;
 use crate::error::Result;
 use crate::ir::mapping::logical_pairs;
 use crate::ir::scalar::ScalarOp;
-use crate::ir::{ExprId, Fusion, IterDomainId, IterType, Op, Operand, ParallelType, Symbol, Transform, TvId, ValId};
+use crate::ir::{
+    ExprId, Fusion, IterDomainId, IterType, MemoryType, Op, Operand, ParallelType, Symbol, Transform, TvId, ValId,
+};
 use crate::kernel::{AccessIndex, AllocationInfo, Gather, Node};
 
 /// An enclosing loop as indexing sees it.
@@ -31,6 +33,8 @@ struct Ctx<'a> {
     allocs: &'a FxHashMap<TvId, AllocationInfo>,
     /// Parallel types whose loops do not all have the same extent: those need `index < extent`.
     ragged: Vec<ParallelType>,
+    /// Thread/block parallel types the kernel launches with.
+    used: Vec<ParallelType>,
     next_gather: u32,
 }
 
@@ -38,8 +42,9 @@ struct Ctx<'a> {
 pub fn run(f: &mut Fusion, lg: &LoopGraph, allocs: &FxHashMap<TvId, AllocationInfo>, body: &mut [Node]) -> Result<()> {
     let mut extents: FxHashMap<ParallelType, Vec<ValId>> = FxHashMap::default();
     collect_parallel_extents(body, &mut extents);
+    let used = extents.keys().copied().collect();
     let ragged = extents.into_iter().filter(|(_, v)| v.len() > 1).map(|(p, _)| p).collect();
-    let mut ctx = Ctx { lg, allocs, ragged, next_gather: 0 };
+    let mut ctx = Ctx { lg, allocs, ragged, used, next_gather: 0 };
     let mut stack = Vec::new();
     walk(f, &mut ctx, body, &mut stack)
 }
@@ -327,8 +332,23 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
         forward(f, p, &mut pidx);
         inputs.push(Some(offset(f, ctx, p, &pidx, &groups)?));
     }
-    let pred = predicate(f, ctx, c, &cidx, stack, false);
-    let write_pred = predicate(f, ctx, c, &cidx, stack, true);
+    let mut pred = predicate(f, ctx, c, &cidx, stack, false);
+    let mut write_pred = predicate(f, ctx, c, &cidx, stack, true);
+    // A Global/Shared tensor that does not use a launched thread or block dimension is
+    // computed redundantly along it: only index 0 of that dimension writes.
+    if f.tvs[c].memory != MemoryType::Local {
+        let own: Vec<ParallelType> =
+            (0..f.tvs[c].loop_domain.len()).map(|a| ctx.lg.groups[ctx.lg.group(c, a)].parallel).collect();
+        let zero = f.scalars.int(0);
+        for &p in &ctx.used {
+            if !own.contains(&p) {
+                let i = f.scalars.symbol(Symbol::ParallelIndex(p));
+                let first = f.scalars.binary(ScalarOp::Eq, i, zero);
+                pred = f.scalars.binary(ScalarOp::And, pred, first);
+                write_pred = f.scalars.binary(ScalarOp::And, write_pred, first);
+            }
+        }
+    }
     Ok(AccessIndex { out, inputs, predicate: pred, write_predicate: write_pred, gathers })
 }
 
@@ -378,6 +398,22 @@ fn index_init(f: &mut Fusion, ctx: &mut Ctx, tv: TvId, stack: &[Enclosing]) -> R
     }
     backward(f, tv, &mut idx);
     let out = offset(f, ctx, tv, &idx, &groups)?;
-    let pred = predicate(f, ctx, tv, &idx, stack, true);
+    let mut pred = predicate(f, ctx, tv, &idx, stack, true);
+    // One writer per element: Global/Shared inits are done by index 0 of every launched
+    // dimension the tensor is not indexed by (its reduced dimensions included), so no
+    // block can re-initialize an output another block already reduced into.
+    if f.tvs[tv].memory != MemoryType::Local {
+        let own: Vec<ParallelType> = (0..ld.len())
+            .filter(|&a| f.ids[ld[a]].iter_type != IterType::Reduction)
+            .map(|a| ctx.lg.groups[ctx.lg.group(tv, a)].parallel)
+            .collect();
+        for &p in &ctx.used {
+            if !own.contains(&p) {
+                let i = f.scalars.symbol(Symbol::ParallelIndex(p));
+                let first = f.scalars.binary(ScalarOp::Eq, i, zero);
+                pred = f.scalars.binary(ScalarOp::And, pred, first);
+            }
+        }
+    }
     Ok(AccessIndex { out, inputs: Vec::new(), predicate: pred, write_predicate: pred, gathers: Vec::new() })
 }

@@ -6,7 +6,8 @@
 //! 4. `allocation` — allocation domains, Allocate placement, reduction inits, global buffers
 //! 5. `indexing`   — element offsets of every access, gathers, predicates
 //! 6. `syncs`      — block syncs for Shared memory RAW/WAR hazards
-//! 7. `launch`     — grid/block dims and the dynamic shared memory layout
+//! 7. `reduction_hoist` — per-thread accumulation before block/grid reductions
+//! 8. `launch`     — grid/block dims and the dynamic shared memory layout
 //!
 //! Passes hand results on explicitly (kernel IR plus side tables); none reaches into
 //! another's internals.
@@ -15,6 +16,7 @@ pub mod allocation;
 pub mod indexing;
 pub mod launch;
 pub mod loops;
+pub mod reduction_hoist;
 pub mod syncs;
 pub mod validate;
 
@@ -37,6 +39,7 @@ pub fn lower(fusion: &Fusion) -> Result<Kernel> {
     let alloc = allocation::run(&mut f, &lg, &exact, &order, &mut body, &mut next_index)?;
     indexing::run(&mut f, &lg, &alloc.allocations, &mut body)?;
     syncs::run(&f, &mut body);
+    reduction_hoist::run(&f, &lg, &mut body)?;
     let size_constraints = size_constraints(&f);
     let launch = launch::run(&mut f, &body);
     Ok(Kernel {

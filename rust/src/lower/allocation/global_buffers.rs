@@ -50,19 +50,6 @@ pub fn grid_reduction_buffers(f: &mut Fusion, lg: &LoopGraph, tv: TvId) -> Resul
         );
     }
     let serial = f.tvs[tv].serial_grid_reduction;
-    if !serial {
-        // The parallel protocol reuses its work buffer and lets any block finish, so it
-        // must run once per output element, not once per serial reduction step.
-        for (a, &id) in ld.iter().enumerate() {
-            let p = lg.groups[lg.group(tv, a)].parallel;
-            if f.ids[id].iter_type == IterType::Reduction && !p.is_thread_or_block() {
-                bail!(
-                    "{name}: reduction axis {a} ({}) is a serial loop around a reduction across blocks; parallelize it (e.g. TIDy), or call {name}.set_serial_grid_reduction()",
-                    f.id_label(id)
-                );
-            }
-        }
-    }
     let product = |f: &mut Fusion, lg: &LoopGraph, types: &[ParallelType]| -> ValId {
         let exts: Vec<ValId> = types.iter().map(|&p| launch_extent(f, lg, p)).collect();
         f.scalars.product(exts)
