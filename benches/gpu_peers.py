@@ -9,16 +9,17 @@ Each workload is defined once as a kiln ``FusionDefinition`` built with ``fd.ops
 unscheduled, so kiln's automatic schedulers pick the schedule. Every peer runs the same math
 on the same torch CUDA tensors (CuPy sees them zero-copy through ``cupy.asarray``).
 
-Timing: 3 warm-up calls (the first compiles), then ``RUNS`` calls, each bracketed by its own
-pair of CUDA events; the median is reported in microseconds. Before each timed call a short
-``torch.cuda._sleep`` kernel is queued so the host gets ahead of the GPU: the events then time
-the GPU work of the call, not Python launch overhead. Every input is larger than L2 (a
-warning is printed when one is not, e.g. with ``--quick``).
+Timing: 3 warm-up calls (the first compiles), then 50 calls (``--quick``: 10, and M=4096),
+each bracketed by its own pair of CUDA events; the median is reported in microseconds.
+Before each timed call a short ``torch.cuda._sleep`` kernel is queued so the host gets ahead
+of the GPU: the events then time the GPU work of the call, not Python launch overhead.
+Every input is larger than L2 (a warning is printed when one is not, e.g. with ``--quick``).
 
 Effective GB/s = minimum bytes (inputs read once + outputs written once) / median time. A
 device-to-device copy of a 1 GiB tensor (bytes read + written / time) is the roofline that
 each result is reported against, and ``kiln / best peer`` is the fastest peer's time divided
-by kiln's (>= 1.0 means kiln is at least as fast as every peer).
+by kiln's (>= 1.0 means kiln is at least as fast as every peer; a peer whose result disagrees
+with torch eager is left out of "best").
 
 kiln's results are checked against torch eager; a mismatch is marked loudly and an exception
 from kiln is recorded (its text goes into the JSON) and the run goes on. Writes
@@ -44,7 +45,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import kiln
 import torch
-import torch.nn.functional as F  # noqa: N812
+import torch.nn.functional as F
 from kiln import DataType, FusionDefinition
 
 M_FULL = 16384
@@ -314,10 +315,10 @@ def make_workloads(m: int, n_t: int, cp: Optional[Any]) -> List[Workload]:
         Workload("layernorm", lambda: fusion_layernorm(K), [x, w, b], eager_layernorm,
                  2 * mk * f4 + 2 * K * f4, 1e-4, 1e-4,
                  cupy_or_none(lambda: cupy_layernorm(cp, xc, wc, b2c)), cupy_to_torch, "composed CuPy ops"),
-        Workload("row_sum", lambda: fusion_sum([1]), [x], eager_row_sum, mk * f4 + m * f4,
-                 1e-5, reduction_atol(K), cupy_or_none(lambda: cp.sum(xc, axis=1)), cupy_to_torch, "cupy.sum"),
-        Workload("col_sum", lambda: fusion_sum([0]), [x], eager_col_sum, mk * f4 + K * f4,
-                 1e-5, reduction_atol(m), cupy_or_none(lambda: cp.sum(xc, axis=0)), cupy_to_torch, "cupy.sum"),
+        Workload("row_sum", lambda: fusion_sum([1]), [x], eager_row_sum, mk * f4 + m * f4, 1e-5,
+                 reduction_atol(K), cupy_or_none(lambda: cp.sum(xc, axis=1)), cupy_to_torch, "cupy.sum"),
+        Workload("col_sum", lambda: fusion_sum([0]), [x], eager_col_sum, mk * f4 + K * f4, 1e-5,
+                 reduction_atol(m), cupy_or_none(lambda: cp.sum(xc, axis=0)), cupy_to_torch, "cupy.sum"),
         Workload("full_sum", lambda: fusion_sum([0, 1]), [x], eager_full_sum, mk * f4 + f4,
                  1e-5, reduction_atol(mk), cupy_or_none(lambda: cp.sum(xc)), cupy_to_torch, "cupy.sum"),
         Workload("transpose", fusion_transpose, [xt], eager_transpose, 2 * n_t * n_t * f4, 0.0, 0.0,
@@ -364,12 +365,13 @@ def first_line(text: str, width: int = 160) -> str:
 def measure(fn: Optional[Callable[[], Any]], runs: int, na_reason: str = "") -> Dict[str, Any]:
     """Median/min of ``fn``'s event-timed runs, or the error that stopped it (``fn`` None: n/a)."""
     if fn is None:
-        return {"median_us": None, "min_us": None, "runs": 0, "error": na_reason or "n/a"}
+        return {"median_us": None, "min_us": None, "runs": 0, "times_us": [], "error": na_reason or "n/a"}
     try:
         times = time_gpu_us(fn, runs)
     except Exception as e:  # a peer or kiln failing is a result, not the end of the run
-        return {"median_us": None, "min_us": None, "runs": 0, "error": error_text(e)}
-    return {"median_us": statistics.median(times), "min_us": min(times), "runs": len(times), "error": None}
+        return {"median_us": None, "min_us": None, "runs": 0, "times_us": [], "error": error_text(e)}
+    return {"median_us": statistics.median(times), "min_us": min(times), "runs": len(times),
+            "times_us": times, "error": None}
 
 
 def copy_bandwidth(runs: int) -> Dict[str, Any]:
@@ -379,8 +381,6 @@ def copy_bandwidth(runs: int) -> Dict[str, Any]:
     res = measure(lambda: dst.copy_(src), runs)
     res["bytes"] = 2 * COPY_BYTES
     res["gbps"] = None if res["median_us"] is None else 2 * COPY_BYTES / res["median_us"] / 1e3
-    del src, dst
-    torch.cuda.empty_cache()
     return res
 
 
@@ -461,19 +461,22 @@ def gbps(bytes_moved: int, median_us: Optional[float]) -> Optional[float]:
     return None if median_us is None else bytes_moved / median_us / 1e3
 
 
-def run_workload(w: Workload, runs: int, copy_gbps: Optional[float], l2_bytes: Optional[int]) -> Dict[str, Any]:
+def run_workload(w: Workload, runs: int, copy_gbps: Optional[float],
+                 l2_bytes: Optional[int]) -> Dict[str, Any]:
     """All peers and kiln on one workload, with bandwidths, fractions of copy and kiln's ratio."""
     ref = w.eager(*w.inputs)
     largest = max(t.numel() * t.element_size() for t in w.inputs)
     if l2_bytes and largest <= l2_bytes:
-        print(f"warning: {w.name}: largest input {largest / 2**20:.0f} MiB fits in L2 ({l2_bytes / 2**20:.0f} MiB)")
+        print(f"warning: {w.name}: largest input {largest / 2**20:.0f} MiB fits in L2 "
+              f"({l2_bytes / 2**20:.0f} MiB)")
     peers = run_peers(w, ref, runs)
     kl = run_kiln(w, ref, runs)
     del ref
     for r in (kl, *peers.values()):
         r["gbps"] = gbps(w.bytes_moved, r["median_us"])
         r["fraction_of_copy"] = None if r["gbps"] is None or not copy_gbps else r["gbps"] / copy_gbps
-    timed = {p: r["median_us"] for p, r in peers.items() if r["median_us"] is not None}
+    timed = {p: r["median_us"] for p, r in peers.items()
+             if r["median_us"] is not None and r.get("check") not in ("MISMATCH", "ERROR")}
     best = min(timed, key=lambda p: timed[p]) if timed else None
     ratio = None
     if best is not None and kl["median_us"]:
@@ -562,7 +565,7 @@ def table(results: List[Dict[str, Any]]) -> str:
     rows = []
     for r in results:
         kl, p = r["kiln"], r["peers"]
-        frac = kl["fraction_of_copy"]
+        frac, ratio = kl["fraction_of_copy"], r["kiln_speedup_vs_best_peer"]
         rows.append([
             r["name"],
             fmt(kl["median_us"], ".1f", "ERR" if kl["check"] == "ERROR" else "n/a"),
@@ -571,8 +574,7 @@ def table(results: List[Dict[str, Any]]) -> str:
             fmt(p["cupy"]["median_us"], ".1f"),
             fmt(kl["gbps"], ".0f"),
             fmt(None if frac is None else 100.0 * frac, ".1f"),
-            fmt(r["kiln_speedup_vs_best_peer"], ".2f") + ("x" if r["kiln_speedup_vs_best_peer"] else "")
-            + (f" ({r['best_peer']})" if r["best_peer"] else ""),
+            "n/a" if ratio is None else f"{ratio:.2f}x ({r['best_peer']})",
             kl["check"],
         ])
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
@@ -589,7 +591,7 @@ def progress(r: Dict[str, Any]) -> None:
     times = "  ".join(f"{p} {fmt(q['median_us'], '.1f')}" for p, q in [("kiln", kl), *r["peers"].items()])
     print(f"{r['name']:15s} {times}  check {kl['check']} ({kl['check_detail']})", flush=True)
     for p, q in r["peers"].items():
-        if q["error"] is not None and p != "cupy" or (p == "cupy" and q["error"] and q.get("note")):
+        if q["error"] is not None:
             print(f"    {p}: n/a: {first_line(q['error'])}", flush=True)
         if q.get("check") in ("MISMATCH", "ERROR"):
             print(f"    {p}: its result disagrees with torch eager ({q['check']})", flush=True)
@@ -619,9 +621,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with stream:
         copy = copy_bandwidth(runs)
         copy_gbps = copy["gbps"]
+        torch.cuda.empty_cache()  # give the copy's 2 GiB back before the workloads allocate
         print(f"device-to-device copy: {fmt(copy_gbps, '.0f')} GB/s ({env['gpu']})", flush=True)
-        results = [run_workload(w, runs, copy_gbps, env["l2_cache_bytes"]) for w in _announce(
-            make_workloads(m, n_t, cp))]
+        results = []
+        for w in make_workloads(m, n_t, cp):
+            print(f"running {w.name} ...", flush=True)
+            results.append(run_workload(w, runs, copy_gbps, env["l2_cache_bytes"]))
+            progress(results[-1])
     (out_dir / "gpu_peers.json").write_text(json.dumps(
         {"environment": env, "copy": copy, "workloads": results}, indent=2) + "\n")
     print(f"wrote {out_dir / 'gpu_peers.json'}")
@@ -638,14 +644,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if mismatched:
         return 1
     return 2 if errored else 0
-
-
-def _announce(workloads: List[Workload]) -> List[Workload]:
-    """Yield-free pass-through that reports each workload as it is run."""
-    for w in workloads:
-        print(f"running {w.name} ...", flush=True)
-        ...
-    return workloads
 
 
 if __name__ == "__main__":
