@@ -32,17 +32,34 @@ def execute(fd: Any, inputs: Sequence[Any], device: Optional[str]) -> List[Any]:
         raise KilnTypeError("device='cuda' needs CuPy arrays or torch CUDA tensors, got NumPy arrays")
     if len(kinds) > 1:
         raise KilnTypeError(f"all inputs must be of one kind (NumPy, CuPy or torch), got {sorted(kinds)}")
-    kernel = fd._lowered()
+    kernel = fd._lowered() if fd._core.manually_scheduled else _auto_lowered(fd, inputs)
     if device == "cpu":
         from . import _core  # noqa: PLC0415
 
         if not hasattr(_core, "execute_cpu"):
             raise KilnError("this build of kiln has no CPU interpreter")
         return list(_core.execute_cpu(kernel._core, list(inputs)))
-    if not fd._core.manually_scheduled:
-        raise KilnError("automatic scheduling is not available in this build: schedule the fusion by hand "
-                        "(split/parallelize/inline_at) before running it on the GPU")
     return _run_gpu(kernel, inputs, "torch" in kinds)
+
+
+def _auto_lowered(fd: Any, inputs: Sequence[Any]) -> Any:
+    """The kernel the automatic schedulers pick for these input sizes (cached per sizes,
+    and per heuristic: sizes that lead to the same schedule share one kernel)."""
+    from .lowering import LoweredKernel  # noqa: PLC0415
+
+    sizes = [list(x.shape) for x in inputs if _kind(x) != "scalar"]
+    key = (fd._core.version, tuple(tuple(s) for s in sizes))
+    cache = fd.__dict__.setdefault("_auto_cache", {})
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
+    scheduled, kind, params = fd._core.auto_scheduled(sizes)
+    hkey = (fd._core.version, kind, tuple(params))
+    kernel = cache.get(hkey)
+    if kernel is None:
+        kernel = cache[hkey] = LoweredKernel(scheduled.lower())
+    cache[key] = kernel
+    return kernel
 
 
 def _run_gpu(kernel: Any, inputs: Sequence[Any], torch_out: bool) -> List[Any]:

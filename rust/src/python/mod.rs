@@ -451,6 +451,16 @@ impl PyFusion {
         })
     }
 
+    /// A copy of the fusion scheduled automatically for inputs of `sizes`, with the
+    /// heuristic's (kind, params).
+    fn auto_scheduled(&self, py: Python<'_>, sizes: Vec<Vec<i64>>) -> PyResult<(PyFusion, &'static str, Vec<i64>)> {
+        guarded(py, || {
+            let mut f = self.inner.clone();
+            let h = crate::sched::auto::schedule(&mut f, &sizes)?;
+            Ok((PyFusion { inner: f, version: 0 }, h.kind, h.params))
+        })
+    }
+
     /// Lower the fusion to one kernel.
     fn lower(&self, py: Python<'_>) -> PyResult<PyKernel> {
         guarded(py, || Ok(PyKernel::new(crate::lower::lower(&self.inner)?)))

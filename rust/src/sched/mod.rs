@@ -2,6 +2,7 @@
 //! parallelize, memory type, caches, inlining, allocation domain). Each one checks
 //! its arguments and leaves the fusion unchanged when it returns an error.
 
+pub mod auto;
 pub mod replay;
 
 use rustc_hash::FxHashMap;

@@ -1,0 +1,185 @@
+//! Reduction scheduler for fusions with one reduction (plus pointwise ops before it
+//! and after it).
+//!
+//! - inner (reduced axes last): one block per output row:
+//!   `[rows (BIDx), ceilDiv(K, t*v) (serial), t (TIDx), v]`, vectorized input caches;
+//!   each thread accumulates serially, one block reduction at the end.
+//! - outer (reduced axes first): `[g (BIDy), s (serial), 8 (TIDy), cols/t (BIDx), t (TIDx)]`,
+//!   coalesced along the kept axis; a grid reduction over BIDy when few column tiles
+//!   would leave the GPU idle.
+//! - full: `[g (BIDx), s (serial), t (TIDx)]` with a grid reduction.
+
+use crate::bail;
+use crate::error::Result;
+use crate::ir::{ExprId, Fusion, IterType, Op, Operand, ParallelType, TvId};
+use crate::sched::auto::{tensor_sizes, Heuristic, SM_COUNT};
+
+fn merge_range(f: &mut Fusion, t: TvId, start: usize, count: usize) -> Result<()> {
+    for _ in 1..count {
+        f.merge(t, start as i64, start as i64 + 1)?;
+    }
+    Ok(())
+}
+
+/// Schedule a fusion whose only reduction is expr `red`.
+pub fn schedule(f: &mut Fusion, inputs: &[Vec<i64>], red: ExprId) -> Result<Heuristic> {
+    let r = f.exprs[red].output;
+    let logical = f.tvs[r].logical.clone();
+    let n = logical.len();
+    let is_red: Vec<bool> = logical.iter().map(|&id| f.ids[id].iter_type == IterType::Reduction).collect();
+    let k = is_red.iter().filter(|&&b| b).count();
+    let inner = is_red.iter().skip(n - k).all(|&b| b);
+    let outer = is_red.iter().take(k).all(|&b| b);
+    let sizes = tensor_sizes(f, inputs, r)?;
+    let red_size: i64 = sizes.iter().zip(&is_red).filter(|(_, &b)| b).map(|(s, _)| *s).product();
+    let keep_size: i64 = sizes.iter().zip(&is_red).filter(|(_, &b)| !b).map(|(s, _)| *s).product();
+
+    // Tensors before the reduction (same rank as its input) and after it.
+    let order = f.topo_exprs();
+    let pos = order.iter().position(|&e| e == red).expect("the reduction is in the fusion");
+    let before: Vec<TvId> = order[..pos].iter().map(|&e| f.exprs[e].output).collect();
+    let after: Vec<TvId> = order[pos + 1..].iter().map(|&e| f.exprs[e].output).collect();
+    for &t in &after {
+        // Consumers of the result must not read the reduced input again (that is a
+        // normalization, which needs a persistent schedule or segmentation).
+        let reads_before = f.producers(t).iter().any(|p| before.contains(p) || f.is_input(*p));
+        if reads_before {
+            bail!(
+                "{} combines the reduction {} with its unreduced input (a normalization such as softmax); no automatic schedule covers it yet: schedule it by hand or segment it with segment_after",
+                f.tv_name(t),
+                f.tv_name(r)
+            );
+        }
+    }
+    if after.iter().any(|&t| f.no_reduction_logical(t).len() != n - k) {
+        bail!(
+            "{}: keepdim/broadcast after the reduction is not covered by the automatic reduction schedule",
+            f.tv_name(r)
+        );
+    }
+
+    let widest = f.tvs.values().map(|t| t.dtype.size_bytes()).max().unwrap_or(4) as i64;
+    if k == n {
+        return full(f, r, &before, &after, red_size);
+    }
+    if inner {
+        // Vector loads along the reduced axes, one block per kept row.
+        let v = if red_size % (16 / widest) == 0 { 16 / widest } else { 1 };
+        let t = ((red_size / v).max(32) as u64).next_power_of_two().min(512) as i64;
+        let mut caches = Vec::new();
+        for op in f.inputs.clone() {
+            let Operand::Tensor(x) = op else { continue };
+            if f.no_reduction_logical(x).len() == n
+                && f.tvs[x].uses.iter().all(|&e| !matches!(f.exprs[e].op, Op::IndexSelect { .. }))
+            {
+                caches.push(f.cache_after(x)?);
+            }
+        }
+        let order = f.topo_exprs();
+        let pos = order.iter().position(|&e| f.exprs[e].output == r).expect("reduction stays");
+        let pre: Vec<TvId> = order[..pos].iter().map(|&e| f.exprs[e].output).collect();
+        for &x in pre.iter().chain(std::iter::once(&r)) {
+            merge_range(f, x, 0, n - k)?;
+            merge_range(f, x, 1, k)?;
+            f.split(x, 1, v, true)?;
+            f.split(x, 1, t, true)?;
+            f.parallelize(x, 0, ParallelType::BIDx)?;
+            f.parallelize(x, 2, ParallelType::TIDx)?;
+            if caches.contains(&x) && v > 1 {
+                f.parallelize(x, 3, ParallelType::Vectorize)?;
+            }
+        }
+        schedule_after(f, &after, n - k)?;
+        for &x in &pre {
+            f.inline_at(x, -1)?;
+        }
+        inline_into_after(f, r, &after)?;
+        return Ok(Heuristic { kind: "inner_reduction", params: vec![v, t] });
+    }
+    if outer {
+        let t = if keep_size >= 128 { 128 } else { (keep_size.max(32) as u64).next_power_of_two() as i64 };
+        let ty = 8;
+        let col_blocks = (keep_size + t - 1) / t;
+        // Enough blocks to fill the GPU: split the reduced axis across a grid when needed.
+        // Ops after the reduction read its result in the same kernel: only the last block
+        // of a grid reduction has it, so they need a single block per column tile.
+        let g = if after.is_empty() {
+            ((4 * SM_COUNT + col_blocks - 1) / col_blocks).clamp(1, (red_size + ty - 1) / ty).min(1024)
+        } else {
+            1
+        };
+        let s = ((red_size + g * ty - 1) / (g * ty)).max(1);
+        for &x in before.iter().chain(std::iter::once(&r)) {
+            merge_range(f, x, 0, k)?;
+            merge_range(f, x, 1, n - k)?;
+            f.split(x, 1, t, true)?; // [R, cols/t, t]
+            f.split(x, 0, ty, true)?; // [R/8, 8, cols/t, t]
+            f.split(x, 0, s, true)?; // [R/(8s), s, 8, cols/t, t]
+            if g > 1 {
+                f.parallelize(x, 0, ParallelType::BIDy)?;
+            }
+            f.parallelize(x, 2, ParallelType::TIDy)?;
+            f.parallelize(x, 3, ParallelType::BIDx)?;
+            f.parallelize(x, 4, ParallelType::TIDx)?;
+        }
+        for &x in &after {
+            merge_range(f, x, 0, n - k)?;
+            f.split(x, 0, t, true)?;
+            f.parallelize(x, 0, ParallelType::BIDx)?;
+            f.parallelize(x, 1, ParallelType::TIDx)?;
+        }
+        for &x in &before {
+            f.inline_at(x, -1)?;
+        }
+        for &x in &after {
+            if !f.is_output(x) {
+                f.inline_at(x, -1)?;
+            }
+        }
+        return Ok(Heuristic { kind: "outer_reduction", params: vec![t, ty, g, s] });
+    }
+    bail!("{}: reduced axes must be the leading or the trailing axes for the automatic schedule", f.tv_name(r))
+}
+
+/// Post-reduction tensors: `[rows]` on BIDx.
+fn schedule_after(f: &mut Fusion, after: &[TvId], rank: usize) -> Result<()> {
+    for &x in after {
+        merge_range(f, x, 0, rank)?;
+        f.parallelize(x, 0, ParallelType::BIDx)?;
+    }
+    Ok(())
+}
+
+fn inline_into_after(f: &mut Fusion, r: TvId, after: &[TvId]) -> Result<()> {
+    if !after.is_empty() {
+        f.inline_at(r, 1)?;
+    }
+    for &x in after {
+        if !f.is_output(x) {
+            f.inline_at(x, -1)?;
+        }
+    }
+    Ok(())
+}
+
+/// Everything reduced: a grid of blocks each summing a strided share.
+fn full(f: &mut Fusion, r: TvId, before: &[TvId], after: &[TvId], total: i64) -> Result<Heuristic> {
+    let n = f.tvs[r].loop_domain.len();
+    let t = 512;
+    let g = ((total + t - 1) / t).clamp(1, 4 * SM_COUNT);
+    let s = ((total + g * t - 1) / (g * t)).max(1);
+    for &x in before.iter().chain(std::iter::once(&r)) {
+        merge_range(f, x, 0, n)?;
+        f.split(x, 0, t, true)?; // [N/t, t]
+        f.split(x, 0, s, true)?; // [N/(t s), s, t]
+        f.parallelize(x, 0, ParallelType::BIDx)?;
+        f.parallelize(x, 2, ParallelType::TIDx)?;
+    }
+    for &x in before {
+        f.inline_at(x, -1)?;
+    }
+    if !after.is_empty() {
+        bail!("{}: ops after a full reduction are not covered by the automatic schedule", f.tv_name(r));
+    }
+    Ok(Heuristic { kind: "full_reduction", params: vec![t, g, s] })
+}

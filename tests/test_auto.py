@@ -1,0 +1,117 @@
+"""Automatic schedulers: unscheduled fusions pick a schedule from their shape and sizes.
+CPU part: every schedule lowers and compiles (conftest compiles each kernel with NVRTC).
+GPU part: results equal NumPy on awkward sizes (1, primes, not multiples of the vector
+width, very wide and very tall)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Tuple
+
+import numpy as np
+import pytest
+from gpu_util import cupy_or_skip
+from kiln import DataType, FusionDefinition, KilnError
+from kiln.execute import _auto_lowered
+
+SIZES = [(1, 1), (1, 7), (7, 1), (3, 5), (31, 997), (128, 4096), (1000, 3), (2, 65537), (4099, 13)]
+
+
+def pointwise() -> Tuple[FusionDefinition, Callable]:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        y = fd.ops.mul(fd.ops.relu(fd.ops.add(fd.ops.mul(x, 1.5), 0.5)), fd.ops.sigmoid(x))
+        fd.add_output(y)
+    return fd, lambda x: [np.maximum(x * 1.5 + 0.5, 0) / (1 + np.exp(-x))]
+
+
+def bias_tanh() -> Tuple[FusionDefinition, Callable]:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        b = fd.define_tensor([-1])
+        bb = fd.ops.broadcast_in_dim(b, shape=[-1, -1], broadcast_dims=[1])
+        fd.add_output(fd.ops.tanh(fd.ops.add(x, bb)))
+    return fd, lambda x, b: [np.tanh(x + b[None, :])]
+
+
+def reduction(dims: List[int]) -> Callable[[], Tuple[FusionDefinition, Callable]]:
+    def build() -> Tuple[FusionDefinition, Callable]:
+        with FusionDefinition() as fd:
+            x = fd.define_tensor([-1, -1])
+            fd.add_output(fd.ops.neg(fd.ops.sum(fd.ops.mul(x, 2.0), dims=dims)) if dims != [0, 1]
+                          else fd.ops.sum(fd.ops.mul(x, 2.0), dims=dims))
+        sign = 1.0 if dims == [0, 1] else -1.0
+        return fd, lambda x: [sign * (2.0 * x).sum(axis=tuple(dims))]
+    build.__name__ = f"sum{dims}"
+    return build
+
+
+def transpose() -> Tuple[FusionDefinition, Callable]:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.permute(x, [1, 0]))
+    return fd, lambda x: [x.T]
+
+
+BUILDERS = [pointwise, bias_tanh, reduction([1]), reduction([0]), reduction([0, 1]), transpose]
+
+
+def make_inputs(build: Callable, m: int, n: int, xp: Any) -> List[Any]:
+    rng = np.random.default_rng(m * 1000 + n)
+    arrs = [rng.standard_normal((m, n)).astype(np.float32)]
+    if build is bias_tanh:
+        arrs.append(rng.standard_normal(n).astype(np.float32))
+    return [xp.asarray(a) for a in arrs]
+
+
+@pytest.mark.parametrize("build", BUILDERS, ids=lambda b: b.__name__)
+@pytest.mark.parametrize("m,n", SIZES[:5])
+def test_auto_schedule_lowers_and_compiles(build, m, n):
+    fd, _ = build()
+    k = _auto_lowered(fd, make_inputs(build, m, n, np))
+    assert "kiln_kernel" in k.cuda_source
+    assert not fd._core.manually_scheduled, "the user's fusion stays unscheduled"
+
+
+def test_normalization_is_not_silently_slow():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        m = fd.ops.max(x, dims=[1], keepdim=True)
+        fd.add_output(fd.ops.sub(x, m))
+    with pytest.raises(KilnError, match="no automatic schedule|normalization|keepdim"):
+        _auto_lowered(fd, [np.zeros((4, 8), np.float32)])
+
+
+def test_same_heuristic_shares_one_kernel():
+    fd, _ = pointwise()
+    a = _auto_lowered(fd, [np.zeros((64, 64), np.float32)])
+    b = _auto_lowered(fd, [np.zeros((32, 96), np.float32)])
+    assert a is b
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("build", BUILDERS, ids=lambda b: b.__name__)
+@pytest.mark.parametrize("m,n", SIZES)
+def test_auto_schedule_matches_numpy_on_gpu(build, m, n):
+    cp = cupy_or_skip()
+    fd, ref = build()
+    arrays = make_inputs(build, m, n, cp)
+    outs = fd.execute(arrays)
+    want = ref(*[cp.asnumpy(a).astype(np.float64) for a in arrays])
+    for o, w in zip(outs, want):
+        got = cp.asnumpy(o)
+        assert got.shape == np.shape(w)
+        tol = 1e-5 * max(1.0, float(np.abs(w).max())) * (1 + np.sqrt(m * n) / 100)
+        np.testing.assert_allclose(got, w, rtol=1e-4, atol=tol)
+
+
+@pytest.mark.gpu
+def test_index_select_and_bf16_pointwise_on_gpu():
+    cp = cupy_or_skip()
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        i = fd.define_tensor([-1], dtype=DataType.Int)
+        fd.add_output(fd.ops.index_select(x, i, 0))
+    x = cp.asarray(np.random.default_rng(0).standard_normal((1001, 37)).astype(np.float32))
+    idx = cp.asarray(np.random.default_rng(1).integers(0, 1001, 777))
+    (out,) = fd.execute([x, idx])
+    np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(x)[cp.asnumpy(idx)])
