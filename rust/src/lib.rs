@@ -3,6 +3,7 @@
 
 pub mod analysis;
 pub mod error;
+pub mod interp;
 pub mod ir;
 pub mod kernel;
 pub mod lower;
