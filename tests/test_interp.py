@@ -280,3 +280,56 @@ def test_wrong_input_dtype_and_count():
         core.execute_cpu(k, [])
     with pytest.raises(KilnError, match="dtype Double does not match"):
         core.execute_cpu(k, [np.zeros(3)])
+
+
+# lowering bugs the interpreter found (reproducers; see the interp branch report) ------------
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="lowering bug: a split of a non-divisible split's output is not predicated on "
+                          "the intermediate id's extent; two blocks write one element, the later is wrong")
+def test_nested_non_divisible_split_is_not_predicated():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1])
+        a = fd.ops.abs(x)
+        b = fd.ops.neg(a)
+        fd.add_output(b)
+    for t in (a, b):
+        t.split(0, 2, inner_split=False)  # [2 (BIDx), ceilDiv(i0, 2)]
+        t.split(1, 2, inner_split=False)  # [2, 2, ceilDiv(i0, 4)]: covers 2 * ceilDiv(i0, 2) >= i0
+        t.axis(0).parallelize(ParallelType.BIDx)
+    x_ = np.array([1.0, 2.0], F32)
+    (out,) = run(fd, [x_])
+    np.testing.assert_array_equal(out, -np.abs(x_))
+
+
+def test_local_producer_read_by_other_blocks_is_caught():
+    # Lowering accepts a Local producer partitioned by BIDx whose consumer reads it from a
+    # serial loop (it should reject the schedule); the interpreter reports the bad read.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        a = fd.ops.abs(x)
+        b = fd.ops.tanh(a)
+        c = fd.ops.exp(b)
+        fd.add_output(c)
+    for t in (a, c):
+        t.split(1, 2, inner_split=False)
+        t.axis(1).parallelize(ParallelType.BIDx)
+    a.inline_at(1)
+    with pytest.raises(KilnError, match=rf"read of uninitialized memory: {a.name} \(Local memory\).*block \(1, 0, 0\)"):
+        run(fd, [np.ones((1, 1), F32)])
+
+
+@pytest.mark.xfail(strict=True, raises=KilnError,
+                   reason="lowering bug: a producer inlined into two consumers that are not inlined "
+                          "gives 'internal compiler error: no index for allocation id'")
+def test_producer_inlined_into_two_separate_consumers():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        a = fd.ops.neg(x)
+        b = fd.ops.mul(a, 0.5)
+        c = fd.ops.le(a, x)
+        d = fd.ops.where(c, b, x)
+        fd.add_output(d)
+    a.inline_at(1)
+    x_ = rand(3, 4)
+    (out,) = run(fd, [x_])
+    np.testing.assert_allclose(out, np.where(-x_ <= x_, -x_ * 0.5, x_))

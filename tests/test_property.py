@@ -15,7 +15,7 @@ from kiln import DataType, FusionDefinition, KilnError, MemoryType, ParallelType
 from kiln import _core as core
 
 SIZES = [1, 2, 3, 4, 5, 7, 8, 13, 16, 31, 32, 64, 97, 127, 128, 131, 255, 256, 300]
-MAX_ELEMENTS = 6000
+MAX_ELEMENTS = 4096
 UNARY = ["abs", "neg", "sin", "cos", "tanh", "sigmoid", "relu", "exp_tanh", "log1p_abs", "sqrt_abs",
          "reciprocal_1p_abs", "rsqrt_1p_abs"]
 BINARY = ["add", "sub", "mul", "maximum", "minimum", "div_1p_abs", "where_gt", "where_le"]

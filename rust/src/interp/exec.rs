@@ -19,7 +19,7 @@ use crate::ir::{
 use crate::kernel::{AllocTarget, Allocate, Kernel, Node};
 
 /// Largest grid the interpreter runs (threads of all blocks together).
-const MAX_THREADS: i64 = 1 << 26;
+const MAX_THREADS: i64 = 1 << 24;
 
 const PARALLEL_DIMS: [ParallelType; 6] = [
     ParallelType::BIDx,
@@ -216,6 +216,7 @@ struct Ctx<'k> {
     block: [i64; 3],
     nt: usize,
     all: Vec<u32>,
+    coords: [Vec<u32>; 6],
 }
 
 impl Ctx<'_> {
@@ -477,6 +478,7 @@ pub fn run(kernel: &Kernel, bindings: &Bindings, buffers: &mut [Buffer]) -> Resu
         block: [1; 3],
         nt: 1,
         all: Vec::new(),
+        coords: Default::default(),
     };
     for i in 0..3 {
         ctx.grid[i] = ctx.eval_uniform(kernel.launch.grid[i])?;
@@ -501,6 +503,13 @@ pub fn run(kernel: &Kernel, bindings: &Bindings, buffers: &mut [Buffer]) -> Resu
         })?;
     ctx.nt = (ctx.block[0] * ctx.block[1] * ctx.block[2]) as usize;
     ctx.all = (0..total as u32).collect();
+    for (k, &p) in PARALLEL_DIMS.iter().enumerate() {
+        ctx.coords[k] = ctx
+            .all
+            .iter()
+            .map(|&l| coord(l, p, ctx.block, ctx.grid) as u32)
+            .collect();
+    }
 
     let mut slots = FxHashMap::default();
     let mut k = 0;
@@ -728,6 +737,7 @@ impl Exec<'_, '_> {
         let active: Cow<[u32]> = match pred {
             Reg::U(0) => Cow::Owned(Vec::new()),
             Reg::U(_) => Cow::Borrowed(&ctx.all),
+            Reg::V(v) if v.iter().all(|&p| p != 0) => Cow::Borrowed(&ctx.all),
             Reg::V(v) => Cow::Owned(
                 ctx.all
                     .iter()
@@ -737,13 +747,16 @@ impl Exec<'_, '_> {
                     .collect(),
             ),
         };
+        let everyone_active = active.len() == ctx.all.len();
         let out_dt = f.tvs[a.out_tv].dtype;
         let collective = !a.reduced.is_empty();
         if active.is_empty() && !collective {
             return Ok(());
         }
         self.stats.thread_instructions += active.len() as u64;
-        ev.reset_varying();
+        if !everyone_active {
+            ev.reset_varying();
+        }
 
         // The computed value of each active thread.
         let result = match &a.kind {
@@ -953,7 +966,7 @@ impl Exec<'_, '_> {
 
 fn mk_env<'a>(
     uniform: &'a dyn Fn(Symbol) -> Option<i64>,
-    ctx: &Ctx,
+    ctx: &'a Ctx,
     lanes: &'a [u32],
     gathered: &'a FxHashMap<u32, Vec<i64>>,
 ) -> EvalEnv<'a> {
@@ -963,6 +976,7 @@ fn mk_env<'a>(
         block: ctx.block,
         grid: ctx.grid,
         gathered,
+        coords: Some(&ctx.coords),
     }
 }
 

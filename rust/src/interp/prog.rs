@@ -92,6 +92,22 @@ pub struct EvalEnv<'a> {
     pub grid: [i64; 3],
     /// Gathered values bound so far (per lane of `lanes`).
     pub gathered: &'a FxHashMap<u32, Vec<i64>>,
+    /// Coordinates of every thread of the launch, per parallel type (BIDx..TIDz), if
+    /// precomputed.
+    pub coords: Option<&'a [Vec<u32>; 6]>,
+}
+
+/// Slot of a thread/block parallel type in `EvalEnv::coords`.
+pub fn coord_slot(pt: ParallelType) -> Option<usize> {
+    Some(match pt {
+        ParallelType::BIDx => 0,
+        ParallelType::BIDy => 1,
+        ParallelType::BIDz => 2,
+        ParallelType::TIDx => 3,
+        ParallelType::TIDy => 4,
+        ParallelType::TIDz => 5,
+        _ => return None,
+    })
 }
 
 /// Coordinate of parallel type `pt` of global thread id `lane`.
@@ -153,12 +169,18 @@ impl<'p> Evaluator<'p> {
         }
         let r = match self.prog.instrs[s as usize] {
             Instr::Const(c) => Reg::U(c),
-            Instr::Sym(Symbol::ParallelIndex(pt)) => Reg::V(
-                env.lanes
-                    .iter()
-                    .map(|&l| coord(l, pt, env.block, env.grid))
-                    .collect(),
-            ),
+            Instr::Sym(Symbol::ParallelIndex(pt)) => match (env.coords, coord_slot(pt)) {
+                (Some(c), Some(k)) => {
+                    let c = &c[k];
+                    Reg::V(env.lanes.iter().map(|&l| c[l as usize] as i64).collect())
+                }
+                _ => Reg::V(
+                    env.lanes
+                        .iter()
+                        .map(|&l| coord(l, pt, env.block, env.grid))
+                        .collect(),
+                ),
+            },
             Instr::Sym(Symbol::Gathered(g)) => match env.gathered.get(&g) {
                 Some(v) => Reg::V(v.clone()),
                 None => bail_internal!("interpreter: gathered value g{g} used before its read"),
