@@ -245,8 +245,9 @@ def test_random_fusions_match_numpy(c: Case) -> None:
 def test_zz_report_rejection_rate() -> None:
     total = STATS["run"] + STATS["lowering_rejected"]
     if total:
-        print(f"\nproperty tests: {STATS['run']} run, {STATS['lowering_rejected']} rejected by scheduling/lowering "
-              f"({100.0 * STATS['lowering_rejected'] / total:.1f}%)")
+        rejected = STATS["lowering_rejected"]
+        print(f"\nproperty tests: {STATS['run']} run, {rejected} rejected by scheduling/lowering "
+              f"({100.0 * rejected / total:.1f}%)")
         for k, v in sorted(REASONS.items(), key=lambda kv: -kv[1]):
             print(f"  {v:4d}  {k}")
 

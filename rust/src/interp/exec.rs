@@ -397,14 +397,7 @@ impl Mem<'_> {
         Ok(())
     }
 
-    fn read(
-        &mut self,
-        ctx: &Ctx,
-        kname: &str,
-        tv: TvId,
-        lanes: &[u32],
-        offs: &Reg,
-    ) -> Result<Col> {
+    fn read(&mut self, ctx: &Ctx, kname: &str, tv: TvId, lanes: &[u32], offs: &Reg) -> Result<Col> {
         let slot = self.slot(ctx.f, tv)?.clone();
         let phys = self.phys(ctx, kname, &slot, lanes, offs, "read")?;
         {
@@ -767,7 +760,9 @@ impl Exec<'_, '_> {
             AccessKind::Expr { expr } => {
                 let e = &f.exprs[*expr];
                 for &(id, tv, at) in &a.gathers {
-                    let offs = ev.eval(at, &mk_env(&uniform, ctx, &active, &gathered))?.clone();
+                    let offs = ev
+                        .eval(at, &mk_env(&uniform, ctx, &active, &gathered))?
+                        .clone();
                     let vals = mem.read(ctx, kname, tv, &active, &offs)?;
                     gathered.insert(id, vals.to_i64());
                 }
@@ -779,16 +774,17 @@ impl Exec<'_, '_> {
                     }
                     cols.push(Some(match (op, off) {
                         (Operand::Tensor(tv), Some(off)) => {
-                            let offs = ev.eval(*off, &mk_env(&uniform, ctx, &active, &gathered))?.clone();
+                            let offs = ev
+                                .eval(*off, &mk_env(&uniform, ctx, &active, &gathered))?
+                                .clone();
                             mem.read(ctx, kname, *tv, &active, &offs)?
                         }
                         (Operand::Scalar(v), _) => {
                             Col::splat(ctx.value(*v)?, ctx.scalar_dtype(*v), active.len())
                         }
-                        (Operand::Tensor(tv), None) => bail_internal!(
-                            "interpreter: no offset for operand {}",
-                            f.tv_name(*tv)
-                        ),
+                        (Operand::Tensor(tv), None) => {
+                            bail_internal!("interpreter: no offset for operand {}", f.tv_name(*tv))
+                        }
                     }));
                 }
                 let mut take = |i: usize| -> Result<Col> {
@@ -851,11 +847,15 @@ impl Exec<'_, '_> {
             AccessKind::Init { .. } => None,
         };
         let Some((rop, init)) = reduction else {
-            let offs = ev.eval(a.out, &mk_env(&uniform, ctx, &active, &gathered))?.clone();
+            let offs = ev
+                .eval(a.out, &mk_env(&uniform, ctx, &active, &gathered))?
+                .clone();
             return mem.write(ctx, kname, a.out_tv, &active, &offs, &result);
         };
         if !collective {
-            let offs = ev.eval(a.out, &mk_env(&uniform, ctx, &active, &gathered))?.clone();
+            let offs = ev
+                .eval(a.out, &mk_env(&uniform, ctx, &active, &gathered))?
+                .clone();
             let cur = mem.read(ctx, kname, a.out_tv, &active, &offs)?;
             let r = values::combine(rop, cur, result, out_dt)?;
             return mem.write(ctx, kname, a.out_tv, &active, &offs, &r);
@@ -925,7 +925,12 @@ impl Exec<'_, '_> {
                 }
             }
         }
-        let mut acc = v.select(&members[..n_grp].iter().map(|&l| l as usize).collect::<Vec<_>>());
+        let mut acc = v.select(
+            &members[..n_grp]
+                .iter()
+                .map(|&l| l as usize)
+                .collect::<Vec<_>>(),
+        );
         for j in 1..n_red {
             let sel: Vec<usize> = members[j * n_grp..(j + 1) * n_grp]
                 .iter()
@@ -942,14 +947,20 @@ impl Exec<'_, '_> {
         }
         let everyone = !grid && f.tvs[a.out_tv].memory == MemoryType::Local;
         let (writers, r): (Vec<u32>, Col) = if everyone {
-            let sel: Vec<usize> = ctx.all.iter().map(|&l| group_of[l as usize] as usize).collect();
+            let sel: Vec<usize> = ctx
+                .all
+                .iter()
+                .map(|&l| group_of[l as usize] as usize)
+                .collect();
             (ctx.all.clone(), acc.select(&sel))
         } else {
             (members[..n_grp].to_vec(), acc)
         };
         ev.reset_varying();
         gathered.clear();
-        let wp = ev.eval(a.wpred, &mk_env(&uniform, ctx, &writers, &gathered))?.clone();
+        let wp = ev
+            .eval(a.wpred, &mk_env(&uniform, ctx, &writers, &gathered))?
+            .clone();
         let keep: Vec<usize> = (0..writers.len()).filter(|&i| wp.at(i) != 0).collect();
         let writers: Vec<u32> = keep.iter().map(|&i| writers[i]).collect();
         let r = r.select(&keep);
@@ -957,7 +968,9 @@ impl Exec<'_, '_> {
             return Ok(());
         }
         ev.reset_varying();
-        let offs = ev.eval(a.out, &mk_env(&uniform, ctx, &writers, &gathered))?.clone();
+        let offs = ev
+            .eval(a.out, &mk_env(&uniform, ctx, &writers, &gathered))?
+            .clone();
         let cur = mem.read(ctx, kname, a.out_tv, &writers, &offs)?;
         let out = values::combine(rop, cur, r, out_dt)?;
         mem.write(ctx, kname, a.out_tv, &writers, &offs, &out)

@@ -295,7 +295,10 @@ pub fn execute_stats(kernel: &Kernel, inputs: Vec<HostValue>) -> Result<(Vec<Hos
     }
     for (n, &(tv, axis)) in f.extent_sources.iter().enumerate() {
         let Some((_, t)) = tensors.iter().find(|(x, _)| *x == tv) else {
-            crate::bail_internal!("extent i{n} comes from {}, which is not an input", f.tv_name(tv));
+            crate::bail_internal!(
+                "extent i{n} comes from {}, which is not an input",
+                f.tv_name(tv)
+            );
         };
         let Some(&s) = t.shape.get(axis) else {
             crate::bail_internal!("extent i{n}: {} has no axis {axis}", f.tv_name(tv));

@@ -7,7 +7,9 @@ use crate::kernel::{AllocTarget, Node, SyncKind};
 use crate::lower::lower;
 
 fn f32s(n: usize) -> Vec<f32> {
-    (0..n).map(|i| ((i * 7919) % 101) as f32 * 0.01 - 0.5).collect()
+    (0..n)
+        .map(|i| ((i * 7919) % 101) as f32 * 0.01 - 0.5)
+        .collect()
 }
 
 fn input(v: Vec<f32>, shape: Vec<usize>) -> HostValue {
@@ -170,15 +172,19 @@ fn grid_reduction_matches_reference_and_checks_the_semaphore() {
 #[test]
 fn shrunk_allocation_is_out_of_bounds() {
     let mut k = lower(&chain()).unwrap();
-    let n = first_node(&mut k.body, &|n| {
-        matches!(n, Node::Alloc(a) if a.memory == MemoryType::Local)
-    })
+    let n = first_node(
+        &mut k.body,
+        &|n| matches!(n, Node::Alloc(a) if a.memory == MemoryType::Local),
+    )
     .unwrap();
     let Node::Alloc(a) = n else { unreachable!() };
     a.shape = vec![k.fusion.scalars.int(3)];
     let e = execute(&k, vec![input(f32s(1000), vec![1000])]).unwrap_err();
     let m = &e.message;
-    assert!(m.contains("out-of-bounds write of T1 (Local memory) at index 3"), "{m}");
+    assert!(
+        m.contains("out-of-bounds write of T1 (Local memory) at index 3"),
+        "{m}"
+    );
     assert!(m.contains("allocation has 3 elements"), "{m}");
     assert!(m.contains("thread (0, 0, 0) of block (0, 0, 0)"), "{m}");
     assert!(m.starts_with("kernel kernel0:"), "{m}");
@@ -191,8 +197,11 @@ fn skipped_init_is_an_uninitialized_read() {
     let s = f.reduction(ReductionOp::Sum, x, &[1], false, None).unwrap();
     f.add_output(s).unwrap();
     let mut k = lower(&f).unwrap();
-    let n = first_node(&mut k.body, &|n| matches!(n, Node::Loop(l) if l.init_axis.is_some()))
-        .unwrap();
+    let n = first_node(
+        &mut k.body,
+        &|n| matches!(n, Node::Loop(l) if l.init_axis.is_some()),
+    )
+    .unwrap();
     let Node::Loop(l) = n else { unreachable!() };
     l.body.clear();
     let e = execute(&k, vec![input(f32s(12), vec![3, 4])]).unwrap_err();
@@ -215,7 +224,10 @@ fn shared_exchange_needs_a_barrier() {
         let e = execute(&k, args()).unwrap_err();
         let m = &e.message;
         assert!(m.contains("Shared memory race on T2"), "{m}");
-        assert!(m.contains("thread (") && m.contains("block (0, 0, 0)"), "{m}");
+        assert!(
+            m.contains("thread (") && m.contains("block (0, 0, 0)"),
+            "{m}"
+        );
         // Insert the barrier before the consumer's loop: then it runs and is right.
         let pos = k
             .body
@@ -245,9 +257,10 @@ fn shared_exchange_needs_a_barrier() {
 fn barrier_in_a_partial_thread_loop_is_divergent() {
     let mut k = lower(&chain()).unwrap();
     // The TIDx loop has extent 32 = blockDim.x; shrink it to 16 and put a barrier inside.
-    let n = first_node(&mut k.body, &|n| {
-        matches!(n, Node::Loop(l) if l.parallel == ParallelType::TIDx)
-    })
+    let n = first_node(
+        &mut k.body,
+        &|n| matches!(n, Node::Loop(l) if l.parallel == ParallelType::TIDx),
+    )
     .unwrap();
     let Node::Loop(l) = n else { unreachable!() };
     l.extent = k.fusion.scalars.int(16);
@@ -300,7 +313,10 @@ fn dtypes_cast_and_wrap() {
         .collect();
     let outs = execute(
         &k,
-        vec![HostValue::Tensor(HostTensor::contiguous(Data::F16(xs.clone()), vec![3]))],
+        vec![HostValue::Tensor(HostTensor::contiguous(
+            Data::F16(xs.clone()),
+            vec![3],
+        ))],
     )
     .unwrap();
     let Data::F16(y) = &outs[0].data else {

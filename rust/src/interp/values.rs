@@ -468,18 +468,26 @@ pub fn select(c: &Col, a: Col, b: Col) -> Result<Col> {
         bail_internal!("interpreter: where condition is not bool");
     };
     Ok(match (a, b) {
-        (Col::F32(a), Col::F32(b)) => {
-            Col::F32((0..c.len()).map(|i| if c[i] { a[i] } else { b[i] }).collect())
-        }
-        (Col::F64(a), Col::F64(b)) => {
-            Col::F64((0..c.len()).map(|i| if c[i] { a[i] } else { b[i] }).collect())
-        }
-        (Col::I(a), Col::I(b)) => {
-            Col::I((0..c.len()).map(|i| if c[i] { a[i] } else { b[i] }).collect())
-        }
-        (Col::B(a), Col::B(b)) => {
-            Col::B((0..c.len()).map(|i| if c[i] { a[i] } else { b[i] }).collect())
-        }
+        (Col::F32(a), Col::F32(b)) => Col::F32(
+            (0..c.len())
+                .map(|i| if c[i] { a[i] } else { b[i] })
+                .collect(),
+        ),
+        (Col::F64(a), Col::F64(b)) => Col::F64(
+            (0..c.len())
+                .map(|i| if c[i] { a[i] } else { b[i] })
+                .collect(),
+        ),
+        (Col::I(a), Col::I(b)) => Col::I(
+            (0..c.len())
+                .map(|i| if c[i] { a[i] } else { b[i] })
+                .collect(),
+        ),
+        (Col::B(a), Col::B(b)) => Col::B(
+            (0..c.len())
+                .map(|i| if c[i] { a[i] } else { b[i] })
+                .collect(),
+        ),
         (a, b) => bail_internal!(
             "interpreter: where of {} and {} columns",
             a.kind(),
@@ -505,8 +513,14 @@ mod tests {
     #[test]
     fn casts_follow_the_runtime() {
         let c = Col::F32(vec![f32::NAN, 3.7, -3.7, 1e20]);
-        assert_eq!(c.clone().convert(DataType::Int32), Col::I(vec![0, 3, -3, i32::MAX as i64]));
-        assert_eq!(c.convert(DataType::Bool), Col::B(vec![true, true, true, true]));
+        assert_eq!(
+            c.clone().convert(DataType::Int32),
+            Col::I(vec![0, 3, -3, i32::MAX as i64])
+        );
+        assert_eq!(
+            c.convert(DataType::Bool),
+            Col::B(vec![true, true, true, true])
+        );
         let h = Col::F32(vec![0.1]).convert(DataType::Half);
         assert_eq!(h, Col::F32(vec![f16::from_f32(0.1).to_f32()]));
         let i = Col::I(vec![1 << 31]).convert(DataType::Int32);

@@ -121,10 +121,7 @@ fn to_numpy(py: Python<'_>, t: HostTensor) -> PyResult<PyObject> {
         Data::BF16(v) => {
             let bits: Vec<u16> = v.into_iter().map(bf16::to_bits).collect();
             let a = owned(py, bits, &shape, &strides)?;
-            match py
-                .import("ml_dtypes")
-                .and_then(|m| m.getattr("bfloat16"))
-            {
+            match py.import("ml_dtypes").and_then(|m| m.getattr("bfloat16")) {
                 Ok(dt) => a.call_method1("view", (dt,))?,
                 Err(_) => a,
             }
