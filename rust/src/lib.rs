@@ -5,6 +5,7 @@ pub mod analysis;
 pub mod codegen;
 pub mod error;
 pub mod host;
+pub mod interp;
 pub mod ir;
 pub mod kernel;
 pub mod lower;

@@ -129,6 +129,9 @@ pub struct AllocationInfo {
     pub memory: MemoryType,
     /// Allocated ids after loop promotion, outermost first.
     pub ids: Vec<IterDomainId>,
+    /// The tensor's own id behind each entry of `ids` (before promotion): indexing uses
+    /// it where the tensor is read outside the loops it shares.
+    pub own_ids: Vec<IterDomainId>,
     /// Symbolic stride of each id (elements).
     pub strides: Vec<ValId>,
     pub contiguity: Vec<bool>,

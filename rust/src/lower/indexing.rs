@@ -158,8 +158,8 @@ fn offset(
         bail_internal!("{} has no allocation info", f.tv_name(tv));
     };
     let mut acc = f.scalars.int(0);
-    for (&id, &stride) in info.ids.iter().zip(&info.strides) {
-        let Some(&i) = idx.get(&id).or_else(|| groups.get(&id)) else {
+    for ((&id, &own), &stride) in info.ids.iter().zip(&info.own_ids).zip(&info.strides) {
+        let Some(&i) = idx.get(&own).or_else(|| idx.get(&id)).or_else(|| groups.get(&id)) else {
             bail_internal!("no index for allocation id {} of {}", f.id_label(id), f.tv_name(tv));
         };
         let term = f.scalars.mul(i, stride);
@@ -207,6 +207,25 @@ fn predicate(
             let e = f.ids[l].extent;
             let c = f.scalars.lt(i, e);
             pred = f.scalars.binary(ScalarOp::And, pred, c);
+        }
+    }
+    // Every non-divisible split of a non-logical id needs its input bounded too: its
+    // outer part can overrun into indices that alias a different valid element.
+    for t in f.transforms_of(tv) {
+        if let Transform::Split { input, factor, .. } = f.transforms[t] {
+            if f.tvs[tv].logical.contains(&input) {
+                continue;
+            }
+            let it = f.ids[input].iter_type;
+            if it == IterType::Broadcast || (skip_reductions && it == IterType::Reduction) {
+                continue;
+            }
+            let divisible = matches!((f.scalars.as_int(f.ids[input].extent), f.scalars.as_int(factor)), (Some(e), Some(k)) if k > 0 && e % k == 0);
+            if let (false, Some(&i)) = (divisible, idx.get(&input)) {
+                let e = f.ids[input].extent;
+                let c = f.scalars.lt(i, e);
+                pred = f.scalars.binary(ScalarOp::And, pred, c);
+            }
         }
     }
     for l in stack {

@@ -52,6 +52,30 @@ pub fn run(f: &Fusion) -> Result<()> {
         if t.inline_pos > 0 {
             f.check_inline(tv, t.inline_pos)?;
         }
+        // A Local (Shared) value lives in one thread (block): a consumer outside the
+        // shared loops would read it from another one.
+        if t.memory != crate::ir::MemoryType::Global && !t.uses.is_empty() {
+            for (a, &id) in t.loop_domain.iter().enumerate().skip(t.inline_pos) {
+                let p = f.ids[id].parallel;
+                if f.ids[id].iter_type == crate::ir::IterType::Reduction {
+                    continue; // a reduced axis leaves the result in every thread (all-reduce)
+                }
+                let partitions = match t.memory {
+                    crate::ir::MemoryType::Local => p.is_thread_or_block(),
+                    _ => p.is_block(),
+                };
+                if partitions {
+                    bail!(
+                        "{name} is in {} memory but its axis {a} ({}) is parallelized on {} outside its inline position {}; its consumers would read it from another {}: inline {name} past axis {a} or keep the axis serial",
+                        t.memory.enum_name(),
+                        f.id_label(id),
+                        p.enum_name(),
+                        t.inline_pos,
+                        if p.is_block() { "block" } else { "thread" }
+                    );
+                }
+            }
+        }
         if let Some(stages) = t.circular_buffer {
             bail!("{name}: circular buffering ({stages} stages) is not supported by this build's lowering yet");
         }

@@ -1,8 +1,137 @@
-//! Bindings of the CPU interpreter (`kiln._core.execute_cpu`).
+//! Bindings of the CPU interpreter (`kiln._core.execute_cpu`): NumPy arrays in, NumPy
+//! arrays out. Conversion only; the interpreter lives in `crate::interp`.
 
+use half::{bf16, f16};
+use numpy::ndarray::{ArrayD, IxDyn, ShapeBuilder};
+use numpy::{Element, PyArray, PyArrayDyn, PyArrayMethods, PyUntypedArray};
 use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyFloat, PyInt};
+
+use super::{guarded, to_py, PyKernel};
+use crate::error::KilnError;
+use crate::interp::{execute, Data, HostTensor, HostValue, ScalarValue};
+
+/// Read a NumPy array of element type `T`, keeping its (non-negative) strides.
+fn read_array<T: Element + Copy + Default>(
+    x: &Bound<'_, PyAny>,
+    wrap: impl Fn(Vec<T>) -> Data,
+) -> PyResult<HostTensor> {
+    let arr = x.downcast::<PyArrayDyn<T>>()?;
+    let ro = arr.readonly();
+    let view = ro.as_array();
+    let shape: Vec<usize> = view.shape().to_vec();
+    let strides: Vec<isize> = view.strides().to_vec();
+    if let Some(s) = view.as_slice() {
+        return Ok(HostTensor::contiguous(wrap(s.to_vec()), shape));
+    }
+    if strides.iter().any(|&s| s < 0) || shape.contains(&0) {
+        let v: Vec<T> = view.iter().copied().collect();
+        return Ok(HostTensor::contiguous(wrap(v), shape));
+    }
+    // A strided view: keep its layout so the kernel's runtime strides are the array's.
+    let span = 1 + shape.iter().zip(&strides).map(|(&n, &s)| (n - 1) * s as usize).sum::<usize>();
+    let mut data = vec![T::default(); span];
+    for (idx, &v) in view.indexed_iter() {
+        let off: usize = (0..shape.len()).map(|k| idx[k] * strides[k] as usize).sum();
+        data[off] = v;
+    }
+    Ok(HostTensor { data: wrap(data), shape, strides: strides.iter().map(|&s| s as i64).collect() })
+}
+
+fn to_value(py: Python<'_>, i: usize, x: &Bound<'_, PyAny>) -> PyResult<HostValue> {
+    if x.downcast::<PyUntypedArray>().is_ok() {
+        let name: String = x.getattr("dtype")?.getattr("name")?.extract()?;
+        let t = match name.as_str() {
+            "float32" => read_array::<f32>(x, Data::F32)?,
+            "float64" => read_array::<f64>(x, Data::F64)?,
+            "int64" => read_array::<i64>(x, Data::I64)?,
+            "int32" => read_array::<i32>(x, Data::I32)?,
+            "bool" => read_array::<bool>(x, Data::Bool)?,
+            "float16" => read_array::<u16>(&x.call_method1("view", ("uint16",))?, |v| {
+                Data::F16(v.into_iter().map(f16::from_bits).collect())
+            })?,
+            "bfloat16" => read_array::<u16>(&x.call_method1("view", ("uint16",))?, |v| {
+                Data::BF16(v.into_iter().map(bf16::from_bits).collect())
+            })?,
+            other => {
+                return Err(to_py(
+                    py,
+                    KilnError::type_error(format!(
+                        "input {i}: unsupported dtype {other}; expected float32, float64, float16, bfloat16, int64, int32 or bool"
+                    )),
+                ))
+            }
+        };
+        return Ok(HostValue::Tensor(t));
+    }
+    if x.is_instance_of::<PyBool>() {
+        return Ok(HostValue::Scalar(ScalarValue::Bool(x.extract()?)));
+    }
+    if x.is_instance_of::<PyInt>() {
+        return Ok(HostValue::Scalar(ScalarValue::Int(x.extract()?)));
+    }
+    if x.is_instance_of::<PyFloat>() {
+        return Ok(HostValue::Scalar(ScalarValue::Float(x.extract()?)));
+    }
+    Err(to_py(
+        py,
+        KilnError::type_error(format!(
+            "input {i}: expected a NumPy array or a Python number, got {}",
+            x.get_type().name()?
+        )),
+    ))
+}
+
+fn owned<'py, T: Element>(
+    py: Python<'py>,
+    v: Vec<T>,
+    shape: &[usize],
+    strides: &[usize],
+) -> PyResult<Bound<'py, PyAny>> {
+    let a = ArrayD::from_shape_vec(IxDyn(shape).strides(IxDyn(strides)), v)
+        .map_err(|e| to_py(py, KilnError::internal(format!("interpreter output layout: {e}"))))?;
+    Ok(PyArray::from_owned_array(py, a).into_any())
+}
+
+fn to_numpy(py: Python<'_>, t: HostTensor) -> PyResult<PyObject> {
+    let strides: Vec<usize> = t.strides.iter().map(|&s| s.max(0) as usize).collect();
+    let shape = t.shape;
+    let a = match t.data {
+        Data::F32(v) => owned(py, v, &shape, &strides)?,
+        Data::F64(v) => owned(py, v, &shape, &strides)?,
+        Data::I64(v) => owned(py, v, &shape, &strides)?,
+        Data::I32(v) => owned(py, v, &shape, &strides)?,
+        Data::Bool(v) => owned(py, v, &shape, &strides)?,
+        Data::F16(v) => {
+            let bits: Vec<u16> = v.into_iter().map(f16::to_bits).collect();
+            owned(py, bits, &shape, &strides)?.call_method1("view", ("float16",))?
+        }
+        Data::BF16(v) => {
+            let bits: Vec<u16> = v.into_iter().map(bf16::to_bits).collect();
+            let a = owned(py, bits, &shape, &strides)?;
+            match py.import("ml_dtypes").and_then(|m| m.getattr("bfloat16")) {
+                Ok(dt) => a.call_method1("view", (dt,))?,
+                Err(_) => a,
+            }
+        }
+    };
+    Ok(a.unbind())
+}
+
+/// Run a lowered kernel on the CPU: NumPy arrays (and Python numbers for scalar
+/// inputs) in fusion-input order; returns the outputs as NumPy arrays.
+#[pyfunction]
+fn execute_cpu(py: Python<'_>, kernel: &PyKernel, inputs: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<PyObject>> {
+    let mut vals = Vec::with_capacity(inputs.len());
+    for (i, x) in inputs.iter().enumerate() {
+        vals.push(to_value(py, i, x)?);
+    }
+    let outs = guarded(py, || execute(&kernel.inner, vals))?;
+    outs.into_iter().map(|t| to_numpy(py, t)).collect()
+}
 
 /// Register the interpreter's functions on the extension module.
-pub fn register(_m: &Bound<'_, PyModule>) -> PyResult<()> {
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(execute_cpu, m)?)?;
     Ok(())
 }

@@ -185,6 +185,7 @@ pub fn allocation_info(
         tv,
         memory: mem,
         ids: Vec::new(),
+        own_ids: Vec::new(),
         strides: Vec::new(),
         contiguity: Vec::new(),
         position,
@@ -194,6 +195,7 @@ pub fn allocation_info(
     for i in 0..n {
         if let Some(s) = strides[i] {
             out.ids.push(promoted[i]);
+            out.own_ids.push(ids[i]);
             out.strides.push(s);
             out.contiguity.push(contig[i] == Some(true));
         }

@@ -121,6 +121,9 @@ pub fn schedule(f: &mut Fusion, inputs: &[Vec<i64>], red: ExprId) -> Result<Heur
             f.parallelize(x, 2, ParallelType::TIDy)?;
             f.parallelize(x, 3, ParallelType::BIDx)?;
             f.parallelize(x, 4, ParallelType::TIDx)?;
+            // Column tile outermost: [cols/t, t, g, s, 8], so ops after the reduction
+            // can share its column loops.
+            f.reorder(x, &[(3, 0), (4, 1)])?;
         }
         for &x in &after {
             merge_range(f, x, 0, n - k)?;
@@ -130,6 +133,9 @@ pub fn schedule(f: &mut Fusion, inputs: &[Vec<i64>], red: ExprId) -> Result<Heur
         }
         for &x in &before {
             f.inline_at(x, -1)?;
+        }
+        if !after.is_empty() {
+            f.inline_at(r, 2)?;
         }
         for &x in &after {
             if !f.is_output(x) {

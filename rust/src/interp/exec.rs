@@ -1,0 +1,854 @@
+//! Execution of a kernel's loop nest, vectorised over every thread of the grid (SIMT
+//! lockstep: each node runs for all threads before the next), with checked memory.
+
+use std::borrow::Cow;
+
+use rustc_hash::FxHashMap;
+
+use crate::bail_internal;
+use crate::error::{KilnError, Result};
+use crate::interp::prog::{coord, EvalEnv, Evaluator, Prog, Reg};
+use crate::interp::values::{self, Col, Data, ScalarValue};
+use crate::interp::{Bindings, Buffer, Stats};
+use crate::ir::dtype::{promote, PromotionOperand};
+use crate::ir::scalar::Val;
+use crate::ir::{
+    BinaryOp, DataType, ExprId, Fusion, IterType, MemoryType, Op, Operand, ParallelType, Symbol, TvId, ValId,
+};
+use crate::kernel::{AllocTarget, Allocate, Kernel, Node};
+
+/// Largest grid the interpreter runs (threads of all blocks together).
+const MAX_THREADS: i64 = 1 << 24;
+
+const PARALLEL_DIMS: [ParallelType; 6] = [
+    ParallelType::BIDx,
+    ParallelType::BIDy,
+    ParallelType::BIDz,
+    ParallelType::TIDx,
+    ParallelType::TIDy,
+    ParallelType::TIDz,
+];
+
+/// What an Init or Expr node does.
+enum AccessKind {
+    Init { value: ValId },
+    Expr { expr: ExprId },
+}
+
+/// An Init or Expr node with its compiled index program.
+struct Access {
+    kind: AccessKind,
+    out_tv: TvId,
+    prog: Prog,
+    out: u32,
+    inputs: Vec<Option<u32>>,
+    pred: u32,
+    wpred: u32,
+    gathers: Vec<(u32, TvId, u32)>,
+    /// Thread/block parallel types of the reduced enclosing loops (reductions only).
+    reduced: Vec<ParallelType>,
+}
+
+/// The loop nest, compiled once per run.
+enum CNode {
+    Loop { var: Option<u32>, extent: ValId, parallel: ParallelType, body: Vec<CNode> },
+    Alloc(Allocate),
+    Access(Box<Access>),
+    Sync,
+}
+
+fn compile(k: &Kernel, body: &[Node], stack: &mut Vec<(ParallelType, bool)>) -> Result<Vec<CNode>> {
+    let f = &k.fusion;
+    let mut out = Vec::with_capacity(body.len());
+    for n in body {
+        out.push(match n {
+            Node::Loop(l) => {
+                let reduced = l.group.is_some_and(|g| {
+                    k.loops.groups.get(g).is_some_and(|gi| f.ids[gi.promoted].iter_type == IterType::Reduction)
+                });
+                let var = if l.parallel.is_thread_or_block() {
+                    None
+                } else {
+                    match f.scalars.get(l.index) {
+                        Val::Symbol(Symbol::LoopIndex(n)) => Some(n),
+                        _ => bail_internal!(
+                            "interpreter: loop variable {} is not a loop index",
+                            f.scalars.render(l.index)
+                        ),
+                    }
+                };
+                stack.push((l.parallel, reduced));
+                let body = compile(k, &l.body, stack)?;
+                stack.pop();
+                CNode::Loop { var, extent: l.extent, parallel: l.parallel, body }
+            }
+            Node::Alloc(a) => CNode::Alloc(a.clone()),
+            Node::Sync(_) => CNode::Sync,
+            Node::Init { tv, value, index } => {
+                let Some(ix) = index else {
+                    bail_internal!("interpreter: init of {} is not indexed", f.tv_name(*tv));
+                };
+                let mut prog = Prog::default();
+                let out = prog.add(&f.scalars, ix.out)?;
+                let pred = prog.add(&f.scalars, ix.predicate)?;
+                CNode::Access(Box::new(Access {
+                    kind: AccessKind::Init { value: *value },
+                    out_tv: *tv,
+                    prog,
+                    out,
+                    inputs: Vec::new(),
+                    pred,
+                    wpred: pred,
+                    gathers: Vec::new(),
+                    reduced: Vec::new(),
+                }))
+            }
+            Node::Expr { expr, index } => {
+                let e = &f.exprs[*expr];
+                let Some(ix) = index else {
+                    bail_internal!("interpreter: expression of {} is not indexed", f.tv_name(e.output));
+                };
+                let mut prog = Prog::default();
+                let out = prog.add(&f.scalars, ix.out)?;
+                let pred = prog.add(&f.scalars, ix.predicate)?;
+                let wpred = prog.add(&f.scalars, ix.write_predicate)?;
+                let mut gathers = Vec::new();
+                for g in &ix.gathers {
+                    gathers.push((g.id, g.index_tv, prog.add(&f.scalars, g.at)?));
+                }
+                let mut inputs = Vec::new();
+                for v in &ix.inputs {
+                    inputs.push(match v {
+                        Some(v) => Some(prog.add(&f.scalars, *v)?),
+                        None => None,
+                    });
+                }
+                if inputs.len() != e.inputs.len() {
+                    bail_internal!(
+                        "interpreter: {} operands but {} offsets for {}",
+                        e.inputs.len(),
+                        inputs.len(),
+                        f.tv_name(e.output)
+                    );
+                }
+                let reduced = if matches!(e.op, Op::Reduction { .. }) {
+                    let mut r: Vec<ParallelType> =
+                        stack.iter().filter(|(p, red)| *red && p.is_thread_or_block()).map(|(p, _)| *p).collect();
+                    r.dedup();
+                    r
+                } else {
+                    Vec::new()
+                };
+                CNode::Access(Box::new(Access {
+                    kind: AccessKind::Expr { expr: *expr },
+                    out_tv: e.output,
+                    prog,
+                    out,
+                    inputs,
+                    pred,
+                    wpred,
+                    gathers,
+                    reduced,
+                }))
+            }
+        });
+    }
+    Ok(out)
+}
+
+/// Where a tensor's memory lives.
+#[derive(Clone, Copy, Debug)]
+enum Loc {
+    Caller(usize),
+    Own(usize),
+}
+
+/// A tensor's memory as accesses see it.
+#[derive(Clone, Debug)]
+struct Slot {
+    loc: Loc,
+    memory: MemoryType,
+    /// Elements per instance (per thread for Local, per block for Shared).
+    size: usize,
+    name: String,
+}
+
+/// Accesses to one Shared element since the last barrier.
+#[derive(Clone, Copy)]
+struct RaceCell {
+    /// Thread (in block) that wrote, -1 if none.
+    writer: i32,
+    /// Thread that read, -1 if none, -2 if several.
+    reader: i32,
+}
+
+const CLEAN: RaceCell = RaceCell { writer: -1, reader: -1 };
+
+/// Immutable context of a run: sizes, loop indices, launch.
+struct Ctx<'k> {
+    f: &'k Fusion,
+    b: &'k Bindings,
+    loops: Vec<Option<i64>>,
+    grid: [i64; 3],
+    block: [i64; 3],
+    nt: usize,
+    all: Vec<u32>,
+    coords: [Vec<u32>; 6],
+}
+
+impl Ctx<'_> {
+    fn uniform(&self, s: Symbol) -> Option<i64> {
+        match s {
+            Symbol::LoopIndex(n) => self.loops.get(n as usize).copied().flatten(),
+            Symbol::ParallelDim(pt) => Some(match pt {
+                ParallelType::BIDx => self.grid[0],
+                ParallelType::BIDy => self.grid[1],
+                ParallelType::BIDz => self.grid[2],
+                ParallelType::TIDx => self.block[0],
+                ParallelType::TIDy => self.block[1],
+                ParallelType::TIDz => self.block[2],
+                _ => 1,
+            }),
+            Symbol::ParallelIndex(_) | Symbol::Gathered(_) => None,
+            other => self.b.symbol(other),
+        }
+    }
+
+    fn eval_uniform(&self, v: ValId) -> Result<i64> {
+        self.f.scalars.eval(v, &|s| self.uniform(s))
+    }
+
+    fn value(&self, v: ValId) -> Result<ScalarValue> {
+        Ok(match self.f.scalars.get(v) {
+            Val::Int(i) => ScalarValue::Int(i),
+            Val::Float(bits) => ScalarValue::Float(f64::from_bits(bits)),
+            Val::Bool(b) => ScalarValue::Bool(b),
+            Val::Symbol(Symbol::ScalarInput(n)) => match self.b.scalars.get(n as usize) {
+                Some(&s) => s,
+                None => return Err(KilnError::value(format!("interpreter: scalar input s{n} was not given"))),
+            },
+            _ => ScalarValue::Int(self.eval_uniform(v)?),
+        })
+    }
+
+    fn scalar_dtype(&self, v: ValId) -> DataType {
+        self.f.scalars.dtype(v, &self.f.scalar_input_dtypes)
+    }
+
+    fn thread(&self, lane: u32) -> String {
+        let c: Vec<i64> = PARALLEL_DIMS.iter().map(|&p| coord(lane, p, self.block, self.grid)).collect();
+        format!("thread ({}, {}, {}) of block ({}, {}, {})", c[3], c[4], c[5], c[0], c[1], c[2])
+    }
+
+    fn thread_xyz(&self, t_in_block: usize) -> String {
+        let t = t_in_block as i64;
+        let (x, y) = (self.block[0], self.block[1]);
+        format!("({}, {}, {})", t % x, (t / x) % y, t / (x * y))
+    }
+}
+
+/// Mutable memories of a run.
+struct Mem<'b> {
+    caller: &'b mut [Buffer],
+    own: Vec<Buffer>,
+    races: Vec<Option<Vec<RaceCell>>>,
+    slots: FxHashMap<TvId, Slot>,
+    /// Names and locations of the summary's buffers.
+    buffers: Vec<(String, usize)>,
+}
+
+impl Mem<'_> {
+    fn slot(&self, f: &Fusion, tv: TvId) -> Result<&Slot> {
+        self.slots.get(&tv).ok_or_else(|| {
+            KilnError::internal(format!("interpreter: {} is accessed before its Allocate", f.tv_name(tv)))
+        })
+    }
+
+    fn buf(&mut self, loc: Loc) -> &mut Buffer {
+        match loc {
+            Loc::Caller(i) => &mut self.caller[i],
+            Loc::Own(i) => &mut self.own[i],
+        }
+    }
+
+    /// Physical indices of an access, bounds-checked.
+    fn phys(&self, ctx: &Ctx, kname: &str, slot: &Slot, lanes: &[u32], offs: &Reg, what: &str) -> Result<Vec<usize>> {
+        let size = slot.size;
+        let mut out = Vec::with_capacity(lanes.len());
+        for (i, &l) in lanes.iter().enumerate() {
+            let o = offs.at(i);
+            if o < 0 || o as usize >= size {
+                return Err(KilnError::value(format!(
+                    "kernel {kname}: out-of-bounds {what} of {} ({} memory) at index {o}; the allocation has {size} elements; by {}",
+                    slot.name,
+                    slot.memory.enum_name(),
+                    ctx.thread(l)
+                )));
+            }
+            let inst = match slot.memory {
+                MemoryType::Local => l as usize,
+                MemoryType::Shared => l as usize / ctx.nt,
+                MemoryType::Global => 0,
+            };
+            out.push(inst * size + o as usize);
+        }
+        Ok(out)
+    }
+
+    fn race_check(
+        &mut self,
+        ctx: &Ctx,
+        kname: &str,
+        slot: &Slot,
+        lanes: &[u32],
+        phys: &[usize],
+        write: bool,
+    ) -> Result<()> {
+        let Loc::Own(i) = slot.loc else {
+            return Ok(());
+        };
+        let Some(Some(cells)) = self.races.get_mut(i) else {
+            return Ok(());
+        };
+        for (&l, &p) in lanes.iter().zip(phys) {
+            let t = (l as usize % ctx.nt) as i32;
+            let c = &mut cells[p];
+            let other = if write {
+                if c.writer >= 0 && c.writer != t {
+                    Some((c.writer, "writes"))
+                } else if c.reader == -2 || (c.reader >= 0 && c.reader != t) {
+                    Some((c.reader, "reads"))
+                } else {
+                    None
+                }
+            } else if c.writer >= 0 && c.writer != t {
+                Some((c.writer, "writes"))
+            } else {
+                None
+            };
+            if let Some((o, did)) = other {
+                let o_txt = if o == -2 {
+                    "several other threads".to_string()
+                } else {
+                    format!("thread {}", ctx.thread_xyz(o as usize))
+                };
+                let block = ctx.thread(l);
+                let block = block.split(" of ").nth(1).unwrap_or("block").to_string();
+                return Err(KilnError::value(format!(
+                    "kernel {kname}: Shared memory race on {} at index {}: thread {} {} it after {o_txt} {did} it, with no barrier between (in {block})",
+                    slot.name,
+                    p % slot.size.max(1),
+                    ctx.thread_xyz(t as usize),
+                    if write { "writes" } else { "reads" },
+                )));
+            }
+            if write {
+                c.writer = t;
+            } else if c.reader == -1 {
+                c.reader = t;
+            } else if c.reader != t {
+                c.reader = -2;
+            }
+        }
+        Ok(())
+    }
+
+    fn read(&mut self, ctx: &Ctx, kname: &str, tv: TvId, lanes: &[u32], offs: &Reg) -> Result<Col> {
+        let slot = self.slot(ctx.f, tv)?.clone();
+        let phys = self.phys(ctx, kname, &slot, lanes, offs, "read")?;
+        {
+            let buf = self.buf(slot.loc);
+            if let Some(w) = &buf.written {
+                for (i, &p) in phys.iter().enumerate() {
+                    if !w[p] {
+                        return Err(KilnError::value(format!(
+                            "kernel {kname}: read of uninitialized memory: {} ({} memory) at index {} was never written; by {}",
+                            slot.name,
+                            slot.memory.enum_name(),
+                            offs.at(i),
+                            ctx.thread(lanes[i])
+                        )));
+                    }
+                }
+            }
+        }
+        self.race_check(ctx, kname, &slot, lanes, &phys, false)?;
+        Ok(self.buf(slot.loc).data.gather(&phys))
+    }
+
+    fn write(&mut self, ctx: &Ctx, kname: &str, tv: TvId, lanes: &[u32], offs: &Reg, col: &Col) -> Result<()> {
+        let slot = self.slot(ctx.f, tv)?.clone();
+        let phys = self.phys(ctx, kname, &slot, lanes, offs, "write")?;
+        self.race_check(ctx, kname, &slot, lanes, &phys, true)?;
+        let buf = self.buf(slot.loc);
+        buf.data.scatter(&phys, col)?;
+        if let Some(w) = &mut buf.written {
+            for &p in &phys {
+                w[p] = true;
+            }
+        }
+        Ok(())
+    }
+
+    fn reset_races(&mut self) {
+        for c in self.races.iter_mut().flatten() {
+            c.fill(CLEAN);
+        }
+    }
+}
+
+/// Run `kernel` over `buffers` (inputs, outputs, then the summary's global buffers).
+pub fn run(kernel: &Kernel, bindings: &Bindings, buffers: &mut [Buffer]) -> Result<Stats> {
+    let f = &kernel.fusion;
+    let kname = bindings.kernel_name.as_str();
+    let n_in = f.inputs.iter().filter(|o| o.tensor().is_some()).count();
+    let n_out = f.outputs.len();
+    let n_glob = kernel.summary.global_allocations.len();
+    if buffers.len() != n_in + n_out + n_glob {
+        return Err(KilnError::value(format!(
+            "kernel {kname}: expected {} buffers ({n_in} inputs, {n_out} outputs, {n_glob} global buffers), got {}",
+            n_in + n_out + n_glob,
+            buffers.len()
+        )));
+    }
+    let mut ctx = Ctx {
+        f,
+        b: bindings,
+        loops: Vec::new(),
+        grid: [1; 3],
+        block: [1; 3],
+        nt: 1,
+        all: Vec::new(),
+        coords: Default::default(),
+    };
+    for i in 0..3 {
+        ctx.grid[i] = ctx.eval_uniform(kernel.launch.grid[i])?;
+        ctx.block[i] = ctx.eval_uniform(kernel.launch.block[i])?;
+    }
+    let dims: Vec<i64> = ctx.grid.iter().chain(ctx.block.iter()).copied().collect();
+    if dims.iter().any(|&d| d < 1) {
+        return Err(KilnError::value(format!(
+            "kernel {kname}: launch grid {:?} block {:?} has an empty dimension",
+            ctx.grid, ctx.block
+        )));
+    }
+    let total = dims
+        .iter()
+        .try_fold(1i64, |a, &d| a.checked_mul(d))
+        .filter(|&t| t <= MAX_THREADS)
+        .ok_or_else(|| {
+            KilnError::value(format!(
+                "kernel {kname}: launch grid {:?} block {:?} is too large for the interpreter (at most {MAX_THREADS} threads)",
+                ctx.grid, ctx.block
+            ))
+        })?;
+    ctx.nt = (ctx.block[0] * ctx.block[1] * ctx.block[2]) as usize;
+    ctx.all = (0..total as u32).collect();
+    for (k, &p) in PARALLEL_DIMS.iter().enumerate() {
+        ctx.coords[k] = ctx.all.iter().map(|&l| coord(l, p, ctx.block, ctx.grid) as u32).collect();
+    }
+
+    let mut slots = FxHashMap::default();
+    let mut k = 0;
+    for op in &f.inputs {
+        if let Operand::Tensor(tv) = op {
+            slots.insert(*tv, global_slot(f, *tv, Loc::Caller(k), &buffers[k], None));
+            k += 1;
+        }
+    }
+    for &tv in &f.outputs {
+        slots.insert(tv, global_slot(f, tv, Loc::Caller(k), &buffers[k], None));
+        k += 1;
+    }
+    let mut named = Vec::new();
+    for (i, g) in kernel.summary.global_allocations.iter().enumerate() {
+        let at = n_in + n_out + i;
+        if let Some(tv) = g.tv {
+            slots.insert(tv, global_slot(f, tv, Loc::Caller(at), &buffers[at], Some(&g.name)));
+        }
+        named.push((g.name.clone(), at));
+    }
+    let mut mem = Mem { caller: buffers, own: Vec::new(), races: Vec::new(), slots, buffers: named };
+    let body = compile(kernel, &kernel.body, &mut Vec::new())?;
+    let mut ex = Exec {
+        k: kernel,
+        kname,
+        ctx,
+        mem,
+        par: Vec::new(),
+        stats: Stats { threads: total as u64, ..Stats::default() },
+    };
+    ex.nodes(&body)?;
+    mem = ex.mem;
+    drop(mem);
+    Ok(ex.stats)
+}
+
+fn global_slot(f: &Fusion, tv: TvId, loc: Loc, buf: &Buffer, name: Option<&str>) -> Slot {
+    Slot {
+        loc,
+        memory: MemoryType::Global,
+        size: buf.data.len(),
+        name: name.map(str::to_string).unwrap_or_else(|| f.tv_name(tv)),
+    }
+}
+
+struct Exec<'k, 'b> {
+    k: &'k Kernel,
+    kname: &'k str,
+    ctx: Ctx<'k>,
+    mem: Mem<'b>,
+    /// Enclosing thread/block loops and their extents (for divergent barriers).
+    par: Vec<(ParallelType, i64)>,
+    stats: Stats,
+}
+
+impl Exec<'_, '_> {
+    fn nodes(&mut self, body: &[CNode]) -> Result<()> {
+        for n in body {
+            match n {
+                CNode::Loop { var, extent, parallel, body } => {
+                    let e = self.ctx.eval_uniform(*extent)?;
+                    match var {
+                        None => {
+                            self.par.push((*parallel, e));
+                            self.nodes(body)?;
+                            self.par.pop();
+                        }
+                        Some(v) => {
+                            let v = *v as usize;
+                            if self.ctx.loops.len() <= v {
+                                self.ctx.loops.resize(v + 1, None);
+                            }
+                            for i in 0..e {
+                                self.ctx.loops[v] = Some(i);
+                                self.nodes(body)?;
+                            }
+                            self.ctx.loops[v] = None;
+                        }
+                    }
+                }
+                CNode::Alloc(a) => self.alloc(a)?,
+                CNode::Sync => {
+                    for &(p, e) in &self.par {
+                        let dim = match p {
+                            ParallelType::TIDx => self.ctx.block[0],
+                            ParallelType::TIDy => self.ctx.block[1],
+                            ParallelType::TIDz => self.ctx.block[2],
+                            _ => continue,
+                        };
+                        if e < dim {
+                            return Err(KilnError::value(format!(
+                                "kernel {}: divergent barrier: __syncthreads() inside a {} loop of extent {e} is reached by only {e} of {dim} threads",
+                                self.kname,
+                                p.enum_name()
+                            )));
+                        }
+                    }
+                    self.mem.reset_races();
+                }
+                CNode::Access(a) => self.access(a)?,
+            }
+        }
+        Ok(())
+    }
+
+    fn alloc(&mut self, a: &Allocate) -> Result<()> {
+        let f = &self.k.fusion;
+        let mut size: usize = 1;
+        for &s in &a.shape {
+            let e = self.ctx.eval_uniform(s)?;
+            size = usize::try_from(e).ok().and_then(|e| size.checked_mul(e)).ok_or_else(|| {
+                KilnError::value(format!(
+                    "kernel {}: allocation of {} has a bad size {e}",
+                    self.kname,
+                    f.scalars.render(s)
+                ))
+            })?;
+        }
+        let (name, tv) = match a.target {
+            AllocTarget::Tensor(tv) => (f.tv_name(tv), Some(tv)),
+            AllocTarget::Buffer(i) => match self.k.summary.global_allocations.get(i) {
+                Some(g) => (g.name.clone(), None),
+                None => bail_internal!("interpreter: Allocate of unknown buffer {i}"),
+            },
+        };
+        match a.memory {
+            MemoryType::Global => {
+                // The caller provides Global buffers; check their size against the Allocate.
+                let loc = match a.target {
+                    AllocTarget::Tensor(tv) => self.mem.slot(f, tv)?.loc,
+                    AllocTarget::Buffer(i) => Loc::Caller(self.mem.buffers[i].1),
+                };
+                let have = self.mem.buf(loc).data.len();
+                if have != size {
+                    return Err(KilnError::value(format!(
+                        "kernel {}: Global buffer {name} has {have} elements but its Allocate needs {size}",
+                        self.kname
+                    )));
+                }
+                Ok(())
+            }
+            MemoryType::Local | MemoryType::Shared => {
+                let Some(tv) = tv else {
+                    bail_internal!("interpreter: {name} is a non-tensor buffer in on-chip memory");
+                };
+                let instances =
+                    if a.memory == MemoryType::Local { self.ctx.all.len() } else { self.ctx.all.len() / self.ctx.nt };
+                let n = size.checked_mul(instances).filter(|&n| n <= 1 << 31).ok_or_else(|| {
+                    KilnError::value(format!(
+                        "kernel {}: {name} ({} memory) needs {size} elements for each of {instances} {}: too large for the interpreter",
+                        self.kname,
+                        a.memory.enum_name(),
+                        if a.memory == MemoryType::Local { "threads" } else { "blocks" }
+                    ))
+                })?;
+                // Fresh (uninitialised) memory every time the Allocate runs.
+                let fresh = Buffer { data: Data::zeros(a.dtype, n), written: Some(vec![false; n]) };
+                let races = (a.memory == MemoryType::Shared).then(|| vec![CLEAN; n]);
+                let loc = match self.mem.slots.get(&tv) {
+                    Some(Slot { loc: Loc::Own(i), .. }) => {
+                        let i = *i;
+                        self.mem.own[i] = fresh;
+                        self.mem.races[i] = races;
+                        Loc::Own(i)
+                    }
+                    _ => {
+                        self.mem.own.push(fresh);
+                        self.mem.races.push(races);
+                        Loc::Own(self.mem.own.len() - 1)
+                    }
+                };
+                self.mem.slots.insert(tv, Slot { loc, memory: a.memory, size, name });
+                Ok(())
+            }
+        }
+    }
+
+    fn access(&mut self, a: &Access) -> Result<()> {
+        let f = &self.k.fusion;
+        let kname = self.kname;
+        let ctx = &self.ctx;
+        let mem = &mut self.mem;
+        let uniform = |s: Symbol| ctx.uniform(s);
+        let mut gathered: FxHashMap<u32, Vec<i64>> = FxHashMap::default();
+        let mut ev = Evaluator::new(&a.prog);
+        // Which threads compute.
+        let pred = ev.eval(a.pred, &mk_env(&uniform, ctx, &ctx.all, &gathered))?;
+        let active: Cow<[u32]> = match pred {
+            Reg::U(0) => Cow::Owned(Vec::new()),
+            Reg::U(_) => Cow::Borrowed(&ctx.all),
+            Reg::V(v) if v.iter().all(|&p| p != 0) => Cow::Borrowed(&ctx.all),
+            Reg::V(v) => Cow::Owned(ctx.all.iter().zip(v).filter(|(_, &p)| p != 0).map(|(&l, _)| l).collect()),
+        };
+        let everyone_active = active.len() == ctx.all.len();
+        let out_dt = f.tvs[a.out_tv].dtype;
+        let collective = !a.reduced.is_empty();
+        if active.is_empty() && !collective {
+            return Ok(());
+        }
+        self.stats.thread_instructions += active.len() as u64;
+        if !everyone_active {
+            ev.reset_varying();
+        }
+
+        // The computed value of each active thread.
+        let result = match &a.kind {
+            AccessKind::Init { value } => {
+                Col::splat(ctx.value(*value)?, ctx.scalar_dtype(*value), active.len()).convert(out_dt)
+            }
+            AccessKind::Expr { expr } => {
+                let e = &f.exprs[*expr];
+                for &(id, tv, at) in &a.gathers {
+                    let offs = ev.eval(at, &mk_env(&uniform, ctx, &active, &gathered))?.clone();
+                    let vals = mem.read(ctx, kname, tv, &active, &offs)?;
+                    gathered.insert(id, vals.to_i64());
+                }
+                let mut cols: Vec<Option<Col>> = Vec::with_capacity(e.inputs.len());
+                for (pos, (op, off)) in e.inputs.iter().zip(&a.inputs).enumerate() {
+                    if matches!(e.op, Op::IndexSelect { .. }) && pos == 1 {
+                        cols.push(None);
+                        continue;
+                    }
+                    cols.push(Some(match (op, off) {
+                        (Operand::Tensor(tv), Some(off)) => {
+                            let offs = ev.eval(*off, &mk_env(&uniform, ctx, &active, &gathered))?.clone();
+                            mem.read(ctx, kname, *tv, &active, &offs)?
+                        }
+                        (Operand::Scalar(v), _) => Col::splat(ctx.value(*v)?, ctx.scalar_dtype(*v), active.len()),
+                        (Operand::Tensor(tv), None) => {
+                            bail_internal!("interpreter: no offset for operand {}", f.tv_name(*tv))
+                        }
+                    }));
+                }
+                let mut take = |i: usize| -> Result<Col> {
+                    match cols.get_mut(i).and_then(Option::take) {
+                        Some(c) => Ok(c),
+                        None => bail_internal!("interpreter: missing operand {i}"),
+                    }
+                };
+                match &e.op {
+                    Op::Unary(u) => values::unary(*u, take(0)?.convert(out_dt), out_dt)?,
+                    Op::Binary(b) => {
+                        let cmp = matches!(
+                            b,
+                            BinaryOp::Eq | BinaryOp::Ne | BinaryOp::Lt | BinaryOp::Le | BinaryOp::Gt | BinaryOp::Ge
+                        );
+                        let (x, y) = (take(0)?, take(1)?);
+                        if cmp {
+                            let ops: Vec<PromotionOperand> = e
+                                .inputs
+                                .iter()
+                                .map(|&o| PromotionOperand {
+                                    dtype: self_dtype(f, ctx, o),
+                                    is_tensor: o.tensor().is_some(),
+                                })
+                                .collect();
+                            let c = promote(&ops);
+                            values::compare(*b, x.convert(c), y.convert(c))?
+                        } else {
+                            values::arith(*b, x.convert(out_dt), y.convert(out_dt), out_dt)?
+                        }
+                    }
+                    Op::Where => {
+                        let c = take(0)?.convert(DataType::Bool);
+                        values::select(&c, take(1)?.convert(out_dt), take(2)?.convert(out_dt))?
+                    }
+                    Op::Cast(dt) => take(0)?.convert(*dt),
+                    Op::Set
+                    | Op::Broadcast { .. }
+                    | Op::Permute { .. }
+                    | Op::IndexSelect { .. }
+                    | Op::Reduction { .. } => take(0)?.convert(out_dt),
+                    Op::Full { value } => {
+                        Col::splat(ctx.value(*value)?, ctx.scalar_dtype(*value), active.len()).convert(out_dt)
+                    }
+                }
+            }
+        };
+
+        let reduction = match &a.kind {
+            AccessKind::Expr { expr } => match f.exprs[*expr].op {
+                Op::Reduction { op, init } => Some((op, init)),
+                _ => None,
+            },
+            AccessKind::Init { .. } => None,
+        };
+        let Some((rop, init)) = reduction else {
+            let offs = ev.eval(a.out, &mk_env(&uniform, ctx, &active, &gathered))?.clone();
+            return mem.write(ctx, kname, a.out_tv, &active, &offs, &result);
+        };
+        if !collective {
+            let offs = ev.eval(a.out, &mk_env(&uniform, ctx, &active, &gathered))?.clone();
+            let cur = mem.read(ctx, kname, a.out_tv, &active, &offs)?;
+            let r = values::combine(rop, cur, result, out_dt)?;
+            return mem.write(ctx, kname, a.out_tv, &active, &offs, &r);
+        }
+
+        // Block or grid reduction over the reduced parallel types.
+        let total = ctx.all.len();
+        let mut v = Col::splat(ctx.value(init)?, ctx.scalar_dtype(init), total).convert(out_dt);
+        let pos: Vec<usize> = active.iter().map(|&l| l as usize).collect();
+        v.place(&pos, &result)?;
+        let dim = |p: ParallelType| -> i64 {
+            match p {
+                ParallelType::BIDx => ctx.grid[0],
+                ParallelType::BIDy => ctx.grid[1],
+                ParallelType::BIDz => ctx.grid[2],
+                ParallelType::TIDx => ctx.block[0],
+                ParallelType::TIDy => ctx.block[1],
+                _ => ctx.block[2],
+            }
+        };
+        let red: Vec<ParallelType> = PARALLEL_DIMS.iter().copied().filter(|p| a.reduced.contains(p)).collect();
+        let kept: Vec<ParallelType> = PARALLEL_DIMS.iter().copied().filter(|p| !a.reduced.contains(p)).collect();
+        let n_red: i64 = red.iter().map(|&p| dim(p)).product();
+        let n_grp: i64 = kept.iter().map(|&p| dim(p)).product();
+        let (n_red, n_grp) = (n_red as usize, n_grp as usize);
+        let mut members = vec![0u32; total];
+        let mut group_of = vec![0u32; total];
+        for &l in ctx.all.iter() {
+            let mut g = 0i64;
+            for &p in &kept {
+                g = g * dim(p) + coord(l, p, ctx.block, ctx.grid);
+            }
+            let mut j = 0i64;
+            for &p in &red {
+                j = j * dim(p) + coord(l, p, ctx.block, ctx.grid);
+            }
+            members[j as usize * n_grp + g as usize] = l;
+            group_of[l as usize] = g as u32;
+        }
+        let grid = red.iter().any(|p| p.is_block());
+        let sync_name = format!("{}_sync", f.tv_name(a.out_tv));
+        let work_name = format!("{}_work", f.tv_name(a.out_tv));
+        if grid {
+            let Some(&(_, at)) = mem.buffers.iter().find(|(n, _)| *n == sync_name) else {
+                bail_internal!(
+                    "interpreter: grid reduction of {} has no {sync_name} semaphore buffer",
+                    f.tv_name(a.out_tv)
+                );
+            };
+            let buf = &mem.caller[at];
+            for i in 0..buf.data.len() {
+                let written = buf.written.as_ref().is_none_or(|w| w[i]);
+                if !written || buf.data.get(i) != ScalarValue::Int(0) {
+                    return Err(KilnError::value(format!(
+                        "kernel {kname}: semaphore not zeroed: {sync_name}[{i}] is {} at the grid reduction of {} (the buffer must be zero-initialised and left zero by every reduction)",
+                        if written { format!("{:?}", buf.data.get(i)) } else { "uninitialized".into() },
+                        f.tv_name(a.out_tv)
+                    )));
+                }
+            }
+        }
+        let mut acc = v.select(&members[..n_grp].iter().map(|&l| l as usize).collect::<Vec<_>>());
+        for j in 1..n_red {
+            let sel: Vec<usize> = members[j * n_grp..(j + 1) * n_grp].iter().map(|&l| l as usize).collect();
+            acc = values::combine(rop, acc, v.select(&sel), out_dt)?;
+        }
+        if grid {
+            if let Some(&(_, at)) = mem.buffers.iter().find(|(n, _)| *n == work_name) {
+                if let Some(w) = &mut mem.caller[at].written {
+                    w.fill(true);
+                }
+            }
+        }
+        let everyone = !grid && f.tvs[a.out_tv].memory == MemoryType::Local;
+        let (writers, r): (Vec<u32>, Col) = if everyone {
+            let sel: Vec<usize> = ctx.all.iter().map(|&l| group_of[l as usize] as usize).collect();
+            (ctx.all.clone(), acc.select(&sel))
+        } else {
+            (members[..n_grp].to_vec(), acc)
+        };
+        ev.reset_varying();
+        gathered.clear();
+        let wp = ev.eval(a.wpred, &mk_env(&uniform, ctx, &writers, &gathered))?.clone();
+        let keep: Vec<usize> = (0..writers.len()).filter(|&i| wp.at(i) != 0).collect();
+        let writers: Vec<u32> = keep.iter().map(|&i| writers[i]).collect();
+        let r = r.select(&keep);
+        if writers.is_empty() {
+            return Ok(());
+        }
+        ev.reset_varying();
+        let offs = ev.eval(a.out, &mk_env(&uniform, ctx, &writers, &gathered))?.clone();
+        let cur = mem.read(ctx, kname, a.out_tv, &writers, &offs)?;
+        let out = values::combine(rop, cur, r, out_dt)?;
+        mem.write(ctx, kname, a.out_tv, &writers, &offs, &out)
+    }
+}
+
+fn mk_env<'a>(
+    uniform: &'a dyn Fn(Symbol) -> Option<i64>,
+    ctx: &'a Ctx,
+    lanes: &'a [u32],
+    gathered: &'a FxHashMap<u32, Vec<i64>>,
+) -> EvalEnv<'a> {
+    EvalEnv { uniform, lanes, block: ctx.block, grid: ctx.grid, gathered, coords: Some(&ctx.coords) }
+}
+
+fn self_dtype(f: &Fusion, ctx: &Ctx, o: Operand) -> DataType {
+    match o {
+        Operand::Tensor(t) => f.tvs[t].dtype,
+        Operand::Scalar(v) => ctx.scalar_dtype(v),
+    }
+}
