@@ -1,5 +1,5 @@
-"""``fd.execute``: pick the device from the inputs, validate, run, return outputs of the
-same kind as the inputs."""
+"""``fd.execute``: pick the device from the inputs, validate, run the host program, return
+outputs of the same kind as the inputs."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ def _kind(x: Any) -> str:
 
 def execute(fd: Any, inputs: Sequence[Any], device: Optional[str]) -> List[Any]:
     """Run ``fd`` on ``inputs``; ``device`` is ``"cpu"``, ``"cuda"`` or None (from the inputs)."""
+    from .fusion import dump_enabled  # noqa: PLC0415
+
     check_inputs(fd, inputs)
     kinds = {_kind(x) for x in inputs if _kind(x) != "scalar"}
     if device is None:
@@ -32,32 +34,22 @@ def execute(fd: Any, inputs: Sequence[Any], device: Optional[str]) -> List[Any]:
         raise KilnTypeError("device='cuda' needs CuPy arrays or torch CUDA tensors, got NumPy arrays")
     if len(kinds) > 1:
         raise KilnTypeError(f"all inputs must be of one kind (NumPy, CuPy or torch), got {sorted(kinds)}")
-    kernel = fd._lowered()
+    if "other" in kinds:
+        bad = next(i for i, x in enumerate(inputs) if _kind(x) == "other")
+        raise KilnTypeError(f"input {bad}: expected a NumPy or CuPy array or a torch tensor, "
+                            f"got {type(inputs[bad]).__name__}")
+    low = fd._lowered()
+    if dump_enabled("host_ir"):
+        print(low.host_program)
     if device == "cpu":
         from . import _core  # noqa: PLC0415
+        from .host import run_on_cpu  # noqa: PLC0415
 
         if not hasattr(_core, "execute_cpu"):
-            raise KilnError("this build of kiln has no CPU interpreter")
-        return list(_core.execute_cpu(kernel._core, list(inputs)))
+            raise KilnError("this build of kiln has no CPU interpreter (kiln._core.execute_cpu); "
+                            "run on a GPU with CuPy arrays or torch CUDA tensors")
+        return run_on_cpu(low, inputs, _core.execute_cpu)
     if not fd._core.manually_scheduled:
         raise KilnError("automatic scheduling is not available in this build: schedule the fusion by hand "
                         "(split/parallelize/inline_at) before running it on the GPU")
-    return _run_gpu(kernel, inputs, "torch" in kinds)
-
-
-def _run_gpu(kernel: Any, inputs: Sequence[Any], torch_out: bool) -> List[Any]:
-    from .runtime.executor import as_cupy  # noqa: PLC0415
-    from .runtime.kernel_executor import KernelExecutor  # noqa: PLC0415
-
-    ex = getattr(kernel, "_executor", None)
-    if ex is None:
-        ex = KernelExecutor(kernel)
-        kernel._executor = ex
-    arrays = [as_cupy(x) for x in inputs if _kind(x) != "scalar"]
-    scalars = [x for x in inputs if _kind(x) == "scalar"]
-    outs = ex.run(arrays, scalars)
-    if torch_out:
-        import torch  # noqa: PLC0415
-
-        return [torch.as_tensor(o, device="cuda") for o in outs]
-    return outs
+    return low.evaluator().run(inputs)

@@ -84,7 +84,8 @@ pub struct HostProgram {
     /// The original fusion: symbols are bound from its inputs.
     pub fusion: Fusion,
     pub kernels: Vec<Kernel>,
-    pub cuda: Vec<CudaKernel>,
+    /// Generated CUDA of each kernel; a codegen error surfaces when the program is planned.
+    pub cuda: Vec<crate::Result<CudaKernel>>,
     pub buffers: Vec<HostBuffer>,
     pub instrs: Vec<HostInstr>,
 }

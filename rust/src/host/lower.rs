@@ -52,7 +52,7 @@ pub fn lower_program(f: &Fusion) -> Result<HostProgram> {
     for (k, seg) in segs.iter().enumerate() {
         let sf = segment_fusion(f, seg);
         let kernel = crate::lower::lower(&sf).map_err(|e| context(k, e))?;
-        let code = crate::codegen::generate(&kernel).map_err(|e| context(k, e))?;
+        let code = crate::codegen::generate(&kernel).map_err(|e| context(k, e));
         let inputs = seg
             .inputs
             .iter()

@@ -167,7 +167,8 @@ pub fn plan_program(
                 outputs,
                 intermediates,
             } => {
-                let launch = kernel_launch(&p.kernels[*kernel], &p.cuda[*kernel], &b)?;
+                let cuda = p.cuda[*kernel].as_ref().map_err(Clone::clone)?;
+                let launch = kernel_launch(&p.kernels[*kernel], cuda, &b)?;
                 let memsets = intermediates
                     .iter()
                     .copied()

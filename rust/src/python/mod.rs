@@ -835,27 +835,58 @@ impl PyHostProgram {
             .zip(&self.inner.cuda)
             .map(|(k, c)| {
                 let pk = PyKernel::new(k.clone());
-                let _ = pk.cuda.set(c.clone());
+                if let Ok(c) = c {
+                    let _ = pk.cuda.set(c.clone());
+                }
                 pk
             })
             .collect()
     }
 
-    /// Instructions as (op, kernel or -1, buffer names).
-    fn instructions(&self) -> Vec<(&'static str, i64, Vec<String>)> {
+    /// Instructions as (op, kernel or -1, buffers, outputs, intermediates): Allocate and
+    /// Deallocate name one buffer; LaunchKernel lists inputs, outputs and intermediates.
+    #[allow(clippy::type_complexity)]
+    fn instructions(&self) -> Vec<(&'static str, i64, Vec<String>, Vec<String>, Vec<String>)> {
         use crate::host::ir::HostInstr as I;
-        let name = |b: &usize| self.inner.buffers[*b].name.clone();
+        let names = |bs: &[usize]| -> Vec<String> {
+            bs.iter().map(|b| self.inner.buffers[*b].name.clone()).collect()
+        };
         self.inner
             .instrs
             .iter()
             .map(|i| match i {
-                I::Allocate(b) => ("Allocate", -1, vec![name(b)]),
-                I::Deallocate(b) => ("Deallocate", -1, vec![name(b)]),
-                I::LaunchKernel { kernel, .. } => {
-                    ("LaunchKernel", *kernel as i64, i.uses().iter().map(name).collect())
-                }
+                I::Allocate(b) => ("Allocate", -1, names(&[*b]), vec![], vec![]),
+                I::Deallocate(b) => ("Deallocate", -1, names(&[*b]), vec![], vec![]),
+                I::LaunchKernel {
+                    kernel,
+                    inputs,
+                    outputs,
+                    intermediates,
+                } => (
+                    "LaunchKernel",
+                    *kernel as i64,
+                    names(inputs),
+                    names(outputs),
+                    names(intermediates),
+                ),
             })
             .collect()
+    }
+
+    /// Names of the fusion's tensor inputs, in order.
+    fn input_names(&self) -> Vec<String> {
+        let f = &self.inner.fusion;
+        f.inputs
+            .iter()
+            .filter_map(|o| o.tensor())
+            .map(|t| f.tv_name(t))
+            .collect()
+    }
+
+    /// Names of the fusion's outputs, in order.
+    fn output_names(&self) -> Vec<String> {
+        let f = &self.inner.fusion;
+        f.outputs.iter().map(|&t| f.tv_name(t)).collect()
     }
 
     /// Number of plans evaluated so far (misses of the per-signature cache).
