@@ -55,7 +55,8 @@ def test_grid_reduction_program_lists_work_buffer_and_semaphore(serial):
     assert allocs[0].startswith("Allocate T1 [i1] float")
     work, sync = allocs[1], allocs[2]
     assert work.startswith("Allocate T1_work [") and "zero_init=false resets_to_zero=false" in work
-    assert sync == f"Allocate T1_sync [ceilDiv(i1, 128)] int64 zero_init=true resets_to_zero={str(serial).lower()}"
+    flags = f"zero_init=true resets_to_zero={str(serial).lower()}"
+    assert sync == f"Allocate T1_sync [ceilDiv(i1, 128)] int64 {flags}"
     # Same order as the kernel's buffer parameters, flags as in KernelSummary.
     k = low.kernels[0]
     assert [p[0] for p in k.params if p[1] == "buffer"] == ["T1_work", "T1_sync"]

@@ -100,7 +100,8 @@ def _elem_strides(x: Any, kind: str) -> List[int]:
     return [s // item for s in x.strides]
 
 
-def plan_program(program: Any, arrays: Sequence[Any], scalars: Sequence[Any], kind: str = "cupy") -> ProgramPlan:
+def plan_program(program: Any, arrays: Sequence[Any], scalars: Sequence[Any],
+                 kind: str = "cupy") -> ProgramPlan:
     """Evaluate ``program`` (a ``kiln._core.HostProgram``) for arrays like ``arrays``."""
     sizes = [[int(s) for s in x.shape] for x in arrays]
     strides = [_elem_strides(x, kind) for x in arrays]
@@ -289,7 +290,8 @@ class HostEvaluator:
 
                 tdt = getattr(torch, _ITEMSIZE_NAMES[b.dtype])
 
-                def alloc(shape: Tuple[int, ...] = stored, tdt: Any = tdt, device: Any = device) -> Tuple[Any, int]:
+                def alloc(shape: Tuple[int, ...] = stored, tdt: Any = tdt,
+                          device: Any = device) -> Tuple[Any, int]:
                     o = torch.empty(shape, dtype=tdt, device=device)
                     return o, o.data_ptr()
             else:
@@ -336,7 +338,8 @@ class HostEvaluator:
         return r.plan
 
 
-def run_on_cpu(lowered: Any, inputs: Sequence[Any], launcher: Callable[[Any, List[Any]], Sequence[Any]]) -> List[Any]:
+def run_on_cpu(lowered: Any, inputs: Sequence[Any],
+               launcher: Callable[[Any, List[Any]], Sequence[Any]]) -> List[Any]:
     """Walk the host program on the CPU: ``launcher(kernel_core, kernel_inputs)`` runs one
     kernel (tensor inputs then scalars, e.g. ``kiln._core.execute_cpu``) and returns its
     outputs; kernel-internal buffers are the launcher's business."""

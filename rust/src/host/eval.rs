@@ -141,7 +141,11 @@ pub fn bind(f: &Fusion, inputs: &[InputDesc], scalars: &[ScalarArg]) -> Result<B
         for (axis, &id) in logical.iter().enumerate() {
             let want = &f.ids[id];
             if d.sizes[axis] < 0 {
-                bail!("input {i} ({}): axis {axis} has negative size {}", f.tv_name(tv), d.sizes[axis]);
+                bail!(
+                    "input {i} ({}): axis {axis} has negative size {}",
+                    f.tv_name(tv),
+                    d.sizes[axis]
+                );
             }
             if want.iter_type == IterType::Broadcast && d.sizes[axis] != 1 {
                 bail!(

@@ -138,7 +138,10 @@ impl HostProgram {
                     let k = &self.kernels[*kernel];
                     let sc = &k.fusion.scalars;
                     let dims = |v: &[ValId; 3]| -> String {
-                        v.iter().map(|&x| sc.render(x)).collect::<Vec<_>>().join(", ")
+                        v.iter()
+                            .map(|&x| sc.render(x))
+                            .collect::<Vec<_>>()
+                            .join(", ")
                     };
                     let _ = writeln!(
                         s,

@@ -140,7 +140,10 @@ fn insert_deallocates(buffers: &[HostBuffer], instrs: Vec<HostInstr>) -> Vec<Hos
     }
     let mut frees: Vec<Vec<BufId>> = vec![Vec::new(); instrs.len()];
     for (b, buf) in buffers.iter().enumerate() {
-        if matches!(buf.role, BufferRole::Intermediate | BufferRole::KernelBuffer) {
+        if matches!(
+            buf.role,
+            BufferRole::Intermediate | BufferRole::KernelBuffer
+        ) {
             if let Some(&i) = last_use.get(&b) {
                 frees[i].push(b);
             }

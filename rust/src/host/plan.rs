@@ -176,7 +176,12 @@ pub fn plan_program(
                     .collect();
                 launches.push(KernelLaunch {
                     kernel: *kernel,
-                    args: ins.iter().chain(outputs).chain(intermediates).copied().collect(),
+                    args: ins
+                        .iter()
+                        .chain(outputs)
+                        .chain(intermediates)
+                        .copied()
+                        .collect(),
                     memsets,
                     launch,
                 });

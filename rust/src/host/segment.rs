@@ -8,8 +8,8 @@ use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::bail;
 use crate::error::Result;
-use crate::ir::{ExprId, Fusion, IterType, MemoryType, Operand, Symbol, TvId};
 use crate::ir::scalar::Val;
+use crate::ir::{ExprId, Fusion, IterType, MemoryType, Operand, Symbol, TvId};
 
 /// One segment: its exprs (dependency order), tensor inputs and outputs.
 #[derive(Clone, Debug)]
@@ -99,9 +99,10 @@ pub fn segments(f: &Fusion) -> Result<Vec<Segment>> {
             .map(|&e| f.exprs[e].output)
             .filter(|&t| {
                 !outputs.contains(&t)
-                    && f.tvs[t].uses.iter().any(|u| {
-                        !in_seg.contains(u) && order.contains(u)
-                    })
+                    && f.tvs[t]
+                        .uses
+                        .iter()
+                        .any(|u| !in_seg.contains(u) && order.contains(u))
             })
             .collect();
         crossing_out.sort();

@@ -849,7 +849,9 @@ impl PyHostProgram {
     fn instructions(&self) -> Vec<(&'static str, i64, Vec<String>, Vec<String>, Vec<String>)> {
         use crate::host::ir::HostInstr as I;
         let names = |bs: &[usize]| -> Vec<String> {
-            bs.iter().map(|b| self.inner.buffers[*b].name.clone()).collect()
+            bs.iter()
+                .map(|b| self.inner.buffers[*b].name.clone())
+                .collect()
         };
         self.inner
             .instrs
@@ -892,9 +894,7 @@ impl PyHostProgram {
     /// Number of plans evaluated so far (misses of the per-signature cache).
     #[getter]
     fn plan_misses(&self) -> u64 {
-        self.cache
-            .misses
-            .load(std::sync::atomic::Ordering::Relaxed)
+        self.cache.misses.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Concrete plan for input sizes/strides (elements) and scalar inputs:
