@@ -140,7 +140,7 @@ class ZeroedPool:
 
 
 class _Recipe:
-    __slots__ = ("arena", "arena_bytes", "inputs", "launches", "nbufs", "outputs", "plan", "zero",
+    __slots__ = ("arena", "arena_bytes", "fast", "inputs", "launches", "nbufs", "outputs", "plan", "zero",
                  "zero_bytes")
 
 
@@ -182,7 +182,7 @@ class HostEvaluator:
                 validate()
             r = self._prepare(inputs)
             self._recipes[key] = r
-        return self._launch(r, inputs)
+        return r.fast(inputs, self)
 
     def run_cached(self, inputs: Sequence[Any]) -> Optional[List[Any]]:
         """Run if this input signature was seen before (validated then), else None."""
@@ -192,52 +192,32 @@ class HostEvaluator:
             return None
         if r is None:
             return None
-        return self._launch(r, inputs)
+        return r.fast(inputs, self)
 
     @staticmethod
     def _key(inputs: Sequence[Any]) -> Tuple:
+        try:  # CuPy arrays (the common case): no type dispatch
+            return tuple([(x.shape, x.strides, x.dtype, x.data.device_id) for x in inputs])
+        except AttributeError:
+            pass
         key = []
         for x in inputs:
             t = type(x)
             if t.__module__.startswith("cupy"):
-                key.append((t, x.shape, x.strides, x.dtype.char, x.data.device_id))
+                key.append((x.shape, x.strides, x.dtype, x.data.device_id))
             elif t.__module__.startswith("torch"):
                 key.append((t, x.shape, x.stride(), x.dtype, x.get_device()))
             else:
                 key.append((t, x))
         return tuple(key)
 
-    def _launch(self, r: _Recipe, inputs: Sequence[Any]) -> List[Any]:
-        ptrs: List[Any] = [0] * r.nbufs
-        for bid, i, torch_in in r.inputs:
-            x = inputs[i]
-            ptrs[bid] = x.data_ptr() if torch_in else x.data.ptr
-        outs = []
-        for bid, alloc, view in r.outputs:
-            o, p = alloc()
-            ptrs[bid] = p
-            outs.append(view(o) if view is not None else o)
-        if r.arena_bytes:
-            base = self._workspace(r.arena_bytes)
-            for bid, off in r.arena:
-                ptrs[bid] = base + off
-        if r.zero_bytes:
-            zbase = self.pool.get(r.zero_bytes)
-            for bid, off in r.zero:
-                ptrs[bid] = zbase + off
-        for fn, grid, block, smem, argids, scal, memsets in r.launches:
-            if memsets and self.zero_per_launch:
-                self._memset(ptrs, memsets)
-            fn(grid, block, (*[ptrs[a] for a in argids], *scal), shared_mem=smem)
-        self.launches += len(r.launches)
-        return outs
-
-    def _memset(self, ptrs: List[Any], memsets: Sequence[Tuple[int, int]]) -> None:
+    def _memset_ptrs(self, ptrs: Sequence[Any], memsets: Sequence[Tuple[int, int]]) -> None:
+        """Zero each ``(buffer, nbytes)`` of ``memsets`` at ``ptrs`` on the current stream."""
         import cupy as cp  # noqa: PLC0415
 
         stream = cp.cuda.get_current_stream().ptr
-        for bid, nbytes in memsets:
-            cp.cuda.runtime.memsetAsync(ptrs[bid], 0, nbytes, stream)
+        for p, (_bid, nbytes) in zip(ptrs, memsets):
+            cp.cuda.runtime.memsetAsync(int(p), 0, nbytes, stream)
             self.memsets += 1
 
     def _workspace(self, nbytes: int) -> int:
@@ -313,6 +293,7 @@ class HostEvaluator:
             scal = tuple(_np_scalar(v, d) for v, d in la.scalars)
             memsets = tuple((bid, max(plan.buffers[bid].nbytes, 1)) for bid in la.memsets)
             r.launches.append((fn, la.grid, la.block, la.smem, la.args, scal, memsets))
+        r.fast = _specialize(r, torch_mode)
         return r
 
     def _function(self, k: int, smem: int) -> Any:
@@ -336,6 +317,57 @@ class HostEvaluator:
             r = self._prepare(inputs)
             self._recipes[key] = r
         return r.plan
+
+
+def _specialize(r: _Recipe, torch_mode: bool) -> Callable[[Sequence[Any], HostEvaluator], List[Any]]:
+    """A launcher specialised to one recipe: straight-line Python with every constant
+    (shapes, offsets, scalars, grid/block) bound, so a call does no lookups or loops."""
+    import cupy as cp  # noqa: PLC0415
+
+    ns: Dict[str, Any] = {"_nd": cp.ndarray}
+    lines = ["def _run(inputs, ev):"]
+    arg: Dict[int, str] = {}
+    for bid, i, _t in r.inputs:
+        arg[bid] = f"inputs[{i}].data_ptr()" if torch_mode else f"inputs[{i}]"
+    outs = []
+    for n, (bid, alloc, view) in enumerate(r.outputs):
+        ns[f"_alloc{n}"] = alloc
+        if torch_mode:
+            lines.append(f"    o{n}, p{n} = _alloc{n}()")
+            arg[bid] = f"p{n}"
+        else:
+            ns[f"_shape{n}"], ns[f"_dt{n}"] = alloc.__defaults__
+            lines.append(f"    o{n} = _nd(_shape{n}, _dt{n})")
+            arg[bid] = f"o{n}"
+        if view is not None:
+            ns[f"_view{n}"] = view
+            outs.append(f"_view{n}(o{n})")
+        else:
+            outs.append(f"o{n}")
+    if r.arena_bytes:
+        lines.append(f"    base = ev._workspace({r.arena_bytes})")
+        for bid, off in r.arena:
+            arg[bid] = f"base + {off}"
+    if r.zero_bytes:
+        lines.append(f"    zbase = ev.pool.get({r.zero_bytes})")
+        for bid, off in r.zero:
+            arg[bid] = f"zbase + {off}"
+    for k, (fn, grid, block, smem, argids, scal, memsets) in enumerate(r.launches):
+        ns[f"_f{k}"], ns[f"_g{k}"], ns[f"_b{k}"] = fn, tuple(grid), tuple(block)
+        if memsets:
+            ns[f"_ms{k}"] = memsets
+            pl = ", ".join(arg[b] for b, _ in memsets)
+            lines.append(f"    if ev.zero_per_launch: ev._memset_ptrs(({pl},), _ms{k})")
+        names = [arg[a] for a in argids]
+        for j, v in enumerate(scal):
+            ns[f"_s{k}_{j}"] = v
+            names.append(f"_s{k}_{j}")
+        lines.append(f"    _f{k}(_g{k}, _b{k}, ({', '.join(names)},), shared_mem={int(smem)})")
+    if r.launches:
+        lines.append(f"    ev.launches += {len(r.launches)}")
+    lines.append(f"    return [{', '.join(outs)}]")
+    exec("\n".join(lines), ns)  # noqa: S102 - generated from the plan's own constants
+    return ns["_run"]
 
 
 def run_on_cpu(lowered: Any, inputs: Sequence[Any],
