@@ -1,5 +1,5 @@
-"""``fd.execute``: pick the device from the inputs, validate, run, return outputs of the
-same kind as the inputs."""
+"""``fd.execute``: pick the device from the inputs, validate, run the host program, return
+outputs of the same kind as the inputs."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ def _kind(x: Any) -> str:
 
 def execute(fd: Any, inputs: Sequence[Any], device: Optional[str]) -> List[Any]:
     """Run ``fd`` on ``inputs``; ``device`` is ``"cpu"``, ``"cuda"`` or None (from the inputs)."""
+    from .fusion import dump_enabled  # noqa: PLC0415
+
     check_inputs(fd, inputs)
     kinds = {_kind(x) for x in inputs if _kind(x) != "scalar"}
     if device is None:
@@ -32,20 +34,30 @@ def execute(fd: Any, inputs: Sequence[Any], device: Optional[str]) -> List[Any]:
         raise KilnTypeError("device='cuda' needs CuPy arrays or torch CUDA tensors, got NumPy arrays")
     if len(kinds) > 1:
         raise KilnTypeError(f"all inputs must be of one kind (NumPy, CuPy or torch), got {sorted(kinds)}")
-    kernel = fd._lowered() if fd._core.manually_scheduled else _auto_lowered(fd, inputs)
+    if "other" in kinds:
+        bad = next(i for i, x in enumerate(inputs) if _kind(x) == "other")
+        raise KilnTypeError(f"input {bad}: expected a NumPy or CuPy array or a torch tensor, "
+                            f"got {type(inputs[bad]).__name__}")
+    # The interpreter runs an unscheduled fusion as written; the GPU needs a schedule.
+    manual = fd._core.manually_scheduled or device == "cpu"
+    low = fd._lowered() if manual else _auto_lowered(fd, inputs)
+    if dump_enabled("host_ir"):
+        print(low.host_program)
     if device == "cpu":
         from . import _core  # noqa: PLC0415
+        from .host import run_on_cpu  # noqa: PLC0415
 
         if not hasattr(_core, "execute_cpu"):
-            raise KilnError("this build of kiln has no CPU interpreter")
-        return list(_core.execute_cpu(kernel._core, list(inputs)))
-    return _run_gpu(kernel, inputs, "torch" in kinds)
+            raise KilnError("this build of kiln has no CPU interpreter (kiln._core.execute_cpu); "
+                            "run on a GPU with CuPy arrays or torch CUDA tensors")
+        return run_on_cpu(low, inputs, _core.execute_cpu)
+    return low.evaluator().run(inputs)
 
 
 def _auto_lowered(fd: Any, inputs: Sequence[Any]) -> Any:
-    """The kernel the automatic schedulers pick for these input sizes (cached per sizes,
-    and per heuristic: sizes that lead to the same schedule share one kernel)."""
-    from .lowering import LoweredKernel  # noqa: PLC0415
+    """The lowering the automatic schedulers pick for these input sizes (cached per sizes,
+    and per heuristic: sizes that lead to the same schedule share one lowering)."""
+    from .lowering import LoweredFusion, LoweredKernel  # noqa: PLC0415
 
     sizes = [list(x.shape) for x in inputs if _kind(x) != "scalar"]
     key = (fd._core.version, tuple(tuple(s) for s in sizes))
@@ -55,26 +67,10 @@ def _auto_lowered(fd: Any, inputs: Sequence[Any]) -> Any:
         return hit
     scheduled, kind, params = fd._core.auto_scheduled(sizes)
     hkey = (fd._core.version, kind, tuple(params))
-    kernel = cache.get(hkey)
-    if kernel is None:
-        kernel = cache[hkey] = LoweredKernel(scheduled.lower())
-    cache[key] = kernel
-    return kernel
+    low = cache.get(hkey)
+    if low is None:
+        program = scheduled.lower_program()
+        low = cache[hkey] = LoweredFusion([LoweredKernel(k) for k in program.kernels()], program)
+    cache[key] = low
+    return low
 
-
-def _run_gpu(kernel: Any, inputs: Sequence[Any], torch_out: bool) -> List[Any]:
-    from .runtime.executor import as_cupy  # noqa: PLC0415
-    from .runtime.kernel_executor import KernelExecutor  # noqa: PLC0415
-
-    ex = getattr(kernel, "_executor", None)
-    if ex is None:
-        ex = KernelExecutor(kernel)
-        kernel._executor = ex
-    arrays = [as_cupy(x) for x in inputs if _kind(x) != "scalar"]
-    scalars = [x for x in inputs if _kind(x) == "scalar"]
-    outs = ex.run(arrays, scalars)
-    if torch_out:
-        import torch  # noqa: PLC0415
-
-        return [torch.as_tensor(o, device="cuda") for o in outs]
-    return outs

@@ -121,10 +121,41 @@ def take_generated() -> List[LoweredKernel]:
 
 
 class LoweredFusion:
-    """Result of ``fd.lower(inputs)``: the kernels of a fusion."""
+    """Result of ``fd.lower(inputs)``: the kernels of a fusion (one per segment) and the
+    host program that allocates their buffers and launches them."""
 
-    def __init__(self, kernels: List[LoweredKernel]) -> None:
+    def __init__(self, kernels: List[LoweredKernel], program: Any = None) -> None:
         self.kernels = kernels
+        self.program = program  # kiln._core.HostProgram
+        self._evaluator: Any = None
+
+    @property
+    def host_program(self) -> str:
+        """The host program as text (Allocate / LaunchKernel / Deallocate)."""
+        if self.program is None:
+            raise KilnError("this lowering has no host program")
+        return str(self.program.text())
+
+    def plan(self, inputs: Sequence[Any]) -> Any:
+        """The concrete plan (buffer sizes and places, launches, planned peak bytes) for
+        arrays like ``inputs`` (NumPy arrays may stand in for GPU ones)."""
+        from .host import plan_program  # noqa: PLC0415
+
+        arrays = [x for x in inputs if not isinstance(x, (bool, int, float))]
+        scalars = [x for x in inputs if isinstance(x, (bool, int, float))]
+        kind = "torch" if any(type(x).__module__.startswith("torch") for x in arrays) else "numpy"
+        return plan_program(self.program, arrays, scalars, kind)
+
+    def evaluator(self) -> Any:
+        """The GPU evaluator of this lowering (created once)."""
+        if self._evaluator is None:
+            from .host import HostEvaluator  # noqa: PLC0415
+
+            self._evaluator = HostEvaluator(self)
+        return self._evaluator
+
+    def __repr__(self) -> str:
+        return self.host_program if self.program is not None else repr(self.kernels)
 
 
 def array_dtype(x: Any, what: str) -> DataType:

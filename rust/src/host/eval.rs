@@ -7,7 +7,8 @@ use rustc_hash::FxHashMap;
 use crate::bail;
 use crate::codegen::{CudaKernel, ParamKind};
 use crate::error::{KilnError, Result};
-use crate::ir::{DataType, IterType, Symbol, TvId, ValId};
+use crate::ir::scalar::Val;
+use crate::ir::{DataType, Fusion, IterType, Scalars, Symbol, TvId, ValId};
 use crate::kernel::Kernel;
 
 /// Sizes and element strides of one tensor input.
@@ -44,6 +45,15 @@ pub enum ScalarArg {
     Bool(bool),
 }
 
+/// Launch configuration and scalar arguments (with their parameter dtypes) of one kernel.
+#[derive(Clone, Debug)]
+pub struct LaunchPlan {
+    pub scalar_args: Vec<(ScalarArg, DataType)>,
+    pub grid: [i64; 3],
+    pub block: [i64; 3],
+    pub smem_bytes: i64,
+}
+
 /// Everything needed to launch a kernel for concrete inputs.
 #[derive(Clone, Debug)]
 pub struct Plan {
@@ -58,19 +68,21 @@ pub struct Plan {
     pub index32: bool,
 }
 
-/// Bindings of the symbols of a kernel for concrete inputs.
-pub struct Env<'a> {
-    pub kernel: &'a Kernel,
+/// Concrete values of the symbols of a fusion (sizes `i{n}`, input strides, scalar
+/// inputs), bound once from the ORIGINAL fusion inputs; every kernel of a host program
+/// evaluates its expressions against the same bindings.
+#[derive(Clone, Debug, Default)]
+pub struct Bindings {
     pub extents: Vec<i64>,
     pub strides: FxHashMap<(TvId, u32), i64>,
     pub scalars: Vec<ScalarArg>,
 }
 
-impl Env<'_> {
-    /// Evaluate an integer expression over sizes and strides.
-    pub fn eval(&self, v: ValId) -> Result<i64> {
+impl Bindings {
+    /// Evaluate an integer expression of the arena `sc` over sizes and strides.
+    pub fn eval(&self, sc: &Scalars, v: ValId) -> Result<i64> {
         let env = |s: Symbol| match s {
-            Symbol::Extent(n) => self.extents.get(n as usize).copied(),
+            Symbol::Extent(n) => self.extents.get(n as usize).copied().filter(|&e| e >= 0),
             Symbol::Stride(t, a) => self.strides.get(&(t, a)).copied(),
             Symbol::ScalarInput(n) => match self.scalars.get(n as usize) {
                 Some(ScalarArg::Int(i)) => Some(*i),
@@ -79,28 +91,33 @@ impl Env<'_> {
             },
             _ => None,
         };
-        self.kernel.fusion.scalars.eval(v, &env)
+        sc.eval(v, &env)
     }
 }
 
-/// Bind input sizes/strides and check them against the definition.
-pub fn bind<'a>(kernel: &'a Kernel, inputs: &[InputDesc], scalars: &[ScalarArg]) -> Result<Env<'a>> {
-    let f = &kernel.fusion;
+/// Bind input sizes/strides of `f`'s tensor inputs and check them against the definition.
+pub fn bind(f: &Fusion, inputs: &[InputDesc], scalars: &[ScalarArg]) -> Result<Bindings> {
     let tensor_inputs: Vec<TvId> = f.inputs.iter().filter_map(|o| o.tensor()).collect();
     if inputs.len() != tensor_inputs.len() {
         bail!("the fusion takes {} tensor inputs but {} were given", tensor_inputs.len(), inputs.len());
     }
     let pos: FxHashMap<TvId, usize> = tensor_inputs.iter().enumerate().map(|(i, &t)| (t, i)).collect();
     let mut extents = Vec::with_capacity(f.extent_sources.len());
-    for &(tv, axis) in &f.extent_sources {
-        let d = &inputs[pos[&tv]];
+    for (n, &(tv, axis)) in f.extent_sources.iter().enumerate() {
+        let Some(&i) = pos.get(&tv) else {
+            // A size only an earlier segment's input carries: unknown to this kernel alone.
+            let _ = n;
+            extents.push(-1);
+            continue;
+        };
+        let d = &inputs[i];
         let Some(&s) = d.sizes.get(axis) else {
-            bail!("input {} ({}): rank {} but axis {axis} is needed", pos[&tv], f.tv_name(tv), d.sizes.len());
+            bail!("input {i} ({}): rank {} but axis {axis} is needed", f.tv_name(tv), d.sizes.len());
         };
         extents.push(s);
     }
     let mut strides = FxHashMap::default();
-    for (&tv, &i) in &pos {
+    for (i, &tv) in tensor_inputs.iter().enumerate() {
         let d = &inputs[i];
         let logical = f.no_reduction_logical(tv);
         if d.sizes.len() != logical.len() || d.strides.len() != logical.len() {
@@ -113,6 +130,9 @@ pub fn bind<'a>(kernel: &'a Kernel, inputs: &[InputDesc], scalars: &[ScalarArg])
         }
         for (axis, &id) in logical.iter().enumerate() {
             let want = &f.ids[id];
+            if d.sizes[axis] < 0 {
+                bail!("input {i} ({}): axis {axis} has negative size {}", f.tv_name(tv), d.sizes[axis]);
+            }
             if want.iter_type == IterType::Broadcast && d.sizes[axis] != 1 {
                 bail!(
                     "input {i} ({}): axis {axis} has size {} but is declared a broadcast (size 1)",
@@ -127,6 +147,21 @@ pub fn bind<'a>(kernel: &'a Kernel, inputs: &[InputDesc], scalars: &[ScalarArg])
                         f.tv_name(tv),
                         d.sizes[axis]
                     );
+                }
+            }
+            // Two inputs sharing a symbolic size must agree on it.
+            if let Val::Symbol(Symbol::Extent(n)) = f.scalars.get(want.extent) {
+                if let Some(&e) = extents.get(n as usize) {
+                    if e >= 0 && e != d.sizes[axis] {
+                        let (st, sa) = f.extent_sources[n as usize];
+                        bail!(
+                            "input {i} ({}): axis {axis} has size {} but input {} ({}) axis {sa} has size {e}; the definition makes them equal",
+                            f.tv_name(tv),
+                            d.sizes[axis],
+                            pos.get(&st).copied().unwrap_or(0),
+                            f.tv_name(st)
+                        );
+                    }
                 }
             }
         }
@@ -148,18 +183,23 @@ pub fn bind<'a>(kernel: &'a Kernel, inputs: &[InputDesc], scalars: &[ScalarArg])
         }
         check_contiguity(f, tv, i, d)?;
     }
-    let env = Env { kernel, extents, strides, scalars: scalars.to_vec() };
-    for (a, b, what) in &kernel.size_constraints {
-        let (x, y) = (env.eval(*a)?, env.eval(*b)?);
+    Ok(Bindings { extents, strides, scalars: scalars.to_vec() })
+}
+
+/// Check the extents `kernel` aligns agree under `b`.
+pub fn check_constraints(kernel: &Kernel, b: &Bindings) -> Result<()> {
+    let sc = &kernel.fusion.scalars;
+    for (x, y, what) in &kernel.size_constraints {
+        let (x, y) = (b.eval(sc, *x)?, b.eval(sc, *y)?);
         if x != y {
             bail!("{what}: sizes {x} and {y} must be equal");
         }
     }
-    Ok(env)
+    Ok(())
 }
 
 /// Strides must match what the definition's contiguity promises.
-fn check_contiguity(f: &crate::ir::Fusion, tv: TvId, i: usize, d: &InputDesc) -> Result<()> {
+fn check_contiguity(f: &Fusion, tv: TvId, i: usize, d: &InputDesc) -> Result<()> {
     let t = &f.tvs[tv];
     let logical = f.no_reduction_logical(tv);
     let alloc: Vec<_> =
@@ -194,63 +234,37 @@ fn check_contiguity(f: &crate::ir::Fusion, tv: TvId, i: usize, d: &InputDesc) ->
     Ok(())
 }
 
-/// Evaluate the plan of `kernel` (generated as `cuda`) for concrete inputs.
-pub fn plan(kernel: &Kernel, cuda: &CudaKernel, inputs: &[InputDesc], scalars: &[ScalarArg]) -> Result<Plan> {
-    let f = &kernel.fusion;
-    let env = bind(kernel, inputs, scalars)?;
-    let mut outputs = Vec::new();
-    for &tv in &f.outputs {
-        let logical = f.no_reduction_logical(tv);
-        let sizes = logical.iter().map(|&id| env.eval(f.ids[id].extent)).collect::<Result<Vec<_>>>()?;
-        let alloc: Vec<_> = f.tvs[tv]
-            .maybe_allocation()
-            .iter()
-            .copied()
-            .filter(|&id| f.ids[id].iter_type != IterType::Reduction)
-            .collect();
-        let layout =
-            alloc.iter().map(|id| logical.iter().position(|l| l == id)).collect::<Option<Vec<_>>>().ok_or_else(
-                || {
-                    KilnError::value(format!(
-                        "output {}: its allocation domain must be a permutation of its logical axes",
-                        f.tv_name(tv)
-                    ))
-                },
-            )?;
-        outputs.push(OutputPlan { sizes, layout, dtype: f.tvs[tv].dtype });
-    }
-    let mut buffers = Vec::new();
-    for b in &kernel.summary.global_allocations {
-        let mut n = 1i64;
-        for &e in &b.shape {
-            n = n.saturating_mul(env.eval(e)?);
-        }
-        buffers.push(BufferPlan {
-            name: b.name.clone(),
-            elements: n,
-            dtype: b.dtype,
-            zero_init: b.zero_init,
-            resets_to_zero: b.resets_to_zero,
-        });
-    }
+/// Launch dims, dynamic shared memory and scalar arguments of `kernel` under `b`.
+pub fn kernel_launch(kernel: &Kernel, cuda: &CudaKernel, b: &Bindings) -> Result<LaunchPlan> {
+    let sc = &kernel.fusion.scalars;
     let mut scalar_args = Vec::new();
-    for (name, kind, _) in &cuda.params {
+    for (name, kind, dtype) in &cuda.params {
         match kind {
-            ParamKind::Extent(n) => scalar_args.push(ScalarArg::Int(env.extents[*n as usize])),
+            ParamKind::Extent(n) => {
+                let v = b.extents.get(*n as usize).copied().unwrap_or(-1);
+                if v < 0 {
+                    bail!(
+                        "{name}: this kernel's inputs do not carry size i{n}; run it through the fusion's host program"
+                    );
+                }
+                scalar_args.push((ScalarArg::Int(v), *dtype))
+            }
             ParamKind::Stride(t, a) => {
-                let Some(&s) = env.strides.get(&(*t, *a)) else {
+                let Some(&s) = b.strides.get(&(*t, *a)) else {
                     bail!("{name}: only inputs may have non-contiguous strides");
                 };
-                scalar_args.push(ScalarArg::Int(s));
+                scalar_args.push((ScalarArg::Int(s), *dtype));
             }
-            ParamKind::Scalar(n) => scalar_args
-                .push(*scalars.get(*n as usize).ok_or_else(|| KilnError::value(format!("scalar input s{n} missing")))?),
+            ParamKind::Scalar(n) => scalar_args.push((
+                *b.scalars.get(*n as usize).ok_or_else(|| KilnError::value(format!("scalar input s{n} missing")))?,
+                *dtype,
+            )),
             _ => {}
         }
     }
     let l = &kernel.launch;
-    let grid = [env.eval(l.grid[0])?, env.eval(l.grid[1])?, env.eval(l.grid[2])?];
-    let block = [env.eval(l.block[0])?, env.eval(l.block[1])?, env.eval(l.block[2])?];
+    let grid = [b.eval(sc, l.grid[0])?, b.eval(sc, l.grid[1])?, b.eval(sc, l.grid[2])?];
+    let block = [b.eval(sc, l.block[0])?, b.eval(sc, l.block[1])?, b.eval(sc, l.block[2])?];
     let threads = block.iter().product::<i64>();
     if threads > 1024 {
         bail!("the schedule launches {threads} threads per block ({block:?}); the GPU allows at most 1024");
@@ -258,25 +272,84 @@ pub fn plan(kernel: &Kernel, cuda: &CudaKernel, inputs: &[InputDesc], scalars: &
     if grid[1] > 65535 || grid[2] > 65535 {
         bail!("the schedule launches a grid of {grid:?}; gridDim.y and gridDim.z are limited to 65535 (map the large axis to BIDx)");
     }
-    let smem_bytes = env.eval(l.smem_bytes)?;
-    // Largest element offset any access can form: tensor spans, buffers, and the linear
-    // thread index (loops may round up past a tensor's end before predicates apply).
-    let mut span = grid.iter().chain(block.iter()).map(|&d| d.max(1)).fold(1i64, |a, b| a.saturating_mul(b));
+    let smem_bytes = b.eval(sc, l.smem_bytes)?;
+    Ok(LaunchPlan { scalar_args, grid, block, smem_bytes })
+}
+
+/// Sizes and storage order of output `tv` of `f` under `b`.
+pub fn output_plan(f: &Fusion, sc: &Scalars, tv: TvId, b: &Bindings) -> Result<OutputPlan> {
+    let logical = f.no_reduction_logical(tv);
+    let sizes = logical.iter().map(|&id| b.eval(sc, f.ids[id].extent)).collect::<Result<Vec<_>>>()?;
+    let alloc: Vec<_> =
+        f.tvs[tv].maybe_allocation().iter().copied().filter(|&id| f.ids[id].iter_type != IterType::Reduction).collect();
+    let layout =
+        alloc.iter().map(|id| logical.iter().position(|l| l == id)).collect::<Option<Vec<_>>>().ok_or_else(|| {
+            KilnError::value(format!(
+                "output {}: its allocation domain must be a permutation of its logical axes",
+                f.tv_name(tv)
+            ))
+        })?;
+    Ok(OutputPlan { sizes, layout, dtype: f.tvs[tv].dtype })
+}
+
+/// Evaluate the plan of `kernel` (generated as `cuda`) for concrete inputs of the kernel.
+pub fn plan(kernel: &Kernel, cuda: &CudaKernel, inputs: &[InputDesc], scalars: &[ScalarArg]) -> Result<Plan> {
+    let f = &kernel.fusion;
+    let sc = &f.scalars;
+    let b = bind(f, inputs, scalars)?;
+    check_constraints(kernel, &b)?;
+    let outputs = f.outputs.iter().map(|&tv| output_plan(f, sc, tv, &b)).collect::<Result<Vec<_>>>()?;
+    let mut buffers = Vec::new();
+    for g in &kernel.summary.global_allocations {
+        let mut n = 1i64;
+        for &e in &g.shape {
+            n = n.saturating_mul(b.eval(sc, e)?);
+        }
+        buffers.push(BufferPlan {
+            name: g.name.clone(),
+            elements: n,
+            dtype: g.dtype,
+            zero_init: g.zero_init,
+            resets_to_zero: g.resets_to_zero,
+        });
+    }
+    let l = kernel_launch(kernel, cuda, &b)?;
+    let index32 = fits_int32(inputs, &outputs, &buffers, &b, &l);
+    Ok(Plan {
+        outputs,
+        buffers,
+        scalar_args: l.scalar_args.into_iter().map(|(a, _)| a).collect(),
+        grid: l.grid,
+        block: l.block,
+        smem_bytes: l.smem_bytes,
+        index32,
+    })
+}
+
+/// True when every element offset the kernel can form fits in 32 bits: tensor spans,
+/// buffers, sizes, and the linear thread index (loops may round up past a tensor's end
+/// before predicates apply, hence the 2x margin).
+fn fits_int32(
+    inputs: &[InputDesc],
+    outputs: &[OutputPlan],
+    buffers: &[BufferPlan],
+    b: &Bindings,
+    l: &LaunchPlan,
+) -> bool {
+    let mut span = l.grid.iter().chain(l.block.iter()).map(|&d| d.max(1)).fold(1i64, |a, x| a.saturating_mul(x));
     for d in inputs {
         let s =
             d.sizes.iter().zip(&d.strides).map(|(&n, &st)| (n - 1).max(0).saturating_mul(st.abs())).sum::<i64>() + 1;
         span = span.max(s);
     }
-    for o in &outputs {
+    for o in outputs {
         span = span.max(o.sizes.iter().product::<i64>());
     }
-    for b in &buffers {
-        span = span.max(b.elements);
+    for x in buffers {
+        span = span.max(x.elements);
     }
-    for &e in &env.extents {
+    for &e in &b.extents {
         span = span.max(e);
     }
-    // Margin of 2x for index arithmetic that steps one tile past the end.
-    let index32 = span.saturating_mul(2) < i64::from(i32::MAX);
-    Ok(Plan { outputs, buffers, scalar_args, grid, block, smem_bytes, index32 })
+    span.saturating_mul(2) < i64::from(i32::MAX)
 }

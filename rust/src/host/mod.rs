@@ -1,3 +1,11 @@
-//! Host side of a compiled fusion: turning symbolic sizes into a concrete launch plan.
+//! Host side of a compiled fusion: segmentation, the host program (Allocate /
+//! LaunchKernel / Deallocate), its lowering, and shape evaluation into a concrete plan.
 
 pub mod eval;
+pub mod ir;
+pub mod lower;
+pub mod plan;
+pub mod segment;
+
+#[cfg(test)]
+mod tests;

@@ -232,6 +232,8 @@ pub struct Fusion {
     pub extent_sources: Vec<(TvId, usize)>,
     /// True once any scheduling primitive was called; the auto-schedulers then stay out.
     pub manually_scheduled: bool,
+    /// Tensors after whose definition a new segment (kernel) starts (`fd.segment_after`).
+    pub segment_after: Vec<TvId>,
 }
 
 impl Fusion {

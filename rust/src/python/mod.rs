@@ -466,6 +466,23 @@ impl PyFusion {
         guarded(py, || Ok(PyKernel::new(crate::lower::lower(&self.inner)?)))
     }
 
+    /// Start a new segment (kernel) after the definition of tensor `t`.
+    fn segment_after(&mut self, py: Python<'_>, t: u32) -> PyResult<()> {
+        self.version += 1;
+        guarded(py, || {
+            let t = self.tv(t)?;
+            self.inner.mark_segment_after(t)
+        })
+    }
+
+    /// Lower the fusion to its kernels (one per segment) and host program.
+    fn lower_program(&self, py: Python<'_>) -> PyResult<PyHostProgram> {
+        guarded(py, || {
+            let p = crate::host::lower::lower_program(&self.inner)?;
+            Ok(PyHostProgram { inner: p, cache: crate::host::plan::PlanCache::default() })
+        })
+    }
+
     /// Request the serial grid-reduction protocol.
     fn set_serial_grid_reduction(&mut self, py: Python<'_>, t: u32) -> PyResult<()> {
         self.version += 1;
@@ -579,27 +596,10 @@ impl PyKernel {
             let k = self.cuda_kernel(false)?;
             let inputs: Vec<InputDesc> =
                 sizes.into_iter().zip(strides).map(|(sizes, strides)| InputDesc { sizes, strides }).collect();
-            let sc: Vec<ScalarArg> = scalars
-                .iter()
-                .map(|s| match s {
-                    PyScalarArg::Bool(b) => ScalarArg::Bool(*b),
-                    PyScalarArg::Int(i) => ScalarArg::Int(*i),
-                    PyScalarArg::Float(x) => ScalarArg::Float(*x),
-                })
-                .collect();
+            let sc: Vec<ScalarArg> = scalars.iter().map(PyScalarArg::to_arg).collect();
             plan(&self.inner, k, &inputs, &sc)
         })?;
-        let args = p
-            .scalar_args
-            .iter()
-            .map(|a| -> PyResult<PyObject> {
-                Ok(match a {
-                    ScalarArg::Int(i) => i.into_pyobject(py)?.into_any().unbind(),
-                    ScalarArg::Float(x) => x.into_pyobject(py)?.into_any().unbind(),
-                    ScalarArg::Bool(b) => b.into_pyobject(py)?.to_owned().into_any().unbind(),
-                })
-            })
-            .collect::<PyResult<Vec<_>>>()?;
+        let args = p.scalar_args.iter().map(|a| scalar_to_py(py, a)).collect::<PyResult<Vec<_>>>()?;
         Ok((
             p.outputs.into_iter().map(|o| (o.sizes, o.layout, o.dtype.enum_name())).collect(),
             p.buffers
@@ -675,11 +675,173 @@ impl PyKernel {
     }
 }
 
+/// A lowered fusion's host program with its per-signature plan cache.
+#[pyclass(name = "HostProgram", module = "kiln._core", frozen)]
+pub struct PyHostProgram {
+    inner: crate::host::ir::HostProgram,
+    cache: crate::host::plan::PlanCache,
+}
+
+/// One buffer of a concrete plan as Python sees it:
+/// (name, dtype, sizes, layout, elements, bytes, zero_init, resets_to_zero, place, offset_or_index).
+type PyBufferAlloc = (String, &'static str, Vec<i64>, Vec<usize>, i64, i64, bool, bool, &'static str, i64);
+
+/// One launch: (kernel, arg buffer ids, memset buffer ids, scalar args [(value, dtype)], grid, block, smem).
+type PyLaunch = (usize, Vec<usize>, Vec<usize>, Vec<(PyObject, &'static str)>, [i64; 3], [i64; 3], i64);
+
+#[pymethods]
+impl PyHostProgram {
+    /// The program as text.
+    fn text(&self) -> String {
+        self.inner.to_text()
+    }
+
+    /// The kernels, one per segment, in launch order.
+    fn kernels(&self) -> Vec<PyKernel> {
+        self.inner
+            .kernels
+            .iter()
+            .zip(&self.inner.cuda)
+            .map(|(k, c)| {
+                let pk = PyKernel::new(k.clone());
+                if let Ok(c) = c {
+                    let _ = pk.cuda[0].set(c.clone());
+                }
+                pk
+            })
+            .collect()
+    }
+
+    /// Instructions as (op, kernel or -1, buffers, outputs, intermediates): Allocate and
+    /// Deallocate name one buffer; LaunchKernel lists inputs, outputs and intermediates.
+    #[allow(clippy::type_complexity)]
+    fn instructions(&self) -> Vec<(&'static str, i64, Vec<String>, Vec<String>, Vec<String>)> {
+        use crate::host::ir::HostInstr as I;
+        let names = |bs: &[usize]| -> Vec<String> { bs.iter().map(|b| self.inner.buffers[*b].name.clone()).collect() };
+        self.inner
+            .instrs
+            .iter()
+            .map(|i| match i {
+                I::Allocate(b) => ("Allocate", -1, names(&[*b]), vec![], vec![]),
+                I::Deallocate(b) => ("Deallocate", -1, names(&[*b]), vec![], vec![]),
+                I::LaunchKernel { kernel, inputs, outputs, intermediates } => {
+                    ("LaunchKernel", *kernel as i64, names(inputs), names(outputs), names(intermediates))
+                }
+            })
+            .collect()
+    }
+
+    /// Names of the fusion's tensor inputs, in order.
+    fn input_names(&self) -> Vec<String> {
+        let f = &self.inner.fusion;
+        f.inputs.iter().filter_map(|o| o.tensor()).map(|t| f.tv_name(t)).collect()
+    }
+
+    /// Names of the fusion's outputs, in order.
+    fn output_names(&self) -> Vec<String> {
+        let f = &self.inner.fusion;
+        f.outputs.iter().map(|&t| f.tv_name(t)).collect()
+    }
+
+    /// Number of plans evaluated so far (misses of the per-signature cache).
+    #[getter]
+    fn plan_misses(&self) -> u64 {
+        self.cache.misses.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Concrete plan for input sizes/strides (elements) and scalar inputs:
+    /// (buffers, launches, peak_bytes, arena_bytes, zero_pool_bytes); cached per signature.
+    #[allow(clippy::type_complexity)]
+    fn plan(
+        &self,
+        py: Python<'_>,
+        sizes: Vec<Vec<i64>>,
+        strides: Vec<Vec<i64>>,
+        scalars: Vec<PyScalarArg>,
+    ) -> PyResult<(Vec<PyBufferAlloc>, Vec<PyLaunch>, i64, i64, i64)> {
+        use crate::host::eval::{InputDesc, ScalarArg};
+        use crate::host::plan::Place;
+        let p = guarded(py, || {
+            if sizes.len() != strides.len() {
+                return Err(KilnError::value(format!("{} size lists but {} stride lists", sizes.len(), strides.len())));
+            }
+            let inputs: Vec<InputDesc> =
+                sizes.into_iter().zip(strides).map(|(sizes, strides)| InputDesc { sizes, strides }).collect();
+            let sc: Vec<ScalarArg> = scalars.iter().map(PyScalarArg::to_arg).collect();
+            self.cache.get(&self.inner, &inputs, &sc)
+        })?;
+        let buffers = p
+            .buffers
+            .iter()
+            .map(|b| {
+                let (kind, v) = match b.place {
+                    Place::Input(n) => ("input", n as i64),
+                    Place::Output(n) => ("output", n as i64),
+                    Place::Arena(o) => ("arena", o),
+                    Place::ZeroPool(o) => ("zero_pool", o),
+                };
+                (
+                    b.name.clone(),
+                    b.dtype.enum_name(),
+                    b.sizes.clone(),
+                    b.layout.clone(),
+                    b.elements,
+                    b.bytes,
+                    b.zero_init,
+                    b.resets_to_zero,
+                    kind,
+                    v,
+                )
+            })
+            .collect();
+        let mut launches = Vec::with_capacity(p.launches.len());
+        for l in &p.launches {
+            let args = l
+                .launch
+                .scalar_args
+                .iter()
+                .map(|(a, d)| Ok((scalar_to_py(py, a)?, d.enum_name())))
+                .collect::<PyResult<Vec<_>>>()?;
+            launches.push((
+                l.kernel,
+                l.args.clone(),
+                l.memsets.clone(),
+                args,
+                l.launch.grid,
+                l.launch.block,
+                l.launch.smem_bytes,
+            ));
+        }
+        Ok((buffers, launches, p.peak_bytes, p.arena_bytes, p.zero_pool_bytes))
+    }
+}
+
+fn scalar_to_py(py: Python<'_>, a: &crate::host::eval::ScalarArg) -> PyResult<PyObject> {
+    use crate::host::eval::ScalarArg;
+    Ok(match a {
+        ScalarArg::Int(i) => i.into_pyobject(py)?.into_any().unbind(),
+        ScalarArg::Float(x) => x.into_pyobject(py)?.into_any().unbind(),
+        ScalarArg::Bool(b) => b.into_pyobject(py)?.to_owned().into_any().unbind(),
+    })
+}
+
+impl PyScalarArg {
+    fn to_arg(&self) -> crate::host::eval::ScalarArg {
+        use crate::host::eval::ScalarArg;
+        match self {
+            PyScalarArg::Bool(b) => ScalarArg::Bool(*b),
+            PyScalarArg::Int(i) => ScalarArg::Int(*i),
+            PyScalarArg::Float(x) => ScalarArg::Float(*x),
+        }
+    }
+}
+
 /// The extension module `kiln._core`.
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyFusion>()?;
     m.add_class::<PyKernel>()?;
+    m.add_class::<PyHostProgram>()?;
     interp::register(m)?;
     m.add("DTYPES", DataType::ALL.iter().map(|d| d.enum_name()).collect::<Vec<_>>())?;
     Ok(())

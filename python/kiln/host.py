@@ -1,0 +1,391 @@
+"""Host program evaluator: runs a lowered fusion's host program on the GPU with CuPy.
+
+The Rust core turns input sizes/strides into a concrete plan once per input signature
+(``HostProgram.plan``); this module turns that plan into a *recipe* (pointer sources,
+pre-converted scalar arguments, loaded kernels) and then, per call, only allocates the
+outputs, fills in pointers and launches on CuPy's current stream.
+
+Buffers, following seed 004:
+* fusion outputs: fresh arrays of the inputs' kind (CuPy or torch), handed back;
+* ``zero_init`` + ``resets_to_zero`` (semaphores that kernels leave at zero): regions of
+  a :class:`ZeroedPool` that is zeroed once and reused by every later call;
+* ``zero_init`` only: regions of the workspace arena, zeroed (``memsetAsync``) right
+  before the launch that uses them;
+* everything else: regions of the workspace arena, where a region freed by a
+  ``Deallocate`` is reused by later ``Allocate``s of the same call (liveness plan).
+
+The arena and pool persist across calls of one evaluator and are used in stream order
+on the stream of the call; calls of one evaluator from different streams must be
+ordered by the caller.
+
+``run_on_cpu`` walks the same host program with a per-kernel CPU launcher (the
+interpreter's ``kiln._core.execute_cpu(kernel, inputs)``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ._errors import KilnError, KilnTypeError
+
+_ITEMSIZE_NAMES = {"Float": "float32", "Double": "float64", "Half": "float16", "Int": "int64",
+                   "Int32": "int32", "Bool": "bool", "BFloat16": "bfloat16"}
+
+
+class PlannedBuffer(NamedTuple):
+    """One buffer of a concrete plan."""
+
+    name: str
+    dtype: str
+    sizes: Tuple[int, ...]
+    layout: Tuple[int, ...]
+    elements: int
+    nbytes: int
+    zero_init: bool
+    resets_to_zero: bool
+    place: str  # "input", "output", "arena", "zero_pool"
+    offset: int  # byte offset (arena / zero_pool) or input/output index
+
+
+class PlannedLaunch(NamedTuple):
+    """One kernel launch of a concrete plan."""
+
+    kernel: int
+    args: Tuple[int, ...]  # buffer ids in parameter order
+    memsets: Tuple[int, ...]  # buffers zeroed right before the launch
+    scalars: Tuple[Tuple[Any, str], ...]
+    grid: Tuple[int, int, int]
+    block: Tuple[int, int, int]
+    smem: int
+
+
+class ProgramPlan:
+    """A host program evaluated for concrete input sizes (see ``HostProgram.plan``)."""
+
+    def __init__(self, raw: Tuple) -> None:
+        bufs, launches, peak, arena, pool = raw
+        self.buffers = [PlannedBuffer(n, d, tuple(s), tuple(lay), e, b, z, r, p, o)
+                        for (n, d, s, lay, e, b, z, r, p, o) in bufs]
+        self.launches = [PlannedLaunch(k, tuple(a), tuple(m), tuple(sc), tuple(g), tuple(bl), sm)
+                         for (k, a, m, sc, g, bl, sm) in launches]
+        self.peak_bytes: int = peak
+        self.arena_bytes: int = arena
+        self.zero_pool_bytes: int = pool
+
+    def buffer(self, name: str) -> PlannedBuffer:
+        """The planned buffer called ``name``."""
+        for b in self.buffers:
+            if b.name == name:
+                return b
+        raise KilnError(f"no buffer {name} in this plan (known: {[b.name for b in self.buffers]})")
+
+    def table(self) -> str:
+        """The allocation table as text."""
+        rows = [f"{'buffer':<12} {'dtype':<8} {'sizes':<16} {'bytes':>10}  {'place':<10} "
+                f"{'offset':>8}  zero_init resets_to_zero"]
+        for b in self.buffers:
+            rows.append(f"{b.name:<12} {b.dtype:<8} {str(list(b.sizes)):<16} {b.nbytes:>10}  {b.place:<10} "
+                        f"{b.offset:>8}  {str(b.zero_init):<9} {b.resets_to_zero}")
+        rows.append(f"planned peak {self.peak_bytes} bytes; workspace arena {self.arena_bytes} bytes; "
+                    f"zeroed pool {self.zero_pool_bytes} bytes")
+        return "\n".join(rows)
+
+
+def _elem_strides(x: Any, kind: str) -> List[int]:
+    if kind == "torch":
+        return list(x.stride())
+    item = x.itemsize
+    return [s // item for s in x.strides]
+
+
+def plan_program(program: Any, arrays: Sequence[Any], scalars: Sequence[Any],
+                 kind: str = "cupy") -> ProgramPlan:
+    """Evaluate ``program`` (a ``kiln._core.HostProgram``) for arrays like ``arrays``."""
+    sizes = [[int(s) for s in x.shape] for x in arrays]
+    strides = [_elem_strides(x, kind) for x in arrays]
+    return ProgramPlan(program.plan(sizes, strides, list(scalars)))
+
+
+class ZeroedPool:
+    """Device memory zeroed once and reused across calls by buffers whose kernels leave
+    them at zero (``zero_init`` and ``resets_to_zero``). Grows (and re-zeroes) only when
+    a plan needs more than it holds."""
+
+    def __init__(self) -> None:
+        self._mem: Any = None
+        self.capacity = 0
+        self.zero_fills = 0  # memsets of the pool (once per growth)
+        self.zeroed_bytes = 0
+        self.reuses = 0  # calls served without zeroing
+
+    def get(self, nbytes: int) -> int:
+        """Device pointer of at least ``nbytes`` zeroed bytes."""
+        if nbytes > self.capacity:
+            import cupy as cp  # noqa: PLC0415
+
+            self._mem = cp.zeros(nbytes, dtype=cp.uint8)
+            self.capacity = nbytes
+            self.zero_fills += 1
+            self.zeroed_bytes += nbytes
+        else:
+            self.reuses += 1
+        return int(self._mem.data.ptr)
+
+    def stats(self) -> Dict[str, int]:
+        """Pool statistics: capacity, zero_fills, zeroed_bytes, reuses."""
+        return {"capacity": self.capacity, "zero_fills": self.zero_fills,
+                "zeroed_bytes": self.zeroed_bytes, "reuses": self.reuses}
+
+
+class _Recipe:
+    __slots__ = ("arena", "arena_bytes", "fast", "inputs", "launches", "nbufs", "outputs", "plan", "zero",
+                 "zero_bytes")
+
+
+def _np_scalar(value: Any, dtype: str) -> Any:
+    if dtype == "Int":
+        return np.int64(value)
+    if dtype == "Int32":
+        return np.int32(value)
+    if dtype == "Bool":
+        return np.bool_(value)
+    if dtype == "Float":
+        return np.float32(value)
+    return np.float64(value)
+
+
+class HostEvaluator:
+    """Runs one lowered fusion's host program on the GPU (CuPy or torch CUDA arrays)."""
+
+    def __init__(self, lowered: Any) -> None:
+        self.lowered = lowered  # kiln.lowering.LoweredFusion
+        self._recipes: Dict[Tuple, _Recipe] = {}
+        self._functions: List[Any] = [None] * len(lowered.kernels)
+        self._arena: Any = None
+        self._arena_bytes = 0
+        self.pool = ZeroedPool()
+        self.memsets = 0  # per-launch zeroings of zero_init-only buffers
+        self.launches = 0
+        # Test hook: skip the per-launch zeroing (shows why it is needed).
+        self.zero_per_launch = True
+
+    # -- per call ----------------------------------------------------------------------
+    def run(self, inputs: Sequence[Any], validate: Optional[Callable[[], None]] = None) -> List[Any]:
+        """Run on ``inputs`` (CuPy arrays / torch CUDA tensors and Python scalars);
+        ``validate`` runs before the first launch of a new input signature."""
+        key = self._key(inputs)
+        r = self._recipes.get(key)
+        if r is None:
+            if validate is not None:
+                validate()
+            r = self._prepare(inputs)
+            self._recipes[key] = r
+        return r.fast(inputs, self)
+
+    def run_cached(self, inputs: Sequence[Any]) -> Optional[List[Any]]:
+        """Run if this input signature was seen before (validated then), else None."""
+        try:
+            r = self._recipes.get(self._key(inputs))
+        except (AttributeError, TypeError):
+            return None
+        if r is None:
+            return None
+        return r.fast(inputs, self)
+
+    @staticmethod
+    def _key(inputs: Sequence[Any]) -> Tuple:
+        try:  # CuPy arrays (the common case): no type dispatch
+            return tuple([(x.shape, x.strides, x.dtype, x.data.device_id) for x in inputs])
+        except AttributeError:
+            pass
+        key = []
+        for x in inputs:
+            t = type(x)
+            if t.__module__.startswith("cupy"):
+                key.append((x.shape, x.strides, x.dtype, x.data.device_id))
+            elif t.__module__.startswith("torch"):
+                key.append((t, x.shape, x.stride(), x.dtype, x.get_device()))
+            else:
+                key.append((t, x))
+        return tuple(key)
+
+    def _memset_ptrs(self, ptrs: Sequence[Any], memsets: Sequence[Tuple[int, int]]) -> None:
+        """Zero each ``(buffer, nbytes)`` of ``memsets`` at ``ptrs`` on the current stream."""
+        import cupy as cp  # noqa: PLC0415
+
+        stream = cp.cuda.get_current_stream().ptr
+        for p, (_bid, nbytes) in zip(ptrs, memsets):
+            cp.cuda.runtime.memsetAsync(int(p), 0, nbytes, stream)
+            self.memsets += 1
+
+    def _workspace(self, nbytes: int) -> int:
+        if nbytes > self._arena_bytes:
+            import cupy as cp  # noqa: PLC0415
+
+            self._arena = cp.empty(nbytes, dtype=cp.uint8)
+            self._arena_bytes = nbytes
+        return int(self._arena.data.ptr)
+
+    # -- per signature -----------------------------------------------------------------
+    def _prepare(self, inputs: Sequence[Any]) -> _Recipe:
+        import cupy as cp  # noqa: PLC0415
+
+        from .runtime.kernel_executor import np_dtype  # noqa: PLC0415
+
+        arrays = [x for x in inputs if not isinstance(x, (bool, int, float))]
+        scalars = [x for x in inputs if isinstance(x, (bool, int, float))]
+        torch_mode = any(type(x).__module__.startswith("torch") for x in arrays)
+        dev = cp.cuda.Device().id
+        for i, x in enumerate(arrays):
+            what = f"input {i}"
+            if torch_mode:
+                if not getattr(x, "is_cuda", False):
+                    raise KilnTypeError(f"{what}: torch tensor is on {x.device}, expected a CUDA tensor")
+                got = x.get_device()
+            else:
+                if not hasattr(x, "data") or not hasattr(x.data, "device_id"):
+                    raise KilnTypeError(f"{what}: expected a CuPy array, got {type(x).__name__}")
+                got = x.data.device_id
+            if got != dev:
+                raise KilnError(f"{what}: is on device {got} but the current device is {dev}")
+        plan = plan_program(self.lowered.program, arrays, scalars, "torch" if torch_mode else "cupy")
+        r = _Recipe()
+        r.plan = plan
+        r.nbufs = len(plan.buffers)
+        array_pos = [i for i, x in enumerate(inputs) if not isinstance(x, (bool, int, float))]
+        r.inputs = [(bid, array_pos[b.offset], torch_mode)
+                    for bid, b in enumerate(plan.buffers) if b.place == "input"]
+        outs = sorted(((b.offset, bid, b) for bid, b in enumerate(plan.buffers) if b.place == "output"))
+        r.outputs = []
+        device = arrays[0].device if torch_mode and arrays else None
+        for _, bid, b in outs:
+            stored = tuple(b.sizes[a] for a in b.layout)
+            inverse = [b.layout.index(a) for a in range(len(b.layout))]
+            view = None if list(b.layout) == sorted(b.layout) else (lambda o, inv=inverse: o.permute(*inv)
+                                                                     if torch_mode else o.transpose(inv))
+            if torch_mode:
+                import torch  # noqa: PLC0415
+
+                tdt = getattr(torch, _ITEMSIZE_NAMES[b.dtype])
+
+                def alloc(shape: Tuple[int, ...] = stored, tdt: Any = tdt,
+                          device: Any = device) -> Tuple[Any, int]:
+                    o = torch.empty(shape, dtype=tdt, device=device)
+                    return o, o.data_ptr()
+            else:
+                ndt = np.dtype(np_dtype(b.dtype))
+
+                def alloc(shape: Tuple[int, ...] = stored, ndt: Any = ndt) -> Tuple[Any, int]:
+                    o = cp.empty(shape, dtype=ndt)
+                    return o, o.data.ptr
+            r.outputs.append((bid, alloc, view))
+        r.arena = [(bid, b.offset) for bid, b in enumerate(plan.buffers) if b.place == "arena"]
+        r.zero = [(bid, b.offset) for bid, b in enumerate(plan.buffers) if b.place == "zero_pool"]
+        r.arena_bytes = plan.arena_bytes
+        r.zero_bytes = plan.zero_pool_bytes
+        r.launches = []
+        for la in plan.launches:
+            if min(la.grid) == 0 or min(la.block) == 0:
+                continue  # empty tensors: nothing to compute
+            fn = self._function(la.kernel, la.smem)
+            scal = tuple(_np_scalar(v, d) for v, d in la.scalars)
+            memsets = tuple((bid, max(plan.buffers[bid].nbytes, 1)) for bid in la.memsets)
+            r.launches.append((fn, la.grid, la.block, la.smem, la.args, scal, memsets))
+        r.fast = _specialize(r, torch_mode)
+        return r
+
+    def _function(self, k: int, smem: int) -> Any:
+        from .runtime import executor  # noqa: PLC0415
+
+        ck = self._functions[k]
+        if ck is None:
+            kern = self.lowered.kernels[k]
+            ck = executor.load_module(kern.cuda_source, kern.kernel_name)
+            self._functions[k] = ck
+        if smem > ck.max_dynamic_smem:
+            ck.function.max_dynamic_shared_size_bytes = smem
+            ck.max_dynamic_smem = smem
+        return ck.function
+
+    def plan_for(self, inputs: Sequence[Any]) -> ProgramPlan:
+        """The concrete plan used for ``inputs`` (prepared if needed)."""
+        key = self._key(inputs)
+        r = self._recipes.get(key)
+        if r is None:
+            r = self._prepare(inputs)
+            self._recipes[key] = r
+        return r.plan
+
+
+def _specialize(r: _Recipe, torch_mode: bool) -> Callable[[Sequence[Any], HostEvaluator], List[Any]]:
+    """A launcher specialised to one recipe: straight-line Python with every constant
+    (shapes, offsets, scalars, grid/block) bound, so a call does no lookups or loops."""
+    import cupy as cp  # noqa: PLC0415
+
+    ns: Dict[str, Any] = {"_nd": cp.ndarray}
+    lines = ["def _run(inputs, ev):"]
+    arg: Dict[int, str] = {}
+    for bid, i, _t in r.inputs:
+        arg[bid] = f"inputs[{i}].data_ptr()" if torch_mode else f"inputs[{i}]"
+    outs = []
+    for n, (bid, alloc, view) in enumerate(r.outputs):
+        ns[f"_alloc{n}"] = alloc
+        if torch_mode:
+            lines.append(f"    o{n}, p{n} = _alloc{n}()")
+            arg[bid] = f"p{n}"
+        else:
+            ns[f"_shape{n}"], ns[f"_dt{n}"] = alloc.__defaults__
+            lines.append(f"    o{n} = _nd(_shape{n}, _dt{n})")
+            arg[bid] = f"o{n}"
+        if view is not None:
+            ns[f"_view{n}"] = view
+            outs.append(f"_view{n}(o{n})")
+        else:
+            outs.append(f"o{n}")
+    if r.arena_bytes:
+        lines.append(f"    base = ev._workspace({r.arena_bytes})")
+        for bid, off in r.arena:
+            arg[bid] = f"base + {off}"
+    if r.zero_bytes:
+        lines.append(f"    zbase = ev.pool.get({r.zero_bytes})")
+        for bid, off in r.zero:
+            arg[bid] = f"zbase + {off}"
+    for k, (fn, grid, block, smem, argids, scal, memsets) in enumerate(r.launches):
+        ns[f"_f{k}"], ns[f"_g{k}"], ns[f"_b{k}"] = fn, tuple(grid), tuple(block)
+        if memsets:
+            ns[f"_ms{k}"] = memsets
+            pl = ", ".join(arg[b] for b, _ in memsets)
+            lines.append(f"    if ev.zero_per_launch: ev._memset_ptrs(({pl},), _ms{k})")
+        names = [arg[a] for a in argids]
+        for j, v in enumerate(scal):
+            ns[f"_s{k}_{j}"] = v
+            names.append(f"_s{k}_{j}")
+        lines.append(f"    _f{k}(_g{k}, _b{k}, ({', '.join(names)},), shared_mem={int(smem)})")
+    if r.launches:
+        lines.append(f"    ev.launches += {len(r.launches)}")
+    lines.append(f"    return [{', '.join(outs)}]")
+    exec("\n".join(lines), ns)  # noqa: S102 - generated from the plan's own constants
+    return ns["_run"]
+
+
+def run_on_cpu(lowered: Any, inputs: Sequence[Any],
+               launcher: Callable[[Any, List[Any]], Sequence[Any]]) -> List[Any]:
+    """Walk the host program on the CPU: ``launcher(kernel_core, kernel_inputs)`` runs one
+    kernel (tensor inputs then scalars, e.g. ``kiln._core.execute_cpu``) and returns its
+    outputs; kernel-internal buffers are the launcher's business."""
+    arrays = [x for x in inputs if not isinstance(x, (bool, int, float))]
+    scalars = [x for x in inputs if isinstance(x, (bool, int, float))]
+    env: Dict[str, Any] = {}
+    for name, x in zip(lowered.program.input_names(), arrays):
+        env[name] = x
+    for op, k, names, outs, _inter in lowered.program.instructions():
+        if op == "Deallocate":
+            env.pop(names[0], None)
+        if op != "LaunchKernel":
+            continue
+        results = launcher(lowered.kernels[k]._core, [env[n] for n in names] + scalars)
+        for n, v in zip(outs, results):
+            env[n] = v
+    return [env[n] for n in lowered.program.output_names()]

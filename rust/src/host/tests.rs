@@ -1,0 +1,69 @@
+//! Unit tests of segmentation, host lowering and the concrete plan.
+
+use crate::host::eval::{InputDesc, ScalarArg};
+use crate::host::ir::HostInstr;
+use crate::host::lower::lower_program;
+use crate::host::plan::{plan_program, Place};
+use crate::ir::{BinaryOp, DataType, Fusion, Operand, ParallelType, UnaryOp};
+
+/// x -> a = exp(x) | b = a * 2 | c = b + a: three segments, `a` read by all later ones.
+fn chain() -> Fusion {
+    let mut f = Fusion::new();
+    let x = f.define_tensor(&[-1, -1], DataType::Float, None).unwrap();
+    let a = f.unary(UnaryOp::Exp, Operand::Tensor(x)).unwrap();
+    let two = f.scalars.float(2.0);
+    let b = f.binary(BinaryOp::Mul, Operand::Tensor(a), Operand::Scalar(two)).unwrap();
+    let c = f.binary(BinaryOp::Add, Operand::Tensor(b), Operand::Tensor(a)).unwrap();
+    f.add_output(c).unwrap();
+    for t in [a, b, c] {
+        f.split(t, 1, 128, true).unwrap();
+        f.parallelize(t, 0, ParallelType::BIDx).unwrap();
+        f.parallelize(t, -1, ParallelType::TIDx).unwrap();
+    }
+    f.mark_segment_after(a).unwrap();
+    f.mark_segment_after(b).unwrap();
+    f
+}
+
+#[test]
+fn chain_segments_allocate_launch_and_free_in_order() {
+    let p = lower_program(&chain()).unwrap();
+    assert_eq!(p.kernels.len(), 3);
+    let text = p.to_text();
+    let ops: Vec<&str> = text
+        .lines()
+        .skip(1)
+        .map(|l| l.split_whitespace().take(2).collect::<Vec<_>>())
+        .map(|v| match (v[0], v[1]) {
+            ("Allocate", n) | ("Deallocate", n) => n,
+            (_, k) => k,
+        })
+        .collect();
+    assert_eq!(
+        ops,
+        ["T1", "kernel0(inputs=[T0],", "T2", "kernel1(inputs=[T1],", "T3", "kernel2(inputs=[T1,", "T1", "T2"]
+    );
+    assert!(matches!(p.instrs.last(), Some(HostInstr::Deallocate(_))));
+}
+
+#[test]
+fn later_segments_bind_sizes_from_fusion_inputs_and_plan_peak() {
+    let p = lower_program(&chain()).unwrap();
+    let inputs = [InputDesc { sizes: vec![4, 200], strides: vec![200, 1] }];
+    let plan = plan_program(&p, &inputs, &[] as &[ScalarArg]).unwrap();
+    let n = 4 * 200 * 4;
+    assert_eq!(plan.peak_bytes, 3 * n);
+    assert_eq!(plan.launches.len(), 3);
+    for l in &plan.launches {
+        assert_eq!(l.launch.grid, [4, 1, 1]);
+    }
+    assert!(plan.buffers.iter().any(|b| b.name == "T3" && b.place == Place::Output(0)));
+}
+
+#[test]
+fn segment_after_an_input_is_an_error() {
+    let mut f = Fusion::new();
+    let x = f.define_tensor(&[-1], DataType::Float, None).unwrap();
+    let e = f.mark_segment_after(x).unwrap_err();
+    assert!(e.message.contains("segment_after T0"), "{}", e.message);
+}
