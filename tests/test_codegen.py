@@ -101,3 +101,21 @@ def test_shared_buffer_reused_in_a_loop_gets_a_war_sync():
     ir = k.kernel_ir
     assert ir.count("__syncthreads()  // RAW") == 1
     assert ir.count("__syncthreads()  // WAR") == 1
+
+
+def test_unswitch_hoists_bounds_out_of_the_tile():
+    from kiln import FusionDefinition
+    from kiln.execute import _auto_lowered
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.exp(x))
+    src = _auto_lowered(fd, [np.zeros((4096, 4096), np.float32)]).kernels[0].cuda_source
+    body = src[src.index("kiln_kernel("):]
+    fast, slow = body.split("} else {", 1)[0], body.split("} else {", 1)[1]
+    assert "unswitched: bounds hold for the whole tile" in fast
+    tile = fast.split("unswitched: bounds hold for the whole tile", 1)[1]
+    # Inside the fast path no per-element bound on the flattened index remains...
+    assert "< (i0 * i1)" not in tile
+    # ...while the fallback path keeps them.
+    assert "< (i0 * i1)" in slow

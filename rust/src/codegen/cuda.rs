@@ -80,6 +80,8 @@ struct Gen<'a> {
     out: String,
     /// Register accumulator of each hoisted reduction while its loops are emitted.
     hoisted: FxHashMap<ExprId, String>,
+    /// Predicate conjuncts known to hold (inside the fast path of an unswitched loop).
+    assumed: FxHashSet<ValId>,
     /// C name of each tensor's buffer.
     names: FxHashMap<TvId, String>,
     scratch: u32,
@@ -201,8 +203,16 @@ pub fn generate(k: &Kernel, index32: bool) -> Result<CudaKernel> {
         params.push((format!("{}_stride{a}", f.tv_name(t)), ParamKind::Stride(t, a), DataType::Int));
     }
 
-    let mut g =
-        Gen { k, f, sc: f.scalars.clone(), out: String::new(), hoisted: FxHashMap::default(), names, scratch: 0 };
+    let mut g = Gen {
+        k,
+        f,
+        sc: f.scalars.clone(),
+        out: String::new(),
+        hoisted: FxHashMap::default(),
+        assumed: FxHashSet::default(),
+        names,
+        scratch: 0,
+    };
     let sig: Vec<String> = params
         .iter()
         .map(|(name, kind, dt)| match kind {
@@ -286,6 +296,7 @@ impl Gen<'_> {
         match n {
             Node::Loop(l) if self.try_vectorized_copy(l, depth)? => {}
             Node::Loop(l) if !l.hoisted.is_empty() => self.hoisting_loop(l, depth)?,
+            Node::Loop(l) if l.parallel == ParallelType::Unswitch && self.unswitch(l, depth)? => {}
             Node::Loop(l) => {
                 if l.parallel.is_thread_or_block() {
                     let _ = writeln!(self.out, "{pad}{{  // {} over {}", l.parallel.enum_name(), self.f.id_label(l.id));
@@ -346,7 +357,7 @@ impl Gen<'_> {
                 let _ = writeln!(
                     self.out,
                     "{pad}if ({}) {{ {}[{}] = kiln::cast<{ty}>({}); }}",
-                    self.c(ix.predicate),
+                    self.pred(ix.predicate),
                     self.buf(*tv),
                     self.c(ix.out),
                     self.c(*value)
@@ -362,6 +373,71 @@ impl Gen<'_> {
             }
         }
         Ok(())
+    }
+
+    /// A predicate without the conjuncts assumed to hold.
+    fn pred(&self, v: ValId) -> String {
+        let mut parts = Vec::new();
+        conjuncts(&self.sc, v, &mut parts);
+        let kept: Vec<String> = parts.into_iter().filter(|c| !self.assumed.contains(c)).map(|c| self.c(c)).collect();
+        if kept.is_empty() {
+            "true".into()
+        } else {
+            kept.join(" && ")
+        }
+    }
+
+    /// Unswitch: when every bound predicate inside the loop holds at the largest loop
+    /// indices (the bounds are monotone in them), run a copy of the loop without those
+    /// predicates; otherwise the predicated loop. Returns false when nothing can be
+    /// hoisted (the loop is then emitted as a plain serial loop).
+    fn unswitch(&mut self, l: &crate::kernel::ForLoop, depth: usize) -> Result<bool> {
+        let mut loops: Vec<(Symbol, ValId)> = Vec::new();
+        let mut preds: Vec<ValId> = Vec::new();
+        collect_unswitch(&self.sc, &Node::Loop(l.clone()), &mut loops, &mut preds);
+        let syms: FxHashSet<Symbol> = loops.iter().map(|&(s, _)| s).collect();
+        let mut hoist: Vec<ValId> = Vec::new();
+        for p in preds {
+            let mut parts = Vec::new();
+            conjuncts(&self.sc, p, &mut parts);
+            for c in parts {
+                if hoist.contains(&c) || self.assumed.contains(&c) {
+                    continue;
+                }
+                if let Val::Binary(ScalarOp::Lt, a, b) = self.sc.get(c) {
+                    if mentions(&self.sc, a, &syms) && !mentions(&self.sc, b, &syms) && monotone(&self.sc, a) {
+                        hoist.push(c);
+                    }
+                }
+            }
+        }
+        if hoist.is_empty() || loops.iter().any(|&(_, e)| mentions(&self.sc, e, &syms)) {
+            return Ok(false);
+        }
+        // The fast-path condition: each hoisted bound at the largest indices.
+        let mut cond = self.sc.boolean(true);
+        for &c in &hoist {
+            let mut v = c;
+            for &(s, e) in &loops {
+                let one = self.sc.int(1);
+                let last = self.sc.sub(e, one);
+                v = self.sc.substitute(v, s, last);
+            }
+            cond = self.sc.binary(ScalarOp::And, cond, v);
+        }
+        let pad = Self::pad(depth);
+        let _ = writeln!(self.out, "{pad}if ({}) {{  // unswitched: bounds hold for the whole tile", self.pred(cond));
+        let mut plain = l.clone();
+        plain.parallel = ParallelType::Serial;
+        let added: Vec<ValId> = hoist.iter().copied().filter(|c| self.assumed.insert(*c)).collect();
+        self.node(&Node::Loop(plain.clone()), depth + 1)?;
+        for c in added {
+            self.assumed.remove(&c);
+        }
+        let _ = writeln!(self.out, "{pad}}} else {{");
+        self.node(&Node::Loop(plain), depth + 1)?;
+        let _ = writeln!(self.out, "{pad}}}");
+        Ok(true)
     }
 
     /// A loop that hoisted reductions accumulate through: registers before it, the
@@ -441,7 +517,14 @@ impl Gen<'_> {
         if self.sc.add(o0, one) != o1 || self.sc.add(i0, one) != i1 {
             return Ok(false);
         }
-        let (p0, pl) = (at(ix.predicate, zero, &mut self.sc), at(ix.predicate, last, &mut self.sc));
+        // Conjuncts already known to hold (unswitched fast path) need no re-check per vector.
+        let mut parts = Vec::new();
+        conjuncts(&self.sc, ix.predicate, &mut parts);
+        let mut live = self.sc.boolean(true);
+        for c in parts.into_iter().filter(|c| !self.assumed.contains(c)) {
+            live = self.sc.binary(ScalarOp::And, live, c);
+        }
+        let (p0, pl) = (at(live, zero, &mut self.sc), at(live, last, &mut self.sc));
         let pad = Self::pad(depth);
         let ty = c_type(dt);
         let (ob, ib) = (self.buf(e.output), self.buf(src));
@@ -450,8 +533,8 @@ impl Gen<'_> {
         let _ = writeln!(
             self.out,
             "{pad}  if (({}) && ({}) && reinterpret_cast<unsigned long long>(&{ob}[kiln_ob]) % {bytes} == 0 && reinterpret_cast<unsigned long long>(&{ib}[kiln_ib]) % {bytes} == 0) {{",
-            self.c(p0),
-            self.c(pl)
+            self.pred(p0),
+            self.pred(pl)
         );
         let _ = writeln!(self.out, "{pad}    kiln::Array<{ty}, {n}> kiln_vec;");
         let _ = writeln!(self.out, "{pad}    kiln::loadVec<{ty}, {n}>(kiln_vec, &{ib}[kiln_ib]);");
@@ -494,7 +577,7 @@ impl Gen<'_> {
         let out_dt = f.tvs[out_tv].dtype;
         let out_ty = c_type(out_dt);
         let out = format!("{}[{}]", self.buf(out_tv), self.c(ix.out));
-        let pred = self.c(ix.predicate);
+        let pred = self.pred(ix.predicate);
         let mut pre = String::new();
         for gth in &ix.gathers {
             let _ = write!(
@@ -588,7 +671,7 @@ impl Gen<'_> {
                 red.push(p);
             }
         }
-        let pred = self.c(ix.predicate);
+        let pred = self.pred(ix.predicate);
         if red.is_empty() {
             let _ = writeln!(self.out, "{pad}if ({pred}) {{ {pre}{out} = {functor}({out}, {input}); }}");
             return Ok(());
@@ -620,7 +703,7 @@ impl Gen<'_> {
         let out_tv = f.exprs[e].output;
         let ty = c_type(f.tvs[out_tv].dtype);
         let out = format!("{}[{}]", self.buf(out_tv), self.c(ix.out));
-        let wpred = self.c(ix.write_predicate);
+        let wpred = self.pred(ix.write_predicate);
         let has = |p: ParallelType| red.contains(&p);
         let tflags = format!("{}, {}, {}", has(ParallelType::TIDx), has(ParallelType::TIDy), has(ParallelType::TIDz));
         let bflags = format!("{}, {}, {}", has(ParallelType::BIDx), has(ParallelType::BIDy), has(ParallelType::BIDz));
@@ -672,6 +755,59 @@ impl Gen<'_> {
         }
         let _ = writeln!(self.out, "{pad}}}");
         Ok(())
+    }
+}
+
+/// Split a predicate into its `&&` conjuncts.
+fn conjuncts(sc: &crate::ir::Scalars, v: ValId, out: &mut Vec<ValId>) {
+    match sc.get(v) {
+        Val::Binary(ScalarOp::And, a, b) => {
+            conjuncts(sc, a, out);
+            conjuncts(sc, b, out);
+        }
+        Val::Bool(true) => {}
+        _ => out.push(v),
+    }
+}
+
+/// True when `v` mentions one of `syms`.
+fn mentions(sc: &crate::ir::Scalars, v: ValId, syms: &FxHashSet<Symbol>) -> bool {
+    match sc.get(v) {
+        Val::Symbol(s) => syms.contains(&s),
+        Val::Binary(_, a, b) => mentions(sc, a, syms) || mentions(sc, b, syms),
+        _ => false,
+    }
+}
+
+/// True when `v` never decreases as any (non-negative) symbol grows: sums and products
+/// of non-negative terms.
+fn monotone(sc: &crate::ir::Scalars, v: ValId) -> bool {
+    match sc.get(v) {
+        Val::Symbol(_) => true,
+        Val::Int(i) => i >= 0,
+        Val::Binary(ScalarOp::Add | ScalarOp::Mul, a, b) => monotone(sc, a) && monotone(sc, b),
+        _ => false,
+    }
+}
+
+/// Loop-index symbols (with extents) and predicates of the nodes under an unswitched loop.
+fn collect_unswitch(sc: &crate::ir::Scalars, n: &Node, loops: &mut Vec<(Symbol, ValId)>, preds: &mut Vec<ValId>) {
+    match n {
+        Node::Loop(l) => {
+            if !l.parallel.is_thread_or_block() {
+                if let Val::Symbol(s) = sc.get(l.index) {
+                    loops.push((s, l.extent));
+                }
+            }
+            for c in &l.body {
+                collect_unswitch(sc, c, loops, preds);
+            }
+        }
+        Node::Expr { index: Some(ix), .. } | Node::Init { index: Some(ix), .. } => {
+            preds.push(ix.predicate);
+            preds.push(ix.write_predicate);
+        }
+        _ => {}
     }
 }
 

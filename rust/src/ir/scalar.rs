@@ -122,6 +122,8 @@ pub struct Scalars {
     dedup: FxHashMap<Val, ValId>,
     /// Exclusive upper bounds of symbols known to lie in `[0, bound)` (loop indices).
     bounds: FxHashMap<Symbol, i64>,
+    /// Symbolic exclusive upper bounds (a block index below its grid extent).
+    sym_bounds: FxHashMap<Symbol, ValId>,
 }
 
 impl Scalars {
@@ -205,11 +207,21 @@ impl Scalars {
         if let Some(v) = self.simplify(op, a, b) {
             return v;
         }
-        // Canonical operand order for commutative ops: constants on the right,
-        // so `4 * i0` and `i0 * 4` are one node.
+        // Commutative ops: constants on the right, and `i1 * i0` is the node `i0 * i1`
+        // if that one exists (the first spelling wins, so dumps keep a natural order).
         let (a, b) =
             if op.is_commutative() && self.as_int(a).is_some() && self.as_int(b).is_none() { (b, a) } else { (a, b) };
+        if op.is_commutative() {
+            if let Some(&v) = self.dedup.get(&Val::Binary(op, b, a)) {
+                return v;
+            }
+        }
         self.intern(Val::Binary(op, a, b))
+    }
+
+    /// Declare that `sym` lies in `[0, bound)` for a symbolic `bound`.
+    pub fn set_symbolic_bound(&mut self, sym: Symbol, bound: ValId) {
+        self.sym_bounds.insert(sym, bound);
     }
 
     /// Declare that `sym` lies in `[0, bound)` (a loop index of constant extent).
@@ -313,11 +325,22 @@ impl Scalars {
     /// Rules that need the shape of the operands: div/mod identities and ranges.
     fn simplify_structure(&mut self, op: ScalarOp, a: ValId, b: ValId) -> Option<ValId> {
         use ScalarOp::*;
+        // A loop index of an extent-1 loop is always 0.
+        let zero_range = |s: &Self, v: ValId| matches!(s.nodes[v], Val::Symbol(_)) && s.range(v) == (0, Some(0));
+        match op {
+            Add | Sub if zero_range(self, b) => return Some(a),
+            Add if zero_range(self, a) => return Some(b),
+            Mul if zero_range(self, a) || zero_range(self, b) => return Some(self.int(0)),
+            _ => {}
+        }
         match op {
             Add => {
-                // (x / y) * y + x % y == x, in either order.
+                // (x / y) * y + x % y == x, whatever the operand order.
                 for (p, q) in [(a, b), (b, a)] {
-                    if let (Val::Binary(Mul, d, y1), Val::Binary(Mod, x2, y2)) = (self.nodes[p], self.nodes[q]) {
+                    let (Val::Binary(Mul, m1, m2), Val::Binary(Mod, x2, y2)) = (self.nodes[p], self.nodes[q]) else {
+                        continue;
+                    };
+                    for (d, y1) in [(m1, m2), (m2, m1)] {
                         if let Val::Binary(Div, x1, y0) = self.nodes[d] {
                             if x1 == x2 && y0 == y1 && y1 == y2 {
                                 return Some(x1);
@@ -337,15 +360,22 @@ impl Scalars {
                 }
                 // (x * c + y) % c == y % c and (x * c + y) / c == x + y / c (non-negative terms).
                 if let Val::Binary(Add, l, r) = self.nodes[a] {
-                    if let Val::Binary(Mul, x, k) = self.nodes[l] {
-                        if self.as_int(k) == Some(c) && self.range(r).0 >= 0 && self.range(x).0 >= 0 {
-                            let rest = self.binary(op, r, b);
-                            return Some(if op == Mod { rest } else { self.add(x, rest) });
+                    for (m, rest) in [(l, r), (r, l)] {
+                        if let Val::Binary(Mul, x, k) = self.nodes[m] {
+                            if self.as_int(k) == Some(c) && self.range(rest).0 >= 0 && self.range(x).0 >= 0 {
+                                let part = self.binary(op, rest, b);
+                                return Some(if op == Mod { part } else { self.add(x, part) });
+                            }
                         }
                     }
                 }
             }
             Lt => {
+                if let Val::Symbol(sym) = self.nodes[a] {
+                    if self.sym_bounds.get(&sym) == Some(&b) {
+                        return Some(self.boolean(true));
+                    }
+                }
                 // x % y < y always holds for y > 0.
                 if let Val::Binary(Mod, _, y) = self.nodes[a] {
                     if y == b {
@@ -640,7 +670,7 @@ mod tests {
         assert_eq!(s.as_int(lt), Some(1), "x % n < n");
         let d = s.div(m, n);
         let c = s.lt(d, x);
-        assert_eq!(s.render(c), "x * 4 + v < i1 * i0".replace("x", "i0").replace("v", "idx0"));
+        assert_eq!(s.render(c), "i0 * 4 + idx0 < i1 * i0");
     }
 
     #[test]

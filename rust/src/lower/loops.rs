@@ -114,6 +114,22 @@ pub fn run(f: &mut Fusion, lg: &LoopGraph, order: &[ExprId]) -> Result<(Vec<Node
         }
         cur.push(Node::Expr { expr: e, index: None });
     }
+    // A parallel type all of whose loops share one extent: its index is below it.
+    let mut extents: FxHashMap<crate::ir::ParallelType, Vec<crate::ir::ValId>> = FxHashMap::default();
+    for g in &lg.groups {
+        if g.parallel.is_thread_or_block() {
+            let e = f.ids[g.promoted].extent;
+            let v = extents.entry(g.parallel).or_default();
+            if !v.contains(&e) {
+                v.push(e);
+            }
+        }
+    }
+    for (p, v) in extents {
+        if let [e] = v.as_slice() {
+            f.scalars.set_symbolic_bound(Symbol::ParallelIndex(p), *e);
+        }
+    }
     // Thread and block indices stay below the largest extent of their loops.
     let mut widest: FxHashMap<crate::ir::ParallelType, Option<i64>> = FxHashMap::default();
     for g in &lg.groups {

@@ -1,5 +1,5 @@
 //! Pointwise scheduler: every tensor as one flat iteration space
-//! `[ceilDiv(N, u*t*v) (BIDx), u (Unroll), t (TIDx), v]`, with vectorized caches of the
+//! `[ceilDiv(N, u*t*v) (BIDx), 1 (Unswitch), u (Unroll), t (TIDx), v]`, with vectorized caches of the
 //! full-size inputs and of the outputs, and everything inlined.
 
 use crate::error::Result;
@@ -16,6 +16,8 @@ pub fn flatten_and_split(f: &mut Fusion, t: TvId, v: i64, threads: i64, unroll: 
     if unroll > 1 {
         f.split(t, 0, unroll, true)?;
     }
+    // An extent-1 Unswitch loop around the tile: full tiles run without bound checks.
+    f.split(t, 0, 1, true)?;
     Ok(())
 }
 
@@ -64,8 +66,9 @@ pub fn schedule(f: &mut Fusion, inputs: &[Vec<i64>]) -> Result<Heuristic> {
     let tensors: Vec<TvId> = order.iter().map(|&e| f.exprs[e].output).collect();
     for &t in &tensors {
         flatten_and_split(f, t, v, threads, unroll)?;
-        let (b, u, th, vv) = if unroll > 1 { (0, Some(1), 2, 3) } else { (0, None, 1, 2) };
+        let (b, u, th, vv) = if unroll > 1 { (0, Some(2), 3, 4) } else { (0, None, 2, 3) };
         f.parallelize(t, b, ParallelType::BIDx)?;
+        f.parallelize(t, 1, ParallelType::Unswitch)?;
         if let Some(u) = u {
             f.parallelize(t, u, ParallelType::Unroll)?;
         }
