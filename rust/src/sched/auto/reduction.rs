@@ -65,7 +65,8 @@ pub fn schedule(f: &mut Fusion, inputs: &[Vec<i64>], red: ExprId) -> Result<Heur
     if inner {
         // Vector loads along the reduced axes, one block per kept row.
         let v = if red_size % (16 / widest) == 0 { 16 / widest } else { 1 };
-        let t = ((red_size / v).max(32) as u64).next_power_of_two().min(512) as i64;
+        // About eight vectors per thread before the block reduction.
+        let t = ((red_size / v / 8).max(32) as u64).next_power_of_two().min(512) as i64;
         let mut caches = Vec::new();
         for op in f.inputs.clone() {
             let Operand::Tensor(x) = op else { continue };
@@ -172,20 +173,38 @@ fn inline_into_after(f: &mut Fusion, r: TvId, after: &[TvId]) -> Result<()> {
 fn full(f: &mut Fusion, r: TvId, before: &[TvId], after: &[TvId], total: i64) -> Result<Heuristic> {
     let n = f.tvs[r].loop_domain.len();
     let t = 512;
-    let g = ((total + t - 1) / t).clamp(1, 4 * SM_COUNT);
-    let s = ((total + g * t - 1) / (g * t)).max(1);
-    for &x in before.iter().chain(std::iter::once(&r)) {
+    let widest = f.tvs.values().map(|t| t.dtype.size_bytes()).max().unwrap_or(4) as i64;
+    let v = if total % (16 / widest) == 0 { 16 / widest } else { 1 };
+    let g = ((total + t * v - 1) / (t * v)).clamp(1, 4 * SM_COUNT);
+    let s = ((total + g * t * v - 1) / (g * t * v)).max(1);
+    // Vectorized read caches of full-size inputs.
+    let mut caches = Vec::new();
+    for op in f.inputs.clone() {
+        let Operand::Tensor(x) = op else { continue };
+        if v > 1 && f.no_reduction_logical(x).len() == n && !f.tvs[x].uses.is_empty() {
+            caches.push(f.cache_after(x)?);
+        }
+    }
+    let order = f.topo_exprs();
+    let pos = order.iter().position(|&e| f.exprs[e].output == r).expect("reduction stays");
+    let pre: Vec<TvId> = order[..pos].iter().map(|&e| f.exprs[e].output).collect();
+    for &x in pre.iter().chain(std::iter::once(&r)) {
         merge_range(f, x, 0, n)?;
-        f.split(x, 0, t, true)?; // [N/t, t]
-        f.split(x, 0, s, true)?; // [N/(t s), s, t]
+        f.split(x, 0, v, true)?; // [N/v, v]
+        f.split(x, 0, t, true)?; // [N/(t v), t, v]
+        f.split(x, 0, s, true)?; // [N/(t v s), s, t, v]
         f.parallelize(x, 0, ParallelType::BIDx)?;
         f.parallelize(x, 2, ParallelType::TIDx)?;
+        if caches.contains(&x) {
+            f.parallelize(x, 3, ParallelType::Vectorize)?;
+        }
     }
-    for &x in before {
+    let _ = before;
+    for &x in &pre {
         f.inline_at(x, -1)?;
     }
     if !after.is_empty() {
         bail!("{}: ops after a full reduction are not covered by the automatic schedule", f.tv_name(r));
     }
-    Ok(Heuristic { kind: "full_reduction", params: vec![t, g, s] })
+    Ok(Heuristic { kind: "full_reduction", params: vec![t, v, g, s] })
 }
