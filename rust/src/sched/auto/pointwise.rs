@@ -21,26 +21,6 @@ pub fn flatten_and_split(f: &mut Fusion, t: TvId, v: i64, threads: i64, unroll: 
     Ok(())
 }
 
-/// Rows x columns layout for fusions with broadcast inputs: merge all but the last axis
-/// into rows, tile the last axis, and merge rows with column tiles:
-/// `[rows * ceilDiv(K, t*v) (BIDx), 1 (Unswitch), t (TIDx), v]`. A broadcast along the
-/// rows then indexes by column alone (no per-element division by K).
-pub fn rows_and_column_tiles(f: &mut Fusion, t: TvId, v: i64, threads: i64) -> Result<()> {
-    while f.tvs[t].loop_domain.len() > 2 {
-        f.merge(t, 0, 1)?;
-    }
-    if f.tvs[t].loop_domain.len() == 2 {
-        f.split(t, 1, v, true)?;
-        f.split(t, 1, threads, true)?; // [rows, K/(t v), t, v]
-        f.merge(t, 0, 1)?;
-    } else {
-        f.split(t, 0, v, true)?;
-        f.split(t, 0, threads, true)?;
-    }
-    f.split(t, 0, 1, true)?;
-    Ok(())
-}
-
 /// True when `t` has no broadcast axes and the rank of the fusion's outputs.
 fn full_size(f: &Fusion, t: TvId, rank: usize) -> bool {
     let l = f.no_reduction_logical(t);
@@ -82,17 +62,10 @@ pub fn schedule(f: &mut Fusion, inputs: &[Vec<i64>]) -> Result<Heuristic> {
             vec_tensors.push(o);
         }
     }
-    // A broadcast input: tile rows x columns so its index needs no division by the row length.
-    let broadcasting = f.inputs.iter().filter_map(|o| o.tensor()).any(|x| !full_size(f, x, rank)) && rank >= 2;
-    let unroll = if broadcasting { 1 } else { unroll };
     let order = f.topo_exprs();
     let tensors: Vec<TvId> = order.iter().map(|&e| f.exprs[e].output).collect();
     for &t in &tensors {
-        if broadcasting {
-            rows_and_column_tiles(f, t, v, threads)?;
-        } else {
-            flatten_and_split(f, t, v, threads, unroll)?;
-        }
+        flatten_and_split(f, t, v, threads, unroll)?;
         let (b, u, th, vv) = if unroll > 1 { (0, Some(2), 3, 4) } else { (0, None, 2, 3) };
         f.parallelize(t, b, ParallelType::BIDx)?;
         f.parallelize(t, 1, ParallelType::Unswitch)?;
@@ -110,5 +83,5 @@ pub fn schedule(f: &mut Fusion, inputs: &[Vec<i64>]) -> Result<Heuristic> {
             f.inline_at(t, -1)?;
         }
     }
-    Ok(Heuristic { kind: if broadcasting { "pointwise_2d" } else { "pointwise" }, params: vec![v, threads, unroll] })
+    Ok(Heuristic { kind: "pointwise", params: vec![v, threads, unroll] })
 }
