@@ -72,13 +72,81 @@ def test_auto_schedule_lowers_and_compiles(build, m, n):
     assert not fd._core.manually_scheduled, "the user's fusion stays unscheduled"
 
 
-def test_normalization_is_not_silently_slow():
+def softmax() -> Tuple[FusionDefinition, Callable]:
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, -1])
         m = fd.ops.max(x, dims=[1], keepdim=True)
-        fd.add_output(fd.ops.sub(x, m))
-    with pytest.raises(KilnError, match="no automatic schedule|normalization|keepdim"):
-        _auto_lowered(fd, [np.zeros((4, 8), np.float32)])
+        e = fd.ops.exp(fd.ops.sub(x, m))
+        fd.add_output(fd.ops.div(e, fd.ops.sum(e, dims=[1], keepdim=True)))
+
+    def ref(x: np.ndarray) -> List[np.ndarray]:
+        e = np.exp(x - x.max(axis=1, keepdims=True))
+        return [e / e.sum(axis=1, keepdims=True)]
+    return fd, ref
+
+
+def layernorm() -> Tuple[FusionDefinition, Callable]:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        w = fd.define_tensor([-1])
+        b = fd.define_tensor([-1])
+        k = fd.define_scalar(dtype=DataType.Double)  # 1 / row length, a runtime scalar
+        mean = fd.ops.mul(fd.ops.sum(x, dims=[1], keepdim=True), k)
+        xm = fd.ops.sub(x, mean)
+        var = fd.ops.mul(fd.ops.sum(fd.ops.mul(xm, xm), dims=[1], keepdim=True), k)
+        y = fd.ops.mul(xm, fd.ops.rsqrt(fd.ops.add(var, 1e-5)))
+        wb = fd.ops.broadcast_in_dim(w, shape=[-1, -1], broadcast_dims=[1])
+        bb = fd.ops.broadcast_in_dim(b, shape=[-1, -1], broadcast_dims=[1])
+        fd.add_output(fd.ops.add(fd.ops.mul(y, wb), bb))
+
+    def ref(x: np.ndarray, w: np.ndarray, b: np.ndarray, k: float) -> List[np.ndarray]:
+        mu = x.mean(axis=1, keepdims=True)
+        var = ((x - mu) ** 2).mean(axis=1, keepdims=True)
+        return [(x - mu) / np.sqrt(var + 1e-5) * w + b]
+    return fd, ref
+
+
+def norm_inputs(build: Callable, m: int, n: int, xp: Any) -> List[Any]:
+    rng = np.random.default_rng(m + 7 * n)
+    arrs: List[Any] = [xp.asarray(rng.standard_normal((m, n)).astype(np.float32))]
+    if build is layernorm:
+        arrs += [xp.asarray(rng.standard_normal(n).astype(np.float32)) for _ in range(2)]
+        arrs.append(1.0 / n)
+    return arrs
+
+
+@pytest.mark.parametrize("build", [softmax, layernorm], ids=lambda b: b.__name__)
+@pytest.mark.parametrize("m,n", [(1, 1), (3, 7), (5, 100), (2, 4096), (4, 1031)])
+def test_normalization_schedule_matches_numpy_in_the_interpreter(build, m, n):
+    from kiln import _core
+    from kiln.host import run_on_cpu
+
+    fd, ref = build()
+    inputs = norm_inputs(build, m, n, np)
+    low = _auto_lowered(fd, inputs)
+    assert "normalization" in repr(fd._core.auto_scheduled([list(np.shape(a)) for a in inputs
+                                                             if not isinstance(a, float)])[1])
+    (out,) = run_on_cpu(low, inputs, _core.execute_cpu)
+    want = ref(*[a.astype(np.float64) if isinstance(a, np.ndarray) else a for a in inputs])[0]
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("build", [softmax, layernorm], ids=lambda b: b.__name__)
+@pytest.mark.parametrize("m,n", [(1, 1), (3, 7), (37, 1000), (128, 4096), (7, 8191)])
+def test_normalization_matches_numpy_on_gpu(build, m, n):
+    cp = cupy_or_skip()
+    fd, ref = build()
+    inputs = norm_inputs(build, m, n, cp)
+    (out,) = fd.execute(inputs)
+    host = [cp.asnumpy(a).astype(np.float64) if not isinstance(a, float) else a for a in inputs]
+    np.testing.assert_allclose(cp.asnumpy(out), ref(*host)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_rows_too_long_for_registers_are_refused():
+    fd, _ = softmax()
+    with pytest.raises(KilnError, match="too long for a register-persistent normalization"):
+        _auto_lowered(fd, [np.zeros((2, 300_000), np.float32)])
 
 
 def test_same_heuristic_shares_one_kernel():

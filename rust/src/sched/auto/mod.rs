@@ -6,8 +6,11 @@
 //! - `reduction`: one reduction, inner (last axes), outer (first axes) or full: block
 //!   reductions with per-thread serial accumulation, grid reductions when one block
 //!   per output would leave the GPU idle.
+//! - `normalization`: reductions broadcast back onto their input (softmax, layernorm):
+//!   one block per row with the row held in registers across the reductions.
 //! - `transpose`: a 2-D permute staged through 32x32 Shared tiles.
 
+pub mod normalization;
 pub mod pointwise;
 pub mod reduction;
 pub mod transpose;
@@ -56,6 +59,8 @@ pub fn schedule(f: &mut Fusion, inputs: &[Vec<i64>]) -> Result<Heuristic> {
     let permutes = exprs.iter().filter(|&&e| matches!(f.exprs[e].op, Op::Permute { .. })).count();
     let h = if reductions.is_empty() && permutes == 0 {
         pointwise::schedule(f, inputs)?
+    } else if permutes == 0 && normalization::is_normalization(f, &reductions) {
+        normalization::schedule(f, inputs, &reductions)?
     } else if reductions.len() == 1 && permutes == 0 {
         reduction::schedule(f, inputs, reductions[0])?
     } else if reductions.is_empty() && permutes == 1 && exprs.len() == 1 {

@@ -1,0 +1,119 @@
+//! Normalization scheduler (softmax, layernorm: reductions whose results are broadcast
+//! back onto their inputs): one block per row, each thread keeping `p*v` elements of
+//! the row in registers across all reductions, so the input is read once.
+//!
+//! Every `[rows, K]` tensor becomes `[rows (BIDx), ceilDiv(K/v, p) (TIDx), p, v]`, so a
+//! thread's `p` vectors are `t`, `t + T`, ... (coalesced). Tensors read by a reduction
+//! and again after it stay in registers (inlined at 2); the rest inline fully.
+
+use crate::bail;
+use crate::error::Result;
+use crate::ir::{ExprId, Fusion, IterType, Op, Operand, ParallelType, TvId};
+use crate::sched::auto::{tensor_sizes, Heuristic};
+
+/// Merge the leading axes into rows and the trailing `k` axes into one.
+fn rows_and_row(f: &mut Fusion, t: TvId, k: usize) -> Result<()> {
+    let n = f.tvs[t].loop_domain.len();
+    for _ in 1..(n - k) {
+        f.merge(t, 0, 1)?;
+    }
+    for _ in 1..k {
+        f.merge(t, 1, 2)?;
+    }
+    Ok(())
+}
+
+/// True when the fusion reduces and then reads the unreduced values again.
+pub fn is_normalization(f: &Fusion, reductions: &[ExprId]) -> bool {
+    let order = f.topo_exprs();
+    reductions.iter().any(|&r| {
+        let rpos = order.iter().position(|&e| e == r).unwrap_or(0);
+        let input = f.exprs[r].inputs[0].tensor();
+        order[rpos + 1..].iter().any(|&e| f.exprs[e].input_tvs().any(|t| Some(t) == input))
+    })
+}
+
+/// Schedule a normalization over the trailing axes.
+pub fn schedule(f: &mut Fusion, inputs: &[Vec<i64>], reductions: &[ExprId]) -> Result<Heuristic> {
+    let r0 = f.exprs[reductions[0]].output;
+    let logical = f.tvs[r0].logical.clone();
+    let n = logical.len();
+    let is_red: Vec<bool> = logical.iter().map(|&id| f.ids[id].iter_type == IterType::Reduction).collect();
+    let k = is_red.iter().filter(|&&b| b).count();
+    if n < 2 || !is_red.iter().skip(n - k).all(|&b| b) {
+        bail!("{}: only normalizations over the trailing axes are scheduled automatically", f.tv_name(r0));
+    }
+    for &e in reductions {
+        let r = f.exprs[e].output;
+        let same =
+            f.tvs[r].logical.iter().map(|&id| f.ids[id].iter_type == IterType::Reduction).eq(is_red.iter().copied());
+        if !same {
+            bail!(
+                "{}: every reduction of a normalization must reduce the same axes as {}",
+                f.tv_name(r),
+                f.tv_name(r0)
+            );
+        }
+    }
+    let sizes = tensor_sizes(f, inputs, r0)?;
+    let row: i64 = sizes[n - k..].iter().product();
+    let widest = f.tvs.values().map(|t| t.dtype.size_bytes()).max().unwrap_or(4) as i64;
+    let v = if row % (16 / widest) == 0 { 16 / widest } else { 1 };
+    // Vectors per thread: enough that a row fits in at most 512 threads.
+    let p = ((row / v + 511) / 512).max(1);
+    if p > 16 {
+        bail!("rows of {row} elements are too long for a register-persistent normalization (at most {} here); segment the fusion with segment_after", 16 * 512 * v);
+    }
+    // Every full-rank tensor takes part; narrower inputs (weights) are read in place.
+    let mut caches = Vec::new();
+    for op in f.inputs.clone() {
+        let Operand::Tensor(x) = op else { continue };
+        if f.no_reduction_logical(x).len() == n && !f.tvs[x].uses.is_empty() {
+            caches.push(f.cache_after(x)?);
+        }
+    }
+    let mut outs = Vec::new();
+    for o in f.outputs.clone() {
+        if f.no_reduction_logical(o).len() == n && f.tvs[o].logical.len() == n {
+            f.cache_before(o)?;
+            outs.push(o);
+        }
+    }
+    let order = f.topo_exprs();
+    let tensors: Vec<TvId> = order.iter().map(|&e| f.exprs[e].output).collect();
+    for &t in &tensors {
+        if f.tvs[t].logical.len() != n {
+            bail!(
+                "{}: rank differs from the normalization's rank {n}; not covered by the automatic schedule",
+                f.tv_name(t)
+            );
+        }
+        rows_and_row(f, t, k)?;
+        f.split(t, 1, v, true)?; // [rows, K/v, v]
+        f.split(t, 1, p, false)?; // [rows, p, ceilDiv(K/v, p), v]
+        f.reorder(t, &[(2, 1)])?; // [rows, T, p, v]
+        f.parallelize(t, 0, ParallelType::BIDx)?;
+        f.parallelize(t, 1, ParallelType::TIDx)?;
+        if v > 1 && (caches.contains(&t) || outs.contains(&t)) {
+            f.parallelize(t, 3, ParallelType::Vectorize)?;
+        }
+    }
+    let is_reduction =
+        |f: &Fusion, t: TvId| matches!(f.tvs[t].definition.map(|e| &f.exprs[e].op), Some(Op::Reduction { .. }));
+    for &t in &tensors {
+        if f.is_output(t) {
+            continue;
+        }
+        let pos = if is_reduction(f, t) {
+            1 // the row's result, shared by every thread of the block
+        } else if f.consumers(t).len() > 1 {
+            // Read on both sides of a reduction (or by two chains): keep it in registers
+            // and let each consumer run its own loops over it.
+            2
+        } else {
+            -1
+        };
+        f.inline_at(t, pos)?;
+    }
+    Ok(Heuristic { kind: "normalization", params: vec![v, p] })
+}
