@@ -1,0 +1,38 @@
+"""The host program run on the CPU: every kernel through the interpreter, buffers from the
+host program with their zero_init flags — the same program the GPU path runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import scenarios
+from kiln.cli import build_demo, demo
+from kiln.cli import reference as softmax_reference
+from test_host import _chain_ref, three_segment_chain
+
+
+def test_three_segment_chain_on_the_cpu():
+    fd = three_segment_chain()
+    x = np.random.default_rng(3).standard_normal((5, 300)).astype(np.float32)
+    (out,) = fd.execute([x])  # NumPy inputs: the CPU interpreter
+    np.testing.assert_allclose(out, _chain_ref(x.astype(np.float64)), rtol=1e-5, atol=1e-5)
+
+
+def test_demo_program_on_the_cpu():
+    fd = build_demo()
+    x = np.random.default_rng(4).standard_normal((6, 250)).astype(np.float32)
+    (out,) = fd.execute([x], device="cpu")
+    np.testing.assert_allclose(out, softmax_reference(x), rtol=1e-5, atol=1e-7)
+
+
+def test_demo_runs_through_the_interpreter_without_a_gpu(capsys):
+    assert demo(rows=4, cols=130) == 0
+    assert "-> OK" in capsys.readouterr().out
+
+
+def test_grid_reductions_through_the_host_program_on_the_cpu():
+    for build in (scenarios.h_grid_column_sum, scenarios.h_serial_grid_column_sum,
+                  scenarios.h_grid_column_sum_hoisted):
+        sc = build()
+        arrays = sc.make_inputs(np)
+        (out,) = sc.fd.execute(arrays)
+        np.testing.assert_allclose(out, sc.reference(arrays)[0], rtol=1e-5, atol=1e-4)
