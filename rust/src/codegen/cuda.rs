@@ -302,8 +302,12 @@ impl Gen<'_> {
                     let _ = writeln!(self.out, "{pad}{{  // {} over {}", l.parallel.enum_name(), self.f.id_label(l.id));
                 } else {
                     let idx = self.c(l.index);
-                    let unroll = matches!(l.parallel, ParallelType::Unroll | ParallelType::Vectorize)
-                        && self.f.scalars.as_int(l.extent).is_some();
+                    // Unroll short constant loops too: Local arrays indexed by their index
+                    // then stay in registers instead of spilling to local memory.
+                    let c = self.f.scalars.as_int(l.extent);
+                    let unroll = c.is_some()
+                        && (matches!(l.parallel, ParallelType::Unroll | ParallelType::Vectorize)
+                            || c.is_some_and(|n| n <= 16));
                     if unroll {
                         let _ = writeln!(self.out, "{pad}#pragma unroll");
                     }
