@@ -513,12 +513,11 @@ impl Gen<'_> {
         let Some(in_off) = ix.inputs[0] else {
             return Ok(false);
         };
-        let (zero, one, last) = (self.sc.int(0), self.sc.int(1), self.sc.int(n - 1));
+        let (zero, last) = (self.sc.int(0), self.sc.int(n - 1));
         let at = |v: ValId, k: ValId, sc: &mut crate::ir::Scalars| sc.substitute(v, sym, k);
-        let (o0, o1) = (at(ix.out, zero, &mut self.sc), at(ix.out, one, &mut self.sc));
-        let (i0, i1) = (at(in_off, zero, &mut self.sc), at(in_off, one, &mut self.sc));
+        let (o0, i0) = (at(ix.out, zero, &mut self.sc), at(in_off, zero, &mut self.sc));
         // Unit stride in the vector index on both sides, or no wide access.
-        if self.sc.add(o0, one) != o1 || self.sc.add(i0, one) != i1 {
+        if linear_coeff(&self.sc, ix.out, sym) != Some(1) || linear_coeff(&self.sc, in_off, sym) != Some(1) {
             return Ok(false);
         }
         // Conjuncts already known to hold (unswitched fast path) need no re-check per vector.
@@ -759,6 +758,30 @@ impl Gen<'_> {
         }
         let _ = writeln!(self.out, "{pad}}}");
         Ok(())
+    }
+}
+
+/// The constant coefficient of `sym` in `v` when `v` is affine in it (it appears only
+/// under sums and products with constants); `None` otherwise.
+fn linear_coeff(sc: &crate::ir::Scalars, v: ValId, sym: Symbol) -> Option<i64> {
+    match sc.get(v) {
+        Val::Symbol(s) => Some(if s == sym { 1 } else { 0 }),
+        Val::Int(_) | Val::Bool(_) | Val::Float(_) => Some(0),
+        Val::Binary(ScalarOp::Add, a, b) => Some(linear_coeff(sc, a, sym)? + linear_coeff(sc, b, sym)?),
+        Val::Binary(ScalarOp::Sub, a, b) => Some(linear_coeff(sc, a, sym)? - linear_coeff(sc, b, sym)?),
+        Val::Binary(ScalarOp::Mul, a, b) => {
+            let (ca, cb) = (linear_coeff(sc, a, sym)?, linear_coeff(sc, b, sym)?);
+            match (ca, cb) {
+                (0, 0) => Some(0),
+                (k, 0) => sc.as_int(b).map(|c| k * c),
+                (0, k) => sc.as_int(a).map(|c| k * c),
+                _ => None,
+            }
+        }
+        Val::Binary(_, a, b) => {
+            // Any other operator is fine only if the symbol does not occur under it.
+            (linear_coeff(sc, a, sym)? == 0 && linear_coeff(sc, b, sym)? == 0).then_some(0)
+        }
     }
 }
 

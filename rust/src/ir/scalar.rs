@@ -349,6 +349,32 @@ impl Scalars {
                     }
                 }
             }
+            Mod | Div if self.as_int(b).is_none() => {
+                // (x * y + r) / y == x and (x * y + r) % y == r when r is an index known
+                // to be below y (a thread index below its block extent).
+                if let Val::Binary(Add, l, r) = self.nodes[a] {
+                    for (m, rest) in [(l, r), (r, l)] {
+                        let Val::Binary(Mul, m1, m2) = self.nodes[m] else { continue };
+                        let x = if m2 == b {
+                            m1
+                        } else if m1 == b {
+                            m2
+                        } else {
+                            continue;
+                        };
+                        let below =
+                            matches!(self.nodes[rest], Val::Symbol(sym) if self.sym_bounds.get(&sym) == Some(&b));
+                        if below {
+                            return Some(if op == Div { x } else { rest });
+                        }
+                    }
+                }
+                if let Val::Symbol(sym) = self.nodes[a] {
+                    if self.sym_bounds.get(&sym) == Some(&b) {
+                        return Some(if op == Div { self.int(0) } else { a });
+                    }
+                }
+            }
             Mod | Div => {
                 let c = self.as_int(b)?;
                 if c <= 0 {
