@@ -4,6 +4,7 @@ host program with their zero_init flags — the same program the GPU path runs."
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import scenarios
 from kiln.cli import build_demo, demo
 from kiln.cli import reference as softmax_reference
@@ -36,3 +37,12 @@ def test_grid_reductions_through_the_host_program_on_the_cpu():
         arrays = sc.make_inputs(np)
         (out,) = sc.fd.execute(arrays)
         np.testing.assert_allclose(out, sc.reference(arrays)[0], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("build", scenarios.ALL, ids=lambda b: getattr(b, "__name__", "scenario"))
+def test_every_gpu_scenario_matches_numpy_in_the_interpreter(build):
+    sc = build()
+    arrays = sc.make_inputs(np)
+    outs = sc.fd.execute(arrays, device="cpu")
+    for got, want in zip(outs, sc.reference(arrays)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max())))
