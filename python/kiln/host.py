@@ -59,6 +59,7 @@ class PlannedLaunch(NamedTuple):
     grid: Tuple[int, int, int]
     block: Tuple[int, int, int]
     smem: int
+    index32: bool  # the launch uses the kernel's 32-bit index variant
 
 
 class ProgramPlan:
@@ -68,8 +69,8 @@ class ProgramPlan:
         bufs, launches, peak, arena, pool = raw
         self.buffers = [PlannedBuffer(n, d, tuple(s), tuple(lay), e, b, z, r, p, o)
                         for (n, d, s, lay, e, b, z, r, p, o) in bufs]
-        self.launches = [PlannedLaunch(k, tuple(a), tuple(m), tuple(sc), tuple(g), tuple(bl), sm)
-                         for (k, a, m, sc, g, bl, sm) in launches]
+        self.launches = [PlannedLaunch(k, tuple(a), tuple(m), tuple(sc), tuple(g), tuple(bl), sm, i32)
+                         for (k, a, m, sc, g, bl, sm, i32) in launches]
         self.peak_bytes: int = peak
         self.arena_bytes: int = arena
         self.zero_pool_bytes: int = pool
@@ -144,25 +145,14 @@ class _Recipe:
                  "zero_bytes")
 
 
-def _np_scalar(value: Any, dtype: str) -> Any:
-    if dtype == "Int":
-        return np.int64(value)
-    if dtype == "Int32":
-        return np.int32(value)
-    if dtype == "Bool":
-        return np.bool_(value)
-    if dtype == "Float":
-        return np.float32(value)
-    return np.float64(value)
-
-
 class HostEvaluator:
     """Runs one lowered fusion's host program on the GPU (CuPy or torch CUDA arrays)."""
 
     def __init__(self, lowered: Any) -> None:
         self.lowered = lowered  # kiln.lowering.LoweredFusion
         self._recipes: Dict[Tuple, _Recipe] = {}
-        self._functions: List[Any] = [None] * len(lowered.kernels)
+        # Compiled kernels per segment, keyed by index variant (False: 64-bit, True: 32-bit).
+        self._functions: List[Dict[bool, Any]] = [{} for _ in lowered.kernels]
         self._arena: Any = None
         self._arena_bytes = 0
         self.pool = ZeroedPool()
@@ -232,7 +222,7 @@ class HostEvaluator:
     def _prepare(self, inputs: Sequence[Any]) -> _Recipe:
         import cupy as cp  # noqa: PLC0415
 
-        from .runtime.kernel_executor import np_dtype  # noqa: PLC0415
+        from .runtime.kernel_executor import np_dtype, np_scalar  # noqa: PLC0415
 
         arrays = [x for x in inputs if not isinstance(x, (bool, int, float))]
         scalars = [x for x in inputs if isinstance(x, (bool, int, float))]
@@ -289,21 +279,21 @@ class HostEvaluator:
         for la in plan.launches:
             if min(la.grid) == 0 or min(la.block) == 0:
                 continue  # empty tensors: nothing to compute
-            fn = self._function(la.kernel, la.smem)
-            scal = tuple(_np_scalar(v, d) for v, d in la.scalars)
+            fn = self._function(la.kernel, la.smem, la.index32)
+            scal = tuple(np_scalar(v, d) for v, d in la.scalars)
             memsets = tuple((bid, max(plan.buffers[bid].nbytes, 1)) for bid in la.memsets)
             r.launches.append((fn, la.grid, la.block, la.smem, la.args, scal, memsets))
         r.fast = _specialize(r, torch_mode)
         return r
 
-    def _function(self, k: int, smem: int) -> Any:
+    def _function(self, k: int, smem: int, index32: bool = False) -> Any:
         from .runtime import executor  # noqa: PLC0415
 
-        ck = self._functions[k]
+        ck = self._functions[k].get(index32)
         if ck is None:
             kern = self.lowered.kernels[k]
-            ck = executor.load_module(kern.cuda_source, kern.kernel_name)
-            self._functions[k] = ck
+            ck = executor.load_module(kern.cuda_source_for(index32), kern.kernel_name)
+            self._functions[k][index32] = ck
         if smem > ck.max_dynamic_smem:
             ck.function.max_dynamic_shared_size_bytes = smem
             ck.max_dynamic_smem = smem

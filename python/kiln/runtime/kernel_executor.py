@@ -37,8 +37,9 @@ def np_dtype(name: str) -> Any:
     return _NP_DTYPES[name]
 
 
-def _scalar(value: Any, dtype: str) -> Any:
-    if dtype in ("Int",):
+def np_scalar(value: Any, dtype: str) -> Any:
+    """A NumPy scalar of kiln dtype ``dtype``, passed by value to a kernel."""
+    if dtype == "Int":
         return np.int64(value)
     if dtype == "Int32":
         return np.int32(value)
@@ -112,7 +113,7 @@ class KernelExecutor:
         if min(grid) == 0 or min(block) == 0:
             return outputs  # empty tensors: nothing to compute
         args: List[Any] = [*arrays, *outputs, *bufs]
-        args += [_scalar(v, d) for v, d in zip(scalar_args, self._scalar_dtypes[index32])]
+        args += [np_scalar(v, d) for v, d in zip(scalar_args, self._scalar_dtypes[index32])]
         executor.launch(self.compiled(index32), tuple(grid), tuple(block), int(smem), args)
         self.launches += 1
         return outputs

@@ -52,6 +52,9 @@ pub struct LaunchPlan {
     pub grid: [i64; 3],
     pub block: [i64; 3],
     pub smem_bytes: i64,
+    /// True when every offset of this launch fits in 32 bits: use the int32-index variant
+    /// (its size and stride parameters are then `Int32`).
+    pub index32: bool,
 }
 
 /// Everything needed to launch a kernel for concrete inputs.
@@ -273,7 +276,42 @@ pub fn kernel_launch(kernel: &Kernel, cuda: &CudaKernel, b: &Bindings) -> Result
         bail!("the schedule launches a grid of {grid:?}; gridDim.y and gridDim.z are limited to 65535 (map the large axis to BIDx)");
     }
     let smem_bytes = b.eval(sc, l.smem_bytes)?;
-    Ok(LaunchPlan { scalar_args, grid, block, smem_bytes })
+    // Largest element offset any access can form: every allocation's last element,
+    // every global buffer, and the linear thread index (2x margin for tiles that step
+    // past a tensor's end before their predicates apply).
+    let mut span = grid.iter().chain(block.iter()).map(|&d| d.max(1)).fold(1i64, |a, x| a.saturating_mul(x));
+    for info in kernel.allocations.values() {
+        let mut last = 0i64;
+        for (&id, &stride) in info.ids.iter().zip(&info.strides) {
+            let (e, st) = (b.eval(sc, kernel.fusion.ids[id].extent)?, b.eval(sc, stride)?);
+            last = last.saturating_add((e - 1).max(0).saturating_mul(st.abs()));
+        }
+        span = span.max(last.saturating_add(1));
+    }
+    for g in &kernel.summary.global_allocations {
+        let mut n = 1i64;
+        for &e in &g.shape {
+            n = n.saturating_mul(b.eval(sc, e)?);
+        }
+        span = span.max(n);
+    }
+    for &e in &b.extents {
+        span = span.max(e);
+    }
+    let index32 = span.saturating_mul(2) < i64::from(i32::MAX);
+    if index32 {
+        for ((_, kind, _), (_, dt)) in cuda
+            .params
+            .iter()
+            .filter(|(_, k, _)| matches!(k, ParamKind::Extent(_) | ParamKind::Stride(..) | ParamKind::Scalar(_)))
+            .zip(scalar_args.iter_mut())
+        {
+            if matches!(kind, ParamKind::Extent(_) | ParamKind::Stride(..)) {
+                *dt = DataType::Int32;
+            }
+        }
+    }
+    Ok(LaunchPlan { scalar_args, grid, block, smem_bytes, index32 })
 }
 
 /// Sizes and storage order of output `tv` of `f` under `b`.

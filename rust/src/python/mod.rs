@@ -686,8 +686,9 @@ pub struct PyHostProgram {
 /// (name, dtype, sizes, layout, elements, bytes, zero_init, resets_to_zero, place, offset_or_index).
 type PyBufferAlloc = (String, &'static str, Vec<i64>, Vec<usize>, i64, i64, bool, bool, &'static str, i64);
 
-/// One launch: (kernel, arg buffer ids, memset buffer ids, scalar args [(value, dtype)], grid, block, smem).
-type PyLaunch = (usize, Vec<usize>, Vec<usize>, Vec<(PyObject, &'static str)>, [i64; 3], [i64; 3], i64);
+/// One launch: (kernel, arg buffer ids, memset buffer ids, scalar args [(value, dtype)], grid, block, smem,
+/// 32-bit indexing).
+type PyLaunch = (usize, Vec<usize>, Vec<usize>, Vec<(PyObject, &'static str)>, [i64; 3], [i64; 3], i64, bool);
 
 #[pymethods]
 impl PyHostProgram {
@@ -810,6 +811,7 @@ impl PyHostProgram {
                 l.launch.grid,
                 l.launch.block,
                 l.launch.smem_bytes,
+                l.launch.index32,
             ));
         }
         Ok((buffers, launches, p.peak_bytes, p.arena_bytes, p.zero_pool_bytes))
