@@ -202,7 +202,9 @@ def test_f_transposed_shared_staging_buffer_is_32_by_32():
     info = k.allocation(s.name)
     assert info.memory_type == MemoryType.Shared
     assert info.extents == ("32", "32"), f"expected [32b, 32a], got {info}"
-    assert info.strides == ("32", "1")
+    # Rows padded by one bank (33 floats) so row writes and column reads are conflict-free.
+    assert info.strides == ("33", "1")
+    assert re.search(rf"ALLOCATE {s.name} Shared float \[32, 33\]", k.kernel_ir)
     # [32b, 32a]: the outer allocated id is the merge's inner input (the consumer-side j).
     merge_line = [ln for ln in s.transforms().splitlines() if "Merge" in ln][0]
     outer, inner = re.findall(r"(\w+\d+\{32\})", merge_line)[:2]

@@ -229,6 +229,24 @@ pub fn reorder_allocation_ids(f: &Fusion, tv: TvId, ids: &[IterDomainId]) -> Opt
     (reordered != ids).then_some(reordered)
 }
 
+/// For a Shared tile laid out as the reversed inputs of a merge (rule 5's patch), the
+/// padded row length in elements (one 4-byte bank more than the row); `None` otherwise.
+pub fn transposed_tile_row_padding(f: &Fusion, info: &AllocationInfo) -> Option<i64> {
+    let [a, b] = info.own_ids.as_slice() else { return None };
+    let Some(t) = f.ids[*a].use_ else { return None };
+    let Transform::Merge { outer, inner, .. } = f.transforms[t] else { return None };
+    if (outer, inner) != (*b, *a) {
+        return None;
+    }
+    let row = f.scalars.as_int(f.ids[*b].extent)?;
+    let dt = f.tvs[info.tv].dtype.size_bytes() as i64;
+    // A row that is a multiple of the 32 banks maps every column to one bank.
+    if (row * dt) % 128 != 0 {
+        return None;
+    }
+    Some(row + (4 / dt).max(1))
+}
+
 /// The merge an id comes from, looking through splits.
 fn originating_merge(f: &Fusion, mut id: IterDomainId) -> Option<(IterDomainId, IterDomainId, IterDomainId)> {
     loop {

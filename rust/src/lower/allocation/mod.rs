@@ -59,12 +59,21 @@ pub fn run(
         let (ids, contig) = domain::infer_ids(f, lg, exact, tv, alloc_pos)?;
         // Only Local allocations sit inside the nest; Shared and Global ones are at the top.
         let position = if mem == MemoryType::Local { alloc_pos } else { 0 };
-        let info = domain::allocation_info(f, lg, tv, &ids, &contig, position)?;
+        let mut info = domain::allocation_info(f, lg, tv, &ids, &contig, position)?;
         let is_output = f.is_output(tv);
+        // A transposed Shared tile gets its rows padded so that both the row-wise writes
+        // and the column-wise reads hit distinct banks (rule 5's tile, made conflict-free).
+        let padded_row = if mem == MemoryType::Shared { domain::transposed_tile_row_padding(f, &info) } else { None };
+        if let Some(row) = padded_row {
+            info.strides[0] = f.scalars.int(row);
+        }
 
         let mut nodes: Vec<Node> = Vec::new();
         if !is_output {
             let mut shape: Vec<_> = info.ids.iter().map(|&id| f.ids[id].extent).collect();
+            if let Some(row) = padded_row {
+                shape[1] = f.scalars.int(row);
+            }
             if shape.is_empty() {
                 shape.push(f.scalars.int(1));
             }
