@@ -233,7 +233,7 @@ pub fn reorder_allocation_ids(f: &Fusion, tv: TvId, ids: &[IterDomainId]) -> Opt
 /// padded row length in elements (one 4-byte bank more than the row); `None` otherwise.
 pub fn transposed_tile_row_padding(f: &Fusion, info: &AllocationInfo) -> Option<i64> {
     let [a, b] = info.own_ids.as_slice() else { return None };
-    let Some(t) = f.ids[*a].use_ else { return None };
+    let t = f.ids[*a].use_?;
     let Transform::Merge { outer, inner, .. } = f.transforms[t] else { return None };
     if (outer, inner) != (*b, *a) {
         return None;
