@@ -183,3 +183,16 @@ def test_index_select_and_bf16_pointwise_on_gpu():
     idx = cp.asarray(np.random.default_rng(1).integers(0, 1001, 777))
     (out,) = fd.execute([x, idx])
     np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(x)[cp.asnumpy(idx)])
+
+
+@pytest.mark.parametrize("build", BUILDERS, ids=lambda b: b.__name__)
+@pytest.mark.parametrize("m,n", [(1, 1), (3, 5), (31, 97), (130, 70)])
+def test_auto_schedule_matches_numpy_in_the_interpreter(build, m, n):
+    from kiln import _core
+    from kiln.host import run_on_cpu
+
+    fd, ref = build()
+    arrays = make_inputs(build, m, n, np)
+    outs = run_on_cpu(_auto_lowered(fd, arrays), arrays, _core.execute_cpu)
+    for got, want in zip(outs, ref(*[a.astype(np.float64) for a in arrays])):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * max(1.0, float(np.abs(want).max())))

@@ -384,6 +384,26 @@ impl Scalars {
                 if lo >= 0 && hi.is_some_and(|h| h < c) {
                     return Some(if op == Mod { a } else { self.int(0) });
                 }
+                // (x * k + r) % (k * m) == (x % m) * k + r and (x * k + r) / (k * m) == x / m
+                // when 0 <= r < k: a vector lane inside a wider tile.
+                if let Val::Binary(Add, l, r) = self.nodes[a] {
+                    for (mp, rest) in [(l, r), (r, l)] {
+                        let Val::Binary(Mul, x, kk) = self.nodes[mp] else { continue };
+                        let Some(k) = self.as_int(kk) else { continue };
+                        let (rl, rh) = self.range(rest);
+                        if k > 1 && c % k == 0 && c > k && rl >= 0 && rh.is_some_and(|h| h < k) && self.range(x).0 >= 0
+                        {
+                            let m = self.int(c / k);
+                            return Some(if op == Mod {
+                                let xm = self.rem(x, m);
+                                let scaled = self.mul(xm, kk);
+                                self.add(scaled, rest)
+                            } else {
+                                self.div(x, m)
+                            });
+                        }
+                    }
+                }
                 // (x * c + y) % c == y % c and (x * c + y) / c == x + y / c (non-negative terms).
                 if let Val::Binary(Add, l, r) = self.nodes[a] {
                     for (m, rest) in [(l, r), (r, l)] {
@@ -697,6 +717,36 @@ mod tests {
         let d = s.div(m, n);
         let c = s.lt(d, x);
         assert_eq!(s.render(c), "i0 * 4 + idx0 < i1 * i0");
+    }
+
+    #[test]
+    fn vector_lanes_inside_wider_tiles() {
+        let mut s = Scalars::new();
+        let t = s.symbol(Symbol::Extent(0));
+        let v = Symbol::LoopIndex(0);
+        s.set_bound(v, 4);
+        let vi = s.symbol(v);
+        let four = s.int(4);
+        let tile = s.int(32);
+        let t4 = s.mul(t, four);
+        let m = s.add(t4, vi);
+        let r = s.rem(m, tile);
+        assert_eq!(s.render(r), "i0 % 8 * 4 + idx0");
+        let d = s.div(m, tile);
+        assert_eq!(s.render(d), "i0 / 8");
+        // Checked by evaluation for every lane and a few t.
+        for tv in 0..20 {
+            for lane in 0..4 {
+                let env = |sym: Symbol| match sym {
+                    Symbol::Extent(0) => Some(tv),
+                    Symbol::LoopIndex(0) => Some(lane),
+                    _ => None,
+                };
+                let full = tv * 4 + lane;
+                assert_eq!(s.eval(r, &env).unwrap(), full % 32);
+                assert_eq!(s.eval(d, &env).unwrap(), full / 32);
+            }
+        }
     }
 
     #[test]

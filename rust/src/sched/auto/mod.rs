@@ -8,7 +8,7 @@
 //!   per output would leave the GPU idle.
 //! - `normalization`: reductions broadcast back onto their input (softmax, layernorm):
 //!   one block per row with the row held in registers across the reductions.
-//! - `transpose`: a 2-D permute staged through 32x32 Shared tiles.
+//! - `transpose`: a 2-D permute staged through 64x64 Shared tiles.
 
 pub mod normalization;
 pub mod pointwise;
