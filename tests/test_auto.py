@@ -143,10 +143,17 @@ def test_normalization_matches_numpy_on_gpu(build, m, n):
     np.testing.assert_allclose(cp.asnumpy(out), ref(*host)[0], rtol=1e-4, atol=1e-5)
 
 
-def test_rows_too_long_for_registers_are_refused():
-    fd, _ = softmax()
-    with pytest.raises(KilnError, match="too long for a register-persistent normalization"):
-        _auto_lowered(fd, [np.zeros((2, 300_000), np.float32)])
+def test_rows_too_long_for_registers_are_segmented():
+    from kiln import _core
+    from kiln.host import run_on_cpu
+
+    fd, ref = softmax()
+    x = np.random.default_rng(6).standard_normal((2, 300_000)).astype(np.float32)
+    low = _auto_lowered(fd, [x])
+    # max | exp + sum | divide: the row never has to fit in registers.
+    assert len(low.kernels) == 3
+    (out,) = run_on_cpu(low, [x], _core.execute_cpu)
+    np.testing.assert_allclose(out, ref(x.astype(np.float64))[0], rtol=1e-4, atol=1e-9)
 
 
 def test_same_heuristic_shares_one_kernel():
@@ -196,3 +203,35 @@ def test_auto_schedule_matches_numpy_in_the_interpreter(build, m, n):
     outs = run_on_cpu(_auto_lowered(fd, arrays), arrays, _core.execute_cpu)
     for got, want in zip(outs, ref(*[a.astype(np.float64) for a in arrays])):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * max(1.0, float(np.abs(want).max())))
+
+
+def test_segmenter_falls_back_to_more_kernels():
+    from kiln import _core
+    from kiln.host import run_on_cpu
+
+    a = np.random.default_rng(5).standard_normal((37, 300)).astype(np.float32)
+    # A keepdim reduction broadcast back is not covered by one kernel: two kernels.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.mul(fd.ops.sum(x, dims=[1], keepdim=True), 2.0))
+    low = _auto_lowered(fd, [a])
+    assert len(low.kernels) == 2 and "LaunchKernel kernel1" in str(low.host_program)
+    (out,) = run_on_cpu(low, [a], _core.execute_cpu)
+    np.testing.assert_allclose(out, 2 * a.astype(np.float64).sum(axis=1, keepdims=True), rtol=1e-5, atol=1e-4)
+    # A permute feeding a reduction: transpose kernel, then reduction kernel.
+    with FusionDefinition() as fd2:
+        x = fd2.define_tensor([-1, -1])
+        fd2.add_output(fd2.ops.sum(fd2.ops.permute(x, [1, 0]), dims=[1]))
+    low = _auto_lowered(fd2, [a])
+    assert len(low.kernels) == 2
+    (out,) = run_on_cpu(low, [a], _core.execute_cpu)
+    np.testing.assert_allclose(out, a.astype(np.float64).sum(axis=0), rtol=1e-5, atol=1e-4)
+
+
+def test_uncovered_fusion_error_says_what_was_tried():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.sum(x, dims=[1]))
+        fd.add_output(fd.ops.sum(x, dims=[0]))
+    with pytest.raises(KilnError, match="segmenting it into 2 kernels did not help either"):
+        _auto_lowered(fd, [np.zeros((4, 6), np.float32)])

@@ -65,11 +65,10 @@ def _auto_lowered(fd: Any, inputs: Sequence[Any]) -> Any:
     hit = cache.get(key)
     if hit is not None:
         return hit
-    scheduled, kind, params = fd._core.auto_scheduled(sizes)
+    program, kind, params = fd._core.auto_program(sizes)
     hkey = (fd._core.version, kind, tuple(params))
     low = cache.get(hkey)
     if low is None:
-        program = scheduled.lower_program()
         low = cache[hkey] = LoweredFusion([LoweredKernel(k) for k in program.kernels()], program)
     cache[key] = low
     return low

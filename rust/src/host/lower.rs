@@ -14,6 +14,15 @@ use crate::ir::{Fusion, MemoryType, TvId};
 
 /// Lower `f` to its kernels and host program.
 pub fn lower_program(f: &Fusion) -> Result<HostProgram> {
+    lower_program_with(f, &mut |_, _| Ok(()))
+}
+
+/// Like [`lower_program`], letting `prepare(k, segment)` schedule each segment's fusion
+/// before it is lowered (the automatic segmenter schedules segments one by one).
+pub fn lower_program_with(
+    f: &Fusion,
+    prepare: &mut dyn FnMut(usize, &mut Fusion) -> Result<()>,
+) -> Result<HostProgram> {
     let segs = segments(f)?;
     let multi = segs.len() > 1;
     let mut kernels = Vec::with_capacity(segs.len());
@@ -43,7 +52,8 @@ pub fn lower_program(f: &Fusion) -> Result<HostProgram> {
         });
     }
     for (k, seg) in segs.iter().enumerate() {
-        let sf = segment_fusion(f, seg);
+        let mut sf = segment_fusion(f, seg);
+        prepare(k, &mut sf).map_err(|e| context(k, e))?;
         let kernel = crate::lower::lower(&sf).map_err(|e| context(k, e))?;
         let code = crate::codegen::generate(&kernel, false).map_err(|e| context(k, e));
         let inputs = seg

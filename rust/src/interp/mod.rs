@@ -65,7 +65,8 @@ impl Bindings {
     /// The value of a size, stride or scalar-input symbol.
     pub fn symbol(&self, s: Symbol) -> Option<i64> {
         match s {
-            Symbol::Extent(n) => self.extents.get(n as usize).copied(),
+            // A negative value marks a size this kernel's inputs do not carry.
+            Symbol::Extent(n) => self.extents.get(n as usize).copied().filter(|&v| v >= 0),
             Symbol::Stride(tv, k) => self.strides.get(&(tv, k)).copied(),
             Symbol::ScalarInput(n) => self.scalars.get(n as usize).map(|v| v.as_i64()),
             _ => None,
@@ -257,13 +258,19 @@ pub fn execute_stats(kernel: &Kernel, inputs: Vec<HostValue>) -> Result<(Vec<Hos
         }
     }
     for (n, &(tv, axis)) in f.extent_sources.iter().enumerate() {
-        let Some((_, t)) = tensors.iter().find(|(x, _)| *x == tv) else {
-            crate::bail_internal!("extent i{n} comes from {}, which is not an input", f.tv_name(tv));
+        let size = match tensors.iter().find(|(x, _)| *x == tv) {
+            Some((_, t)) => t.shape.get(axis).map(|&s| s as i64),
+            // A later segment of a host program: the size may come from an intermediate
+            // input whose axis has this extent; else this kernel does not use it.
+            None => {
+                let sym = f.scalars.symbol_id(Symbol::Extent(n as u32));
+                tensors.iter().find_map(|(x, t)| {
+                    let axis = f.no_reduction_logical(*x).iter().position(|&id| Some(f.ids[id].extent) == sym)?;
+                    t.shape.get(axis).map(|&s| s as i64)
+                })
+            }
         };
-        let Some(&s) = t.shape.get(axis) else {
-            crate::bail_internal!("extent i{n}: {} has no axis {axis}", f.tv_name(tv));
-        };
-        b.extents.push(s as i64);
+        b.extents.push(size.unwrap_or(-1));
     }
     let eval = |b: &Bindings, v| f.scalars.eval(v, &|s| b.symbol(s));
 

@@ -173,6 +173,11 @@ impl Scalars {
         self.intern(Val::Symbol(s))
     }
 
+    /// The id of symbol `s` if it was ever built (lookup only, no insertion).
+    pub fn symbol_id(&self, s: Symbol) -> Option<ValId> {
+        self.dedup.get(&Val::Symbol(s)).copied()
+    }
+
     /// The integer constant behind `v`, if it is one.
     pub fn as_int(&self, v: ValId) -> Option<i64> {
         match self.nodes[v] {

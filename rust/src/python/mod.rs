@@ -461,6 +461,15 @@ impl PyFusion {
         })
     }
 
+    /// The host program the automatic schedulers (and, failing them, the segmenter) pick
+    /// for inputs of `sizes`, with the heuristic's (kind, params).
+    fn auto_program(&self, py: Python<'_>, sizes: Vec<Vec<i64>>) -> PyResult<(PyHostProgram, &'static str, Vec<i64>)> {
+        guarded(py, || {
+            let (p, h) = crate::sched::auto::auto_program(&self.inner, &sizes)?;
+            Ok((PyHostProgram { inner: p, cache: crate::host::plan::PlanCache::default() }, h.kind, h.params))
+        })
+    }
+
     /// Lower the fusion to one kernel.
     fn lower(&self, py: Python<'_>) -> PyResult<PyKernel> {
         guarded(py, || Ok(PyKernel::new(crate::lower::lower(&self.inner)?)))

@@ -16,7 +16,7 @@ pub mod reduction;
 pub mod transpose;
 
 use crate::bail;
-use crate::error::Result;
+use crate::error::{KilnError, Result};
 use crate::ir::{Fusion, Op, TvId};
 
 /// Streaming multiprocessors of the target (H100/H200): sizes grids.
@@ -36,14 +36,24 @@ impl Heuristic {
     }
 }
 
-/// Concrete sizes of every logical axis of every tensor, from the input sizes.
-pub fn tensor_sizes(f: &Fusion, inputs: &[Vec<i64>], tv: TvId) -> Result<Vec<i64>> {
+/// Values of the symbolic extents `i{n}` of `f` for concrete fusion-input sizes.
+pub fn extent_values(f: &Fusion, inputs: &[Vec<i64>]) -> Result<Vec<i64>> {
+    let tensor_inputs: Vec<TvId> = f.inputs.iter().filter_map(|o| o.tensor()).collect();
+    let mut out = Vec::with_capacity(f.extent_sources.len());
+    for &(src, axis) in &f.extent_sources {
+        let pos = tensor_inputs.iter().position(|&t| t == src);
+        let Some(v) = pos.and_then(|p| inputs.get(p)).and_then(|s| s.get(axis)) else {
+            bail!("{}: no size given for axis {axis}", f.tv_name(src));
+        };
+        out.push(*v);
+    }
+    Ok(out)
+}
+
+/// Concrete sizes of every logical axis of `tv`, from the extent values.
+pub fn tensor_sizes(f: &Fusion, extents: &[i64], tv: TvId) -> Result<Vec<i64>> {
     let env = |s: crate::ir::Symbol| match s {
-        crate::ir::Symbol::Extent(n) => {
-            let (src, axis) = *f.extent_sources.get(n as usize)?;
-            let pos = f.inputs.iter().filter_map(|o| o.tensor()).position(|t| t == src)?;
-            inputs.get(pos)?.get(axis).copied()
-        }
+        crate::ir::Symbol::Extent(n) => extents.get(n as usize).copied(),
         _ => None,
     };
     f.tvs[tv].logical.iter().map(|&id| f.scalars.eval(f.ids[id].extent, &env)).collect()
@@ -51,6 +61,62 @@ pub fn tensor_sizes(f: &Fusion, inputs: &[Vec<i64>], tv: TvId) -> Result<Vec<i64
 
 /// Schedule `f` in place for inputs of the given sizes.
 pub fn schedule(f: &mut Fusion, inputs: &[Vec<i64>]) -> Result<Heuristic> {
+    let extents = extent_values(f, inputs)?;
+    schedule_with_extents(f, &extents)
+}
+
+/// A host program for `f` (unscheduled) and inputs of the given sizes: one kernel when a
+/// scheduler covers the whole fusion, else the segmenter's fallback: a kernel boundary
+/// after every reduction and permute, each segment scheduled on its own.
+pub fn auto_program(f: &Fusion, inputs: &[Vec<i64>]) -> Result<(crate::host::ir::HostProgram, Heuristic)> {
+    let extents = extent_values(f, inputs)?;
+    let mut whole = f.clone();
+    let first = match schedule_with_extents(&mut whole, &extents) {
+        Ok(h) => return Ok((crate::host::lower::lower_program(&whole)?, h)),
+        Err(e) => e,
+    };
+    let mut g = f.clone();
+    let mut marked = 0;
+    let order = g.topo_exprs();
+    for (i, &e) in order.iter().enumerate() {
+        let t = g.exprs[e].output;
+        let boundary = matches!(g.exprs[e].op, Op::Reduction { .. } | Op::Permute { .. });
+        if boundary && i + 1 < order.len() {
+            g.mark_segment_after(t)?;
+            marked += 1;
+        }
+    }
+    if marked == 0 {
+        return Err(first);
+    }
+    let mut parts: Vec<Heuristic> = Vec::new();
+    let program = crate::host::lower::lower_program_with(&g, &mut |_, seg: &mut Fusion| {
+        parts.push(schedule_with_extents(seg, &extents)?);
+        Ok(())
+    })
+    .map_err(|e| {
+        KilnError::value(format!(
+            "{}; segmenting it into {} kernels did not help either: {}",
+            first.message,
+            marked + 1,
+            e.message
+        ))
+    })?;
+    let mut params = Vec::new();
+    for h in &parts {
+        params.push(KINDS.iter().position(|&k| k == h.kind).unwrap_or(KINDS.len()) as i64);
+        params.push(h.params.len() as i64);
+        params.extend(&h.params);
+    }
+    Ok((program, Heuristic { kind: "segmented", params }))
+}
+
+/// Scheduler kinds, numbered for the segmented heuristic's cache key.
+const KINDS: [&str; 6] =
+    ["pointwise", "inner_reduction", "outer_reduction", "full_reduction", "normalization", "transpose"];
+
+/// Schedule `f` in place for the given extent values.
+pub fn schedule_with_extents(f: &mut Fusion, inputs: &[i64]) -> Result<Heuristic> {
     if f.manually_scheduled {
         bail!("the fusion is already scheduled by hand; automatic scheduling only applies to unscheduled fusions");
     }

@@ -34,7 +34,7 @@ pub fn is_normalization(f: &Fusion, reductions: &[ExprId]) -> bool {
 }
 
 /// Schedule a normalization over the trailing axes.
-pub fn schedule(f: &mut Fusion, inputs: &[Vec<i64>], reductions: &[ExprId]) -> Result<Heuristic> {
+pub fn schedule(f: &mut Fusion, extents: &[i64], reductions: &[ExprId]) -> Result<Heuristic> {
     let r0 = f.exprs[reductions[0]].output;
     let logical = f.tvs[r0].logical.clone();
     let n = logical.len();
@@ -55,7 +55,7 @@ pub fn schedule(f: &mut Fusion, inputs: &[Vec<i64>], reductions: &[ExprId]) -> R
             );
         }
     }
-    let sizes = tensor_sizes(f, inputs, r0)?;
+    let sizes = tensor_sizes(f, extents, r0)?;
     let row: i64 = sizes[n - k..].iter().product();
     let widest = f.tvs.values().map(|t| t.dtype.size_bytes()).max().unwrap_or(4) as i64;
     let v = if row % (16 / widest) == 0 { 16 / widest } else { 1 };

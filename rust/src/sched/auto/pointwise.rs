@@ -28,10 +28,10 @@ fn full_size(f: &Fusion, t: TvId, rank: usize) -> bool {
 }
 
 /// Schedule a fusion without reductions or permutes.
-pub fn schedule(f: &mut Fusion, inputs: &[Vec<i64>]) -> Result<Heuristic> {
+pub fn schedule(f: &mut Fusion, extents: &[i64]) -> Result<Heuristic> {
     let out = f.outputs[0];
     let rank = f.no_reduction_logical(out).len();
-    let numel: i64 = tensor_sizes(f, inputs, out)?.iter().product();
+    let numel: i64 = tensor_sizes(f, extents, out)?.iter().product();
     let widest = f.tvs.values().map(|t| t.dtype.size_bytes()).max().unwrap_or(4) as i64;
     let v = (16 / widest).clamp(1, 8);
     let threads = 128;

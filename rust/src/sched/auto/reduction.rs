@@ -22,7 +22,7 @@ fn merge_range(f: &mut Fusion, t: TvId, start: usize, count: usize) -> Result<()
 }
 
 /// Schedule a fusion whose only reduction is expr `red`.
-pub fn schedule(f: &mut Fusion, inputs: &[Vec<i64>], red: ExprId) -> Result<Heuristic> {
+pub fn schedule(f: &mut Fusion, extents: &[i64], red: ExprId) -> Result<Heuristic> {
     let r = f.exprs[red].output;
     let logical = f.tvs[r].logical.clone();
     let n = logical.len();
@@ -30,7 +30,7 @@ pub fn schedule(f: &mut Fusion, inputs: &[Vec<i64>], red: ExprId) -> Result<Heur
     let k = is_red.iter().filter(|&&b| b).count();
     let inner = is_red.iter().skip(n - k).all(|&b| b);
     let outer = is_red.iter().take(k).all(|&b| b);
-    let sizes = tensor_sizes(f, inputs, r)?;
+    let sizes = tensor_sizes(f, extents, r)?;
     let red_size: i64 = sizes.iter().zip(&is_red).filter(|(_, &b)| b).map(|(s, _)| *s).product();
     let keep_size: i64 = sizes.iter().zip(&is_red).filter(|(_, &b)| !b).map(|(s, _)| *s).product();
 
