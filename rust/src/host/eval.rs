@@ -106,10 +106,9 @@ pub fn bind(f: &Fusion, inputs: &[InputDesc], scalars: &[ScalarArg]) -> Result<B
     }
     let pos: FxHashMap<TvId, usize> = tensor_inputs.iter().enumerate().map(|(i, &t)| (t, i)).collect();
     let mut extents = Vec::with_capacity(f.extent_sources.len());
-    for (n, &(tv, axis)) in f.extent_sources.iter().enumerate() {
+    for &(tv, axis) in &f.extent_sources {
         let Some(&i) = pos.get(&tv) else {
             // A size only an earlier segment's input carries: unknown to this kernel alone.
-            let _ = n;
             extents.push(-1);
             continue;
         };

@@ -286,7 +286,7 @@ impl Scalars {
             return None;
         }
         // Put a lone constant on the right for the identity rules below.
-        let (a, b, ca, cb) = if op.is_commutative() && ca.is_some() { (b, a, cb, ca) } else { (a, b, ca, cb) };
+        let (a, b, cb) = if op.is_commutative() && ca.is_some() { (b, a, ca) } else { (a, b, cb) };
         match (op, cb) {
             (Add | Sub, Some(0)) | (Mul | Div | CeilDiv, Some(1)) => return Some(a),
             (Mul, Some(0)) => return Some(self.int(0)),
@@ -304,7 +304,6 @@ impl Scalars {
                 _ => {}
             }
         }
-        let _ = ca;
         // Re-associate constants: (x op c1) op c2 -> x op (c1 op c2).
         if let (Some(c2), Val::Binary(inner, x, c1)) = (cb, self.nodes[a]) {
             if let Some(c1) = self.as_int(c1) {

@@ -60,7 +60,7 @@ pub fn schedule(f: &mut Fusion, extents: &[i64], red: ExprId) -> Result<Heuristi
 
     let widest = f.tvs.values().map(|t| t.dtype.size_bytes()).max().unwrap_or(4) as i64;
     if k == n {
-        return full(f, r, &before, &after, red_size);
+        return full(f, r, &after, red_size);
     }
     if inner {
         // Vector loads along the reduced axes, one block per kept row.
@@ -170,7 +170,7 @@ fn inline_into_after(f: &mut Fusion, r: TvId, after: &[TvId]) -> Result<()> {
 }
 
 /// Everything reduced: a grid of blocks each summing a strided share.
-fn full(f: &mut Fusion, r: TvId, before: &[TvId], after: &[TvId], total: i64) -> Result<Heuristic> {
+fn full(f: &mut Fusion, r: TvId, after: &[TvId], total: i64) -> Result<Heuristic> {
     let n = f.tvs[r].loop_domain.len();
     let t = 512;
     let widest = f.tvs.values().map(|t| t.dtype.size_bytes()).max().unwrap_or(4) as i64;
@@ -199,7 +199,6 @@ fn full(f: &mut Fusion, r: TvId, before: &[TvId], after: &[TvId], total: i64) ->
             f.parallelize(x, 3, ParallelType::Vectorize)?;
         }
     }
-    let _ = before;
     for &x in &pre {
         f.inline_at(x, -1)?;
     }
