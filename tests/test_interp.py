@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import scenarios
 from kiln import DataType, FusionDefinition, KilnError, MemoryType, ParallelType
 from kiln import _core as core
 
@@ -125,38 +126,10 @@ def test_e_nhwc_output():
 
 
 # f) transpose through Shared -------------------------------------------------------------
-def _transpose():
-    with FusionDefinition() as fd:
-        x = fd.define_tensor([-1, -1])
-        t = fd.ops.permute(x, [1, 0])
-        fd.add_output(t)
-    s = t.cache_before()
-    s.set_memory_type(MemoryType.Shared)
-    t.split(0, 32)
-    t.split(2, 32)
-    t.reorder({1: 2})
-    t.merge(2, 3)
-    t.split(2, 4)
-    t.axis(0).parallelize(ParallelType.BIDy)
-    t.axis(1).parallelize(ParallelType.BIDx)
-    t.axis(2).parallelize(ParallelType.TIDx)
-    t.axis(3).parallelize(ParallelType.Vectorize)
-    s.split(0, 32)
-    s.split(2, 32)
-    s.reorder({1: 3, 3: 2})
-    s.merge(2, 3)
-    s.split(2, 4)
-    s.axis(0).parallelize(ParallelType.BIDy)
-    s.axis(1).parallelize(ParallelType.BIDx)
-    s.axis(2).parallelize(ParallelType.TIDx)
-    s.inline_at(2)
-    return fd, s
-
-
 def test_f_transpose_through_shared():
     # The sync pass puts one __syncthreads() between the tile's writes and its transposed
     # reads; with it the interpreter sees no race and the result is the transpose.
-    fd, s = _transpose()
+    fd = scenarios.f_transpose().fd  # the schedule the GPU tests run
     assert fd._core.lower().kernel_ir().count("__syncthreads()") == 1
     for shape in [(64, 96), (50, 70)]:
         x_ = rand(*shape)
