@@ -33,6 +33,16 @@ def bias_tanh() -> Tuple[FusionDefinition, Callable]:
     return fd, lambda x, b: [np.tanh(x + b[None, :])]
 
 
+def row_scale() -> Tuple[FusionDefinition, Callable]:
+    """A per-row scale (broadcast along columns): the 2-D pointwise schedule indexes it by row."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        s = fd.define_tensor([-1])
+        ss = fd.ops.broadcast_in_dim(s, shape=[-1, -1], broadcast_dims=[0])
+        fd.add_output(fd.ops.add(fd.ops.mul(x, ss), 1.0))
+    return fd, lambda x, s: [x * s[:, None] + 1.0]
+
+
 def reduction(dims: List[int]) -> Callable[[], Tuple[FusionDefinition, Callable]]:
     def build() -> Tuple[FusionDefinition, Callable]:
         with FusionDefinition() as fd:
@@ -52,7 +62,7 @@ def transpose() -> Tuple[FusionDefinition, Callable]:
     return fd, lambda x: [x.T]
 
 
-BUILDERS = [pointwise, bias_tanh, reduction([1]), reduction([0]), reduction([0, 1]), transpose]
+BUILDERS = [pointwise, bias_tanh, row_scale, reduction([1]), reduction([0]), reduction([0, 1]), transpose]
 
 
 def make_inputs(build: Callable, m: int, n: int, xp: Any) -> List[Any]:
@@ -60,6 +70,8 @@ def make_inputs(build: Callable, m: int, n: int, xp: Any) -> List[Any]:
     arrs = [rng.standard_normal((m, n)).astype(np.float32)]
     if build is bias_tanh:
         arrs.append(rng.standard_normal(n).astype(np.float32))
+    if build is row_scale:
+        arrs.append(rng.standard_normal(m).astype(np.float32))
     return [xp.asarray(a) for a in arrs]
 
 
@@ -154,6 +166,59 @@ def test_rows_too_long_for_registers_are_segmented():
     assert len(low.kernels) == 3
     (out,) = run_on_cpu(low, [x], _core.execute_cpu)
     np.testing.assert_allclose(out, ref(x.astype(np.float64))[0], rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.parametrize("build", [bias_tanh, row_scale], ids=lambda b: b.__name__)
+def test_broadcast_operands_get_the_2d_pointwise_schedule(build):
+    fd, _ = build()
+    _, kind, params = fd._core.auto_program([[300, 1000], [1000 if build is bias_tanh else 300]])
+    assert kind == "pointwise" and params[-1] == 2, params
+    # No per-element integer division to find the broadcast operand's element.
+    src = _auto_lowered(fd, make_inputs(build, 300, 1000, np)).kernels[0].cuda_source
+    assert "% i" not in src
+    # Rows narrower than a warp of vectors keep the flat schedule.
+    _, _, params = fd._core.auto_program([[300, 5], [5 if build is bias_tanh else 300]])
+    assert params[-1] == 1
+
+
+def test_3d_broadcast_of_a_middle_axis_matches_numpy_in_the_interpreter():
+    from kiln import _core
+    from kiln.host import run_on_cpu
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1])
+        b = fd.define_tensor([-1, -1])
+        bb = fd.ops.broadcast_in_dim(b, shape=[-1, -1, -1], broadcast_dims=[0, 2])
+        fd.add_output(fd.ops.sub(x, bb))
+    rng = np.random.default_rng(3)
+    a, c = rng.standard_normal((3, 5, 97)).astype(np.float32), rng.standard_normal((3, 97)).astype(np.float32)
+    low = _auto_lowered(fd, [a, c])
+    (out,) = run_on_cpu(low, [a, c], _core.execute_cpu)
+    np.testing.assert_allclose(out, a.astype(np.float64) - c.astype(np.float64)[:, None, :], rtol=1e-6, atol=1e-6)
+
+
+def test_half_chain_rounds_once_in_the_interpreter():
+    """Half/bf16 intermediates held in registers are computed in float: the result is the
+    float32 value rounded once to bf16 (per-op rounding would be off by several ulps)."""
+    from kiln import _core
+    from kiln.host import run_on_cpu
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], dtype=DataType.Half)
+        y = x
+        for _ in range(6):
+            y = fd.ops.add(fd.ops.mul(y, 1.01), 0.013)
+        fd.add_output(y)
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((33, 130)).astype(np.float16)
+    (out,) = run_on_cpu(_auto_lowered(fd, [a]), [a], _core.execute_cpu)
+    want = a.astype(np.float64)
+    for _ in range(6):
+        want = want * 1.01 + 0.013
+    # Rounding once to half (11 significant bits) is within half an ulp: 2**-11 relative.
+    assert out.dtype == np.float16
+    err = np.abs(out.astype(np.float64) - want) / np.abs(want)
+    assert err.max() <= 2.0**-11 * 1.001, err.max()
 
 
 def test_same_heuristic_shares_one_kernel():

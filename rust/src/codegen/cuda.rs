@@ -340,7 +340,8 @@ impl Gen<'_> {
                                 dims.join(", ")
                             );
                         };
-                        let _ = writeln!(self.out, "{pad}{ty} {name}[{size}];");
+                        // 16-byte alignment lets vectorized copies skip a run-time address check.
+                        let _ = writeln!(self.out, "{pad}__align__(16) {ty} {name}[{size}];");
                     }
                     MemoryType::Shared => {
                         let off = self.k.launch.smem_offsets.iter().find(|(t, _)| *t == tv).map(|&(_, o)| o);
@@ -533,12 +534,18 @@ impl Gen<'_> {
         let (ob, ib) = (self.buf(e.output), self.buf(src));
         let _ = writeln!(self.out, "{pad}{{  // Vectorize x{n} over {}", f.id_label(l.id));
         let _ = writeln!(self.out, "{pad}  const kiln_index_t kiln_ob = {}, kiln_ib = {};", self.c(o0), self.c(i0));
-        let _ = writeln!(
-            self.out,
-            "{pad}  if (({}) && ({}) && reinterpret_cast<unsigned long long>(&{ob}[kiln_ob]) % {bytes} == 0 && reinterpret_cast<unsigned long long>(&{ib}[kiln_ib]) % {bytes} == 0) {{",
-            self.pred(p0),
-            self.pred(pl)
-        );
+        // Local arrays are declared 16-byte aligned, so an offset that is a multiple of the
+        // vector width is aligned by construction. Checking a Local address at run time
+        // would force the array out of registers into the stack frame.
+        let mut checks = Vec::new();
+        for (buf, tv, off) in [(&ob, e.output, o0), (&ib, src, i0)] {
+            let local = f.tvs[tv].memory == MemoryType::Local;
+            if !(local && known_multiple(&self.sc, off) % n == 0) {
+                let var = if tv == e.output { "kiln_ob" } else { "kiln_ib" };
+                checks.push(format!(" && reinterpret_cast<unsigned long long>(&{buf}[{var}]) % {bytes} == 0"));
+            }
+        }
+        let _ = writeln!(self.out, "{pad}  if (({}) && ({}){}) {{", self.pred(p0), self.pred(pl), checks.concat());
         let _ = writeln!(self.out, "{pad}    kiln::Array<{ty}, {n}> kiln_vec;");
         let _ = writeln!(self.out, "{pad}    kiln::loadVec<{ty}, {n}>(kiln_vec, &{ib}[kiln_ib]);");
         let _ = writeln!(self.out, "{pad}    kiln::storeVec<{ty}, {n}>(&{ob}[kiln_ob], kiln_vec);");
@@ -597,7 +604,7 @@ impl Gen<'_> {
                 let cd = if matches!(u, UnaryOp::Abs | UnaryOp::Neg | UnaryOp::Relu) {
                     self.operand_dtype(ex.inputs[0])
                 } else {
-                    out_dt
+                    out_dt.compute_dtype()
                 };
                 format!("kiln::cast<{out_ty}>(kiln::{}({}))", unary_fn(*u), self.operand(e, ix, 0, cd))
             }
@@ -614,11 +621,13 @@ impl Gen<'_> {
                     let p = crate::ir::dtype::promote(&dts);
                     if *b == BinaryOp::Div && !p.is_float() {
                         DataType::Float
+                    } else if *b == BinaryOp::Div {
+                        p.compute_dtype()
                     } else {
                         p
                     }
                 } else {
-                    out_dt
+                    out_dt.compute_dtype()
                 };
                 format!(
                     "kiln::cast<{out_ty}>(kiln::{}({}, {}))",
@@ -782,6 +791,23 @@ fn linear_coeff(sc: &crate::ir::Scalars, v: ValId, sym: Symbol) -> Option<i64> {
             // Any other operator is fine only if the symbol does not occur under it.
             (linear_coeff(sc, a, sym)? == 0 && linear_coeff(sc, b, sym)? == 0).then_some(0)
         }
+    }
+}
+
+/// A positive integer that `v` is known to be a multiple of (0: `v` is zero).
+fn known_multiple(sc: &crate::ir::Scalars, v: ValId) -> i64 {
+    fn gcd(a: i64, b: i64) -> i64 {
+        if b == 0 {
+            a.abs()
+        } else {
+            gcd(b, a % b)
+        }
+    }
+    match sc.get(v) {
+        Val::Int(c) => c.abs(),
+        Val::Binary(ScalarOp::Add | ScalarOp::Sub, a, b) => gcd(known_multiple(sc, a), known_multiple(sc, b)),
+        Val::Binary(ScalarOp::Mul, a, b) => known_multiple(sc, a).saturating_mul(known_multiple(sc, b)),
+        _ => 1,
     }
 }
 

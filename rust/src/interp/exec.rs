@@ -13,7 +13,7 @@ use crate::interp::{Bindings, Buffer, Stats};
 use crate::ir::dtype::{promote, PromotionOperand};
 use crate::ir::scalar::Val;
 use crate::ir::{
-    BinaryOp, DataType, ExprId, Fusion, IterType, MemoryType, Op, Operand, ParallelType, Symbol, TvId, ValId,
+    BinaryOp, DataType, ExprId, Fusion, IterType, MemoryType, Op, Operand, ParallelType, Symbol, TvId, UnaryOp, ValId,
 };
 use crate::kernel::{AllocTarget, Allocate, Kernel, Node};
 
@@ -697,7 +697,15 @@ impl Exec<'_, '_> {
                     }
                 };
                 match &e.op {
-                    Op::Unary(u) => values::unary(*u, take(0)?.convert(out_dt), out_dt)?,
+                    Op::Unary(u) => {
+                        // Same compute type as codegen: abs/neg/relu are exact in the operand's type.
+                        let cd = if matches!(u, UnaryOp::Abs | UnaryOp::Neg | UnaryOp::Relu) {
+                            self_dtype(f, ctx, e.inputs[0])
+                        } else {
+                            out_dt.compute_dtype()
+                        };
+                        values::unary(*u, take(0)?.convert(cd), cd)?.convert(out_dt)
+                    }
                     Op::Binary(b) => {
                         let cmp = matches!(
                             b,
@@ -716,7 +724,8 @@ impl Exec<'_, '_> {
                             let c = promote(&ops);
                             values::compare(*b, x.convert(c), y.convert(c))?
                         } else {
-                            values::arith(*b, x.convert(out_dt), y.convert(out_dt), out_dt)?
+                            let cd = out_dt.compute_dtype();
+                            values::arith(*b, x.convert(cd), y.convert(cd), cd)?.convert(out_dt)
                         }
                     }
                     Op::Where => {

@@ -59,6 +59,15 @@ impl DataType {
         self.category() == Category::Floating
     }
 
+    /// The type arithmetic producing this type is computed in: half and bfloat16 compute
+    /// in float (one rounding per stored value, as the hardware has no cheaper path).
+    pub fn compute_dtype(self) -> DataType {
+        match self {
+            DataType::Half | DataType::BFloat16 => DataType::Float,
+            d => d,
+        }
+    }
+
     /// True for integer types (not bool).
     pub fn is_integer(self) -> bool {
         self.category() == Category::Integer

@@ -1,13 +1,14 @@
 //! Device lowering: a scheduled fusion (one kernel) to kernel IR. The passes, in order:
 //!
 //! 1. `validate`   — schedule checks that need the whole fusion
-//! 2. analyses     — exact id graph, loop groups and loop promotion
-//! 3. `loops`      — loop nest generation
-//! 4. `allocation` — allocation domains, Allocate placement, reduction inits, global buffers
-//! 5. `indexing`   — element offsets of every access, gathers, predicates
-//! 6. `syncs`      — block syncs for Shared memory RAW/WAR hazards
-//! 7. `reduction_hoist` — per-thread accumulation before block/grid reductions
-//! 8. `launch`     — grid/block dims and the dynamic shared memory layout
+//! 2. `precision` — half/bf16 register intermediates held in float
+//! 3. analyses     — exact id graph, loop groups and loop promotion
+//! 4. `loops`      — loop nest generation
+//! 5. `allocation` — allocation domains, Allocate placement, reduction inits, global buffers
+//! 6. `indexing`   — element offsets of every access, gathers, predicates
+//! 7. `syncs`      — block syncs for Shared memory RAW/WAR hazards
+//! 8. `reduction_hoist` — per-thread accumulation before block/grid reductions
+//! 9. `launch`     — grid/block dims and the dynamic shared memory layout
 //!
 //! Passes hand results on explicitly (kernel IR plus side tables); none reaches into
 //! another's internals.
@@ -16,6 +17,7 @@ pub mod allocation;
 pub mod indexing;
 pub mod launch;
 pub mod loops;
+pub mod precision;
 pub mod reduction_hoist;
 pub mod syncs;
 pub mod validate;
@@ -30,6 +32,7 @@ use crate::kernel::Kernel;
 pub fn lower(fusion: &Fusion) -> Result<Kernel> {
     let mut f = fusion.clone();
     validate::run(&f)?;
+    precision::run(&mut f);
     let exact = IdGraph::exact(&f);
     let order = loops::expr_order(&f);
     let tv_order = loops::tensor_order(&f, &order);

@@ -1,6 +1,12 @@
-//! Pointwise scheduler: every tensor as one flat iteration space
-//! `[ceilDiv(N, u*t*v) (BIDx), 1 (Unswitch), u (Unroll), t (TIDx), v]`, with vectorized caches of the
-//! full-size inputs and of the outputs, and everything inlined.
+//! Pointwise scheduler, with vectorized caches of the full-size inputs and of the outputs,
+//! and everything inlined. Two shapes of iteration space:
+//!
+//! - 1-D: every tensor as one flat space `[ceilDiv(N, u*t*v) (BIDx), 1 (Unswitch), u (Unroll),
+//!   t (TIDx), v]`.
+//! - 2-D, when some operand is broadcast (a bias, a per-row scale): outer axes merged into
+//!   rows, the innermost axis kept apart, `[ceilDiv(R, u) (BIDy), 1 (Unswitch), u (Unroll),
+//!   ceilDiv(C, t*v) (BIDx), t (TIDx), v]`. A broadcast operand is then indexed by the row or
+//!   the column directly, instead of by a per-element `flat % C` (an integer division).
 
 use crate::error::Result;
 use crate::ir::{Fusion, IterType, Op, Operand, ParallelType, TvId};
@@ -64,6 +70,45 @@ pub fn schedule(f: &mut Fusion, extents: &[i64]) -> Result<Heuristic> {
     }
     let order = f.topo_exprs();
     let tensors: Vec<TvId> = order.iter().map(|&e| f.exprs[e].output).collect();
+    if let Some((rows, cols)) = two_d_extents(f, extents, out, rank, &tensors)? {
+        let t2 = (((cols + v - 1) / v + 31) / 32 * 32).clamp(32, 128);
+        let u2 = if rows / 4 >= 2 * SM_COUNT {
+            4
+        } else if rows / 2 >= 2 * SM_COUNT {
+            2
+        } else {
+            1
+        };
+        if (rows + u2 - 1) / u2 <= MAX_GRID_Y {
+            for &t in &tensors {
+                let n = f.tvs[t].loop_domain.len();
+                for _ in 0..n.saturating_sub(2) {
+                    f.merge(t, 0, 1)?;
+                }
+                f.split(t, 1, v, true)?;
+                f.split(t, 1, t2, true)?;
+                f.split(t, 0, u2, true)?;
+                f.split(t, 0, 1, true)?;
+                // [rows/u (BIDy), 1 (Unswitch), u (Unroll), cols/(t*v) (BIDx), t (TIDx), v]
+                f.parallelize(t, 0, ParallelType::BIDy)?;
+                f.parallelize(t, 1, ParallelType::Unswitch)?;
+                if u2 > 1 {
+                    f.parallelize(t, 2, ParallelType::Unroll)?;
+                }
+                f.parallelize(t, 3, ParallelType::BIDx)?;
+                f.parallelize(t, 4, ParallelType::TIDx)?;
+                if vec_tensors.contains(&t) && v > 1 {
+                    f.parallelize(t, 5, ParallelType::Vectorize)?;
+                }
+            }
+            for &t in &tensors {
+                if !f.is_output(t) {
+                    f.inline_at(t, -1)?;
+                }
+            }
+            return Ok(Heuristic { kind: "pointwise", params: vec![v, t2, u2, 2] });
+        }
+    }
     for &t in &tensors {
         flatten_and_split(f, t, v, threads, unroll)?;
         let (b, u, th, vv) = if unroll > 1 { (0, Some(2), 3, 4) } else { (0, None, 2, 3) };
@@ -83,5 +128,27 @@ pub fn schedule(f: &mut Fusion, extents: &[i64]) -> Result<Heuristic> {
             f.inline_at(t, -1)?;
         }
     }
-    Ok(Heuristic { kind: "pointwise", params: vec![v, threads, unroll] })
+    Ok(Heuristic { kind: "pointwise", params: vec![v, threads, unroll, 1] })
+}
+
+/// Largest gridDim.y (and z) a launch may have.
+const MAX_GRID_Y: i64 = 65535;
+
+/// `(rows, cols)` of the 2-D iteration space when some tensor is broadcast, the output has
+/// at least two axes and a row is wide enough to fill a warp with vectors; else None.
+fn two_d_extents(f: &Fusion, extents: &[i64], out: TvId, rank: usize, tensors: &[TvId]) -> Result<Option<(i64, i64)>> {
+    if rank < 2 {
+        return Ok(None);
+    }
+    let broadcast = f.inputs.iter().filter_map(|o| o.tensor()).chain(tensors.iter().copied()).any(|t| {
+        let l = f.no_reduction_logical(t);
+        !l.is_empty() && !full_size(f, t, rank)
+    });
+    if !broadcast {
+        return Ok(None);
+    }
+    let sizes = tensor_sizes(f, extents, out)?;
+    let cols = *sizes.last().unwrap_or(&1);
+    let rows: i64 = sizes[..sizes.len() - 1].iter().product();
+    Ok((cols >= 64 && rows >= 2).then_some((rows, cols)))
 }
