@@ -296,6 +296,18 @@ impl Fusion {
         e
     }
 
+    /// Replace the symbolic input extent `i{n}` by `value` in every IterDomain, so that
+    /// index arithmetic and bounds checks over it fold to constants.
+    pub fn specialize_extent(&mut self, n: u32, value: i64) {
+        let sym = crate::ir::Symbol::Extent(n);
+        let c = self.scalars.int(value);
+        let ids: Vec<IterDomainId> = self.ids.keys().collect();
+        for id in ids {
+            let e = self.ids[id].extent;
+            self.ids[id].extent = self.scalars.substitute(e, sym, c);
+        }
+    }
+
     /// True when `tv` is a fusion input.
     pub fn is_input(&self, tv: TvId) -> bool {
         self.inputs.contains(&Operand::Tensor(tv))

@@ -4,9 +4,9 @@
 //! - inner (reduced axes last): one block per output row:
 //!   `[rows (BIDx), ceilDiv(K, t*v) (serial), t (TIDx), v]`, vectorized input caches;
 //!   each thread accumulates serially, one block reduction at the end.
-//! - outer (reduced axes first): `[g (BIDy), s (serial), 8 (TIDy), cols/t (BIDx), t (TIDx)]`,
-//!   coalesced along the kept axis; a grid reduction over BIDy when few column tiles
-//!   would leave the GPU idle.
+//! - outer (reduced axes first): `[g (BIDy), s (serial), u (Unroll), 4 (TIDy), cols/t (BIDx),
+//!   t (TIDx)]`, coalesced along the kept axis, u rows in flight per thread; a grid reduction
+//!   over BIDy sized to one full wave of blocks when few column tiles would leave the GPU idle.
 //! - full: `[g (BIDx), s (serial), t (TIDx)]` with a grid reduction.
 
 use crate::bail;
@@ -99,32 +99,40 @@ pub fn schedule(f: &mut Fusion, extents: &[i64], red: ExprId) -> Result<Heuristi
     }
     if outer {
         let t = if keep_size >= 128 { 128 } else { (keep_size.max(32) as u64).next_power_of_two() as i64 };
-        let ty = 8;
+        let ty = 4;
+        // Rows each thread has in flight at once: independent loads hide DRAM latency.
+        let u = if red_size >= 64 * ty { 4 } else { 1 };
         let col_blocks = (keep_size + t - 1) / t;
-        // Enough blocks to fill the GPU: split the reduced axis across a grid when needed.
-        // Ops after the reduction read its result in the same kernel: only the last block
-        // of a grid reduction has it, so they need a single block per column tile.
-        let g = if after.is_empty() {
-            ((4 * SM_COUNT + col_blocks - 1) / col_blocks).clamp(1, (red_size + ty - 1) / ty).min(1024)
+        // Split the reduced axis across a grid so that the blocks make one full wave (a
+        // partial second wave would leave most SMs idle at the end). Ops after the
+        // reduction read its result in the same kernel: only the last block of a grid
+        // reduction has it, so they need a single block per column tile.
+        let wave = SM_COUNT * (2048 / (t * ty)).max(1);
+        let g = if after.is_empty() && col_blocks < wave {
+            (wave / col_blocks).clamp(1, (red_size + ty * u - 1) / (ty * u)).min(1024)
         } else {
             1
         };
-        let s = ((red_size + g * ty - 1) / (g * ty)).max(1);
+        let s = ((red_size + g * ty * u - 1) / (g * ty * u)).max(1);
         for &x in before.iter().chain(std::iter::once(&r)) {
             merge_range(f, x, 0, k)?;
             merge_range(f, x, 1, n - k)?;
             f.split(x, 1, t, true)?; // [R, cols/t, t]
-            f.split(x, 0, ty, true)?; // [R/8, 8, cols/t, t]
-            f.split(x, 0, s, true)?; // [R/(8s), s, 8, cols/t, t]
+            f.split(x, 0, ty, true)?; // [R/ty, ty, cols/t, t]
+            f.split(x, 0, u, true)?; // [R/(ty u), u, ty, cols/t, t]
+            f.split(x, 0, s, true)?; // [g, s, u, ty, cols/t, t]
             if g > 1 {
                 f.parallelize(x, 0, ParallelType::BIDy)?;
             }
-            f.parallelize(x, 2, ParallelType::TIDy)?;
-            f.parallelize(x, 3, ParallelType::BIDx)?;
-            f.parallelize(x, 4, ParallelType::TIDx)?;
-            // Column tile outermost: [cols/t, t, g, s, 8], so ops after the reduction
+            if u > 1 {
+                f.parallelize(x, 2, ParallelType::Unroll)?;
+            }
+            f.parallelize(x, 3, ParallelType::TIDy)?;
+            f.parallelize(x, 4, ParallelType::BIDx)?;
+            f.parallelize(x, 5, ParallelType::TIDx)?;
+            // Column tile outermost: [cols/t, t, g, s, u, ty], so ops after the reduction
             // can share its column loops.
-            f.reorder(x, &[(3, 0), (4, 1)])?;
+            f.reorder(x, &[(4, 0), (5, 1)])?;
         }
         for &x in &after {
             merge_range(f, x, 0, n - k)?;
@@ -143,7 +151,7 @@ pub fn schedule(f: &mut Fusion, extents: &[i64], red: ExprId) -> Result<Heuristi
                 f.inline_at(x, -1)?;
             }
         }
-        return Ok(Heuristic { kind: "outer_reduction", params: vec![t, ty, g, s] });
+        return Ok(Heuristic { kind: "outer_reduction", params: vec![t, ty, g, s, u] });
     }
     bail!("{}: reduced axes must be the leading or the trailing axes for the automatic schedule", f.tv_name(r))
 }

@@ -10,6 +10,9 @@ use crate::sched::auto::Heuristic;
 /// Schedule a fusion that is a single 2-D permute.
 pub fn schedule(f: &mut Fusion, _extents: &[i64]) -> Result<Heuristic> {
     let e = f.topo_exprs()[0];
+    if f.exprs[e].inputs[0].tensor().is_none() {
+        bail!("the transpose reads no tensor");
+    }
     let out = f.exprs[e].output;
     if !matches!(&f.exprs[e].op, Op::Permute { perm } if perm == &[1, 0]) {
         bail!("{}: only 2-D transposes are scheduled automatically", f.tv_name(out));
@@ -31,16 +34,27 @@ pub fn schedule(f: &mut Fusion, _extents: &[i64]) -> Result<Heuristic> {
     f.parallelize(out, 1, ParallelType::BIDx)?;
     f.parallelize(out, 3, ParallelType::TIDx)?;
     f.parallelize(out, 4, ParallelType::Vectorize)?;
-    // Producer: the same tile, walked along x's rows.
-    f.split(s, 0, tile, true)?;
-    f.split(s, 2, tile, true)?;
-    f.reorder(s, &[(1, 3), (3, 2)])?;
-    f.merge(s, 2, 3)?;
-    f.split(s, 2, v, true)?;
-    f.split(s, 2, threads, true)?;
-    f.parallelize(s, 0, ParallelType::BIDy)?;
-    f.parallelize(s, 1, ParallelType::BIDx)?;
-    f.parallelize(s, 3, ParallelType::TIDx)?;
+    // Producer: the same tile, walked along x's rows, read with 16-byte vectors into
+    // registers (`l`) and scattered into the Shared tile from there.
+    let x = f.exprs[e].inputs[0].tensor().expect("a permute reads a tensor");
+    let l = f.cache_after(x)?;
+    // Both to [J/64, I/64, 64 (i) x 64 (j)]: `s` is in the output's axis order (j, i), `l` in
+    // the input's (i, j).
+    for (t, order) in [(l, [(2, 0), (0, 1), (1, 2)]), (s, [(1, 3), (3, 2), (2, 1)])] {
+        f.split(t, 0, tile, true)?;
+        f.split(t, 2, tile, true)?;
+        f.reorder(t, &order)?;
+        f.merge(t, 2, 3)?;
+        f.split(t, 2, v, true)?;
+        f.split(t, 2, threads, true)?;
+        f.parallelize(t, 0, ParallelType::BIDy)?;
+        f.parallelize(t, 1, ParallelType::BIDx)?;
+        f.parallelize(t, 3, ParallelType::TIDx)?;
+    }
+    if v > 1 {
+        f.parallelize(l, 4, ParallelType::Vectorize)?;
+    }
+    f.inline_at(l, 4)?;
     f.inline_at(s, 2)?;
     Ok(Heuristic { kind: "transpose", params: vec![tile, threads, v] })
 }
