@@ -297,6 +297,7 @@ impl Gen<'_> {
             Node::Loop(l) if self.try_vectorized_copy(l, depth)? => {}
             Node::Loop(l) if !l.hoisted.is_empty() => self.hoisting_loop(l, depth)?,
             Node::Loop(l) if l.parallel == ParallelType::Unswitch && self.unswitch(l, depth)? => {}
+            Node::Loop(l) if !l.parallel.is_thread_or_block() && self.hoist_invariant(l, depth)? => {}
             Node::Loop(l) => {
                 if l.parallel.is_thread_or_block() {
                     let _ = writeln!(self.out, "{pad}{{  // {} over {}", l.parallel.enum_name(), self.f.id_label(l.id));
@@ -445,6 +446,75 @@ impl Gen<'_> {
         Ok(true)
     }
 
+    /// Bounds checks that every statement under a serial loop repeats but no loop inside
+    /// it changes (a column bound inside a loop over rows): test them once around the
+    /// loop. Per-statement checks compile to a branch around every load, which keeps the
+    /// loads of an unrolled loop from being issued together. Returns false (emitting
+    /// nothing) when there is nothing to hoist or the loop holds a barrier or a block
+    /// reduction, which every thread must reach.
+    fn hoist_invariant(&mut self, l: &crate::kernel::ForLoop, depth: usize) -> Result<bool> {
+        let mut loops: Vec<(Symbol, ValId)> = Vec::new();
+        let mut preds: Vec<ValId> = Vec::new();
+        if !self.only_local_statements(&l.body) {
+            return Ok(false);
+        }
+        collect_unswitch(&self.sc, &Node::Loop(l.clone()), &mut loops, &mut Vec::new());
+        collect_predicates(&l.body, &mut preds);
+        let inner: FxHashSet<Symbol> = loops.iter().map(|&(s, _)| s).collect();
+        let mut common: Option<Vec<ValId>> = None;
+        for p in preds {
+            let mut parts = Vec::new();
+            conjuncts(&self.sc, p, &mut parts);
+            parts.retain(|c| !self.assumed.contains(c));
+            common = Some(match common {
+                None => parts,
+                Some(prev) => prev.into_iter().filter(|c| parts.contains(c)).collect(),
+            });
+        }
+        let hoist: Vec<ValId> = common
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|&c| !mentions(&self.sc, c, &inner) && !mentions_gathered(&self.sc, c))
+            .collect();
+        if hoist.is_empty() {
+            return Ok(false);
+        }
+        let mut cond = self.sc.boolean(true);
+        for &c in &hoist {
+            cond = self.sc.binary(ScalarOp::And, cond, c);
+        }
+        let pad = Self::pad(depth);
+        let _ = writeln!(self.out, "{pad}if ({}) {{  // bounds no inner loop changes", self.pred(cond));
+        let added: Vec<ValId> = hoist.iter().copied().filter(|c| self.assumed.insert(*c)).collect();
+        let r = self.node(&Node::Loop(l.clone()), depth + 1);
+        for c in added {
+            self.assumed.remove(&c);
+        }
+        r?;
+        let _ = writeln!(self.out, "{pad}}}");
+        Ok(true)
+    }
+
+    /// True when `body` holds only loops, Local allocations and statements that emit no
+    /// barrier (no syncs, no block or grid reductions that are not hoisted out).
+    fn only_local_statements(&self, body: &[Node]) -> bool {
+        body.iter().all(|n| match n {
+            Node::Loop(l) => l.hoisted.is_empty() && self.only_local_statements(&l.body),
+            Node::Alloc(a) => a.memory == MemoryType::Local,
+            Node::Expr { expr, .. } => {
+                let e = &self.f.exprs[*expr];
+                let block_reduce = matches!(e.op, Op::Reduction { .. })
+                    && !self.hoisted.contains_key(expr)
+                    && self.f.tvs[e.output].loop_domain.iter().enumerate().any(|(a, &id)| {
+                        self.f.ids[id].iter_type == IterType::Reduction
+                            && self.k.loops.groups[self.k.loops.group(e.output, a)].parallel.is_thread_or_block()
+                    });
+                !block_reduce
+            }
+            Node::Init { .. } | Node::Sync(_) => false,
+        })
+    }
+
     /// A loop that hoisted reductions accumulate through: registers before it, the
     /// block/grid reductions after it.
     fn hoisting_loop(&mut self, l: &crate::kernel::ForLoop, depth: usize) -> Result<()> {
@@ -500,7 +570,8 @@ impl Gen<'_> {
         };
         let f = self.f;
         let e = &f.exprs[*expr];
-        let (Op::Set, Some(Operand::Tensor(src))) = (&e.op, e.inputs.first().copied()) else {
+        // A broadcast moves data like a copy: along the vector it reads consecutive elements.
+        let (Op::Set | Op::Broadcast { .. }, Some(Operand::Tensor(src))) = (&e.op, e.inputs.first().copied()) else {
             return Ok(false);
         };
         let dt = f.tvs[e.output].dtype;
@@ -828,6 +899,26 @@ fn mentions(sc: &crate::ir::Scalars, v: ValId, syms: &FxHashSet<Symbol>) -> bool
     match sc.get(v) {
         Val::Symbol(s) => syms.contains(&s),
         Val::Binary(_, a, b) => mentions(sc, a, syms) || mentions(sc, b, syms),
+        _ => false,
+    }
+}
+
+/// The predicates of the statements in `body` (what each checks before it runs).
+fn collect_predicates(body: &[Node], out: &mut Vec<ValId>) {
+    for n in body {
+        match n {
+            Node::Loop(l) => collect_predicates(&l.body, out),
+            Node::Expr { index: Some(ix), .. } => out.push(ix.predicate),
+            _ => {}
+        }
+    }
+}
+
+/// True when `v` reads a gathered index value (defined per statement, not before a loop).
+fn mentions_gathered(sc: &crate::ir::Scalars, v: ValId) -> bool {
+    match sc.get(v) {
+        Val::Symbol(s) => matches!(s, Symbol::Gathered(_)),
+        Val::Binary(_, a, b) => mentions_gathered(sc, a) || mentions_gathered(sc, b),
         _ => false,
     }
 }

@@ -31,13 +31,45 @@ fn visit(f: &Fusion, tv: TvId, done: &mut FxHashSet<ExprId>, order: &mut Vec<Exp
     }
     done.insert(e);
     // Producers not inlined here go first, then inlined ones from shallowest to deepest,
-    // so nothing lands between an inlined producer and its consumer.
+    // so nothing lands between an inlined producer and its consumer. Anything further up
+    // that is shallower than every direct producer (a reduction feeding one of several
+    // operands) goes before all of them: placed later, it would close loops that a
+    // sibling operand opened and the consumer still needs.
     let mut producers: Vec<TvId> = f.exprs[e].input_tvs().collect();
+    let floor = producers.iter().map(|&p| f.tvs[p].inline_pos).min().unwrap_or(0);
+    for u in shallower_pending(f, &producers, floor, done) {
+        visit(f, u, done, order);
+    }
     producers.sort_by_key(|&p| f.tvs[p].inline_pos);
     for p in producers {
         visit(f, p, done, order);
     }
     order.push(e);
+}
+
+/// Tensors upstream of `from` (not themselves) whose exprs are not placed yet and whose
+/// inline position is below `floor`, shallowest first.
+fn shallower_pending(f: &Fusion, from: &[TvId], floor: usize, done: &FxHashSet<ExprId>) -> Vec<TvId> {
+    let mut found = Vec::new();
+    let mut seen: FxHashSet<TvId> = FxHashSet::default();
+    let mut stack: Vec<TvId> = Vec::new();
+    for &p in from {
+        if let Some(e) = f.tvs[p].definition {
+            stack.extend(f.exprs[e].input_tvs());
+        }
+    }
+    while let Some(t) = stack.pop() {
+        let Some(e) = f.tvs[t].definition else { continue };
+        if done.contains(&e) || !seen.insert(t) {
+            continue;
+        }
+        if f.tvs[t].inline_pos < floor {
+            found.push(t);
+        }
+        stack.extend(f.exprs[e].input_tvs());
+    }
+    found.sort_by_key(|&t| f.tvs[t].inline_pos);
+    found
 }
 
 /// Rank of each tensor in producer-before-consumer order (inputs first).

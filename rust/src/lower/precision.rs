@@ -39,9 +39,10 @@ fn promotable(f: &Fusion, tv: TvId) -> bool {
     !t.uses.iter().any(|&u| vector_copy(f, f.exprs[u].output))
 }
 
-/// True when `tv` is written by a Set with a vectorized axis (a 16-byte-style copy).
+/// True when `tv` is written by a Set or broadcast with a vectorized axis (a 16-byte-style copy).
 fn vector_copy(f: &Fusion, tv: TvId) -> bool {
     let t = &f.tvs[tv];
     let Some(def) = t.definition else { return false };
-    matches!(f.exprs[def].op, Op::Set) && t.loop_domain.iter().any(|&id| f.ids[id].parallel == ParallelType::Vectorize)
+    matches!(f.exprs[def].op, Op::Set | Op::Broadcast { .. })
+        && t.loop_domain.iter().any(|&id| f.ids[id].parallel == ParallelType::Vectorize)
 }

@@ -20,7 +20,16 @@ pub fn partial_inlining(f: &Fusion, lg: &LoopGraph, exact: &IdGraph) -> Result<(
         for a in 0..t.inline_pos {
             let own = t.loop_domain[a];
             let promoted = lg.promoted(tv, a);
-            if promoted != own && !exact.same(own, promoted) && f.ids[own].extent != f.ids[promoted].extent {
+            // A logical broadcast axis left untransformed is safe: the tensor does not vary
+            // along it, so running it once per iteration of the concretized loop only repeats it.
+            let plain_broadcast = f.ids[own].iter_type == crate::ir::IterType::Broadcast
+                && f.ids[own].definition.is_none()
+                && f.ids[own].use_.is_none();
+            if promoted != own
+                && !plain_broadcast
+                && !exact.same(own, promoted)
+                && f.ids[own].extent != f.ids[promoted].extent
+            {
                 bail!(
                     "{}: inlined at position {} but axis {a} ({}) runs the concretized loop {}; inline it fully (inline_at(-1)) or at {a}",
                     f.tv_name(tv),

@@ -4,7 +4,8 @@
 //!
 //! Every `[rows, K]` tensor becomes `[rows (BIDx), ceilDiv(K/v, p) (TIDx), p, v]`, so a
 //! thread's `p` vectors are `t`, `t + T`, ... (coalesced). Tensors read by a reduction
-//! and again after it stay in registers (inlined at 2); the rest inline fully.
+//! and again after it stay in registers (inlined at 2); weights broadcast over rows load
+//! one vector at a time (inlined at 3, vectorized); the rest inline fully.
 
 use crate::bail;
 use crate::error::Result;
@@ -95,7 +96,7 @@ pub fn schedule(f: &mut Fusion, extents: &[i64], reductions: &[ExprId]) -> Resul
         f.reorder(t, &[(2, 1)])?; // [rows, T, p, v]
         f.parallelize(t, 0, ParallelType::BIDx)?;
         f.parallelize(t, 1, ParallelType::TIDx)?;
-        if v > 1 && (caches.contains(&t) || outs.contains(&t)) {
+        if v > 1 && (caches.contains(&t) || outs.contains(&t) || broadcast_input(f, t)) {
             f.parallelize(t, 3, ParallelType::Vectorize)?;
         }
     }
@@ -107,6 +108,8 @@ pub fn schedule(f: &mut Fusion, extents: &[i64], reductions: &[ExprId]) -> Resul
         }
         let pos = if is_reduction(f, t) {
             1 // the row's result, shared by every thread of the block
+        } else if v > 1 && broadcast_input(f, t) {
+            3 // a weight broadcast over rows: its own vector loop, so it loads 16 bytes at once
         } else if f.consumers(t).len() > 1 {
             // Read on both sides of a reduction (or by two chains): keep it in registers
             // and let each consumer run its own loops over it.
@@ -117,4 +120,10 @@ pub fn schedule(f: &mut Fusion, extents: &[i64], reductions: &[ExprId]) -> Resul
         f.inline_at(t, pos)?;
     }
     Ok(Heuristic { kind: "normalization", params: vec![v, p] })
+}
+
+/// True when `t` broadcasts a fusion input (a weight or bias) over rows.
+fn broadcast_input(f: &Fusion, t: TvId) -> bool {
+    let Some(def) = f.tvs[t].definition else { return false };
+    matches!(f.exprs[def].op, Op::Broadcast { .. }) && f.exprs[def].inputs[0].tensor().is_some_and(|x| f.is_input(x))
 }

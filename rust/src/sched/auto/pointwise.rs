@@ -38,7 +38,25 @@ pub fn schedule(f: &mut Fusion, extents: &[i64]) -> Result<Heuristic> {
     let out = f.outputs[0];
     let rank = f.no_reduction_logical(out).len();
     let numel: i64 = tensor_sizes(f, extents, out)?.iter().product();
-    let widest = f.tvs.values().map(|t| t.dtype.size_bytes()).max().unwrap_or(4) as i64;
+    // The vector width: 16 bytes of the widest tensor that is accessed with vectors
+    // (an int64 index tensor read once per row does not narrow it).
+    let vectorized = |f: &Fusion, x: TvId| {
+        let indexed = f.tvs[x]
+            .uses
+            .iter()
+            .any(|&e| matches!(f.exprs[e].op, Op::IndexSelect { .. }) && f.exprs[e].inputs[0] == Operand::Tensor(x));
+        full_size(f, x, rank) && !indexed
+    };
+    let widest = f
+        .inputs
+        .iter()
+        .filter_map(|o| o.tensor())
+        .filter(|&x| !f.tvs[x].uses.is_empty())
+        .chain(f.outputs.iter().copied())
+        .filter(|&x| vectorized(f, x))
+        .map(|x| f.tvs[x].dtype.size_bytes())
+        .max()
+        .unwrap_or(4) as i64;
     let v = (16 / widest).clamp(1, 8);
     let threads = 128;
     // Unroll when there are many more vectors than the GPU runs at once.

@@ -7,7 +7,8 @@
 //! - outer (reduced axes first): `[g (BIDy), s (serial), u (Unroll), 4 (TIDy), cols/t (BIDx),
 //!   t (TIDx)]`, coalesced along the kept axis, u rows in flight per thread; a grid reduction
 //!   over BIDy sized to one full wave of blocks when few column tiles would leave the GPU idle.
-//! - full: `[g (BIDx), s (serial), t (TIDx)]` with a grid reduction.
+//! - full: `[g (BIDx), s (serial), u (Unroll), t (TIDx), v]` with a grid reduction, g one
+//!   wave of blocks (a divisor of the work when there is one).
 
 use crate::bail;
 use crate::error::Result;
@@ -101,7 +102,7 @@ pub fn schedule(f: &mut Fusion, extents: &[i64], red: ExprId) -> Result<Heuristi
         let t = if keep_size >= 128 { 128 } else { (keep_size.max(32) as u64).next_power_of_two() as i64 };
         let ty = 4;
         // Rows each thread has in flight at once: independent loads hide DRAM latency.
-        let u = if red_size >= 64 * ty { 4 } else { 1 };
+        let u = if red_size >= 64 * ty { 8 } else { 1 };
         let col_blocks = (keep_size + t - 1) / t;
         // Split the reduced axis across a grid so that the blocks make one full wave (a
         // partial second wave would leave most SMs idle at the end). Ops after the
@@ -183,8 +184,15 @@ fn full(f: &mut Fusion, r: TvId, after: &[TvId], total: i64) -> Result<Heuristic
     let t = 512;
     let widest = f.tvs.values().map(|t| t.dtype.size_bytes()).max().unwrap_or(4) as i64;
     let v = if total % (16 / widest) == 0 { 16 / widest } else { 1 };
-    let g = ((total + t * v - 1) / (t * v)).clamp(1, 4 * SM_COUNT);
-    let s = ((total + g * t * v - 1) / (g * t * v)).max(1);
+    let rows = (total + t * v - 1) / (t * v); // vectors of the whole block
+                                              // Blocks: one full wave (four 512-thread blocks per SM), preferring a count that divides
+                                              // the work evenly so no block runs a partial last step.
+    let wave = 4 * SM_COUNT;
+    let g = (2 * SM_COUNT..=wave).rev().find(|&g| rows % g == 0).unwrap_or(rows.clamp(1, wave));
+    let s = ((rows + g - 1) / g).max(1);
+    // Steps each thread has in flight at once: independent loads hide DRAM latency.
+    let u = [4, 2].into_iter().find(|&u| s % u == 0).unwrap_or(1);
+    let s = s / u;
     // Vectorized read caches of full-size inputs.
     let mut caches = Vec::new();
     for op in f.inputs.clone() {
@@ -200,11 +208,15 @@ fn full(f: &mut Fusion, r: TvId, after: &[TvId], total: i64) -> Result<Heuristic
         merge_range(f, x, 0, n)?;
         f.split(x, 0, v, true)?; // [N/v, v]
         f.split(x, 0, t, true)?; // [N/(t v), t, v]
-        f.split(x, 0, s, true)?; // [N/(t v s), s, t, v]
+        f.split(x, 0, u, true)?; // [N/(t v u), u, t, v]
+        f.split(x, 0, s, true)?; // [g, s, u, t, v]
         f.parallelize(x, 0, ParallelType::BIDx)?;
-        f.parallelize(x, 2, ParallelType::TIDx)?;
+        if u > 1 {
+            f.parallelize(x, 2, ParallelType::Unroll)?;
+        }
+        f.parallelize(x, 3, ParallelType::TIDx)?;
         if caches.contains(&x) {
-            f.parallelize(x, 3, ParallelType::Vectorize)?;
+            f.parallelize(x, 4, ParallelType::Vectorize)?;
         }
     }
     for &x in &pre {
@@ -213,5 +225,5 @@ fn full(f: &mut Fusion, r: TvId, after: &[TvId], total: i64) -> Result<Heuristic
     if !after.is_empty() {
         bail!("{}: ops after a full reduction are not covered by the automatic schedule", f.tv_name(r));
     }
-    Ok(Heuristic { kind: "full_reduction", params: vec![t, v, g, s] })
+    Ok(Heuristic { kind: "full_reduction", params: vec![t, v, g, s, u] })
 }
