@@ -194,7 +194,8 @@ def test_3d_broadcast_of_a_middle_axis_matches_numpy_in_the_interpreter():
     a, c = rng.standard_normal((3, 5, 97)).astype(np.float32), rng.standard_normal((3, 97)).astype(np.float32)
     low = _auto_lowered(fd, [a, c])
     (out,) = run_on_cpu(low, [a, c], _core.execute_cpu)
-    np.testing.assert_allclose(out, a.astype(np.float64) - c.astype(np.float64)[:, None, :], rtol=1e-6, atol=1e-6)
+    want = a.astype(np.float64) - c.astype(np.float64)[:, None, :]
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
 
 
 def test_half_chain_rounds_once_in_the_interpreter():
