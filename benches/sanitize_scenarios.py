@@ -41,7 +41,8 @@ def auto_schedules() -> int:
     for build in builders:
         for m, n in [(33, 1000), (64, 4096), (130, 70)]:
             fd, ref = build()
-            arrays = test_auto.make_inputs(build, m, n, cp)
+            norm = build in (test_auto.softmax, test_auto.layernorm)
+            arrays = (test_auto.norm_inputs if norm else test_auto.make_inputs)(build, m, n, cp)
             name = f"auto {build.__name__} {m}x{n}"
             try:
                 outs = fd.execute(arrays)
@@ -49,7 +50,7 @@ def auto_schedules() -> int:
                 print(f"{name:32s} ERROR {e}")
                 bad += 1
                 continue
-            want = ref(*[cp.asnumpy(a).astype(np.float64) for a in arrays])
+            want = ref(*[a if isinstance(a, float) else cp.asnumpy(a).astype(np.float64) for a in arrays])
             ok = all(np.allclose(cp.asnumpy(o), w, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(w).max())))
                      for o, w in zip(outs, want))
             bad += not ok

@@ -611,7 +611,7 @@ impl Gen<'_> {
         let mut checks = Vec::new();
         for (buf, tv, off) in [(&ob, e.output, o0), (&ib, src, i0)] {
             let local = f.tvs[tv].memory == MemoryType::Local;
-            if !(local && known_multiple(&self.sc, off) % n == 0) {
+            if !(local && self.sc.known_multiple(off) % n == 0) {
                 let var = if tv == e.output { "kiln_ob" } else { "kiln_ib" };
                 checks.push(format!(" && reinterpret_cast<unsigned long long>(&{buf}[{var}]) % {bytes} == 0"));
             }
@@ -862,23 +862,6 @@ fn linear_coeff(sc: &crate::ir::Scalars, v: ValId, sym: Symbol) -> Option<i64> {
             // Any other operator is fine only if the symbol does not occur under it.
             (linear_coeff(sc, a, sym)? == 0 && linear_coeff(sc, b, sym)? == 0).then_some(0)
         }
-    }
-}
-
-/// A positive integer that `v` is known to be a multiple of (0: `v` is zero).
-fn known_multiple(sc: &crate::ir::Scalars, v: ValId) -> i64 {
-    fn gcd(a: i64, b: i64) -> i64 {
-        if b == 0 {
-            a.abs()
-        } else {
-            gcd(b, a % b)
-        }
-    }
-    match sc.get(v) {
-        Val::Int(c) => c.abs(),
-        Val::Binary(ScalarOp::Add | ScalarOp::Sub, a, b) => gcd(known_multiple(sc, a), known_multiple(sc, b)),
-        Val::Binary(ScalarOp::Mul, a, b) => known_multiple(sc, a).saturating_mul(known_multiple(sc, b)),
-        _ => 1,
     }
 }
 

@@ -408,6 +408,22 @@ impl Scalars {
                         }
                     }
                 }
+                // (m + y) % c == y % c and (m + y) / c == m / c + y / c when m is a known
+                // multiple of c and both terms are non-negative (a flattened index plus a lane).
+                if let Val::Binary(Add, l, r) = self.nodes[a] {
+                    for (m, rest) in [(l, r), (r, l)] {
+                        let km = self.known_multiple(m);
+                        if km != 0 && km % c == 0 && self.range(m).0 >= 0 && self.range(rest).0 >= 0 {
+                            let part = self.binary(op, rest, b);
+                            return Some(if op == Mod {
+                                part
+                            } else {
+                                let q = self.binary(Div, m, b);
+                                self.add(q, part)
+                            });
+                        }
+                    }
+                }
                 // (x * c + y) % c == y % c and (x * c + y) / c == x + y / c (non-negative terms).
                 if let Val::Binary(Add, l, r) = self.nodes[a] {
                     for (m, rest) in [(l, r), (r, l)] {
@@ -447,6 +463,23 @@ impl Scalars {
             _ => {}
         }
         None
+    }
+
+    /// A positive integer that `v` is known to be a multiple of (0 when `v` is zero).
+    pub fn known_multiple(&self, v: ValId) -> i64 {
+        fn gcd(a: i64, b: i64) -> i64 {
+            if b == 0 {
+                a.abs()
+            } else {
+                gcd(b, a % b)
+            }
+        }
+        match self.nodes[v] {
+            Val::Int(c) => c.abs(),
+            Val::Binary(ScalarOp::Add | ScalarOp::Sub, a, b) => gcd(self.known_multiple(a), self.known_multiple(b)),
+            Val::Binary(ScalarOp::Mul, a, b) => self.known_multiple(a).saturating_mul(self.known_multiple(b)),
+            _ => 1,
+        }
     }
 
     fn binary_with_const(&mut self, op: ScalarOp, x: ValId, c: i64) -> ValId {
