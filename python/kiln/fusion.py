@@ -8,6 +8,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 from . import _core
 from ._errors import KilnError, KilnTypeError
 from .enums import DataType
+from .host import signature_key
 from .lowering import LoweredFusion, LoweredKernel, check_inputs
 from .schedule import ScheduleMixin
 
@@ -165,13 +166,17 @@ class FusionDefinition:
 
     def execute(self, inputs: Sequence[Any], device: Optional[str] = None) -> List[Any]:
         """Run the fusion: on the GPU for CuPy/torch inputs, in the CPU interpreter for NumPy."""
-        if device != "cpu":
-            # Fast path: a GPU input signature seen before (validated then) runs directly.
-            cached = self.__dict__.get("_lowered_cache")
-            if cached is not None and cached[1]._evaluator is not None and cached[0] == self._core.version:
-                outs = cached[1]._evaluator.run_cached(inputs)
-                if outs is not None:
-                    return outs
+        if device is None or device == "cuda":
+            # Fast path: a GPU input signature that ran before (validated then) goes straight
+            # to its specialised launcher; anything else takes the full path below.
+            seen = self.__dict__.get("_signatures")
+            if seen is not None and seen[0] == self._core.version:
+                try:
+                    hit = seen[1].get(signature_key(inputs))
+                except (AttributeError, TypeError):
+                    hit = None
+                if hit is not None:
+                    return hit[0](inputs, hit[1])
         from .execute import execute  # noqa: PLC0415
 
         return execute(self, inputs, device)

@@ -18,12 +18,18 @@ The arena and pool persist across calls of one evaluator and are used in stream 
 on the stream of the call; calls of one evaluator from different streams must be
 ordered by the caller.
 
+Launches go through kiln's own launcher (``kiln._core.PreparedLaunch``: ``cuLaunchKernel``
+from libcuda, everything but the device pointers packed once per recipe) on CuPy's current
+stream; where libcuda cannot be loaded, or with ``KILN_LAUNCHER=cupy`` (read when a
+signature is first prepared), they go through CuPy's ``Function.__call__``.
+
 ``run_on_cpu`` walks the same host program with a per-kernel CPU launcher (the
 interpreter's ``kiln._core.execute_cpu(kernel, inputs)``).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -32,6 +38,10 @@ from ._errors import KilnError, KilnTypeError
 
 _ITEMSIZE_NAMES = {"Float": "float32", "Double": "float64", "Half": "float16", "Int": "int64",
                    "Int32": "int32", "Bool": "bool", "BFloat16": "bfloat16"}
+
+
+# A recipe's specialised launcher, called as ``launcher(inputs, evaluator)``.
+Launcher = Callable[[Sequence[Any], "HostEvaluator"], List[Any]]
 
 
 class PlannedBuffer(NamedTuple):
@@ -141,8 +151,96 @@ class ZeroedPool:
 
 
 class _Recipe:
-    __slots__ = ("arena", "arena_bytes", "fast", "inputs", "launches", "nbufs", "outputs", "plan", "zero",
-                 "zero_bytes")
+    __slots__ = ("arena", "arena_bytes", "fast", "inputs", "launcher", "launches", "nbufs", "outputs", "plan",
+                 "zero", "zero_bytes")
+
+
+_SEQUENCES = (list, tuple)
+
+
+def signature_key(inputs: Sequence[Any]) -> Tuple:
+    """The cache key of an input signature (shapes, strides, dtypes, devices, scalar values);
+    raises TypeError or AttributeError for inputs that have none (NumPy arrays, non-lists)."""
+    if type(inputs) not in _SEQUENCES:
+        raise TypeError("inputs must be a list or a tuple")
+    try:  # CuPy arrays (the common case): no type dispatch; one input: no comprehension
+        if len(inputs) == 1:
+            x = inputs[0]
+            return (x.shape, x.strides, x.dtype, x.data.device_id)
+        return tuple([(x.shape, x.strides, x.dtype, x.data.device_id) for x in inputs])
+    except AttributeError:
+        pass
+    key = []
+    for x in inputs:
+        t = type(x)
+        if t.__module__.startswith("cupy"):
+            key.append((x.shape, x.strides, x.dtype, x.data.device_id))
+        elif t.__module__.startswith("torch"):
+            key.append((t, x.shape, x.stride(), x.dtype, x.get_device()))
+        else:
+            key.append((t, x))  # scalars are baked into the recipe: their value is part of the key
+    return tuple(key)
+
+
+def launcher_kind() -> str:
+    """``"rust"`` (kiln's launcher) or ``"cupy"`` (CuPy's): ``KILN_LAUNCHER`` picks one,
+    unset it is ``"rust"`` wherever libcuda loads."""
+    want = os.environ.get("KILN_LAUNCHER", "").strip().lower()
+    if want not in ("", "rust", "cupy"):
+        raise KilnError(f"KILN_LAUNCHER must be 'rust' or 'cupy', got {want!r}")
+    if want == "cupy":
+        return "cupy"
+    from . import _core  # noqa: PLC0415
+
+    try:
+        _core.load_cuda_driver()
+    except KilnError:
+        if want == "rust":
+            raise
+        return "cupy"
+    return "rust"
+
+
+_STREAM_GETTER: List[Any] = []  # [capsule or None] once looked up
+
+
+def _cupy_stream_getter() -> Any:
+    """The capsule of CuPy's C function that returns its current stream (what CuPy's own
+    launches read), or None when this CuPy does not export it."""
+    if not _STREAM_GETTER:
+        cap = None
+        try:
+            from cupy_backends.cuda import stream  # noqa: PLC0415
+
+            cap = stream.__pyx_capi__["get_current_stream_ptr"]
+        except (ImportError, AttributeError, KeyError, TypeError):
+            pass
+        _STREAM_GETTER.append(cap)
+    return _STREAM_GETTER[0]
+
+
+def prepare_launch(function: Any, grid: Sequence[int], block: Sequence[int], smem: int, pointers: int,
+                   scalars: Sequence[Any], memsets: Sequence[Tuple[int, int]] = (),
+                   device: int = -1) -> Any:
+    """A ``kiln._core.PreparedLaunch`` of CuPy ``function`` taking ``pointers`` device
+    pointers then ``scalars`` (NumPy scalars of the kernel's parameter types), reading CuPy's
+    current stream itself where CuPy exports it; the layout is checked against the kernel's."""
+    from . import _core  # noqa: PLC0415
+
+    params: List[Optional[bytes]] = [None] * pointers + [np.asarray(v).tobytes() for v in scalars]
+    args = (int(function.ptr), tuple(int(g) for g in grid), tuple(int(b) for b in block), int(smem), params,
+            [(int(k), int(n)) for k, n in memsets], int(device))
+    getter = _cupy_stream_getter()
+    launch = None
+    if getter is not None:
+        try:
+            launch = _core.PreparedLaunch(*args, getter)
+        except KilnTypeError:  # exported under another signature: read the stream in Python
+            launch = None
+    if launch is None:
+        launch = _core.PreparedLaunch(*args)
+    launch.verify()
+    return launch
 
 
 class HostEvaluator:
@@ -184,22 +282,13 @@ class HostEvaluator:
             return None
         return r.fast(inputs, self)
 
-    @staticmethod
-    def _key(inputs: Sequence[Any]) -> Tuple:
-        try:  # CuPy arrays (the common case): no type dispatch
-            return tuple([(x.shape, x.strides, x.dtype, x.data.device_id) for x in inputs])
-        except AttributeError:
-            pass
-        key = []
-        for x in inputs:
-            t = type(x)
-            if t.__module__.startswith("cupy"):
-                key.append((x.shape, x.strides, x.dtype, x.data.device_id))
-            elif t.__module__.startswith("torch"):
-                key.append((t, x.shape, x.stride(), x.dtype, x.get_device()))
-            else:
-                key.append((t, x))
-        return tuple(key)
+    _key = staticmethod(signature_key)
+
+    def launcher_for(self, inputs: Sequence[Any]) -> Optional[Launcher]:
+        """The specialised launcher of a prepared signature like ``inputs``, called as
+        ``launcher(inputs, evaluator)``; None if that signature was not prepared."""
+        r = self._recipes.get(signature_key(inputs))
+        return None if r is None else r.fast
 
     def _memset_ptrs(self, ptrs: Sequence[Any], memsets: Sequence[Tuple[int, int]]) -> None:
         """Zero each ``(buffer, nbytes)`` of ``memsets`` at ``ptrs`` on the current stream."""
@@ -283,7 +372,8 @@ class HostEvaluator:
             scal = tuple(np_scalar(v, d) for v, d in la.scalars)
             memsets = tuple((bid, max(plan.buffers[bid].nbytes, 1)) for bid in la.memsets)
             r.launches.append((fn, la.grid, la.block, la.smem, la.args, scal, memsets))
-        r.fast = _specialize(r, torch_mode)
+        r.launcher = launcher_kind()
+        r.fast = _specialize(r, torch_mode, dev, r.launcher)
         return r
 
     def _function(self, k: int, smem: int, index32: bool = False) -> Any:
@@ -309,16 +399,24 @@ class HostEvaluator:
         return r.plan
 
 
-def _specialize(r: _Recipe, torch_mode: bool) -> Callable[[Sequence[Any], HostEvaluator], List[Any]]:
+def _specialize(r: _Recipe, torch_mode: bool, device: int = -1,
+                launcher: str = "cupy") -> Launcher:
     """A launcher specialised to one recipe: straight-line Python with every constant
-    (shapes, offsets, scalars, grid/block) bound, so a call does no lookups or loops."""
+    (shapes, offsets, scalars, grid/block) bound, so a call does no lookups or loops.
+    ``launcher="rust"``: each launch is one call of a ``PreparedLaunch`` with the device
+    pointers; ``"cupy"``: CuPy's ``Function.__call__`` with arrays and NumPy scalars."""
     import cupy as cp  # noqa: PLC0415
 
-    ns: Dict[str, Any] = {"_nd": cp.ndarray}
+    rust = launcher == "rust"
+    ns: Dict[str, Any] = {"_nd": cp.ndarray, "_gs": cp.cuda.get_current_stream}
     lines = ["def _run(inputs, ev):"]
+    # Per buffer: its device pointer (rust) or what CuPy takes as the argument (cupy).
     arg: Dict[int, str] = {}
     for bid, i, _t in r.inputs:
-        arg[bid] = f"inputs[{i}].data_ptr()" if torch_mode else f"inputs[{i}]"
+        if torch_mode:
+            arg[bid] = f"inputs[{i}].data_ptr()"
+        else:
+            arg[bid] = f"inputs[{i}].data.ptr" if rust else f"inputs[{i}]"
     outs = []
     for n, (bid, alloc, view) in enumerate(r.outputs):
         ns[f"_alloc{n}"] = alloc
@@ -328,7 +426,7 @@ def _specialize(r: _Recipe, torch_mode: bool) -> Callable[[Sequence[Any], HostEv
         else:
             ns[f"_shape{n}"], ns[f"_dt{n}"] = alloc.__defaults__
             lines.append(f"    o{n} = _nd(_shape{n}, _dt{n})")
-            arg[bid] = f"o{n}"
+            arg[bid] = f"o{n}.data.ptr" if rust else f"o{n}"
         if view is not None:
             ns[f"_view{n}"] = view
             outs.append(f"_view{n}(o{n})")
@@ -342,22 +440,63 @@ def _specialize(r: _Recipe, torch_mode: bool) -> Callable[[Sequence[Any], HostEv
         lines.append(f"    zbase = ev.pool.get({r.zero_bytes})")
         for bid, off in r.zero:
             arg[bid] = f"zbase + {off}"
-    for k, (fn, grid, block, smem, argids, scal, memsets) in enumerate(r.launches):
-        ns[f"_f{k}"], ns[f"_g{k}"], ns[f"_b{k}"] = fn, tuple(grid), tuple(block)
-        if memsets:
-            ns[f"_ms{k}"] = memsets
-            pl = ", ".join(arg[b] for b, _ in memsets)
-            lines.append(f"    if ev.zero_per_launch: ev._memset_ptrs(({pl},), _ms{k})")
-        names = [arg[a] for a in argids]
-        for j, v in enumerate(scal):
-            ns[f"_s{k}_{j}"] = v
-            names.append(f"_s{k}_{j}")
-        lines.append(f"    _f{k}(_g{k}, _b{k}, ({', '.join(names)},), shared_mem={int(smem)})")
+    if rust and r.launches:
+        _rust_launches(r, ns, lines, arg, device)
+    else:
+        for k, (fn, grid, block, smem, argids, scal, memsets) in enumerate(r.launches):
+            ns[f"_f{k}"], ns[f"_g{k}"], ns[f"_b{k}"] = fn, tuple(grid), tuple(block)
+            if memsets:
+                ns[f"_ms{k}"] = memsets
+                pl = ", ".join(arg[b] for b, _ in memsets)
+                lines.append(f"    if ev.zero_per_launch: ev._memset_ptrs(({pl},), _ms{k})")
+            names = [arg[a] for a in argids]
+            for j, v in enumerate(scal):
+                ns[f"_s{k}_{j}"] = v
+                names.append(f"_s{k}_{j}")
+            lines.append(f"    _f{k}(_g{k}, _b{k}, ({', '.join(names)},), shared_mem={int(smem)})")
     if r.launches:
         lines.append(f"    ev.launches += {len(r.launches)}")
     lines.append(f"    return [{', '.join(outs)}]")
     exec("\n".join(lines), ns)  # noqa: S102 - generated from the plan's own constants
     return ns["_run"]
+
+
+def _rust_launches(r: _Recipe, ns: Dict[str, Any], lines: List[str], arg: Dict[int, str],
+                   device: int) -> None:
+    """Append the launches of ``r`` through ``PreparedLaunch``es to the generated ``lines``:
+    each device pointer computed once, then one Rust call per memset group and launch."""
+    used = []
+    for _fn, _g, _b, _sm, argids, _sc, memsets in r.launches:
+        used += [b for b in argids if b not in used]
+        used += [b for b, _ in memsets if b not in used]
+    for b in used:  # each pointer once, even when several launches take it
+        lines.append(f"    a{b} = {arg[b]}")
+    stream_read = False  # the Python-side stream read, emitted once before the first launch needing it
+    for k, (fn, grid, block, smem, argids, scal, memsets) in enumerate(r.launches):
+        # Memsets of buffers the kernel takes go through the same object; any other (none
+        # today) keeps the CuPy memset.
+        mine = [(argids.index(b), n) for b, n in memsets if b in argids]
+        other = tuple((b, n) for b, n in memsets if b not in argids)
+        pl = prepare_launch(fn, grid, block, smem, len(argids), scal, mine, device)
+        ns[f"_f{k}"] = fn  # keeps the CuPy Function, so its module, alive with the launcher
+        ns[f"_P{k}"] = pl
+        current = pl.stream_getter_used
+        if not current and not stream_read:
+            stream_read = True
+            lines.append("    s = _gs().ptr")
+        ptrs = ", ".join(f"a{b}" for b in argids)
+        if other:
+            ns[f"_ms{k}"] = other
+            pl_other = ", ".join(f"a{b}" for b, _ in other)
+            lines.append(f"    if ev.zero_per_launch: ev._memset_ptrs(({pl_other},), _ms{k})")
+        if mine:
+            zero = "zero_current(" if current else "zero(s, "
+            lines.append("    if ev.zero_per_launch:")
+            lines.append(f"        _P{k}.{zero}{ptrs})")
+            lines.append(f"        ev.memsets += {len(mine)}")
+        # The bound method, so a call is one C-level call with no attribute lookup.
+        ns[f"_L{k}"] = pl.launch_current if current else pl.launch
+        lines.append(f"    _L{k}({ptrs})" if current else f"    _L{k}(s, {ptrs})")
 
 
 def run_on_cpu(lowered: Any, inputs: Sequence[Any],

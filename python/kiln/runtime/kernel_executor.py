@@ -38,7 +38,8 @@ def np_dtype(name: str) -> Any:
 
 
 def np_scalar(value: Any, dtype: str) -> Any:
-    """A NumPy scalar of kiln dtype ``dtype``, passed by value to a kernel."""
+    """A NumPy scalar of kiln dtype ``dtype``, passed by value to a kernel (its bytes are
+    what the kernel's parameter of that type holds)."""
     if dtype == "Int":
         return np.int64(value)
     if dtype == "Int32":
@@ -47,6 +48,14 @@ def np_scalar(value: Any, dtype: str) -> Any:
         return np.bool_(value)
     if dtype == "Float":
         return np.float32(value)
+    if dtype == "Half":  # a __half parameter: 2 bytes, not a double
+        return np.float16(value)
+    if dtype == "BFloat16":  # a __nv_bfloat16 parameter: its 16 bits, rounded to nearest even
+        with np.errstate(over="ignore"):  # beyond float32's range is beyond bfloat16's: inf
+            bits = int(np.float32(value).view(np.uint32))
+        if (bits & 0x7FFFFFFF) > 0x7F800000:
+            return np.uint16((bits >> 16) | 0x40)  # NaN stays a (quiet) NaN
+        return np.uint16((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
     return np.float64(value)
 
 

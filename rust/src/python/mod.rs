@@ -5,6 +5,7 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 mod interp;
+mod launch;
 
 use pyo3::prelude::*;
 use pyo3::types::PyModule;
@@ -854,6 +855,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyKernel>()?;
     m.add_class::<PyHostProgram>()?;
     interp::register(m)?;
+    launch::register(m)?;
     m.add("DTYPES", DataType::ALL.iter().map(|d| d.enum_name()).collect::<Vec<_>>())?;
     Ok(())
 }

@@ -1,0 +1,582 @@
+//! The kernel launcher at the FFI edge: `cuLaunchKernel` called straight from libcuda,
+//! so a cached launch costs one Python→Rust call instead of CuPy's per-argument boxing
+//! (`Function.__call__` wraps every array and NumPy scalar in a Python object per call).
+//!
+//! Everything constant for one launch of one recipe (function handle, grid, block, dynamic
+//! shared memory, the scalar arguments' bytes, where the per-call pointers go) is packed
+//! once into a [`PreparedLaunch`]; a call copies the packed parameter buffer, writes the
+//! device pointers into their slots and launches. libcuda is opened lazily, once, with
+//! `libloading`, so the extension imports, and its CPU tests run, on machines without a
+//! GPU; there every launch raises `KilnError` and host.py keeps CuPy's launch path.
+//!
+//! This is the only file of kiln with `unsafe`; every block says why it is sound.
+
+use std::ffi::{c_char, c_int, c_uchar, c_uint, c_void, CStr};
+use std::ptr;
+use std::sync::OnceLock;
+
+use libloading::Library;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyCapsule, PyTuple};
+use smallvec::SmallVec;
+
+use super::{guarded, to_py};
+use crate::error::KilnError;
+
+type CuResult = c_int;
+type CuFunction = *mut c_void;
+type CuStream = *mut c_void;
+type CuContext = *mut c_void;
+
+// Prototypes as cuda.h (CUDA 12 and 13) declares them; every name below is unversioned
+// there (no `_v2` remapping), so dlsym of the plain name is the function cuda.h means.
+type LaunchKernelFn = unsafe extern "C" fn(
+    CuFunction,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    CuStream,
+    *mut *mut c_void,
+    *mut *mut c_void,
+) -> CuResult;
+type MemsetD8AsyncFn = unsafe extern "C" fn(u64, c_uchar, usize, CuStream) -> CuResult;
+type GetErrorFn = unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult;
+type InitFn = unsafe extern "C" fn(c_uint) -> CuResult;
+type CtxGetCurrentFn = unsafe extern "C" fn(*mut CuContext) -> CuResult;
+type CtxSetCurrentFn = unsafe extern "C" fn(CuContext) -> CuResult;
+type DeviceGetFn = unsafe extern "C" fn(*mut c_int, c_int) -> CuResult;
+type PrimaryCtxRetainFn = unsafe extern "C" fn(*mut CuContext, c_int) -> CuResult;
+type FuncGetParamInfoFn = unsafe extern "C" fn(CuFunction, usize, *mut usize, *mut usize) -> CuResult;
+/// CuPy's `cupy_backends.cuda.stream.get_current_stream_ptr`, exported through Cython's
+/// `__pyx_capi__` under exactly this C signature.
+type StreamGetterFn = unsafe extern "C" fn() -> isize;
+
+const STREAM_GETTER_SIGNATURE: &CStr = c"intptr_t (void)";
+const CUDA_SUCCESS: CuResult = 0;
+const CUDA_ERROR_INVALID_VALUE: CuResult = 1;
+const CUDA_ERROR_NOT_INITIALIZED: CuResult = 3;
+const CUDA_ERROR_INVALID_CONTEXT: CuResult = 201;
+/// The most kernel-parameter bytes any device takes (Volta and later with CUDA 12.1+;
+/// older ones take 4 KiB and the driver refuses more at launch).
+const MAX_PARAM_BYTES: usize = 32764;
+/// Parameter-buffer words and parameters kept on the stack per call; more spill to the heap.
+const INLINE_WORDS: usize = 32;
+const INLINE_PARAMS: usize = 32;
+
+#[cfg(not(windows))]
+const LIBCUDA: &str = "libcuda.so.1";
+#[cfg(windows)]
+const LIBCUDA: &str = "nvcuda.dll";
+
+/// The driver entry points kiln uses, resolved once.
+struct Driver {
+    launch_kernel: LaunchKernelFn,
+    memset_d8_async: MemsetD8AsyncFn,
+    init: InitFn,
+    ctx_get_current: CtxGetCurrentFn,
+    ctx_set_current: CtxSetCurrentFn,
+    device_get: DeviceGetFn,
+    primary_ctx_retain: PrimaryCtxRetainFn,
+    get_error_name: Option<GetErrorFn>,
+    get_error_string: Option<GetErrorFn>,
+    /// Only in drivers of CUDA 12.4 and later.
+    func_get_param_info: Option<FuncGetParamInfoFn>,
+    /// Keeps libcuda mapped, which keeps every function pointer above valid; the driver
+    /// lives in a static, so it is never dropped.
+    _lib: Library,
+}
+
+static DRIVER: OnceLock<Result<Driver, String>> = OnceLock::new();
+
+fn load_driver() -> Result<Driver, String> {
+    // SAFETY: libcuda is the CUDA driver every CUDA program (CuPy and torch included)
+    // loads into its process; its initialisers expect exactly this. When CuPy already
+    // loaded it, dlopen only bumps the reference count of the same mapping.
+    let lib = unsafe { Library::new(LIBCUDA) }.map_err(|e| format!("cannot load {LIBCUDA}: {e}"))?;
+    // SAFETY: each symbol is looked up by its exact, unversioned cuda.h name and given the
+    // prototype cuda.h declares for that name (the type aliases above). The function
+    // pointers are copied out of their `Symbol`s, which is sound because `_lib` is stored
+    // next to them in a `Driver` that lives in a static and is never dropped or unloaded.
+    unsafe {
+        Ok(Driver {
+            launch_kernel: sym::<LaunchKernelFn>(&lib, b"cuLaunchKernel\0")?,
+            memset_d8_async: sym::<MemsetD8AsyncFn>(&lib, b"cuMemsetD8Async\0")?,
+            init: sym::<InitFn>(&lib, b"cuInit\0")?,
+            ctx_get_current: sym::<CtxGetCurrentFn>(&lib, b"cuCtxGetCurrent\0")?,
+            ctx_set_current: sym::<CtxSetCurrentFn>(&lib, b"cuCtxSetCurrent\0")?,
+            device_get: sym::<DeviceGetFn>(&lib, b"cuDeviceGet\0")?,
+            primary_ctx_retain: sym::<PrimaryCtxRetainFn>(&lib, b"cuDevicePrimaryCtxRetain\0")?,
+            get_error_name: sym::<GetErrorFn>(&lib, b"cuGetErrorName\0").ok(),
+            get_error_string: sym::<GetErrorFn>(&lib, b"cuGetErrorString\0").ok(),
+            func_get_param_info: sym::<FuncGetParamInfoFn>(&lib, b"cuFuncGetParamInfo\0").ok(),
+            _lib: lib,
+        })
+    }
+}
+
+/// The symbol `name` (NUL-terminated) of `lib` as a `T`.
+///
+/// # Safety
+/// `T` must be the C prototype of `name`, and the value must not outlive `lib`.
+unsafe fn sym<T: Copy>(lib: &Library, name: &[u8]) -> Result<T, String> {
+    // SAFETY: upheld by the caller (see above).
+    unsafe { lib.get::<T>(name) }.map(|s| *s).map_err(|e| {
+        let n = String::from_utf8_lossy(&name[..name.len() - 1]).into_owned();
+        format!("{LIBCUDA} has no {n}: {e}")
+    })
+}
+
+/// The driver, loaded on first use; the load error (no libcuda) is kept and repeated.
+fn driver() -> crate::Result<&'static Driver> {
+    match DRIVER.get_or_init(load_driver) {
+        Ok(d) => Ok(d),
+        Err(msg) => Err(KilnError::value(format!("kiln's kernel launcher needs the CUDA driver: {msg}"))),
+    }
+}
+
+impl Driver {
+    fn text(f: Option<GetErrorFn>, code: CuResult) -> Option<String> {
+        let f = f?;
+        let mut s: *const c_char = ptr::null();
+        // SAFETY: cuGetErrorName/cuGetErrorString store a pointer to a static
+        // NUL-terminated string, or return an error for an unknown code; the string is
+        // read only after success and only when the pointer is non-null.
+        unsafe {
+            if f(code, &mut s) != CUDA_SUCCESS || s.is_null() {
+                return None;
+            }
+            Some(CStr::from_ptr(s).to_string_lossy().into_owned())
+        }
+    }
+
+    /// `what` failed with `code`, as a KilnError with the CUresult's name and description.
+    fn error(&self, what: &str, code: CuResult) -> KilnError {
+        let name = Self::text(self.get_error_name, code).unwrap_or_else(|| "CUDA_ERROR_UNKNOWN_CODE".into());
+        let desc = Self::text(self.get_error_string, code).map(|d| format!(": {d}")).unwrap_or_default();
+        KilnError::value(format!("{what} failed with {name} (CUresult {code}){desc}"))
+    }
+
+    /// Run the driver call `f`; when it fails for want of a context on this thread, adopt
+    /// `device`'s primary context and run it once more.
+    fn in_context(&self, device: c_int, mut f: impl FnMut() -> CuResult) -> CuResult {
+        let rc = f();
+        if (rc == CUDA_ERROR_INVALID_CONTEXT || rc == CUDA_ERROR_NOT_INITIALIZED) && self.adopt_primary_context(device)
+        {
+            return f();
+        }
+        rc
+    }
+
+    /// When no context is current on this thread, make `device`'s primary context current
+    /// (what the CUDA runtime does on a thread's first runtime call, and what CuPy's
+    /// `_ensure_context` triggers before its launches). True if it made one current.
+    fn adopt_primary_context(&self, device: c_int) -> bool {
+        if device < 0 {
+            return false;
+        }
+        let mut cur: CuContext = ptr::null_mut();
+        let mut dev: c_int = 0;
+        let mut ctx: CuContext = ptr::null_mut();
+        // SAFETY: plain driver calls with out-pointers to live locals; cuInit is
+        // idempotent; the retained primary context is never released, like the runtime's.
+        unsafe {
+            if (self.ctx_get_current)(&mut cur) == CUDA_SUCCESS && !cur.is_null() {
+                return false;
+            }
+            (self.init)(0) == CUDA_SUCCESS
+                && (self.device_get)(&mut dev, device) == CUDA_SUCCESS
+                && (self.primary_ctx_retain)(&mut ctx, dev) == CUDA_SUCCESS
+                && !ctx.is_null()
+                && (self.ctx_set_current)(ctx) == CUDA_SUCCESS
+        }
+    }
+}
+
+/// Open libcuda now: returns None, or raises `KilnError` saying why it cannot be used.
+#[pyfunction]
+fn load_cuda_driver(py: Python<'_>) -> PyResult<()> {
+    guarded(py, || driver().map(|_| ()))
+}
+
+/// One kernel launch of one recipe, packed once: function handle, dims, dynamic shared
+/// memory and the kernel's parameter buffer with every scalar in place; the device
+/// pointers are the only per-call arguments.
+///
+/// The function handle is trusted, as every raw CUDA handle is: host.py passes the `ptr`
+/// of a CuPy `Function` it keeps alive. Bad device pointers fault on the device (a CUDA
+/// error), never in host memory.
+#[pyclass(name = "PreparedLaunch", module = "kiln._core", frozen)]
+pub struct PreparedLaunch {
+    /// The CUfunction handle (CuPy's `Function.ptr`).
+    function: usize,
+    grid: [u32; 3],
+    block: [u32; 3],
+    smem: u32,
+    /// Byte offset and size of every kernel parameter in parameter order, laid out as the
+    /// CUDA ABI lays out a parameter buffer: each at its natural alignment.
+    layout: Vec<(usize, usize)>,
+    /// The parameter buffer with the scalars in place and pointer slots zero, in 8-byte
+    /// words so that every offset is aligned for the type stored there.
+    template: Vec<u64>,
+    /// Word index of each per-call pointer, in call-argument order.
+    pointer_words: Vec<usize>,
+    /// (per-call pointer index, bytes) that `zero` clears.
+    memsets: Vec<(usize, usize)>,
+    /// CUDA device ordinal whose primary context a thread without a context adopts.
+    device: c_int,
+    /// CuPy's C function returning its current stream, checked against its signature.
+    stream_getter: Option<(usize, Py<PyCapsule>)>,
+}
+
+/// Per-call pointers, copied out of the argument tuple.
+type Pointers = SmallVec<[u64; 8]>;
+
+impl PreparedLaunch {
+    fn pointers(&self, py: Python<'_>, args: &Bound<'_, PyTuple>) -> PyResult<Pointers> {
+        let want = self.pointer_words.len();
+        if args.len() != want {
+            let msg = format!("this launch takes {want} device pointers, got {}", args.len());
+            return Err(to_py(py, KilnError::type_error(msg)));
+        }
+        let mut out = Pointers::with_capacity(want);
+        for (i, a) in args.iter().enumerate() {
+            match a.extract::<u64>() {
+                Ok(p) => out.push(p),
+                Err(_) => {
+                    let t = a.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
+                    let msg = format!("device pointer {i}: expected an int address, got {t}");
+                    return Err(to_py(py, KilnError::type_error(msg)));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The parameter buffer for `ptrs`: the template with the pointers written in.
+    fn fill(&self, ptrs: &[u64]) -> SmallVec<[u64; INLINE_WORDS]> {
+        let mut words = SmallVec::from_slice(&self.template);
+        for (&w, &p) in self.pointer_words.iter().zip(ptrs) {
+            words[w] = p;
+        }
+        words
+    }
+
+    /// kernelParams for cuLaunchKernel: one pointer per parameter into `words`.
+    fn param_pointers(&self, words: &mut [u64]) -> SmallVec<[*mut c_void; INLINE_PARAMS]> {
+        let base = words.as_mut_ptr().cast::<u8>();
+        // wrapping_add: plain address arithmetic, in bounds by construction (offset + size
+        // <= template bytes), so no unsafe `add` is needed.
+        self.layout.iter().map(|&(off, _)| base.wrapping_add(off).cast::<c_void>()).collect()
+    }
+
+    fn current_stream(&self, py: Python<'_>) -> PyResult<usize> {
+        let Some((getter, _)) = &self.stream_getter else {
+            let msg = "this PreparedLaunch was built without CuPy's stream getter; pass the stream";
+            return Err(to_py(py, KilnError::value(msg)));
+        };
+        // SAFETY: the address came from the capsule CuPy exports for
+        // `get_current_stream_ptr`, whose name (checked in `new`) is its exact C signature
+        // `intptr_t (void)`; the capsule is held by `self`, and extension modules are never
+        // unloaded. The function touches Python state, so it needs the GIL: `py` proves we
+        // hold it.
+        let s = unsafe {
+            let f = std::mem::transmute::<usize, StreamGetterFn>(*getter);
+            f()
+        };
+        // Cython reports an exception through the return value -1 (`except? -1`).
+        if s == -1 {
+            if let Some(e) = PyErr::take(py) {
+                return Err(e);
+            }
+        }
+        Ok(s as usize)
+    }
+
+    fn launch_on(&self, py: Python<'_>, stream: usize, args: &Bound<'_, PyTuple>) -> PyResult<()> {
+        let ptrs = self.pointers(py, args)?;
+        guarded(py, || {
+            let d = driver()?;
+            // The launch only enqueues work, but it blocks when the launch queue is full:
+            // let other Python threads run meanwhile (as CuPy does).
+            py.allow_threads(|| self.launch_raw(d, stream, &ptrs))
+        })
+    }
+
+    fn launch_raw(&self, d: &Driver, stream: usize, ptrs: &[u64]) -> crate::Result<()> {
+        let mut words = self.fill(ptrs);
+        let mut params = self.param_pointers(&mut words);
+        let call = |params: &mut [*mut c_void]| {
+            // SAFETY: `function` is a CUfunction of a module that host.py keeps loaded for
+            // as long as this object is reachable (the evaluator caches the CuPy Function,
+            // which owns its Module, next to the recipe holding this launch). kernelParams
+            // has one entry per kernel parameter, each pointing at `size` initialised bytes
+            // inside `words`, which outlives the call; the driver copies the parameters
+            // before returning and never writes through them. `extra` is null, as allowed.
+            unsafe {
+                (d.launch_kernel)(
+                    self.function as CuFunction,
+                    self.grid[0],
+                    self.grid[1],
+                    self.grid[2],
+                    self.block[0],
+                    self.block[1],
+                    self.block[2],
+                    self.smem,
+                    stream as CuStream,
+                    params.as_mut_ptr(),
+                    ptr::null_mut(),
+                )
+            }
+        };
+        let rc = d.in_context(self.device, || call(&mut params));
+        if rc != CUDA_SUCCESS {
+            return Err(d.error("cuLaunchKernel", rc));
+        }
+        Ok(())
+    }
+
+    fn zero_on(&self, py: Python<'_>, stream: usize, args: &Bound<'_, PyTuple>) -> PyResult<()> {
+        let ptrs = self.pointers(py, args)?;
+        guarded(py, || {
+            let d = driver()?;
+            py.allow_threads(|| {
+                for &(k, nbytes) in &self.memsets {
+                    let call = || {
+                        // SAFETY: clears `nbytes` at a device address the caller passes
+                        // for a buffer of at least `nbytes` bytes (the plan's size for it),
+                        // asynchronously on `stream`; no host memory is touched.
+                        unsafe { (d.memset_d8_async)(ptrs[k], 0, nbytes, stream as CuStream) }
+                    };
+                    let rc = d.in_context(self.device, call);
+                    if rc != CUDA_SUCCESS {
+                        return Err(d.error("cuMemsetD8Async", rc));
+                    }
+                }
+                Ok(())
+            })
+        })
+    }
+}
+
+#[pymethods]
+impl PreparedLaunch {
+    /// Pack a launch: ``params`` has one entry per kernel parameter, ``None`` for a device
+    /// pointer passed per call (in order) or the scalar's bytes (1, 2, 4 or 8 of them);
+    /// ``memsets`` lists (pointer index, bytes) for ``zero``; ``device`` is the CUDA device
+    /// ordinal; ``stream_getter`` is CuPy's ``get_current_stream_ptr`` capsule, for
+    /// ``launch_current``.
+    #[new]
+    #[pyo3(signature = (function, grid, block, smem, params, memsets=Vec::new(), device=-1, stream_getter=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        function: usize,
+        grid: [u32; 3],
+        block: [u32; 3],
+        smem: u32,
+        params: Vec<Option<Bound<'_, PyBytes>>>,
+        memsets: Vec<(usize, usize)>,
+        device: c_int,
+        stream_getter: Option<Bound<'_, PyCapsule>>,
+    ) -> PyResult<Self> {
+        let getter = match stream_getter {
+            None => None,
+            Some(cap) => {
+                if cap.name()? != Some(STREAM_GETTER_SIGNATURE) {
+                    let msg = format!("stream_getter: expected a capsule named {STREAM_GETTER_SIGNATURE:?}");
+                    return Err(to_py(py, KilnError::type_error(msg)));
+                }
+                let p = cap.pointer();
+                if p.is_null() {
+                    return Err(to_py(py, KilnError::type_error("stream_getter: the capsule holds no function")));
+                }
+                Some((p as usize, cap.unbind()))
+            }
+        };
+        let scalars: Vec<Option<Vec<u8>>> = params.iter().map(|p| p.as_ref().map(|b| b.as_bytes().to_vec())).collect();
+        guarded(py, || {
+            if function == 0 {
+                return Err(KilnError::value("PreparedLaunch: the function handle is null"));
+            }
+            if grid.contains(&0) || block.contains(&0) {
+                return Err(KilnError::value(format!(
+                    "PreparedLaunch: grid {grid:?} and block {block:?} must be at least 1 in every dimension"
+                )));
+            }
+            let mut layout = Vec::with_capacity(scalars.len());
+            let mut bytes: Vec<u8> = Vec::new();
+            let mut pointer_offsets = Vec::new();
+            for (i, p) in scalars.iter().enumerate() {
+                let size = p.as_ref().map_or(8, Vec::len);
+                if !matches!(size, 1 | 2 | 4 | 8) {
+                    return Err(KilnError::value(format!(
+                        "PreparedLaunch: parameter {i} has {size} bytes; expected 1, 2, 4 or 8"
+                    )));
+                }
+                // Natural alignment, as in the kernel's own parameter buffer.
+                let off = bytes.len().div_ceil(size) * size;
+                bytes.resize(off + size, 0);
+                match p {
+                    Some(v) => bytes[off..off + size].copy_from_slice(v),
+                    None => pointer_offsets.push(off),
+                }
+                layout.push((off, size));
+            }
+            if bytes.len() > MAX_PARAM_BYTES {
+                return Err(KilnError::value(format!(
+                    "PreparedLaunch: {} bytes of kernel parameters exceed the {MAX_PARAM_BYTES} any device takes",
+                    bytes.len()
+                )));
+            }
+            for &(k, _) in &memsets {
+                if k >= pointer_offsets.len() {
+                    return Err(KilnError::value(format!(
+                        "PreparedLaunch: memset of pointer {k}, but the launch takes {} pointers",
+                        pointer_offsets.len()
+                    )));
+                }
+            }
+            bytes.resize(bytes.len().div_ceil(8) * 8, 0);
+            let template = bytes.chunks_exact(8).map(|c| u64::from_ne_bytes(c.try_into().unwrap_or([0; 8]))).collect();
+            Ok(Self {
+                function,
+                grid,
+                block,
+                smem,
+                layout,
+                template,
+                pointer_words: pointer_offsets.iter().map(|o| o / 8).collect(),
+                memsets,
+                device,
+                stream_getter: getter,
+            })
+        })
+    }
+
+    /// Launch on ``stream`` (a CUstream handle; 0 is the legacy default stream).
+    #[pyo3(signature = (stream, *pointers))]
+    fn launch(&self, py: Python<'_>, stream: usize, pointers: &Bound<'_, PyTuple>) -> PyResult<()> {
+        self.launch_on(py, stream, pointers)
+    }
+
+    /// Launch on CuPy's current stream (read through CuPy's C API, as CuPy's own launches do).
+    #[pyo3(signature = (*pointers))]
+    fn launch_current(&self, py: Python<'_>, pointers: &Bound<'_, PyTuple>) -> PyResult<()> {
+        let stream = self.current_stream(py)?;
+        self.launch_on(py, stream, pointers)
+    }
+
+    /// Zero the ``memsets`` buffers on ``stream`` (``cuMemsetD8Async``), before a launch.
+    #[pyo3(signature = (stream, *pointers))]
+    fn zero(&self, py: Python<'_>, stream: usize, pointers: &Bound<'_, PyTuple>) -> PyResult<()> {
+        self.zero_on(py, stream, pointers)
+    }
+
+    /// ``zero`` on CuPy's current stream.
+    #[pyo3(signature = (*pointers))]
+    fn zero_current(&self, py: Python<'_>, pointers: &Bound<'_, PyTuple>) -> PyResult<()> {
+        let stream = self.current_stream(py)?;
+        self.zero_on(py, stream, pointers)
+    }
+
+    /// CuPy's current stream as ``launch_current`` reads it (a test hook).
+    fn stream(&self, py: Python<'_>) -> PyResult<usize> {
+        self.current_stream(py)
+    }
+
+    /// The parameter buffer a launch with ``pointers`` passes, read back through the very
+    /// kernelParams pointers handed to the driver (a test hook: CUDA ABI layout).
+    #[pyo3(signature = (*pointers))]
+    fn packed<'py>(&self, py: Python<'py>, pointers: &Bound<'py, PyTuple>) -> PyResult<Bound<'py, PyBytes>> {
+        let ptrs = self.pointers(py, pointers)?;
+        let mut words = self.fill(&ptrs);
+        let params = self.param_pointers(&mut words);
+        let mut out = vec![0u8; self.template.len() * 8];
+        for (&p, &(off, size)) in params.iter().zip(&self.layout) {
+            // SAFETY: `p` points `off` bytes into `words` (built just above and still
+            // alive), and `off + size` is within its length by construction of `layout`;
+            // a byte read has no alignment requirement.
+            let src = unsafe { std::slice::from_raw_parts(p.cast::<u8>(), size) };
+            out[off..off + size].copy_from_slice(src);
+        }
+        Ok(PyBytes::new(py, &out))
+    }
+
+    /// (offset, size) of every kernel parameter in the packed buffer.
+    #[getter]
+    fn layout(&self) -> Vec<(usize, usize)> {
+        self.layout.clone()
+    }
+
+    /// Device pointers a call takes.
+    #[getter]
+    fn pointer_count(&self) -> usize {
+        self.pointer_words.len()
+    }
+
+    /// Whether ``launch_current`` can read CuPy's current stream itself.
+    #[getter]
+    fn stream_getter_used(&self) -> bool {
+        self.stream_getter.is_some()
+    }
+
+    /// (grid, block, dynamic shared memory bytes).
+    #[getter]
+    fn dims(&self) -> ([u32; 3], [u32; 3], u32) {
+        (self.grid, self.block, self.smem)
+    }
+
+    /// The kernel's own parameter layout, [(offset, size)] from ``cuFuncGetParamInfo``
+    /// (drivers of CUDA 12.4+; None on older ones). Raises ``KilnError`` when its parameter
+    /// count or sizes differ from the packed ones: the driver copies each parameter with the
+    /// kernel's size, so those must match; offsets are the driver's business.
+    fn verify(&self, py: Python<'_>) -> PyResult<Option<Vec<(usize, usize)>>> {
+        guarded(py, || {
+            let d = driver()?;
+            let Some(info) = d.func_get_param_info else { return Ok(None) };
+            let mut kernel: Vec<(usize, usize)> = Vec::new();
+            // One past the packed count is enough to tell that the kernel takes more.
+            while kernel.len() <= self.layout.len() {
+                let (mut off, mut size) = (0usize, 0usize);
+                // SAFETY: a query of a live function handle (see `launch_raw`) with
+                // out-pointers to locals; an index past the last parameter is an error
+                // return (CUDA_ERROR_INVALID_VALUE), not undefined behaviour.
+                let i = kernel.len();
+                let rc =
+                    d.in_context(self.device, || unsafe { info(self.function as CuFunction, i, &mut off, &mut size) });
+                match rc {
+                    CUDA_SUCCESS => kernel.push((off, size)),
+                    CUDA_ERROR_INVALID_VALUE => break,
+                    _ => return Err(d.error(&format!("cuFuncGetParamInfo(parameter {i})"), rc)),
+                }
+            }
+            let sizes = |l: &[(usize, usize)]| l.iter().map(|&(_, s)| s).collect::<Vec<_>>();
+            if kernel.len() > self.layout.len() {
+                return Err(KilnError::internal(format!(
+                    "the kernel takes more than the {} parameters the launcher packs ({:?} bytes)",
+                    self.layout.len(),
+                    sizes(&self.layout)
+                )));
+            }
+            if sizes(&kernel) != sizes(&self.layout) {
+                return Err(KilnError::internal(format!(
+                    "the kernel's parameters have sizes {:?}, but the launcher packs {:?}",
+                    sizes(&kernel),
+                    sizes(&self.layout)
+                )));
+            }
+            Ok(Some(kernel))
+        })
+    }
+}
+
+/// Register the launcher on the extension module.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PreparedLaunch>()?;
+    m.add_function(wrap_pyfunction!(load_cuda_driver, m)?)?;
+    Ok(())
+}
