@@ -559,11 +559,14 @@ def _scalar_fusion():
         x = fd.define_tensor([-1])
         a = fd.define_scalar(dtype=DataType.Float)
         b = fd.define_scalar(dtype=DataType.Double)
-        y = fd.ops.add(fd.ops.mul(x, a), b)
+        xa = fd.ops.mul(x, a)
+        y = fd.ops.add(xa, b)
         fd.add_output(y)
-    y.split(0, 128)
-    y.axis(0).parallelize(ParallelType.BIDx)
-    y.axis(1).parallelize(ParallelType.TIDx)
+    for t in (xa, y):
+        t.split(0, 128)
+        t.axis(0).parallelize(ParallelType.BIDx)
+        t.axis(1).parallelize(ParallelType.TIDx)
+    xa.inline_at(-1)
     return fd
 
 
