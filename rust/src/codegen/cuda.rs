@@ -607,19 +607,40 @@ impl Gen<'_> {
         let _ = writeln!(self.out, "{pad}  const kiln_index_t kiln_ob = {}, kiln_ib = {};", self.c(o0), self.c(i0));
         // Local arrays are declared 16-byte aligned, so an offset that is a multiple of the
         // vector width is aligned by construction. Checking a Local address at run time
-        // would force the array out of registers into the stack frame.
+        // would force the array out of registers into the stack frame. A Shared side whose
+        // offset is not a multiple of the width (a tile padded by one bank) is moved element
+        // by element, so that the Global side keeps its 16-byte access on every row.
         let mut checks = Vec::new();
-        for (buf, tv, off) in [(&ob, e.output, o0), (&ib, src, i0)] {
-            let local = f.tvs[tv].memory == MemoryType::Local;
-            if !(local && self.sc.known_multiple(off) % n == 0) {
-                let var = if tv == e.output { "kiln_ob" } else { "kiln_ib" };
-                checks.push(format!(" && reinterpret_cast<unsigned long long>(&{buf}[{var}]) % {bytes} == 0"));
+        let mut wide = [true, true];
+        for (k, (buf, tv, off)) in [(&ob, e.output, o0), (&ib, src, i0)].into_iter().enumerate() {
+            let multiple = self.sc.known_multiple(off) % n == 0;
+            match f.tvs[tv].memory {
+                MemoryType::Local if multiple => {}
+                MemoryType::Shared if !multiple => wide[k] = false,
+                _ => {
+                    let var = if k == 0 { "kiln_ob" } else { "kiln_ib" };
+                    checks.push(format!(" && reinterpret_cast<unsigned long long>(&{buf}[{var}]) % {bytes} == 0"));
+                }
             }
         }
         let _ = writeln!(self.out, "{pad}  if (({}) && ({}){}) {{", self.pred(p0), self.pred(pl), checks.concat());
         let _ = writeln!(self.out, "{pad}    kiln::Array<{ty}, {n}> kiln_vec;");
-        let _ = writeln!(self.out, "{pad}    kiln::loadVec<{ty}, {n}>(kiln_vec, &{ib}[kiln_ib]);");
-        let _ = writeln!(self.out, "{pad}    kiln::storeVec<{ty}, {n}>(&{ob}[kiln_ob], kiln_vec);");
+        if wide[1] {
+            let _ = writeln!(self.out, "{pad}    kiln::loadVec<{ty}, {n}>(kiln_vec, &{ib}[kiln_ib]);");
+        } else {
+            let _ = writeln!(
+                self.out,
+                "{pad}    #pragma unroll\n{pad}    for (int kiln_j = 0; kiln_j < {n}; ++kiln_j) kiln_vec[kiln_j] = {ib}[kiln_ib + kiln_j];"
+            );
+        }
+        if wide[0] {
+            let _ = writeln!(self.out, "{pad}    kiln::storeVec<{ty}, {n}>(&{ob}[kiln_ob], kiln_vec);");
+        } else {
+            let _ = writeln!(
+                self.out,
+                "{pad}    #pragma unroll\n{pad}    for (int kiln_j = 0; kiln_j < {n}; ++kiln_j) {ob}[kiln_ob + kiln_j] = kiln_vec[kiln_j];"
+            );
+        }
         let _ = writeln!(self.out, "{pad}  }} else {{");
         let idx = self.c(l.index);
         let _ = writeln!(self.out, "{pad}    #pragma unroll");

@@ -20,11 +20,9 @@ pub fn partial_inlining(f: &Fusion, lg: &LoopGraph, exact: &IdGraph) -> Result<(
         for a in 0..t.inline_pos {
             let own = t.loop_domain[a];
             let promoted = lg.promoted(tv, a);
-            // A logical broadcast axis left untransformed is safe: the tensor does not vary
-            // along it, so running it once per iteration of the concretized loop only repeats it.
-            let plain_broadcast = f.ids[own].iter_type == crate::ir::IterType::Broadcast
-                && f.ids[own].definition.is_none()
-                && f.ids[own].use_.is_none();
+            // A broadcast axis (or a split of one) is safe: the tensor does not vary along
+            // it, so running it once per iteration of the concretized loop only repeats it.
+            let plain_broadcast = f.ids[own].iter_type == crate::ir::IterType::Broadcast;
             if promoted != own
                 && !plain_broadcast
                 && !exact.same(own, promoted)

@@ -115,13 +115,15 @@ pub fn schedule(f: &mut Fusion, extents: &[i64]) -> Result<Heuristic> {
                 }
                 f.parallelize(t, 3, ParallelType::BIDx)?;
                 f.parallelize(t, 4, ParallelType::TIDx)?;
-                if vec_tensors.contains(&t) && v > 1 {
+                if (vec_tensors.contains(&t) || broadcast_input(f, t)) && v > 1 {
                     f.parallelize(t, 5, ParallelType::Vectorize)?;
                 }
             }
             for &t in &tensors {
                 if !f.is_output(t) {
-                    f.inline_at(t, -1)?;
+                    // A broadcast operand (bias) gets its own vector loop: one 16-byte load.
+                    let pos = if v > 1 && broadcast_input(f, t) { 5 } else { -1 };
+                    f.inline_at(t, pos)?;
                 }
             }
             return Ok(Heuristic { kind: "pointwise", params: vec![v, t2, u2, 2] });
@@ -169,4 +171,16 @@ fn two_d_extents(f: &Fusion, extents: &[i64], out: TvId, rank: usize, tensors: &
     let cols = *sizes.last().unwrap_or(&1);
     let rows: i64 = sizes[..sizes.len() - 1].iter().product();
     Ok((cols >= 64 && rows >= 2).then_some((rows, cols)))
+}
+
+/// True when `t` broadcasts a fusion input along every axis but the last (a bias):
+/// it can be read with vectors along that axis.
+fn broadcast_input(f: &Fusion, t: TvId) -> bool {
+    let Some(def) = f.tvs[t].definition else { return false };
+    let l = &f.tvs[t].logical;
+    let inner_kept = l.last().is_some_and(|&id| f.ids[id].iter_type == IterType::Iteration)
+        && l[..l.len() - 1].iter().all(|&id| f.ids[id].iter_type == IterType::Broadcast);
+    matches!(f.exprs[def].op, Op::Broadcast { .. })
+        && inner_kept
+        && f.exprs[def].inputs[0].tensor().is_some_and(|x| f.is_input(x))
 }
