@@ -19,7 +19,7 @@
 //   loadVolatile, storeVolatile        bitwise volatile accesses for any T of 1/2/4/8 bytes
 //   Sum, Max, Min                      reduction functors (with identity<T>())
 //   threadIndex/threadCount/blockIndex/blockCount<X,Y,Z>   linearisation helpers
-//   warpReduce, blockReduce, blockAllReduce                block reductions
+//   warpReduce, warpAllReduce, blockReduce, blockAllReduce  block reductions
 //   gridReduce, gridReduceSerial                           grid reductions (semaphores)
 //
 // Conventions shared by the reductions:
@@ -663,6 +663,37 @@ KILN_DEVICE T shflDown(T v, unsigned offset, int width = 32) {
   }
 }
 
+template <typename T>
+KILN_DEVICE T shflXor(T v, unsigned mask) {
+  static_assert(sizeof(T) <= 8, "kiln::shflXor: T must be at most 8 bytes");
+  if constexpr (sizeof(T) == 8) {
+    unsigned long long u = bitCast<unsigned long long>(v);
+    u = __shfl_xor_sync(0xffffffffu, u, mask);
+    return bitCast<T>(u);
+  } else if constexpr (sizeof(T) == 4) {
+    unsigned int u = bitCast<unsigned int>(v);
+    u = __shfl_xor_sync(0xffffffffu, u, mask);
+    return bitCast<T>(u);
+  } else {
+    unsigned int u = 0;
+    memcpy(&u, &v, sizeof(T));
+    u = __shfl_xor_sync(0xffffffffu, u, mask);
+    T r;
+    memcpy(&r, &u, sizeof(T));
+    return r;
+  }
+}
+
+// Reduce over the whole warp with the result in every lane (butterfly). All 32 lanes
+// must call it.
+template <typename T, typename Op>
+KILN_DEVICE T warpAllReduce(T val, Op op) {
+  for (unsigned mask = 16; mask > 0; mask /= 2) {
+    val = op(val, shflXor(val, mask));
+  }
+  return val;
+}
+
 // Reduce over aligned groups of WIDTH lanes (WIDTH a power of two <= 32); the result is
 // valid in the first lane of each group. All 32 lanes of the warp must call it.
 template <typename T, typename Op>
@@ -753,6 +784,25 @@ __device__ T blockAllReduce(T val, Op op, T init, T* smem) {
   if constexpr (!X_REDUCE && !Y_REDUCE && !Z_REDUCE) {
     return val;
   } else {
+    const unsigned R = threadCount<X_REDUCE, Y_REDUCE, Z_REDUCE>();
+    bool contiguous = true;
+    if (!X_REDUCE && (Y_REDUCE || Z_REDUCE)) contiguous = contiguous && blockDim.x == 1;
+    if (!Y_REDUCE && Z_REDUCE) contiguous = contiguous && blockDim.y == 1;
+    if (contiguous && R % 32 == 0) {
+      // Segments are whole warps: every warp reduces the per-warp partials itself, so the
+      // result reaches all threads after one barrier (plus the closing one) instead of four.
+      const unsigned r = threadIndex<X_REDUCE, Y_REDUCE, Z_REDUCE>();
+      const unsigned s = threadIndex<!X_REDUCE, !Y_REDUCE, !Z_REDUCE>();
+      const unsigned W = R / 32;  // warps per segment, <= 32
+      val = warpAllReduce(val, op);
+      if (W == 1) return val;
+      if ((r & 31) == 0) smem[s * W + r / 32] = val;
+      __syncthreads();
+      T x = ((r & 31) < W) ? smem[s * W + (r & 31)] : init;
+      x = warpAllReduce(x, op);
+      __syncthreads();
+      return x;
+    }
     T result = blockReduce<X_REDUCE, Y_REDUCE, Z_REDUCE>(val, op, init, smem);
     const unsigned s = threadIndex<!X_REDUCE, !Y_REDUCE, !Z_REDUCE>();
     if (threadIndex<X_REDUCE, Y_REDUCE, Z_REDUCE>() == 0) smem[s] = result;
