@@ -602,6 +602,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help=f"{RUNS_QUICK} timed runs and M={M_QUICK}")
     ap.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
+    ap.add_argument("--only", default="", help="comma-separated workload names to run (default: all)")
     return ap.parse_args(argv)
 
 
@@ -624,7 +625,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         torch.cuda.empty_cache()  # give the copy's 2 GiB back before the workloads allocate
         print(f"device-to-device copy: {fmt(copy_gbps, '.0f')} GB/s ({env['gpu']})", flush=True)
         results = []
+        only = {x for x in args.only.split(",") if x}
         for w in make_workloads(m, n_t, cp):
+            if only and w.name not in only:
+                continue
             print(f"running {w.name} ...", flush=True)
             results.append(run_workload(w, runs, copy_gbps, env["l2_cache_bytes"]))
             progress(results[-1])
