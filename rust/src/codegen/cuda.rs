@@ -224,15 +224,7 @@ pub fn generate(k: &Kernel, index32: bool) -> Result<CudaKernel> {
         })
         .collect();
     let _ = writeln!(g.out, "typedef {} kiln_index_t;", if index32 { "int" } else { "int64_t" });
-    // A scheduler's occupancy wish, when the block size is a compile-time constant.
-    let block: Option<i64> = k.launch.block.iter().try_fold(1i64, |acc, &b| f.scalars.as_int(b).map(|x| acc * x));
-    let bounds = match block {
-        Some(b) if f.min_blocks_per_sm > 0 && (1..=1024).contains(&b) => {
-            format!("__launch_bounds__({b}, {}) ", f.min_blocks_per_sm)
-        }
-        _ => String::new(),
-    };
-    let _ = writeln!(g.out, "extern \"C\" __global__ void {bounds}{KERNEL_NAME}({}) {{", sig.join(", "));
+    let _ = writeln!(g.out, "extern \"C\" __global__ void {KERNEL_NAME}({}) {{", sig.join(", "));
     g.out.push_str("  extern __shared__ __align__(16) char kiln_smem[];\n");
     for n in &k.body {
         g.node(n, 1)?;

@@ -234,9 +234,6 @@ pub struct Fusion {
     pub manually_scheduled: bool,
     /// Tensors after whose definition a new segment (kernel) starts (`fd.segment_after`).
     pub segment_after: Vec<TvId>,
-    /// Blocks per SM a scheduler wants resident (0: no wish); codegen turns it into
-    /// `__launch_bounds__` so registers are capped accordingly.
-    pub min_blocks_per_sm: u32,
 }
 
 impl Fusion {

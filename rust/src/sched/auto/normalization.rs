@@ -119,13 +119,6 @@ pub fn schedule(f: &mut Fusion, extents: &[i64], reductions: &[ExprId]) -> Resul
         };
         f.inline_at(t, pos)?;
     }
-    // A row share of at most 8 values per thread fits in 32 registers: ask for a full
-    // SM (2048 threads), since the block reductions leave each block idle a while and
-    // other resident blocks fill that time with loads. (16 values spill at 32 registers.)
-    let threads = (row / v + p - 1) / p;
-    if p * v <= 8 && threads >= 64 {
-        f.min_blocks_per_sm = (2048 / ((threads + 31) / 32 * 32)).clamp(1, 32) as u32;
-    }
     Ok(Heuristic { kind: "normalization", params: vec![v, p] })
 }
 
