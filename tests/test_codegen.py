@@ -119,3 +119,72 @@ def test_unswitch_hoists_bounds_out_of_the_tile():
     assert "< (i0 * i1)" not in tile
     # ...while the fallback path keeps them.
     assert "< (i0 * i1)" in slow
+
+
+# -- what the automatic schedules' kernels must look like to run at memory speed -------------
+def _auto_source(fd, arrays):
+    from kiln.execute import _auto_lowered
+
+    (k,) = _auto_lowered(fd, arrays).kernels
+    return k.cuda_source
+
+
+def _unscheduled(build):
+    from kiln import FusionDefinition
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(build(fd, x))
+    return fd
+
+
+def test_column_sum_checks_its_column_bound_once_outside_the_row_loop():
+    fd = _unscheduled(lambda fd, x: fd.ops.sum(x, dims=[0]))
+    src = _auto_source(fd, [np.zeros((4096, 1000), np.float32)])
+    around = r"if \(([^\n]*)\) \{  // bounds no inner loop changes\n(\s*#pragma unroll\n)?\s*for \("
+    hoisted = re.search(around, src)
+    assert hoisted and "< i1" in hoisted.group(1), src
+    # Inside the loops the accumulation runs unpredicated, so unrolled loads issue together.
+    assert re.search(r"if \(true\) \{ kiln_acc\d+ = kiln::Sum\(\)", src), src
+
+
+def test_reduced_extents_are_compiled_in_and_bounds_fold_away():
+    from kiln import FusionDefinition
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        m = fd.ops.max(x, dims=[1], keepdim=True)
+        e = fd.ops.exp(fd.ops.sub(x, m))
+        fd.add_output(fd.ops.div(e, fd.ops.sum(e, dims=[1], keepdim=True)))
+    src = _auto_source(fd, [np.zeros((300, 4096), np.float32)])
+    sig = re.search(r"kiln_kernel\((.*?)\)", src).group(1)
+    assert "kiln_index_t i0" in sig and "i1" not in sig, sig  # rows symbolic, row length constant
+    assert "4096" in src
+    assert not re.search(r"if \([^)]*<", src.split("kiln_kernel(")[1].split("blockAllReduce")[0]), \
+        "no bounds check before the first reduction of a 4096-wide row"
+    # Another row length is another kernel; another row count is the same one.
+    from kiln.execute import _auto_lowered
+
+    a = _auto_lowered(fd, [np.zeros((300, 4096), np.float32)])
+    assert _auto_lowered(fd, [np.zeros((7, 4096), np.float32)]) is a
+    assert _auto_lowered(fd, [np.zeros((300, 2048), np.float32)]) is not a
+
+
+def test_vector_copies_of_local_arrays_need_no_address_check():
+    fd = _unscheduled(lambda fd, x: fd.ops.mul(fd.ops.relu(x), 2.0))
+    src = _auto_source(fd, [np.zeros((64, 4096), np.float32)])
+    assert "loadVec<float, 4>" in src and "storeVec<float, 4>" in src
+    checks = re.findall(r"reinterpret_cast<unsigned long long>\(&(T\d+)\[", src)
+    params = set(re.findall(r"(T\d+),", re.search(r"kiln_kernel\((.*?)\)", src).group(1) + ","))
+    assert checks and set(checks) <= params, (checks, params)  # only Global (parameter) pointers
+    assert "__align__(16) float" in src
+
+
+def test_padded_transpose_tile_keeps_16_byte_global_accesses():
+    fd = _unscheduled(lambda fd, x: fd.ops.permute(x, [1, 0]))
+    src = _auto_source(fd, [np.zeros((256, 512), np.float32)])
+    # Reads of x: one 16-byte load into registers; writes of the output: one 16-byte store fed
+    # element by element from the padded Shared tile (rows of 65 floats are not 16-byte aligned).
+    assert re.search(r"kiln::loadVec<float, 4>\(kiln_vec, &T0\[kiln_ib\]\)", src), src
+    gather = r"kiln_vec\[kiln_j\] = T\d+\[kiln_ib \+ kiln_j\];\n\s*kiln::storeVec<float, 4>\(&T1\["
+    assert re.search(gather, src), src
