@@ -294,6 +294,24 @@ def test_segmenter_falls_back_to_more_kernels():
     np.testing.assert_allclose(out, a.astype(np.float64).sum(axis=0), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.gpu
+def test_segmenter_fallback_matches_numpy_on_gpu():
+    cp = cupy_or_skip()
+    a = np.random.default_rng(6).standard_normal((37, 300)).astype(np.float32)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.mul(fd.ops.sum(x, dims=[1], keepdim=True), 2.0))
+    (out,) = fd.execute([cp.asarray(a)])
+    assert len(_auto_lowered(fd, [a]).kernels) == 2
+    np.testing.assert_allclose(cp.asnumpy(out), 2 * a.astype(np.float64).sum(axis=1, keepdims=True),
+                               rtol=1e-5, atol=1e-4)
+    with FusionDefinition() as fd2:
+        x = fd2.define_tensor([-1, -1])
+        fd2.add_output(fd2.ops.sum(fd2.ops.permute(x, [1, 0]), dims=[1]))
+    (out,) = fd2.execute([cp.asarray(a)])
+    np.testing.assert_allclose(cp.asnumpy(out), a.astype(np.float64).sum(axis=0), rtol=1e-5, atol=1e-4)
+
+
 def test_uncovered_fusion_error_says_what_was_tried():
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, -1])
