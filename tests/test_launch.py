@@ -97,6 +97,73 @@ def test_half_and_bfloat16_scalars_are_two_bytes():
     assert int(np_scalar(float("nan"), "BFloat16")) & 0x7FFF > 0x7F80
 
 
+# Per-call scalar slots: (kiln dtype, values a call may pass), bytes checked against np_scalar.
+_PER_CALL = {
+    "Float": [0.1, -3.5e38, 1e39, 2**53 + 2**29 + 1, True, -7, float("nan")],
+    "Double": [0.1, -0.0, 1e308, 2**64 + 1, False, -(2**70), float("inf")],
+    "Half": [1 + 2**-11 + 2**-40, 65519.99, 65520.0, 2049.0, 1e-8, 3e-8, -6.1e-5, 2**-25, float("-inf"), 7,
+             True],
+    "BFloat16": [1.00390625, 1.01171875, 1e39, -2.0, 3.140625, float("nan"), -(2**20) - 1, False],
+    "Int": [-1, 2**63 - 1, -(2**63), True, 0, 2.9, -2.9],
+    "Int32": [-1, 2**31 - 1, -(2**31), False, 12345, -7.5],
+    "Bool": [True, False, 0, -3, 0.0, 0.5, float("nan"), 2**80],
+}
+
+
+def test_per_call_scalars_are_packed_at_their_offsets_like_np_scalar():
+    names = sorted(_PER_CALL)
+    # Pointers and constants between the per-call scalars: every alignment and padding.
+    params = [None, "Half"] + [n for n in names] + [np.int32(7).tobytes(), None, "Bool", "Double"]
+    pl = _core.PreparedLaunch(0xDEAD0, (1, 1, 1), (32, 1, 1), 0, params)
+    assert pl.pointer_count == 2 and pl.scalar_count == len(names) + 3
+    rows = max(len(v) for v in _PER_CALL.values())
+    for r in range(rows):
+        vals = {n: _PER_CALL[n][r % len(_PER_CALL[n])] for n in names}
+        half, flag, dbl = -(r + 0.25), r % 2 == 0, r * -1e-3
+        ptrs = (0x7000_0000 + r * 256, 0xFFFF_0000_0000_0000 + r)
+        args = [ptrs[0], half] + [vals[n] for n in names] + [ptrs[1], flag, dbl]
+        with np.errstate(over="ignore", invalid="ignore"):
+            ref = [("p", ptrs[0]), np_scalar(half, "Half")] + [np_scalar(vals[n], n) for n in names]
+            ref += [np.int32(7), ("p", ptrs[1]), np_scalar(flag, "Bool"), np_scalar(dbl, "Double")]
+        dt, want = _packed_reference(ref)
+        assert pl.layout == [(dt.fields[f"f{i}"][1], dt.fields[f"f{i}"][0].itemsize) for i in range(len(ref))]
+        got = pl.packed(*args)
+        assert got[: dt.itemsize] == want, (r, vals)
+
+
+def test_per_call_half_rounds_straight_from_the_double_like_numpy():
+    pl = _core.PreparedLaunch(0x1000, (1, 1, 1), (32, 1, 1), 0, ["Half"])
+    rng = np.random.default_rng(3)
+    vals = rng.standard_normal(3000) * np.exp2(rng.integers(-30, 20, 3000))
+    # Halfway cases in every binade, nudged by a double ulp either way.
+    ties = [(1024 + k + 0.5) * 2.0**e for k in range(4) for e in range(-24, 6)]
+    vals = list(vals) + ties + [np.nextafter(t, 0) for t in ties] + [np.nextafter(t, np.inf) for t in ties]
+    with np.errstate(over="ignore"):
+        for v in vals:
+            assert pl.packed(float(v))[:2] == np.float16(v).tobytes(), v
+
+
+def test_per_call_scalar_errors_are_kiln_errors():
+    pl = _core.PreparedLaunch(0x1000, (1, 1, 1), (32, 1, 1), 0, [None, "Int32", "Int", "Float"])
+    assert pl.packed(1, 2, 3, 4.0)
+    with pytest.raises(KilnTypeError, match="takes 1 device pointers and 3 scalars, got 2 arguments"):
+        pl.packed(1, 2)
+    with pytest.raises(KilnError, match=r"argument 1 \(Int32 parameter\): the value does not fit in int32"):
+        pl.packed(1, 2**31, 3, 4.0)
+    with pytest.raises(KilnError, match="does not fit in int64"):
+        pl.launch(0, 1, 2, 2**63, 4.0)
+    with pytest.raises(KilnError, match="NaN"):
+        pl.packed(1, float("nan"), 3, 4.0)
+    with pytest.raises(KilnError, match="int too large to convert to float"):
+        pl.packed(1, 2, 3, 10**400)
+    with pytest.raises(KilnTypeError, match="argument 3: expected a Python int, float or bool, got str"):
+        pl.packed(1, 2, 3, "4")
+    with pytest.raises(KilnTypeError, match='unknown dtype "Float8"'):
+        _core.PreparedLaunch(0x1000, (1, 1, 1), (32, 1, 1), 0, ["Float8"])
+    with pytest.raises(KilnTypeError, match="must be None, bytes or a dtype name, got float"):
+        _core.PreparedLaunch(0x1000, (1, 1, 1), (32, 1, 1), 0, [1.5])
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -406,8 +473,8 @@ class Recorder:
         self.pl, self.memsets, self.calls = pl, memsets, []
         self.stream_getter_used = False
 
-    def launch(self, stream, *ptrs):
-        self.calls.append(("launch", stream, ptrs, self.pl.packed(*ptrs)))
+    def launch(self, stream, *args):
+        self.calls.append(("launch", stream, args, self.pl.packed(*args)))
 
     def zero(self, stream, *ptrs):
         self.calls.append(("zero", stream, ptrs, [(ptrs[k], n) for k, n in self.memsets]))
@@ -429,7 +496,7 @@ def fake_gpu(monkeypatch):
     made = []
 
     def prepare(fn, grid, block, smem, pointers, scalars, memsets=(), device=-1):
-        params = [None] * pointers + [np.asarray(v).tobytes() for v in scalars]
+        params = [None] * pointers + [v if isinstance(v, str) else np.asarray(v).tobytes() for v in scalars]
         rec = Recorder(_core.PreparedLaunch(fn.ptr, grid, block, smem, params, list(memsets), device),
                        list(memsets))
         made.append(rec)
@@ -552,6 +619,74 @@ def test_grid_reduction_memsets_go_through_the_launcher(fake_gpu, serial):
     assert rec.calls[-1][0] == "launch" and rec.calls[-2][0] == "launch" and ev.memsets == 2
 
 
+def test_scalar_values_are_per_call_arguments_of_one_recipe(fake_gpu, monkeypatch):
+    fd = _scalar_fusion()
+    x = FakeArray(1000)
+    ab = [(0.5, -2.0), (3.0, 1e-3), (-1e-7, 12345.678)]
+    fd.execute([x, *ab[0]])
+    ev = fd._lowered().evaluator()
+
+    def no_full_path(*_a, **_k):
+        raise AssertionError("a new scalar value must not take the full path")
+
+    monkeypatch.setattr(execute_mod, "execute", no_full_path)
+    monkeypatch.setattr(ev, "_prepare", no_full_path)
+    outs = [fd.execute([x, a, b])[0] for a, b in ab[1:]]
+    assert len(ev._recipes) == 1 and len(fake_gpu.made) == 1 and ev.launches == 3
+    (rec,) = fake_gpu.made
+    for (a, b), (kind, _s, args, packed) in zip(ab, rec.calls):
+        assert kind == "launch" and args[2:] == (a, b)
+        ptrs, n = args[:2], np.int32(1000)  # kernel parameters: T0, T2, s0, s1, i0
+        _, want = _packed_reference([("p", ptrs[0]), ("p", ptrs[1]), np.float32(a), np.float64(b), n])
+        assert packed[: len(want)] == want
+    assert rec.calls[-1][2][1] == outs[-1].data.ptr
+
+
+def test_scalar_of_a_new_type_is_validated_before_launching(fake_gpu):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1])
+        s = fd.define_scalar(dtype=DataType.Int32)
+        y = fd.ops.mul(x, s)
+        fd.add_output(y)
+    y.split(0, 128)
+    y.axis(0).parallelize(ParallelType.BIDx)
+    y.axis(1).parallelize(ParallelType.TIDx)
+    x = FakeArray(256)
+    fd.execute([x, 3])
+    fd.execute([x, -4])
+    with pytest.raises(KilnTypeError, match=r"input 1 \(s0\): got float 2.5 for a Int32 scalar"):
+        fd.execute([x, 2.5])
+    with pytest.raises(KilnTypeError, match=r"input 1 \(s0\): expected a Python scalar, got str"):
+        fd.execute([x, "3"])
+    with pytest.raises(KilnError, match=r"argument 2 \(Int32 parameter\): the value does not fit in int32"):
+        fd.execute([x, 2**31])  # same type as before: the launcher refuses it
+    fd.execute([x, True])  # a new type (bool), validated and prepared: 1
+    ev = fd._lowered().evaluator()
+    assert len(ev._recipes) == 2 and ev.launches == 3
+    assert [c[2][2:] for c in fake_gpu.made[0].calls] == [(3,), (-4,)]
+    assert fake_gpu.made[1].calls[0][3][16:20] == np.int32(1).tobytes()
+
+
+def test_plan_reading_an_int_scalar_keys_on_its_value(fake_gpu):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1])
+        n = fd.define_scalar(dtype=DataType.Int)
+        f = fd.ops.full([n], 2.0, DataType.Float)
+        y = fd.ops.add(f, 1.0)
+        fd.add_output(y)
+        fd.add_output(fd.ops.neg(x))
+    for t in (f, y):
+        t.split(0, 128)
+        t.axis(0).parallelize(ParallelType.BIDx)
+        t.axis(1).parallelize(ParallelType.TIDx)
+    f.inline_at(-1)
+    xa = FakeArray(5)
+    shapes = [fd.execute([xa, v], device="cuda")[0].shape for v in (300, 1000, 300)]
+    assert shapes == [(300,), (1000,), (300,)]
+    ev = fd._lowered().evaluator()
+    assert ev._by_value and len(ev._recipes) == 2 and ev.launcher_for([xa, 300]) is None
+
+
 # -- on the GPU -----------------------------------------------------------------------------
 def _scalar_fusion():
     """``y = x * a + b`` with runtime scalars a (Float) and b (Double)."""
@@ -588,6 +723,25 @@ def test_rust_launcher_runs_generated_kernels_like_numpy(monkeypatch):
     for a, b in ((0.5, -2.0), (3.0, 1e-3)):
         (out,) = sfd.execute([x, a, b])
         np.testing.assert_allclose(cp.asnumpy(out), xs.astype(np.float64) * a + b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["rust", "cupy"])
+def test_changing_scalars_reuse_one_recipe_on_the_gpu(monkeypatch, kind):
+    cp = cupy_or_skip()
+    monkeypatch.setenv("KILN_LAUNCHER", kind)
+    if kind == "rust" and host.launcher_kind() != "rust":
+        pytest.skip("libcuda does not load")
+    xs = np.random.default_rng(9).standard_normal(3001).astype(np.float32)
+    x = cp.asarray(xs)
+    fd = _scalar_fusion()
+    for a, b in ((0.5, -2.0), (3.0, 1e-3), (-1.25, 7.0), (1e-4, -1e6), (2.0, 0.0)):
+        (out,) = fd.execute([x, a, b])
+        ref = xs.astype(np.float64) * np.float64(np.float32(a)) + b
+        np.testing.assert_allclose(cp.asnumpy(out), ref, rtol=1e-5, atol=1e-5 * max(1.0, abs(b)))
+    ev = fd._lowered().evaluator()
+    assert len(ev._recipes) == 1 and [r.launcher for r in ev._recipes.values()] == [kind]
+    assert ev.launches == 5
 
 
 @pytest.mark.gpu

@@ -2,8 +2,11 @@
 
 The Rust core turns input sizes/strides into a concrete plan once per input signature
 (``HostProgram.plan``); this module turns that plan into a *recipe* (pointer sources,
-pre-converted scalar arguments, loaded kernels) and then, per call, only allocates the
-outputs, fills in pointers and launches on CuPy's current stream.
+pre-converted size and stride arguments, loaded kernels) and then, per call, only allocates
+the outputs, fills in pointers and the scalar inputs' values and launches on CuPy's current
+stream. A signature holds the scalar inputs' Python types, not their values: a scalar
+that changes every call (a learning rate, a step counter) reuses one recipe. Only a fusion
+whose plan reads an int or bool scalar's value (a ``full`` shape) keys on those values.
 
 Buffers, following seed 004:
 * fusion outputs: fresh arrays of the inputs' kind (CuPy or torch), handed back;
@@ -65,7 +68,7 @@ class PlannedLaunch(NamedTuple):
     kernel: int
     args: Tuple[int, ...]  # buffer ids in parameter order
     memsets: Tuple[int, ...]  # buffers zeroed right before the launch
-    scalars: Tuple[Tuple[Any, str], ...]
+    scalars: Tuple[Tuple[Any, str], ...]  # (value, dtype) of every non-pointer parameter
     grid: Tuple[int, int, int]
     block: Tuple[int, int, int]
     smem: int
@@ -156,10 +159,11 @@ class _Recipe:
 
 
 _SEQUENCES = (list, tuple)
+_SCALARS = (bool, int, float)
 
 
 def signature_key(inputs: Sequence[Any]) -> Tuple:
-    """The cache key of an input signature (shapes, strides, dtypes, devices, scalar values);
+    """The cache key of an input signature (shapes, strides, dtypes, devices, scalar types);
     raises TypeError or AttributeError for inputs that have none (NumPy arrays, non-lists)."""
     if type(inputs) not in _SEQUENCES:
         raise TypeError("inputs must be a list or a tuple")
@@ -177,8 +181,12 @@ def signature_key(inputs: Sequence[Any]) -> Tuple:
             key.append((x.shape, x.strides, x.dtype, x.data.device_id))
         elif t.__module__.startswith("torch"):
             key.append((t, x.shape, x.stride(), x.dtype, x.get_device()))
+        elif isinstance(x, _SCALARS):
+            # A scalar's value is a per-call argument; its type stays in the key, so a value
+            # of a new type (a float for an Int scalar) takes the validating full path.
+            key.append(t)
         else:
-            key.append((t, x))  # scalars are baked into the recipe: their value is part of the key
+            key.append((t, x))  # hashes only what validation will refuse (or fails to hash)
     return tuple(key)
 
 
@@ -223,11 +231,13 @@ def prepare_launch(function: Any, grid: Sequence[int], block: Sequence[int], sme
                    scalars: Sequence[Any], memsets: Sequence[Tuple[int, int]] = (),
                    device: int = -1) -> Any:
     """A ``kiln._core.PreparedLaunch`` of CuPy ``function`` taking ``pointers`` device
-    pointers then ``scalars`` (NumPy scalars of the kernel's parameter types), reading CuPy's
-    current stream itself where CuPy exports it; the layout is checked against the kernel's."""
+    pointers then ``scalars``: NumPy scalars of the kernel's parameter types (constants) or
+    kiln dtype names (per-call scalars, passed after the pointers); it reads CuPy's current
+    stream itself where CuPy exports it; the layout is checked against the kernel's."""
     from . import _core  # noqa: PLC0415
 
-    params: List[Optional[bytes]] = [None] * pointers + [np.asarray(v).tobytes() for v in scalars]
+    params: List[Optional[Any]] = [None] * pointers
+    params += [v if isinstance(v, str) else np.asarray(v).tobytes() for v in scalars]
     args = (int(function.ptr), tuple(int(g) for g in grid), tuple(int(b) for b in block), int(smem), params,
             [(int(k), int(n)) for k, n in memsets], int(device))
     getter = _cupy_stream_getter()
@@ -253,6 +263,9 @@ class HostEvaluator:
         self._functions: List[Dict[bool, Any]] = [{} for _ in lowered.kernels]
         self._arena: Any = None
         self._arena_bytes = 0
+        # True once a plan turned out to read an int/bool scalar input's value (a size):
+        # then recipes are keyed on those values too (see ``_key``).
+        self._by_value = False
         self.pool = ZeroedPool()
         self.memsets = 0  # per-launch zeroings of zero_init-only buffers
         self.launches = 0
@@ -269,7 +282,7 @@ class HostEvaluator:
             if validate is not None:
                 validate()
             r = self._prepare(inputs)
-            self._recipes[key] = r
+            self._recipes[self._key(inputs)] = r  # _prepare may have switched to value keys
         return r.fast(inputs, self)
 
     def run_cached(self, inputs: Sequence[Any]) -> Optional[List[Any]]:
@@ -282,12 +295,21 @@ class HostEvaluator:
             return None
         return r.fast(inputs, self)
 
-    _key = staticmethod(signature_key)
+    def _key(self, inputs: Sequence[Any]) -> Tuple:
+        """The recipe key of ``inputs``: their signature, plus the int/bool scalar values
+        when this fusion's plan reads them (``_by_value``)."""
+        key = signature_key(inputs)
+        if self._by_value:
+            key = (key, tuple(x for x in inputs if isinstance(x, (bool, int))))
+        return key
 
     def launcher_for(self, inputs: Sequence[Any]) -> Optional[Launcher]:
         """The specialised launcher of a prepared signature like ``inputs``, called as
-        ``launcher(inputs, evaluator)``; None if that signature was not prepared."""
-        r = self._recipes.get(signature_key(inputs))
+        ``launcher(inputs, evaluator)``; None if that signature was not prepared, or when
+        recipes are keyed on scalar values (a plain signature cannot pick one)."""
+        if self._by_value:
+            return None
+        r = self._recipes.get(self._key(inputs))
         return None if r is None else r.fast
 
     def _memset_ptrs(self, ptrs: Sequence[Any], memsets: Sequence[Tuple[int, int]]) -> None:
@@ -313,8 +335,9 @@ class HostEvaluator:
 
         from .runtime.kernel_executor import np_dtype, np_scalar  # noqa: PLC0415
 
-        arrays = [x for x in inputs if not isinstance(x, (bool, int, float))]
-        scalars = [x for x in inputs if isinstance(x, (bool, int, float))]
+        arrays = [x for x in inputs if not isinstance(x, _SCALARS)]
+        scalars = [x for x in inputs if isinstance(x, _SCALARS)]
+        scalar_pos = [i for i, x in enumerate(inputs) if isinstance(x, _SCALARS)]
         torch_mode = any(type(x).__module__.startswith("torch") for x in arrays)
         dev = cp.cuda.Device().id
         for i, x in enumerate(arrays):
@@ -329,7 +352,17 @@ class HostEvaluator:
                 got = x.data.device_id
             if got != dev:
                 raise KilnError(f"{what}: is on device {got} but the current device is {dev}")
-        plan = plan_program(self.lowered.program, arrays, scalars, "torch" if torch_mode else "cupy")
+        kind = "torch" if torch_mode else "cupy"
+        plan = plan_program(self.lowered.program, arrays, scalars, kind)
+        if not self._by_value and any(not isinstance(v, float) for v in scalars):
+            # Does the plan read an int/bool scalar's value (a size, a grid)? Planning with
+            # every scalar a float tells: the plan binds only int and bool scalars, and any
+            # expression that reads an unbound one fails.
+            try:
+                plan_program(self.lowered.program, arrays, [0.0] * len(scalars), kind)
+            except KilnError:
+                self._by_value = True
+                self._recipes.clear()  # keyed without values: none can be trusted now
         r = _Recipe()
         r.plan = plan
         r.nbufs = len(plan.buffers)
@@ -369,12 +402,35 @@ class HostEvaluator:
             if min(la.grid) == 0 or min(la.block) == 0:
                 continue  # empty tensors: nothing to compute
             fn = self._function(la.kernel, la.smem, la.index32)
-            scal = tuple(np_scalar(v, d) for v, d in la.scalars)
+            scal = self._scalar_args(la, inputs, scalar_pos, np_scalar)
             memsets = tuple((bid, max(plan.buffers[bid].nbytes, 1)) for bid in la.memsets)
             r.launches.append((fn, la.grid, la.block, la.smem, la.args, scal, memsets))
         r.launcher = launcher_kind()
         r.fast = _specialize(r, torch_mode, dev, r.launcher)
         return r
+
+    def _scalar_args(self, la: PlannedLaunch, inputs: Sequence[Any], scalar_pos: Sequence[int],
+                     np_scalar: Callable[[Any, str], Any]) -> Tuple[Tuple[Any, str, int], ...]:
+        """The non-pointer arguments of ``la`` as (value, dtype, input position): sizes and
+        strides are constants (NumPy scalars, position -1); a scalar input is passed per
+        call (value None, its position in ``inputs``), after checking its kind."""
+        params = [p for p in self.lowered.kernels[la.kernel].params if p[1] in ("scalar", "extent", "stride")]
+        out = []
+        for p, (v, d) in zip(params, la.scalars):
+            if p[1] != "scalar":
+                out.append((np_scalar(v, d), d, -1))
+                continue
+            pos = scalar_pos[p[2]]
+            x = inputs[pos]
+            if isinstance(x, float) and d in ("Int", "Int32", "Bool"):
+                # NumPy would truncate it; the CPU interpreter refuses it: so do we.
+                raise KilnTypeError(f"input {pos} (s{p[2]}): got float {x} for a {d} scalar")
+            try:  # a value out of the parameter's range: refused now, naming the input
+                np_scalar(x, d)
+            except (OverflowError, ValueError) as e:
+                raise KilnError(f"input {pos} (s{p[2]}): {x} does not fit a {d} scalar: {e}") from e
+            out.append((None, d, pos))
+        return tuple(out)
 
     def _function(self, k: int, smem: int, index32: bool = False) -> Any:
         from .runtime import executor  # noqa: PLC0415
@@ -402,13 +458,16 @@ class HostEvaluator:
 def _specialize(r: _Recipe, torch_mode: bool, device: int = -1,
                 launcher: str = "cupy") -> Launcher:
     """A launcher specialised to one recipe: straight-line Python with every constant
-    (shapes, offsets, scalars, grid/block) bound, so a call does no lookups or loops.
-    ``launcher="rust"``: each launch is one call of a ``PreparedLaunch`` with the device
-    pointers; ``"cupy"``: CuPy's ``Function.__call__`` with arrays and NumPy scalars."""
+    (shapes, offsets, size/stride arguments, grid/block) bound, so a call does no lookups or
+    loops. ``launcher="rust"``: each launch is one call of a ``PreparedLaunch`` with the
+    device pointers and the scalar inputs (``inputs[i]``, converted in Rust); ``"cupy"``:
+    CuPy's ``Function.__call__`` with arrays and NumPy scalars (``np_scalar`` per call)."""
     import cupy as cp  # noqa: PLC0415
 
+    from .runtime.kernel_executor import np_scalar  # noqa: PLC0415
+
     rust = launcher == "rust"
-    ns: Dict[str, Any] = {"_nd": cp.ndarray, "_gs": cp.cuda.get_current_stream}
+    ns: Dict[str, Any] = {"_nd": cp.ndarray, "_gs": cp.cuda.get_current_stream, "_nps": np_scalar}
     lines = ["def _run(inputs, ev):"]
     # Per buffer: its device pointer (rust) or what CuPy takes as the argument (cupy).
     arg: Dict[int, str] = {}
@@ -450,7 +509,11 @@ def _specialize(r: _Recipe, torch_mode: bool, device: int = -1,
                 pl = ", ".join(arg[b] for b, _ in memsets)
                 lines.append(f"    if ev.zero_per_launch: ev._memset_ptrs(({pl},), _ms{k})")
             names = [arg[a] for a in argids]
-            for j, v in enumerate(scal):
+            for j, (v, d, pos) in enumerate(scal):
+                if pos >= 0:  # a scalar input: this call's value, converted now
+                    ns[f"_d{k}_{j}"] = d
+                    names.append(f"_nps(inputs[{pos}], _d{k}_{j})")
+                    continue
                 ns[f"_s{k}_{j}"] = v
                 names.append(f"_s{k}_{j}")
             lines.append(f"    _f{k}(_g{k}, _b{k}, ({', '.join(names)},), shared_mem={int(smem)})")
@@ -464,7 +527,8 @@ def _specialize(r: _Recipe, torch_mode: bool, device: int = -1,
 def _rust_launches(r: _Recipe, ns: Dict[str, Any], lines: List[str], arg: Dict[int, str],
                    device: int) -> None:
     """Append the launches of ``r`` through ``PreparedLaunch``es to the generated ``lines``:
-    each device pointer computed once, then one Rust call per memset group and launch."""
+    each device pointer computed once, then one Rust call per memset group and launch, the
+    scalar inputs passed after the pointers as this call's Python values."""
     used = []
     for _fn, _g, _b, _sm, argids, _sc, memsets in r.launches:
         used += [b for b in argids if b not in used]
@@ -477,7 +541,8 @@ def _rust_launches(r: _Recipe, ns: Dict[str, Any], lines: List[str], arg: Dict[i
         # today) keeps the CuPy memset.
         mine = [(argids.index(b), n) for b, n in memsets if b in argids]
         other = tuple((b, n) for b, n in memsets if b not in argids)
-        pl = prepare_launch(fn, grid, block, smem, len(argids), scal, mine, device)
+        pl = prepare_launch(fn, grid, block, smem, len(argids), [d if pos >= 0 else v for v, d, pos in scal],
+                            mine, device)
         ns[f"_f{k}"] = fn  # keeps the CuPy Function, so its module, alive with the launcher
         ns[f"_P{k}"] = pl
         current = pl.stream_getter_used
@@ -485,6 +550,8 @@ def _rust_launches(r: _Recipe, ns: Dict[str, Any], lines: List[str], arg: Dict[i
             stream_read = True
             lines.append("    s = _gs().ptr")
         ptrs = ", ".join(f"a{b}" for b in argids)
+        per_call = [f"inputs[{pos}]" for _v, _d, pos in scal if pos >= 0]
+        call_args = ", ".join([f"a{b}" for b in argids] + per_call)
         if other:
             ns[f"_ms{k}"] = other
             pl_other = ", ".join(f"a{b}" for b, _ in other)
@@ -496,7 +563,7 @@ def _rust_launches(r: _Recipe, ns: Dict[str, Any], lines: List[str], arg: Dict[i
             lines.append(f"        ev.memsets += {len(mine)}")
         # The bound method, so a call is one C-level call with no attribute lookup.
         ns[f"_L{k}"] = pl.launch_current if current else pl.launch
-        lines.append(f"    _L{k}({ptrs})" if current else f"    _L{k}(s, {ptrs})")
+        lines.append(f"    _L{k}({call_args})" if current else f"    _L{k}(s, {call_args})")
 
 
 def run_on_cpu(lowered: Any, inputs: Sequence[Any],

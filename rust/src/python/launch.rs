@@ -3,9 +3,10 @@
 //! (`Function.__call__` wraps every array and NumPy scalar in a Python object per call).
 //!
 //! Everything constant for one launch of one recipe (function handle, grid, block, dynamic
-//! shared memory, the scalar arguments' bytes, where the per-call pointers go) is packed
-//! once into a [`PreparedLaunch`]; a call copies the packed parameter buffer, writes the
-//! device pointers into their slots and launches. libcuda is opened lazily, once, with
+//! shared memory, the constant scalar arguments' bytes, where the per-call arguments go) is
+//! packed once into a [`PreparedLaunch`]; a call copies the packed parameter buffer, writes
+//! the device pointers and the per-call scalars (the fusion's scalar inputs, converted as
+//! host.py's `np_scalar` converts them) into their slots and launches. libcuda is opened lazily, once, with
 //! `libloading`, so the extension imports, and its CPU tests run, on machines without a
 //! GPU; there every launch raises `KilnError` and host.py keeps CuPy's launch path.
 //!
@@ -17,7 +18,7 @@ use std::sync::OnceLock;
 
 use libloading::Library;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyCapsule, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyCapsule, PyFloat, PyInt, PyString, PyTuple};
 use smallvec::SmallVec;
 
 use super::{guarded, to_py};
@@ -202,9 +203,163 @@ fn load_cuda_driver(py: Python<'_>) -> PyResult<()> {
     guarded(py, || driver().map(|_| ()))
 }
 
+/// What a per-call argument slot holds: a device pointer, or a scalar of a kiln dtype.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Slot {
+    Pointer,
+    Float,
+    Double,
+    Half,
+    BFloat16,
+    Int,
+    Int32,
+    Bool,
+}
+
+impl Slot {
+    /// The slot of a per-call scalar of kiln dtype `name` (as `np_scalar` names them).
+    fn scalar(name: &str) -> Option<Self> {
+        Some(match name {
+            "Float" => Slot::Float,
+            "Double" => Slot::Double,
+            "Half" => Slot::Half,
+            "BFloat16" => Slot::BFloat16,
+            "Int" => Slot::Int,
+            "Int32" => Slot::Int32,
+            "Bool" => Slot::Bool,
+            _ => return None,
+        })
+    }
+
+    fn size(self) -> usize {
+        match self {
+            Slot::Pointer | Slot::Double | Slot::Int => 8,
+            Slot::Float | Slot::Int32 => 4,
+            Slot::Half | Slot::BFloat16 => 2,
+            Slot::Bool => 1,
+        }
+    }
+}
+
+/// A Python scalar as a per-call argument sees it.
+enum PyNum {
+    Bool(bool),
+    /// An int that fits in 64 bits, or None for a larger one.
+    Int(Option<i64>),
+    Float(f64),
+}
+
+/// The bytes (host byte order, the slot's size of them used) of `v` as a parameter of `slot`,
+/// converted exactly as `np_scalar(v, dtype)` converts (NumPy's casts; an int or float
+/// out of an integer type's range, or NaN to an integer, is an error as in NumPy).
+/// `to_f64` is only called for ints, whose float value Python computes (correctly
+/// rounded; an error for ints beyond a double's range, like NumPy's).
+fn scalar_bytes(slot: Slot, v: PyNum, to_f64: impl FnOnce() -> crate::Result<f64>) -> crate::Result<[u8; 8]> {
+    let float = |v: PyNum| -> crate::Result<f64> {
+        match v {
+            PyNum::Bool(b) => Ok(f64::from(u8::from(b))),
+            PyNum::Int(_) => to_f64(),
+            PyNum::Float(x) => Ok(x),
+        }
+    };
+    // NumPy converts a float to an integer type by truncation toward zero, and refuses
+    // NaN, infinities and values outside the type.
+    let int = |v: PyNum, lo: i64, hi: i64, what: &str| -> crate::Result<i64> {
+        let i = match v {
+            PyNum::Bool(b) => Some(i64::from(b)),
+            PyNum::Int(i) => i,
+            PyNum::Float(x) if x.is_nan() => return Err(KilnError::value("cannot convert float NaN to integer")),
+            // -2**63 <= trunc(x) < 2**63 is exactly the range `as` converts losslessly.
+            PyNum::Float(x) => {
+                Some(x.trunc()).filter(|t| *t >= i64::MIN as f64 && *t < -(i64::MIN as f64)).map(|t| t as i64)
+            }
+        };
+        i.filter(|i| (lo..=hi).contains(i)).ok_or_else(|| KilnError::value(format!("the value does not fit in {what}")))
+    };
+    let mut out = [0u8; 8];
+    match slot {
+        Slot::Pointer => return Err(KilnError::internal("scalar_bytes of a pointer slot")),
+        Slot::Double => out.copy_from_slice(&float(v)?.to_ne_bytes()),
+        Slot::Float => out[..4].copy_from_slice(&(float(v)? as f32).to_ne_bytes()),
+        Slot::Half => out[..2].copy_from_slice(&f64_to_f16_bits(float(v)?).to_ne_bytes()),
+        Slot::BFloat16 => out[..2].copy_from_slice(&f32_to_bf16_bits(float(v)? as f32).to_ne_bytes()),
+        Slot::Int => out.copy_from_slice(&int(v, i64::MIN, i64::MAX, "int64")?.to_ne_bytes()),
+        Slot::Int32 => {
+            let i = int(v, i64::from(i32::MIN), i64::from(i32::MAX), "int32")?;
+            out[..4].copy_from_slice(&(i as i32).to_ne_bytes());
+        }
+        Slot::Bool => {
+            out[0] = u8::from(match v {
+                PyNum::Bool(b) => b,
+                PyNum::Int(i) => i != Some(0), // an int beyond 64 bits is nonzero
+                PyNum::Float(x) => x != 0.0,   // NaN is true, as in NumPy
+            })
+        }
+    }
+    Ok(out)
+}
+
+/// IEEE binary16 bits of `v`, rounded to nearest even straight from the double (as NumPy's
+/// `np.float16(v)`; going through f32 would round twice). NaN keeps its top payload bits.
+fn f64_to_f16_bits(v: f64) -> u16 {
+    let b = v.to_bits();
+    let sign = ((b >> 48) & 0x8000) as u16;
+    let exp = ((b >> 52) & 0x7FF) as i32;
+    let man = b & ((1u64 << 52) - 1);
+    if exp == 0x7FF {
+        if man == 0 {
+            return sign | 0x7C00;
+        }
+        // NumPy: 0x7c00 + (man >> 42), kept a NaN when the payload bits shifted out.
+        let r = 0x7C00 + (man >> 42) as u16;
+        return sign | if r == 0x7C00 { r + 1 } else { r };
+    }
+    if exp == 0 {
+        return sign; // zero, or a double subnormal: far below half's smallest subnormal
+    }
+    let e = exp - 1023;
+    if e > 15 {
+        return sign | 0x7C00;
+    }
+    // value = sig * 2^(e-52); one unit of the result is 2^(max(e,-14)-10).
+    let sig = (1u64 << 52) | man;
+    let shift = (42 + e.max(-14) - e) as u32;
+    if shift >= 64 {
+        return sign; // below a quarter of the smallest subnormal
+    }
+    let (mut q, rem, half) = (sig >> shift, sig & ((1u64 << shift) - 1), 1u64 << (shift - 1));
+    if rem > half || (rem == half && q & 1 == 1) {
+        q += 1;
+    }
+    // Normal: the implicit bit in q carries into the exponent field (also on rounding up
+    // to the next binade, or to infinity at 65520); subnormal: q is the field itself.
+    let bits = if e >= -14 { (((e + 14) as u64) << 10) + q } else { q };
+    sign | bits.min(0x7C00) as u16
+}
+
+/// bfloat16 bits of `x`: round to nearest even, NaN kept a quiet NaN (as `np_scalar`).
+fn f32_to_bf16_bits(x: f32) -> u16 {
+    let bits = x.to_bits();
+    if bits & 0x7FFF_FFFF > 0x7F80_0000 {
+        return ((bits >> 16) | 0x40) as u16;
+    }
+    ((u64::from(bits) + 0x7FFF + u64::from((bits >> 16) & 1)) >> 16) as u16
+}
+
+/// Write the low `size` bytes of `src` at byte `off` of the parameter buffer `words`
+/// (no unsafe: the word holding them is rebuilt from its bytes).
+fn write_bytes(words: &mut [u64], off: usize, size: usize, src: &[u8; 8]) {
+    let w = &mut words[off / 8];
+    let mut b = w.to_ne_bytes();
+    let at = off % 8;
+    b[at..at + size].copy_from_slice(&src[..size]);
+    *w = u64::from_ne_bytes(b);
+}
+
 /// One kernel launch of one recipe, packed once: function handle, dims, dynamic shared
-/// memory and the kernel's parameter buffer with every scalar in place; the device
-/// pointers are the only per-call arguments.
+/// memory and the kernel's parameter buffer with every constant scalar in place; the
+/// device pointers and the per-call scalars (the fusion's scalar inputs) are the per-call
+/// arguments.
 ///
 /// The function handle is trusted, as every raw CUDA handle is: host.py passes the `ptr`
 /// of a CuPy `Function` it keeps alive. Bad device pointers fault on the device (a CUDA
@@ -219,9 +374,11 @@ pub struct PreparedLaunch {
     /// Byte offset and size of every kernel parameter in parameter order, laid out as the
     /// CUDA ABI lays out a parameter buffer: each at its natural alignment.
     layout: Vec<(usize, usize)>,
-    /// The parameter buffer with the scalars in place and pointer slots zero, in 8-byte
-    /// words so that every offset is aligned for the type stored there.
+    /// The parameter buffer with the constant scalars in place and per-call slots zero, in
+    /// 8-byte words so that every offset is aligned for the type stored there.
     template: Vec<u64>,
+    /// Byte offset and kind of each per-call argument, in call-argument (parameter) order.
+    slots: Vec<(usize, Slot)>,
     /// Word index of each per-call pointer, in call-argument order.
     pointer_words: Vec<usize>,
     /// (per-call pointer index, bytes) that `zero` clears.
@@ -234,6 +391,13 @@ pub struct PreparedLaunch {
 
 /// Per-call pointers, copied out of the argument tuple.
 type Pointers = SmallVec<[u64; 8]>;
+/// One call's parameter buffer (on the stack up to `INLINE_WORDS` words).
+type Words = SmallVec<[u64; INLINE_WORDS]>;
+
+/// The name of `a`'s type, for error messages.
+fn type_name(a: &Bound<'_, PyAny>) -> String {
+    a.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
+}
 
 impl PreparedLaunch {
     fn pointers(&self, py: Python<'_>, args: &Bound<'_, PyTuple>) -> PyResult<Pointers> {
@@ -247,8 +411,7 @@ impl PreparedLaunch {
             match a.extract::<u64>() {
                 Ok(p) => out.push(p),
                 Err(_) => {
-                    let t = a.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
-                    let msg = format!("device pointer {i}: expected an int address, got {t}");
+                    let msg = format!("device pointer {i}: expected an int address, got {}", type_name(&a));
                     return Err(to_py(py, KilnError::type_error(msg)));
                 }
             }
@@ -256,13 +419,56 @@ impl PreparedLaunch {
         Ok(out)
     }
 
-    /// The parameter buffer for `ptrs`: the template with the pointers written in.
-    fn fill(&self, ptrs: &[u64]) -> SmallVec<[u64; INLINE_WORDS]> {
-        let mut words = SmallVec::from_slice(&self.template);
-        for (&w, &p) in self.pointer_words.iter().zip(ptrs) {
-            words[w] = p;
+    /// The parameter buffer of one call: the template with the per-call arguments `args`
+    /// (device pointers and scalars, in parameter order) written into their slots.
+    fn fill(&self, py: Python<'_>, args: &Bound<'_, PyTuple>) -> PyResult<Words> {
+        if args.len() != self.slots.len() {
+            let p = self.pointer_words.len();
+            let msg = match self.slots.len() - p {
+                0 => format!("this launch takes {p} device pointers, got {}", args.len()),
+                s => format!("this launch takes {p} device pointers and {s} scalars, got {} arguments", args.len()),
+            };
+            return Err(to_py(py, KilnError::type_error(msg)));
         }
-        words
+        let mut words = Words::from_slice(&self.template);
+        for (i, (a, &(off, slot))) in args.iter().zip(&self.slots).enumerate() {
+            if slot == Slot::Pointer {
+                match a.extract::<u64>() {
+                    Ok(p) => words[off / 8] = p,
+                    Err(_) => {
+                        let msg = format!("device pointer {i}: expected an int address, got {}", type_name(&a));
+                        return Err(to_py(py, KilnError::type_error(msg)));
+                    }
+                }
+                continue;
+            }
+            let bytes = Self::scalar(py, i, &a, slot)?;
+            write_bytes(&mut words, off, slot.size(), &bytes);
+        }
+        Ok(words)
+    }
+
+    /// Per-call scalar argument `i` (a Python bool, int or float) as `slot`'s bytes.
+    fn scalar(py: Python<'_>, i: usize, a: &Bound<'_, PyAny>, slot: Slot) -> PyResult<[u8; 8]> {
+        // bool before int: Python's bool is an int subclass.
+        let v = if let Ok(b) = a.downcast::<PyBool>() {
+            PyNum::Bool(b.is_true())
+        } else if a.is_instance_of::<PyInt>() {
+            PyNum::Int(a.extract::<i64>().ok())
+        } else if let Ok(f) = a.downcast::<PyFloat>() {
+            PyNum::Float(f.value())
+        } else {
+            let msg = format!("scalar argument {i}: expected a Python int, float or bool, got {}", type_name(a));
+            return Err(to_py(py, KilnError::type_error(msg)));
+        };
+        let to_f64 = || {
+            a.extract::<f64>()
+                .map_err(|e| KilnError::value(format!("int too large to convert to float ({})", e.value(py))))
+        };
+        scalar_bytes(slot, v, to_f64).map_err(|e| {
+            let msg = format!("scalar argument {i} ({:?} parameter): {e}", slot);
+            to_py(py, KilnError::value(msg))
+        })
     }
 
     /// kernelParams for cuLaunchKernel: one pointer per parameter into `words`.
@@ -297,17 +503,16 @@ impl PreparedLaunch {
     }
 
     fn launch_on(&self, py: Python<'_>, stream: usize, args: &Bound<'_, PyTuple>) -> PyResult<()> {
-        let ptrs = self.pointers(py, args)?;
+        let words = self.fill(py, args)?;
         guarded(py, || {
             let d = driver()?;
             // The launch only enqueues work, but it blocks when the launch queue is full:
             // let other Python threads run meanwhile (as CuPy does).
-            py.allow_threads(|| self.launch_raw(d, stream, &ptrs))
+            py.allow_threads(|| self.launch_raw(d, stream, words))
         })
     }
 
-    fn launch_raw(&self, d: &Driver, stream: usize, ptrs: &[u64]) -> crate::Result<()> {
-        let mut words = self.fill(ptrs);
+    fn launch_raw(&self, d: &Driver, stream: usize, mut words: Words) -> crate::Result<()> {
         let mut params = self.param_pointers(&mut words);
         let call = |params: &mut [*mut c_void]| {
             // SAFETY: `function` is a CUfunction of a module that host.py keeps loaded for
@@ -365,8 +570,11 @@ impl PreparedLaunch {
 #[pymethods]
 impl PreparedLaunch {
     /// Pack a launch: ``params`` has one entry per kernel parameter, ``None`` for a device
-    /// pointer passed per call (in order) or the scalar's bytes (1, 2, 4 or 8 of them);
-    /// ``memsets`` lists (pointer index, bytes) for ``zero``; ``device`` is the CUDA device
+    /// pointer passed per call, a kiln dtype name (``"Float"``, ``"Double"``, ``"Half"``,
+    /// ``"BFloat16"``, ``"Int"``, ``"Int32"``, ``"Bool"``) for a scalar passed per call (a
+    /// Python bool, int or float, converted as ``np_scalar`` converts it), or a constant
+    /// scalar's bytes (1, 2, 4 or 8 of them); a call passes its per-call arguments in
+    /// parameter order; ``memsets`` lists (pointer index, bytes) for ``zero``; ``device`` is the CUDA device
     /// ordinal; ``stream_getter`` is CuPy's ``get_current_stream_ptr`` capsule, for
     /// ``launch_current``.
     #[new]
@@ -378,7 +586,7 @@ impl PreparedLaunch {
         grid: [u32; 3],
         block: [u32; 3],
         smem: u32,
-        params: Vec<Option<Bound<'_, PyBytes>>>,
+        params: Vec<Option<Bound<'_, PyAny>>>,
         memsets: Vec<(usize, usize)>,
         device: c_int,
         stream_getter: Option<Bound<'_, PyCapsule>>,
@@ -397,7 +605,30 @@ impl PreparedLaunch {
                 Some((p as usize, cap.unbind()))
             }
         };
-        let scalars: Vec<Option<Vec<u8>>> = params.iter().map(|p| p.as_ref().map(|b| b.as_bytes().to_vec())).collect();
+        // Each parameter: Err(slot) for a per-call argument, Ok(bytes) for a constant.
+        let mut specs: Vec<Result<Vec<u8>, Slot>> = Vec::with_capacity(params.len());
+        for (i, p) in params.iter().enumerate() {
+            let spec = match p {
+                None => Err(Slot::Pointer),
+                Some(b) if b.is_instance_of::<PyBytes>() => Ok(b.downcast::<PyBytes>()?.as_bytes().to_vec()),
+                Some(s) if s.is_instance_of::<PyString>() => {
+                    let name = s.downcast::<PyString>()?.to_cow()?;
+                    Err(Slot::scalar(&name).ok_or_else(|| {
+                        let msg =
+                            format!("PreparedLaunch: parameter {i} is a per-call scalar of unknown dtype {name:?}");
+                        to_py(py, KilnError::type_error(msg))
+                    })?)
+                }
+                Some(o) => {
+                    let msg = format!(
+                        "PreparedLaunch: parameter {i} must be None, bytes or a dtype name, got {}",
+                        type_name(o)
+                    );
+                    return Err(to_py(py, KilnError::type_error(msg)));
+                }
+            };
+            specs.push(spec);
+        }
         guarded(py, || {
             if function == 0 {
                 return Err(KilnError::value("PreparedLaunch: the function handle is null"));
@@ -407,11 +638,15 @@ impl PreparedLaunch {
                     "PreparedLaunch: grid {grid:?} and block {block:?} must be at least 1 in every dimension"
                 )));
             }
-            let mut layout = Vec::with_capacity(scalars.len());
+            let mut layout = Vec::with_capacity(specs.len());
             let mut bytes: Vec<u8> = Vec::new();
             let mut pointer_offsets = Vec::new();
-            for (i, p) in scalars.iter().enumerate() {
-                let size = p.as_ref().map_or(8, Vec::len);
+            let mut slots = Vec::new();
+            for (i, p) in specs.iter().enumerate() {
+                let size = match p {
+                    Ok(b) => b.len(),
+                    Err(slot) => slot.size(),
+                };
                 if !matches!(size, 1 | 2 | 4 | 8) {
                     return Err(KilnError::value(format!(
                         "PreparedLaunch: parameter {i} has {size} bytes; expected 1, 2, 4 or 8"
@@ -421,8 +656,13 @@ impl PreparedLaunch {
                 let off = bytes.len().div_ceil(size) * size;
                 bytes.resize(off + size, 0);
                 match p {
-                    Some(v) => bytes[off..off + size].copy_from_slice(v),
-                    None => pointer_offsets.push(off),
+                    Ok(v) => bytes[off..off + size].copy_from_slice(v),
+                    Err(slot) => {
+                        if *slot == Slot::Pointer {
+                            pointer_offsets.push(off);
+                        }
+                        slots.push((off, *slot));
+                    }
                 }
                 layout.push((off, size));
             }
@@ -449,6 +689,7 @@ impl PreparedLaunch {
                 smem,
                 layout,
                 template,
+                slots,
                 pointer_words: pointer_offsets.iter().map(|o| o / 8).collect(),
                 memsets,
                 device,
@@ -457,20 +698,22 @@ impl PreparedLaunch {
         })
     }
 
-    /// Launch on ``stream`` (a CUstream handle; 0 is the legacy default stream).
-    #[pyo3(signature = (stream, *pointers))]
-    fn launch(&self, py: Python<'_>, stream: usize, pointers: &Bound<'_, PyTuple>) -> PyResult<()> {
-        self.launch_on(py, stream, pointers)
+    /// Launch on ``stream`` (a CUstream handle; 0 is the legacy default stream) with the
+    /// per-call arguments (device pointers and scalars) in parameter order.
+    #[pyo3(signature = (stream, *args))]
+    fn launch(&self, py: Python<'_>, stream: usize, args: &Bound<'_, PyTuple>) -> PyResult<()> {
+        self.launch_on(py, stream, args)
     }
 
     /// Launch on CuPy's current stream (read through CuPy's C API, as CuPy's own launches do).
-    #[pyo3(signature = (*pointers))]
-    fn launch_current(&self, py: Python<'_>, pointers: &Bound<'_, PyTuple>) -> PyResult<()> {
+    #[pyo3(signature = (*args))]
+    fn launch_current(&self, py: Python<'_>, args: &Bound<'_, PyTuple>) -> PyResult<()> {
         let stream = self.current_stream(py)?;
-        self.launch_on(py, stream, pointers)
+        self.launch_on(py, stream, args)
     }
 
-    /// Zero the ``memsets`` buffers on ``stream`` (``cuMemsetD8Async``), before a launch.
+    /// Zero the ``memsets`` buffers on ``stream`` (``cuMemsetD8Async``), before a launch;
+    /// takes the device pointers only (no scalars).
     #[pyo3(signature = (stream, *pointers))]
     fn zero(&self, py: Python<'_>, stream: usize, pointers: &Bound<'_, PyTuple>) -> PyResult<()> {
         self.zero_on(py, stream, pointers)
@@ -488,12 +731,11 @@ impl PreparedLaunch {
         self.current_stream(py)
     }
 
-    /// The parameter buffer a launch with ``pointers`` passes, read back through the very
-    /// kernelParams pointers handed to the driver (a test hook: CUDA ABI layout).
-    #[pyo3(signature = (*pointers))]
-    fn packed<'py>(&self, py: Python<'py>, pointers: &Bound<'py, PyTuple>) -> PyResult<Bound<'py, PyBytes>> {
-        let ptrs = self.pointers(py, pointers)?;
-        let mut words = self.fill(&ptrs);
+    /// The parameter buffer a launch with these per-call arguments passes, read back through
+    /// the very kernelParams pointers handed to the driver (a test hook: CUDA ABI layout).
+    #[pyo3(signature = (*args))]
+    fn packed<'py>(&self, py: Python<'py>, args: &Bound<'py, PyTuple>) -> PyResult<Bound<'py, PyBytes>> {
+        let mut words = self.fill(py, args)?;
         let params = self.param_pointers(&mut words);
         let mut out = vec![0u8; self.template.len() * 8];
         for (&p, &(off, size)) in params.iter().zip(&self.layout) {
@@ -516,6 +758,12 @@ impl PreparedLaunch {
     #[getter]
     fn pointer_count(&self) -> usize {
         self.pointer_words.len()
+    }
+
+    /// Per-call scalars a call takes (after, or among, the pointers in parameter order).
+    #[getter]
+    fn scalar_count(&self) -> usize {
+        self.slots.len() - self.pointer_words.len()
     }
 
     /// Whether ``launch_current`` can read CuPy's current stream itself.
