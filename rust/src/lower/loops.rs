@@ -36,9 +36,13 @@ fn visit(f: &Fusion, tv: TvId, done: &mut FxHashSet<ExprId>, order: &mut Vec<Exp
     // operands) goes before all of them: placed later, it would close loops that a
     // sibling operand opened and the consumer still needs.
     let mut producers: Vec<TvId> = f.exprs[e].input_tvs().collect();
-    let floor = producers.iter().map(|&p| f.tvs[p].inline_pos).min().unwrap_or(0);
-    for u in shallower_pending(f, &producers, floor, done) {
-        visit(f, u, done, order);
+    // Only siblings can be split apart this way: a single producer needs no look-ahead
+    // (which keeps the common chain linear instead of quadratic).
+    if producers.len() > 1 {
+        let floor = producers.iter().map(|&p| f.tvs[p].inline_pos).min().unwrap_or(0);
+        for u in shallower_pending(f, &producers, floor, done) {
+            visit(f, u, done, order);
+        }
     }
     producers.sort_by_key(|&p| f.tvs[p].inline_pos);
     for p in producers {
