@@ -124,6 +124,38 @@ pub struct Scalars {
     bounds: FxHashMap<Symbol, i64>,
     /// Symbolic exclusive upper bounds (a block index below its grid extent).
     sym_bounds: FxHashMap<Symbol, ValId>,
+    /// Memo of `range` (nodes never change; cleared when a bound is set). Without it the
+    /// simplifier re-walks shared subexpressions of index DAGs over and over.
+    ranges: RangeMemo,
+}
+
+/// `range` results; a Mutex (uncontended) because Python-visible objects must be Sync.
+/// A clone starts empty: the memo is only a cache.
+#[derive(Debug, Default)]
+struct RangeMemo(std::sync::Mutex<FxHashMap<ValId, (i64, Option<i64>)>>);
+
+impl Clone for RangeMemo {
+    fn clone(&self) -> Self {
+        Self::default()
+    }
+}
+
+impl RangeMemo {
+    fn get(&self, v: ValId) -> Option<(i64, Option<i64>)> {
+        self.0.lock().ok().and_then(|m| m.get(&v).copied())
+    }
+
+    fn put(&self, v: ValId, r: (i64, Option<i64>)) {
+        if let Ok(mut m) = self.0.lock() {
+            m.insert(v, r);
+        }
+    }
+
+    fn clear(&mut self) {
+        if let Ok(m) = self.0.get_mut() {
+            m.clear();
+        }
+    }
 }
 
 impl Scalars {
@@ -232,11 +264,21 @@ impl Scalars {
     /// Declare that `sym` lies in `[0, bound)` (a loop index of constant extent).
     pub fn set_bound(&mut self, sym: Symbol, bound: i64) {
         self.bounds.insert(sym, bound);
+        self.ranges.clear();
     }
 
     /// Inclusive range of an integer expression, assuming symbols are non-negative.
     /// `None` as the upper end means unbounded.
     pub fn range(&self, v: ValId) -> (i64, Option<i64>) {
+        if let Some(r) = self.ranges.get(v) {
+            return r;
+        }
+        let r = self.range_uncached(v);
+        self.ranges.put(v, r);
+        r
+    }
+
+    fn range_uncached(&self, v: ValId) -> (i64, Option<i64>) {
         match self.nodes[v] {
             Val::Int(i) => (i, Some(i)),
             Val::Bool(b) => (b as i64, Some(b as i64)),
