@@ -314,13 +314,41 @@ def test_segmenter_fallback_matches_numpy_on_gpu():
     np.testing.assert_allclose(cp.asnumpy(out), a.astype(np.float64).sum(axis=0), rtol=1e-5, atol=1e-4)
 
 
-def test_uncovered_fusion_error_says_what_was_tried():
+def test_independent_reductions_over_different_axes_get_a_kernel_each():
+    from kiln import _core
+    from kiln.host import run_on_cpu
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.sum(x, dims=[1]))
+        fd.add_output(fd.ops.max(fd.ops.mul(x, 2.0), dims=[0]))
+    a = np.random.default_rng(8).standard_normal((37, 300)).astype(np.float32)
+    low = _auto_lowered(fd, [a])
+    assert len(low.kernels) == 2
+    rows, cols = run_on_cpu(low, [a], _core.execute_cpu)
+    np.testing.assert_allclose(rows, a.astype(np.float64).sum(axis=1), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(cols, 2 * a.astype(np.float64).max(axis=0), rtol=1e-6)
+
+
+@pytest.mark.gpu
+def test_independent_reductions_over_different_axes_on_gpu():
+    cp = cupy_or_skip()
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, -1])
         fd.add_output(fd.ops.sum(x, dims=[1]))
         fd.add_output(fd.ops.sum(x, dims=[0]))
+    a = np.random.default_rng(9).standard_normal((1000, 3000)).astype(np.float32)
+    rows, cols = fd.execute([cp.asarray(a)])
+    np.testing.assert_allclose(cp.asnumpy(rows), a.astype(np.float64).sum(axis=1), rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(cp.asnumpy(cols), a.astype(np.float64).sum(axis=0), rtol=1e-4, atol=1e-3)
+
+
+def test_uncovered_fusion_error_says_what_was_tried():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1])
+        fd.add_output(fd.ops.relu(fd.ops.sum(x, dims=[1])))  # a middle axis: no scheduler reduces it
     with pytest.raises(KilnError, match="segmenting it into 2 kernels did not help either"):
-        _auto_lowered(fd, [np.zeros((4, 6), np.float32)])
+        _auto_lowered(fd, [np.zeros((4, 6, 5), np.float32)])
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))

@@ -9,7 +9,7 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use crate::bail;
 use crate::error::Result;
 use crate::ir::scalar::Val;
-use crate::ir::{ExprId, Fusion, IterType, MemoryType, Operand, Symbol, TvId};
+use crate::ir::{ExprId, Fusion, IterType, MemoryType, Op, Operand, Symbol, TvId};
 
 /// One segment: its exprs (dependency order), tensor inputs and outputs.
 #[derive(Clone, Debug)]
@@ -46,12 +46,23 @@ pub fn segments(f: &Fusion) -> Result<Vec<Segment>> {
     // Level of each tensor: the segment it is produced in (inputs: 0).
     let mut level: FxHashMap<TvId, usize> = FxHashMap::default();
     let mut expr_level: Vec<(ExprId, usize)> = Vec::with_capacity(order.len());
+    let boundary = |e: ExprId| matches!(f.exprs[e].op, Op::Reduction { .. } | Op::Permute { .. });
+    let mut boundary_levels: FxHashSet<usize> = FxHashSet::default();
+    let mut top = 0;
     for &e in &order {
         let mut l = 0;
         for t in f.exprs[e].input_tvs() {
             let bump = usize::from(f.segment_after.contains(&t));
             l = l.max(level.get(&t).copied().unwrap_or(0) + bump);
         }
+        if f.segment_each_boundary && boundary(e) {
+            // A level that already holds a reduction or permute: open a new one after all.
+            if !boundary_levels.insert(l) {
+                l = top + 1;
+                boundary_levels.insert(l);
+            }
+        }
+        top = top.max(l);
         level.insert(f.exprs[e].output, l);
         expr_level.push((e, l));
     }

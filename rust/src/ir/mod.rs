@@ -234,6 +234,9 @@ pub struct Fusion {
     pub manually_scheduled: bool,
     /// Tensors after whose definition a new segment (kernel) starts (`fd.segment_after`).
     pub segment_after: Vec<TvId>,
+    /// Give every reduction and permute a segment of its own (the automatic segmenter's
+    /// fallback: two independent reductions over different axes cannot share a kernel).
+    pub segment_each_boundary: bool,
 }
 
 impl Fusion {

@@ -67,7 +67,8 @@ pub fn schedule(f: &mut Fusion, inputs: &[Vec<i64>]) -> Result<Heuristic> {
 
 /// A host program for `f` (unscheduled) and inputs of the given sizes: one kernel when a
 /// scheduler covers the whole fusion, else the segmenter's fallback: a kernel boundary
-/// after every reduction and permute, each segment scheduled on its own.
+/// after every reduction and permute, at most one of them per kernel, each segment
+/// scheduled on its own.
 pub fn auto_program(f: &Fusion, inputs: &[Vec<i64>]) -> Result<(crate::host::ir::HostProgram, Heuristic)> {
     let extents = extent_values(f, inputs)?;
     let mut whole = f.clone();
@@ -76,6 +77,7 @@ pub fn auto_program(f: &Fusion, inputs: &[Vec<i64>]) -> Result<(crate::host::ir:
         Err(e) => e,
     };
     let mut g = f.clone();
+    g.segment_each_boundary = true;
     let mut marked = 0;
     let order = g.topo_exprs();
     for (i, &e) in order.iter().enumerate() {
@@ -89,6 +91,7 @@ pub fn auto_program(f: &Fusion, inputs: &[Vec<i64>]) -> Result<(crate::host::ir:
     if marked == 0 {
         return Err(first);
     }
+    let kernels = crate::host::segment::segments(&g).map(|s| s.len()).unwrap_or(marked + 1);
     let mut parts: Vec<Heuristic> = Vec::new();
     let program = crate::host::lower::lower_program_with(&g, &mut |_, seg: &mut Fusion| {
         parts.push(schedule_with_extents(seg, &extents)?);
@@ -97,9 +100,7 @@ pub fn auto_program(f: &Fusion, inputs: &[Vec<i64>]) -> Result<(crate::host::ir:
     .map_err(|e| {
         KilnError::value(format!(
             "{}; segmenting it into {} kernels did not help either: {}",
-            first.message,
-            marked + 1,
-            e.message
+            first.message, kernels, e.message
         ))
     })?;
     let mut params = Vec::new();
