@@ -458,7 +458,13 @@ impl Gen<'_> {
         if !self.only_local_statements(&l.body) {
             return Ok(false);
         }
-        collect_unswitch(&self.sc, &Node::Loop(l.clone()), &mut loops, &mut Vec::new());
+        // This loop's index and those of the loops inside it (no clone of the subtree).
+        if let Val::Symbol(s) = self.sc.get(l.index) {
+            loops.push((s, l.extent));
+        }
+        for c in &l.body {
+            collect_unswitch(&self.sc, c, &mut loops, &mut Vec::new());
+        }
         collect_predicates(&l.body, &mut preds);
         let inner: FxHashSet<Symbol> = loops.iter().map(|&(s, _)| s).collect();
         let mut common: Option<Vec<ValId>> = None;
@@ -625,22 +631,18 @@ impl Gen<'_> {
         }
         let _ = writeln!(self.out, "{pad}  if (({}) && ({}){}) {{", self.pred(p0), self.pred(pl), checks.concat());
         let _ = writeln!(self.out, "{pad}    kiln::Array<{ty}, {n}> kiln_vec;");
-        if wide[1] {
-            let _ = writeln!(self.out, "{pad}    kiln::loadVec<{ty}, {n}>(kiln_vec, &{ib}[kiln_ib]);");
+        let each = format!("{pad}    #pragma unroll\n{pad}    for (int kiln_j = 0; kiln_j < {n}; ++kiln_j) ");
+        let load = if wide[1] {
+            format!("{pad}    kiln::loadVec<{ty}, {n}>(kiln_vec, &{ib}[kiln_ib]);")
         } else {
-            let _ = writeln!(
-                self.out,
-                "{pad}    #pragma unroll\n{pad}    for (int kiln_j = 0; kiln_j < {n}; ++kiln_j) kiln_vec[kiln_j] = {ib}[kiln_ib + kiln_j];"
-            );
-        }
-        if wide[0] {
-            let _ = writeln!(self.out, "{pad}    kiln::storeVec<{ty}, {n}>(&{ob}[kiln_ob], kiln_vec);");
+            format!("{each}kiln_vec[kiln_j] = {ib}[kiln_ib + kiln_j];")
+        };
+        let store = if wide[0] {
+            format!("{pad}    kiln::storeVec<{ty}, {n}>(&{ob}[kiln_ob], kiln_vec);")
         } else {
-            let _ = writeln!(
-                self.out,
-                "{pad}    #pragma unroll\n{pad}    for (int kiln_j = 0; kiln_j < {n}; ++kiln_j) {ob}[kiln_ob + kiln_j] = kiln_vec[kiln_j];"
-            );
-        }
+            format!("{each}{ob}[kiln_ob + kiln_j] = kiln_vec[kiln_j];")
+        };
+        let _ = writeln!(self.out, "{load}\n{store}");
         let _ = writeln!(self.out, "{pad}  }} else {{");
         let idx = self.c(l.index);
         let _ = writeln!(self.out, "{pad}    #pragma unroll");

@@ -112,6 +112,12 @@ pub fn auto_program(f: &Fusion, inputs: &[Vec<i64>]) -> Result<(crate::host::ir:
     Ok((program, Heuristic { kind: "segmented", params }))
 }
 
+/// True when `t` is a broadcast of a fusion input (a weight or bias read by every row).
+fn broadcast_input(f: &Fusion, t: TvId) -> bool {
+    let Some(def) = f.tvs[t].definition else { return false };
+    matches!(f.exprs[def].op, Op::Broadcast { .. }) && f.exprs[def].inputs[0].tensor().is_some_and(|x| f.is_input(x))
+}
+
 /// Scheduler kinds, numbered for the segmented heuristic's cache key.
 const KINDS: [&str; 6] =
     ["pointwise", "inner_reduction", "outer_reduction", "full_reduction", "normalization", "transpose"];

@@ -10,7 +10,7 @@
 use crate::bail;
 use crate::error::Result;
 use crate::ir::{ExprId, Fusion, IterType, Op, Operand, ParallelType, TvId};
-use crate::sched::auto::{tensor_sizes, Heuristic};
+use crate::sched::auto::{broadcast_input, tensor_sizes, Heuristic};
 
 /// Merge the leading axes into rows and the trailing `k` axes into one.
 fn rows_and_row(f: &mut Fusion, t: TvId, k: usize) -> Result<()> {
@@ -120,10 +120,4 @@ pub fn schedule(f: &mut Fusion, extents: &[i64], reductions: &[ExprId]) -> Resul
         f.inline_at(t, pos)?;
     }
     Ok(Heuristic { kind: "normalization", params: vec![v, p] })
-}
-
-/// True when `t` broadcasts a fusion input (a weight or bias) over rows.
-fn broadcast_input(f: &Fusion, t: TvId) -> bool {
-    let Some(def) = f.tvs[t].definition else { return false };
-    matches!(f.exprs[def].op, Op::Broadcast { .. }) && f.exprs[def].inputs[0].tensor().is_some_and(|x| f.is_input(x))
 }

@@ -10,7 +10,7 @@
 
 use crate::error::Result;
 use crate::ir::{Fusion, IterType, Op, Operand, ParallelType, TvId};
-use crate::sched::auto::{tensor_sizes, Heuristic, SM_COUNT};
+use crate::sched::auto::{broadcast_input, tensor_sizes, Heuristic, SM_COUNT};
 
 /// Merge all loop axes of `t` into one, then split it as `[rest, u, threads, v]`.
 pub fn flatten_and_split(f: &mut Fusion, t: TvId, v: i64, threads: i64, unroll: i64) -> Result<()> {
@@ -107,14 +107,14 @@ pub fn schedule(f: &mut Fusion, extents: &[i64]) -> Result<Heuristic> {
                 }
                 f.parallelize(t, 3, ParallelType::BIDx)?;
                 f.parallelize(t, 4, ParallelType::TIDx)?;
-                if (vec_tensors.contains(&t) || broadcast_input(f, t)) && v > 1 {
+                if (vec_tensors.contains(&t) || bias_operand(f, t)) && v > 1 {
                     f.parallelize(t, 5, ParallelType::Vectorize)?;
                 }
             }
             for &t in &tensors {
                 if !f.is_output(t) {
                     // A broadcast operand (bias) gets its own vector loop: one 16-byte load.
-                    let pos = if v > 1 && broadcast_input(f, t) { 5 } else { -1 };
+                    let pos = if v > 1 && bias_operand(f, t) { 5 } else { -1 };
                     f.inline_at(t, pos)?;
                 }
             }
@@ -167,12 +167,9 @@ fn two_d_extents(f: &Fusion, extents: &[i64], out: TvId, rank: usize, tensors: &
 
 /// True when `t` broadcasts a fusion input along every axis but the last (a bias):
 /// it can be read with vectors along that axis.
-fn broadcast_input(f: &Fusion, t: TvId) -> bool {
-    let Some(def) = f.tvs[t].definition else { return false };
+fn bias_operand(f: &Fusion, t: TvId) -> bool {
     let l = &f.tvs[t].logical;
-    let inner_kept = l.last().is_some_and(|&id| f.ids[id].iter_type == IterType::Iteration)
-        && l[..l.len() - 1].iter().all(|&id| f.ids[id].iter_type == IterType::Broadcast);
-    matches!(f.exprs[def].op, Op::Broadcast { .. })
-        && inner_kept
-        && f.exprs[def].inputs[0].tensor().is_some_and(|x| f.is_input(x))
+    broadcast_input(f, t)
+        && l.last().is_some_and(|&id| f.ids[id].iter_type == IterType::Iteration)
+        && l[..l.len() - 1].iter().all(|&id| f.ids[id].iter_type == IterType::Broadcast)
 }

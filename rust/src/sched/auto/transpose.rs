@@ -4,7 +4,7 @@
 
 use crate::bail;
 use crate::error::Result;
-use crate::ir::{Fusion, MemoryType, Op, ParallelType};
+use crate::ir::{Fusion, MemoryType, Op, ParallelType, TvId};
 use crate::sched::auto::Heuristic;
 
 /// Schedule a fusion that is a single 2-D permute.
@@ -23,27 +23,19 @@ pub fn schedule(f: &mut Fusion, _extents: &[i64]) -> Result<Heuristic> {
     let (tile, threads) = (64, 256);
     let s = f.cache_before(out)?;
     f.set_memory_type(s, MemoryType::Shared)?;
-    // Consumer: [J/64 (BIDy), I/64 (BIDx), rows (serial), threads (TIDx), v (Vectorize)].
-    f.split(out, 0, tile, true)?;
-    f.split(out, 2, tile, true)?;
-    f.reorder(out, &[(1, 2)])?;
-    f.merge(out, 2, 3)?;
-    f.split(out, 2, v, true)?;
-    f.split(out, 2, threads, true)?;
-    f.parallelize(out, 0, ParallelType::BIDy)?;
-    f.parallelize(out, 1, ParallelType::BIDx)?;
-    f.parallelize(out, 3, ParallelType::TIDx)?;
-    f.parallelize(out, 4, ParallelType::Vectorize)?;
-    // Producer: the same tile, walked along x's rows, read with 16-byte vectors into
+    // Producer side: the same tile, walked along x's rows, read with 16-byte vectors into
     // registers (`l`) and scattered into the Shared tile from there.
     let x = f.exprs[e].inputs[0].tensor().expect("a permute reads a tensor");
     let l = f.cache_after(x)?;
-    // Both to [J/64, I/64, 64 (i) x 64 (j)]: `s` is in the output's axis order (j, i), `l` in
-    // the input's (i, j).
-    for (t, order) in [(l, [(2, 0), (0, 1), (1, 2)]), (s, [(1, 3), (3, 2), (2, 1)])] {
+    // All three to [J/64 (BIDy), I/64 (BIDx), rows (serial), threads (TIDx), v]: `out` walks
+    // the output's rows; `s` is in the output's axis order (j, i) but walks x's rows, and `l`
+    // is in x's order (i, j).
+    let orders: [(TvId, &[(i64, i64)]); 3] =
+        [(out, &[(1, 2)]), (l, &[(2, 0), (0, 1), (1, 2)]), (s, &[(1, 3), (3, 2), (2, 1)])];
+    for (t, order) in orders {
         f.split(t, 0, tile, true)?;
         f.split(t, 2, tile, true)?;
-        f.reorder(t, &order)?;
+        f.reorder(t, order)?;
         f.merge(t, 2, 3)?;
         f.split(t, 2, v, true)?;
         f.split(t, 2, threads, true)?;
@@ -51,6 +43,7 @@ pub fn schedule(f: &mut Fusion, _extents: &[i64]) -> Result<Heuristic> {
         f.parallelize(t, 1, ParallelType::BIDx)?;
         f.parallelize(t, 3, ParallelType::TIDx)?;
     }
+    f.parallelize(out, 4, ParallelType::Vectorize)?;
     if v > 1 {
         f.parallelize(l, 4, ParallelType::Vectorize)?;
     }
