@@ -226,6 +226,22 @@ def h_grid_column_sum_hoisted() -> Scenario:
                     lambda i: [i[0].astype(np.float64).sum(axis=0)])
 
 
+def h_row_sum_partial_hoist() -> Scenario:
+    """Row sums whose outermost reduction loop encloses the row loop: the block reduction,
+    hoisted out of the inner serial loop, yields a partial sum per outer step that the
+    output accumulates (so its write must add to the running value, not overwrite it)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        s = fd.ops.sum(x, dims=[1])
+        fd.add_output(s)
+    s.split(1, 64)  # [i0, r ceilDiv(i1, 64), r 64]
+    s.split(1, 2)  # [i0, r ceilDiv(i1, 128), r 2, r 64]
+    s.reorder({1: 0})  # [r ceilDiv(i1, 128), i0 (serial), r 2 (serial), r 64]
+    s.axis(3).parallelize(ParallelType.TIDx)
+    return Scenario("h_row_sum_partial_hoist", fd, lambda xp: [_rand(xp, 5, 300)],
+                    lambda i: [i[0].astype(np.float64).sum(axis=1)])
+
+
 def h_grid_column_sum() -> Scenario:
     return _column_sum(False)
 
@@ -267,4 +283,4 @@ def v_vectorized(m: int = 64, n: int = 256) -> Scenario:
 
 ALL = [a_pointwise, b_shared, b_local, c_inlined_unroll, d_non_contiguous, e_nhwc, f_transpose,
        lambda: f_transpose(50, 70), g_index_select, h_block_row_sum, h_grid_column_sum,
-       h_serial_grid_column_sum, h_grid_column_sum_hoisted, v_vectorized, lambda: v_vectorized(37, 129)]
+       h_serial_grid_column_sum, h_grid_column_sum_hoisted, h_row_sum_partial_hoist, v_vectorized, lambda: v_vectorized(37, 129)]

@@ -188,3 +188,15 @@ def test_padded_transpose_tile_keeps_16_byte_global_accesses():
     assert re.search(r"kiln::loadVec<float, 4>\(kiln_vec, &T0\[kiln_ib\]\)", src), src
     gather = r"kiln_vec\[kiln_j\] = T\d+\[kiln_ib \+ kiln_j\];\n\s*kiln::storeVec<float, 4>\(&T1\["
     assert re.search(gather, src), src
+
+
+def test_a_hoisted_reduction_stores_its_final_result_and_accumulates_partial_ones():
+    # Complete after its loop (auto row sum): a plain store, no dependent load of the output.
+    fd = _unscheduled(lambda fd, x: fd.ops.sum(x, dims=[1]))
+    src = _auto_source(fd, [np.zeros((64, 4096), np.float32)])
+    assert re.search(r"\{ T1\[[^\]]*\] = kiln_r\d+; \}", src), src
+    assert "Sum()(T1[" not in src, src
+    # A serial reduction loop outside the row loop: each step's result is partial.
+    sc = scenarios.h_row_sum_partial_hoist()
+    src = sc.fd.lower(sc.make_inputs(np)).kernels[0].cuda_source
+    assert re.search(r"T1\[[^\]]*\] = kiln::Sum\(\)\(T1\[[^\]]*\], kiln_r\d+\)", src), src

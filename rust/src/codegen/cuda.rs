@@ -527,7 +527,7 @@ impl Gen<'_> {
         let pad = Self::pad(depth);
         let f = self.f;
         let mut after = Vec::new();
-        for &e in &l.hoisted {
+        for &crate::kernel::Hoisted { expr: e, complete } in &l.hoisted {
             let Op::Reduction { op, init } = f.exprs[e].op else { crate::bail_internal!("hoisted a non-reduction") };
             let Some(ix) = find_index(&l.body, e) else { crate::bail_internal!("hoisted reduction not in its loop") };
             let ty = c_type(f.tvs[f.exprs[e].output].dtype);
@@ -536,12 +536,12 @@ impl Gen<'_> {
             let init_c = format!("kiln::cast<{ty}>({})", self.c(init));
             let _ = writeln!(self.out, "{pad}{ty} {acc} = {init_c};");
             self.hoisted.insert(e, acc.clone());
-            after.push((e, ix.clone(), op, init_c, acc));
+            after.push((e, ix.clone(), op, init_c, acc, complete));
         }
         let mut plain = l.clone();
         plain.hoisted.clear();
         self.node(&Node::Loop(plain), depth)?;
-        for (e, ix, op, init_c, acc) in after {
+        for (e, ix, op, init_c, acc, complete) in after {
             self.hoisted.remove(&e);
             let out_tv = f.exprs[e].output;
             let mut red = Vec::new();
@@ -556,7 +556,7 @@ impl Gen<'_> {
                 ReductionOp::Max => "kiln::Max()",
                 ReductionOp::Min => "kiln::Min()",
             };
-            self.parallel_reduce(e, &ix, &red, functor, &init_c, &acc, depth, "")?;
+            self.parallel_reduce(e, &ix, &red, functor, &init_c, &acc, depth, "", complete)?;
         }
         Ok(())
     }
@@ -788,7 +788,7 @@ impl Gen<'_> {
             return Ok(());
         }
         let value = format!("({pred}) ? {input} : {init_c}");
-        self.parallel_reduce(e, ix, &red, functor, &init_c, &value, depth, pre)
+        self.parallel_reduce(e, ix, &red, functor, &init_c, &value, depth, pre, false)
     }
 
     /// The block or grid reduction of a per-thread `value`, combined into the output.
@@ -803,6 +803,7 @@ impl Gen<'_> {
         value: &str,
         depth: usize,
         pre: &str,
+        complete: bool,
     ) -> Result<()> {
         let pad = Self::pad(depth);
         let f = self.f;
@@ -810,6 +811,8 @@ impl Gen<'_> {
         let ty = c_type(f.tvs[out_tv].dtype);
         let out = format!("{}[{}]", self.buf(out_tv), self.c(ix.out));
         let wpred = self.pred(ix.write_predicate);
+        let (out, r) = (out.as_str(), format!("kiln_r{}", self.scratch + 1));
+        let store = if complete { format!("{out} = {r};") } else { format!("{out} = {functor}({out}, {r});") };
         let has = |p: ParallelType| red.contains(&p);
         let tflags = format!("{}, {}, {}", has(ParallelType::TIDx), has(ParallelType::TIDy), has(ParallelType::TIDz));
         let bflags = format!("{}, {}, {}", has(ParallelType::BIDx), has(ParallelType::BIDy), has(ParallelType::BIDz));
@@ -834,7 +837,7 @@ impl Gen<'_> {
                 self.out,
                 "{pad}  if (kiln::{func}<{bflags}, {tflags}>({r}, {v}, {functor}, {init_c}, {work}, {sync}, kiln_ws, true)) {{"
             );
-            let _ = writeln!(self.out, "{pad}    if ({wpred}) {{ {out} = {functor}({out}, {r}); }}");
+            let _ = writeln!(self.out, "{pad}    if ({wpred}) {{ {store} }}");
             let _ = writeln!(self.out, "{pad}  }}");
         } else if f.tvs[out_tv].memory == MemoryType::Local {
             // Every thread may read a Local result later: all threads get it.
@@ -842,7 +845,7 @@ impl Gen<'_> {
                 self.out,
                 "{pad}  const {ty} {r} = kiln::blockAllReduce<{tflags}>({v}, {functor}, {init_c}, kiln_ws);"
             );
-            let _ = writeln!(self.out, "{pad}  if ({wpred}) {{ {out} = {functor}({out}, {r}); }}");
+            let _ = writeln!(self.out, "{pad}  if ({wpred}) {{ {store} }}");
         } else {
             let _ = writeln!(
                 self.out,
@@ -853,11 +856,7 @@ impl Gen<'_> {
                 .filter(|p| p.is_thread())
                 .map(|p| format!("{} == 0", crate::ir::scalar::parallel_index_name(*p)))
                 .collect();
-            let _ = writeln!(
-                self.out,
-                "{pad}  if ({} && ({wpred})) {{ {out} = {functor}({out}, {r}); }}",
-                holder.join(" && ")
-            );
+            let _ = writeln!(self.out, "{pad}  if ({} && ({wpred})) {{ {store} }}", holder.join(" && "));
         }
         let _ = writeln!(self.out, "{pad}}}");
         Ok(())

@@ -23,8 +23,18 @@ pub struct ForLoop {
     pub init_axis: Option<usize>,
     /// Reductions across threads/blocks that accumulate per thread through this loop and
     /// reduce once after it (set by the reduction-hoisting pass).
-    pub hoisted: Vec<ExprId>,
+    pub hoisted: Vec<Hoisted>,
     pub body: Vec<Node>,
+}
+
+/// A reduction hoisted out of a loop (see `lower::reduction_hoist`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hoisted {
+    pub expr: ExprId,
+    /// No serial loop over the reduction's own axes encloses the loop: the result after it
+    /// is final, so it is stored rather than combined with the output's running value
+    /// (which would cost a dependent load of the output per element).
+    pub complete: bool,
 }
 
 /// A data-dependent index: the value of `index_tv` at `at`, bound to symbol `Symbol::Gathered(id)`.

@@ -13,7 +13,7 @@ use crate::bail;
 use crate::error::Result;
 use crate::ir::scalar::Val;
 use crate::ir::{ExprId, Fusion, IterType, Op, Symbol, ValId};
-use crate::kernel::Node;
+use crate::kernel::{Hoisted, Node};
 
 struct Frame {
     path: Vec<usize>,
@@ -37,10 +37,10 @@ fn symbols(f: &Fusion, v: ValId, out: &mut FxHashSet<Symbol>) {
 
 /// Find and record hoistable reductions in `body`.
 pub fn run(f: &Fusion, lg: &LoopGraph, body: &mut [Node]) -> Result<()> {
-    let mut found: Vec<(Vec<usize>, ExprId)> = Vec::new();
+    let mut found: Vec<(Vec<usize>, Hoisted)> = Vec::new();
     let mut stack: Vec<Frame> = Vec::new();
     walk(f, lg, body, &mut Vec::new(), &mut stack, &mut found)?;
-    for (path, e) in found {
+    for (path, h) in found {
         let mut cur: &mut [Node] = body;
         let mut target = None;
         for (k, &i) in path.iter().enumerate() {
@@ -52,7 +52,7 @@ pub fn run(f: &Fusion, lg: &LoopGraph, body: &mut [Node]) -> Result<()> {
             cur = &mut l.body;
         }
         if let Some(l) = target {
-            l.hoisted.push(e);
+            l.hoisted.push(h);
         }
     }
     Ok(())
@@ -64,7 +64,7 @@ fn walk(
     body: &[Node],
     path: &mut Vec<usize>,
     stack: &mut Vec<Frame>,
-    found: &mut Vec<(Vec<usize>, ExprId)>,
+    found: &mut Vec<(Vec<usize>, Hoisted)>,
 ) -> Result<()> {
     for (i, n) in body.iter().enumerate() {
         path.push(i);
@@ -97,7 +97,7 @@ fn consider(
     e: ExprId,
     ix: &crate::kernel::AccessIndex,
     stack: &[Frame],
-    found: &mut Vec<(Vec<usize>, ExprId)>,
+    found: &mut Vec<(Vec<usize>, Hoisted)>,
 ) -> Result<()> {
     let c = f.exprs[e].output;
     let ld = &f.tvs[c].loop_domain;
@@ -159,6 +159,9 @@ fn consider(
         }
         return Ok(());
     }
-    found.push((stack[k].path.clone(), e));
+    // A serial loop over the reduction's own axes further out (beyond a kept axis) runs
+    // the hoisted reduction once per iteration: each result is a partial one.
+    let complete = !stack[..k].iter().any(|fr| !fr.is_parallel && fr.group.is_some_and(|g| own_groups.contains(&g)));
+    found.push((stack[k].path.clone(), Hoisted { expr: e, complete }));
     Ok(())
 }
