@@ -283,4 +283,5 @@ def v_vectorized(m: int = 64, n: int = 256) -> Scenario:
 
 ALL = [a_pointwise, b_shared, b_local, c_inlined_unroll, d_non_contiguous, e_nhwc, f_transpose,
        lambda: f_transpose(50, 70), g_index_select, h_block_row_sum, h_grid_column_sum,
-       h_serial_grid_column_sum, h_grid_column_sum_hoisted, h_row_sum_partial_hoist, v_vectorized, lambda: v_vectorized(37, 129)]
+       h_serial_grid_column_sum, h_grid_column_sum_hoisted, h_row_sum_partial_hoist, v_vectorized,
+       lambda: v_vectorized(37, 129)]

@@ -247,15 +247,31 @@ def test_auto_schedule_matches_numpy_on_gpu(build, m, n):
         np.testing.assert_allclose(got, w, rtol=1e-4, atol=tol)
 
 
-@pytest.mark.gpu
-def test_index_select_and_bf16_pointwise_on_gpu():
-    cp = cupy_or_skip()
+def _index_select_fusion() -> FusionDefinition:
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, -1])
         i = fd.define_tensor([-1], dtype=DataType.Int)
         fd.add_output(fd.ops.index_select(x, i, 0))
-    x = cp.asarray(np.random.default_rng(0).standard_normal((1001, 37)).astype(np.float32))
-    idx = cp.asarray(np.random.default_rng(1).integers(0, 1001, 777))
+    return fd
+
+
+def test_gathered_rows_load_with_vectors():
+    src = _auto_lowered(_index_select_fusion(), [np.zeros((300, 4096), np.float32),
+                                                 np.zeros(300, np.int64)]).kernels[0].cuda_source
+    # The row index is read once per vector, then the row slice moves in one 16-byte load.
+    assert "const kiln_index_t g0 = " in src and "loadVec<float, 4>(kiln_vec, &T0[kiln_ib])" in src, src
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,width,offset", [(1001, 37, 0), (1001, 64, 0), (513, 64, 1), (3, 4, 0)])
+def test_index_select_and_bf16_pointwise_on_gpu(rows, width, offset):
+    # offset 1: the table starts 4 bytes past an aligned address, so every vector falls back
+    # to element-wise loads; width 37: rows alternate between aligned and not.
+    cp = cupy_or_skip()
+    fd = _index_select_fusion()
+    flat = cp.asarray(np.random.default_rng(0).standard_normal(rows * width + offset).astype(np.float32))
+    x = flat[offset:].reshape(rows, width)
+    idx = cp.asarray(np.random.default_rng(1).integers(0, rows, 777))
     (out,) = fd.execute([x, idx])
     np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(x)[cp.asnumpy(idx)])
 
@@ -367,3 +383,24 @@ def test_every_scheduler_matches_numpy_on_random_sizes_in_the_interpreter(build,
     for got, w in zip(outs, want):
         tol = 1e-5 * max(1.0, float(np.abs(w).max())) * (1 + n / 100)
         np.testing.assert_allclose(got, w, rtol=1e-4, atol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("build", [pointwise, softmax], ids=lambda b: b.__name__)
+def test_aligned_and_misaligned_inputs_get_their_own_kernels_on_gpu(build):
+    cp = cupy_or_skip()
+    fd, ref = build()
+    host = np.random.default_rng(3).standard_normal(64 * 4096 + 1).astype(np.float32)
+    flat = cp.asarray(host)
+    aligned = cp.ascontiguousarray(flat[:-1]).reshape(64, 4096)
+    odd = flat[1:].reshape(64, 4096)  # 4 bytes past a 16-byte boundary
+    assert aligned.data.ptr % 16 == 0 and odd.data.ptr % 16 == 4
+    for x in (aligned, odd, aligned, odd):  # the second round takes the cached fast path
+        (out,) = fd.execute([x])
+        (want,) = ref(cp.asnumpy(x).astype(np.float64))
+        np.testing.assert_allclose(cp.asnumpy(out), want, rtol=1e-4, atol=1e-6)
+    assert _auto_lowered(fd, [aligned]).aligned_bases and not _auto_lowered(fd, [odd]).aligned_bases
+    # A lowering compiled for aligned inputs refuses a misaligned one instead of faulting.
+    ev = _auto_lowered(fd, [aligned]).evaluator()
+    with pytest.raises(KilnError, match="not 16-byte aligned"):
+        ev.run([odd])

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 import scenarios
-from kiln import KilnError
+from kiln import FusionDefinition, KilnError
 from kiln.runtime.nvrtc import compile_cubin, nvrtc_available
 
 
@@ -172,12 +172,38 @@ def test_reduced_extents_are_compiled_in_and_bounds_fold_away():
 
 def test_vector_copies_of_local_arrays_need_no_address_check():
     fd = _unscheduled(lambda fd, x: fd.ops.mul(fd.ops.relu(x), 2.0))
-    src = _auto_source(fd, [np.zeros((64, 4096), np.float32)])
+    # An input at an address 4 bytes past a 16-byte boundary: Global sides are checked.
+    odd = np.zeros(64 * 4096 + 1, np.float32)[1:].reshape(64, 4096)
+    assert odd.ctypes.data % 16 != 0
+    src = _auto_source(fd, [odd])
     assert "loadVec<float, 4>" in src and "storeVec<float, 4>" in src
     checks = re.findall(r"reinterpret_cast<unsigned long long>\(&(T\d+)\[", src)
     params = set(re.findall(r"(T\d+),", re.search(r"kiln_kernel\((.*?)\)", src).group(1) + ","))
     assert checks and set(checks) <= params, (checks, params)  # only Global (parameter) pointers
     assert "__align__(16) float" in src
+
+
+def test_aligned_inputs_get_vector_accesses_without_address_checks():
+    # Aligned bases and offsets that are multiples of the vector width: no check, no fallback.
+    fd = _unscheduled(lambda fd, x: fd.ops.mul(fd.ops.relu(x), 2.0))
+    aligned = np.zeros((64, 4096), np.float32)
+    assert aligned.ctypes.data % 16 == 0
+    src = _auto_source(fd, [aligned])
+    assert "loadVec<float, 4>" in src and "reinterpret_cast<unsigned long long>" not in src, src
+    # A row length that is not a multiple of 4 (2-D schedule, bias per column): the row offset
+    # is checked as a number, not as an address.
+    with FusionDefinition() as fd2:
+        x = fd2.define_tensor([-1, -1])
+        b = fd2.define_tensor([-1])
+        fd2.add_output(fd2.ops.add(x, fd2.ops.broadcast_in_dim(b, shape=[-1, -1], broadcast_dims=[1])))
+    src = _auto_source(fd2, [np.zeros((1000, 1001), np.float32), np.zeros(1001, np.float32)])
+    assert "reinterpret_cast<unsigned long long>" not in src and "kiln_ib % 4 == 0" in src, src
+    # The lowering remembers the assumption; fd.execute keys its plans on it.
+    from kiln.execute import _auto_lowered
+
+    assert _auto_lowered(fd, [aligned]).aligned_bases
+    odd = np.zeros(64 * 4096 + 1, np.float32)[1:].reshape(64, 4096)
+    assert not _auto_lowered(fd, [odd]).aligned_bases
 
 
 def test_padded_transpose_tile_keeps_16_byte_global_accesses():

@@ -80,17 +80,34 @@ def _auto_lowered(fd: Any, inputs: Sequence[Any]) -> Any:
     and per heuristic: sizes that lead to the same schedule share one lowering)."""
     from .lowering import LoweredFusion, LoweredKernel  # noqa: PLC0415
 
-    sizes = [list(x.shape) for x in inputs if _kind(x) != "scalar"]
-    key = (fd._core.version, tuple(tuple(s) for s in sizes))
+    tensors = [x for x in inputs if _kind(x) != "scalar"]
+    sizes = [list(x.shape) for x in tensors]
+    # Inputs at 16-byte aligned addresses (any fresh allocation) get kernels whose vector
+    # accesses need no address checks; others (views at an odd offset) get checked ones.
+    aligned = all(data_ptr(x) % 16 == 0 for x in tensors)
+    key = (fd._core.version, tuple(tuple(s) for s in sizes), aligned)
     cache = fd.__dict__.setdefault("_auto_cache", {})
     hit = cache.get(key)
     if hit is not None:
         return hit
-    program, kind, params = fd._core.auto_program(sizes)
-    hkey = (fd._core.version, kind, tuple(params))
+    program, kind, params = fd._core.auto_program(sizes, aligned)
+    hkey = (fd._core.version, kind, tuple(params), aligned)
     low = cache.get(hkey)
     if low is None:
         low = cache[hkey] = LoweredFusion([LoweredKernel(k) for k in program.kernels()], program)
+        low.aligned_bases = aligned
     cache[key] = low
     return low
+
+
+def data_ptr(x: Any) -> int:
+    """The device (or host) address of an array's first element."""
+    kind = _kind(x)
+    if kind == "cupy":
+        return int(x.data.ptr)
+    if kind == "torch":
+        return int(x.data_ptr())
+    if kind == "numpy":
+        return int(x.ctypes.data)
+    raise KilnTypeError(f"expected an array, got {type(x).__name__}")
 

@@ -163,24 +163,26 @@ _SCALARS = (bool, int, float)
 
 
 def signature_key(inputs: Sequence[Any]) -> Tuple:
-    """The cache key of an input signature (shapes, strides, dtypes, devices, scalar types);
-    raises TypeError or AttributeError for inputs that have none (NumPy arrays, non-lists)."""
+    """The cache key of an input signature (shapes, strides, dtypes, devices, whether each
+    array starts 16-byte aligned, scalar types); raises TypeError or AttributeError for
+    inputs that have none (NumPy arrays, non-lists)."""
     if type(inputs) not in _SEQUENCES:
         raise TypeError("inputs must be a list or a tuple")
     try:  # CuPy arrays (the common case): no type dispatch; one input: no comprehension
         if len(inputs) == 1:
             x = inputs[0]
-            return (x.shape, x.strides, x.dtype, x.data.device_id)
-        return tuple([(x.shape, x.strides, x.dtype, x.data.device_id) for x in inputs])
+            d = x.data
+            return (x.shape, x.strides, x.dtype, d.device_id, d.ptr & 15 == 0)
+        return tuple([(x.shape, x.strides, x.dtype, x.data.device_id, x.data.ptr & 15 == 0) for x in inputs])
     except AttributeError:
         pass
     key = []
     for x in inputs:
         t = type(x)
         if t.__module__.startswith("cupy"):
-            key.append((x.shape, x.strides, x.dtype, x.data.device_id))
+            key.append((x.shape, x.strides, x.dtype, x.data.device_id, x.data.ptr & 15 == 0))
         elif t.__module__.startswith("torch"):
-            key.append((t, x.shape, x.stride(), x.dtype, x.get_device()))
+            key.append((t, x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15 == 0))
         elif isinstance(x, _SCALARS):
             # A scalar's value is a per-call argument; its type stays in the key, so a value
             # of a new type (a float for an Int scalar) takes the validating full path.
@@ -352,6 +354,10 @@ class HostEvaluator:
                 got = x.data.device_id
             if got != dev:
                 raise KilnError(f"{what}: is on device {got} but the current device is {dev}")
+            ptr = x.data_ptr() if torch_mode else x.data.ptr
+            if getattr(self.lowered, "aligned_bases", False) and ptr % 16:
+                raise KilnError(f"{what}: starts at address {ptr:#x}, not 16-byte aligned, but this lowering "
+                                "was compiled for aligned inputs; fd.execute picks a lowering for it")
         kind = "torch" if torch_mode else "cupy"
         plan = plan_program(self.lowered.program, arrays, scalars, kind)
         if not self._by_value and any(not isinstance(v, float) for v in scalars):

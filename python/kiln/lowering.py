@@ -128,6 +128,9 @@ class LoweredFusion:
         self.kernels = kernels
         self.program = program  # kiln._core.HostProgram
         self._evaluator: Any = None
+        # Compiled for tensor inputs that start 16-byte aligned (vector accesses check
+        # only their offsets): the evaluator refuses inputs that do not.
+        self.aligned_bases = False
 
     @property
     def host_program(self) -> str:

@@ -577,7 +577,9 @@ impl Gen<'_> {
         let f = self.f;
         let e = &f.exprs[*expr];
         // A broadcast moves data like a copy: along the vector it reads consecutive elements.
-        let (Op::Set | Op::Broadcast { .. }, Some(Operand::Tensor(src))) = (&e.op, e.inputs.first().copied()) else {
+        let (Op::Set | Op::Broadcast { .. } | Op::IndexSelect { .. }, Some(Operand::Tensor(src))) =
+            (&e.op, e.inputs.first().copied())
+        else {
             return Ok(false);
         };
         let dt = f.tvs[e.output].dtype;
@@ -598,6 +600,11 @@ impl Gen<'_> {
         if linear_coeff(&self.sc, ix.out, sym) != Some(1) || linear_coeff(&self.sc, in_off, sym) != Some(1) {
             return Ok(false);
         }
+        // A gathered row: the index is read once for the whole vector, so it must not move
+        // along it.
+        if ix.gathers.iter().any(|g| linear_coeff(&self.sc, g.at, sym) != Some(0)) {
+            return Ok(false);
+        }
         // Conjuncts already known to hold (unswitched fast path) need no re-check per vector.
         let mut parts = Vec::new();
         conjuncts(&self.sc, ix.predicate, &mut parts);
@@ -610,6 +617,18 @@ impl Gen<'_> {
         let ty = c_type(dt);
         let (ob, ib) = (self.buf(e.output), self.buf(src));
         let _ = writeln!(self.out, "{pad}{{  // Vectorize x{n} over {}", f.id_label(l.id));
+        for g in &ix.gathers {
+            // Read only where the vector's first element is in bounds; the address below is
+            // dereferenced only then.
+            let _ = writeln!(
+                self.out,
+                "{pad}  const kiln_index_t g{} = ({}) ? (kiln_index_t){}[{}] : 0;",
+                g.id,
+                self.pred(p0),
+                self.buf(g.index_tv),
+                self.c(g.at)
+            );
+        }
         let _ = writeln!(self.out, "{pad}  const kiln_index_t kiln_ob = {}, kiln_ib = {};", self.c(o0), self.c(i0));
         // Local arrays are declared 16-byte aligned, so an offset that is a multiple of the
         // vector width is aligned by construction. Checking a Local address at run time
@@ -623,6 +642,11 @@ impl Gen<'_> {
             match f.tvs[tv].memory {
                 MemoryType::Local if multiple => {}
                 MemoryType::Shared if !multiple => wide[k] = false,
+                // Global with aligned bases: only the offset can break the alignment.
+                MemoryType::Global if f.aligned_bases && multiple => {}
+                MemoryType::Global if f.aligned_bases => {
+                    checks.push(format!(" && {} % {n} == 0", if k == 0 { "kiln_ob" } else { "kiln_ib" }));
+                }
                 _ => {
                     let var = if k == 0 { "kiln_ob" } else { "kiln_ib" };
                     checks.push(format!(" && reinterpret_cast<unsigned long long>(&{buf}[{var}]) % {bytes} == 0"));

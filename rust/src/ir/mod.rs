@@ -237,6 +237,11 @@ pub struct Fusion {
     /// Give every reduction and permute a segment of its own (the automatic segmenter's
     /// fallback: two independent reductions over different axes cannot share a kernel).
     pub segment_each_boundary: bool,
+    /// Every Global tensor the kernels access starts at a 16-byte aligned address (the
+    /// host checked the user's inputs for this plan; kiln's own buffers always are). A
+    /// vector access then needs only its offset checked, or nothing when the offset is a
+    /// known multiple of the vector width.
+    pub aligned_bases: bool,
 }
 
 impl Fusion {

@@ -463,10 +463,17 @@ impl PyFusion {
     }
 
     /// The host program the automatic schedulers (and, failing them, the segmenter) pick
-    /// for inputs of `sizes`, with the heuristic's (kind, params).
-    fn auto_program(&self, py: Python<'_>, sizes: Vec<Vec<i64>>) -> PyResult<(PyHostProgram, &'static str, Vec<i64>)> {
+    /// for inputs of `sizes`, with the heuristic's (kind, params); `aligned_bases`: every
+    /// tensor input starts at a 16-byte aligned address.
+    #[pyo3(signature = (sizes, aligned_bases = false))]
+    fn auto_program(
+        &self,
+        py: Python<'_>,
+        sizes: Vec<Vec<i64>>,
+        aligned_bases: bool,
+    ) -> PyResult<(PyHostProgram, &'static str, Vec<i64>)> {
         guarded(py, || {
-            let (p, h) = crate::sched::auto::auto_program(&self.inner, &sizes)?;
+            let (p, h) = crate::sched::auto::auto_program(&self.inner, &sizes, aligned_bases)?;
             Ok((PyHostProgram { inner: p, cache: crate::host::plan::PlanCache::default() }, h.kind, h.params))
         })
     }

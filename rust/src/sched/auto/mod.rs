@@ -68,16 +68,23 @@ pub fn schedule(f: &mut Fusion, inputs: &[Vec<i64>]) -> Result<Heuristic> {
 /// A host program for `f` (unscheduled) and inputs of the given sizes: one kernel when a
 /// scheduler covers the whole fusion, else the segmenter's fallback: a kernel boundary
 /// after every reduction and permute, at most one of them per kernel, each segment
-/// scheduled on its own.
-pub fn auto_program(f: &Fusion, inputs: &[Vec<i64>]) -> Result<(crate::host::ir::HostProgram, Heuristic)> {
+/// scheduled on its own. `aligned_bases`: every input starts 16-byte aligned (see
+/// `Fusion::aligned_bases`); the host keys its plans on it.
+pub fn auto_program(
+    f: &Fusion,
+    inputs: &[Vec<i64>],
+    aligned_bases: bool,
+) -> Result<(crate::host::ir::HostProgram, Heuristic)> {
     let extents = extent_values(f, inputs)?;
     let mut whole = f.clone();
+    whole.aligned_bases = aligned_bases;
     let first = match schedule_with_extents(&mut whole, &extents) {
         Ok(h) => return Ok((crate::host::lower::lower_program(&whole)?, h)),
         Err(e) => e,
     };
     let mut g = f.clone();
     g.segment_each_boundary = true;
+    g.aligned_bases = aligned_bases;
     let mut marked = 0;
     let order = g.topo_exprs();
     for (i, &e) in order.iter().enumerate() {

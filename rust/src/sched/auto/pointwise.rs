@@ -84,6 +84,18 @@ pub fn schedule(f: &mut Fusion, extents: &[i64]) -> Result<Heuristic> {
     }
     let order = f.topo_exprs();
     let tensors: Vec<TvId> = order.iter().map(|&e| f.exprs[e].output).collect();
+    // Rows gathered from a table (index_select along an outer axis) are contiguous along
+    // the last axis: they load with vectors like a cache of the table would.
+    for &t in &tensors {
+        let Some(def) = f.tvs[t].definition else { continue };
+        if let (Op::IndexSelect { dim }, Some(Operand::Tensor(table))) = (&f.exprs[def].op, f.exprs[def].inputs.first())
+        {
+            let table_rank = f.tvs[*table].logical.len();
+            if f.is_input(*table) && *dim + 1 < table_rank && full_size(f, t, rank) && !vec_tensors.contains(&t) {
+                vec_tensors.push(t);
+            }
+        }
+    }
     if let Some((rows, cols)) = two_d_extents(f, extents, out, rank, &tensors)? {
         let t2 = (((cols + v - 1) / v + 31) / 32 * 32).clamp(32, 128);
         // Two rows per thread at most (bias + GELU, 16384x4096 fp32 on the H200: 129.6 us
