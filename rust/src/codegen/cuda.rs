@@ -835,8 +835,6 @@ impl Gen<'_> {
         let ty = c_type(f.tvs[out_tv].dtype);
         let out = format!("{}[{}]", self.buf(out_tv), self.c(ix.out));
         let wpred = self.pred(ix.write_predicate);
-        let (out, r) = (out.as_str(), format!("kiln_r{}", self.scratch + 1));
-        let store = if complete { format!("{out} = {r};") } else { format!("{out} = {functor}({out}, {r});") };
         let has = |p: ParallelType| red.contains(&p);
         let tflags = format!("{}, {}, {}", has(ParallelType::TIDx), has(ParallelType::TIDy), has(ParallelType::TIDz));
         let bflags = format!("{}, {}, {}", has(ParallelType::BIDx), has(ParallelType::BIDy), has(ParallelType::BIDz));
@@ -844,6 +842,7 @@ impl Gen<'_> {
         self.scratch += 1;
         let v = format!("kiln_v{}", self.scratch);
         let r = format!("kiln_r{}", self.scratch);
+        let store = if complete { format!("{out} = {r};") } else { format!("{out} = {functor}({out}, {r});") };
         let _ = writeln!(self.out, "{pad}{{");
         let _ = writeln!(self.out, "{pad}  {ty}* kiln_ws = reinterpret_cast<{ty}*>(kiln_smem + {});", self.c(ws));
         let _ = writeln!(self.out, "{pad}  {pre}const {ty} {v} = {value};");
