@@ -298,59 +298,40 @@ fn ipow(mut a: i64, mut b: i64) -> i64 {
     r
 }
 
+/// `op` on one float (f32 or f64: the same expression serves both widths).
+macro_rules! float_unary {
+    ($op:expr, $a:expr) => {{
+        let a = $a;
+        match $op {
+            Abs => a.abs(),
+            Neg => -a,
+            Exp => a.exp(),
+            Log => a.ln(),
+            Sqrt => a.sqrt(),
+            Rsqrt => 1.0 / a.sqrt(),
+            Reciprocal => 1.0 / a,
+            Sin => a.sin(),
+            Cos => a.cos(),
+            Tanh => a.tanh(),
+            Sigmoid => 1.0 / (1.0 + (-a).exp()),
+            Relu => {
+                if a <= 0.0 {
+                    0.0
+                } else {
+                    a
+                }
+            }
+        }
+    }};
+}
+
 /// Unary math on a column already converted to the output dtype `dt`; the result is
 /// rounded to `dt`.
 pub fn unary(op: UnaryOp, x: Col, dt: DataType) -> Result<Col> {
     use UnaryOp::*;
     let r = match x {
-        Col::F32(v) => Col::F32(
-            v.into_iter()
-                .map(|a| match op {
-                    Abs => a.abs(),
-                    Neg => -a,
-                    Exp => a.exp(),
-                    Log => a.ln(),
-                    Sqrt => a.sqrt(),
-                    Rsqrt => 1.0 / a.sqrt(),
-                    Reciprocal => 1.0 / a,
-                    Sin => a.sin(),
-                    Cos => a.cos(),
-                    Tanh => a.tanh(),
-                    Sigmoid => 1.0 / (1.0 + (-a).exp()),
-                    Relu => {
-                        if a <= 0.0 {
-                            0.0
-                        } else {
-                            a
-                        }
-                    }
-                })
-                .collect(),
-        ),
-        Col::F64(v) => Col::F64(
-            v.into_iter()
-                .map(|a| match op {
-                    Abs => a.abs(),
-                    Neg => -a,
-                    Exp => a.exp(),
-                    Log => a.ln(),
-                    Sqrt => a.sqrt(),
-                    Rsqrt => 1.0 / a.sqrt(),
-                    Reciprocal => 1.0 / a,
-                    Sin => a.sin(),
-                    Cos => a.cos(),
-                    Tanh => a.tanh(),
-                    Sigmoid => 1.0 / (1.0 + (-a).exp()),
-                    Relu => {
-                        if a <= 0.0 {
-                            0.0
-                        } else {
-                            a
-                        }
-                    }
-                })
-                .collect(),
-        ),
+        Col::F32(v) => Col::F32(v.into_iter().map(|a| float_unary!(op, a)).collect()),
+        Col::F64(v) => Col::F64(v.into_iter().map(|a| float_unary!(op, a)).collect()),
         Col::I(v) => match op {
             Abs => Col::I(v.into_iter().map(|a| a.wrapping_abs()).collect()),
             Neg => Col::I(v.into_iter().map(|a| a.wrapping_neg()).collect()),
@@ -371,28 +352,28 @@ macro_rules! zip_map {
     };
 }
 
+/// Arithmetic on two floats of one width (f32 or f64).
+macro_rules! float_arith {
+    ($op:expr, $x:expr, $y:expr) => {{
+        let (x, y) = ($x, $y);
+        match $op {
+            Add => x + y,
+            Sub => x - y,
+            Mul => x * y,
+            Div => x / y,
+            Pow => x.powf(y),
+            Maximum => maximum_f(x, y, x.is_nan(), y.is_nan()),
+            _ => minimum_f(x, y, x.is_nan(), y.is_nan()),
+        }
+    }};
+}
+
 /// Arithmetic (`add` … `minimum`) on two columns converted to `dt`; rounded to `dt`.
 pub fn arith(op: BinaryOp, a: Col, b: Col, dt: DataType) -> Result<Col> {
     use BinaryOp::*;
     let r = match (a, b) {
-        (Col::F32(a), Col::F32(b)) => Col::F32(zip_map!(a, b, |x, y| match op {
-            Add => x + y,
-            Sub => x - y,
-            Mul => x * y,
-            Div => x / y,
-            Pow => x.powf(y),
-            Maximum => maximum_f(x, y, x.is_nan(), y.is_nan()),
-            _ => minimum_f(x, y, x.is_nan(), y.is_nan()),
-        })),
-        (Col::F64(a), Col::F64(b)) => Col::F64(zip_map!(a, b, |x, y| match op {
-            Add => x + y,
-            Sub => x - y,
-            Mul => x * y,
-            Div => x / y,
-            Pow => x.powf(y),
-            Maximum => maximum_f(x, y, x.is_nan(), y.is_nan()),
-            _ => minimum_f(x, y, x.is_nan(), y.is_nan()),
-        })),
+        (Col::F32(a), Col::F32(b)) => Col::F32(zip_map!(a, b, |x, y| float_arith!(op, x, y))),
+        (Col::F64(a), Col::F64(b)) => Col::F64(zip_map!(a, b, |x, y| float_arith!(op, x, y))),
         (Col::I(a), Col::I(b)) => Col::I(zip_map!(a, b, |x, y| match op {
             Add => x.wrapping_add(y),
             Sub => x.wrapping_sub(y),
