@@ -316,12 +316,7 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
             inputs.push(None);
             continue;
         };
-        let mut pidx: FxHashMap<IterDomainId, ValId> = FxHashMap::default();
-        for (pid, cid) in logical_pairs(f, e, pos) {
-            if let Some(&v) = cidx.get(&cid) {
-                pidx.insert(pid, v);
-            }
-        }
+        let mut pidx = from_consumer(f, e, pos, &cidx);
         let zero = f.scalars.int(0);
         for pid in f.tvs[p].logical.clone() {
             if f.ids[pid].iter_type != IterType::Iteration {
@@ -339,15 +334,7 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
             let g = f.scalars.symbol(Symbol::Gathered(id));
             pidx.insert(sel, g);
         }
-        // Loop ids shared with the enclosing loops use the loop index itself.
-        for (a, &id) in f.tvs[p].loop_domain.clone().iter().enumerate() {
-            if a < f.tvs[p].inline_pos {
-                let g = ctx.lg.group(p, a);
-                if let Some(l) = stack.iter().rev().find(|l| l.group == Some(g)) {
-                    pidx.insert(id, l.index);
-                }
-            }
-        }
+        bind_enclosing(f, ctx, p, stack, &mut pidx);
         forward(f, p, &mut pidx);
         inputs.push(Some(offset(f, ctx, p, &pidx, &groups)?));
     }
@@ -382,22 +369,31 @@ fn index_operand(
     groups: &FxHashMap<IterDomainId, ValId>,
     stack: &[Enclosing],
 ) -> Result<ValId> {
-    let mut pidx: FxHashMap<IterDomainId, ValId> = FxHashMap::default();
-    for (pid, cid) in logical_pairs(f, e, pos) {
-        if let Some(&v) = cidx.get(&cid) {
-            pidx.insert(pid, v);
-        }
-    }
-    for (a, &id) in f.tvs[p].loop_domain.clone().iter().enumerate() {
-        if a < f.tvs[p].inline_pos {
-            let g = ctx.lg.group(p, a);
-            if let Some(l) = stack.iter().rev().find(|l| l.group == Some(g)) {
-                pidx.insert(id, l.index);
-            }
-        }
-    }
+    let mut pidx = from_consumer(f, e, pos, cidx);
+    bind_enclosing(f, ctx, p, stack, &mut pidx);
     forward(f, p, &mut pidx);
     offset(f, ctx, p, &pidx, groups)
+}
+
+/// Indices of operand `pos`'s logical ids, taken from the consumer ids they map to.
+fn from_consumer(
+    f: &Fusion,
+    e: ExprId,
+    pos: usize,
+    cidx: &FxHashMap<IterDomainId, ValId>,
+) -> FxHashMap<IterDomainId, ValId> {
+    logical_pairs(f, e, pos).into_iter().filter_map(|(pid, cid)| cidx.get(&cid).map(|&v| (pid, v))).collect()
+}
+
+/// Loop ids of `p` shared with the enclosing loops use the loop index itself.
+fn bind_enclosing(f: &Fusion, ctx: &Ctx, p: TvId, stack: &[Enclosing], pidx: &mut FxHashMap<IterDomainId, ValId>) {
+    let t = &f.tvs[p];
+    for (a, &id) in t.loop_domain.iter().enumerate().take(t.inline_pos) {
+        let g = ctx.lg.group(p, a);
+        if let Some(l) = stack.iter().rev().find(|l| l.group == Some(g)) {
+            pidx.insert(id, l.index);
+        }
+    }
 }
 
 fn index_init(f: &mut Fusion, ctx: &mut Ctx, tv: TvId, stack: &[Enclosing]) -> Result<AccessIndex> {
