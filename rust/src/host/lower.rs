@@ -39,17 +39,7 @@ pub fn lower_program_with(
     };
     for (i, tv) in f.inputs.iter().filter_map(|o| o.tensor()).enumerate() {
         of_tv.insert(tv, buffers.len());
-        buffers.push(HostBuffer {
-            name: f.tv_name(tv),
-            tv: Some(tv),
-            dtype: f.tvs[tv].dtype,
-            memory: MemoryType::Global,
-            shape: f.no_reduction_logical(tv).iter().map(|&id| f.ids[id].extent).collect(),
-            kernel: 0,
-            zero_init: false,
-            resets_to_zero: false,
-            role: BufferRole::Input(i),
-        });
+        buffers.push(tensor_buffer(f, tv, 0, BufferRole::Input(i)));
     }
     for (k, seg) in segs.iter().enumerate() {
         let mut sf = segment_fusion(f, seg);
@@ -72,17 +62,7 @@ pub fn lower_program_with(
                 None => BufferRole::Intermediate,
             };
             let b = buffers.len();
-            buffers.push(HostBuffer {
-                name: f.tv_name(tv),
-                tv: Some(tv),
-                dtype: f.tvs[tv].dtype,
-                memory: MemoryType::Global,
-                shape: f.no_reduction_logical(tv).iter().map(|&id| f.ids[id].extent).collect(),
-                kernel: k,
-                zero_init: false,
-                resets_to_zero: false,
-                role,
-            });
+            buffers.push(tensor_buffer(f, tv, k, role));
             of_tv.insert(tv, b);
             instrs.push(HostInstr::Allocate(b));
             outputs.push(b);
@@ -137,4 +117,20 @@ fn insert_deallocates(buffers: &[HostBuffer], instrs: Vec<HostInstr>) -> Vec<Hos
         out.extend(fr.into_iter().map(HostInstr::Deallocate));
     }
     out
+}
+
+/// The Global buffer of fusion tensor `tv` (an input, an output or a tensor passed between
+/// kernels), first used by kernel `kernel`.
+fn tensor_buffer(f: &Fusion, tv: TvId, kernel: usize, role: BufferRole) -> HostBuffer {
+    HostBuffer {
+        name: f.tv_name(tv),
+        tv: Some(tv),
+        dtype: f.tvs[tv].dtype,
+        memory: MemoryType::Global,
+        shape: f.no_reduction_logical(tv).iter().map(|&id| f.ids[id].extent).collect(),
+        kernel,
+        zero_init: false,
+        resets_to_zero: false,
+        role,
+    }
 }
