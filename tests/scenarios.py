@@ -72,10 +72,11 @@ def b_local() -> Scenario:
     return _cache(MemoryType.Local)
 
 
-def c_inlined_unroll() -> Scenario:
+def c_inlined_unroll(symbolic: bool = False) -> Scenario:
+    """``symbolic``: sizes are run-time extents instead of the constants 6 and 5."""
     with FusionDefinition() as fd:
-        x0 = fd.define_tensor([6])
-        x1 = fd.define_tensor([6, 5])
+        x0 = fd.define_tensor([-1] if symbolic else [6])
+        x1 = fd.define_tensor([-1, -1] if symbolic else [6, 5])
         t2 = fd.ops.exp(x0)
         t3 = fd.ops.broadcast_in_dim(t2, shape=[-1, -1], broadcast_dims=[0])
         t4 = fd.ops.add(t3, x1)

@@ -71,20 +71,7 @@ def test_b_caches(mem):
 
 # c) broadcast + inline + Unroll ------------------------------------------------------------
 def test_c_inlined_unroll_with_broadcast():
-    with FusionDefinition() as fd:
-        x0 = fd.define_tensor([-1])
-        x1 = fd.define_tensor([-1, -1])
-        t2 = fd.ops.exp(x0)
-        t3 = fd.ops.broadcast_in_dim(t2, shape=[-1, -1], broadcast_dims=[0])
-        t4 = fd.ops.add(t3, x1)
-        fd.add_output(t4)
-    for t in (t3, t4):
-        t.merge(0)
-        t.split(0, 4, inner_split=False)
-        t.axis(0).parallelize(ParallelType.Unroll)
-    t2.split(0, 4, inner_split=False)
-    t2.inline_at(2)
-    t3.inline_at(2)
+    fd = scenarios.c_inlined_unroll(symbolic=True).fd
     a, b = rand(6), rand(6, 5)
     (out,) = run(fd, [a, b])
     check(out, np.exp(a.astype(np.float64))[:, None] + b)
@@ -161,16 +148,7 @@ def test_g_index_select():
 
 # h) reductions -----------------------------------------------------------------------------
 def test_h_block_row_reduction():
-    with FusionDefinition() as fd:
-        x = fd.define_tensor([-1, -1])
-        s = fd.ops.sum(x, dims=[1])
-        fd.add_output(s)
-    s.split(1, 128)
-    s.axis(0).parallelize(ParallelType.BIDx)
-    s.axis(2).parallelize(ParallelType.TIDx)
-    acc = s.cache_before()
-    s.axis(0).parallelize(ParallelType.BIDx)
-    acc.inline_at(1)
+    fd = scenarios.h_block_row_sum().fd
     x_ = rand(4, 1000)
     (out,) = run(fd, [x_])
     check(out, x_.astype(np.float64).sum(1), rtol=1e-4, atol=1e-4)
