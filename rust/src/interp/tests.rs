@@ -30,19 +30,7 @@ fn close(a: &[f32], b: &[f32]) {
 
 /// x -> exp -> neg, each [BIDx, TIDx 32, 4], exp inlined at 2 (Local [4]).
 fn chain() -> Fusion {
-    let mut f = Fusion::new();
-    let x = f.define_tensor(&[-1], DataType::Float, None).unwrap();
-    let a = f.unary(UnaryOp::Exp, Operand::Tensor(x)).unwrap();
-    let b = f.unary(UnaryOp::Neg, Operand::Tensor(a)).unwrap();
-    f.add_output(b).unwrap();
-    for t in [a, b] {
-        f.split(t, 0, 128, true).unwrap();
-        f.split(t, 1, 4, true).unwrap();
-        f.parallelize(t, 0, ParallelType::BIDx).unwrap();
-        f.parallelize(t, 1, ParallelType::TIDx).unwrap();
-    }
-    f.inline_at(a, 2).unwrap();
-    f
+    crate::lower::tests::chain(2, false).0
 }
 
 /// A Shared cache of x read transposed: y[i, j] = x[j, i] through a Shared tile with

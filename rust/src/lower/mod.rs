@@ -88,4 +88,4 @@ fn size_constraints(f: &Fusion) -> Vec<(crate::ir::ValId, crate::ir::ValId, Stri
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

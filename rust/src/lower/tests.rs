@@ -20,7 +20,7 @@ fn extents(f: &Fusion, ids: &[crate::ir::IterDomainId]) -> Vec<String> {
 }
 
 /// x -> exp -> neg, each [BIDx, TIDx 32, 4], producer inlined at `pos`.
-fn chain(pos: i64, unroll: bool) -> (Fusion, TvId, TvId) {
+pub(crate) fn chain(pos: i64, unroll: bool) -> (Fusion, TvId, TvId) {
     let mut f = Fusion::new();
     let x = f.define_tensor(&[-1], DataType::Float, None).unwrap();
     let a = f.unary(UnaryOp::Exp, Operand::Tensor(x)).unwrap();
