@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import scenarios
-from gpu_util import cupy_or_skip
+from gpu_util import cupy_or_skip, plan_without_resets
 from kiln import FusionDefinition, KilnError, KilnTypeError, ParallelType
 from kiln.cli import build_demo
 from kiln.cli import reference as softmax_reference
@@ -55,17 +55,17 @@ def test_grid_reduction_program_lists_work_buffer_and_semaphore(serial):
     assert allocs[0].startswith("Allocate T1 [i1] float")
     work, sync = allocs[1], allocs[2]
     assert work.startswith("Allocate T1_work [") and "zero_init=false resets_to_zero=false" in work
-    flags = f"zero_init=true resets_to_zero={str(serial).lower()}"
-    assert sync == f"Allocate T1_sync [ceilDiv(i1, 128)] int64 {flags}"
+    # Both protocols leave the semaphore at zero: it lives in the zeroed pool.
+    assert sync == "Allocate T1_sync [ceilDiv(i1, 128)] int64 zero_init=true resets_to_zero=true"
     # Same order as the kernel's buffer parameters, flags as in KernelSummary.
     k = low.kernels[0]
     assert [p[0] for p in k.params if p[1] == "buffer"] == ["T1_work", "T1_sync"]
-    assert [(g.zero_init, g.resets_to_zero) for g in k.global_allocations] == [(False, False), (True, serial)]
+    assert [(g.zero_init, g.resets_to_zero) for g in k.global_allocations] == [(False, False), (True, True)]
     launch = _lines(text, "LaunchKernel")[0]
     assert "intermediates=[T1_work, T1_sync]" in launch
     assert _lines(text, "Deallocate") == ["Deallocate T1_work", "Deallocate T1_sync"]
     plan = low.plan([x])
-    assert plan.buffer("T1_sync").place == ("zero_pool" if serial else "arena")
+    assert plan.buffer("T1_sync").place == "zero_pool"
     assert plan.buffer("T1_work").place == "arena"
 
 
@@ -180,9 +180,10 @@ def _assert_close(got, ref):
 
 
 @pytest.mark.gpu
-def test_serial_grid_reduction_zeroes_its_pool_once():
+@pytest.mark.parametrize("serial", [False, True])
+def test_grid_reduction_zeroes_its_pool_once(serial):
     cp = cupy_or_skip()
-    sc = scenarios.h_serial_grid_column_sum()
+    sc = scenarios.h_serial_grid_column_sum() if serial else scenarios.h_grid_column_sum()
     x = sc.make_inputs(cp)[0]
     ref = sc.reference([cp.asnumpy(x)])[0]
     first = None
@@ -201,8 +202,9 @@ def test_serial_grid_reduction_zeroes_its_pool_once():
 
 
 @pytest.mark.gpu
-def test_zero_init_without_reset_is_zeroed_every_launch():
+def test_zero_init_without_reset_is_zeroed_every_launch(monkeypatch):
     cp = cupy_or_skip()
+    plan_without_resets(monkeypatch)
     sc = scenarios.h_grid_column_sum()
     x = sc.make_inputs(cp)[0]
     ref = sc.reference([cp.asnumpy(x)])[0]

@@ -14,7 +14,7 @@ import kiln.execute as execute_mod
 import numpy as np
 import pytest
 import scenarios
-from gpu_util import cupy_or_skip
+from gpu_util import cupy_or_skip, plan_without_resets
 from kiln import DataType, FusionDefinition, KilnError, KilnTypeError, ParallelType, _core, host
 from kiln.runtime.kernel_executor import np_scalar
 
@@ -594,17 +594,27 @@ def test_changed_schedule_is_not_served_from_the_old_signature(fake_gpu):
 
 
 @pytest.mark.parametrize("serial", [False, True])
-def test_grid_reduction_memsets_go_through_the_launcher(fake_gpu, serial):
+def test_grid_reduction_semaphores_are_not_cleared_per_launch(fake_gpu, serial):
     sc = scenarios.h_serial_grid_column_sum() if serial else scenarios.h_grid_column_sum()
     x = FakeArray((61, 300))
     sc.fd.execute([x])
     sc.fd.execute([x])
     ev = sc.fd._lowered().evaluator()
     (rec,) = fake_gpu.made
+    # Both protocols leave the semaphore at zero: it comes from the zeroed pool.
+    assert [c[0] for c in rec.calls] == ["launch", "launch"] and ev.memsets == 0
+    assert ev.pool.stats()["zero_fills"] == 1
+
+
+def test_memsets_of_semaphores_that_stay_dirty_go_through_the_launcher(fake_gpu, monkeypatch):
+    plan_without_resets(monkeypatch)
+    sc = scenarios.h_grid_column_sum()
+    x = FakeArray((61, 300))
+    sc.fd.execute([x])
+    sc.fd.execute([x])
+    ev = sc.fd._lowered().evaluator()
+    (rec,) = fake_gpu.made
     kinds = [c[0] for c in rec.calls]
-    if serial:  # the semaphore comes from the zeroed pool: never cleared per launch
-        assert kinds == ["launch", "launch"] and ev.memsets == 0
-        return
     assert kinds == ["zero", "launch", "zero", "launch"] and ev.memsets == 2
     base = ev._arena.data.ptr
     _, stream, ptrs, regions = rec.calls[0]

@@ -67,3 +67,40 @@ fn segment_after_an_input_is_an_error() {
     let e = f.mark_segment_after(x).unwrap_err();
     assert!(e.message.contains("segment_after T0"), "{}", e.message);
 }
+
+/// Column sum over a grid of blocks: the kernel needs a work buffer and a semaphore.
+fn grid_column_sum() -> Fusion {
+    let mut f = Fusion::new();
+    let x = f.define_tensor(&[-1, -1], DataType::Float, None).unwrap();
+    let s = f.reduction(crate::ir::ReductionOp::Sum, x, &[0], false, None).unwrap();
+    f.add_output(s).unwrap();
+    f.split(s, 1, 32, true).unwrap(); // [r i0, i1/32, 32]
+    f.split(s, 0, 4, true).unwrap(); // [r i0/4, r 4, i1/32, 32]
+    f.parallelize(s, 0, ParallelType::BIDy).unwrap();
+    f.parallelize(s, 1, ParallelType::TIDy).unwrap();
+    f.parallelize(s, 2, ParallelType::BIDx).unwrap();
+    f.parallelize(s, 3, ParallelType::TIDx).unwrap();
+    f
+}
+
+#[test]
+fn semaphores_that_reset_come_from_the_zeroed_pool_others_are_zeroed_per_launch() {
+    let mut p = lower_program(&grid_column_sum()).unwrap();
+    let inputs = [InputDesc { sizes: vec![64, 96], strides: vec![96, 1] }];
+    let sync = p.buffers.iter().position(|b| b.name.ends_with("_sync")).unwrap();
+    let work = p.buffers.iter().position(|b| b.name.ends_with("_work")).unwrap();
+    assert!(p.buffers[sync].zero_init && p.buffers[sync].resets_to_zero);
+    assert!(!p.buffers[work].zero_init);
+    let plan = plan_program(&p, &inputs, &[] as &[ScalarArg]).unwrap();
+    assert_eq!(plan.buffers[sync].place, Place::ZeroPool(0));
+    assert_eq!(plan.buffers[sync].bytes, 3 * 8, "one int64 semaphore per column tile");
+    assert!(plan.zero_pool_bytes >= 3 * 8);
+    assert!(matches!(plan.buffers[work].place, Place::Arena(_)));
+    assert!(plan.launches[0].memsets.is_empty());
+    // A zero-initialised buffer that its kernel leaves dirty is zeroed before every launch.
+    p.buffers[sync].resets_to_zero = false;
+    let plan = plan_program(&p, &inputs, &[] as &[ScalarArg]).unwrap();
+    assert!(matches!(plan.buffers[sync].place, Place::Arena(_)));
+    assert_eq!(plan.zero_pool_bytes, 0);
+    assert_eq!(plan.launches[0].memsets, vec![sync]);
+}

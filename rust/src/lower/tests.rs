@@ -138,7 +138,7 @@ fn grid_reduction_summary_and_top_level_allocations() {
     let g = &k.summary.global_allocations;
     assert_eq!(g.len(), 2);
     assert!(k.summary.has_grid_reduction);
-    assert!(!g[0].zero_init && g[1].zero_init && !g[1].resets_to_zero);
+    assert!(!g[0].zero_init && !g[0].resets_to_zero && g[1].zero_init && g[1].resets_to_zero);
     assert_eq!(g[1].dtype, DataType::Int);
     let tops = k.body.iter().take_while(|n| matches!(n, Node::Alloc(_))).count();
     assert_eq!(tops, 2, "work buffer and semaphore are allocated at the top level");
