@@ -9,11 +9,18 @@ Each workload is defined once as a kiln ``FusionDefinition`` built with ``fd.ops
 unscheduled, so kiln's automatic schedulers pick the schedule. Every peer runs the same math
 on the same torch CUDA tensors (CuPy sees them zero-copy through ``cupy.asarray``).
 
-Timing: 3 warm-up calls (the first compiles), then 50 calls (``--quick``: 10, and M=4096),
-each bracketed by its own pair of CUDA events; the median is reported in microseconds.
-Before each timed call a short ``torch.cuda._sleep`` kernel is queued so the host gets ahead
-of the GPU: the events then time the GPU work of the call, not Python launch overhead.
-Every input is larger than L2 (a warning is printed when one is not, e.g. with ``--quick``).
+Timing: the GPU first runs copies for about two seconds so that its clocks are up. Then,
+per workload, kiln and the peers are timed in 5 interleaved rounds of 20 calls each (the
+order rotates every round), so that a drift of clocks or temperature during the run falls
+on all of them alike; each round starts with 3 warm-up calls (the first compiles). Every
+call is bracketed by its own pair of CUDA events, and the median of all 100 calls
+(``--quick``: 2 rounds of 5, and M=4096) is reported in microseconds. Before each timed
+call a short ``torch.cuda._sleep`` kernel is queued so the host gets ahead of the GPU: the
+events then time the GPU work of the call, not Python launch overhead. Before that, a
+256 MiB buffer is read to flush L2, so each call starts from the same cache state whatever
+ran before it (without it, a kiln call timed right after CuPy's layernorm, whose temporaries
+leave L2 full of dirty lines, took 2 µs longer than one timed after torch.compile's). Every
+input is larger than L2 (a warning is printed when one is not, e.g. with ``--quick``).
 
 Effective GB/s = minimum bytes (inputs read once + outputs written once) / median time. A
 device-to-device copy of a 1 GiB tensor (bytes read + written / time) is the roofline that
@@ -53,10 +60,12 @@ M_QUICK = 4096
 K = 4096
 TRANSPOSE_N_FULL = 8192
 TRANSPOSE_N_QUICK = 4096
-RUNS_FULL = 50
-RUNS_QUICK = 10
+ROUNDS_FULL, RUNS_PER_ROUND_FULL = 5, 20
+ROUNDS_QUICK, RUNS_PER_ROUND_QUICK = 2, 5
 WARMUP = 3
+CLOCK_WARMUP_S = 2.0
 COPY_BYTES = 1 << 30
+FLUSH_BYTES = 256 << 20  # over four times the H200's L2
 SLEEP_CYCLES = 2_000_000  # about 1 ms at H200 clocks: keeps the host ahead of the GPU
 SEED = 0
 LN_EPS = 1e-5
@@ -333,8 +342,21 @@ def make_workloads(m: int, n_t: int, cp: Optional[Any]) -> List[Workload]:
 
 
 # ----------------------------------------------------------------------------- timing
+_FLUSH: List[torch.Tensor] = []
+
+
+def flush_l2() -> None:
+    """Read a buffer several times larger than L2, so that the next call finds L2 holding only
+    clean, unrelated lines, whatever ran before it (another implementation's dirty output
+    or its reads of the shared input would otherwise speed it up or slow it down)."""
+    if not _FLUSH:
+        _FLUSH.append(torch.ones(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda"))
+    torch.sum(_FLUSH[0])
+
+
 def time_gpu_us(fn: Callable[[], Any], runs: int) -> List[float]:
-    """GPU time of ``fn`` in microseconds, one CUDA event pair per run, after ``WARMUP`` calls."""
+    """GPU time of ``fn`` in microseconds, one CUDA event pair per run, after ``WARMUP`` calls;
+    L2 is flushed before every timed call."""
     for _ in range(WARMUP):
         fn()
     torch.cuda.synchronize()
@@ -342,6 +364,7 @@ def time_gpu_us(fn: Callable[[], Any], runs: int) -> List[float]:
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
     for start, end in zip(starts, ends):
+        flush_l2()
         if sleep is not None:
             sleep(SLEEP_CYCLES)
         start.record()
@@ -372,6 +395,51 @@ def measure(fn: Optional[Callable[[], Any]], runs: int, na_reason: str = "") -> 
         return {"median_us": None, "min_us": None, "runs": 0, "times_us": [], "error": error_text(e)}
     return {"median_us": statistics.median(times), "min_us": min(times), "runs": len(times),
             "times_us": times, "error": None}
+
+
+def measure_interleaved(fns: Dict[str, Optional[Callable[[], Any]]], na: Dict[str, str], rounds: int,
+                        per_round: int) -> Dict[str, Dict[str, Any]]:
+    """``measure`` for several implementations at once: ``rounds`` rounds of ``per_round``
+    timed calls each, the order rotating every round; an implementation that raises (or is
+    None: n/a) drops out with its error and the others go on."""
+    names = list(fns)
+    times: Dict[str, List[float]] = {n: [] for n in names}
+    errors: Dict[str, Optional[str]] = {n: None if fns[n] is not None else (na.get(n) or "n/a")
+                                        for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            fn = fns[n]
+            if fn is None or errors[n] is not None:
+                continue
+            try:
+                times[n].extend(time_gpu_us(fn, per_round))
+            except Exception as e:  # a peer or kiln failing is a result, not the end of the run
+                errors[n] = error_text(e)
+    out = {}
+    for n in names:
+        t = times[n]
+        if errors[n] is not None or not t:
+            out[n] = {"median_us": None, "min_us": None, "runs": 0, "times_us": [],
+                      "error": errors[n] or "n/a"}
+        else:
+            out[n] = {"median_us": statistics.median(t), "min_us": min(t), "runs": len(t), "times_us": t,
+                      "error": None}
+    return out
+
+
+def warm_up_clocks(seconds: float) -> None:
+    """Keep the GPU busy with copies for ``seconds`` so that its clocks are up before timing."""
+    src = torch.ones(COPY_BYTES // 4, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    busy_ms = 0.0
+    while busy_ms < seconds * 1000.0:
+        start.record()
+        for _ in range(20):
+            dst.copy_(src)
+        end.record()
+        end.synchronize()
+        busy_ms += start.elapsed_time(end)
 
 
 def copy_bandwidth(runs: int) -> Dict[str, Any]:
@@ -415,8 +483,8 @@ def check_peer(fn: Callable[[], Any], to_torch: Callable[[Any], torch.Tensor], r
 
 
 # ----------------------------------------------------------------------------- one workload
-def run_kiln(w: Workload, ref: torch.Tensor, runs: int) -> Dict[str, Any]:
-    """Define, run once and check, then time kiln; an exception is recorded, not raised."""
+def prepare_kiln(w: Workload, ref: torch.Tensor) -> tuple:
+    """Define, run once and check kiln: (call to time or None, check status, detail)."""
     try:
         fd = w.build()
         outs = fd.execute(list(w.inputs))
@@ -426,34 +494,41 @@ def run_kiln(w: Workload, ref: torch.Tensor, runs: int) -> Dict[str, Any]:
             check = compare(outs[0], ref, w.rtol, w.atol)
         del outs
     except Exception as e:  # a kiln failure is a result: record it and go on
-        res = measure(None, runs, error_text(e))
-        res.update({"check": "ERROR", "check_detail": first_line(error_text(e))})
-        return res
+        return None, "ERROR", error_text(e)
     inputs = list(w.inputs)
-    res = measure(lambda: fd.execute(inputs), runs)
-    res.update({"check": check["status"] if res["error"] is None else "ERROR",
-                "check_detail": check["detail"] if res["error"] is None else first_line(res["error"])})
-    return res
+    return (lambda: fd.execute(inputs)), check["status"], check["detail"]
 
 
-def run_peers(w: Workload, ref: torch.Tensor, runs: int) -> Dict[str, Dict[str, Any]]:
-    """Time torch eager, torch.compile and CuPy on ``w``; check compile and CuPy against eager."""
+def run_all(w: Workload, ref: torch.Tensor, rounds: int, per_round: int) -> tuple:
+    """Time kiln, torch eager, torch.compile and CuPy on ``w`` in interleaved rounds; check
+    kiln, compile and CuPy against eager. Returns (kiln result, peer results)."""
     inputs = list(w.inputs)
-    peers = {"eager": measure(lambda: w.eager(*inputs), runs)}
-    peers["eager"]["check"] = "reference"
+    kiln_fn, kiln_check, kiln_detail = prepare_kiln(w, ref)
+    fns: Dict[str, Optional[Callable[[], Any]]] = {"kiln": kiln_fn, "eager": lambda: w.eager(*inputs)}
+    na = {"kiln": kiln_detail if kiln_fn is None else "",
+          "cupy": "CuPy does not import" if w.cupy_fn is None else ""}
     try:
         compiled = torch.compile(w.eager)
     except Exception as e:  # torch.compile unavailable: the peer is n/a
-        peers["compile"] = measure(None, runs, error_text(e))
+        fns["compile"], na["compile"] = None, error_text(e)
     else:
-        peers["compile"] = measure(lambda: compiled(*inputs), runs)
-        if peers["compile"]["error"] is None:
-            peers["compile"]["check"] = check_peer(lambda: compiled(*inputs), lambda t: t, ref, w)["status"]
-    peers["cupy"] = measure(w.cupy_fn, runs, "CuPy does not import" if w.cupy_fn is None else "")
+        fns["compile"] = lambda: compiled(*inputs)
+    fns["cupy"] = w.cupy_fn
+    res = measure_interleaved(fns, na, rounds, per_round)
+    kl = res.pop("kiln")
+    if kiln_fn is None:
+        kl.update({"check": "ERROR", "check_detail": first_line(kiln_detail)})
+    else:
+        kl.update({"check": kiln_check if kl["error"] is None else "ERROR",
+                   "check_detail": kiln_detail if kl["error"] is None else first_line(kl["error"])})
+    peers = res
+    peers["eager"]["check"] = "reference"
+    if peers["compile"]["error"] is None:
+        peers["compile"]["check"] = check_peer(lambda: compiled(*inputs), lambda t: t, ref, w)["status"]
     peers["cupy"]["note"] = w.cupy_note
     if w.cupy_fn is not None and peers["cupy"]["error"] is None:
         peers["cupy"]["check"] = check_peer(w.cupy_fn, w.cupy_to_torch, ref, w)["status"]
-    return peers
+    return kl, peers
 
 
 def gbps(bytes_moved: int, median_us: Optional[float]) -> Optional[float]:
@@ -461,7 +536,7 @@ def gbps(bytes_moved: int, median_us: Optional[float]) -> Optional[float]:
     return None if median_us is None else bytes_moved / median_us / 1e3
 
 
-def run_workload(w: Workload, runs: int, copy_gbps: Optional[float],
+def run_workload(w: Workload, rounds: int, per_round: int, copy_gbps: Optional[float],
                  l2_bytes: Optional[int]) -> Dict[str, Any]:
     """All peers and kiln on one workload, with bandwidths, fractions of copy and kiln's ratio."""
     ref = w.eager(*w.inputs)
@@ -469,8 +544,7 @@ def run_workload(w: Workload, runs: int, copy_gbps: Optional[float],
     if l2_bytes and largest <= l2_bytes:
         print(f"warning: {w.name}: largest input {largest / 2**20:.0f} MiB fits in L2 "
               f"({l2_bytes / 2**20:.0f} MiB)")
-    peers = run_peers(w, ref, runs)
-    kl = run_kiln(w, ref, runs)
+    kl, peers = run_all(w, ref, rounds, per_round)
     del ref
     for r in (kl, *peers.values()):
         r["gbps"] = gbps(w.bytes_moved, r["median_us"])
@@ -497,7 +571,8 @@ def run_workload(w: Workload, runs: int, copy_gbps: Optional[float],
 
 
 # ----------------------------------------------------------------------------- reporting
-def environment(cp: Optional[Any], args: argparse.Namespace, m: int, n_t: int, runs: int) -> Dict[str, Any]:
+def environment(cp: Optional[Any], args: argparse.Namespace, m: int, n_t: int, rounds: int,
+                per_round: int) -> Dict[str, Any]:
     """GPU, library versions and the run's parameters."""
     props = torch.cuda.get_device_properties(0)
     return {
@@ -517,10 +592,13 @@ def environment(cp: Optional[Any], args: argparse.Namespace, m: int, n_t: int, r
         "M": m,
         "K": K,
         "transpose_n": n_t,
-        "timed_runs": runs,
-        "warmup_calls": WARMUP,
-        "timing": "median of per-call CUDA event pairs; host kept ahead with torch.cuda._sleep"
-                  if hasattr(torch.cuda, "_sleep") else "median of per-call CUDA event pairs",
+        "timed_runs": rounds * per_round,
+        "rounds": rounds,
+        "runs_per_round": per_round,
+        "warmup_calls_per_round": WARMUP,
+        "clock_warmup_s": CLOCK_WARMUP_S,
+        "timing": "median of per-call CUDA event pairs, L2 flushed before each call"
+                  + ("; host kept ahead with torch.cuda._sleep" if hasattr(torch.cuda, "_sleep") else ""),
     }
 
 
@@ -574,7 +652,7 @@ def table(results: List[Dict[str, Any]]) -> str:
             fmt(p["cupy"]["median_us"], ".1f"),
             fmt(kl["gbps"], ".0f"),
             fmt(None if frac is None else 100.0 * frac, ".1f"),
-            "n/a" if ratio is None else f"{ratio:.2f}x ({r['best_peer']})",
+            "n/a" if ratio is None else f"{ratio:.3f}x ({r['best_peer']})",
             kl["check"],
         ])
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
@@ -600,7 +678,8 @@ def progress(r: Dict[str, Any]) -> None:
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     """Command-line options."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help=f"{RUNS_QUICK} timed runs and M={M_QUICK}")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"{ROUNDS_QUICK * RUNS_PER_ROUND_QUICK} timed runs and M={M_QUICK}")
     ap.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
     ap.add_argument("--only", default="", help="comma-separated workload names to run (default: all)")
     return ap.parse_args(argv)
@@ -613,13 +692,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("no CUDA device: this benchmark runs on the GPU only")
         return 2
     m, n_t = (M_QUICK, TRANSPOSE_N_QUICK) if args.quick else (M_FULL, TRANSPOSE_N_FULL)
-    runs = RUNS_QUICK if args.quick else RUNS_FULL
+    quick = (ROUNDS_QUICK, RUNS_PER_ROUND_QUICK)
+    rounds, per_round = quick if args.quick else (ROUNDS_FULL, RUNS_PER_ROUND_FULL)
+    runs = rounds * per_round
     cp = import_cupy()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = environment(cp, args, m, n_t, runs)
+    env = environment(cp, args, m, n_t, rounds, per_round)
     stream = contextlib.nullcontext() if cp is None else cupy_stream_like_torch(cp)
     with stream:
+        warm_up_clocks(0.1 if args.quick else CLOCK_WARMUP_S)
         copy = copy_bandwidth(runs)
         copy_gbps = copy["gbps"]
         torch.cuda.empty_cache()  # give the copy's 2 GiB back before the workloads allocate
@@ -630,7 +712,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if only and w.name not in only:
                 continue
             print(f"running {w.name} ...", flush=True)
-            results.append(run_workload(w, runs, copy_gbps, env["l2_cache_bytes"]))
+            results.append(run_workload(w, rounds, per_round, copy_gbps, env["l2_cache_bytes"]))
             progress(results[-1])
     (out_dir / "gpu_peers.json").write_text(json.dumps(
         {"environment": env, "copy": copy, "workloads": results}, indent=2) + "\n")
@@ -643,7 +725,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if mismatched:
         print(f"!!!!! KILN RESULT MISMATCH on: {', '.join(mismatched)} !!!!!")
     print(f"\ncopy {fmt(copy_gbps, '.0f')} GB/s; kiln / best peer = best peer µs / kiln µs "
-          f"(>= 1.00x: kiln as fast or faster); {runs} timed runs, M={m}, K={K}, transpose {n_t}x{n_t}")
+          f"(>= 1.000x: kiln as fast or faster); median of {runs} timed runs in {rounds} interleaved rounds, "
+          f"M={m}, K={K}, transpose {n_t}x{n_t}")
     print(table(results))
     if mismatched:
         return 1

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 import scenarios
-from kiln import FusionDefinition, KilnError
+from kiln import FusionDefinition, KilnError, ParallelType
 from kiln.runtime.nvrtc import compile_cubin, nvrtc_available
 
 
@@ -226,3 +226,68 @@ def test_a_hoisted_reduction_stores_its_final_result_and_accumulates_partial_one
     sc = scenarios.h_row_sum_partial_hoist()
     src = sc.fd.lower(sc.make_inputs(np)).kernels[0].cuda_source
     assert re.search(r"T1\[[^\]]*\] = kiln::Sum\(\)\(T1\[[^\]]*\], kiln_r\d+\)", src), src
+
+
+def test_complete_hoisted_reduction_skips_its_dead_init_and_streams_its_input():
+    # Auto row sum: the hoisted block reduction stores every output element, so the init
+    # store of T1 is dead in the CUDA (the kernel IR keeps it: the interpreter runs it).
+    fd = _unscheduled(lambda fd, x: fd.ops.sum(x, dims=[1]))
+    x = np.zeros((64, 4096), np.float32)
+    from kiln.execute import _auto_lowered
+
+    (k,) = _auto_lowered(fd, [x]).kernels
+    assert re.search(r"T1 = 0\.0  // init", k.kernel_ir), k.kernel_ir
+    assert not re.search(r"T1\[[^\]]*\] = kiln::cast<float>\(0\.0\)", k.cuda_source), k.cuda_source
+    # The input is read once: its vector loads skip L1.
+    streaming = r"kiln::loadVecStreaming<float, 4>\(kiln_vec, &T0\[kiln_ib\]\)"
+    assert re.search(streaming, k.cuda_source), k.cuda_source
+    # A partial hoist accumulates into the output: its init stays.
+    sc = scenarios.h_row_sum_partial_hoist()
+    src = sc.fd.lower(sc.make_inputs(np)).kernels[0].cuda_source
+    assert re.search(r"T1\[[^\]]*\] = kiln::cast<float>\(0\.0\)", src), src
+    assert "kiln::loadVecStreaming<" not in src, src
+
+
+def test_streaming_load_is_a_schedule_of_input_copies():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        y = fd.ops.mul(x, 2.0)
+        fd.add_output(y)
+    c = x.cache_after()
+    c.set_streaming_load()
+    for t in (c, y):
+        t.split(1, 4)
+        t.axis(0).parallelize(ParallelType.BIDx)
+        t.axis(1).parallelize(ParallelType.TIDx)
+    c.axis(2).parallelize(ParallelType.Vectorize)
+    c.inline_at(2)
+    a = np.arange(8 * 64, dtype=np.float32).reshape(8, 64)
+    k = fd.lower([a]).kernels[0]
+    assert "kiln::loadVecStreaming<float, 4>(kiln_vec, &T0[kiln_ib])" in k.cuda_source, k.cuda_source
+    assert re.search(r"T\d+_l_float\[[^\]]*\] ca_pos\(2\) streaming", str(fd)), str(fd)
+    np.testing.assert_array_equal(fd.execute([a])[0], a.astype(np.float64) * 2.0)
+    # Only a copy of a fusion input reads memory that nothing else reads again.
+    with pytest.raises(KilnError, match=r"set_streaming_load T\d+: T\d+ is not a copy of a fusion input"):
+        y.set_streaming_load()
+
+
+def test_2d_pointwise_compiles_the_row_length_in():
+    def bias_add(fd):
+        x = fd.define_tensor([-1, -1])
+        b = fd.define_tensor([-1])
+        fd.add_output(fd.ops.add(x, fd.ops.broadcast_in_dim(b, shape=[-1, -1], broadcast_dims=[1])))
+
+    with FusionDefinition() as fd:
+        bias_add(fd)
+    from kiln.execute import _auto_lowered
+
+    x, b = np.zeros((64, 4096), np.float32), np.zeros(4096, np.float32)
+    (k,) = _auto_lowered(fd, [x, b]).kernels
+    sig = re.search(r"kiln_kernel\((.*?)\)", k.cuda_source).group(1)
+    # Row offsets are known multiples of 4: no alignment checks; the row length is no parameter.
+    assert not re.search(r"kiln_[io]b % 4 == 0", k.cuda_source) and "* 4096)" in k.cuda_source, k.cuda_source
+    assert "kiln_index_t i1" not in sig and "kiln_index_t i0" in sig, sig
+    # Another row length is another kernel; another row count is the same one.
+    other = _auto_lowered(fd, [np.zeros((64, 2048), np.float32), np.zeros(2048, np.float32)])
+    same = _auto_lowered(fd, [np.zeros((100, 4096), np.float32), b])
+    assert other is not _auto_lowered(fd, [x, b]) and same is _auto_lowered(fd, [x, b])

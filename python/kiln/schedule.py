@@ -179,6 +179,11 @@ class ScheduleMixin:
         """Pipeline this tensor's loads over ``stages`` buffers."""
         self._fd._core.circular_buffer(self._id, _int(stages, "stages", self.name))
 
+    def set_streaming_load(self) -> None:
+        """Mark this copy of a fusion input (from ``cache_after``) as read once: its vector
+        loads skip L1, for data that nothing reads again."""
+        self._fd._core.set_streaming_load(self._id)
+
     def set_serial_grid_reduction(self) -> None:
         """Reduce across blocks one block at a time (deterministic; semaphores return to zero)."""
         self._fd._core.set_serial_grid_reduction(self._id)

@@ -84,7 +84,19 @@ struct Gen<'a> {
     assumed: FxHashSet<ValId>,
     /// C name of each tensor's buffer.
     names: FxHashMap<TvId, String>,
+    /// Outputs of complete hoisted reductions: they store every element themselves, so
+    /// their init statements are dead (the interpreter still runs them: it does not hoist).
+    stored_whole: FxHashSet<TvId>,
     scratch: u32,
+}
+
+fn complete_hoists(f: &Fusion, nodes: &[Node], out: &mut FxHashSet<TvId>) {
+    for n in nodes {
+        if let Node::Loop(l) = n {
+            out.extend(l.hoisted.iter().filter(|h| h.complete).map(|h| f.exprs[h.expr].output));
+            complete_hoists(f, &l.body, out);
+        }
+    }
 }
 
 fn collect_symbols(f: &Fusion, v: ValId, seen: &mut FxHashSet<ValId>, out: &mut FxHashSet<Symbol>) {
@@ -211,8 +223,10 @@ pub fn generate(k: &Kernel, index32: bool) -> Result<CudaKernel> {
         hoisted: FxHashMap::default(),
         assumed: FxHashSet::default(),
         names,
+        stored_whole: FxHashSet::default(),
         scratch: 0,
     };
+    complete_hoists(f, &k.body, &mut g.stored_whole);
     let sig: Vec<String> = params
         .iter()
         .map(|(name, kind, dt)| match kind {
@@ -291,8 +305,20 @@ impl Gen<'_> {
         self.names.get(&tv).cloned().unwrap_or_else(|| self.f.tv_name(tv))
     }
 
+    /// True for an init statement that `stored_whole` makes dead, or a loop holding only such.
+    fn dead_init(&self, n: &Node) -> bool {
+        match n {
+            Node::Init { tv, .. } => self.stored_whole.contains(tv),
+            Node::Loop(l) => !l.body.is_empty() && l.body.iter().all(|c| self.dead_init(c)),
+            _ => false,
+        }
+    }
+
     fn node(&mut self, n: &Node, depth: usize) -> Result<()> {
         let pad = Self::pad(depth);
+        if self.dead_init(n) {
+            return Ok(());
+        }
         match n {
             Node::Loop(l) if self.try_vectorized_copy(l, depth)? => {}
             Node::Loop(l) if !l.hoisted.is_empty() => self.hoisting_loop(l, depth)?,
@@ -657,7 +683,9 @@ impl Gen<'_> {
         let _ = writeln!(self.out, "{pad}    kiln::Array<{ty}, {n}> kiln_vec;");
         let each = format!("{pad}    #pragma unroll\n{pad}    for (int kiln_j = 0; kiln_j < {n}; ++kiln_j) ");
         let load = if wide[1] {
-            format!("{pad}    kiln::loadVec<{ty}, {n}>(kiln_vec, &{ib}[kiln_ib]);")
+            let streaming = f.tvs[e.output].streaming_load && f.tvs[src].memory == MemoryType::Global;
+            let func = if streaming { "loadVecStreaming" } else { "loadVec" };
+            format!("{pad}    kiln::{func}<{ty}, {n}>(kiln_vec, &{ib}[kiln_ib]);")
         } else {
             format!("{each}kiln_vec[kiln_j] = {ib}[kiln_ib + kiln_j];")
         };

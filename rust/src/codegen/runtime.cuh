@@ -16,6 +16,7 @@
 //   cast<To>(From)                     every pair of {bool, int, int64_t, __half,
 //                                      __nv_bfloat16, float, double}
 //   Array<T, N>, loadVec, storeVec     vectorized global/shared accesses
+//   loadVecStreaming                   loadVec skipping L1 (data read once)
 //   loadVolatile, storeVolatile        bitwise volatile accesses for any T of 1/2/4/8 bytes
 //   Sum, Max, Min                      reduction functors (with identity<T>())
 //   threadIndex/threadCount/blockIndex/blockCount<X,Y,Z>   linearisation helpers
@@ -510,6 +511,31 @@ KILN_DEVICE void loadVec(Array<T, N>& dst, const T* src) {
   } else {
     *reinterpret_cast<unsigned char*>(&dst) = *reinterpret_cast<const unsigned char*>(src);
   }
+}
+
+// loadVec for a Global read that nothing reads again (`set_streaming_load`): the loads skip
+// L1 allocation, so streaming data leaves L1 to what is reused. Same contract as loadVec;
+// the source must not change during the kernel (it is a read-only input).
+template <typename T, int N>
+KILN_DEVICE void loadVecStreaming(Array<T, N>& dst, const T* src) {
+  constexpr int BYTES = sizeof(T) * N;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  if constexpr (BYTES % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < BYTES / 16; ++i) {
+      uint4& d = reinterpret_cast<uint4*>(&dst)[i];
+      asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+          : "=r"(d.x), "=r"(d.y), "=r"(d.z), "=r"(d.w)
+          : "l"(reinterpret_cast<const uint4*>(src) + i));
+    }
+    return;
+  } else if constexpr (BYTES == 8) {
+    uint2& d = *reinterpret_cast<uint2*>(&dst);
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(d.x), "=r"(d.y) : "l"(src));
+    return;
+  }
+#endif
+  loadVec<T, N>(dst, src);
 }
 
 template <typename T, int N>

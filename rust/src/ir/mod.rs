@@ -97,6 +97,9 @@ pub struct TensorView {
     pub circular_buffer: Option<u32>,
     /// Reduce across blocks one block at a time (deterministic; semaphores reset to zero).
     pub serial_grid_reduction: bool,
+    /// Its definition reads a Global tensor that nothing reads again: vector loads skip
+    /// L1 allocation (`set_streaming_load`).
+    pub streaming_load: bool,
 }
 
 impl TensorView {
@@ -289,6 +292,7 @@ impl Fusion {
             uses: Vec::new(),
             circular_buffer: None,
             serial_grid_reduction: false,
+            streaming_load: false,
         })
     }
 

@@ -28,6 +28,9 @@ impl Fusion {
         if t.inline_pos > 0 {
             let _ = write!(s, " ca_pos({})", t.inline_pos);
         }
+        if t.streaming_load {
+            s.push_str(" streaming");
+        }
         s
     }
 

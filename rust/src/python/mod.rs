@@ -500,6 +500,15 @@ impl PyFusion {
         })
     }
 
+    /// Mark a copy of a fusion input as read once (its vector loads skip L1).
+    fn set_streaming_load(&mut self, py: Python<'_>, t: u32) -> PyResult<()> {
+        self.version += 1;
+        guarded(py, || {
+            let t = self.tv(t)?;
+            self.inner.set_streaming_load(t)
+        })
+    }
+
     /// Request the serial grid-reduction protocol.
     fn set_serial_grid_reduction(&mut self, py: Python<'_>, t: u32) -> PyResult<()> {
         self.version += 1;

@@ -487,6 +487,21 @@ impl Fusion {
         Ok(())
     }
 
+    /// Mark `tv`, a copy of a fusion input (`cache_after`), as read once: its vector loads
+    /// skip L1 allocation, so streaming data does not evict what other loads reuse.
+    pub fn set_streaming_load(&mut self, tv: TvId) -> Result<()> {
+        let name = self.tv_name(tv);
+        let src = match self.tvs[tv].definition.map(|e| &self.exprs[e]) {
+            Some(e) if matches!(e.op, Op::Set) => e.inputs[0].tensor(),
+            _ => None,
+        };
+        if !src.is_some_and(|s| self.is_input(s)) {
+            bail!("set_streaming_load {name}: {name} is not a copy of a fusion input; call it on the tensor that cache_after() returns for an input");
+        }
+        self.tvs[tv].streaming_load = true;
+        Ok(())
+    }
+
     /// Ask for the serial grid-reduction protocol on reduction output `tv`.
     pub fn set_serial_grid_reduction(&mut self, tv: TvId) -> Result<()> {
         let name = self.tv_name(tv);

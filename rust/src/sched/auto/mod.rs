@@ -17,7 +17,7 @@ pub mod transpose;
 
 use crate::bail;
 use crate::error::{KilnError, Result};
-use crate::ir::{ExprId, Fusion, IterType, Op, Symbol, TvId};
+use crate::ir::{ExprId, Fusion, IterDomainId, IterType, Op, Symbol, TvId};
 
 /// Streaming multiprocessors of the target (H100/H200): sizes grids.
 pub const SM_COUNT: i64 = 132;
@@ -164,15 +164,21 @@ pub fn schedule_with_extents(f: &mut Fusion, inputs: &[i64]) -> Result<Heuristic
 /// on data. Returns `(n, value)` pairs for the heuristic's cache key, since the kernel
 /// now only runs on inputs of these sizes.
 fn specialize_reduced_extents(f: &mut Fusion, reductions: &[ExprId], extents: &[i64]) -> Vec<i64> {
-    let graph = crate::analysis::id_graph::IdGraph::exact(f);
     let mut reduced = Vec::new();
     for &e in reductions {
         let r = f.exprs[e].output;
         reduced.extend(f.tvs[r].logical.iter().copied().filter(|&id| f.ids[id].iter_type == IterType::Reduction));
     }
+    specialize_extents(f, &reduced, extents)
+}
+
+/// Make the extents of `ids` (and of every id exactly mapped to one of them) constants of
+/// the kernel; returns `(n, value)` pairs for the heuristic's cache key.
+pub(crate) fn specialize_extents(f: &mut Fusion, ids: &[IterDomainId], extents: &[i64]) -> Vec<i64> {
+    let graph = crate::analysis::id_graph::IdGraph::exact(f);
     let mut syms: Vec<u32> = Vec::new();
     for id in f.ids.keys() {
-        if !reduced.iter().any(|&r| graph.same(r, id)) {
+        if !ids.iter().any(|&r| graph.same(r, id)) {
             continue;
         }
         if let crate::ir::scalar::Val::Symbol(Symbol::Extent(n)) = f.scalars.get(f.ids[id].extent) {
