@@ -7,7 +7,9 @@ signature is first prepared), in one run. Goal (issue 5, point 9): ``fd.execute`
 8 us per call and below the ElementwiseKernel.
 
 Per-call time = wall time of a batch of back-to-back calls (launches are asynchronous,
-the GPU work is ~2 us) divided by the batch size; the median over repeats is reported.
+the GPU work is ~2 us) divided by the batch size; the median over repeats is reported. The
+paths are timed in interleaved rounds (one batch of each per round, the order rotating), so
+that a drift of the host's clock during the run falls on all of them alike.
 Run: ``python benches/host_latency.py`` on a GPU machine. Prints a table last.
 """
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
 from kiln import FusionDefinition, ParallelType
@@ -43,19 +45,29 @@ def build() -> FusionDefinition:
     return fd
 
 
-def per_call_us(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
-    """Median microseconds per call over REPEATS batches of BATCH calls."""
+def warm(fn: Callable[[], Any], sync: Callable[[], None]) -> None:
+    """50 untimed calls."""
     for _ in range(50):
         fn()
     sync()
-    samples = []
-    for _ in range(REPEATS):
-        t0 = time.perf_counter()
-        for _ in range(BATCH):
-            fn()
-        sync()
-        samples.append((time.perf_counter() - t0) / BATCH * 1e6)
-    return statistics.median(samples)
+
+
+def per_call_us(paths: Dict[str, Tuple[Callable[[], Any], Callable[[], None]]]) -> Dict[str, float]:
+    """Median microseconds per call of each ``name: (fn, sync)`` over REPEATS interleaved
+    rounds of one BATCH of calls each."""
+    for fn, sync in paths.values():
+        warm(fn, sync)
+    names = list(paths)
+    samples: Dict[str, List[float]] = {n: [] for n in names}
+    for r in range(REPEATS):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            fn, sync = paths[n]
+            t0 = time.perf_counter()
+            for _ in range(BATCH):
+                fn()
+            sync()
+            samples[n].append((time.perf_counter() - t0) / BATCH * 1e6)
+    return {n: statistics.median(samples[n]) for n in names}
 
 
 def _with_launcher(kind: str, fn: Callable[[], Any]) -> Any:
@@ -89,7 +101,6 @@ def main() -> None:
     x = cp.asarray(np.random.default_rng(0).standard_normal(N).astype(np.float32))
     ref = np.exp(cp.asnumpy(x).astype(np.float64)) * 2.0 - 1.5
     sync = cp.cuda.Device().synchronize
-    rows: Dict[str, float] = {}
     rust = launcher_kind() == "rust"
     tag = "Rust launcher" if rust else "CuPy launcher: libcuda did not load"
 
@@ -97,35 +108,34 @@ def main() -> None:
     (out,) = fd.execute([x])
     np.testing.assert_allclose(cp.asnumpy(out), ref, rtol=1e-5, atol=1e-5)
     print(f"kiln default launcher: {_launcher_of(fd)}")
-    rows[f"kiln fd.execute ({tag})"] = per_call_us(lambda: fd.execute([x]), sync)
+    paths: Dict[str, Tuple[Callable[[], Any], Callable[[], None]]] = {}
+    paths[f"kiln fd.execute ({tag})"] = (lambda: fd.execute([x]), sync)
     ev = fd._lowered().evaluator()
-    rows[f"kiln HostEvaluator.run_cached ({tag})"] = per_call_us(lambda: ev.run_cached([x]), sync)
+    paths[f"kiln HostEvaluator.run_cached ({tag})"] = (lambda: ev.run_cached([x]), sync)
 
     fd_cupy = build()
     (out,) = _with_launcher("cupy", lambda: fd_cupy.execute([x]))
     np.testing.assert_allclose(cp.asnumpy(out), ref, rtol=1e-5, atol=1e-5)
     print(f"kiln A/B launcher: {_launcher_of(fd_cupy)}")
-    rows["kiln fd.execute (KILN_LAUNCHER=cupy)"] = per_call_us(lambda: fd_cupy.execute([x]), sync)
+    paths["kiln fd.execute (KILN_LAUNCHER=cupy)"] = (lambda: fd_cupy.execute([x]), sync)
 
     ek = cp.ElementwiseKernel("float32 x", "float32 y", "y = expf(x) * 2.0f - 1.5f", "kiln_bench_ek")
     np.testing.assert_allclose(cp.asnumpy(ek(x)), ref, rtol=1e-5, atol=1e-5)
-    rows["CuPy ElementwiseKernel"] = per_call_us(lambda: ek(x), sync)
+    paths["CuPy ElementwiseKernel"] = (lambda: ek(x), sync)
 
     try:
         import torch
 
         tx = torch.as_tensor(x, device="cuda")
-        rows["torch eager (3 ops)"] = per_call_us(lambda: torch.exp(tx) * 2.0 - 1.5, torch.cuda.synchronize)
+        paths["torch eager (3 ops)"] = (lambda: torch.exp(tx) * 2.0 - 1.5, torch.cuda.synchronize)
         (tout,) = fd.execute([tx])
         np.testing.assert_allclose(tout.cpu().numpy(), ref, rtol=1e-5, atol=1e-5)
-        rows["kiln fd.execute, torch in/out"] = per_call_us(lambda: fd.execute([tx]), torch.cuda.synchronize)
+        paths["kiln fd.execute, torch in/out"] = (lambda: fd.execute([tx]), torch.cuda.synchronize)
     except ImportError:
-        rows["torch eager (3 ops)"] = float("nan")
+        pass
 
     # Where a kiln call's time goes: the output allocation and the launch alone.
-    breakdown: Dict[str, float] = {}
-    alloc = per_call_us(lambda: cp.ndarray((N,), cp.float32), sync)
-    breakdown["  part: output allocation (cupy.ndarray)"] = alloc
+    paths["  part: output allocation (cupy.ndarray)"] = (lambda: cp.ndarray((N,), cp.float32), sync)
     r = next(iter(fd._lowered().evaluator()._recipes.values()))  # the CuPy signature, prepared first
     pl = r.fast.__globals__.get("_P0")
     if pl is not None:
@@ -133,17 +143,19 @@ def main() -> None:
         xp, op = x.data.ptr, o.data.ptr
         launch = (lambda: pl.launch_current(xp, op)) if pl.stream_getter_used else (
             lambda: pl.launch(cp.cuda.get_current_stream().ptr, xp, op))
-        breakdown["  part: one launch (kiln PreparedLaunch)"] = per_call_us(launch, sync)
-    breakdown["  part: empty Python call"] = per_call_us(lambda: None, sync)
+        paths["  part: one launch (kiln PreparedLaunch)"] = (launch, sync)
+    paths["  part: empty Python call"] = (lambda: None, sync)
+    rows = per_call_us(paths)
+    rows.setdefault("torch eager (3 ops)", float("nan"))
 
     kiln_us = next(iter(rows.values()))
-    rows.update(breakdown)
     ek_us = rows["CuPy ElementwiseKernel"]
     ok = kiln_us <= 8.0 and kiln_us < ek_us
     print(f"goal (fd.execute <= 8 us and < CuPy ElementwiseKernel): {'met' if ok else 'NOT met'} "
           f"({kiln_us:.2f} us vs {ek_us:.2f} us)")
     width = max(len(name) for name in rows) + 2
-    lines: List[str] = [f"host latency, {N} float32 elements, median of {REPEATS} x {BATCH} calls",
+    lines: List[str] = [f"host latency, {N} float32 elements, median of {REPEATS} interleaved rounds "
+                        f"of {BATCH} calls",
                         f"{'path':<{width}} {'us/call':>8}"]
     for name, us in rows.items():
         lines.append(f"{name:<{width}} {us:>8.2f}")
