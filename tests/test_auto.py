@@ -404,3 +404,26 @@ def test_aligned_and_misaligned_inputs_get_their_own_kernels_on_gpu(build):
     ev = _auto_lowered(fd, [aligned]).evaluator()
     with pytest.raises(KilnError, match="not 16-byte aligned"):
         ev.run([odd])
+
+
+@pytest.mark.parametrize("build", BUILDERS + [softmax], ids=lambda b: b.__name__)
+def test_equal_heuristics_mean_equal_kernels(build):
+    # fd.execute shares one lowering between input sizes whose heuristics are equal: a kernel
+    # may depend on a size only through what the heuristic records. Shapes include a row
+    # count past gridDim.y's limit (the 2-D pointwise falls back to 1-D there).
+    fd, _ = build()
+    by_heuristic: dict = {}
+    for m, n in [*SIZES, (3, 64), (5, 64), (3, 96), (300, 1000), (301, 1003), (129, 4096), (140000, 64),
+                 (140001, 96)]:
+        sizes = [[m, n]]
+        if build is bias_tanh:
+            sizes.append([n])
+        if build is row_scale:
+            sizes.append([m])
+        try:
+            program, kind, params = fd._core.auto_program(sizes, True)
+        except KilnError:
+            continue
+        cuda = tuple(k.cuda(False)[0] for k in program.kernels())
+        seen = by_heuristic.setdefault((kind, tuple(params)), (m, n, cuda))
+        assert seen[2] == cuda, f"{kind}{params}: {seen[:2]} and {(m, n)} share a heuristic, not a kernel"
