@@ -406,24 +406,42 @@ def test_aligned_and_misaligned_inputs_get_their_own_kernels_on_gpu(build):
         ev.run([odd])
 
 
-@pytest.mark.parametrize("build", BUILDERS + [softmax], ids=lambda b: b.__name__)
-def test_equal_heuristics_mean_equal_kernels(build):
-    # fd.execute shares one lowering between input sizes whose heuristics are equal: a kernel
-    # may depend on a size only through what the heuristic records. Shapes include a row
-    # count past gridDim.y's limit (the 2-D pointwise falls back to 1-D there).
-    fd, _ = build()
+HEURISTIC_SHAPES = [*SIZES, (3, 64), (5, 64), (3, 96), (300, 1000), (301, 1003), (129, 4096), (140000, 64),
+                    (140001, 96)]
+
+
+def _assert_equal_heuristics_mean_equal_kernels(fd: FusionDefinition, all_sizes: List[List[List[int]]]
+                                                ) -> None:
+    """fd.execute shares one lowering between input sizes whose heuristics are equal: a kernel
+    may depend on a size only through what the heuristic records."""
     by_heuristic: dict = {}
-    for m, n in [*SIZES, (3, 64), (5, 64), (3, 96), (300, 1000), (301, 1003), (129, 4096), (140000, 64),
-                 (140001, 96)]:
-        sizes = [[m, n]]
-        if build is bias_tanh:
-            sizes.append([n])
-        if build is row_scale:
-            sizes.append([m])
+    for sizes in all_sizes:
         try:
             program, kind, params = fd._core.auto_program(sizes, True)
         except KilnError:
             continue
         cuda = tuple(k.cuda(False)[0] for k in program.kernels())
-        seen = by_heuristic.setdefault((kind, tuple(params)), (m, n, cuda))
-        assert seen[2] == cuda, f"{kind}{params}: {seen[:2]} and {(m, n)} share a heuristic, not a kernel"
+        seen = by_heuristic.setdefault((kind, tuple(params)), (sizes, cuda))
+        assert seen[1] == cuda, f"{kind}{params}: {seen[0]} and {sizes} share a heuristic, not a kernel"
+
+
+@pytest.mark.parametrize("build", BUILDERS + [softmax], ids=lambda b: b.__name__)
+def test_equal_heuristics_mean_equal_kernels(build):
+    # Shapes include a row count past gridDim.y's limit (the 2-D pointwise falls back to 1-D).
+    fd, _ = build()
+    extra = {bias_tanh: lambda m, n: [[n]], row_scale: lambda m, n: [[m]]}.get(build, lambda m, n: [])
+    _assert_equal_heuristics_mean_equal_kernels(fd, [[[m, n], *extra(m, n)] for m, n in HEURISTIC_SHAPES])
+
+
+def test_equal_heuristics_mean_equal_kernels_for_norms_gathers_and_3d():
+    fd, _ = layernorm()
+    _assert_equal_heuristics_mean_equal_kernels(fd, [[[m, n], [n], [n]] for m, n in HEURISTIC_SHAPES])
+    fd = _index_select_fusion()
+    _assert_equal_heuristics_mean_equal_kernels(
+        fd, [[[m + 5, n], [m]] for m, n in HEURISTIC_SHAPES if m * n < 10**7])
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1], dtype=DataType.BFloat16)
+        b = fd.define_tensor([-1], dtype=DataType.BFloat16)
+        fd.add_output(fd.ops.mul(x, fd.ops.broadcast_in_dim(b, shape=[-1, -1, -1], broadcast_dims=[2])))
+    _assert_equal_heuristics_mean_equal_kernels(
+        fd, [[[a, m, n], [n]] for a in (1, 3) for m, n in HEURISTIC_SHAPES if a * m * n < 10**8])
