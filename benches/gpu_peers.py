@@ -387,21 +387,14 @@ def first_line(text: str, width: int = 160) -> str:
 
 def measure(fn: Optional[Callable[[], Any]], runs: int, na_reason: str = "") -> Dict[str, Any]:
     """Median/min of ``fn``'s event-timed runs, or the error that stopped it (``fn`` None: n/a)."""
-    if fn is None:
-        return {"median_us": None, "min_us": None, "runs": 0, "times_us": [], "error": na_reason or "n/a"}
-    try:
-        times = time_gpu_us(fn, runs)
-    except Exception as e:  # a peer or kiln failing is a result, not the end of the run
-        return {"median_us": None, "min_us": None, "runs": 0, "times_us": [], "error": error_text(e)}
-    return {"median_us": statistics.median(times), "min_us": min(times), "runs": len(times),
-            "times_us": times, "error": None}
+    return measure_interleaved({"fn": fn}, {"fn": na_reason}, 1, runs)["fn"]
 
 
 def measure_interleaved(fns: Dict[str, Optional[Callable[[], Any]]], na: Dict[str, str], rounds: int,
                         per_round: int) -> Dict[str, Dict[str, Any]]:
-    """``measure`` for several implementations at once: ``rounds`` rounds of ``per_round``
-    timed calls each, the order rotating every round; an implementation that raises (or is
-    None: n/a) drops out with its error and the others go on."""
+    """Median/min of each implementation's event-timed calls over ``rounds`` rounds of
+    ``per_round`` calls each, the order rotating every round; an implementation that raises
+    (or is None: n/a, with its reason from ``na``) drops out with its error, the others go on."""
     names = list(fns)
     times: Dict[str, List[float]] = {n: [] for n in names}
     errors: Dict[str, Optional[str]] = {n: None if fns[n] is not None else (na.get(n) or "n/a")
