@@ -19,8 +19,12 @@ call a short ``torch.cuda._sleep`` kernel is queued so the host gets ahead of th
 events then time the GPU work of the call, not Python launch overhead. Before that, a
 256 MiB buffer is read to flush L2, so each call starts from the same cache state whatever
 ran before it (without it, a kiln call timed right after CuPy's layernorm, whose temporaries
-leave L2 full of dirty lines, took 2 µs longer than one timed after torch.compile's). Every
-input is larger than L2 (a warning is printed when one is not, e.g. with ``--quick``).
+leave L2 full of dirty lines, took 2 µs longer than one timed after torch.compile's). The
+flush also calls ``cuCtxResetPersistingL2Cache``: lines loaded with an L2 evict_last hint
+(kiln's automatic schedules and torch.compile's kernels both use it) survive a 256 MiB read,
+and a plain layernorm timed right after one that left its input that way took 126.9 µs
+instead of 129.6. Every input is larger than L2 (a warning is printed when one is not, e.g.
+with ``--quick``).
 
 Effective GB/s = minimum bytes (inputs read once + outputs written once) / median time. A
 device-to-device copy of a 1 GiB tensor (bytes read + written / time) is the roofline that
@@ -343,14 +347,39 @@ def make_workloads(m: int, n_t: int, cp: Optional[Any]) -> List[Workload]:
 
 # ----------------------------------------------------------------------------- timing
 _FLUSH: List[torch.Tensor] = []
+_RESET_PERSISTING: List[Optional[Callable[[], int]]] = []
+
+
+def reset_persisting_l2() -> bool:
+    """Return L2 lines held with an evict_last (persisting) priority to normal, through the
+    driver's ``cuCtxResetPersistingL2Cache``; False where libcuda cannot be loaded."""
+    if not _RESET_PERSISTING:
+        try:
+            import ctypes  # noqa: PLC0415
+
+            _RESET_PERSISTING.append(ctypes.CDLL("libcuda.so.1").cuCtxResetPersistingL2Cache)
+        except (OSError, AttributeError):
+            _RESET_PERSISTING.append(None)
+    fn = _RESET_PERSISTING[0]
+    if fn is None:
+        return False
+    # The reset acts on the context at once, not in stream order: the GPU must be idle.
+    torch.cuda.synchronize()
+    rc = fn()
+    if rc != 0:
+        raise RuntimeError(f"cuCtxResetPersistingL2Cache failed with CUresult {rc}")
+    return True
 
 
 def flush_l2() -> None:
     """Read a buffer several times larger than L2, so that the next call finds L2 holding only
     clean, unrelated lines, whatever ran before it (another implementation's dirty output
-    or its reads of the shared input would otherwise speed it up or slow it down)."""
+    or its reads of the shared input would otherwise speed it up or slow it down), after
+    returning lines kept with an evict_last hint to normal priority (a 256 MiB read does
+    not evict them)."""
     if not _FLUSH:
         _FLUSH.append(torch.ones(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda"))
+    reset_persisting_l2()
     torch.sum(_FLUSH[0])
 
 
@@ -591,6 +620,8 @@ def environment(cp: Optional[Any], args: argparse.Namespace, m: int, n_t: int, r
         "warmup_calls_per_round": WARMUP,
         "clock_warmup_s": CLOCK_WARMUP_S,
         "timing": "median of per-call CUDA event pairs, L2 flushed before each call"
+                  + (" (evict_last lines reset first)" if reset_persisting_l2() else
+                     " (evict_last lines NOT reset: libcuda not loadable)")
                   + ("; host kept ahead with torch.cuda._sleep" if hasattr(torch.cuda, "_sleep") else ""),
     }
 

@@ -258,8 +258,10 @@ def _index_select_fusion() -> FusionDefinition:
 def test_gathered_rows_load_with_vectors():
     src = _auto_lowered(_index_select_fusion(), [np.zeros((300, 4096), np.float32),
                                                  np.zeros(300, np.int64)]).kernels[0].cuda_source
-    # The row index is read once per vector, then the row slice moves in one 16-byte load.
-    assert "const kiln_index_t g0 = " in src and "loadVec<float, 4>(kiln_vec, &T0[kiln_ib])" in src, src
+    # The row index is read once per vector, then the row slice moves in one 16-byte load
+    # (with the L2 evict_last hint of the automatic schedules).
+    assert "const kiln_index_t g0 = " in src, src
+    assert "loadVecEvictLast<float, 4>(kiln_vec, &T0[kiln_ib])" in src, src
 
 
 @pytest.mark.gpu

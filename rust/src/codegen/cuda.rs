@@ -683,8 +683,14 @@ impl Gen<'_> {
         let _ = writeln!(self.out, "{pad}    kiln::Array<{ty}, {n}> kiln_vec;");
         let each = format!("{pad}    #pragma unroll\n{pad}    for (int kiln_j = 0; kiln_j < {n}; ++kiln_j) ");
         let load = if wide[1] {
-            let streaming = f.tvs[e.output].streaming_load && f.tvs[src].memory == MemoryType::Global;
-            let func = if streaming { "loadVecStreaming" } else { "loadVec" };
+            let global = f.tvs[src].memory == MemoryType::Global;
+            let hints = (f.tvs[e.output].streaming_load && global, f.tvs[e.output].evict_last_load && global);
+            let func = match hints {
+                (false, false) => "loadVec",
+                (true, false) => "loadVecStreaming",
+                (false, true) => "loadVecEvictLast",
+                (true, true) => "loadVecStreamingEvictLast",
+            };
             format!("{pad}    kiln::{func}<{ty}, {n}>(kiln_vec, &{ib}[kiln_ib]);")
         } else {
             format!("{each}kiln_vec[kiln_j] = {ib}[kiln_ib + kiln_j];")

@@ -16,7 +16,7 @@
 //   cast<To>(From)                     every pair of {bool, int, int64_t, __half,
 //                                      __nv_bfloat16, float, double}
 //   Array<T, N>, loadVec, storeVec     vectorized global/shared accesses
-//   loadVecStreaming                   loadVec skipping L1 (data read once)
+//   loadVecStreaming, loadVecEvictLast loadVec with L1 / L2 cache hints (read-only inputs)
 //   loadVolatile, storeVolatile        bitwise volatile accesses for any T of 1/2/4/8 bytes
 //   Sum, Max, Min                      reduction functors (with identity<T>())
 //   threadIndex/threadCount/blockIndex/blockCount<X,Y,Z>   linearisation helpers
@@ -513,29 +513,101 @@ KILN_DEVICE void loadVec(Array<T, N>& dst, const T* src) {
   }
 }
 
-// loadVec for a Global read that nothing reads again (`set_streaming_load`): the loads skip
-// L1 allocation, so streaming data leaves L1 to what is reused. Same contract as loadVec;
-// the source must not change during the kernel (it is a read-only input).
-template <typename T, int N>
-KILN_DEVICE void loadVecStreaming(Array<T, N>& dst, const T* src) {
-  constexpr int BYTES = sizeof(T) * N;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-  if constexpr (BYTES % 16 == 0) {
-#pragma unroll
-    for (int i = 0; i < BYTES / 16; ++i) {
-      uint4& d = reinterpret_cast<uint4*>(&dst)[i];
-      asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+// loadVec with cache hints, for Global reads of a read-only input (same contract as loadVec;
+// the source must not change during the kernel):
+//   loadVecStreaming           `set_streaming_load`: skip L1 allocation, so data that nothing
+//                              reads again leaves L1 to what is reused.
+//   loadVecEvictLast           `set_evict_last`: the lines stay in L2 ahead of normal data.
+//                              On the H200 this keeps the written output from lingering in L2
+//                              behind the input (a 16384x4096 fp32 layernorm: 129.4 -> 124.9
+//                              us). The lines stay after the kernel too, until newer
+//                              evict_last lines replace them or cuCtxResetPersistingL2Cache.
+//   loadVecStreamingEvictLast  both.
+namespace detail {
+template <bool NO_L1, bool L2_LAST>
+KILN_DEVICE void load16Hinted(uint4& d, const uint4* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (L2_LAST) {
+    unsigned long long policy;
+    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+    if constexpr (NO_L1) {
+      asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
           : "=r"(d.x), "=r"(d.y), "=r"(d.z), "=r"(d.w)
-          : "l"(reinterpret_cast<const uint4*>(src) + i));
+          : "l"(p), "l"(policy));
+    } else {
+      asm("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+          : "=r"(d.x), "=r"(d.y), "=r"(d.z), "=r"(d.w)
+          : "l"(p), "l"(policy));
     }
-    return;
-  } else if constexpr (BYTES == 8) {
-    uint2& d = *reinterpret_cast<uint2*>(&dst);
-    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(d.x), "=r"(d.y) : "l"(src));
     return;
   }
 #endif
-  loadVec<T, N>(dst, src);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  if constexpr (NO_L1) {
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(d.x), "=r"(d.y), "=r"(d.z), "=r"(d.w)
+        : "l"(p));
+    return;
+  }
+#endif
+  d = *p;
+}
+
+template <bool NO_L1, bool L2_LAST>
+KILN_DEVICE void load8Hinted(uint2& d, const uint2* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (L2_LAST) {
+    unsigned long long policy;
+    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+    if constexpr (NO_L1) {
+      asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v2.u32 {%0, %1}, [%2], %3;"
+          : "=r"(d.x), "=r"(d.y)
+          : "l"(p), "l"(policy));
+    } else {
+      asm("ld.global.L2::cache_hint.v2.u32 {%0, %1}, [%2], %3;" : "=r"(d.x), "=r"(d.y) : "l"(p), "l"(policy));
+    }
+    return;
+  }
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  if constexpr (NO_L1) {
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(d.x), "=r"(d.y) : "l"(p));
+    return;
+  }
+#endif
+  d = *p;
+}
+
+// 16- and 8-byte-multiple vectors take the hinted loads; narrower ones load plainly.
+template <bool NO_L1, bool L2_LAST, typename T, int N>
+KILN_DEVICE void loadVecHinted(Array<T, N>& dst, const T* src) {
+  constexpr int BYTES = sizeof(T) * N;
+  if constexpr (BYTES % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < BYTES / 16; ++i) {
+      load16Hinted<NO_L1, L2_LAST>(reinterpret_cast<uint4*>(&dst)[i], reinterpret_cast<const uint4*>(src) + i);
+    }
+  } else if constexpr (BYTES == 8) {
+    load8Hinted<NO_L1, L2_LAST>(*reinterpret_cast<uint2*>(&dst), reinterpret_cast<const uint2*>(src));
+  } else {
+    loadVec<T, N>(dst, src);
+  }
+}
+}  // namespace detail
+
+template <typename T, int N>
+KILN_DEVICE void loadVecStreaming(Array<T, N>& dst, const T* src) {
+  detail::loadVecHinted<true, false, T, N>(dst, src);
+}
+
+template <typename T, int N>
+KILN_DEVICE void loadVecEvictLast(Array<T, N>& dst, const T* src) {
+  detail::loadVecHinted<false, true, T, N>(dst, src);
+}
+
+template <typename T, int N>
+KILN_DEVICE void loadVecStreamingEvictLast(Array<T, N>& dst, const T* src) {
+  detail::loadVecHinted<true, true, T, N>(dst, src);
 }
 
 template <typename T, int N>

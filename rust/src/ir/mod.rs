@@ -100,6 +100,9 @@ pub struct TensorView {
     /// Its definition reads a Global tensor that nothing reads again: vector loads skip
     /// L1 allocation (`set_streaming_load`).
     pub streaming_load: bool,
+    /// Its definition reads a Global input whose lines should outlive other data in L2:
+    /// vector loads carry an L2 evict_last hint (`set_evict_last`).
+    pub evict_last_load: bool,
 }
 
 impl TensorView {
@@ -293,6 +296,7 @@ impl Fusion {
             circular_buffer: None,
             serial_grid_reduction: false,
             streaming_load: false,
+            evict_last_load: false,
         })
     }
 

@@ -31,6 +31,9 @@ impl Fusion {
         if t.streaming_load {
             s.push_str(" streaming");
         }
+        if t.evict_last_load {
+            s.push_str(" evict_last");
+        }
         s
     }
 

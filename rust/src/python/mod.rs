@@ -509,6 +509,15 @@ impl PyFusion {
         })
     }
 
+    /// Mark a tensor that reads a fusion input directly as kept in L2 (evict_last loads).
+    fn set_evict_last(&mut self, py: Python<'_>, t: u32) -> PyResult<()> {
+        self.version += 1;
+        guarded(py, || {
+            let t = self.tv(t)?;
+            self.inner.set_evict_last(t)
+        })
+    }
+
     /// Request the serial grid-reduction protocol.
     fn set_serial_grid_reduction(&mut self, py: Python<'_>, t: u32) -> PyResult<()> {
         self.version += 1;

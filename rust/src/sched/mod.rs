@@ -487,18 +487,34 @@ impl Fusion {
         Ok(())
     }
 
-    /// Mark `tv`, a copy of a fusion input (`cache_after`), as read once: its vector loads
-    /// skip L1 allocation, so streaming data does not evict what other loads reuse.
-    pub fn set_streaming_load(&mut self, tv: TvId) -> Result<()> {
+    /// The fusion input that `tv`'s definition reads directly (a `cache_after` copy or an
+    /// `index_select` of it), else an error naming `what` was asked.
+    fn direct_input_read(&self, tv: TvId, what: &str) -> Result<TvId> {
         let name = self.tv_name(tv);
         let src = match self.tvs[tv].definition.map(|e| &self.exprs[e]) {
-            Some(e) if matches!(e.op, Op::Set) => e.inputs[0].tensor(),
+            Some(e) if matches!(e.op, Op::Set | Op::IndexSelect { .. }) => e.inputs[0].tensor(),
             _ => None,
         };
-        if !src.is_some_and(|s| self.is_input(s)) {
-            bail!("set_streaming_load {name}: {name} is not a copy of a fusion input; call it on the tensor that cache_after() returns for an input");
+        match src {
+            Some(s) if self.is_input(s) => Ok(s),
+            _ => bail!("{what} {name}: {name} does not read a fusion input directly; call it on the tensor that cache_after() returns for an input (or on an index_select of an input)"),
         }
+    }
+
+    /// Mark `tv`, which reads a fusion input directly (`cache_after`, `index_select`), as
+    /// read once: its vector loads skip L1 allocation, so streaming data does not evict
+    /// what other loads reuse.
+    pub fn set_streaming_load(&mut self, tv: TvId) -> Result<()> {
+        self.direct_input_read(tv, "set_streaming_load")?;
         self.tvs[tv].streaming_load = true;
+        Ok(())
+    }
+
+    /// Mark `tv`, which reads a fusion input directly (`cache_after`, `index_select`), so
+    /// that its vector loads keep their lines in L2 ahead of other data (evict_last).
+    pub fn set_evict_last(&mut self, tv: TvId) -> Result<()> {
+        self.direct_input_read(tv, "set_evict_last")?;
+        self.tvs[tv].evict_last_load = true;
         Ok(())
     }
 
