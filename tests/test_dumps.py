@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import numpy as np
 import pytest
 from kiln import DataType, FusionDefinition
 
@@ -204,6 +205,27 @@ def test_kiln_dump_fusion_canonical(
     assert str(fd).strip() in out
     assert "broadcast" in out.lower()
     assert out.count(str(fd).strip()) == 1
+
+
+def test_kiln_dump_cuda_prints_each_generated_kernel_once(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("KILN_DUMP", "cuda")
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1], dtype=DataType.Float)
+        y = fd.ops.exp(x)
+        fd.add_output(y)
+    (k,) = fd.lower([np.zeros((4, 8), np.float32)]).kernels
+    capfd.readouterr()
+    src = k.cuda_source
+    assert k.cuda_source == src  # cached: printed once
+    out = capfd.readouterr().out
+    assert out.count(f'extern "C" __global__ void {k.kernel_name}(') == 1, out
+    assert "64-bit indexing" in out
+    # The kernel, not the runtime header in front of it.
+    body = src[src.index('extern "C" __global__'):]
+    assert body.strip() in out
+    assert "KILN_RUNTIME_CUH" not in out and "namespace kiln {" not in out
 
 
 def test_no_dump_without_env(capfd: pytest.CaptureFixture[str]) -> None:

@@ -8,6 +8,15 @@ from typing import Any, List, Sequence, Tuple
 from ._errors import KilnError, KilnTypeError
 from .enums import DataType, MemoryType
 
+_RUNTIME_END = "#endif  // KILN_RUNTIME_CUH"
+
+
+def kernel_part(source: str) -> str:
+    """``source`` without the runtime header that every generated translation unit starts with."""
+    at = source.find(_RUNTIME_END)
+    return source if at < 0 else source[at + len(_RUNTIME_END):].lstrip("\n")
+
+
 _NUMPY_DTYPES = {
     "float32": DataType.Float,
     "float64": DataType.Double,
@@ -65,6 +74,11 @@ class LoweredKernel:
         hit = self._cuda.get(index32)
         if hit is None:
             hit = self._cuda[index32] = self._core.cuda(index32)
+            from .fusion import dump_enabled  # noqa: PLC0415 - fusion imports this module
+
+            if dump_enabled("cuda"):
+                print(f"// {hit[1]}, {32 if index32 else 64}-bit indexing (runtime header left out)")
+                print(kernel_part(hit[0]))
         return hit
 
     def cuda_source_for(self, index32: bool) -> str:
