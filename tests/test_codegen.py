@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import scenarios
+from gpu_util import cupy_or_skip
 from kiln import DataType, FusionDefinition, KilnError, ParallelType
 from kiln.runtime.nvrtc import compile_cubin, nvrtc_available
 
@@ -280,6 +281,26 @@ def _copy_schedule(fd: FusionDefinition, c: Any, y: Any) -> None:
         t.axis(1).parallelize(ParallelType.TIDx)
     c.axis(2).parallelize(ParallelType.Vectorize)
     c.inline_at(2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("streaming", [False, True])
+def test_cache_hinted_loads_match_numpy_on_gpu(streaming: bool):
+    cp = cupy_or_skip()
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        i = fd.define_tensor([-1], dtype=DataType.Int)
+        g = fd.ops.index_select(x, i, 0)
+        y = fd.ops.mul(g, 3.0)
+        fd.add_output(y)
+    g.set_evict_last()
+    if streaming:
+        g.set_streaming_load()
+    _copy_schedule(fd, g, y)
+    a = np.random.default_rng(0).standard_normal((37, 64)).astype(np.float32)
+    idx = np.array([36, 0, 5, 5, 17, 2, 30], np.int64)
+    out = fd.execute([cp.asarray(a), cp.asarray(idx)])[0]
+    np.testing.assert_allclose(cp.asnumpy(out), a.astype(np.float64)[idx] * 3.0, rtol=1e-6)
 
 
 @pytest.mark.parametrize("streaming", [False, True])
