@@ -4,7 +4,10 @@ parameter order, launch expressions and no redundant syncs."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -340,6 +343,31 @@ def test_evict_last_on_rows_gathered_from_an_input():
     k = fd.lower([a, idx]).kernels[0]
     assert "kiln::loadVecStreamingEvictLast<float, 4>(kiln_vec, &T0[kiln_ib])" in k.cuda_source, k.cuda_source
     np.testing.assert_array_equal(fd.execute([a, idx])[0], a.astype(np.float64)[idx] * 3.0)
+
+
+_HINT_PROBE = """
+import numpy as np
+from kiln import FusionDefinition
+from kiln.execute import _auto_lowered
+with FusionDefinition() as fd:
+    x = fd.define_tensor([-1, -1])
+    fd.add_output(fd.ops.sub(x, fd.ops.max(x, dims=[1], keepdim=True)))
+(k,) = _auto_lowered(fd, [np.zeros((64, 256), np.float32)]).kernels
+print("hinted" if "kiln::loadVecEvictLast<" in k.cuda_source else "plain")
+"""
+
+
+@pytest.mark.parametrize("value, want", [("0", "plain"), ("off", "plain"), ("1", "hinted"), (None, "hinted")])
+def test_kiln_l2_evict_last_switches_the_hint_of_automatic_schedules(value, want):
+    # Read once per process (plans cached under one setting must not serve the other), so
+    # each setting runs in its own interpreter.
+    env = {k: v for k, v in os.environ.items() if k != "KILN_L2_EVICT_LAST"}
+    if value is not None:
+        env["KILN_L2_EVICT_LAST"] = value
+    cmd = [sys.executable, "-c", _HINT_PROBE]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == want
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,20 @@ use crate::ir::{ExprId, Fusion, IterDomainId, IterType, Op, Symbol, TvId};
 /// Streaming multiprocessors of the target (H100/H200): sizes grids.
 pub const SM_COUNT: i64 = 132;
 
+/// Whether the automatic schedules load inputs with the L2 evict_last hint
+/// (`Fusion::set_evict_last`): yes unless `KILN_L2_EVICT_LAST` is `0`, `false`, `off` or
+/// `no`. The hinted kernel is faster, but the lines it leaves in L2 slow down the next
+/// kernel that relies on L2 (DEVELOPERS.md). Read once per process, so that plans cached
+/// under one setting never serve the other.
+pub fn evict_last_inputs() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var("KILN_L2_EVICT_LAST")
+            .map(|v| !matches!(v.trim().to_ascii_lowercase().as_str(), "0" | "false" | "off" | "no"))
+            .unwrap_or(true)
+    })
+}
+
 /// What the scheduler decided, as a cache key and a readable description.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Heuristic {
