@@ -286,10 +286,8 @@ def _copy_schedule(fd: FusionDefinition, c: Any, y: Any, width: int = 4) -> None
     c.inline_at(2)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("streaming", [False, True])
-def test_cache_hinted_loads_match_numpy_on_gpu(streaming: bool):
-    cp = cupy_or_skip()
+def _hinted_gather_times_three(streaming: bool) -> FusionDefinition:
+    """3 * x[i] by hand, the gathered rows loaded with evict_last (and streaming) hints."""
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, -1])
         i = fd.define_tensor([-1], dtype=DataType.Int)
@@ -300,6 +298,14 @@ def test_cache_hinted_loads_match_numpy_on_gpu(streaming: bool):
     if streaming:
         g.set_streaming_load()
     _copy_schedule(fd, g, y)
+    return fd
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("streaming", [False, True])
+def test_cache_hinted_loads_match_numpy_on_gpu(streaming: bool):
+    cp = cupy_or_skip()
+    fd = _hinted_gather_times_three(streaming)
     a = np.random.default_rng(0).standard_normal((37, 64)).astype(np.float32)
     idx = np.array([36, 0, 5, 5, 17, 2, 30], np.int64)
     out = fd.execute([cp.asarray(a), cp.asarray(idx)])[0]
@@ -331,15 +337,7 @@ def test_evict_last_is_a_schedule_of_input_reads(streaming: bool, width: int):
 
 
 def test_evict_last_on_rows_gathered_from_an_input():
-    with FusionDefinition() as fd:
-        x = fd.define_tensor([-1, -1])
-        i = fd.define_tensor([-1], dtype=DataType.Int)
-        g = fd.ops.index_select(x, i, 0)
-        y = fd.ops.mul(g, 3.0)
-        fd.add_output(y)
-    g.set_evict_last()
-    g.set_streaming_load()
-    _copy_schedule(fd, g, y)
+    fd = _hinted_gather_times_three(streaming=True)
     a = np.arange(6 * 32, dtype=np.float32).reshape(6, 32)
     idx = np.array([5, 0, 0, 3, 1, 2, 4], np.int64)
     k = fd.lower([a, idx]).kernels[0]

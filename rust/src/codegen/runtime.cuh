@@ -524,12 +524,20 @@ KILN_DEVICE void loadVec(Array<T, N>& dst, const T* src) {
 //                              evict_last lines replace them or cuCtxResetPersistingL2Cache.
 //   loadVecStreamingEvictLast  both.
 namespace detail {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+// An L2 cache policy giving every line it is used on the evict_last priority.
+KILN_DEVICE unsigned long long evictLastPolicy() {
+  unsigned long long policy;
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+#endif
+
 template <bool NO_L1, bool L2_LAST>
 KILN_DEVICE void load16Hinted(uint4& d, const uint4* p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   if constexpr (L2_LAST) {
-    unsigned long long policy;
-    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+    const unsigned long long policy = evictLastPolicy();
     if constexpr (NO_L1) {
       asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
           : "=r"(d.x), "=r"(d.y), "=r"(d.z), "=r"(d.w)
@@ -557,8 +565,7 @@ template <bool NO_L1, bool L2_LAST>
 KILN_DEVICE void load8Hinted(uint2& d, const uint2* p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   if constexpr (L2_LAST) {
-    unsigned long long policy;
-    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+    const unsigned long long policy = evictLastPolicy();
     if constexpr (NO_L1) {
       asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v2.u32 {%0, %1}, [%2], %3;"
           : "=r"(d.x), "=r"(d.y)
