@@ -76,3 +76,36 @@ def test_torch_inputs_give_torch_outputs():
     assert isinstance(out, torch.Tensor) and out.is_cuda
     ref = np.exp(x.cpu().numpy().astype(np.float64)) * 2.0 - 1.5
     np.testing.assert_allclose(out.cpu().numpy(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("launcher", ["rust", "cupy"])
+@pytest.mark.parametrize("build", ["pointwise", "grid_column_sum"])
+def test_torch_inputs_run_on_torch_s_current_stream(monkeypatch, launcher, build):
+    # The input is written on a side stream behind a ~25 ms sleep; kiln, called inside
+    # `with torch.cuda.stream(side)`, must run after it on that stream. (Torch's side
+    # streams do not synchronize with the legacy default stream that CuPy uses.)
+    cupy_or_skip()
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("KILN_LAUNCHER", launcher)
+    if build == "pointwise":
+        fd = scenarios.a_pointwise().fd
+        x = torch.zeros(4096, 1024, device="cuda")
+
+        def ref(a):
+            return np.exp(a) * 2.0 - 1.5
+    else:
+        fd = scenarios.h_grid_column_sum().fd
+        x = torch.zeros(61, 300, device="cuda")
+
+        def ref(a):
+            return a.sum(axis=0)
+    fd.execute([x])  # compile and prepare outside the timed-out window
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)
+        x.fill_(0.25)
+        (out,) = fd.execute([x])
+    side.synchronize()
+    want = ref(np.full(tuple(x.shape), 0.25))
+    np.testing.assert_allclose(out.cpu().numpy(), want, rtol=1e-5, atol=1e-5)

@@ -489,9 +489,23 @@ def fake_gpu(monkeypatch):
     cp.uint8 = np.uint8
     cp.empty = lambda n, dtype=np.uint8: FakeArray(n, dtype)
     cp.zeros = cp.empty
+    entered = []  # raw streams made CuPy's current one (pool / arena growth, memsets)
+
+    class FakeExternalStream:
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+        def __enter__(self):
+            entered.append(self.ptr)
+
+        def __exit__(self, *exc):
+            return None
+
     cp.cuda = types.SimpleNamespace(get_current_stream=lambda: stream,
-                                    Device=lambda: types.SimpleNamespace(id=0))
+                                    Device=lambda: types.SimpleNamespace(id=0),
+                                    ExternalStream=FakeExternalStream)
     monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setattr(host, "_EXTERNAL", {})
     monkeypatch.setattr(host, "launcher_kind", lambda: "rust")
     made = []
 
@@ -505,7 +519,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(host, "prepare_launch", prepare)
     monkeypatch.setattr(host.HostEvaluator, "_function",
                         lambda self, k, smem, index32=False: types.SimpleNamespace(ptr=0xF00 + k))
-    return types.SimpleNamespace(made=made, stream=stream)
+    return types.SimpleNamespace(made=made, stream=stream, entered=entered)
 
 
 def _bench_fusion():
@@ -538,6 +552,77 @@ def test_generated_launcher_passes_device_pointers_and_packed_scalars(fake_gpu):
     assert rec.calls[-1][:3] == ("launch", 0x52, (x.data.ptr, out2.data.ptr))
     assert out2.data.ptr != out.data.ptr, "every call gets a fresh output"
     assert len(fake_gpu.made) == 1 and ev.launches == 2
+
+
+class _FakeDtype:
+    def __str__(self):
+        return "torch.float32"
+
+
+class FakeTensor:
+    """Just enough of a torch CUDA tensor for the host path."""
+
+    __module__ = "torch._fake"
+    is_cuda = True
+    device = "cuda:0"
+    dtype = _FakeDtype()
+
+    def __init__(self, shape):
+        self.a = FakeArray(shape)
+        self.shape = self.a.shape
+
+    def stride(self):
+        return tuple(st // 4 for st in self.a.strides)
+
+    def get_device(self):
+        return 0
+
+    def data_ptr(self):
+        return self.a.data.ptr
+
+
+@pytest.fixture
+def fake_torch(monkeypatch):
+    """A stand-in torch whose current stream the test sets (``.stream[0]``)."""
+    torch = types.ModuleType("torch")
+    current = [0x77]
+    torch.float32 = "float32"
+    torch.empty = lambda shape, dtype=None, device=None: FakeTensor(shape)
+    torch._C = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda device: current[0])
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    return types.SimpleNamespace(stream=current)
+
+
+def test_torch_inputs_launch_on_torch_s_current_stream(fake_gpu, fake_torch):
+    # CuPy's current stream (0x51) is not where torch's work on the inputs is queued: a call
+    # inside `with torch.cuda.stream(s)` must run on s, after what produced its inputs.
+    fd = _bench_fusion()
+    x = FakeTensor(1000)
+    (out,) = fd.execute([x])
+    assert isinstance(out, FakeTensor)
+    (rec,) = fake_gpu.made
+    assert rec.calls[-1][:3] == ("launch", 0x77, (x.data_ptr(), out.data_ptr()))
+    fake_torch.stream[0] = 0x78  # the user entered another torch stream
+    (out2,) = fd.execute([x])
+    assert rec.calls[-1][:3] == ("launch", 0x78, (x.data_ptr(), out2.data_ptr()))
+    assert len(fake_gpu.made) == 1, "one recipe serves both streams"
+
+
+def test_torch_grid_reduction_zeroes_its_pool_on_torch_s_stream(fake_gpu, fake_torch, monkeypatch):
+    sc = scenarios.h_grid_column_sum()
+    x = FakeTensor((61, 300))
+    sc.fd.execute([x])
+    ev = sc.fd._lowered().evaluator()
+    (rec,) = fake_gpu.made
+    assert [c[:2] for c in rec.calls] == [("launch", 0x77)]
+    # The pool was zeroed (and the arena allocated) with torch's stream current for CuPy.
+    assert ev.pool.stats()["zero_fills"] == 1 and set(fake_gpu.entered) == {0x77}
+    # Buffers that kernels leave dirty are zeroed through the launcher on the same stream.
+    plan_without_resets(monkeypatch)
+    sc2 = scenarios.h_grid_column_sum()
+    sc2.fd.execute([x])
+    kinds = [c[:2] for c in fake_gpu.made[-1].calls]
+    assert kinds == [("zero", 0x77), ("launch", 0x77)], kinds
 
 
 def test_repeat_call_dispatches_without_the_full_path(fake_gpu, monkeypatch):

@@ -3,10 +3,13 @@
 The Rust core turns input sizes/strides into a concrete plan once per input signature
 (``HostProgram.plan``); this module turns that plan into a *recipe* (pointer sources,
 pre-converted size and stride arguments, loaded kernels) and then, per call, only allocates
-the outputs, fills in pointers and the scalar inputs' values and launches on CuPy's current
-stream. A signature holds the scalar inputs' Python types, not their values: a scalar
-that changes every call (a learning rate, a step counter) reuses one recipe. Only a fusion
-whose plan reads an int or bool scalar's value (a ``full`` shape) keys on those values.
+the outputs, fills in pointers and the scalar inputs' values and launches on the current
+stream of the inputs' framework: CuPy's for CuPy arrays, torch's for torch tensors (so that
+a call inside ``with torch.cuda.stream(s)`` is ordered after the work that produced its
+inputs on ``s``, and its outputs belong to ``s`` in torch's allocator). A signature holds
+the scalar inputs' Python types, not their values: a scalar that changes every call (a
+learning rate, a step counter) reuses one recipe. Only a fusion whose plan reads an int or
+bool scalar's value (a ``full`` shape) keys on those values.
 
 Buffers, following seed 004:
 * fusion outputs: fresh arrays of the inputs' kind (CuPy or torch), handed back;
@@ -22,9 +25,9 @@ on the stream of the call; calls of one evaluator from different streams must be
 ordered by the caller.
 
 Launches go through kiln's own launcher (``kiln._core.PreparedLaunch``: ``cuLaunchKernel``
-from libcuda, everything but the device pointers packed once per recipe) on CuPy's current
-stream; where libcuda cannot be loaded, or with ``KILN_LAUNCHER=cupy`` (read when a
-signature is first prepared), they go through CuPy's ``Function.__call__``.
+from libcuda, everything but the device pointers packed once per recipe) on that stream;
+where libcuda cannot be loaded, or with ``KILN_LAUNCHER=cupy`` (read when a signature is
+first prepared), they go through CuPy's ``Function.__call__``.
 
 ``run_on_cpu`` walks the same host program with a per-kernel CPU launcher (the
 interpreter's ``kiln._core.execute_cpu(kernel, inputs)``).
@@ -134,12 +137,14 @@ class ZeroedPool:
         self.zeroed_bytes = 0
         self.reuses = 0  # calls served without zeroing
 
-    def get(self, nbytes: int) -> int:
-        """Device pointer of at least ``nbytes`` zeroed bytes."""
+    def get(self, nbytes: int, stream: Optional[int] = None) -> int:
+        """Device pointer of at least ``nbytes`` zeroed bytes, zeroed in the order of
+        ``stream`` (a raw stream pointer; None: CuPy's current stream)."""
         if nbytes > self.capacity:
             import cupy as cp  # noqa: PLC0415
 
-            self._mem = cp.zeros(nbytes, dtype=cp.uint8)
+            with on_stream(stream):
+                self._mem = cp.zeros(nbytes, dtype=cp.uint8)
             self.capacity = nbytes
             self.zero_fills += 1
             self.zeroed_bytes += nbytes
@@ -212,6 +217,41 @@ def launcher_kind() -> str:
 
 
 _STREAM_GETTER: List[Any] = []  # [capsule or None] once looked up
+_EXTERNAL: Dict[int, Any] = {}  # raw stream pointer -> cupy.cuda.ExternalStream
+
+
+def external_stream(ptr: int) -> Any:
+    """A CuPy stream object for the raw stream ``ptr`` (one per pointer, kept)."""
+    st = _EXTERNAL.get(ptr)
+    if st is None:
+        import cupy as cp  # noqa: PLC0415
+
+        st = _EXTERNAL[ptr] = cp.cuda.ExternalStream(ptr)
+    return st
+
+
+class _NoStream:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def on_stream(ptr: Optional[int]) -> Any:
+    """A context making raw stream ``ptr`` CuPy's current stream, so that CuPy's memsets
+    and its memory pool's stream bookkeeping follow it; None: leave CuPy's stream alone."""
+    return _NoStream() if ptr is None else external_stream(ptr)
+
+
+def torch_stream_getter() -> Callable[[int], int]:
+    """``f(device) -> int``: the raw pointer of torch's current stream on ``device``."""
+    import torch  # noqa: PLC0415
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw
+    return lambda device: int(torch.cuda.current_stream(device).cuda_stream)
 
 
 def _cupy_stream_getter() -> Any:
@@ -314,20 +354,26 @@ class HostEvaluator:
         r = self._recipes.get(self._key(inputs))
         return None if r is None else r.fast
 
-    def _memset_ptrs(self, ptrs: Sequence[Any], memsets: Sequence[Tuple[int, int]]) -> None:
-        """Zero each ``(buffer, nbytes)`` of ``memsets`` at ``ptrs`` on the current stream."""
+    def _memset_ptrs(self, ptrs: Sequence[Any], memsets: Sequence[Tuple[int, int]],
+                     stream: Optional[int] = None) -> None:
+        """Zero each ``(buffer, nbytes)`` of ``memsets`` at ``ptrs`` on raw stream ``stream``
+        (None: CuPy's current stream)."""
         import cupy as cp  # noqa: PLC0415
 
-        stream = cp.cuda.get_current_stream().ptr
+        if stream is None:
+            stream = cp.cuda.get_current_stream().ptr
         for p, (_bid, nbytes) in zip(ptrs, memsets):
             cp.cuda.runtime.memsetAsync(int(p), 0, nbytes, stream)
             self.memsets += 1
 
-    def _workspace(self, nbytes: int) -> int:
+    def _workspace(self, nbytes: int, stream: Optional[int] = None) -> int:
         if nbytes > self._arena_bytes:
             import cupy as cp  # noqa: PLC0415
 
-            self._arena = cp.empty(nbytes, dtype=cp.uint8)
+            # Allocated (and the old arena freed) under the launch stream, so that CuPy's
+            # pool hands the old memory to nobody before that stream's kernels are done.
+            with on_stream(stream):
+                self._arena = cp.empty(nbytes, dtype=cp.uint8)
             self._arena_bytes = nbytes
         return int(self._arena.data.ptr)
 
@@ -473,8 +519,15 @@ def _specialize(r: _Recipe, torch_mode: bool, device: int = -1,
     from .runtime.kernel_executor import np_scalar  # noqa: PLC0415
 
     rust = launcher == "rust"
-    ns: Dict[str, Any] = {"_nd": cp.ndarray, "_gs": cp.cuda.get_current_stream, "_nps": np_scalar}
+    ns: Dict[str, Any] = {"_nd": cp.ndarray, "_gs": cp.cuda.get_current_stream, "_nps": np_scalar,
+                          "_xs": external_stream}
     lines = ["def _run(inputs, ev):"]
+    # torch tensors: torch's current stream, read once per call and passed explicitly.
+    stream_arg = ""
+    if torch_mode:
+        ns["_ts"] = torch_stream_getter()
+        lines.append(f"    s = _ts({int(device)})")
+        stream_arg = ", s"
     # Per buffer: its device pointer (rust) or what CuPy takes as the argument (cupy).
     arg: Dict[int, str] = {}
     for bid, i, _t in r.inputs:
@@ -498,22 +551,22 @@ def _specialize(r: _Recipe, torch_mode: bool, device: int = -1,
         else:
             outs.append(f"o{n}")
     if r.arena_bytes:
-        lines.append(f"    base = ev._workspace({r.arena_bytes})")
+        lines.append(f"    base = ev._workspace({r.arena_bytes}{stream_arg})")
         for bid, off in r.arena:
             arg[bid] = f"base + {off}"
     if r.zero_bytes:
-        lines.append(f"    zbase = ev.pool.get({r.zero_bytes})")
+        lines.append(f"    zbase = ev.pool.get({r.zero_bytes}{stream_arg})")
         for bid, off in r.zero:
             arg[bid] = f"zbase + {off}"
     if rust and r.launches:
-        _rust_launches(r, ns, lines, arg, device)
+        _rust_launches(r, ns, lines, arg, device, explicit_stream=torch_mode)
     else:
         for k, (fn, grid, block, smem, argids, scal, memsets) in enumerate(r.launches):
             ns[f"_f{k}"], ns[f"_g{k}"], ns[f"_b{k}"] = fn, tuple(grid), tuple(block)
             if memsets:
                 ns[f"_ms{k}"] = memsets
                 pl = ", ".join(arg[b] for b, _ in memsets)
-                lines.append(f"    if ev.zero_per_launch: ev._memset_ptrs(({pl},), _ms{k})")
+                lines.append(f"    if ev.zero_per_launch: ev._memset_ptrs(({pl},), _ms{k}{stream_arg})")
             names = [arg[a] for a in argids]
             for j, (v, d, pos) in enumerate(scal):
                 if pos >= 0:  # a scalar input: this call's value, converted now
@@ -522,7 +575,8 @@ def _specialize(r: _Recipe, torch_mode: bool, device: int = -1,
                     continue
                 ns[f"_s{k}_{j}"] = v
                 names.append(f"_s{k}_{j}")
-            lines.append(f"    _f{k}(_g{k}, _b{k}, ({', '.join(names)},), shared_mem={int(smem)})")
+            on = ", stream=_xs(s)" if torch_mode else ""
+            lines.append(f"    _f{k}(_g{k}, _b{k}, ({', '.join(names)},), shared_mem={int(smem)}{on})")
     if r.launches:
         lines.append(f"    ev.launches += {len(r.launches)}")
     lines.append(f"    return [{', '.join(outs)}]")
@@ -531,17 +585,19 @@ def _specialize(r: _Recipe, torch_mode: bool, device: int = -1,
 
 
 def _rust_launches(r: _Recipe, ns: Dict[str, Any], lines: List[str], arg: Dict[int, str],
-                   device: int) -> None:
+                   device: int, explicit_stream: bool = False) -> None:
     """Append the launches of ``r`` through ``PreparedLaunch``es to the generated ``lines``:
     each device pointer computed once, then one Rust call per memset group and launch, the
-    scalar inputs passed after the pointers as this call's Python values."""
+    scalar inputs passed after the pointers as this call's Python values.
+    ``explicit_stream``: the generated code already holds the stream in ``s``."""
     used = []
     for _fn, _g, _b, _sm, argids, _sc, memsets in r.launches:
         used += [b for b in argids if b not in used]
         used += [b for b, _ in memsets if b not in used]
     for b in used:  # each pointer once, even when several launches take it
         lines.append(f"    a{b} = {arg[b]}")
-    stream_read = False  # the Python-side stream read, emitted once before the first launch needing it
+    # The Python-side stream read, emitted once before the first launch needing it.
+    stream_read = explicit_stream
     for k, (fn, grid, block, smem, argids, scal, memsets) in enumerate(r.launches):
         # Memsets of buffers the kernel takes go through the same object; any other (none
         # today) keeps the CuPy memset.
@@ -551,7 +607,7 @@ def _rust_launches(r: _Recipe, ns: Dict[str, Any], lines: List[str], arg: Dict[i
                             mine, device)
         ns[f"_f{k}"] = fn  # keeps the CuPy Function, so its module, alive with the launcher
         ns[f"_P{k}"] = pl
-        current = pl.stream_getter_used
+        current = pl.stream_getter_used and not explicit_stream
         if not current and not stream_read:
             stream_read = True
             lines.append("    s = _gs().ptr")
@@ -561,7 +617,8 @@ def _rust_launches(r: _Recipe, ns: Dict[str, Any], lines: List[str], arg: Dict[i
         if other:
             ns[f"_ms{k}"] = other
             pl_other = ", ".join(f"a{b}" for b, _ in other)
-            lines.append(f"    if ev.zero_per_launch: ev._memset_ptrs(({pl_other},), _ms{k})")
+            stream_arg = ", s" if explicit_stream else ""
+            lines.append(f"    if ev.zero_per_launch: ev._memset_ptrs(({pl_other},), _ms{k}{stream_arg})")
         if mine:
             zero = "zero_current(" if current else "zero(s, "
             lines.append("    if ev.zero_per_launch:")
