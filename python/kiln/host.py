@@ -220,13 +220,26 @@ _STREAM_GETTER: List[Any] = []  # [capsule or None] once looked up
 _EXTERNAL: Dict[int, Any] = {}  # raw stream pointer -> cupy.cuda.ExternalStream
 
 
+class _RawStream:
+    """A raw stream pointer behind the CUDA stream protocol (``__cuda_stream__``)."""
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> Tuple[int, int]:
+        return (0, self.ptr)
+
+
 def external_stream(ptr: int) -> Any:
     """A CuPy stream object for the raw stream ``ptr`` (one per pointer, kept)."""
     st = _EXTERNAL.get(ptr)
     if st is None:
         import cupy as cp  # noqa: PLC0415
 
-        st = _EXTERNAL[ptr] = cp.cuda.ExternalStream(ptr)
+        # CuPy 14 deprecates ExternalStream for Stream.from_external (the stream protocol).
+        from_external = getattr(getattr(cp.cuda, "Stream", None), "from_external", None)
+        st = from_external(_RawStream(ptr)) if from_external is not None else cp.cuda.ExternalStream(ptr)
+        _EXTERNAL[ptr] = st
     return st
 
 
