@@ -336,6 +336,37 @@ def test_evict_last_is_a_schedule_of_input_reads(streaming: bool, width: int):
         y.set_evict_last()
 
 
+@pytest.mark.parametrize("hint", ["set_evict_last", "set_streaming_load"])
+def test_a_cache_hint_without_a_vectorized_axis_is_an_error(hint: str):
+    # The hints change vector loads only: on a scalar-loaded tensor they would do nothing.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        y = fd.ops.mul(x, 2.0)
+        fd.add_output(y)
+    c = x.cache_after()
+    getattr(c, hint)()
+    for t in (c, y):
+        t.axis(0).parallelize(ParallelType.BIDx)
+        t.axis(1).parallelize(ParallelType.TIDx)
+    c.inline_at(-1)
+    a = np.zeros((8, 64), np.float32)
+    with pytest.raises(KilnError, match=rf"T\d+: {hint} applies to vectorized loads, but no axis of T\d+ is "
+                                        r"vectorized"):
+        fd.lower([a])
+
+
+def test_automatic_schedules_hint_only_what_they_vectorize():
+    # Rows of 4099 floats: no 16-byte vectors in the normalization, so no hints either.
+    fd = _unscheduled(lambda fd, x: fd.ops.sub(x, fd.ops.max(x, dims=[1], keepdim=True)))
+    src = _auto_source(fd, [np.zeros((8, 4099), np.float32)])
+    body = src[src.index('extern "C" __global__'):]
+    assert "loadVecEvictLast" not in body and "loadVecStreaming" not in body, body
+    fd = _unscheduled(lambda fd, x: fd.ops.sum(x, dims=[1]))
+    body = _auto_source(fd, [np.zeros((8, 4099), np.float32)])
+    body = body[body.index('extern "C" __global__'):]
+    assert "loadVecStreaming" not in body, body
+
+
 def test_evict_last_on_rows_gathered_from_an_input():
     fd = _hinted_gather_times_three(streaming=True)
     a = np.arange(6 * 32, dtype=np.float32).reshape(6, 32)

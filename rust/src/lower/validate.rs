@@ -1,7 +1,8 @@
 //! Schedule validation before lowering.
 //! Consumes: a scheduled fusion. Produces: nothing. Guarantees: every tensor has at
-//! least one output, a vectorized axis is innermost, inline positions are valid, and
-//! features this build cannot lower are rejected by name.
+//! least one output, a vectorized axis is innermost, inline positions are valid, cache
+//! hints sit on vectorized tensors, and features this build cannot lower are rejected by
+//! name.
 
 use crate::analysis::id_graph::IdGraph;
 use crate::analysis::loop_graph::LoopGraph;
@@ -81,6 +82,14 @@ pub fn run(f: &Fusion) -> Result<()> {
                         if p.is_block() { "block" } else { "thread" }
                     );
                 }
+            }
+        }
+        // The cache hints are properties of vector loads (`kiln::loadVec*`): on a tensor
+        // without a vectorized axis they would change nothing, silently.
+        let vectorized = t.loop_domain.iter().any(|&id| f.ids[id].parallel == ParallelType::Vectorize);
+        for (set, what) in [(t.streaming_load, "set_streaming_load"), (t.evict_last_load, "set_evict_last")] {
+            if set && !vectorized {
+                bail!("{name}: {what} applies to vectorized loads, but no axis of {name} is vectorized; parallelize its innermost axis with Vectorize or leave the hint out");
             }
         }
         if let Some(stages) = t.circular_buffer {

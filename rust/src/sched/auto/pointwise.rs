@@ -78,7 +78,7 @@ pub fn schedule(f: &mut Fusion, extents: &[i64]) -> Result<Heuristic> {
             // output's dirty lines first, which the H200 measurably prefers (16384x4096:
             // fp32 chain 125.2 -> 124.1 us, bias + GELU 126.5 -> 124.9, bf16 64.4 -> 63.6).
             // The lines stay in L2 after the kernel (DEVELOPERS.md, "L2 evict_last").
-            if super::evict_last_inputs() {
+            if v > 1 && super::evict_last_inputs() {
                 f.set_evict_last(c)?;
             }
             vec_tensors.push(c);
@@ -102,7 +102,7 @@ pub fn schedule(f: &mut Fusion, extents: &[i64]) -> Result<Heuristic> {
             if f.is_input(*table) && *dim + 1 < table_rank && full_size(f, t, rank) && !vec_tensors.contains(&t) {
                 vec_tensors.push(t);
                 // As for the caches above (index_select of 16384 rows: 127.6 -> 125.3 us).
-                if super::evict_last_inputs() {
+                if v > 1 && super::evict_last_inputs() {
                     f.set_evict_last(t)?;
                 }
             }
