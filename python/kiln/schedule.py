@@ -181,12 +181,13 @@ class ScheduleMixin:
 
     def set_streaming_load(self) -> None:
         """Mark this copy of a fusion input (from ``cache_after``, or an ``index_select`` of
-        one) as read once: its vector loads skip L1, for data that nothing reads again."""
+        one) as read once: its vector loads skip L1 (it needs a Vectorize axis)."""
         self._fd._core.set_streaming_load(self._id)
 
     def set_evict_last(self) -> None:
         """Keep the lines that this copy of a fusion input (from ``cache_after``, or an
-        ``index_select`` of one) loads in L2 ahead of other data (PTX ``L2::evict_last``)."""
+        ``index_select`` of one) loads in L2 ahead of other data (PTX ``L2::evict_last``; it
+        needs a Vectorize axis)."""
         self._fd._core.set_evict_last(self._id)
 
     def set_serial_grid_reduction(self) -> None:
