@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import statistics
 import sys
@@ -619,6 +620,7 @@ def environment(cp: Optional[Any], args: argparse.Namespace, m: int, n_t: int, r
         "runs_per_round": per_round,
         "warmup_calls_per_round": WARMUP,
         "clock_warmup_s": CLOCK_WARMUP_S,
+        "kiln_l2_evict_last": os.environ.get("KILN_L2_EVICT_LAST", "(unset: on)"),
         "timing": "median of per-call CUDA event pairs, L2 flushed before each call"
                   + (" (evict_last lines reset first)" if reset_persisting_l2() else
                      " (evict_last lines NOT reset: libcuda not loadable)")

@@ -35,6 +35,7 @@ interpreter's ``kiln._core.execute_cpu(kernel, inputs)``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -243,18 +244,10 @@ def external_stream(ptr: int) -> Any:
     return st
 
 
-class _NoStream:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
 def on_stream(ptr: Optional[int]) -> Any:
     """A context making raw stream ``ptr`` CuPy's current stream, so that CuPy's memsets
     and its memory pool's stream bookkeeping follow it; None: leave CuPy's stream alone."""
-    return _NoStream() if ptr is None else external_stream(ptr)
+    return contextlib.nullcontext() if ptr is None else external_stream(ptr)
 
 
 def torch_stream_getter() -> Callable[[int], int]:
