@@ -501,8 +501,9 @@ def fake_gpu(monkeypatch):
         def __exit__(self, *exc):
             return None
 
+    device = [0]  # CuPy's current device (tests switch it)
     cp.cuda = types.SimpleNamespace(get_current_stream=lambda: stream,
-                                    Device=lambda: types.SimpleNamespace(id=0),
+                                    Device=lambda: types.SimpleNamespace(id=device[0]),
                                     ExternalStream=FakeExternalStream)
     monkeypatch.setitem(sys.modules, "cupy", cp)
     monkeypatch.setattr(host, "_EXTERNAL", {})
@@ -519,7 +520,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(host, "prepare_launch", prepare)
     monkeypatch.setattr(host.HostEvaluator, "_function",
                         lambda self, k, smem, index32=False: types.SimpleNamespace(ptr=0xF00 + k))
-    return types.SimpleNamespace(made=made, stream=stream, entered=entered)
+    return types.SimpleNamespace(made=made, stream=stream, entered=entered, device=device)
 
 
 def _bench_fusion():
@@ -623,6 +624,25 @@ def test_torch_grid_reduction_zeroes_its_pool_on_torch_s_stream(fake_gpu, fake_t
     sc2.fd.execute([x])
     kinds = [c[:2] for c in fake_gpu.made[-1].calls]
     assert kinds == [("zero", 0x77), ("launch", 0x77)], kinds
+
+
+def test_each_device_gets_its_own_arena_and_zeroed_pool(fake_gpu):
+    # A column sum across blocks: a work buffer in the arena, a semaphore in the zeroed pool.
+    # The same fusion on a second device must not be handed the first device's memory.
+    sc = scenarios.h_grid_column_sum()
+    x0 = FakeArray((61, 300))
+    sc.fd.execute([x0])
+    fake_gpu.device[0] = 1
+    x1 = FakeArray((61, 300))
+    x1.data.device_id = 1
+    sc.fd.execute([x1])
+    ev = sc.fd._lowered().evaluator()
+    (first,), (second,) = (rec.calls for rec in fake_gpu.made)
+    work0, sync0 = first[2][2:]
+    work1, sync1 = second[2][2:]
+    assert work0 == ev.arena_for(0).mem.data.ptr and work1 == ev.arena_for(1).mem.data.ptr
+    assert work0 != work1 and sync0 != sync1
+    assert [ev.pool_for(d).stats()["zero_fills"] for d in (0, 1)] == [1, 1]
 
 
 def test_repeat_call_dispatches_without_the_full_path(fake_gpu, monkeypatch):

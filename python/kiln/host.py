@@ -20,9 +20,9 @@ Buffers, following seed 004:
 * everything else: regions of the workspace arena, where a region freed by a
   ``Deallocate`` is reused by later ``Allocate``s of the same call (liveness plan).
 
-The arena and pool persist across calls of one evaluator and are used in stream order
-on the stream of the call; calls of one evaluator from different streams must be
-ordered by the caller.
+The arena and pool persist across calls of one evaluator, one of each per device, and are
+used in stream order on the stream of the call; calls of one evaluator from different
+streams must be ordered by the caller.
 
 Launches go through kiln's own launcher (``kiln._core.PreparedLaunch``: ``cuLaunchKernel``
 from libcuda, everything but the device pointers packed once per recipe) on that stream;
@@ -157,6 +157,27 @@ class ZeroedPool:
         """Pool statistics: capacity, zero_fills, zeroed_bytes, reuses."""
         return {"capacity": self.capacity, "zero_fills": self.zero_fills,
                 "zeroed_bytes": self.zeroed_bytes, "reuses": self.reuses}
+
+
+class Workspace:
+    """Device memory of one device reused by every call: the arena that intermediates and
+    work buffers are planned into. Grows only when a plan needs more than it holds."""
+
+    def __init__(self) -> None:
+        self.mem: Any = None
+        self.nbytes = 0
+
+    def get(self, nbytes: int, stream: Optional[int] = None) -> int:
+        """Device pointer of at least ``nbytes`` bytes; when it grows, the new memory is
+        allocated (and the old freed) with raw stream ``stream`` CuPy's current one, so that
+        CuPy's pool hands the old memory to nobody before that stream's kernels are done."""
+        if nbytes > self.nbytes:
+            import cupy as cp  # noqa: PLC0415
+
+            with on_stream(stream):
+                self.mem = cp.empty(nbytes, dtype=cp.uint8)
+            self.nbytes = nbytes
+        return int(self.mem.data.ptr)
 
 
 class _Recipe:
@@ -309,12 +330,13 @@ class HostEvaluator:
         self._recipes: Dict[Tuple, _Recipe] = {}
         # Compiled kernels per segment, keyed by index variant (False: 64-bit, True: 32-bit).
         self._functions: List[Dict[bool, Any]] = [{} for _ in lowered.kernels]
-        self._arena: Any = None
-        self._arena_bytes = 0
+        # Per device: a recipe binds the arena and zeroed pool of its inputs' device, so a
+        # signature on another device never gets memory of this one.
+        self._arenas: Dict[int, Workspace] = {}
+        self._pools: Dict[int, ZeroedPool] = {}
         # True once a plan turned out to read an int/bool scalar input's value (a size):
         # then recipes are keyed on those values too (see ``_key``).
         self._by_value = False
-        self.pool = ZeroedPool()
         self.memsets = 0  # per-launch zeroings of zero_init-only buffers
         self.launches = 0
         # Test hook: skip the per-launch zeroing (shows why it is needed).
@@ -372,16 +394,33 @@ class HostEvaluator:
             cp.cuda.runtime.memsetAsync(int(p), 0, nbytes, stream)
             self.memsets += 1
 
-    def _workspace(self, nbytes: int, stream: Optional[int] = None) -> int:
-        if nbytes > self._arena_bytes:
-            import cupy as cp  # noqa: PLC0415
+    def arena_for(self, device: int) -> Workspace:
+        """The arena of ``device`` (created empty on first use)."""
+        a = self._arenas.get(device)
+        if a is None:
+            a = self._arenas[device] = Workspace()
+        return a
 
-            # Allocated (and the old arena freed) under the launch stream, so that CuPy's
-            # pool hands the old memory to nobody before that stream's kernels are done.
-            with on_stream(stream):
-                self._arena = cp.empty(nbytes, dtype=cp.uint8)
-            self._arena_bytes = nbytes
-        return int(self._arena.data.ptr)
+    def pool_for(self, device: int) -> ZeroedPool:
+        """The zeroed pool of ``device`` (created empty on first use)."""
+        p = self._pools.get(device)
+        if p is None:
+            p = self._pools[device] = ZeroedPool()
+        return p
+
+    @property
+    def pool(self) -> ZeroedPool:
+        """The zeroed pool of CuPy's current device."""
+        import cupy as cp  # noqa: PLC0415
+
+        return self.pool_for(cp.cuda.Device().id)
+
+    @property
+    def _arena(self) -> Any:
+        """The arena memory of CuPy's current device (None before its first use)."""
+        import cupy as cp  # noqa: PLC0415
+
+        return self.arena_for(cp.cuda.Device().id).mem
 
     # -- per signature -----------------------------------------------------------------
     def _prepare(self, inputs: Sequence[Any]) -> _Recipe:
@@ -464,7 +503,7 @@ class HostEvaluator:
             memsets = tuple((bid, max(plan.buffers[bid].nbytes, 1)) for bid in la.memsets)
             r.launches.append((fn, la.grid, la.block, la.smem, la.args, scal, memsets))
         r.launcher = launcher_kind()
-        r.fast = _specialize(r, torch_mode, dev, r.launcher)
+        r.fast = _specialize(r, torch_mode, dev, r.launcher, self.arena_for(dev), self.pool_for(dev))
         return r
 
     def _scalar_args(self, la: PlannedLaunch, inputs: Sequence[Any], scalar_pos: Sequence[int],
@@ -513,8 +552,8 @@ class HostEvaluator:
         return r.plan
 
 
-def _specialize(r: _Recipe, torch_mode: bool, device: int = -1,
-                launcher: str = "cupy") -> Launcher:
+def _specialize(r: _Recipe, torch_mode: bool, device: int = -1, launcher: str = "cupy",
+                arena: Optional[Workspace] = None, pool: Optional[ZeroedPool] = None) -> Launcher:
     """A launcher specialised to one recipe: straight-line Python with every constant
     (shapes, offsets, size/stride arguments, grid/block) bound, so a call does no lookups or
     loops. ``launcher="rust"``: each launch is one call of a ``PreparedLaunch`` with the
@@ -557,11 +596,13 @@ def _specialize(r: _Recipe, torch_mode: bool, device: int = -1,
         else:
             outs.append(f"o{n}")
     if r.arena_bytes:
-        lines.append(f"    base = ev._workspace({r.arena_bytes}{stream_arg})")
+        ns["_arena"] = arena if arena is not None else Workspace()
+        lines.append(f"    base = _arena.get({r.arena_bytes}{stream_arg})")
         for bid, off in r.arena:
             arg[bid] = f"base + {off}"
     if r.zero_bytes:
-        lines.append(f"    zbase = ev.pool.get({r.zero_bytes}{stream_arg})")
+        ns["_zpool"] = pool if pool is not None else ZeroedPool()
+        lines.append(f"    zbase = _zpool.get({r.zero_bytes}{stream_arg})")
         for bid, off in r.zero:
             arg[bid] = f"zbase + {off}"
     if rust and r.launches:
