@@ -109,3 +109,19 @@ def test_torch_inputs_run_on_torch_s_current_stream(monkeypatch, launcher, build
     side.synchronize()
     want = ref(np.full(tuple(x.shape), 0.25))
     np.testing.assert_allclose(out.cpu().numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_one_fusion_on_two_devices_keeps_their_buffers_apart():
+    # A column sum across blocks needs a work buffer (arena) and a semaphore (zeroed pool);
+    # run on device 1 after device 0, it must use device 1's own buffers.
+    cp = cupy_or_skip()
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two CUDA devices")
+    sc = scenarios.h_grid_column_sum()
+    host = np.random.default_rng(3).standard_normal((61, 300)).astype(np.float32)
+    want = host.astype(np.float64).sum(axis=0)
+    for dev in (0, 1, 0):
+        with cp.cuda.Device(dev):
+            (out,) = sc.fd.execute([cp.asarray(host)])
+            assert out.data.device_id == dev
+            np.testing.assert_allclose(cp.asnumpy(out), want, rtol=1e-5, atol=1e-4)
