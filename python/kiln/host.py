@@ -328,8 +328,8 @@ class HostEvaluator:
     def __init__(self, lowered: Any) -> None:
         self.lowered = lowered  # kiln.lowering.LoweredFusion
         self._recipes: Dict[Tuple, _Recipe] = {}
-        # Compiled kernels per segment, keyed by index variant (False: 64-bit, True: 32-bit).
-        self._functions: List[Dict[bool, Any]] = [{} for _ in lowered.kernels]
+        # Compiled kernels per segment, keyed by (device, index variant: False 64-bit, True 32-bit).
+        self._functions: List[Dict[Tuple[int, bool], Any]] = [{} for _ in lowered.kernels]
         # Per device: a recipe binds the arena and zeroed pool of its inputs' device, so a
         # signature on another device never gets memory of this one.
         self._arenas: Dict[int, Workspace] = {}
@@ -530,13 +530,17 @@ class HostEvaluator:
         return tuple(out)
 
     def _function(self, k: int, smem: int, index32: bool = False) -> Any:
+        import cupy as cp  # noqa: PLC0415
+
         from .runtime import executor  # noqa: PLC0415
 
-        ck = self._functions[k].get(index32)
+        # A module is loaded per device: another device's function is an invalid handle here.
+        key = (cp.cuda.Device().id, index32)
+        ck = self._functions[k].get(key)
         if ck is None:
             kern = self.lowered.kernels[k]
             ck = executor.load_module(kern.cuda_source_for(index32), kern.kernel_name)
-            self._functions[k][index32] = ck
+            self._functions[k][key] = ck
         if smem > ck.max_dynamic_smem:
             ck.function.max_dynamic_shared_size_bytes = smem
             ck.max_dynamic_smem = smem
