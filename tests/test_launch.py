@@ -645,6 +645,30 @@ def test_each_device_gets_its_own_arena_and_zeroed_pool(fake_gpu):
     assert [ev.pool_for(d).stats()["zero_fills"] for d in (0, 1)] == [1, 1]
 
 
+def test_compiled_kernels_are_loaded_per_device(monkeypatch):
+    # A CUfunction belongs to the context of the device that loaded its module: device 1
+    # must get its own (on two H200s, device 0's gave CUDA_ERROR_INVALID_HANDLE).
+    from kiln.runtime import executor
+
+    device = [0]
+    cp = types.ModuleType("cupy")
+    cp.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=device[0]))
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    loads = []
+
+    def load_module(source, name):
+        loads.append(device[0])
+        return types.SimpleNamespace(function=f"fn@{device[0]}", max_dynamic_smem=0)
+
+    monkeypatch.setattr(executor, "load_module", load_module)
+    ev = scenarios.h_grid_column_sum().fd._lowered().evaluator()
+    got = []
+    for d in (0, 1, 0, 1):
+        device[0] = d
+        got.append(ev._function(0, 0))
+    assert got == ["fn@0", "fn@1", "fn@0", "fn@1"] and loads == [0, 1]
+
+
 def test_repeat_call_dispatches_without_the_full_path(fake_gpu, monkeypatch):
     fd = _bench_fusion()
     x = FakeArray(1000)
