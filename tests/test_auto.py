@@ -120,16 +120,32 @@ def layernorm() -> Tuple[FusionDefinition, Callable]:
     return fd, ref
 
 
+def rmsnorm() -> Tuple[FusionDefinition, Callable]:
+    # The reduction reads x * x, the normalization reads x: found as a normalization all the same.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        w = fd.define_tensor([-1])
+        k = fd.define_scalar(dtype=DataType.Double)
+        ms = fd.ops.mul(fd.ops.sum(fd.ops.mul(x, x), dims=[1], keepdim=True), k)
+        y = fd.ops.mul(x, fd.ops.rsqrt(fd.ops.add(ms, 1e-6)))
+        fd.add_output(fd.ops.mul(y, fd.ops.broadcast_in_dim(w, shape=[-1, -1], broadcast_dims=[1])))
+
+    def ref(x: np.ndarray, w: np.ndarray, k: float) -> List[np.ndarray]:
+        return [x / np.sqrt((x * x).mean(axis=1, keepdims=True) + 1e-6) * w]
+    return fd, ref
+
+
 def norm_inputs(build: Callable, m: int, n: int, xp: Any) -> List[Any]:
     rng = np.random.default_rng(m + 7 * n)
     arrs: List[Any] = [xp.asarray(rng.standard_normal((m, n)).astype(np.float32))]
-    if build is layernorm:
-        arrs += [xp.asarray(rng.standard_normal(n).astype(np.float32)) for _ in range(2)]
+    if build in (layernorm, rmsnorm):
+        weights = 2 if build is layernorm else 1
+        arrs += [xp.asarray(rng.standard_normal(n).astype(np.float32)) for _ in range(weights)]
         arrs.append(1.0 / n)
     return arrs
 
 
-@pytest.mark.parametrize("build", [softmax, layernorm], ids=lambda b: b.__name__)
+@pytest.mark.parametrize("build", [softmax, layernorm, rmsnorm], ids=lambda b: b.__name__)
 @pytest.mark.parametrize("m,n", [(1, 1), (3, 7), (5, 100), (2, 4096), (4, 1031)])
 def test_normalization_schedule_matches_numpy_in_the_interpreter(build, m, n):
     from kiln import _core
@@ -146,7 +162,7 @@ def test_normalization_schedule_matches_numpy_in_the_interpreter(build, m, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("build", [softmax, layernorm], ids=lambda b: b.__name__)
+@pytest.mark.parametrize("build", [softmax, layernorm, rmsnorm], ids=lambda b: b.__name__)
 @pytest.mark.parametrize("m,n", [(1, 1), (3, 7), (37, 1000), (128, 4096), (7, 8191)])
 def test_normalization_matches_numpy_on_gpu(build, m, n):
     cp = cupy_or_skip()

@@ -24,13 +24,23 @@ fn rows_and_row(f: &mut Fusion, t: TvId, k: usize) -> Result<()> {
     Ok(())
 }
 
-/// True when the fusion reduces and then reads the unreduced values again.
+/// True when the fusion reduces and then reads unreduced values again: a full-rank tensor
+/// computed before the reduction, or a full-rank fusion input. That covers softmax and
+/// layernorm (the reduction's own input) and RMSNorm (`x * rsqrt(mean(x * x))`: x, not
+/// the reduced `x * x`).
 pub fn is_normalization(f: &Fusion, reductions: &[ExprId]) -> bool {
     let order = f.topo_exprs();
     reductions.iter().any(|&r| {
         let rpos = order.iter().position(|&e| e == r).unwrap_or(0);
-        let input = f.exprs[r].inputs[0].tensor();
-        order[rpos + 1..].iter().any(|&e| f.exprs[e].input_tvs().any(|t| Some(t) == input))
+        let rank = f.tvs[f.exprs[r].output].logical.len();
+        let before: Vec<TvId> = order[..rpos].iter().map(|&e| f.exprs[e].output).collect();
+        order[rpos + 1..].iter().any(|&e| {
+            f.exprs[e].input_tvs().any(|t| {
+                (before.contains(&t) || f.is_input(t))
+                    && f.no_reduction_logical(t).len() == rank
+                    && f.tvs[t].logical.iter().all(|&id| f.ids[id].iter_type != IterType::Broadcast)
+            })
+        })
     })
 }
 
