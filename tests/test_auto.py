@@ -199,6 +199,48 @@ def test_broadcast_operands_get_the_2d_pointwise_schedule(build):
     assert params[-1] == 1
 
 
+@pytest.mark.parametrize(
+    "shape, dims, kind",
+    [
+        ((3, 5, 7), [1], "outer_reduction"),  # [B, R, I]: mean over a sequence axis
+        ((4, 33, 64), [1], "outer_reduction"),
+        ((2, 9, 1), [1], "outer_reduction"),
+        ((5, 3, 8), [0, 2], "inner_reduction"),  # last axis reduced: kept axis first
+        ((3, 4, 6, 5), [1, 3], "inner_reduction"),
+        ((3, 4, 6, 5), [0, 2], "outer_reduction"),
+    ],
+)
+def test_reductions_over_axes_between_kept_ones_match_numpy_in_the_interpreter(shape, dims, kind):
+    # The loop domains are permuted so the reduced axes lead or trail; the memory layout
+    # stays. A pointwise op before and after the reduction rides along.
+    from kiln import _core
+    from kiln.host import run_on_cpu
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1] * len(shape))
+        s = fd.ops.sum(fd.ops.mul(x, 2.0), dims=dims)
+        fd.add_output(fd.ops.add(s, 1.0))
+    a = np.random.default_rng(len(dims) + sum(shape)).standard_normal(shape).astype(np.float32)
+    _, got_kind, _ = fd._core.auto_program([list(shape)])
+    assert got_kind == kind
+    (out,) = run_on_cpu(_auto_lowered(fd, [a]), [a], _core.execute_cpu)
+    want = (a.astype(np.float64) * 2.0).sum(axis=tuple(dims)) + 1.0
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, dims", [((16, 257, 1024), [1]), ((64, 8, 4096), [0, 2]), ((7, 3, 5), [1])])
+def test_reductions_over_axes_between_kept_ones_match_numpy_on_gpu(shape, dims):
+    cp = cupy_or_skip()
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1] * len(shape))
+        fd.add_output(fd.ops.sum(x, dims=dims))
+    a = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    (out,) = fd.execute([cp.asarray(a)])
+    want = a.astype(np.float64).sum(axis=tuple(dims))
+    np.testing.assert_allclose(cp.asnumpy(out), want, rtol=1e-5, atol=1e-3)
+
+
 def test_3d_broadcast_of_a_middle_axis_matches_numpy_in_the_interpreter():
     from kiln import _core
     from kiln.host import run_on_cpu

@@ -9,6 +9,8 @@
 //!   over BIDy sized to one full wave of blocks when few column tiles would leave the GPU idle.
 //! - full: `[g (BIDx), s (serial), u (Unroll), t (TIDx), v]` with a grid reduction, g one
 //!   wave of blocks (a divisor of the work when there is one).
+//! - reduced axes between kept ones: the loop domains are permuted first (reduced axes
+//!   trailing when the last axis is reduced, else leading), then inner or outer as above.
 
 use crate::bail;
 use crate::error::Result;
@@ -27,11 +29,32 @@ pub fn schedule(f: &mut Fusion, extents: &[i64], red: ExprId) -> Result<Heuristi
     let r = f.exprs[red].output;
     let logical = f.tvs[r].logical.clone();
     let n = logical.len();
-    let is_red: Vec<bool> = logical.iter().map(|&id| f.ids[id].iter_type == IterType::Reduction).collect();
+    let mut is_red: Vec<bool> = logical.iter().map(|&id| f.ids[id].iter_type == IterType::Reduction).collect();
+    let mut sizes = tensor_sizes(f, extents, r)?;
     let k = is_red.iter().filter(|&&b| b).count();
+    // Reduced axes between kept ones ([B, R, I] summed over R): permute the loop domains so
+    // that they are trailing when the last axis is reduced (an inner reduction, vectors
+    // along that last axis) and leading otherwise (an outer reduction, threads along the
+    // kept last axis). Memory keeps its layout; only the loops change order.
+    let mut perm: Option<Vec<usize>> = None;
+    let contiguous = is_red.iter().skip(n - k).all(|&b| b) || is_red.iter().take(k).all(|&b| b);
+    if !contiguous {
+        let (reduced, kept): (Vec<usize>, Vec<usize>) = (0..n).partition(|&a| is_red[a]);
+        let p: Vec<usize> = if is_red[n - 1] { [kept, reduced].concat() } else { [reduced, kept].concat() };
+        is_red = p.iter().map(|&a| is_red[a]).collect();
+        sizes = p.iter().map(|&a| sizes[a]).collect();
+        perm = Some(p);
+    }
+    let permute = |f: &mut Fusion, x: TvId| -> Result<()> {
+        match &perm {
+            Some(p) => {
+                f.reorder(x, &p.iter().enumerate().map(|(to, &from)| (from as i64, to as i64)).collect::<Vec<_>>())
+            }
+            None => Ok(()),
+        }
+    };
     let inner = is_red.iter().skip(n - k).all(|&b| b);
     let outer = is_red.iter().take(k).all(|&b| b);
-    let sizes = tensor_sizes(f, extents, r)?;
     let red_size: i64 = sizes.iter().zip(&is_red).filter(|(_, &b)| b).map(|(s, _)| *s).product();
     let keep_size: i64 = sizes.iter().zip(&is_red).filter(|(_, &b)| !b).map(|(s, _)| *s).product();
 
@@ -64,8 +87,10 @@ pub fn schedule(f: &mut Fusion, extents: &[i64], red: ExprId) -> Result<Heuristi
         return full(f, r, &after, red_size);
     }
     if inner {
-        // Vector loads along the reduced axes, one block per kept row.
-        let v = if red_size % (16 / widest) == 0 { 16 / widest } else { 1 };
+        // Vector loads along the reduced axes, one block per kept row. After a permutation
+        // the merged reduced axes are contiguous in memory only along the last one.
+        let along = if perm.is_some() { sizes[n - 1] } else { red_size };
+        let v = if along % (16 / widest) == 0 { 16 / widest } else { 1 };
         // About two vectors per thread before the block reduction (measured on the H200,
         // 16384x4096 fp32, same runs: 62.6 us with two, 63.1 with four; 63.8 with eight and
         // 63.3 with sixteen against 62.4 with four).
@@ -89,6 +114,7 @@ pub fn schedule(f: &mut Fusion, extents: &[i64], red: ExprId) -> Result<Heuristi
         let pos = order.iter().position(|&e| f.exprs[e].output == r).expect("reduction stays");
         let pre: Vec<TvId> = order[..pos].iter().map(|&e| f.exprs[e].output).collect();
         for &x in pre.iter().chain(std::iter::once(&r)) {
+            permute(f, x)?;
             merge_range(f, x, 0, n - k)?;
             merge_range(f, x, 1, k)?;
             f.split(x, 1, v, true)?;
@@ -124,6 +150,7 @@ pub fn schedule(f: &mut Fusion, extents: &[i64], red: ExprId) -> Result<Heuristi
         };
         let s = ((red_size + g * ty * u - 1) / (g * ty * u)).max(1);
         for &x in before.iter().chain(std::iter::once(&r)) {
+            permute(f, x)?;
             merge_range(f, x, 0, k)?;
             merge_range(f, x, 1, n - k)?;
             f.split(x, 1, t, true)?; // [R, cols/t, t]
@@ -162,7 +189,7 @@ pub fn schedule(f: &mut Fusion, extents: &[i64], red: ExprId) -> Result<Heuristi
         }
         return Ok(Heuristic { kind: "outer_reduction", params: vec![t, ty, g, s, u] });
     }
-    bail!("{}: reduced axes must be the leading or the trailing axes for the automatic schedule", f.tv_name(r))
+    bail!("internal: {}: the reduced axes are neither leading nor trailing after the permutation", f.tv_name(r))
 }
 
 /// Post-reduction tensors: `[rows]` on BIDx.
