@@ -422,8 +422,9 @@ def test_independent_reductions_over_different_axes_on_gpu():
 def test_uncovered_fusion_error_says_what_was_tried():
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, -1, -1])
-        fd.add_output(fd.ops.relu(fd.ops.sum(x, dims=[1])))  # a middle axis: no scheduler reduces it
-    with pytest.raises(KilnError, match="segmenting it into 2 kernels did not help either"):
+        fd.add_output(fd.ops.relu(fd.ops.permute(x, [2, 0, 1])))  # 3-D: no scheduler permutes it
+    with pytest.raises(KilnError, match="segmenting it into 2 kernels did not help either: segment 0: "
+                                        "T1: only 2-D transposes are scheduled automatically"):
         _auto_lowered(fd, [np.zeros((4, 6, 5), np.float32)])
 
 
