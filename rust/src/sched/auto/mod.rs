@@ -8,7 +8,8 @@
 //!   per output would leave the GPU idle.
 //! - `normalization`: reductions broadcast back onto their input (softmax, layernorm):
 //!   one block per row with the row held in registers across the reductions.
-//! - `transpose`: a 2-D permute staged through 64x64 Shared tiles.
+//! - `transpose`: a 2-D permute staged through 64x64 Shared tiles (a permute that keeps
+//!   the last axis in place is a pointwise copy in the output's axis order).
 
 pub mod normalization;
 pub mod pointwise;
@@ -152,7 +153,7 @@ pub fn schedule_with_extents(f: &mut Fusion, inputs: &[i64]) -> Result<Heuristic
     let reductions: Vec<_> = exprs.iter().copied().filter(|&e| matches!(f.exprs[e].op, Op::Reduction { .. })).collect();
     let permutes = exprs.iter().filter(|&&e| matches!(f.exprs[e].op, Op::Permute { .. })).count();
     let specialized = if permutes == 0 { specialize_reduced_extents(f, &reductions, inputs) } else { Vec::new() };
-    let mut h = if reductions.is_empty() && permutes == 0 {
+    let mut h = if reductions.is_empty() && (permutes == 0 || pointwise::kept_last_permute(f).is_some()) {
         pointwise::schedule(f, inputs)?
     } else if permutes == 0 && normalization::is_normalization(f, &reductions) {
         normalization::schedule(f, inputs, &reductions)?

@@ -8,8 +8,9 @@
 //!   ceilDiv(C, t*v) (BIDx), t (TIDx), v]`. A broadcast operand is then indexed by the row or
 //!   the column directly, instead of by a per-element `flat % C` (an integer division).
 
+use crate::bail;
 use crate::error::Result;
-use crate::ir::{Fusion, IterType, Op, Operand, ParallelType, TvId};
+use crate::ir::{ExprId, Fusion, IterType, Op, Operand, ParallelType, TvId};
 use crate::sched::auto::{broadcast_input, tensor_sizes, Heuristic, SM_COUNT};
 
 /// Merge all loop axes of `t` into one, then split it as `[rest, u, threads, v]`.
@@ -33,11 +34,30 @@ fn full_size(f: &Fusion, t: TvId, rank: usize) -> bool {
     l.len() == rank && l.iter().all(|&id| f.ids[id].iter_type == IterType::Iteration)
 }
 
-/// Schedule a fusion without reductions or permutes.
+/// The fusion's permute and its permutation when it has exactly one and that one keeps
+/// the last axis in place (`[B, S, H] -> [S, B, H]`): a copy whose rows stay contiguous,
+/// which the pointwise schedule covers by iterating every tensor in the output's order.
+pub fn kept_last_permute(f: &Fusion) -> Option<(ExprId, Vec<usize>)> {
+    let mut found = None;
+    for e in f.topo_exprs() {
+        if let Op::Permute { perm } = &f.exprs[e].op {
+            if found.is_some() {
+                return None;
+            }
+            found = Some((e, perm.clone()));
+        }
+    }
+    found.filter(|(_, p)| p.last().is_some_and(|&a| a + 1 == p.len()))
+}
+
+/// Schedule a fusion without reductions, and without permutes other than one that keeps
+/// the last axis (`kept_last_permute`).
 pub fn schedule(f: &mut Fusion, extents: &[i64]) -> Result<Heuristic> {
     let out = f.outputs[0];
     let rank = f.no_reduction_logical(out).len();
-    let numel: i64 = tensor_sizes(f, extents, out)?.iter().product();
+    let sizes = tensor_sizes(f, extents, out)?;
+    let numel: i64 = sizes.iter().product();
+    let permute = kept_last_permute(f);
     // The vector width: 16 bytes of the widest tensor that is accessed with vectors
     // (an int64 index tensor read once per row does not narrow it).
     let vectorized = |f: &Fusion, x: TvId| {
@@ -57,7 +77,12 @@ pub fn schedule(f: &mut Fusion, extents: &[i64]) -> Result<Heuristic> {
         .map(|x| f.tvs[x].dtype.size_bytes())
         .max()
         .unwrap_or(4) as i64;
-    let v = (16 / widest).clamp(1, 8);
+    let mut v = (16 / widest).clamp(1, 8);
+    // Across a permute the flat order is not the memory order of the tensors before it: a
+    // vector must stay within one row of the kept last axis.
+    if permute.is_some() && sizes.last().is_some_and(|&h| h % v != 0) {
+        v = 1;
+    }
     let threads = 128;
     // One vector per thread for 4-byte types, two for 2-byte types when there are many
     // more vectors than the GPU runs at once (measured on the H200, 16384x4096: fp32 127.3 us
@@ -92,6 +117,36 @@ pub fn schedule(f: &mut Fusion, extents: &[i64]) -> Result<Heuristic> {
     }
     let order = f.topo_exprs();
     let tensors: Vec<TvId> = order.iter().map(|&e| f.exprs[e].output).collect();
+    // Tensors before the permute iterate in the output's axis order.
+    let mut upstream: Vec<TvId> = Vec::new();
+    let mut orient: Vec<(i64, i64)> = Vec::new();
+    if let Some((pe, perm)) = &permute {
+        let src = f.exprs[*pe].inputs[0].tensor().expect("a permute reads a tensor");
+        let mut stack = vec![src];
+        while let Some(t) = stack.pop() {
+            if f.tvs[t].definition.is_some() && !upstream.contains(&t) {
+                upstream.push(t);
+                stack.extend(f.producers(t));
+            }
+        }
+        for &t in &upstream {
+            let elsewhere = f.tvs[t].uses.iter().any(|&e| e != *pe && !upstream.contains(&f.exprs[e].output));
+            if elsewhere || f.is_output(t) {
+                bail!(
+                    "{}: read both before and after the permute {}; not covered by the automatic schedule: schedule it by hand",
+                    f.tv_name(t),
+                    f.tv_name(f.exprs[*pe].output)
+                );
+            }
+        }
+        orient = perm.iter().enumerate().map(|(to, &from)| (from as i64, to as i64)).collect();
+    }
+    let oriented = |f: &mut Fusion, t: TvId| -> Result<()> {
+        if upstream.contains(&t) {
+            f.reorder(t, &orient)?;
+        }
+        Ok(())
+    };
     // Rows gathered from a table (index_select along an outer axis) are contiguous along
     // the last axis: they load with vectors like a cache of the table would.
     for &t in &tensors {
@@ -122,6 +177,7 @@ pub fn schedule(f: &mut Fusion, extents: &[i64]) -> Result<Heuristic> {
             let specialized = crate::sched::auto::specialize_extents(f, &[last], extents);
             for &t in &tensors {
                 let n = f.tvs[t].loop_domain.len();
+                oriented(f, t)?;
                 for _ in 0..n.saturating_sub(2) {
                     f.merge(t, 0, 1)?;
                 }
@@ -154,6 +210,7 @@ pub fn schedule(f: &mut Fusion, extents: &[i64]) -> Result<Heuristic> {
         }
     }
     for &t in &tensors {
+        oriented(f, t)?;
         flatten_and_split(f, t, v, threads, unroll)?;
         let (b, u, th, vv) = if unroll > 1 { (0, Some(2), 3, 4) } else { (0, None, 2, 3) };
         f.parallelize(t, b, ParallelType::BIDx)?;
