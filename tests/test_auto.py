@@ -5,7 +5,7 @@ width, very wide and very tall)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 import pytest
@@ -226,6 +226,74 @@ def test_reductions_over_axes_between_kept_ones_match_numpy_in_the_interpreter(s
     (out,) = run_on_cpu(_auto_lowered(fd, [a]), [a], _core.execute_cpu)
     want = (a.astype(np.float64) * 2.0).sum(axis=tuple(dims)) + 1.0
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+_BESIDE = {
+    # name: (build(fd, x, b) -> outputs, reference(x, b) -> outputs, kind, bias length: "m"/"k"/None)
+    "row sum, then x * 2": (lambda fd, x, b: [fd.ops.sum(x, dims=[1]), fd.ops.mul(x, 2.0)],
+                            lambda x, b: [x.sum(1), x * 2], "inner_reduction", None),
+    "x * 2, then row sum": (lambda fd, x, b: [fd.ops.mul(x, 2.0), fd.ops.sum(x, dims=[1])],
+                            lambda x, b: [x * 2, x.sum(1)], "inner_reduction", None),
+    "column sum and x * 2": (lambda fd, x, b: [fd.ops.sum(x, dims=[0]), fd.ops.mul(x, 2.0)],
+                             lambda x, b: [x.sum(0), x * 2], "outer_reduction", None),
+    "full sum and x * 2": (lambda fd, x, b: [fd.ops.sum(x, dims=[0, 1]), fd.ops.mul(x, 2.0)],
+                           lambda x, b: [x.sum(), x * 2], "full_reduction", None),
+    "row sum + bias": (lambda fd, x, b: [fd.ops.add(fd.ops.sum(x, dims=[1]), b)],
+                       lambda x, b: [x.sum(1) + b], "inner_reduction", "m"),
+    "column sum + bias": (lambda fd, x, b: [fd.ops.add(fd.ops.sum(x, dims=[0]), b)],
+                          lambda x, b: [x.sum(0) + b], "outer_reduction", "k"),
+    "row max and row sum": (lambda fd, x, b: [fd.ops.max(x, dims=[1]), fd.ops.sum(x, dims=[1])],
+                            lambda x, b: [x.max(1), x.sum(1)], "normalization", None),
+}
+
+
+def _beside(name: str) -> Tuple[FusionDefinition, Callable, str, Optional[str]]:
+    build, ref, kind, bias = _BESIDE[name]
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        b = fd.define_tensor([-1]) if bias else None
+        for o in build(fd, x, b):
+            fd.add_output(o)
+    return fd, ref, kind, bias
+
+
+def _beside_inputs(bias: Optional[str], m: int, n: int, xp: Any) -> List[Any]:
+    rng = np.random.default_rng(m * n)
+    ins = [rng.standard_normal((m, n)).astype(np.float32)]
+    if bias:
+        ins.append(rng.standard_normal(m if bias == "m" else n).astype(np.float32))
+    return [xp.asarray(a) for a in ins]
+
+
+@pytest.mark.parametrize("name", list(_BESIDE))
+@pytest.mark.parametrize("m,n", [(64, 256), (7, 13), (1000, 3), (1, 1)])
+def test_ops_beside_a_reduction_share_its_kernel_in_the_interpreter(name, m, n):
+    # Outputs computed from the reduction's input but not from its result (backward passes:
+    # a bias gradient and an input gradient) and kept-rank operands of the result are
+    # scheduled with the reduction, in one kernel.
+    from kiln import _core
+    from kiln.host import run_on_cpu
+
+    fd, ref, kind, bias = _beside(name)
+    ins = _beside_inputs(bias, m, n, np)
+    program, got_kind, _ = fd._core.auto_program([list(a.shape) for a in ins])
+    assert got_kind == kind and len(program.kernels()) == 1
+    outs = run_on_cpu(_auto_lowered(fd, ins), ins, _core.execute_cpu)
+    wants = ref(*[a.astype(np.float64) for a in ins], *([None] if not bias else []))
+    for got, want in zip(outs, wants):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * max(1.0, np.sqrt(m * n) / 10))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(_BESIDE))
+def test_ops_beside_a_reduction_match_numpy_on_gpu(name):
+    cp = cupy_or_skip()
+    fd, ref, _, bias = _beside(name)
+    ins = _beside_inputs(bias, 4099, 1031, cp)
+    outs = fd.execute(ins)
+    wants = ref(*[cp.asnumpy(a).astype(np.float64) for a in ins], *([None] if not bias else []))
+    for got, want in zip(outs, wants):
+        np.testing.assert_allclose(cp.asnumpy(got), want, rtol=1e-5, atol=2e-2)
 
 
 def _permute_chain(shape: Tuple[int, ...], perm: List[int], bias: bool) -> FusionDefinition:

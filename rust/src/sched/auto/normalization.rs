@@ -24,19 +24,34 @@ fn rows_and_row(f: &mut Fusion, t: TvId, k: usize) -> Result<()> {
     Ok(())
 }
 
-/// True when the fusion reduces and then reads unreduced values again: a full-rank tensor
-/// computed before the reduction, or a full-rank fusion input. That covers softmax and
-/// layernorm (the reduction's own input) and RMSNorm (`x * rsqrt(mean(x * x))`: x, not
-/// the reduced `x * x`).
+/// True when an op on a reduction's result also reads unreduced values: a full-rank
+/// tensor that does not depend on the reduction (computed before it, or a fusion input).
+/// That covers softmax and layernorm (the reduction's own input) and RMSNorm
+/// (`x * rsqrt(mean(x * x))`: x, not the reduced `x * x`). Ops beside the reduction that
+/// only share its input (a second output `x * 2`) do not make a normalization. Several
+/// reductions of the same axes (a row's max and sum) are one too: one block per row
+/// computes them all.
 pub fn is_normalization(f: &Fusion, reductions: &[ExprId]) -> bool {
+    let reduced = |e: ExprId| -> Vec<bool> {
+        let out = f.exprs[e].output;
+        f.tvs[out].logical.iter().map(|&id| f.ids[id].iter_type == IterType::Reduction).collect()
+    };
+    if reductions.len() > 1 && reductions.iter().all(|&e| reduced(e) == reduced(reductions[0])) {
+        return true;
+    }
     let order = f.topo_exprs();
     reductions.iter().any(|&r| {
-        let rpos = order.iter().position(|&e| e == r).unwrap_or(0);
-        let rank = f.tvs[f.exprs[r].output].logical.len();
-        let before: Vec<TvId> = order[..rpos].iter().map(|&e| f.exprs[e].output).collect();
-        order[rpos + 1..].iter().any(|&e| {
-            f.exprs[e].input_tvs().any(|t| {
-                (before.contains(&t) || f.is_input(t))
+        let out = f.exprs[r].output;
+        let rank = f.tvs[out].logical.len();
+        let mut dependent = vec![out];
+        order.iter().any(|&e| {
+            let ex = &f.exprs[e];
+            if !ex.input_tvs().any(|t| dependent.contains(&t)) {
+                return false;
+            }
+            dependent.push(ex.output);
+            ex.input_tvs().any(|t| {
+                !dependent.contains(&t)
                     && f.no_reduction_logical(t).len() == rank
                     && f.tvs[t].logical.iter().all(|&id| f.ids[id].iter_type != IterType::Broadcast)
             })

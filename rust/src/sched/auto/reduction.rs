@@ -24,6 +24,25 @@ fn merge_range(f: &mut Fusion, t: TvId, start: usize, count: usize) -> Result<()
     Ok(())
 }
 
+/// The computed tensors other than `r` that do not depend on `r` (its producers, and
+/// outputs computed from the same inputs beside it: scheduled like its input) and those
+/// that do (ops on its result), each in dependency order.
+fn by_dependence(f: &Fusion, r: TvId) -> (Vec<TvId>, Vec<TvId>) {
+    let (mut before, mut after) = (Vec::new(), Vec::new());
+    for e in f.topo_exprs() {
+        let o = f.exprs[e].output;
+        if o == r {
+            continue;
+        }
+        if f.exprs[e].input_tvs().any(|t| t == r || after.contains(&t)) {
+            after.push(o);
+        } else {
+            before.push(o);
+        }
+    }
+    (before, after)
+}
+
 /// Schedule a fusion whose only reduction is expr `red`.
 pub fn schedule(f: &mut Fusion, extents: &[i64], red: ExprId) -> Result<Heuristic> {
     let r = f.exprs[red].output;
@@ -59,14 +78,15 @@ pub fn schedule(f: &mut Fusion, extents: &[i64], red: ExprId) -> Result<Heuristi
     let keep_size: i64 = sizes.iter().zip(&is_red).filter(|(_, &b)| !b).map(|(s, _)| *s).product();
 
     // Tensors before the reduction (same rank as its input) and after it.
-    let order = f.topo_exprs();
-    let pos = order.iter().position(|&e| e == red).expect("the reduction is in the fusion");
-    let before: Vec<TvId> = order[..pos].iter().map(|&e| f.exprs[e].output).collect();
-    let after: Vec<TvId> = order[pos + 1..].iter().map(|&e| f.exprs[e].output).collect();
+    let (before, after) = by_dependence(f, r);
     for &t in &after {
-        // Consumers of the result must not read the reduced input again (that is a
-        // normalization, which needs a persistent schedule or segmentation).
-        let reads_before = f.producers(t).iter().any(|p| before.contains(p) || f.is_input(*p));
+        // Consumers of the result must not read unreduced values again (that is a
+        // normalization, which needs a persistent schedule or segmentation); kept-rank
+        // inputs (a bias per output element) are fine.
+        let reads_before = f
+            .producers(t)
+            .iter()
+            .any(|p| (before.contains(p) || f.is_input(*p)) && f.no_reduction_logical(*p).len() == n);
         if reads_before {
             bail!(
                 "{} combines the reduction {} with its unreduced input (a normalization such as softmax); no automatic schedule covers it yet: schedule it by hand or segment it with segment_after",
@@ -110,9 +130,7 @@ pub fn schedule(f: &mut Fusion, extents: &[i64], red: ExprId) -> Result<Heuristi
                 caches.push(c);
             }
         }
-        let order = f.topo_exprs();
-        let pos = order.iter().position(|&e| f.exprs[e].output == r).expect("reduction stays");
-        let pre: Vec<TvId> = order[..pos].iter().map(|&e| f.exprs[e].output).collect();
+        let pre = by_dependence(f, r).0;
         for &x in pre.iter().chain(std::iter::once(&r)) {
             permute(f, x)?;
             merge_range(f, x, 0, n - k)?;
@@ -239,9 +257,7 @@ fn full(f: &mut Fusion, r: TvId, after: &[TvId], total: i64) -> Result<Heuristic
             caches.push(c);
         }
     }
-    let order = f.topo_exprs();
-    let pos = order.iter().position(|&e| f.exprs[e].output == r).expect("reduction stays");
-    let pre: Vec<TvId> = order[..pos].iter().map(|&e| f.exprs[e].output).collect();
+    let pre = by_dependence(f, r).0;
     for &x in pre.iter().chain(std::iter::once(&r)) {
         merge_range(f, x, 0, n)?;
         f.split(x, 0, v, true)?; // [N/v, v]
