@@ -37,6 +37,11 @@ pub fn evict_last_inputs() -> bool {
     })
 }
 
+/// `reorder` moves that put old loop axis `perm[i]` at position `i`.
+pub(crate) fn moves_to(perm: &[usize]) -> Vec<(i64, i64)> {
+    perm.iter().enumerate().map(|(to, &from)| (from as i64, to as i64)).collect()
+}
+
 /// What the scheduler decided, as a cache key and a readable description.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Heuristic {

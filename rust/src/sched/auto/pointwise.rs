@@ -139,7 +139,7 @@ pub fn schedule(f: &mut Fusion, extents: &[i64]) -> Result<Heuristic> {
                 );
             }
         }
-        orient = perm.iter().enumerate().map(|(to, &from)| (from as i64, to as i64)).collect();
+        orient = super::moves_to(perm);
     }
     let oriented = |f: &mut Fusion, t: TvId| -> Result<()> {
         if upstream.contains(&t) {

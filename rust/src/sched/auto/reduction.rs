@@ -66,9 +66,7 @@ pub fn schedule(f: &mut Fusion, extents: &[i64], red: ExprId) -> Result<Heuristi
     }
     let permute = |f: &mut Fusion, x: TvId| -> Result<()> {
         match &perm {
-            Some(p) => {
-                f.reorder(x, &p.iter().enumerate().map(|(to, &from)| (from as i64, to as i64)).collect::<Vec<_>>())
-            }
+            Some(p) => f.reorder(x, &super::moves_to(p)),
             None => Ok(()),
         }
     };
