@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from hypothesis import settings
 from kiln import DataType, FusionDefinition
+
+# Property tests draw the same examples on every run (CI must not pass or fail by luck);
+# HYPOTHESIS_PROFILE=explore draws fresh ones.
+settings.register_profile("kiln", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "kiln"))
 
 
 @dataclass

@@ -12,7 +12,7 @@ import pytest
 from gpu_util import cupy_or_skip
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kiln import DataType, FusionDefinition, KilnError
+from kiln import DataType, FusionDefinition, KilnError, MemoryType
 from kiln.execute import _auto_lowered
 
 SIZES = [(1, 1), (1, 7), (7, 1), (3, 5), (31, 997), (128, 4096), (1000, 3), (2, 65537), (4099, 13)]
@@ -296,6 +296,47 @@ def test_ops_beside_a_reduction_match_numpy_on_gpu(name):
         np.testing.assert_allclose(cp.asnumpy(got), want, rtol=1e-5, atol=2e-2)
 
 
+def _batched_transpose(rank: int) -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1] * rank)
+        fd.add_output(fd.ops.permute(x, list(range(rank - 2)) + [rank - 1, rank - 2]))
+    return fd
+
+
+@pytest.mark.parametrize("shape", [(2, 70, 130), (3, 2, 64, 64), (1, 1, 1), (5, 7, 3), (2, 1, 3, 129, 65)])
+def test_batched_transposes_match_numpy_in_the_interpreter(shape):
+    # [B, S, H] -> [B, H, S]: the batch axes merge into one loop on BIDz around the 2-D tile
+    # schedule, whose Shared tile keeps the transposed [64, 64] allocation (rows padded).
+    from kiln import _core
+    from kiln.host import run_on_cpu
+
+    fd = _batched_transpose(len(shape))
+    a = np.random.default_rng(len(shape)).standard_normal(shape).astype(np.float32)
+    _, kind, _ = fd._core.auto_program([list(shape)])
+    assert kind == "transpose"
+    low = _auto_lowered(fd, [a])
+    (k,) = low.kernels
+    assert k.launch["grid"][2] == " * ".join(f"i{i}" for i in range(len(shape) - 2))
+    (tile,) = [x for x in k.allocations if x.memory_type == MemoryType.Shared]
+    assert tile.extents == ("64", "64") and tile.strides == ("65", "1")
+    (out,) = run_on_cpu(low, [a], _core.execute_cpu)
+    np.testing.assert_array_equal(out, np.swapaxes(a, -1, -2))
+
+
+def test_a_batch_of_transposes_past_grid_dim_z_is_refused_by_name():
+    with pytest.raises(KilnError, match=r"T1: a batch of 65536 transposes exceeds gridDim.z \(65535\)"):
+        _batched_transpose(3)._core.auto_program([[65536, 2, 2]])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(8, 1024, 2048), (3, 2, 65, 129), (1, 1, 1)])
+def test_batched_transposes_match_numpy_on_gpu(shape):
+    cp = cupy_or_skip()
+    a = np.random.default_rng(2).standard_normal(shape).astype(np.float32)
+    (out,) = _batched_transpose(len(shape)).execute([cp.asarray(a)])
+    np.testing.assert_array_equal(cp.asnumpy(out), np.swapaxes(a, -1, -2))
+
+
 def _permute_chain(shape: Tuple[int, ...], perm: List[int], bias: bool) -> FusionDefinition:
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1] * len(shape))
@@ -561,9 +602,10 @@ def test_independent_reductions_over_different_axes_on_gpu():
 def test_uncovered_fusion_error_says_what_was_tried():
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, -1, -1])
-        fd.add_output(fd.ops.relu(fd.ops.permute(x, [2, 0, 1])))  # 3-D: no scheduler permutes it
-    with pytest.raises(KilnError, match="segmenting it into 2 kernels did not help either: segment 0: "
-                                        "T1: only 2-D transposes are scheduled automatically"):
+        fd.add_output(fd.ops.relu(fd.ops.permute(x, [2, 0, 1])))  # moves the last axis to the front
+    with pytest.raises(KilnError, match=r"segmenting it into 2 kernels did not help either: segment 0: "
+                                        r"T1: only permutes that swap the last two axes \(or keep the last "
+                                        r"axis in place\) are scheduled automatically, got \[2, 0, 1\]"):
         _auto_lowered(fd, [np.zeros((4, 6, 5), np.float32)])
 
 
@@ -580,8 +622,12 @@ def test_every_scheduler_matches_numpy_on_random_sizes_in_the_interpreter(build,
     arrays = (norm_inputs if norm else make_inputs)(build, m, n, np)
     outs = run_on_cpu(_auto_lowered(fd, arrays), arrays, _core.execute_cpu)
     want = ref(*[a if isinstance(a, float) else a.astype(np.float64) for a in arrays])
-    for got, w in zip(outs, want):
+    # A float32 sum that cancels to near zero is off by about eps * the sum of |terms|, not
+    # by eps * |result| (a 39x273 full sum came to 0.11761 against 0.117688).
+    scale = ref(*[np.abs(a).astype(np.float64) for a in arrays]) if build.__name__.startswith("sum") else want
+    for got, w, mag in zip(outs, want, scale):
         tol = 1e-5 * max(1.0, float(np.abs(w).max())) * (1 + n / 100)
+        tol = max(tol, 1e-6 * float(np.abs(mag).max()))
         np.testing.assert_allclose(got, w, rtol=1e-4, atol=tol)
 
 
