@@ -1,18 +1,24 @@
 //! Transpose scheduler: `out = permute(x, [1, 0])` through 64x64 Shared tiles, reading
 //! rows of `x` and writing rows of `out` with 16-byte vectors (the transposed-Shared
-//! allocation patch makes the tile `[64, 64]`, rows padded by one bank). Leading axes that
-//! the permute keeps (`[B, S, H] -> [B, H, S]`) make a batch of such transposes on BIDz.
+//! allocation patch makes the tile `[64, 64]`, rows padded by one bank). With more axes the
+//! tiles span x's last axis and the output's last axis; the others (`B` in `[B, S, H] ->
+//! [B, H, S]` or `[H, B, S]`) make a batch of such transposes on BIDz.
 
 use crate::bail;
 use crate::error::Result;
 use crate::ir::{Fusion, MemoryType, Op, ParallelType, TvId};
 use crate::sched::auto::{tensor_sizes, Heuristic};
 
+/// A tensor of the transpose, its reorder within the 2-D tile frame, and the axis order
+/// that brings it into that frame (batch axes first).
+type Oriented<'a> = (TvId, &'a [(i64, i64)], &'a [usize]);
+
 /// Largest gridDim.z a launch may have.
 const MAX_GRID_Z: i64 = 65535;
 
-/// Schedule a fusion that is a single permute swapping the last two axes (a batch of 2-D
-/// transposes when there are leading axes: they merge into one, on BIDz).
+/// Schedule a fusion that is a single permute moving the last axis: a 2-D transpose of x's
+/// last axis and the output's last axis, batched over the other axes (merged into one loop
+/// on BIDz).
 pub fn schedule(f: &mut Fusion, extents: &[i64]) -> Result<Heuristic> {
     let e = f.topo_exprs()[0];
     if f.exprs[e].inputs[0].tensor().is_none() {
@@ -24,19 +30,20 @@ pub fn schedule(f: &mut Fusion, extents: &[i64]) -> Result<Heuristic> {
         _ => bail!("{}: not a permute", f.tv_name(out)),
     };
     let n = perm.len();
-    let last_two = n >= 2
-        && perm[..n - 2].iter().enumerate().all(|(i, &p)| p == i)
-        && perm[n - 2] == n - 1
-        && perm[n - 1] == n - 2;
-    if !last_two {
-        bail!(
-            "{}: only permutes that swap the last two axes (or keep the last axis in place) are scheduled automatically, got {perm:?}",
-            f.tv_name(out)
-        );
+    if n < 2 || perm[n - 1] == n - 1 {
+        bail!("{}: not a transpose (the last axis stays in place): {perm:?}", f.tv_name(out));
     }
+    // The two axes the tiles span: x's last axis (`a`, at output position `qa`) and the
+    // output's last axis (x's axis `perm[n - 1]`). Every other axis is a batch axis, taken in
+    // the output's order on both sides so that the merged batch loops match.
+    let qa = perm.iter().position(|&p| p == n - 1).expect("a permutation holds every axis");
+    let batch_pos: Vec<usize> = (0..n - 1).filter(|&q| q != qa).collect();
+    let canon_out: Vec<usize> = batch_pos.iter().copied().chain([qa, n - 1]).collect();
+    let canon_x: Vec<usize> = batch_pos.iter().map(|&q| perm[q]).chain([perm[n - 1], n - 1]).collect();
     // Batch axes: merged into one loop on BIDz.
     let o = usize::from(n > 2);
-    let batch: i64 = tensor_sizes(f, extents, out)?[..n - 2].iter().product();
+    let sizes = tensor_sizes(f, extents, out)?;
+    let batch: i64 = batch_pos.iter().map(|&q| sizes[q]).product();
     if batch > MAX_GRID_Z {
         bail!(
             "{}: a batch of {batch} transposes exceeds gridDim.z ({MAX_GRID_Z}); schedule it by hand",
@@ -60,10 +67,16 @@ pub fn schedule(f: &mut Fusion, extents: &[i64]) -> Result<Heuristic> {
     // All three to [batch (BIDz),] [J/64 (BIDy), I/64 (BIDx), rows (serial), threads (TIDx),
     // v]: `out` walks the output's rows; `s` is in the output's axis order (j, i) but walks
     // x's rows, and `l` is in x's order (i, j).
-    let orders: [(TvId, &[(i64, i64)]); 3] =
-        [(out, &[(1, 2)]), (l, &[(2, 0), (0, 1), (1, 2)]), (s, &[(1, 3), (3, 2), (2, 1)])];
+    let orders: [Oriented; 3] = [
+        (out, &[(1, 2)], &canon_out),
+        (l, &[(2, 0), (0, 1), (1, 2)], &canon_x),
+        (s, &[(1, 3), (3, 2), (2, 1)], &canon_out),
+    ];
     let at = |a: i64| a + o as i64;
-    for (t, order) in orders {
+    for (t, order, canon) in orders {
+        if canon.iter().enumerate().any(|(i, &p)| i != p) {
+            f.reorder(t, &super::moves_to(canon))?;
+        }
         for _ in 1..n.saturating_sub(2) {
             f.merge(t, 0, 1)?;
         }
