@@ -114,6 +114,13 @@ pub fn auto_program(
             g.mark_segment_after(t)?;
             marked += 1;
         }
+        // The transpose schedule reads a fusion input: ops before a permute end a segment.
+        if let (Op::Permute { .. }, Some(src)) = (&g.exprs[e].op, g.exprs[e].inputs[0].tensor()) {
+            if g.tvs[src].definition.is_some() && !g.segment_after.contains(&src) {
+                g.mark_segment_after(src)?;
+                marked += 1;
+            }
+        }
     }
     if marked == 0 {
         return Err(first);
@@ -164,7 +171,7 @@ pub fn schedule_with_extents(f: &mut Fusion, inputs: &[i64]) -> Result<Heuristic
         normalization::schedule(f, inputs, &reductions)?
     } else if reductions.len() == 1 && permutes == 0 {
         reduction::schedule(f, inputs, reductions[0])?
-    } else if reductions.is_empty() && permutes == 1 && exprs.len() == 1 {
+    } else if reductions.is_empty() && permutes == 1 {
         transpose::schedule(f, inputs)?
     } else {
         bail!(

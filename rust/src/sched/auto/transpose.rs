@@ -20,15 +20,30 @@ const MAX_GRID_Z: i64 = 65535;
 /// last axis and the output's last axis, batched over the other axes (merged into one loop
 /// on BIDz).
 pub fn schedule(f: &mut Fusion, extents: &[i64]) -> Result<Heuristic> {
-    let e = f.topo_exprs()[0];
-    if f.exprs[e].inputs[0].tensor().is_none() {
-        bail!("the transpose reads no tensor");
+    let order = f.topo_exprs();
+    let Some(&e) = order.iter().find(|&&e| matches!(f.exprs[e].op, Op::Permute { .. })) else {
+        bail!("the transpose schedule needs a permute");
+    };
+    let Some(x) = f.exprs[e].inputs[0].tensor().filter(|&x| f.is_input(x)) else {
+        bail!("{}: the transpose schedule reads a fusion input directly (ops before the permute are not covered; segment them off)", f.tv_name(f.exprs[e].output));
+    };
+    let staged = f.exprs[e].output;
+    if f.outputs.len() != 1 {
+        bail!("{}: a transpose with ops after it is scheduled for a single output", f.tv_name(staged));
     }
-    let out = f.exprs[e].output;
+    let out = f.outputs[0];
     let perm = match &f.exprs[e].op {
         Op::Permute { perm } => perm.clone(),
         _ => bail!("{}: not a permute", f.tv_name(out)),
     };
+    // Ops after the permute (an epilogue: a scale, a cast, a bias) run on the output side of
+    // the Shared tile, in the output's order; so do broadcasts of other inputs they read.
+    let epilogue: Vec<TvId> = order.iter().filter(|&&d| d != e).map(|&d| f.exprs[d].output).collect();
+    for &t in &epilogue {
+        if f.no_reduction_logical(t).len() != perm.len() {
+            bail!("{}: an op after a transpose must keep the output's rank", f.tv_name(t));
+        }
+    }
     let n = perm.len();
     if n < 2 || perm[n - 1] == n - 1 {
         bail!("{}: not a transpose (the last axis stays in place): {perm:?}", f.tv_name(out));
@@ -50,15 +65,17 @@ pub fn schedule(f: &mut Fusion, extents: &[i64]) -> Result<Heuristic> {
             f.tv_name(out)
         );
     }
-    let v = (16 / f.tvs[out].dtype.size_bytes() as i64).clamp(1, 4);
+    let widest = [x, staged, out].iter().map(|&t| f.tvs[t].dtype.size_bytes()).max().unwrap_or(4) as i64;
+    let v = (16 / widest).clamp(1, 4);
     // 64x64 tiles with 256 threads, each moving four vectors: more bytes in flight per
     // thread than 32x32 tiles (the tile fits a 16.6 KB padded Shared buffer).
     let (tile, threads) = (64, 256);
-    let s = f.cache_before(out)?;
+    // The Shared tile: the permute's result itself when ops follow it, else a copy of the
+    // output before its store.
+    let s = if out == staged { f.cache_before(out)? } else { staged };
     f.set_memory_type(s, MemoryType::Shared)?;
     // Producer side: the same tile, walked along x's rows, read with 16-byte vectors into
     // registers (`l`) and scattered into the Shared tile from there.
-    let x = f.exprs[e].inputs[0].tensor().expect("a permute reads a tensor");
     let l = f.cache_after(x)?;
     // As in pointwise.rs: 8192x8192 fp32 129.9 -> 128.1 us on the H200.
     if v > 1 && super::evict_last_inputs() {
@@ -67,11 +84,14 @@ pub fn schedule(f: &mut Fusion, extents: &[i64]) -> Result<Heuristic> {
     // All three to [batch (BIDz),] [J/64 (BIDy), I/64 (BIDx), rows (serial), threads (TIDx),
     // v]: `out` walks the output's rows; `s` is in the output's axis order (j, i) but walks
     // x's rows, and `l` is in x's order (i, j).
-    let orders: [Oriented; 3] = [
-        (out, &[(1, 2)], &canon_out),
-        (l, &[(2, 0), (0, 1), (1, 2)], &canon_x),
-        (s, &[(1, 3), (3, 2), (2, 1)], &canon_out),
-    ];
+    let out_side: &[(i64, i64)] = &[(1, 2)];
+    let mut orders: Vec<Oriented> = Vec::new();
+    if out == staged {
+        orders.push((out, out_side, &canon_out));
+    }
+    orders.push((l, &[(2, 0), (0, 1), (1, 2)], &canon_x));
+    orders.push((s, &[(1, 3), (3, 2), (2, 1)], &canon_out));
+    orders.extend(epilogue.iter().filter(|&&t| t != s).map(|&t| (t, out_side, canon_out.as_slice())));
     let at = |a: i64| a + o as i64;
     for (t, order, canon) in orders {
         if canon.iter().enumerate().any(|(i, &p)| i != p) {
@@ -100,5 +120,10 @@ pub fn schedule(f: &mut Fusion, extents: &[i64]) -> Result<Heuristic> {
     }
     f.inline_at(l, at(4))?;
     f.inline_at(s, at(2))?;
+    for &t in &epilogue {
+        if t != s && !f.is_output(t) {
+            f.inline_at(t, -1)?;
+        }
+    }
     Ok(Heuristic { kind: "transpose", params: vec![tile, threads, v] })
 }
