@@ -425,6 +425,15 @@ def test_batched_transposes_match_numpy_in_the_interpreter(shape):
     np.testing.assert_array_equal(out, np.swapaxes(a, -1, -2))
 
 
+def test_a_transpose_past_grid_dim_y_is_refused_by_name():
+    # x is 2 x 4,194,368: its last axis, the output's axis 0, needs 65,537 tiles on BIDy.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.permute(x, [1, 0]))
+    with pytest.raises(KilnError, match=r"T1: 65537 tiles along its axis 0 exceed gridDim.y \(65535\)"):
+        fd._core.auto_scheduled([[2, 64 * 65537]])
+
+
 def test_a_batch_of_transposes_past_grid_dim_z_is_refused_by_name():
     with pytest.raises(KilnError, match=r"T1: a batch of 65536 transposes exceeds gridDim.z \(65535\)"):
         _batched_transpose(3)._core.auto_program([[65536, 2, 2]])

@@ -13,7 +13,7 @@ use crate::sched::auto::{tensor_sizes, Heuristic};
 /// that brings it into that frame (batch axes first).
 type Oriented<'a> = (TvId, &'a [(i64, i64)], &'a [usize]);
 
-/// Largest gridDim.z a launch may have.
+/// Largest gridDim.y and gridDim.z a launch may have.
 const MAX_GRID_Z: i64 = 65535;
 
 /// Schedule a fusion that is a single permute moving the last axis: a 2-D transpose of x's
@@ -59,6 +59,14 @@ pub fn schedule(f: &mut Fusion, extents: &[i64]) -> Result<Heuristic> {
     let o = usize::from(n > 2);
     let sizes = tensor_sizes(f, extents, out)?;
     let batch: i64 = batch_pos.iter().map(|&q| sizes[q]).product();
+    // Tiles along x's last axis run on BIDy, whose grid dimension is limited too.
+    let tiles_y = (sizes[qa] + 63) / 64;
+    if tiles_y > MAX_GRID_Z {
+        bail!(
+            "{}: {tiles_y} tiles along its axis {qa} exceed gridDim.y ({MAX_GRID_Z}); schedule it by hand",
+            f.tv_name(out)
+        );
+    }
     if batch > MAX_GRID_Z {
         bail!(
             "{}: a batch of {batch} transposes exceeds gridDim.z ({MAX_GRID_Z}); schedule it by hand",
