@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -348,20 +349,23 @@ def make_workloads(m: int, n_t: int, cp: Optional[Any]) -> List[Workload]:
 
 # ----------------------------------------------------------------------------- timing
 _FLUSH: List[torch.Tensor] = []
-_RESET_PERSISTING: List[Optional[Callable[[], int]]] = []
+
+
+@functools.cache
+def _reset_persisting_fn() -> Optional[Callable[[], int]]:
+    """libcuda's ``cuCtxResetPersistingL2Cache``, or None where libcuda cannot be loaded."""
+    try:
+        import ctypes  # noqa: PLC0415
+
+        return ctypes.CDLL("libcuda.so.1").cuCtxResetPersistingL2Cache
+    except (OSError, AttributeError):
+        return None
 
 
 def reset_persisting_l2() -> bool:
     """Return L2 lines held with an evict_last (persisting) priority to normal, through the
     driver's ``cuCtxResetPersistingL2Cache``; False where libcuda cannot be loaded."""
-    if not _RESET_PERSISTING:
-        try:
-            import ctypes  # noqa: PLC0415
-
-            _RESET_PERSISTING.append(ctypes.CDLL("libcuda.so.1").cuCtxResetPersistingL2Cache)
-        except (OSError, AttributeError):
-            _RESET_PERSISTING.append(None)
-    fn = _RESET_PERSISTING[0]
+    fn = _reset_persisting_fn()
     if fn is None:
         return False
     # The reset acts on the context at once, not in stream order: the GPU must be idle.

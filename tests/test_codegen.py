@@ -8,7 +8,7 @@ import os
 import re
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Tuple
 
 import numpy as np
 import pytest
@@ -253,28 +253,13 @@ def test_complete_hoisted_reduction_skips_its_dead_init_and_streams_its_input():
     assert "kiln::loadVecStreaming<" not in src, src
 
 
-def test_streaming_load_is_a_schedule_of_input_copies():
+def _times_two() -> Tuple[FusionDefinition, Any, Any]:
+    """``y = x * 2`` on a 2-D input, unscheduled: the fusion, x and y."""
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, -1])
         y = fd.ops.mul(x, 2.0)
         fd.add_output(y)
-    c = x.cache_after()
-    c.set_streaming_load()
-    for t in (c, y):
-        t.split(1, 4)
-        t.axis(0).parallelize(ParallelType.BIDx)
-        t.axis(1).parallelize(ParallelType.TIDx)
-    c.axis(2).parallelize(ParallelType.Vectorize)
-    c.inline_at(2)
-    a = np.arange(8 * 64, dtype=np.float32).reshape(8, 64)
-    k = fd.lower([a]).kernels[0]
-    assert "kiln::loadVecStreaming<float, 4>(kiln_vec, &T0[kiln_ib])" in k.cuda_source, k.cuda_source
-    assert re.search(r"T\d+_l_float\[[^\]]*\] ca_pos\(2\) streaming", str(fd)), str(fd)
-    np.testing.assert_array_equal(fd.execute([a])[0], a.astype(np.float64) * 2.0)
-    # Only a tensor that reads a fusion input directly reads memory that nothing else reads again.
-    not_direct = r"set_streaming_load T\d+: T\d+ does not read a fusion input directly"
-    with pytest.raises(KilnError, match=not_direct):
-        y.set_streaming_load()
+    return fd, x, y
 
 
 def _copy_schedule(fd: FusionDefinition, c: Any, y: Any, width: int = 4) -> None:
@@ -284,6 +269,22 @@ def _copy_schedule(fd: FusionDefinition, c: Any, y: Any, width: int = 4) -> None
         t.axis(1).parallelize(ParallelType.TIDx)
     c.axis(2).parallelize(ParallelType.Vectorize)
     c.inline_at(2)
+
+
+def test_streaming_load_is_a_schedule_of_input_copies():
+    fd, x, y = _times_two()
+    c = x.cache_after()
+    c.set_streaming_load()
+    _copy_schedule(fd, c, y)
+    a = np.arange(8 * 64, dtype=np.float32).reshape(8, 64)
+    k = fd.lower([a]).kernels[0]
+    assert "kiln::loadVecStreaming<float, 4>(kiln_vec, &T0[kiln_ib])" in k.cuda_source, k.cuda_source
+    assert re.search(r"T\d+_l_float\[[^\]]*\] ca_pos\(2\) streaming", str(fd)), str(fd)
+    np.testing.assert_array_equal(fd.execute([a])[0], a.astype(np.float64) * 2.0)
+    # Only a tensor that reads a fusion input directly reads memory that nothing else reads again.
+    not_direct = r"set_streaming_load T\d+: T\d+ does not read a fusion input directly"
+    with pytest.raises(KilnError, match=not_direct):
+        y.set_streaming_load()
 
 
 def _hinted_gather_times_three(streaming: bool) -> FusionDefinition:
@@ -315,10 +316,7 @@ def test_cache_hinted_loads_match_numpy_on_gpu(streaming: bool):
 @pytest.mark.parametrize("width", [2, 4])
 @pytest.mark.parametrize("streaming", [False, True])
 def test_evict_last_is_a_schedule_of_input_reads(streaming: bool, width: int):
-    with FusionDefinition() as fd:
-        x = fd.define_tensor([-1, -1])
-        y = fd.ops.mul(x, 2.0)
-        fd.add_output(y)
+    fd, x, y = _times_two()
     c = x.cache_after()
     c.set_evict_last()
     if streaming:
@@ -339,10 +337,7 @@ def test_evict_last_is_a_schedule_of_input_reads(streaming: bool, width: int):
 @pytest.mark.parametrize("hint", ["set_evict_last", "set_streaming_load"])
 def test_a_cache_hint_without_a_vectorized_axis_is_an_error(hint: str):
     # The hints change vector loads only: on a scalar-loaded tensor they would do nothing.
-    with FusionDefinition() as fd:
-        x = fd.define_tensor([-1, -1])
-        y = fd.ops.mul(x, 2.0)
-        fd.add_output(y)
+    fd, x, y = _times_two()
     c = x.cache_after()
     getattr(c, hint)()
     for t in (c, y):

@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from collections import defaultdict
+from typing import Any, Callable, DefaultDict, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -332,8 +333,8 @@ class HostEvaluator:
         self._functions: List[Dict[Tuple[int, bool], Any]] = [{} for _ in lowered.kernels]
         # Per device: a recipe binds the arena and zeroed pool of its inputs' device, so a
         # signature on another device never gets memory of this one.
-        self._arenas: Dict[int, Workspace] = {}
-        self._pools: Dict[int, ZeroedPool] = {}
+        self._arenas: DefaultDict[int, Workspace] = defaultdict(Workspace)
+        self._pools: DefaultDict[int, ZeroedPool] = defaultdict(ZeroedPool)
         # True once a plan turned out to read an int/bool scalar input's value (a size):
         # then recipes are keyed on those values too (see ``_key``).
         self._by_value = False
@@ -396,17 +397,11 @@ class HostEvaluator:
 
     def arena_for(self, device: int) -> Workspace:
         """The arena of ``device`` (created empty on first use)."""
-        a = self._arenas.get(device)
-        if a is None:
-            a = self._arenas[device] = Workspace()
-        return a
+        return self._arenas[device]
 
     def pool_for(self, device: int) -> ZeroedPool:
         """The zeroed pool of ``device`` (created empty on first use)."""
-        p = self._pools.get(device)
-        if p is None:
-            p = self._pools[device] = ZeroedPool()
-        return p
+        return self._pools[device]
 
     @property
     def pool(self) -> ZeroedPool:
@@ -556,8 +551,8 @@ class HostEvaluator:
         return r.plan
 
 
-def _specialize(r: _Recipe, torch_mode: bool, device: int = -1, launcher: str = "cupy",
-                arena: Optional[Workspace] = None, pool: Optional[ZeroedPool] = None) -> Launcher:
+def _specialize(r: _Recipe, torch_mode: bool, device: int, launcher: str, arena: Workspace,
+                pool: ZeroedPool) -> Launcher:
     """A launcher specialised to one recipe: straight-line Python with every constant
     (shapes, offsets, size/stride arguments, grid/block) bound, so a call does no lookups or
     loops. ``launcher="rust"``: each launch is one call of a ``PreparedLaunch`` with the
@@ -600,12 +595,12 @@ def _specialize(r: _Recipe, torch_mode: bool, device: int = -1, launcher: str = 
         else:
             outs.append(f"o{n}")
     if r.arena_bytes:
-        ns["_arena"] = arena if arena is not None else Workspace()
+        ns["_arena"] = arena
         lines.append(f"    base = _arena.get({r.arena_bytes}{stream_arg})")
         for bid, off in r.arena:
             arg[bid] = f"base + {off}"
     if r.zero_bytes:
-        ns["_zpool"] = pool if pool is not None else ZeroedPool()
+        ns["_zpool"] = pool
         lines.append(f"    zbase = _zpool.get({r.zero_bytes}{stream_arg})")
         for bid, off in r.zero:
             arg[bid] = f"zbase + {off}"
