@@ -511,8 +511,8 @@ def test_permutes_that_keep_the_last_axis_are_pointwise_in_the_interpreter(shape
 
 def test_a_tensor_needed_in_both_orders_splits_the_fusion_at_the_permute():
     # t is an output in its own order and permuted into another: no single loop order serves
-    # both, so the pointwise schedule refuses (naming t) and the segmenter cuts before and
-    # after the permute: t, the permute, then the add (three kernels).
+    # both, so the pointwise schedule refuses (naming t) and the segmenter gives t a kernel
+    # and the permute with the add after it another.
     from kiln import _core
     from kiln.host import run_on_cpu
 
@@ -523,7 +523,7 @@ def test_a_tensor_needed_in_both_orders_splits_the_fusion_at_the_permute():
         fd.add_output(t)
     a = np.random.default_rng(8).standard_normal((3, 5, 8)).astype(np.float32)
     low = _auto_lowered(fd, [a])
-    assert len(low.kernels) == 3
+    assert len(low.kernels) == 2
     got = run_on_cpu(low, [a], _core.execute_cpu)
     np.testing.assert_allclose(got[0], np.transpose(a.astype(np.float64) * 2, [1, 0, 2]) + 1, rtol=1e-6)
     np.testing.assert_allclose(got[1], a.astype(np.float64) * 2, rtol=1e-6)
@@ -532,7 +532,7 @@ def test_a_tensor_needed_in_both_orders_splits_the_fusion_at_the_permute():
         t = whole.ops.mul(x, 2.0)
         whole.add_output(whole.ops.add(whole.ops.permute(t, [1, 0, 2]), 1.0))
         whole.add_output(t)
-    with pytest.raises(KilnError, match=r"^T1: read both before and after the permute T2"):
+    with pytest.raises(KilnError, match=r"pointwise: outputs T3 \[5, 3, 8\] and T1 \[3, 5, 8\] differ in shape"):
         whole._core.auto_scheduled([[3, 5, 8]])
 
 
@@ -675,12 +675,12 @@ def test_segmenter_falls_back_to_more_kernels():
     from kiln.host import run_on_cpu
 
     a = np.random.default_rng(5).standard_normal((37, 300)).astype(np.float32)
-    # A keepdim reduction broadcast back is not covered by one kernel: two kernels.
+    # A keepdim reduction with an op after it: one inner-reduction kernel.
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, -1])
         fd.add_output(fd.ops.mul(fd.ops.sum(x, dims=[1], keepdim=True), 2.0))
     low = _auto_lowered(fd, [a])
-    assert len(low.kernels) == 2 and "LaunchKernel kernel1" in str(low.host_program)
+    assert len(low.kernels) == 1
     (out,) = run_on_cpu(low, [a], _core.execute_cpu)
     np.testing.assert_allclose(out, 2 * a.astype(np.float64).sum(axis=1, keepdims=True), rtol=1e-5, atol=1e-4)
     # A permute feeding a reduction: transpose kernel, then reduction kernel.
@@ -745,8 +745,8 @@ def test_uncovered_fusion_error_says_what_was_tried():
         x = fd.define_tensor([-1, -1, -1])
         fd.add_output(fd.ops.relu(fd.ops.permute(x, [2, 0, 1])))
     # More transposes in the batch than gridDim.z takes: no scheduler covers the permute.
-    with pytest.raises(KilnError, match=r"segmenting it into 2 kernels did not help either: segment 0: "
-                                        r"T1: a batch of 65536 transposes exceeds gridDim.z"):
+    with pytest.raises(KilnError, match=r"T1 = permute\[2, 0, 1\]\(T0\): no automatic schedule places this op "
+                                        r"even on its own .*T1: a batch of 65536 transposes exceeds gridDim.z"):
         _auto_lowered(fd, [np.zeros((65536, 2, 2), np.float32)])
 
 

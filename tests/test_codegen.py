@@ -68,7 +68,7 @@ def test_mismatched_sizes_are_rejected_before_launch():
         y = fd.define_tensor([-1, -1], dtype=DataType.Float)
         fd.add_output(fd.ops.add(x, y))
     k = fd.lower([np.zeros((2, 3), np.float32), np.zeros((2, 4), np.float32)]).kernels[0]
-    with pytest.raises(KilnError, match=r"T2 axis 1 and its input T1.*sizes 4 and 3 must be equal"):
+    with pytest.raises(KilnError, match=r"T\d+ axis 1 and its input T\d+.*sizes 4 and 3 must be equal"):
         k._core.plan([[2, 3], [2, 4]], [[3, 1], [4, 1]], [])
 
 

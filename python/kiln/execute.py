@@ -3,7 +3,7 @@ outputs of the same kind as the inputs."""
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 from ._errors import KilnError, KilnTypeError
 from .host import signature_key
@@ -21,7 +21,7 @@ def _kind(x: Any) -> str:
     return "scalar" if isinstance(x, (int, float, bool)) else "other"
 
 
-def execute(fd: Any, inputs: Sequence[Any], device: Optional[str]) -> List[Any]:
+def execute(fd: Any, inputs: Sequence[Any], device: Optional[str], as_written: bool = False) -> List[Any]:
     """Run ``fd`` on ``inputs``; ``device`` is ``"cpu"``, ``"cuda"`` or None (from the inputs)."""
     from .fusion import dump_enabled  # noqa: PLC0415
 
@@ -39,9 +39,12 @@ def execute(fd: Any, inputs: Sequence[Any], device: Optional[str]) -> List[Any]:
         bad = next(i for i, x in enumerate(inputs) if _kind(x) == "other")
         raise KilnTypeError(f"input {bad}: expected a NumPy or CuPy array or a torch tensor, "
                             f"got {type(inputs[bad]).__name__}")
-    # The interpreter runs an unscheduled fusion as written; the GPU needs a schedule.
-    manual = fd._core.manually_scheduled or device == "cpu"
-    low = fd._lowered() if manual else _auto_lowered(fd, inputs)
+    if as_written and device != "cpu":
+        raise KilnError("as_written=True interprets the fusion as defined, without a schedule: "
+                        "it runs on the CPU only (device='cpu' or NumPy inputs)")
+    # Every path runs the program the GPU would run for these inputs (so the interpreter
+    # checks the automatic schedules), unless the caller asks for the fusion as written.
+    low = fd._lowered() if (fd._core.manually_scheduled or as_written) else lowered_for(fd, inputs)
     if dump_enabled("host_ir"):
         print(low.host_program)
     if device == "cpu":
@@ -75,9 +78,11 @@ def _remember(fd: Any, inputs: Sequence[Any], ev: Any) -> None:
     seen[1][key] = (launcher, ev)
 
 
-def _auto_lowered(fd: Any, inputs: Sequence[Any]) -> Any:
-    """The lowering the automatic schedulers pick for these input sizes (cached per sizes,
-    and per heuristic: sizes that lead to the same schedule share one lowering)."""
+def lowered_for(fd: Any, inputs: Sequence[Any]) -> Any:
+    """The host program the automatic schedulers and the segmenter pick for inputs like
+    ``inputs`` on the device they live on (the default target for NumPy inputs): cached per
+    sizes, and per heuristic, so that sizes leading to the same schedule share a lowering."""
+    from .fusion import dump_enabled  # noqa: PLC0415
     from .lowering import LoweredFusion, LoweredKernel  # noqa: PLC0415
 
     tensors = [x for x in inputs if _kind(x) != "scalar"]
@@ -85,19 +90,46 @@ def _auto_lowered(fd: Any, inputs: Sequence[Any]) -> Any:
     # Inputs at 16-byte aligned addresses (any fresh allocation) get kernels whose vector
     # accesses need no address checks; others (views at an odd offset) get checked ones.
     aligned = all(data_ptr(x) % 16 == 0 for x in tensors)
-    key = (fd._core.version, tuple(tuple(s) for s in sizes), aligned)
+    device = device_props(tensors)
+    key = (fd._core.version, tuple(tuple(s) for s in sizes), aligned, device)
     cache = fd.__dict__.setdefault("_auto_cache", {})
     hit = cache.get(key)
     if hit is not None:
         return hit
-    program, kind, params = fd._core.auto_program(sizes, aligned)
-    hkey = (fd._core.version, kind, tuple(params), aligned)
+    program, kind, params = fd._core.auto_program(sizes, aligned, device)
+    if dump_enabled("segments"):
+        print(program.segmentation())
+    hkey = (fd._core.version, kind, tuple(params), aligned, device)
     low = cache.get(hkey)
     if low is None:
         low = cache[hkey] = LoweredFusion([LoweredKernel(k) for k in program.kernels()], program)
         low.aligned_bases = aligned
     cache[key] = low
     return low
+
+
+#: The target the heuristics assume without a GPU (H100/H200 class): SM count, threads
+#: per block, Shared bytes per block (opt-in), registers per block, compute capability.
+DEFAULT_DEVICE = (132, 1024, 232448, 65536, 90)
+_DEVICE_PROPS: dict = {}
+
+
+def device_props(tensors: Sequence[Any]) -> Tuple[int, int, int, int, int]:
+    """Properties of the GPU the (CuPy or torch) ``tensors`` live on, else ``DEFAULT_DEVICE``."""
+    kinds = {_kind(x) for x in tensors}
+    if not tensors or kinds <= {"numpy"}:
+        return DEFAULT_DEVICE
+    x = tensors[0]
+    dev = int(x.device.id) if _kind(x) == "cupy" else int(x.device.index or 0)
+    hit = _DEVICE_PROPS.get(dev)
+    if hit is None:
+        import cupy  # noqa: PLC0415
+
+        a = cupy.cuda.Device(dev).attributes
+        cc = int(cupy.cuda.Device(dev).compute_capability)
+        hit = _DEVICE_PROPS[dev] = (int(a["MultiProcessorCount"]), int(a["MaxThreadsPerBlock"]),
+                                    int(a["MaxSharedMemoryPerBlockOptin"]), int(a["MaxRegistersPerBlock"]), cc)
+    return hit
 
 
 def data_ptr(x: Any) -> int:
@@ -111,3 +143,6 @@ def data_ptr(x: Any) -> int:
         return int(x.ctypes.data)
     raise KilnTypeError(f"expected an array, got {type(x).__name__}")
 
+
+
+_auto_lowered = lowered_for  # the name older tests use

@@ -138,9 +138,14 @@ class FusionDefinition:
 
     # -- lowering --------------------------------------------------------------------
     def lower(self, inputs: Sequence[Any]) -> LoweredFusion:
-        """Lower for inputs like ``inputs`` (only shapes, dtypes and strides are read)."""
+        """The host program and kernels ``execute`` runs for inputs like ``inputs``."""
         check_inputs(self, inputs)
-        low = self._lower_program()
+        if self._core.manually_scheduled:
+            low = self._lower_program()
+        else:
+            from .execute import lowered_for  # noqa: PLC0415
+
+            low = lowered_for(self, inputs)
         for kernel in low.kernels:
             if dump_enabled("kernel_ir"):
                 print(kernel.kernel_ir)
@@ -164,9 +169,10 @@ class FusionDefinition:
         self._lowered_cache = (self._core.version, low)
         return low
 
-    def execute(self, inputs: Sequence[Any], device: Optional[str] = None) -> List[Any]:
+    def execute(self, inputs: Sequence[Any], device: Optional[str] = None,
+                as_written: bool = False) -> List[Any]:
         """Run the fusion: on the GPU for CuPy/torch inputs, in the CPU interpreter for NumPy."""
-        if device is None or device == "cuda":
+        if not as_written and (device is None or device == "cuda"):
             # Fast path: a GPU input signature that ran before (validated then) goes straight
             # to its specialised launcher; anything else takes the full path below.
             seen = self.__dict__.get("_signatures")
@@ -179,7 +185,7 @@ class FusionDefinition:
                     return hit[0](inputs, hit[1])
         from .execute import execute  # noqa: PLC0415
 
-        return execute(self, inputs, device)
+        return execute(self, inputs, device, as_written)
 
     # -- helpers ---------------------------------------------------------------------
     def _tensor(self, t: object, what: str) -> int:

@@ -75,6 +75,9 @@ pub struct HostProgram {
     pub cuda: Vec<crate::Result<CudaKernel>>,
     pub buffers: Vec<HostBuffer>,
     pub instrs: Vec<HostInstr>,
+    /// How the automatic segmenter grouped the fusion (`KILN_DUMP=segments`); empty when
+    /// the segments were the user's.
+    pub segmentation: String,
 }
 
 impl HostProgram {

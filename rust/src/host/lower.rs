@@ -9,7 +9,7 @@ use rustc_hash::FxHashMap;
 
 use crate::error::{KilnError, Result};
 use crate::host::ir::{BufId, BufferRole, HostBuffer, HostInstr, HostProgram};
-use crate::host::segment::{segment_fusion, segments};
+use crate::host::segment::{segment_fusion, segments, Segment};
 use crate::ir::{Fusion, MemoryType, TvId};
 
 /// Lower `f` to its kernels and host program.
@@ -23,7 +23,16 @@ pub fn lower_program_with(
     f: &Fusion,
     prepare: &mut dyn FnMut(usize, &mut Fusion) -> Result<()>,
 ) -> Result<HostProgram> {
-    let segs = segments(f)?;
+    lower_segments(f, &segments(f)?, prepare)
+}
+
+/// Lower `f` as the given segments (in an order where producers come first), letting
+/// `prepare(k, segment)` schedule each segment's fusion before it is lowered.
+pub fn lower_segments(
+    f: &Fusion,
+    segs: &[Segment],
+    prepare: &mut dyn FnMut(usize, &mut Fusion) -> Result<()>,
+) -> Result<HostProgram> {
     let multi = segs.len() > 1;
     let mut kernels = Vec::with_capacity(segs.len());
     let mut cuda = Vec::with_capacity(segs.len());
@@ -89,7 +98,7 @@ pub fn lower_program_with(
         cuda.push(code);
     }
     let instrs = insert_deallocates(&buffers, instrs);
-    Ok(HostProgram { fusion: f.clone(), kernels, cuda, buffers, instrs })
+    Ok(HostProgram { fusion: f.clone(), kernels, cuda, buffers, instrs, segmentation: String::new() })
 }
 
 /// Put `Deallocate(b)` right after the instruction that post-dominates every use of

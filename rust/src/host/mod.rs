@@ -6,6 +6,7 @@ pub mod ir;
 pub mod lower;
 pub mod plan;
 pub mod segment;
+pub mod segmenter;
 
 #[cfg(test)]
 mod tests;

@@ -72,48 +72,64 @@ pub fn segments(f: &Fusion) -> Result<Vec<Segment>> {
     let seg_of_level: FxHashMap<usize, usize> = levels.iter().enumerate().map(|(i, &l)| (l, i)).collect();
     let n = levels.len().max(1);
     let mut exprs: Vec<Vec<ExprId>> = vec![Vec::new(); n];
-    let mut producer_seg: FxHashMap<TvId, usize> = FxHashMap::default();
     for &(e, l) in &expr_level {
-        let s = seg_of_level[&l];
-        exprs[s].push(e);
-        producer_seg.insert(f.exprs[e].output, s);
+        exprs[seg_of_level[&l]].push(e);
     }
-    let fusion_inputs: Vec<TvId> = f.inputs.iter().filter_map(|o| o.tensor()).collect();
-    let mut out = Vec::with_capacity(n);
-    for (s, seg_exprs) in exprs.into_iter().enumerate() {
-        let in_seg: FxHashSet<ExprId> = seg_exprs.iter().copied().collect();
-        let mut reads: FxHashSet<TvId> = FxHashSet::default();
-        for &e in &seg_exprs {
-            reads.extend(f.exprs[e].input_tvs());
-        }
-        let mut inputs: Vec<TvId> = fusion_inputs.iter().copied().filter(|t| reads.contains(t)).collect();
-        let mut crossing_in: Vec<TvId> =
-            reads.iter().copied().filter(|t| producer_seg.get(t).is_some_and(|&p| p != s)).collect();
-        crossing_in.sort();
-        inputs.extend(crossing_in);
-        let mut outputs: Vec<TvId> = f.outputs.iter().copied().filter(|t| producer_seg.get(t) == Some(&s)).collect();
-        let mut crossing_out: Vec<TvId> = seg_exprs
-            .iter()
-            .map(|&e| f.exprs[e].output)
-            .filter(|&t| {
-                !outputs.contains(&t) && f.tvs[t].uses.iter().any(|u| !in_seg.contains(u) && order.contains(u))
-            })
-            .collect();
-        crossing_out.sort();
-        for &t in &crossing_out {
-            if let Some(a) = &f.tvs[t].allocation {
-                if a != &f.tvs[t].logical {
-                    bail!("{}: crosses from segment {s} to a later one but has a set allocation domain; intermediates are laid out in logical order", f.tv_name(t));
-                }
-            }
-        }
-        outputs.extend(crossing_out);
-        if outputs.is_empty() {
+    segments_from_groups(f, &exprs)
+}
+
+/// Segments of `f` from a partition of its live exprs into groups, listed so that every
+/// group comes after the groups it reads from (each group's exprs in dependency order).
+pub fn segments_from_groups(f: &Fusion, groups: &[Vec<ExprId>]) -> Result<Vec<Segment>> {
+    let order = f.topo_exprs();
+    let mut out = Vec::with_capacity(groups.len());
+    for (s, g) in groups.iter().enumerate() {
+        let seg = segment_of(f, g, &order)?;
+        if seg.outputs.is_empty() {
             bail!("segment {s} produces no output; check the segment_after marks");
         }
-        out.push(Segment { exprs: seg_exprs, inputs, outputs });
+        out.push(seg);
     }
     Ok(out)
+}
+
+/// The segment of one group of exprs (dependency order) of `f`: it reads the fusion inputs
+/// and the tensors computed outside the group, and writes the fusion outputs it computes
+/// and the tensors that live exprs outside the group read. `order`: `f.topo_exprs()`.
+pub fn segment_of(f: &Fusion, group: &[ExprId], order: &[ExprId]) -> Result<Segment> {
+    let in_seg: FxHashSet<ExprId> = group.iter().copied().collect();
+    let live: FxHashSet<ExprId> = order.iter().copied().collect();
+    let mut reads: FxHashSet<TvId> = FxHashSet::default();
+    for &e in group {
+        reads.extend(f.exprs[e].input_tvs());
+    }
+    let mut inputs: Vec<TvId> = f.inputs.iter().filter_map(|o| o.tensor()).filter(|t| reads.contains(t)).collect();
+    let mut crossing_in: Vec<TvId> =
+        reads.iter().copied().filter(|&t| f.tvs[t].definition.is_some_and(|d| !in_seg.contains(&d))).collect();
+    crossing_in.sort();
+    inputs.extend(crossing_in);
+    let produced = |t: TvId| f.tvs[t].definition.is_some_and(|d| in_seg.contains(&d));
+    let mut outputs: Vec<TvId> = Vec::new();
+    for &t in &f.outputs {
+        if produced(t) && !outputs.contains(&t) {
+            outputs.push(t);
+        }
+    }
+    let mut crossing_out: Vec<TvId> = group
+        .iter()
+        .map(|&e| f.exprs[e].output)
+        .filter(|&t| !outputs.contains(&t) && f.tvs[t].uses.iter().any(|u| !in_seg.contains(u) && live.contains(u)))
+        .collect();
+    crossing_out.sort();
+    for &t in &crossing_out {
+        if let Some(a) = &f.tvs[t].allocation {
+            if a != &f.tvs[t].logical {
+                bail!("{}: crosses into another segment but has a set allocation domain; intermediates are laid out in logical order", f.tv_name(t));
+            }
+        }
+    }
+    outputs.extend(crossing_out);
+    Ok(Segment { exprs: group.to_vec(), inputs, outputs })
 }
 
 /// A copy of `f` whose inputs and outputs are `seg`'s, ready for `lower::lower`.

@@ -465,15 +465,30 @@ impl PyFusion {
     /// The host program the automatic schedulers (and, failing them, the segmenter) pick
     /// for inputs of `sizes`, with the heuristic's (kind, params); `aligned_bases`: every
     /// tensor input starts at a 16-byte aligned address.
-    #[pyo3(signature = (sizes, aligned_bases = false))]
+    /// `device`: (SM count, max threads per block, Shared bytes per block, registers per
+    /// block, compute capability) of the target; None for the default (H100/H200 class).
+    #[pyo3(signature = (sizes, aligned_bases = false, device = None))]
     fn auto_program(
         &self,
         py: Python<'_>,
         sizes: Vec<Vec<i64>>,
         aligned_bases: bool,
+        device: Option<(i64, i64, i64, i64, i64)>,
     ) -> PyResult<(PyHostProgram, &'static str, Vec<i64>)> {
         guarded(py, || {
-            let (p, h) = crate::sched::auto::auto_program(&self.inner, &sizes, aligned_bases)?;
+            let device = match device {
+                Some((sm_count, max_threads_per_block, shared_per_block, registers_per_block, arch)) => {
+                    crate::sched::auto::DeviceProps {
+                        sm_count,
+                        max_threads_per_block,
+                        shared_per_block,
+                        registers_per_block,
+                        arch,
+                    }
+                }
+                None => crate::sched::auto::DeviceProps::default(),
+            };
+            let (p, h) = crate::host::segmenter::auto_program(&self.inner, &sizes, aligned_bases, device)?;
             Ok((PyHostProgram { inner: p, cache: crate::host::plan::PlanCache::default() }, h.kind, h.params))
         })
     }
@@ -730,6 +745,11 @@ impl PyHostProgram {
     /// The program as text.
     fn text(&self) -> String {
         self.inner.to_text()
+    }
+
+    /// How the automatic segmenter grouped the fusion (empty for the user's segments).
+    fn segmentation(&self) -> String {
+        self.inner.segmentation.clone()
     }
 
     /// The kernels, one per segment, in launch order.

@@ -11,17 +11,18 @@
 //! - `transpose`: a 2-D permute staged through 64x64 Shared tiles (a permute that keeps
 //!   the last axis in place is a pointwise copy in the output's axis order).
 
+pub mod canonical;
 pub mod normalization;
 pub mod pointwise;
 pub mod reduction;
+pub mod registry;
 pub mod transpose;
+
+pub use registry::{Ctx, DeviceProps, Refusal, Scheduler, REGISTRY};
 
 use crate::bail;
 use crate::error::{KilnError, Result};
 use crate::ir::{ExprId, Fusion, IterDomainId, IterType, Op, Symbol, TvId};
-
-/// Streaming multiprocessors of the target (H100/H200): sizes grids.
-pub const SM_COUNT: i64 = 132;
 
 /// Whether the automatic schedules load inputs with the L2 evict_last hint
 /// (`Fusion::set_evict_last`): yes unless `KILN_L2_EVICT_LAST` is `0`, `false`, `off` or
@@ -79,71 +80,21 @@ pub fn tensor_sizes(f: &Fusion, extents: &[i64], tv: TvId) -> Result<Vec<i64>> {
     f.tvs[tv].logical.iter().map(|&id| f.scalars.eval(f.ids[id].extent, &env)).collect()
 }
 
-/// Schedule `f` in place for inputs of the given sizes.
+/// Schedule `f` in place for inputs of the given sizes on the default target: the first
+/// scheduler of the registry that covers the whole fusion, else an error listing the
+/// refusals.
 pub fn schedule(f: &mut Fusion, inputs: &[Vec<i64>]) -> Result<Heuristic> {
-    let extents = extent_values(f, inputs)?;
-    schedule_with_extents(f, &extents)
+    let cx = Ctx { extents: extent_values(f, inputs)?, device: DeviceProps::default() };
+    match registry::schedule_fusion(f, &cx)? {
+        Ok(h) => Ok(h),
+        Err(refusals) => Err(refused(&refusals)),
+    }
 }
 
-/// A host program for `f` (unscheduled) and inputs of the given sizes: one kernel when a
-/// scheduler covers the whole fusion, else the segmenter's fallback: a kernel boundary
-/// after every reduction and permute, at most one of them per kernel, each segment
-/// scheduled on its own. `aligned_bases`: every input starts 16-byte aligned (see
-/// `Fusion::aligned_bases`); the host keys its plans on it.
-pub fn auto_program(
-    f: &Fusion,
-    inputs: &[Vec<i64>],
-    aligned_bases: bool,
-) -> Result<(crate::host::ir::HostProgram, Heuristic)> {
-    let extents = extent_values(f, inputs)?;
-    let mut whole = f.clone();
-    whole.aligned_bases = aligned_bases;
-    let first = match schedule_with_extents(&mut whole, &extents) {
-        Ok(h) => return Ok((crate::host::lower::lower_program(&whole)?, h)),
-        Err(e) => e,
-    };
-    let mut g = f.clone();
-    g.segment_each_boundary = true;
-    g.aligned_bases = aligned_bases;
-    let mut marked = 0;
-    let order = g.topo_exprs();
-    for (i, &e) in order.iter().enumerate() {
-        let t = g.exprs[e].output;
-        let boundary = matches!(g.exprs[e].op, Op::Reduction { .. } | Op::Permute { .. });
-        if boundary && i + 1 < order.len() {
-            g.mark_segment_after(t)?;
-            marked += 1;
-        }
-        // The transpose schedule reads a fusion input: ops before a permute end a segment.
-        if let (Op::Permute { .. }, Some(src)) = (&g.exprs[e].op, g.exprs[e].inputs[0].tensor()) {
-            if g.tvs[src].definition.is_some() && !g.segment_after.contains(&src) {
-                g.mark_segment_after(src)?;
-                marked += 1;
-            }
-        }
-    }
-    if marked == 0 {
-        return Err(first);
-    }
-    let kernels = crate::host::segment::segments(&g).map(|s| s.len()).unwrap_or(marked + 1);
-    let mut parts: Vec<Heuristic> = Vec::new();
-    let program = crate::host::lower::lower_program_with(&g, &mut |_, seg: &mut Fusion| {
-        parts.push(schedule_with_extents(seg, &extents)?);
-        Ok(())
-    })
-    .map_err(|e| {
-        KilnError::value(format!(
-            "{}; segmenting it into {} kernels did not help either: {}",
-            first.message, kernels, e.message
-        ))
-    })?;
-    let mut params = Vec::new();
-    for h in &parts {
-        params.push(KINDS.iter().position(|&k| k == h.kind).unwrap_or(KINDS.len()) as i64);
-        params.push(h.params.len() as i64);
-        params.extend(&h.params);
-    }
-    Ok((program, Heuristic { kind: "segmented", params }))
+/// The error for a fusion no scheduler covers as one kernel.
+pub fn refused(refusals: &[Refusal]) -> KilnError {
+    let why: Vec<String> = refusals.iter().map(|r| r.to_string()).collect();
+    KilnError::value(format!("no automatic schedule covers this fusion as one kernel ({})", why.join("; ")))
 }
 
 /// True when `t` is a broadcast of a fusion input (a weight or bias read by every row).
@@ -152,45 +103,12 @@ fn broadcast_input(f: &Fusion, t: TvId) -> bool {
     matches!(f.exprs[def].op, Op::Broadcast { .. }) && f.exprs[def].inputs[0].tensor().is_some_and(|x| f.is_input(x))
 }
 
-/// Scheduler kinds, numbered for the segmented heuristic's cache key.
-const KINDS: [&str; 6] =
-    ["pointwise", "inner_reduction", "outer_reduction", "full_reduction", "normalization", "transpose"];
-
-/// Schedule `f` in place for the given extent values.
-pub fn schedule_with_extents(f: &mut Fusion, inputs: &[i64]) -> Result<Heuristic> {
-    if f.manually_scheduled {
-        bail!("the fusion is already scheduled by hand; automatic scheduling only applies to unscheduled fusions");
-    }
-    let exprs = f.topo_exprs();
-    let reductions: Vec<_> = exprs.iter().copied().filter(|&e| matches!(f.exprs[e].op, Op::Reduction { .. })).collect();
-    let permutes = exprs.iter().filter(|&&e| matches!(f.exprs[e].op, Op::Permute { .. })).count();
-    let specialized = if permutes == 0 { specialize_reduced_extents(f, &reductions, inputs) } else { Vec::new() };
-    let mut h = if reductions.is_empty() && (permutes == 0 || pointwise::kept_last_permute(f).is_some()) {
-        pointwise::schedule(f, inputs)?
-    } else if permutes == 0 && normalization::is_normalization(f, &reductions) {
-        normalization::schedule(f, inputs, &reductions)?
-    } else if reductions.len() == 1 && permutes == 0 {
-        reduction::schedule(f, inputs, reductions[0])?
-    } else if reductions.is_empty() && permutes == 1 {
-        transpose::schedule(f, inputs)?
-    } else {
-        bail!(
-            "no automatic schedule covers this fusion ({} reductions, {} permutes among {} ops); schedule it by hand or split it with segment_after",
-            reductions.len(),
-            permutes,
-            exprs.len()
-        );
-    };
-    h.params.extend(specialized);
-    Ok(h)
-}
-
 /// Make the reduced extents of `reductions` (and every extent mapped to them) constants
 /// of the kernel. Bounds checks of a thread's share of a row then fold away at compile
 /// time: without this, a row of 4096 floats spends more instructions on predicates than
 /// on data. Returns `(n, value)` pairs for the heuristic's cache key, since the kernel
 /// now only runs on inputs of these sizes.
-fn specialize_reduced_extents(f: &mut Fusion, reductions: &[ExprId], extents: &[i64]) -> Vec<i64> {
+pub(crate) fn specialize_reduced_extents(f: &mut Fusion, reductions: &[ExprId], extents: &[i64]) -> Vec<i64> {
     let mut reduced = Vec::new();
     for &e in reductions {
         let r = f.exprs[e].output;
@@ -221,4 +139,52 @@ pub(crate) fn specialize_extents(f: &mut Fusion, ids: &[IterDomainId], extents: 
         key.extend([-1 - n as i64, extents[n as usize]]);
     }
     key
+}
+
+/// Lower inline positions until every tensor computed once serves all its consumers from
+/// one loop: past its inline position, a tensor that is inlined somewhere runs its own
+/// loops, closed before its consumer goes on (the loop nests of tensors that are not
+/// inlined at all merge where they map). When two consumers run axis `a` in such loops of
+/// their own (one feeds a vectorized output copy, the other a second output), no single
+/// placement of the producer is inside both, so it stops before `a`. Consumers are
+/// settled first, so their loops are known.
+pub(crate) fn settle_inlining(f: &mut Fusion) {
+    // The inlined tensor whose own loop `t`'s axis `a` runs in; None for the merged nests.
+    fn owner(f: &Fusion, t: TvId, a: usize) -> Option<TvId> {
+        let mut t = t;
+        loop {
+            let pos = f.tvs[t].inline_pos;
+            if pos == 0 {
+                return None;
+            }
+            if pos <= a {
+                return Some(t);
+            }
+            match f.consumers(t).first() {
+                Some(&c) if a < f.tvs[c].loop_domain.len() => t = c,
+                _ => return Some(t),
+            }
+        }
+    }
+    let order = f.topo_exprs();
+    for &e in order.iter().rev() {
+        let t = f.exprs[e].output;
+        let consumers = f.consumers(t);
+        if consumers.len() < 2 {
+            continue;
+        }
+        // Thread and block axes are not loops: every tensor shares them.
+        let p = f.tvs[t].inline_pos;
+        let split = (0..p).find(|&a| {
+            let id = f.tvs[t].loop_domain[a];
+            if f.ids[id].parallel.is_thread_or_block() {
+                return false;
+            }
+            let owners: Vec<Option<TvId>> = consumers.iter().map(|&c| owner(f, c, a)).collect();
+            owners.iter().any(|&o| o != owners[0])
+        });
+        if let Some(a) = split {
+            f.tvs[t].inline_pos = a;
+        }
+    }
 }

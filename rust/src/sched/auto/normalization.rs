@@ -10,7 +10,7 @@
 use crate::bail;
 use crate::error::Result;
 use crate::ir::{ExprId, Fusion, IterType, Op, Operand, ParallelType, TvId};
-use crate::sched::auto::{broadcast_input, tensor_sizes, Heuristic};
+use crate::sched::auto::{broadcast_input, tensor_sizes, Ctx, Heuristic};
 
 /// Merge the leading axes into rows and the trailing `k` axes into one.
 fn rows_and_row(f: &mut Fusion, t: TvId, k: usize) -> Result<()> {
@@ -60,7 +60,8 @@ pub fn is_normalization(f: &Fusion, reductions: &[ExprId]) -> bool {
 }
 
 /// Schedule a normalization over the trailing axes.
-pub fn schedule(f: &mut Fusion, extents: &[i64], reductions: &[ExprId]) -> Result<Heuristic> {
+pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuristic> {
+    let extents = &cx.extents[..];
     let r0 = f.exprs[reductions[0]].output;
     let logical = f.tvs[r0].logical.clone();
     let n = logical.len();
@@ -114,7 +115,27 @@ pub fn schedule(f: &mut Fusion, extents: &[i64], reductions: &[ExprId]) -> Resul
     }
     let order = f.topo_exprs();
     let tensors: Vec<TvId> = order.iter().map(|&e| f.exprs[e].output).collect();
+    // Per-row values computed from the reductions (a mean or rstd that is also an output):
+    // `[rows (BIDx)]`, inlined into the row's loop like the reductions themselves.
+    // A weight: an input broadcast along every row axis, the same for every row. It loads
+    // in its own vector loop; a broadcast that varies by row (a mask [B, S] over
+    // [B, H, S, S]) is read element-wise in the row's loops instead.
+    let weight = |f: &Fusion, t: TvId| {
+        broadcast_input(f, t) && f.tvs[t].logical[..n - k].iter().all(|&id| f.ids[id].iter_type == IterType::Broadcast)
+    };
+    let per_row = |f: &Fusion, t: TvId| {
+        n > k
+            && f.tvs[t].logical.len() == n - k
+            && f.tvs[t].logical.iter().all(|&id| f.ids[id].iter_type != IterType::Reduction)
+    };
     for &t in &tensors {
+        if per_row(f, t) {
+            for _ in 1..(n - k) {
+                f.merge(t, 0, 1)?;
+            }
+            f.parallelize(t, 0, ParallelType::BIDx)?;
+            continue;
+        }
         if f.tvs[t].logical.len() != n {
             bail!(
                 "{}: rank differs from the normalization's rank {n}; not covered by the automatic schedule",
@@ -127,7 +148,7 @@ pub fn schedule(f: &mut Fusion, extents: &[i64], reductions: &[ExprId]) -> Resul
         f.reorder(t, &[(2, 1)])?; // [rows, T, p, v]
         f.parallelize(t, 0, ParallelType::BIDx)?;
         f.parallelize(t, 1, ParallelType::TIDx)?;
-        if v > 1 && (caches.contains(&t) || outs.contains(&t) || broadcast_input(f, t)) {
+        if v > 1 && (caches.contains(&t) || outs.contains(&t) || weight(f, t)) {
             f.parallelize(t, 3, ParallelType::Vectorize)?;
         }
     }
@@ -137,9 +158,9 @@ pub fn schedule(f: &mut Fusion, extents: &[i64], reductions: &[ExprId]) -> Resul
         if f.is_output(t) {
             continue;
         }
-        let pos = if is_reduction(f, t) {
+        let pos = if is_reduction(f, t) || per_row(f, t) {
             1 // the row's result, shared by every thread of the block
-        } else if v > 1 && broadcast_input(f, t) {
+        } else if v > 1 && weight(f, t) {
             3 // a weight broadcast over rows: its own vector loop, so it loads 16 bytes at once
         } else if f.consumers(t).len() > 1 {
             // Read on both sides of a reduction (or by two chains): keep it in registers

@@ -11,7 +11,7 @@
 use crate::bail;
 use crate::error::Result;
 use crate::ir::{ExprId, Fusion, IterType, Op, Operand, ParallelType, TvId};
-use crate::sched::auto::{broadcast_input, tensor_sizes, Heuristic, SM_COUNT};
+use crate::sched::auto::{broadcast_input, tensor_sizes, Ctx, Heuristic};
 
 /// Merge all loop axes of `t` into one, then split it as `[rest, u, threads, v]`.
 pub fn flatten_and_split(f: &mut Fusion, t: TvId, v: i64, threads: i64, unroll: i64) -> Result<()> {
@@ -52,10 +52,41 @@ pub fn kept_last_permute(f: &Fusion) -> Option<(ExprId, Vec<usize>)> {
 
 /// Schedule a fusion without reductions, and without permutes other than one that keeps
 /// the last axis (`kept_last_permute`).
-pub fn schedule(f: &mut Fusion, extents: &[i64]) -> Result<Heuristic> {
+pub fn schedule(f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
+    let extents = &cx.extents[..];
     let out = f.outputs[0];
     let rank = f.no_reduction_logical(out).len();
     let sizes = tensor_sizes(f, extents, out)?;
+    // One iteration space for every tensor: the outputs share a shape, and every computed
+    // tensor has their rank (an index computed for a gather runs in a kernel of its own).
+    for &o in &f.outputs {
+        let s = tensor_sizes(f, extents, o)?;
+        if s != sizes {
+            bail!(
+                "outputs {} {:?} and {} {:?} differ in shape; a pointwise kernel writes one shape",
+                f.tv_name(out),
+                sizes,
+                f.tv_name(o),
+                s
+            );
+        }
+    }
+    for e in f.topo_exprs() {
+        let t = f.exprs[e].output;
+        if f.no_reduction_logical(t).len() != rank {
+            bail!("{}: rank {} differs from the outputs' rank {rank}", f.tv_name(t), f.no_reduction_logical(t).len());
+        }
+    }
+    if rank == 0 {
+        // A single value: one thread computes it.
+        for e in f.topo_exprs() {
+            let t = f.exprs[e].output;
+            if !f.is_output(t) {
+                f.inline_at(t, -1)?;
+            }
+        }
+        return Ok(Heuristic { kind: "pointwise", params: vec![0] });
+    }
     let numel: i64 = sizes.iter().product();
     let permute = kept_last_permute(f);
     // The vector width: 16 bytes of the widest tensor that is accessed with vectors
@@ -87,7 +118,7 @@ pub fn schedule(f: &mut Fusion, extents: &[i64]) -> Result<Heuristic> {
     // One vector per thread for 4-byte types, two for 2-byte types when there are many
     // more vectors than the GPU runs at once (measured on the H200, 16384x4096: fp32 127.3 us
     // unrolled by 1, 129.7 by 2, 131.7 by 4; bf16 69.0 us by 2, 74.3 by 1).
-    let unroll = if v >= 8 && numel / (v * threads) >= 2 * SM_COUNT * 16 { 2 } else { 1 };
+    let unroll = if v >= 8 && numel / (v * threads) >= 2 * cx.device.sm_count * 16 { 2 } else { 1 };
 
     // Vectorized read caches for full-size inputs read element-wise (not through indices).
     let mut vec_tensors = Vec::new();
@@ -167,7 +198,7 @@ pub fn schedule(f: &mut Fusion, extents: &[i64]) -> Result<Heuristic> {
         let t2 = (((cols + v - 1) / v + 31) / 32 * 32).clamp(32, 128);
         // Two rows per thread at most (bias + GELU, 16384x4096 fp32 on the H200: 129.6 us
         // with two, 132.3 with four, 134.2 with eight).
-        let u2 = if rows / 2 >= 2 * SM_COUNT { 2 } else { 1 };
+        let u2 = if rows / 2 >= 2 * cx.device.sm_count { 2 } else { 1 };
         if (rows + u2 - 1) / u2 <= MAX_GRID_Y {
             // The row length becomes a constant of the kernel: row offsets are then known
             // multiples of the vector width (no run-time alignment checks or scalar fallback

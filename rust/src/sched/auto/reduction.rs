@@ -15,7 +15,7 @@
 use crate::bail;
 use crate::error::Result;
 use crate::ir::{ExprId, Fusion, IterType, Op, Operand, ParallelType, TvId};
-use crate::sched::auto::{tensor_sizes, Heuristic, SM_COUNT};
+use crate::sched::auto::{tensor_sizes, Ctx, Heuristic};
 
 fn merge_range(f: &mut Fusion, t: TvId, start: usize, count: usize) -> Result<()> {
     for _ in 1..count {
@@ -44,7 +44,8 @@ fn by_dependence(f: &Fusion, r: TvId) -> (Vec<TvId>, Vec<TvId>) {
 }
 
 /// Schedule a fusion whose only reduction is expr `red`.
-pub fn schedule(f: &mut Fusion, extents: &[i64], red: ExprId) -> Result<Heuristic> {
+pub fn schedule(f: &mut Fusion, cx: &Ctx, red: ExprId) -> Result<Heuristic> {
+    let extents = &cx.extents[..];
     let r = f.exprs[red].output;
     let logical = f.tvs[r].logical.clone();
     let n = logical.len();
@@ -93,7 +94,16 @@ pub fn schedule(f: &mut Fusion, extents: &[i64], red: ExprId) -> Result<Heuristi
             );
         }
     }
-    if after.iter().any(|&t| f.no_reduction_logical(t).len() != n - k) {
+    // Ops after the reduction see its result as kept axes only, or with size-one axes
+    // where the reduced ones were (keepdim, a broadcast back to the input's rank).
+    let reduced_at: Vec<bool> = logical.iter().map(|&id| f.ids[id].iter_type == IterType::Reduction).collect();
+    let kept_shape = |f: &Fusion, t: TvId| {
+        let l = f.no_reduction_logical(t);
+        l.len() == n - k
+            || (l.len() == n
+                && l.iter().zip(&reduced_at).all(|(&id, &red)| (f.ids[id].iter_type == IterType::Broadcast) == red))
+    };
+    if after.iter().any(|&t| !kept_shape(f, t)) {
         bail!(
             "{}: keepdim/broadcast after the reduction is not covered by the automatic reduction schedule",
             f.tv_name(r)
@@ -102,7 +112,7 @@ pub fn schedule(f: &mut Fusion, extents: &[i64], red: ExprId) -> Result<Heuristi
 
     let widest = f.tvs.values().map(|t| t.dtype.size_bytes()).max().unwrap_or(4) as i64;
     if k == n {
-        return full(f, r, &after, red_size);
+        return full(f, cx, r, &after, red_size);
     }
     if inner {
         // Vector loads along the reduced axes, one block per kept row. After a permutation
@@ -158,7 +168,7 @@ pub fn schedule(f: &mut Fusion, extents: &[i64], red: ExprId) -> Result<Heuristi
         // partial second wave would leave most SMs idle at the end). Ops after the
         // reduction read its result in the same kernel: only the last block of a grid
         // reduction has it, so they need a single block per column tile.
-        let wave = SM_COUNT * (2048 / (t * ty)).max(1);
+        let wave = cx.device.sm_count * (2048 / (t * ty)).max(1);
         let g = if after.is_empty() && col_blocks < wave {
             (wave / col_blocks).clamp(1, (red_size + ty * u - 1) / (ty * u)).min(1024)
         } else {
@@ -187,7 +197,7 @@ pub fn schedule(f: &mut Fusion, extents: &[i64], red: ExprId) -> Result<Heuristi
             f.reorder(x, &[(4, 0), (5, 1)])?;
         }
         for &x in &after {
-            merge_range(f, x, 0, n - k)?;
+            merge_range(f, x, 0, f.tvs[x].loop_domain.len())?;
             f.split(x, 0, t, true)?;
             f.parallelize(x, 0, ParallelType::BIDx)?;
             f.parallelize(x, 1, ParallelType::TIDx)?;
@@ -211,7 +221,8 @@ pub fn schedule(f: &mut Fusion, extents: &[i64], red: ExprId) -> Result<Heuristi
 /// Post-reduction tensors: `[rows]` on BIDx.
 fn schedule_after(f: &mut Fusion, after: &[TvId], rank: usize) -> Result<()> {
     for &x in after {
-        merge_range(f, x, 0, rank)?;
+        let axes = f.tvs[x].loop_domain.len();
+        merge_range(f, x, 0, axes.max(rank))?;
         f.parallelize(x, 0, ParallelType::BIDx)?;
     }
     Ok(())
@@ -230,7 +241,7 @@ fn inline_into_after(f: &mut Fusion, r: TvId, after: &[TvId]) -> Result<()> {
 }
 
 /// Everything reduced: a grid of blocks each summing a strided share.
-fn full(f: &mut Fusion, r: TvId, after: &[TvId], total: i64) -> Result<Heuristic> {
+fn full(f: &mut Fusion, cx: &Ctx, r: TvId, after: &[TvId], total: i64) -> Result<Heuristic> {
     let n = f.tvs[r].loop_domain.len();
     let t = 512;
     let widest = f.tvs.values().map(|t| t.dtype.size_bytes()).max().unwrap_or(4) as i64;
@@ -238,8 +249,8 @@ fn full(f: &mut Fusion, r: TvId, after: &[TvId], total: i64) -> Result<Heuristic
     let rows = (total + t * v - 1) / (t * v); // vectors of the whole block
                                               // Blocks: one full wave (four 512-thread blocks per SM), preferring a count that divides
                                               // the work evenly so no block runs a partial last step.
-    let wave = 4 * SM_COUNT;
-    let g = (2 * SM_COUNT..=wave).rev().find(|&g| rows % g == 0).unwrap_or(rows.clamp(1, wave));
+    let wave = 4 * cx.device.sm_count;
+    let g = (2 * cx.device.sm_count..=wave).rev().find(|&g| rows % g == 0).unwrap_or(rows.clamp(1, wave));
     let s = ((rows + g - 1) / g).max(1);
     // Steps each thread has in flight at once: independent loads hide DRAM latency.
     let u = [4, 2].into_iter().find(|&u| s % u == 0).unwrap_or(1);

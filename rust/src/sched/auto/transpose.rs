@@ -7,7 +7,7 @@
 use crate::bail;
 use crate::error::Result;
 use crate::ir::{Fusion, MemoryType, Op, ParallelType, TvId};
-use crate::sched::auto::{tensor_sizes, Heuristic};
+use crate::sched::auto::{tensor_sizes, Ctx, Heuristic};
 
 /// A tensor of the transpose, its reorder within the 2-D tile frame, and the axis order
 /// that brings it into that frame (batch axes first).
@@ -19,7 +19,8 @@ const MAX_GRID_Z: i64 = 65535;
 /// Schedule a fusion that is a single permute moving the last axis: a 2-D transpose of x's
 /// last axis and the output's last axis, batched over the other axes (merged into one loop
 /// on BIDz).
-pub fn schedule(f: &mut Fusion, extents: &[i64]) -> Result<Heuristic> {
+pub fn schedule(f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
+    let extents = &cx.extents[..];
     let order = f.topo_exprs();
     let Some(&e) = order.iter().find(|&&e| matches!(f.exprs[e].op, Op::Permute { .. })) else {
         bail!("the transpose schedule needs a permute");

@@ -1,0 +1,341 @@
+//! The automatic segmenter: a host program for any unscheduled fusion whose ops the
+//! schedulers can place one by one, in as few kernels as they allow.
+//!
+//! The whole fusion is tried first. Failing that, every live expr starts as a group of its
+//! own, and neighbouring groups merge, greedily, while the merged group is covered by a
+//! scheduler of the registry (it schedules, lowers and generates code) and the group graph
+//! stays acyclic. Neighbours are a producer and its consumer, or two groups reading the
+//! same tensor; merges that save the most Global traffic go first. Tensors crossing groups
+//! become Global intermediates of the host program (allocated and freed by it, as seed 004
+//! lifts kernel buffers). `segment_after` marks are kept: no group holds both a marked
+//! tensor's definition and one of its uses.
+
+use std::fmt::Write as _;
+
+use rustc_hash::{FxHashMap, FxHashSet};
+
+use crate::error::{ErrorKind, KilnError, Result};
+use crate::host::ir::HostProgram;
+use crate::host::lower::lower_segments;
+use crate::host::segment::{segment_fusion, segment_of, Segment};
+use crate::ir::{ExprId, Fusion, TvId};
+use crate::sched::auto::registry::{kind_index, schedule_fusion};
+use crate::sched::auto::{extent_values, refused, tensor_sizes, Ctx, DeviceProps, Heuristic, Refusal};
+
+/// A group the schedulers covered: its segment's scheduled fusion and heuristic.
+#[derive(Clone)]
+struct Covered {
+    fusion: Fusion,
+    heuristic: Heuristic,
+}
+
+/// Whether one group of exprs is covered, and by what.
+fn try_group(f: &Fusion, order: &[ExprId], group: &[ExprId], cx: &Ctx) -> Result<std::result::Result<Covered, String>> {
+    let seg = segment_of(f, group, order)?;
+    if seg.outputs.is_empty() {
+        return Ok(Err("the group produces nothing".into()));
+    }
+    let mut sf = segment_fusion(f, &seg);
+    let heuristic = match schedule_fusion(&mut sf, cx)? {
+        Ok(h) => h,
+        Err(refusals) => return Ok(Err(join(&refusals))),
+    };
+    // A schedule that does not lower (or print) is one this scheduler cannot place.
+    let lowered = crate::lower::lower(&sf).and_then(|k| crate::codegen::generate(&k, false).map(|_| ()));
+    match lowered {
+        Ok(()) => Ok(Ok(Covered { fusion: sf, heuristic })),
+        Err(e) if e.kind == ErrorKind::Internal => Err(e),
+        Err(e) => Ok(Err(format!("the {} schedule does not lower: {}", heuristic.kind, e.message))),
+    }
+}
+
+fn join(refusals: &[Refusal]) -> String {
+    refusals.iter().map(|r| r.to_string()).collect::<Vec<_>>().join("; ")
+}
+
+/// The host program the automatic schedulers and the segmenter pick for `f` (unscheduled)
+/// and inputs of `inputs` sizes on `device`, with its plan key. `aligned_bases`: every
+/// input starts 16-byte aligned (see `Fusion::aligned_bases`).
+pub fn auto_program(
+    f: &Fusion,
+    inputs: &[Vec<i64>],
+    aligned_bases: bool,
+    device: DeviceProps,
+) -> Result<(HostProgram, Heuristic)> {
+    let cx = Ctx { extents: extent_values(f, inputs)?, device };
+    let mut g = f.clone();
+    g.aligned_bases = aligned_bases;
+    crate::sched::auto::canonical::sink_broadcasts(&mut g)?;
+    let order = g.topo_exprs();
+    if order.is_empty() {
+        return Ok((crate::host::lower::lower_program(&g)?, Heuristic { kind: "empty", params: Vec::new() }));
+    }
+    let mut report = String::new();
+    if g.segment_after.is_empty() {
+        match try_group(&g, &order, &order, &cx)? {
+            Ok(c) => {
+                let _ = writeln!(report, "segments: 1 kernel (the whole fusion)");
+                let _ = writeln!(report, "  segment 0: {} {}", c.heuristic.describe(), group_text(&g, &order));
+                let h = c.heuristic.clone();
+                let mut program = lower_segments(&g, &[segment_of(&g, &order, &order)?], &mut |_, sf| {
+                    *sf = c.fusion.clone();
+                    Ok(())
+                })?;
+                program.segmentation = report;
+                return Ok((program, h));
+            }
+            Err(why) => {
+                let _ = writeln!(report, "the whole fusion as one kernel: refused ({why})");
+            }
+        }
+    }
+    let (groups, covered) = merge_groups(&g, &order, &cx, &mut report)?;
+    let segs: Vec<Segment> = groups.iter().map(|grp| segment_of(&g, grp, &order)).collect::<Result<_>>()?;
+    let mut params = Vec::new();
+    let _ = writeln!(report, "segments: {} kernels", groups.len());
+    for (k, grp) in groups.iter().enumerate() {
+        let h = &covered[k].heuristic;
+        let _ = writeln!(report, "  segment {k}: {} {}", h.describe(), group_text(&g, grp));
+        params.push(kind_index(h.kind));
+        params.push(grp.len() as i64);
+        params.extend(grp.iter().map(|e| e.as_u32() as i64));
+        params.push(h.params.len() as i64);
+        params.extend(&h.params);
+    }
+    let mut program = lower_segments(&g, &segs, &mut |k, sf| {
+        *sf = covered[k].fusion.clone();
+        Ok(())
+    })?;
+    program.segmentation = report;
+    Ok((program, Heuristic { kind: "segmented", params }))
+}
+
+/// `{T3 = sum(T2), T4 = mul(T3, ..)}`-style short listing of a group's results.
+fn group_text(f: &Fusion, group: &[ExprId]) -> String {
+    let names: Vec<String> = group.iter().map(|&e| f.tv_name(f.exprs[e].output)).collect();
+    format!("{{{}}}", names.join(", "))
+}
+
+/// Greedy merging from one group per expr; returns the groups in launch order and the
+/// schedule of each.
+fn merge_groups(
+    f: &Fusion,
+    order: &[ExprId],
+    cx: &Ctx,
+    report: &mut String,
+) -> Result<(Vec<Vec<ExprId>>, Vec<Covered>)> {
+    let pos: FxHashMap<ExprId, usize> = order.iter().enumerate().map(|(i, &e)| (e, i)).collect();
+    // Groups by index; a merged-away group is None. Exprs kept in dependency order.
+    let mut groups: Vec<Option<Vec<ExprId>>> = order.iter().map(|&e| Some(vec![e])).collect();
+    let mut covered: Vec<Option<Covered>> = Vec::with_capacity(order.len());
+    for &e in order {
+        match try_group(f, order, &[e], cx)? {
+            Ok(c) => covered.push(Some(c)),
+            Err(why) => {
+                return Err(KilnError::value(format!(
+                    "{}: no automatic schedule places this op even on its own ({why}); schedule the fusion by hand",
+                    f.expr_short(&f.exprs[e])
+                )));
+            }
+        }
+    }
+    let bytes: FxHashMap<TvId, i64> = f
+        .tvs
+        .keys()
+        .map(|t| {
+            let n: i64 = tensor_sizes(f, &cx.extents, t).map(|s| s.iter().product()).unwrap_or(1);
+            (t, n.max(1) * f.tvs[t].dtype.size_bytes() as i64)
+        })
+        .collect();
+    let mut refused_pairs: FxHashSet<(Vec<ExprId>, Vec<ExprId>)> = FxHashSet::default();
+    let mut refusals: Vec<String> = Vec::new();
+    loop {
+        let group_of = group_index(&groups);
+        let candidates = candidates(f, order, &groups, &group_of, &bytes, &pos);
+        let mut merged = false;
+        for (_, a, b) in candidates {
+            let (ga, gb) = (groups[a].clone().unwrap_or_default(), groups[b].clone().unwrap_or_default());
+            if refused_pairs.contains(&(ga.clone(), gb.clone())) {
+                continue;
+            }
+            if crosses_mark(f, &ga, &gb) || makes_cycle(f, &groups, &group_of, a, b) {
+                refused_pairs.insert((ga, gb));
+                continue;
+            }
+            let mut union: Vec<ExprId> = ga.iter().chain(&gb).copied().collect();
+            union.sort_by_key(|e| pos[e]);
+            match try_group(f, order, &union, cx)? {
+                Ok(c) => {
+                    groups[a] = Some(union);
+                    groups[b] = None;
+                    covered[a] = Some(c);
+                    covered[b] = None;
+                    merged = true;
+                    break;
+                }
+                Err(why) => {
+                    refusals.push(format!("  {} + {}: {why}", group_text(f, &ga), group_text(f, &gb)));
+                    refused_pairs.insert((ga, gb));
+                }
+            }
+        }
+        if !merged {
+            break;
+        }
+    }
+    if !refusals.is_empty() {
+        let _ = writeln!(report, "refused merges:");
+        for r in &refusals {
+            let _ = writeln!(report, "{r}");
+        }
+    }
+    // Launch order: a group after every group it reads from (ties by first expr).
+    let alive: Vec<usize> = (0..groups.len()).filter(|&i| groups[i].is_some()).collect();
+    let group_of = group_index(&groups);
+    let mut preds: FxHashMap<usize, FxHashSet<usize>> = FxHashMap::default();
+    for &i in &alive {
+        let entry = preds.entry(i).or_default();
+        for &e in groups[i].as_ref().expect("alive") {
+            for t in f.exprs[e].input_tvs() {
+                if let Some(d) = f.tvs[t].definition {
+                    if let Some(&p) = group_of.get(&d) {
+                        if p != i {
+                            entry.insert(p);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let mut done: FxHashSet<usize> = FxHashSet::default();
+    let mut out_groups = Vec::with_capacity(alive.len());
+    let mut out_cov = Vec::with_capacity(alive.len());
+    while done.len() < alive.len() {
+        let next = alive
+            .iter()
+            .copied()
+            .filter(|i| !done.contains(i) && preds[i].iter().all(|p| done.contains(p)))
+            .min_by_key(|&i| pos[&groups[i].as_ref().expect("alive")[0]]);
+        let Some(i) = next else {
+            return Err(KilnError::internal("the segmenter's groups form a cycle"));
+        };
+        done.insert(i);
+        out_groups.push(groups[i].clone().expect("alive"));
+        out_cov.push(covered[i].clone().ok_or_else(|| KilnError::internal("an alive group without a schedule"))?);
+    }
+    if out_groups.is_empty() {
+        return Err(refused(&[]));
+    }
+    Ok((out_groups, out_cov))
+}
+
+fn group_index(groups: &[Option<Vec<ExprId>>]) -> FxHashMap<ExprId, usize> {
+    let mut m = FxHashMap::default();
+    for (i, g) in groups.iter().enumerate() {
+        for &e in g.iter().flatten() {
+            m.insert(e, i);
+        }
+    }
+    m
+}
+
+/// Pairs of groups worth merging, best first: `(bytes saved, a, b)` with `a < b`.
+/// Producer and consumer save the intermediate's read (and its write when nothing else
+/// needs it in Global); two readers of one tensor save one read of it.
+fn candidates(
+    f: &Fusion,
+    order: &[ExprId],
+    groups: &[Option<Vec<ExprId>>],
+    group_of: &FxHashMap<ExprId, usize>,
+    bytes: &FxHashMap<TvId, i64>,
+    pos: &FxHashMap<ExprId, usize>,
+) -> Vec<(i64, usize, usize)> {
+    let live: FxHashSet<ExprId> = order.iter().copied().collect();
+    let mut saved: FxHashMap<(usize, usize), i64> = FxHashMap::default();
+    let mut readers: FxHashMap<TvId, Vec<usize>> = FxHashMap::default();
+    for (i, g) in groups.iter().enumerate() {
+        for &e in g.iter().flatten() {
+            for t in f.exprs[e].input_tvs() {
+                let r = readers.entry(t).or_default();
+                if !r.contains(&i) {
+                    r.push(i);
+                }
+            }
+        }
+    }
+    for (&t, rs) in &readers {
+        let b = bytes.get(&t).copied().unwrap_or(1);
+        let producer = f.tvs[t].definition.and_then(|d| group_of.get(&d).copied());
+        if let Some(p) = producer {
+            let uses: Vec<usize> =
+                f.tvs[t].uses.iter().filter(|u| live.contains(u)).filter_map(|u| group_of.get(u).copied()).collect();
+            for &c in rs {
+                if c == p {
+                    continue;
+                }
+                let write_too = !f.is_output(t) && uses.iter().all(|&u| u == p || u == c);
+                *saved.entry((p.min(c), p.max(c))).or_default() += b + if write_too { b } else { 0 };
+            }
+        }
+        for (x, &i) in rs.iter().enumerate() {
+            for &j in &rs[x + 1..] {
+                if Some(i) != producer && Some(j) != producer {
+                    *saved.entry((i.min(j), i.max(j))).or_default() += b;
+                }
+            }
+        }
+    }
+    let first = |i: usize| pos[&groups[i].as_ref().expect("alive")[0]];
+    let mut out: Vec<(i64, usize, usize)> = saved.into_iter().map(|((a, b), s)| (s, a, b)).collect();
+    out.sort_by_key(|&(s, a, b)| (-s, first(a).min(first(b)), first(a).max(first(b))));
+    out
+}
+
+/// True when merging would put a `segment_after` tensor's definition and a use of it in
+/// one group.
+fn crosses_mark(f: &Fusion, a: &[ExprId], b: &[ExprId]) -> bool {
+    let union: FxHashSet<ExprId> = a.iter().chain(b).copied().collect();
+    f.segment_after.iter().any(|&t| {
+        f.tvs[t].definition.is_some_and(|d| union.contains(&d)) && f.tvs[t].uses.iter().any(|u| union.contains(u))
+    })
+}
+
+/// True when merging groups `a` and `b` would make the group graph cyclic: some other
+/// group lies on a path from one to the other.
+fn makes_cycle(
+    f: &Fusion,
+    groups: &[Option<Vec<ExprId>>],
+    group_of: &FxHashMap<ExprId, usize>,
+    a: usize,
+    b: usize,
+) -> bool {
+    let succ = |i: usize| -> FxHashSet<usize> {
+        let mut s = FxHashSet::default();
+        for &e in groups[i].iter().flatten() {
+            for &u in &f.tvs[f.exprs[e].output].uses {
+                if let Some(&j) = group_of.get(&u) {
+                    if j != i {
+                        s.insert(j);
+                    }
+                }
+            }
+        }
+        s
+    };
+    let reaches_through_other = |from: usize, to: usize| -> bool {
+        let mut stack: Vec<usize> = succ(from).into_iter().filter(|&j| j != to).collect();
+        let mut seen: FxHashSet<usize> = stack.iter().copied().collect();
+        while let Some(i) = stack.pop() {
+            if i == to {
+                return true;
+            }
+            for j in succ(i) {
+                if seen.insert(j) {
+                    stack.push(j);
+                }
+            }
+        }
+        false
+    };
+    reaches_through_other(a, b) || reaches_through_other(b, a)
+}

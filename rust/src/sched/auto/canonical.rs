@@ -1,0 +1,111 @@
+//! Canonical form of a fusion for the automatic schedulers, and the topology they refuse.
+//!
+//! - **Broadcasts sink towards the inputs and reductions.** `broadcast(op(a, b))` becomes
+//!   `op(broadcast(a), broadcast(b))` for element-wise ops, until every broadcast reads a
+//!   fusion input, a reduction or an op that cannot move (gather, permute, full). Users
+//!   write `mean = sum(x) * (1/N)` or `rstd = rsqrt(var + eps)` on the reduced tensor, or
+//!   cast a weight before broadcasting it; in canonical form those ops run on the full
+//!   shape, so every tensor of a normalization or pointwise kernel has the kernel's rank
+//!   and shares its loops. The moved op is recomputed per element: element-wise math costs
+//!   nothing next to the memory traffic of these kernels. The original op stays where
+//!   something else (an output) reads it.
+//! - **Self-mapping.** When one tensor is broadcast into two different positions of the
+//!   same tensor (`bcast(a, [0, 1]) - bcast(a, [0, 2])`), two axes of the result map to
+//!   each other through `a`: no single loop nest computes `a` once for both. Schedulers
+//!   refuse such a group, so the segmenter gives the two reads of `a` separate kernels.
+
+use rustc_hash::FxHashSet;
+
+use crate::analysis::id_graph::IdGraph;
+use crate::error::Result;
+use crate::ir::{Fusion, IterType, Op, Operand, TvId};
+
+/// Rewrite `f` (unscheduled) into canonical form; semantics are unchanged.
+pub fn sink_broadcasts(f: &mut Fusion) -> Result<()> {
+    // Each rewrite moves one broadcast one op closer to the inputs, so this terminates.
+    'again: loop {
+        for e in f.topo_exprs() {
+            let Op::Broadcast { is_new } = f.exprs[e].op.clone() else { continue };
+            let Some(x) = f.exprs[e].inputs[0].tensor() else { continue };
+            let Some(d) = f.tvs[x].definition else { continue };
+            let op = f.exprs[d].op.clone();
+            if !matches!(op, Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast(_) | Op::Set) {
+                continue;
+            }
+            let mut operands = Vec::new();
+            for o in f.exprs[d].inputs.clone() {
+                operands.push(match o {
+                    Operand::Tensor(t) => Operand::Tensor(f.broadcast(t, is_new.clone())?),
+                    s => s,
+                });
+            }
+            let moved = match op {
+                Op::Unary(u) => f.unary(u, operands[0])?,
+                Op::Binary(b) => f.binary(b, operands[0], operands[1])?,
+                Op::Where => f.where_(operands[0], operands[1], operands[2])?,
+                Op::Cast(dt) => f.cast(operands[0], dt)?,
+                _ => f.set(operands[0].tensor().expect("set reads a tensor"))?,
+            };
+            let old = f.exprs[e].output;
+            replace_tensor(f, old, moved);
+            f.tvs[x].uses.retain(|&u| u != e);
+            continue 'again;
+        }
+        return Ok(());
+    }
+}
+
+/// Make every reader of `old` read `new` instead (outputs and marks included).
+fn replace_tensor(f: &mut Fusion, old: TvId, new: TvId) {
+    let uses = std::mem::take(&mut f.tvs[old].uses);
+    for &u in &uses {
+        for o in f.exprs[u].inputs.iter_mut() {
+            if *o == Operand::Tensor(old) {
+                *o = Operand::Tensor(new);
+            }
+        }
+        if !f.tvs[new].uses.contains(&u) {
+            f.tvs[new].uses.push(u);
+        }
+    }
+    for o in f.outputs.iter_mut() {
+        if *o == old {
+            *o = new;
+        }
+    }
+    if f.is_output(new) {
+        f.tvs[new].memory = crate::ir::MemoryType::Global;
+    }
+    for t in f.segment_after.iter_mut() {
+        if *t == old {
+            *t = new;
+        }
+    }
+}
+
+/// The first tensor with two axes that map to each other (see the module docs), as
+/// `(tensor, axis, axis)`.
+pub fn self_mapping(f: &Fusion) -> Option<(TvId, usize, usize)> {
+    let g = IdGraph::exact(f);
+    let mut tvs: FxHashSet<TvId> = FxHashSet::default();
+    for e in f.topo_exprs() {
+        tvs.insert(f.exprs[e].output);
+        tvs.extend(f.exprs[e].input_tvs());
+    }
+    let mut tvs: Vec<TvId> = tvs.into_iter().collect();
+    tvs.sort();
+    for t in tvs {
+        let l = &f.tvs[t].logical;
+        for i in 0..l.len() {
+            if f.ids[l[i]].iter_type == IterType::Broadcast {
+                continue;
+            }
+            for j in i + 1..l.len() {
+                if f.ids[l[j]].iter_type != IterType::Broadcast && g.same(l[i], l[j]) {
+                    return Some((t, i, j));
+                }
+            }
+        }
+    }
+    None
+}
