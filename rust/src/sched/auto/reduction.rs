@@ -197,6 +197,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, red: ExprId) -> Result<Heuristic> {
             f.reorder(x, &[(4, 0), (5, 1)])?;
         }
         for &x in &after {
+            broadcasts_last(f, x)?;
             merge_range(f, x, 0, f.tvs[x].loop_domain.len())?;
             f.split(x, 0, t, true)?;
             f.parallelize(x, 0, ParallelType::BIDx)?;
@@ -218,9 +219,24 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, red: ExprId) -> Result<Heuristic> {
     bail!("internal: {}: the reduced axes are neither leading nor trailing after the permutation", f.tv_name(r))
 }
 
+/// Move the size-one axes of a keepdim-shaped tensor behind the kept ones, so that merging
+/// them keeps the kept axes' bounds: a merge whose outer axis is a broadcast rebuilds the
+/// inner index modulo its extent, and an overrunning thread would alias element 0.
+fn broadcasts_last(f: &mut Fusion, x: TvId) -> Result<()> {
+    let ld = f.tvs[x].loop_domain.clone();
+    let (kept, bcast): (Vec<usize>, Vec<usize>) =
+        (0..ld.len()).partition(|&a| f.ids[ld[a]].iter_type != IterType::Broadcast);
+    if bcast.is_empty() || kept.is_empty() {
+        return Ok(());
+    }
+    let perm: Vec<usize> = kept.into_iter().chain(bcast).collect();
+    f.reorder(x, &super::moves_to(&perm))
+}
+
 /// Post-reduction tensors: `[rows]` on BIDx.
 fn schedule_after(f: &mut Fusion, after: &[TvId], rank: usize) -> Result<()> {
     for &x in after {
+        broadcasts_last(f, x)?;
         let axes = f.tvs[x].loop_domain.len();
         merge_range(f, x, 0, axes.max(rank))?;
         f.parallelize(x, 0, ParallelType::BIDx)?;
