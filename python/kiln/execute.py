@@ -48,7 +48,15 @@ def execute(fd: Any, inputs: Sequence[Any], device: Optional[str], as_written: b
     if dump_enabled("host_ir"):
         print(low.host_program)
     if device == "cpu":
+        import numpy as np  # noqa: PLC0415
+
         from . import _core  # noqa: PLC0415
+
+        # Unscheduled fusions are planned for row-major inputs: a strided NumPy view is
+        # copied first (a hand schedule keeps the layout its definition declared).
+        if not fd._core.manually_scheduled:
+            inputs = [np.ascontiguousarray(x) if _kind(x) == "numpy" and not x.flags.c_contiguous else x
+                      for x in inputs]
         from .host import run_on_cpu  # noqa: PLC0415
 
         if not hasattr(_core, "execute_cpu"):
@@ -91,21 +99,35 @@ def lowered_for(fd: Any, inputs: Sequence[Any]) -> Any:
     # accesses need no address checks; others (views at an odd offset) get checked ones.
     aligned = all(data_ptr(x) % 16 == 0 for x in tensors)
     device = device_props(tensors)
-    key = (fd._core.version, tuple(tuple(s) for s in sizes), aligned, device)
+    # A runtime scalar that a shape reads (a `full` of a runtime size) is part of the plan.
+    scalars: List[Optional[int]] = [None] * sum(1 for x in inputs if _kind(x) == "scalar")
+    values = [x for x in inputs if _kind(x) == "scalar"]
+    for n in _shape_scalars(fd):
+        if n < len(values) and isinstance(values[n], int) and not isinstance(values[n], bool):
+            scalars[n] = int(values[n])
+    key = (fd._core.version, tuple(tuple(s) for s in sizes), aligned, device, tuple(scalars))
     cache = fd.__dict__.setdefault("_auto_cache", {})
     hit = cache.get(key)
     if hit is not None:
         return hit
-    program, kind, params = fd._core.auto_program(sizes, aligned, device)
+    program, kind, params = fd._core.auto_program(sizes, aligned, device, scalars)
     if dump_enabled("segments"):
         print(program.segmentation())
-    hkey = (fd._core.version, kind, tuple(params), aligned, device)
+    hkey = (fd._core.version, kind, tuple(params), aligned, device, tuple(scalars))
     low = cache.get(hkey)
     if low is None:
         low = cache[hkey] = LoweredFusion([LoweredKernel(k) for k in program.kernels()], program)
         low.aligned_bases = aligned
     cache[key] = low
     return low
+
+
+def _shape_scalars(fd: Any) -> List[int]:
+    """Positions of ``fd``'s scalar inputs that tensor shapes read (cached per fusion version)."""
+    hit = fd.__dict__.get("_shape_scalars")
+    if hit is None or hit[0] != fd._core.version:
+        hit = fd._shape_scalars = (fd._core.version, list(fd._core.shape_scalars()))
+    return hit[1]
 
 
 #: The target the heuristics assume without a GPU (H100/H200 class): SM count, threads

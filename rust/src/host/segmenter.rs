@@ -54,15 +54,17 @@ fn join(refusals: &[Refusal]) -> String {
 }
 
 /// The host program the automatic schedulers and the segmenter pick for `f` (unscheduled)
-/// and inputs of `inputs` sizes on `device`, with its plan key. `aligned_bases`: every
+/// and inputs of `inputs` sizes on `device`, with its plan key. `scalars`: the values of
+/// the integer scalar inputs that tensor shapes read (`shape_scalars`), None for others. `aligned_bases`: every
 /// input starts 16-byte aligned (see `Fusion::aligned_bases`).
 pub fn auto_program(
     f: &Fusion,
     inputs: &[Vec<i64>],
+    scalars: &[Option<i64>],
     aligned_bases: bool,
     device: DeviceProps,
 ) -> Result<(HostProgram, Heuristic)> {
-    let cx = Ctx { extents: extent_values(f, inputs)?, device };
+    let cx = Ctx { extents: extent_values(f, inputs)?, scalars: scalars.to_vec(), device };
     let mut g = f.clone();
     g.aligned_bases = aligned_bases;
     crate::sched::auto::canonical::sink_broadcasts(&mut g)?;
@@ -143,7 +145,7 @@ fn merge_groups(
         .tvs
         .keys()
         .map(|t| {
-            let n: i64 = tensor_sizes(f, &cx.extents, t).map(|s| s.iter().product()).unwrap_or(1);
+            let n: i64 = tensor_sizes(f, cx, t).map(|s| s.iter().product()).unwrap_or(1);
             (t, n.max(1) * f.tvs[t].dtype.size_bytes() as i64)
         })
         .collect();

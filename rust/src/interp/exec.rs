@@ -172,6 +172,28 @@ enum Loc {
     Own(usize),
 }
 
+/// Lanes of a value computed from an unwritten Local element, and the first such read.
+#[derive(Clone, Debug)]
+struct Poison {
+    lanes: Vec<bool>,
+    what: String,
+}
+
+impl Poison {
+    /// Lanes poisoned in either (same lanes, same order).
+    fn join(a: Option<Poison>, b: Option<Poison>) -> Option<Poison> {
+        match (a, b) {
+            (None, x) | (x, None) => x,
+            (Some(mut a), Some(b)) => {
+                for (x, y) in a.lanes.iter_mut().zip(&b.lanes) {
+                    *x |= *y;
+                }
+                Some(a)
+            }
+        }
+    }
+}
+
 /// A tensor's memory as accesses see it.
 #[derive(Clone, Debug)]
 struct Slot {
@@ -264,6 +286,15 @@ struct Mem<'b> {
     slots: FxHashMap<TvId, Slot>,
     /// Names and locations of the summary's buffers.
     buffers: Vec<(String, usize)>,
+    /// Caller buffers below this index (the fusion's inputs and outputs) are checked for
+    /// reads of elements another thread wrote in this kernel; the summary's own buffers
+    /// (grid-reduction work and semaphores) are ordered by their protocols instead.
+    checked_globals: usize,
+    /// Per checked caller buffer: the lane that last wrote each element and the barrier
+    /// epoch it wrote in (lane -1: not written by this kernel).
+    global_writers: FxHashMap<usize, Vec<(i64, u32)>>,
+    /// Barriers passed so far.
+    epoch: u32,
 }
 
 impl Mem<'_> {
@@ -363,43 +394,142 @@ impl Mem<'_> {
     }
 
     fn read(&mut self, ctx: &Ctx, kname: &str, tv: TvId, lanes: &[u32], offs: &Reg) -> Result<Col> {
+        let (col, poison) = self.read_lenient(ctx, kname, tv, lanes, offs, false)?;
+        debug_assert!(poison.is_none());
+        Ok(col)
+    }
+
+    /// Read `tv` at `offs`. An unwritten element is an error, except in Local memory when
+    /// `lenient`: a register read before it is written is harmless on the GPU unless the
+    /// value reaches memory, so those lanes come back poisoned (see [`Poison`]).
+    fn read_lenient(
+        &mut self,
+        ctx: &Ctx,
+        kname: &str,
+        tv: TvId,
+        lanes: &[u32],
+        offs: &Reg,
+        lenient: bool,
+    ) -> Result<(Col, Option<Poison>)> {
         let slot = self.slot(ctx.f, tv)?.clone();
         let phys = self.phys(ctx, kname, &slot, lanes, offs, "read")?;
+        let mut poison: Option<Poison> = None;
         {
             let buf = self.buf(slot.loc);
             if let Some(w) = &buf.written {
                 for (i, &p) in phys.iter().enumerate() {
                     if !w[p] {
-                        return Err(KilnError::value(format!(
-                            "kernel {kname}: read of uninitialized memory: {} ({} memory) at index {} was never written; by {}",
+                        let what = format!(
+                            "read of uninitialized memory: {} ({} memory) at index {} was never written; by {}",
                             slot.name,
                             slot.memory.enum_name(),
                             offs.at(i),
                             ctx.thread(lanes[i])
-                        )));
+                        );
+                        if !(lenient && slot.memory == MemoryType::Local) {
+                            return Err(KilnError::value(format!("kernel {kname}: {what}")));
+                        }
+                        let pz = poison.get_or_insert_with(|| Poison { lanes: vec![false; phys.len()], what });
+                        pz.lanes[i] = true;
                     }
                 }
             }
         }
         self.race_check(ctx, kname, &slot, lanes, &phys, false)?;
-        Ok(self.buf(slot.loc).data.gather(&phys))
+        self.global_check(ctx, kname, &slot, lanes, &phys, false)?;
+        Ok((self.buf(slot.loc).data.gather(&phys), poison))
     }
 
     fn write(&mut self, ctx: &Ctx, kname: &str, tv: TvId, lanes: &[u32], offs: &Reg, col: &Col) -> Result<()> {
+        self.write_poisoned(ctx, kname, tv, lanes, offs, col, None)
+    }
+
+    /// Write `col`; poisoned lanes leave a Local element unwritten (still poison for the
+    /// next reader) and are an error anywhere else: the uninitialized value reaches memory.
+    #[allow(clippy::too_many_arguments)]
+    fn write_poisoned(
+        &mut self,
+        ctx: &Ctx,
+        kname: &str,
+        tv: TvId,
+        lanes: &[u32],
+        offs: &Reg,
+        col: &Col,
+        poison: Option<&Poison>,
+    ) -> Result<()> {
         let slot = self.slot(ctx.f, tv)?.clone();
+        if let Some(pz) = poison {
+            if slot.memory != MemoryType::Local && pz.lanes.iter().any(|&b| b) {
+                return Err(KilnError::value(format!(
+                    "kernel {kname}: {}, and the value computed from it is stored to {} ({} memory)",
+                    pz.what,
+                    slot.name,
+                    slot.memory.enum_name()
+                )));
+            }
+        }
         let phys = self.phys(ctx, kname, &slot, lanes, offs, "write")?;
         self.race_check(ctx, kname, &slot, lanes, &phys, true)?;
+        self.global_check(ctx, kname, &slot, lanes, &phys, true)?;
         let buf = self.buf(slot.loc);
         buf.data.scatter(&phys, col)?;
         if let Some(w) = &mut buf.written {
-            for &p in &phys {
-                w[p] = true;
+            for (i, &p) in phys.iter().enumerate() {
+                w[p] = poison.is_none_or(|pz| !pz.lanes[i]);
+            }
+        }
+        Ok(())
+    }
+
+    /// A Global element read by one thread after another thread wrote it in this kernel,
+    /// from another block or without a barrier between, is a race on the GPU (the
+    /// interpreter's statement-by-statement order would hide it).
+    fn global_check(
+        &mut self,
+        ctx: &Ctx,
+        kname: &str,
+        slot: &Slot,
+        lanes: &[u32],
+        phys: &[usize],
+        write: bool,
+    ) -> Result<()> {
+        let Loc::Caller(i) = slot.loc else { return Ok(()) };
+        if slot.memory != MemoryType::Global || i >= self.checked_globals {
+            return Ok(());
+        }
+        let len = self.caller[i].data.len();
+        let epoch = self.epoch;
+        let cells = self.global_writers.entry(i).or_insert_with(|| vec![(-1, 0); len]);
+        for (&l, &p) in lanes.iter().zip(phys) {
+            let Some(c) = cells.get_mut(p) else { continue };
+            if write {
+                *c = (l as i64, epoch);
+                continue;
+            }
+            let (w, ep) = *c;
+            if w < 0 || w == l as i64 {
+                continue;
+            }
+            let other_block = w as usize / ctx.nt != l as usize / ctx.nt;
+            if other_block || ep == epoch {
+                let why = if other_block {
+                    "from another block (blocks do not synchronize)"
+                } else {
+                    "with no barrier between"
+                };
+                return Err(KilnError::value(format!(
+                    "kernel {kname}: Global memory race on {} at index {p}: {} reads it after {} wrote it in this kernel, {why}",
+                    slot.name,
+                    ctx.thread(l),
+                    ctx.thread(w as u32)
+                )));
             }
         }
         Ok(())
     }
 
     fn reset_races(&mut self) {
+        self.epoch += 1;
         for c in self.races.iter_mut().flatten() {
             c.fill(CLEAN);
         }
@@ -477,7 +607,16 @@ pub fn run(kernel: &Kernel, bindings: &Bindings, buffers: &mut [Buffer]) -> Resu
         }
         named.push((g.name.clone(), at));
     }
-    let mut mem = Mem { caller: buffers, own: Vec::new(), races: Vec::new(), slots, buffers: named };
+    let mut mem = Mem {
+        caller: buffers,
+        own: Vec::new(),
+        races: Vec::new(),
+        slots,
+        buffers: named,
+        checked_globals: n_in + n_out,
+        global_writers: FxHashMap::default(),
+        epoch: 0,
+    };
     let body = compile(kernel, &kernel.body, &mut Vec::new())?;
     let mut ex = Exec {
         k: kernel,
@@ -661,7 +800,9 @@ impl Exec<'_, '_> {
             ev.reset_varying();
         }
 
-        // The computed value of each active thread.
+        // The computed value of each active thread, and the lanes computed from unwritten
+        // registers.
+        let mut result_poison: Option<Poison> = None;
         let result = match &a.kind {
             AccessKind::Init { value } => {
                 Col::splat(ctx.value(*value)?, ctx.scalar_dtype(*value), active.len()).convert(out_dt)
@@ -674,6 +815,7 @@ impl Exec<'_, '_> {
                     gathered.insert(id, vals.to_i64());
                 }
                 let mut cols: Vec<Option<Col>> = Vec::with_capacity(e.inputs.len());
+                let mut poison: Option<Poison> = None;
                 for (pos, (op, off)) in e.inputs.iter().zip(&a.inputs).enumerate() {
                     if matches!(e.op, Op::IndexSelect { .. }) && pos == 1 {
                         cols.push(None);
@@ -682,7 +824,9 @@ impl Exec<'_, '_> {
                     cols.push(Some(match (op, off) {
                         (Operand::Tensor(tv), Some(off)) => {
                             let offs = ev.eval(*off, &mk_env(&uniform, ctx, &active, &gathered))?.clone();
-                            mem.read(ctx, kname, *tv, &active, &offs)?
+                            let (col, pz) = mem.read_lenient(ctx, kname, *tv, &active, &offs, true)?;
+                            poison = Poison::join(poison.take(), pz);
+                            col
                         }
                         (Operand::Scalar(v), _) => Col::splat(ctx.value(*v)?, ctx.scalar_dtype(*v), active.len()),
                         (Operand::Tensor(tv), None) => {
@@ -690,6 +834,7 @@ impl Exec<'_, '_> {
                         }
                     }));
                 }
+                result_poison = poison;
                 let mut take = |i: usize| -> Result<Col> {
                     match cols.get_mut(i).and_then(Option::take) {
                         Some(c) => Ok(c),
@@ -754,13 +899,22 @@ impl Exec<'_, '_> {
         };
         let Some((rop, init)) = reduction else {
             let offs = ev.eval(a.out, &mk_env(&uniform, ctx, &active, &gathered))?.clone();
-            return mem.write(ctx, kname, a.out_tv, &active, &offs, &result);
+            return mem.write_poisoned(ctx, kname, a.out_tv, &active, &offs, &result, result_poison.as_ref());
         };
         if !collective {
             let offs = ev.eval(a.out, &mk_env(&uniform, ctx, &active, &gathered))?.clone();
-            let cur = mem.read(ctx, kname, a.out_tv, &active, &offs)?;
+            let (cur, pz) = mem.read_lenient(ctx, kname, a.out_tv, &active, &offs, true)?;
             let r = values::combine(rop, cur, result, out_dt)?;
-            return mem.write(ctx, kname, a.out_tv, &active, &offs, &r);
+            let pz = Poison::join(pz, result_poison);
+            return mem.write_poisoned(ctx, kname, a.out_tv, &active, &offs, &r, pz.as_ref());
+        }
+        // A block or grid reduction combines every lane: a poisoned one reaches the result.
+        if let Some(pz) = result_poison.filter(|p| p.lanes.iter().any(|&b| b)) {
+            return Err(KilnError::value(format!(
+                "kernel {kname}: {}, and the value computed from it enters the reduction of {}",
+                pz.what,
+                f.tv_name(a.out_tv)
+            )));
         }
 
         // Block or grid reduction over the reduced parallel types.

@@ -256,6 +256,28 @@ fn inlined_reference(f: &Fusion, tv: TvId) -> Option<(ExprId, usize)> {
     Some((e, pos))
 }
 
+/// True when a broadcast axis of `tv` meets an iteration axis along its chain of fully
+/// inlined consumers: its loops then run the consumer's larger extent, not its own.
+fn broadcast_concretized(f: &Fusion, tv: TvId) -> bool {
+    let mut t = tv;
+    let mut seen = 0;
+    while let Some((e, pos)) = inlined_reference(f, t) {
+        for (pid, cid) in logical_pairs(f, e, pos) {
+            // A reduction of a broadcast axis is size one too: it concretizes nothing.
+            let one = f.scalars.as_int(f.ids[cid].extent) == Some(1);
+            if f.ids[pid].iter_type == IterType::Broadcast && f.ids[cid].iter_type != IterType::Broadcast && !one {
+                return true;
+            }
+        }
+        t = f.exprs[e].output;
+        seen += 1;
+        if seen > f.tvs.len() {
+            break;
+        }
+    }
+    false
+}
+
 fn consumer_indices(
     f: &mut Fusion,
     ctx: &Ctx,
@@ -280,10 +302,28 @@ fn consumer_indices(
             }
         }
         if f.tvs[tv].logical.iter().all(|l| idx.contains_key(l)) {
+            // Where every loop runs tv's own extent (no broadcast concretized), the ids
+            // between logical and loop take their indices from the loops too: rebuilt from
+            // logical indices instead, a merge with a broadcast outer wraps its inner index
+            // (`% extent`), and the bound of an overrunning thread would be lost.
+            let mut from_loops: FxHashMap<IterDomainId, ValId> = FxHashMap::default();
+            let mut own = !broadcast_concretized(f, tv);
             for (a, &id) in f.tvs[tv].loop_domain.clone().iter().enumerate() {
                 let g = ctx.lg.group(tv, a);
                 if let Some(l) = stack.iter().rev().find(|l| l.group == Some(g)) {
                     idx.insert(id, l.index);
+                    from_loops.insert(id, l.index);
+                } else {
+                    own = false;
+                }
+            }
+            if own {
+                backward(f, tv, &mut from_loops);
+                let logical = f.tvs[tv].logical.clone();
+                for (id, v) in from_loops {
+                    if !logical.contains(&id) {
+                        idx.entry(id).or_insert(v);
+                    }
                 }
             }
             forward(f, tv, &mut idx);
@@ -343,8 +383,13 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
     // A Global/Shared tensor that does not use a launched thread or block dimension is
     // computed redundantly along it: only index 0 of that dimension writes.
     if f.tvs[c].memory != MemoryType::Local {
-        let own: Vec<ParallelType> =
-            (0..f.tvs[c].loop_domain.len()).map(|a| ctx.lg.groups[ctx.lg.group(c, a)].parallel).collect();
+        // A Global tensor's broadcast loop axis does not partition its elements either:
+        // the threads along it would all store the same element.
+        let global = f.tvs[c].memory == MemoryType::Global;
+        let own: Vec<ParallelType> = (0..f.tvs[c].loop_domain.len())
+            .filter(|&a| !(global && f.ids[f.tvs[c].loop_domain[a]].iter_type == IterType::Broadcast))
+            .map(|a| ctx.lg.groups[ctx.lg.group(c, a)].parallel)
+            .collect();
         let zero = f.scalars.int(0);
         for &p in &ctx.used {
             if !own.contains(&p) {
@@ -418,8 +463,11 @@ fn index_init(f: &mut Fusion, ctx: &mut Ctx, tv: TvId, stack: &[Enclosing]) -> R
     // dimension the tensor is not indexed by (its reduced dimensions included), so no
     // block can re-initialize an output another block already reduced into.
     if f.tvs[tv].memory != MemoryType::Local {
+        // Broadcast axes of a Global tensor partition nothing either (as in index_expr).
+        let global = f.tvs[tv].memory == MemoryType::Global;
         let own: Vec<ParallelType> = (0..ld.len())
             .filter(|&a| f.ids[ld[a]].iter_type != IterType::Reduction)
+            .filter(|&a| !(global && f.ids[ld[a]].iter_type == IterType::Broadcast))
             .map(|a| ctx.lg.groups[ctx.lg.group(tv, a)].parallel)
             .collect();
         for &p in &ctx.used {

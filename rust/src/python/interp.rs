@@ -38,9 +38,12 @@ fn read_array<T: Element + Copy + Default>(
     Ok(HostTensor { data: wrap(data), shape, strides: strides.iter().map(|&s| s as i64).collect() })
 }
 
-fn to_value(py: Python<'_>, i: usize, x: &Bound<'_, PyAny>) -> PyResult<HostValue> {
+fn to_value(py: Python<'_>, i: usize, x: &Bound<'_, PyAny>, bf16_bits: bool) -> PyResult<HostValue> {
     if x.downcast::<PyUntypedArray>().is_ok() {
         let name: String = x.getattr("dtype")?.getattr("name")?.extract()?;
+        // Without ml_dtypes a bfloat16 result comes back as its uint16 bits; the next kernel
+        // of a host program reads it so.
+        let name = if bf16_bits && name == "uint16" { "bfloat16".to_string() } else { name };
         let t = match name.as_str() {
             "float32" => read_array::<f32>(x, Data::F32)?,
             "float64" => read_array::<f64>(x, Data::F64)?,
@@ -122,9 +125,13 @@ fn to_numpy(py: Python<'_>, t: HostTensor) -> PyResult<PyObject> {
 /// inputs) in fusion-input order; returns the outputs as NumPy arrays.
 #[pyfunction]
 fn execute_cpu(py: Python<'_>, kernel: &PyKernel, inputs: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<PyObject>> {
+    let f = &kernel.inner.fusion;
+    let tensor_dtypes: Vec<crate::ir::DataType> =
+        f.inputs.iter().filter_map(|o| o.tensor()).map(|t| f.tvs[t].dtype).collect();
     let mut vals = Vec::with_capacity(inputs.len());
     for (i, x) in inputs.iter().enumerate() {
-        vals.push(to_value(py, i, x)?);
+        let bf16_bits = tensor_dtypes.get(i) == Some(&crate::ir::DataType::BFloat16);
+        vals.push(to_value(py, i, x, bf16_bits)?);
     }
     let outs = guarded(py, || execute(&kernel.inner, vals))?;
     outs.into_iter().map(|t| to_numpy(py, t)).collect()

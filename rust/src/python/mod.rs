@@ -467,13 +467,16 @@ impl PyFusion {
     /// tensor input starts at a 16-byte aligned address.
     /// `device`: (SM count, max threads per block, Shared bytes per block, registers per
     /// block, compute capability) of the target; None for the default (H100/H200 class).
-    #[pyo3(signature = (sizes, aligned_bases = false, device = None))]
+    /// `scalars`: values of the integer scalar inputs that shapes read (see
+    /// `shape_scalars`), None for the others.
+    #[pyo3(signature = (sizes, aligned_bases = false, device = None, scalars = Vec::new()))]
     fn auto_program(
         &self,
         py: Python<'_>,
         sizes: Vec<Vec<i64>>,
         aligned_bases: bool,
         device: Option<(i64, i64, i64, i64, i64)>,
+        scalars: Vec<Option<i64>>,
     ) -> PyResult<(PyHostProgram, &'static str, Vec<i64>)> {
         guarded(py, || {
             let device = match device {
@@ -488,9 +491,14 @@ impl PyFusion {
                 }
                 None => crate::sched::auto::DeviceProps::default(),
             };
-            let (p, h) = crate::host::segmenter::auto_program(&self.inner, &sizes, aligned_bases, device)?;
+            let (p, h) = crate::host::segmenter::auto_program(&self.inner, &sizes, &scalars, aligned_bases, device)?;
             Ok((PyHostProgram { inner: p, cache: crate::host::plan::PlanCache::default() }, h.kind, h.params))
         })
+    }
+
+    /// Positions of the runtime scalar inputs that some tensor shape reads.
+    fn shape_scalars(&self) -> Vec<u32> {
+        crate::sched::auto::shape_scalars(&self.inner)
     }
 
     /// Lower the fusion to one kernel.

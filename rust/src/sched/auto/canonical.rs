@@ -109,3 +109,36 @@ pub fn self_mapping(f: &Fusion) -> Option<(TvId, usize, usize)> {
     }
     None
 }
+
+/// Give every output that other threads of the kernel read back a register copy that
+/// they read instead (`cache_before`, then the readers moved to the cache). One thread
+/// stores each element of an output; a reader in another thread would race with that
+/// store: a reduction's result (stored once per row, read by the whole row's block) or
+/// anything read through a broadcast (a row max that is both an output and the
+/// softmax's shift). Element-wise readers run in the thread that stored the element.
+pub fn reread_outputs(f: &mut Fusion) -> Result<()> {
+    for o in f.outputs.clone() {
+        let readers: Vec<_> = f.tvs[o].uses.clone();
+        if readers.is_empty() || f.tvs[o].definition.is_none() {
+            continue;
+        }
+        let reduced = f.tvs[o].logical.iter().any(|&id| f.ids[id].iter_type == IterType::Reduction);
+        let broadcast = readers.iter().any(|&u| matches!(f.exprs[u].op, Op::Broadcast { .. }));
+        if !reduced && !broadcast {
+            continue;
+        }
+        let c = f.cache_before(o)?;
+        for u in readers {
+            for op in f.exprs[u].inputs.iter_mut() {
+                if *op == Operand::Tensor(o) {
+                    *op = Operand::Tensor(c);
+                }
+            }
+            f.tvs[o].uses.retain(|&x| x != u);
+            if !f.tvs[c].uses.contains(&u) {
+                f.tvs[c].uses.push(u);
+            }
+        }
+    }
+    Ok(())
+}

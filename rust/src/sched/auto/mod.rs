@@ -71,20 +71,44 @@ pub fn extent_values(f: &Fusion, inputs: &[Vec<i64>]) -> Result<Vec<i64>> {
     Ok(out)
 }
 
-/// Concrete sizes of every logical axis of `tv`, from the extent values.
-pub fn tensor_sizes(f: &Fusion, extents: &[i64], tv: TvId) -> Result<Vec<i64>> {
-    let env = |s: crate::ir::Symbol| match s {
-        crate::ir::Symbol::Extent(n) => extents.get(n as usize).copied(),
+/// Concrete sizes of every logical axis of `tv` for the inputs at hand.
+pub fn tensor_sizes(f: &Fusion, cx: &Ctx, tv: TvId) -> Result<Vec<i64>> {
+    let env = |s: Symbol| match s {
+        Symbol::Extent(n) => cx.extents.get(n as usize).copied(),
+        Symbol::ScalarInput(n) => cx.scalars.get(n as usize).copied().flatten(),
         _ => None,
     };
     f.tvs[tv].logical.iter().map(|&id| f.scalars.eval(f.ids[id].extent, &env)).collect()
+}
+
+/// The runtime scalar inputs `s{n}` that some tensor's shape reads (a `full` of a runtime
+/// size): plans depend on their values.
+pub fn shape_scalars(f: &Fusion) -> Vec<u32> {
+    let seen = std::cell::RefCell::new(Vec::new());
+    let env = |s: Symbol| match s {
+        Symbol::ScalarInput(n) => {
+            if !seen.borrow().contains(&n) {
+                seen.borrow_mut().push(n);
+            }
+            Some(1)
+        }
+        _ => Some(1),
+    };
+    for t in f.tvs.values() {
+        for &id in &t.logical {
+            let _ = f.scalars.eval(f.ids[id].extent, &env);
+        }
+    }
+    let mut v = seen.into_inner();
+    v.sort_unstable();
+    v
 }
 
 /// Schedule `f` in place for inputs of the given sizes on the default target: the first
 /// scheduler of the registry that covers the whole fusion, else an error listing the
 /// refusals.
 pub fn schedule(f: &mut Fusion, inputs: &[Vec<i64>]) -> Result<Heuristic> {
-    let cx = Ctx { extents: extent_values(f, inputs)?, device: DeviceProps::default() };
+    let cx = Ctx { extents: extent_values(f, inputs)?, scalars: Vec::new(), device: DeviceProps::default() };
     match registry::schedule_fusion(f, &cx)? {
         Ok(h) => Ok(h),
         Err(refusals) => Err(refused(&refusals)),

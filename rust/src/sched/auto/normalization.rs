@@ -61,7 +61,6 @@ pub fn is_normalization(f: &Fusion, reductions: &[ExprId]) -> bool {
 
 /// Schedule a normalization over the trailing axes.
 pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuristic> {
-    let extents = &cx.extents[..];
     let r0 = f.exprs[reductions[0]].output;
     let logical = f.tvs[r0].logical.clone();
     let n = logical.len();
@@ -82,7 +81,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
             );
         }
     }
-    let sizes = tensor_sizes(f, extents, r0)?;
+    let sizes = tensor_sizes(f, cx, r0)?;
     let row: i64 = sizes[n - k..].iter().product();
     let widest = f.tvs.values().map(|t| t.dtype.size_bytes()).max().unwrap_or(4) as i64;
     let v = if row % (16 / widest) == 0 { 16 / widest } else { 1 };
@@ -170,6 +169,20 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
             -1
         };
         f.inline_at(t, pos)?;
+    }
+    // Registers: every tensor kept across a reduction holds `p * v` values (in float) per
+    // thread, on top of roughly 32 for indices and the reductions. A block needing more
+    // than the device's registers per block fails to launch, so such rows are refused
+    // (the segmenter then streams them through separate kernels).
+    let kept = tensors.iter().filter(|&&t| f.tvs[t].inline_pos == 2).count() as i64;
+    let threads = (row / v + p - 1) / p;
+    let regs = kept.max(1) * p * v + 32;
+    if regs > 255 || threads * regs > cx.device.registers_per_block {
+        bail!(
+            "{}: {kept} row tensors of {row} elements kept in registers need about {regs} registers per thread for {threads} threads, more than the {} of a block",
+            f.tv_name(r0),
+            cx.device.registers_per_block
+        );
     }
     Ok(Heuristic { kind: "normalization", params: vec![v, p] })
 }

@@ -47,20 +47,55 @@ pub fn kept_last_permute(f: &Fusion) -> Option<(ExprId, Vec<usize>)> {
             found = Some((e, perm.clone()));
         }
     }
-    found.filter(|(_, p)| p.last().is_some_and(|&a| a + 1 == p.len()))
+    // Size-one (broadcast) axes hold no data: only the order of the others matters, so
+    // `[N, 1] -> [1, N]` is a copy too.
+    let (e, perm) = found?;
+    let x = f.exprs[e].inputs[0].tensor()?;
+    let l = f.no_reduction_logical(x);
+    let data = |a: &usize| f.ids[l[*a]].iter_type != IterType::Broadcast;
+    let last_in = (0..l.len()).rev().find(data);
+    let last_out = perm.iter().rev().find(|a| data(a)).copied();
+    (last_in == last_out).then_some((e, perm))
 }
 
 /// Schedule a fusion without reductions, and without permutes other than one that keeps
 /// the last axis (`kept_last_permute`).
 pub fn schedule(f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
+    schedule_with(f, cx, false)
+}
+
+/// The only permute of `f`, whatever axes it moves.
+pub fn single_permute(f: &Fusion) -> Option<(ExprId, Vec<usize>)> {
+    let mut found = None;
+    for e in f.topo_exprs() {
+        if let Op::Permute { perm } = &f.exprs[e].op {
+            if found.is_some() {
+                return None;
+            }
+            found = Some((e, perm.clone()));
+        }
+    }
+    found
+}
+
+/// Schedule a fusion with one permute that moves the last axis as an element-wise copy in
+/// the output's order, without vectors: the reads are strided. The fallback for permutes
+/// the tiled transpose does not take (its tiles would span a size-one axis).
+pub fn schedule_strided_permute(f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
+    let mut h = schedule_with(f, cx, true)?;
+    h.kind = "strided_permute";
+    Ok(h)
+}
+
+fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristic> {
     let extents = &cx.extents[..];
     let out = f.outputs[0];
     let rank = f.no_reduction_logical(out).len();
-    let sizes = tensor_sizes(f, extents, out)?;
+    let sizes = tensor_sizes(f, cx, out)?;
     // One iteration space for every tensor: the outputs share a shape, and every computed
     // tensor has their rank (an index computed for a gather runs in a kernel of its own).
     for &o in &f.outputs {
-        let s = tensor_sizes(f, extents, o)?;
+        let s = tensor_sizes(f, cx, o)?;
         if s != sizes {
             bail!(
                 "outputs {} {:?} and {} {:?} differ in shape; a pointwise kernel writes one shape",
@@ -88,7 +123,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
         return Ok(Heuristic { kind: "pointwise", params: vec![0] });
     }
     let numel: i64 = sizes.iter().product();
-    let permute = kept_last_permute(f);
+    let permute = if any_permute { single_permute(f) } else { kept_last_permute(f) };
     // The vector width: 16 bytes of the widest tensor that is accessed with vectors
     // (an int64 index tensor read once per row does not narrow it).
     let vectorized = |f: &Fusion, x: TvId| {
@@ -111,7 +146,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
     let mut v = (16 / widest).clamp(1, 8);
     // Across a permute the flat order is not the memory order of the tensors before it: a
     // vector must stay within one row of the kept last axis.
-    if permute.is_some() && sizes.last().is_some_and(|&h| h % v != 0) {
+    if any_permute || (permute.is_some() && sizes.last().is_some_and(|&h| h % v != 0)) {
         v = 1;
     }
     let threads = 128;
@@ -194,7 +229,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
             }
         }
     }
-    if let Some((rows, cols)) = two_d_extents(f, extents, out, rank, &tensors)? {
+    if let Some((rows, cols)) = two_d_extents(f, cx, out, rank, &tensors)? {
         let t2 = (((cols + v - 1) / v + 31) / 32 * 32).clamp(32, 128);
         // Two rows per thread at most (bias + GELU, 16384x4096 fp32 on the H200: 129.6 us
         // with two, 132.3 with four, 134.2 with eight).
@@ -268,7 +303,7 @@ const MAX_GRID_Y: i64 = 65535;
 
 /// `(rows, cols)` of the 2-D iteration space when some tensor is broadcast, the output has
 /// at least two axes and a row is wide enough to fill a warp with vectors; else None.
-fn two_d_extents(f: &Fusion, extents: &[i64], out: TvId, rank: usize, tensors: &[TvId]) -> Result<Option<(i64, i64)>> {
+fn two_d_extents(f: &Fusion, cx: &Ctx, out: TvId, rank: usize, tensors: &[TvId]) -> Result<Option<(i64, i64)>> {
     if rank < 2 {
         return Ok(None);
     }
@@ -279,7 +314,7 @@ fn two_d_extents(f: &Fusion, extents: &[i64], out: TvId, rank: usize, tensors: &
     if !broadcast {
         return Ok(None);
     }
-    let sizes = tensor_sizes(f, extents, out)?;
+    let sizes = tensor_sizes(f, cx, out)?;
     let cols = *sizes.last().unwrap_or(&1);
     let rows: i64 = sizes[..sizes.len() - 1].iter().product();
     Ok((cols >= 64 && rows >= 2).then_some((rows, cols)))

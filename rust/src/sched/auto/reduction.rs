@@ -45,12 +45,11 @@ fn by_dependence(f: &Fusion, r: TvId) -> (Vec<TvId>, Vec<TvId>) {
 
 /// Schedule a fusion whose only reduction is expr `red`.
 pub fn schedule(f: &mut Fusion, cx: &Ctx, red: ExprId) -> Result<Heuristic> {
-    let extents = &cx.extents[..];
     let r = f.exprs[red].output;
     let logical = f.tvs[r].logical.clone();
     let n = logical.len();
     let mut is_red: Vec<bool> = logical.iter().map(|&id| f.ids[id].iter_type == IterType::Reduction).collect();
-    let mut sizes = tensor_sizes(f, extents, r)?;
+    let mut sizes = tensor_sizes(f, cx, r)?;
     let k = is_red.iter().filter(|&&b| b).count();
     // Reduced axes between kept ones ([B, R, I] summed over R): permute the loop domains so
     // that they are trailing when the last axis is reduced (an inner reduction, vectors

@@ -47,6 +47,9 @@ impl Default for DeviceProps {
 pub struct Ctx {
     /// Values of the symbolic extents `i{n}` for the inputs at hand.
     pub extents: Vec<i64>,
+    /// Values of the runtime scalar inputs `s{n}` that shapes read (a `full` of a runtime
+    /// size); None where not given.
+    pub scalars: Vec<Option<i64>>,
     pub device: DeviceProps,
 }
 
@@ -173,24 +176,61 @@ impl Scheduler for Transpose {
     }
 }
 
+struct StridedPermute;
+
+impl Scheduler for StridedPermute {
+    fn name(&self) -> &'static str {
+        "strided_permute"
+    }
+    fn accepts(&self, f: &Fusion, _: &Ctx) -> std::result::Result<(), String> {
+        let s = shape(f);
+        if !s.reductions.is_empty() {
+            return Err("the fusion has a reduction".into());
+        }
+        if s.permutes != 1 {
+            return Err(format!("{} permutes (one is covered)", s.permutes));
+        }
+        // Like the tiled transpose, it reads a fusion input: ops before the permute get a
+        // kernel of their own rather than strided reads of a large computed tensor.
+        let (e, _) = pointwise::single_permute(f).ok_or("no permute")?;
+        if !f.exprs[e].inputs[0].tensor().is_some_and(|x| f.is_input(x)) {
+            return Err("the permute reads a computed tensor".into());
+        }
+        Ok(())
+    }
+    fn schedule(&self, f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
+        pointwise::schedule_strided_permute(f, cx)
+    }
+}
+
 /// Every automatic scheduler, in the order they are asked.
-pub static REGISTRY: [&dyn Scheduler; 4] = [&Pointwise, &Normalization, &Reduction, &Transpose];
+pub static REGISTRY: [&dyn Scheduler; 5] = [&Pointwise, &Normalization, &Reduction, &Transpose, &StridedPermute];
 
 /// Index of the scheduler that produced heuristic kind `kind` (for plan keys).
 pub fn kind_index(kind: &str) -> i64 {
-    const KINDS: [&str; 6] =
-        ["pointwise", "inner_reduction", "outer_reduction", "full_reduction", "normalization", "transpose"];
+    const KINDS: [&str; 7] = [
+        "pointwise",
+        "inner_reduction",
+        "outer_reduction",
+        "full_reduction",
+        "normalization",
+        "transpose",
+        "strided_permute",
+    ];
     KINDS.iter().position(|&k| k == kind).unwrap_or(KINDS.len()) as i64
 }
 
 /// Schedule the unscheduled fusion `f` in place with the first scheduler that accepts it
 /// and places it; `Ok(Err(refusals))` when none does (one refusal per scheduler).
-pub fn schedule_fusion(f: &mut Fusion, cx: &Ctx) -> Result<std::result::Result<Heuristic, Vec<Refusal>>> {
-    if f.manually_scheduled {
+pub fn schedule_fusion(out: &mut Fusion, cx: &Ctx) -> Result<std::result::Result<Heuristic, Vec<Refusal>>> {
+    if out.manually_scheduled {
         crate::bail!(
             "the fusion is already scheduled by hand; automatic scheduling only applies to unscheduled fusions"
         );
     }
+    let mut base = out.clone();
+    super::canonical::reread_outputs(&mut base)?;
+    let f = &mut base;
     if let Some((t, i, j)) = super::canonical::self_mapping(f) {
         let reason = format!(
             "{}: axes {i} and {j} map to each other (one tensor is broadcast into both); no loop nest computes it once for both",
@@ -212,7 +252,7 @@ pub fn schedule_fusion(f: &mut Fusion, cx: &Ctx) -> Result<std::result::Result<H
             Ok(mut h) => {
                 super::settle_inlining(&mut g);
                 h.params.extend(specialized);
-                *f = g;
+                *out = g;
                 return Ok(Ok(h));
             }
             Err(e) if e.kind == ErrorKind::Internal => return Err(e),

@@ -6,7 +6,7 @@
 
 use crate::bail;
 use crate::error::Result;
-use crate::ir::{Fusion, MemoryType, Op, ParallelType, TvId};
+use crate::ir::{Fusion, IterType, MemoryType, Op, ParallelType, TvId};
 use crate::sched::auto::{tensor_sizes, Ctx, Heuristic};
 
 /// A tensor of the transpose, its reorder within the 2-D tile frame, and the axis order
@@ -20,7 +20,6 @@ const MAX_GRID_Z: i64 = 65535;
 /// last axis and the output's last axis, batched over the other axes (merged into one loop
 /// on BIDz).
 pub fn schedule(f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
-    let extents = &cx.extents[..];
     let order = f.topo_exprs();
     let Some(&e) = order.iter().find(|&&e| matches!(f.exprs[e].op, Op::Permute { .. })) else {
         bail!("the transpose schedule needs a permute");
@@ -49,6 +48,11 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
     if n < 2 || perm[n - 1] == n - 1 {
         bail!("{}: not a transpose (the last axis stays in place): {perm:?}", f.tv_name(out));
     }
+    // A tile spanning a size-one axis would have its threads write one element each.
+    let xl = f.no_reduction_logical(x);
+    if f.ids[xl[n - 1]].iter_type == IterType::Broadcast || f.ids[xl[perm[n - 1]]].iter_type == IterType::Broadcast {
+        bail!("{}: a tile would span a size-one axis of {}", f.tv_name(out), f.tv_name(x));
+    }
     // The two axes the tiles span: x's last axis (`a`, at output position `qa`) and the
     // output's last axis (x's axis `perm[n - 1]`). Every other axis is a batch axis, taken in
     // the output's order on both sides so that the merged batch loops match.
@@ -58,7 +62,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
     let canon_x: Vec<usize> = batch_pos.iter().map(|&q| perm[q]).chain([perm[n - 1], n - 1]).collect();
     // Batch axes: merged into one loop on BIDz.
     let o = usize::from(n > 2);
-    let sizes = tensor_sizes(f, extents, out)?;
+    let sizes = tensor_sizes(f, cx, out)?;
     let batch: i64 = batch_pos.iter().map(|&q| sizes[q]).product();
     // Tiles along x's last axis run on BIDy, whose grid dimension is limited too.
     let tiles_y = (sizes[qa] + 63) / 64;

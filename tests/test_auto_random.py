@@ -1,0 +1,1093 @@
+"""Property test of the AUTOMATIC schedule path: random unscheduled fusions over every public
+op run through ``fd.execute`` (automatic schedulers + segmenter, then the host program in the
+CPU interpreter, which checks every memory access) and must equal a float64 NumPy reference.
+
+Each example is classified as one of
+  ok        the outputs equal the reference (shape, dtype and values within tolerance)
+  mismatch  an output's shape, dtype or values differ from the reference
+  internal  ``KilnInternalError`` or any exception that is not a ``KilnError`` (a kiln bug)
+  memfault  the interpreter found an out-of-bounds access, a Shared race, an uninitialized
+            read, an output element never written, ... (a wrong schedule)
+  refused   a ``KilnError`` while defining, lowering or running: the fusion is not covered
+and the run of N examples (env ``KILN_AUTO_EXAMPLES``, default 300) must have no mismatch,
+internal error or memory fault, and at most 2% refusals, each naming a tensor or an op.
+
+The generator builds each fusion as Python source lines (executed one by one), so every
+example has a runnable repro (``repro(case, outcome)``); ``tests/explore_auto.py`` draws fresh
+examples with plain ``random`` and prints a report of the failures.
+
+Tolerances are error bounds propagated op by op: every value carries a bound of its absolute
+error (0 for inputs; each op adds its dtype's unit roundoff times |result|, more for
+transcendental functions, and propagates its operands' bounds through its derivative;
+reductions add ``u * sqrt(n)``-scaled terms of the sum of |terms|; a comparison whose operands
+are within their error bounds of each other is ambiguous, so both branches of a ``where`` are
+accepted there). The check is ``|got - ref| <= 4 * bound + 4 * u_out * |ref|``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import random
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import kiln
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from kiln import DataType, FusionDefinition, KilnError
+
+KilnInternalError: Any = getattr(kiln, "KilnInternalError", None) or getattr(
+    getattr(kiln, "_errors", None), "KilnInternalError", RuntimeError)
+
+N_EXAMPLES = int(os.environ.get("KILN_AUTO_EXAMPLES", "300"))
+MAX_REFUSED_FRACTION = 0.02
+SIZES = [1, 1, 2, 3, 4, 5, 7, 8, 13, 16, 31, 32, 64, 97, 127, 128, 131, 255, 256, 300, 509, 1031, 2048, 4093]
+MAX_ELEMENTS = 4096
+INDEX_LENGTHS = [1, 2, 3, 5, 7, 16, 31]
+CONSTS = [0.5, 2.0, -1.25, 3.0, 1.0, -0.75]
+SCALAR_VALUES = {"Double": [0.75, -1.5, 0.3, 2.0], "Float": [0.25, -2.0, 1.5], "Int": [2, -3, 1]}
+UNARY = ["abs", "neg", "sin", "cos", "tanh", "sigmoid", "relu", "exp_tanh", "exp_negabs", "log1p_abs",
+         "sqrt_abs", "rsqrt_1p_abs", "reciprocal_1p_abs"]
+BINARY = ["add", "sub", "mul", "maximum", "minimum", "div_1p_abs", "pow_1p_abs", "pow2"]
+COMPARE = ["gt", "gt", "ge", "lt", "lt", "le", "eq", "ne"]
+REDUCE = ["sum", "max", "min"]
+OP_KINDS = (["unary"] * 4 + ["binary"] * 5 + ["where"] * 2 + ["cast"] * 2 + ["cast_bool"]
+            + ["reduce"] * 4 + ["bcast"] * 2 + ["permute"] * 2 + ["index_select"] * 2 + ["idx_math"]
+            + ["full"] + ["output"] * 2)
+CATEGORIES = ["ok", "mismatch", "internal", "memfault", "refused"]
+
+_U = {DataType.Float: 2.0 ** -24, DataType.Double: 2.0 ** -53, DataType.Half: 2.0 ** -11,
+      DataType.BFloat16: 2.0 ** -8}
+# ops whose result is exactly representable (no rounding)
+_EXACT = {"abs", "neg", "relu", "where", "permute", "broadcast_in_dim", "index_select", "maximum", "minimum",
+          "max", "min"}
+_NP = {DataType.Float: np.float32, DataType.Double: np.float64, DataType.Half: np.float16,
+       DataType.Int: np.int64, DataType.Int32: np.int32, DataType.Bool: np.bool_}
+_MEMFAULT = re.compile(
+    r"out-of-bounds|out of bounds|memory race|\brace\b|uninitiali[sz]ed|never written|divergent barrier|"
+    r"semaphore not zeroed|overflows or divides by zero|but its Allocate needs|has a bad size|"
+    r"accessed before its Allocate", re.I)
+_INTERNAL = re.compile(r"internal compiler error|\bpanic", re.I)
+_NAMES_SOMETHING = re.compile(
+    r"\bT\d+\b|\b(abs|neg|exp|log|sqrt|rsqrt|reciprocal|sin|cos|tanh|sigmoid|relu|add|sub|mul|div|pow|"
+    r"maximum|minimum|eq|ne|lt|le|gt|ge|where|cast|sum|max|min|reduction|broadcast|broadcast_in_dim|"
+    r"permute|transpose|index_select|gather|full)\b", re.I)
+
+
+# -- drawing ---------------------------------------------------------------------------------
+class RandomDraw:
+    """The generator's draws, from a ``random.Random``. Hypothesis supplies the seed (so the CI
+    examples are fixed by the derandomized profile); drawing the structure through hypothesis'
+    own strategies skews it to its minimal examples (a third had a single op) and costs the
+    spread of op kinds, ranks and sizes the generator is written for."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+
+    def int(self, lo: int, hi: int) -> int:
+        return self.rng.randint(lo, hi)
+
+    def choice(self, seq: Sequence[Any]) -> Any:
+        return seq[self.rng.randrange(len(seq))]
+
+    def bool(self, p: float = 0.5) -> bool:
+        return self.rng.random() < p
+
+
+# -- a case: plain data, so it prints and reproduces ---------------------------------------
+@dataclass
+class Case:
+    sizes: List[int]
+    seed: int
+    static: bool = False
+    fulls: List[Tuple[str, str]] = field(default_factory=list)  # (dtype, layout)
+    biases: List[Tuple[Tuple[int, ...], str, str]] = field(default_factory=list)  # (axes, form, dtype)
+    indices: List[Tuple[int, int, int, str]] = field(default_factory=list)  # (axis, length, offset, dtype)
+    scalars: List[Tuple[str, Any]] = field(default_factory=list)  # (dtype, value)
+    size_scalar: Optional[int] = None  # an Int runtime scalar = sizes[axis], used by full
+    ops: List[tuple] = field(default_factory=list)
+
+
+def gen_case(d: RandomDraw) -> Case:
+    r = d.int(1, 4)
+    sizes = [d.choice(SIZES) for _ in range(r)]
+    while int(np.prod(sizes)) > MAX_ELEMENTS:
+        i = int(np.argmax(sizes))
+        sizes[i] = max(1, sizes[i] // 3)
+    c = Case(sizes=sizes, seed=d.int(0, 2 ** 16), static=d.bool(0.12))
+    for _ in range(d.int(1, 3)):
+        dt = d.choice(["Float"] * 6 + ["Half"] * 2 + ["Double"])
+        layout = d.choice(["contig"] * 10 + ["transposed", "strided"]) if r > 1 else \
+            d.choice(["contig"] * 10 + ["strided"])
+        c.fulls.append((dt, layout))
+    for _ in range(d.choice([0, 0, 1, 1, 2])):
+        axes = tuple(a for a in range(r) if d.bool(0.5))
+        c.biases.append((axes, d.choice(["low", "low", "ones"]), d.choice(["Float"] * 4 + ["Half"])))
+    for _ in range(d.choice([0, 0, 1, 1, 2])):
+        axis = d.int(0, r - 1)
+        offset = min(d.choice([0, 0, 1, 2]), sizes[axis] - 1)
+        c.indices.append((axis, d.choice(INDEX_LENGTHS), offset, d.choice(["Int", "Int32"])))
+    for _ in range(d.choice([0, 0, 1, 2])):
+        dt = d.choice(["Double", "Double", "Float", "Int"])
+        c.scalars.append((dt, d.choice(SCALAR_VALUES[dt])))
+    if d.bool(0.1):
+        c.size_scalar = d.int(0, r - 1)
+    for _ in range(d.int(1, 10)):
+        kind = d.choice(OP_KINDS)
+        a, b = d.int(0, 999), d.int(0, 999)
+        if kind == "unary":
+            op = (kind, d.choice(UNARY), a)
+        elif kind == "binary":
+            op = (kind, d.choice(BINARY), a, b, d.choice(["tt", "tt", "tt", "tc", "ct", "ts", "st"]))
+        elif kind == "where":
+            op = (kind, d.choice(COMPARE), a, b, d.choice(["ab", "half_a", "a_const", "const_b"]))
+        elif kind == "cast":
+            op = (kind, d.choice(["Half", "Half", "BFloat16", "Double", "Float"]), a, d.bool(0.3))
+        elif kind == "cast_bool":
+            op = (kind, d.choice(COMPARE), a, b)
+        elif kind == "reduce":
+            op = (kind, d.choice(REDUCE), a, d.int(1, 15), d.bool(0.5),
+                  d.choice(["none", "bid", "combine", "combine"]), d.choice(["sub", "add", "mul"]))
+        elif kind == "bcast":
+            op = (kind, a, b, d.choice(["align", "align", "align", "random"]), d.int(0, 999), d.bool(0.6))
+        elif kind == "permute":
+            op = (kind, a, d.int(0, 23))
+        elif kind == "index_select":
+            op = (kind, a, b, d.int(0, 3))
+        elif kind == "idx_math":
+            op = (kind, a, d.choice(["cast", "add", "sub", "float_trip", "to_float"]))
+        elif kind == "full":
+            op = (kind, a, d.choice(["const", "scalar"]), d.choice(["Float", "Float", "Double"]),
+                  d.bool(0.7))
+        else:
+            op = ("output", a)
+        c.ops.append(op)
+    return c
+
+
+def cases() -> Any:
+    """Hypothesis strategy of cases: a seed, expanded by ``gen_case``."""
+    return st.integers(0, 2 ** 63 - 1).map(lambda seed: gen_case(RandomDraw(random.Random(seed))))
+
+
+# -- building: emit source lines, execute them, track reference and error bound ---------------
+@dataclass
+class Val:
+    name: str
+    kind: str  # "f" float, "b" bool, "i" integer
+    # per axis: a base axis (int), "L<j>" (index j's length), "b" (broadcast) or "one" (extent 1)
+    labels: Tuple[Any, ...]
+    ref: np.ndarray
+    err: np.ndarray  # absolute error bound ("f"), ambiguity mask ("b"), zeros ("i")
+    dtype: DataType
+    is_input: bool = False
+
+
+@dataclass
+class Program:
+    case: Case
+    fd: FusionDefinition
+    inputs: List[Any]
+    input_code: List[str]
+    lines: List[str]
+    outputs: List[Val]
+    pool: List[Val]
+    handles: Dict[str, Any]  # name -> kiln Tensor / Scalar
+
+
+class _Builder:
+    def __init__(self, case: Case) -> None:
+        self.c = case
+        self.fd = FusionDefinition()
+        self.ns: Dict[str, Any] = {"fd": self.fd, "ops": self.fd.ops, "D": DataType}
+        self.lines: List[str] = []
+        self.pool: List[Val] = []
+        self.outputs: List[Val] = []
+        self.scalars: List[Tuple[str, Any, DataType]] = []  # (name, value, dtype)
+        self.size_scalar: Optional[str] = None
+        self.inputs: List[Any] = []
+        self.input_code: List[str] = []
+        self.n = 0
+        self.lens = {f"L{j}": idx[1] for j, idx in enumerate(case.indices)}
+
+    # helpers -------------------------------------------------------------------------------
+    def size(self, label: Any) -> int:
+        if label in ("b", "one"):  # a broadcast axis; a concrete axis of extent 1 (full)
+            return 1
+        if isinstance(label, int):
+            return self.c.sizes[label]
+        return self.lens[label]
+
+    def run(self, line: str) -> None:
+        self.lines.append(line)
+        exec(line, self.ns)
+
+    def emit(self, expr: str, kind: str, labels: Sequence[Any], ref: np.ndarray, err: np.ndarray,
+             transc: bool = False, exact: Optional[bool] = None) -> Val:
+        name = f"t{self.n}"
+        self.n += 1
+        self.run(f"{name} = {expr}")
+        dt = self.ns[name].dtype
+        ref = np.asarray(ref)
+        err = np.broadcast_to(np.asarray(err, dtype=np.float64), ref.shape).copy()
+        m = re.match(r"ops\.(\w+)\(", expr)
+        if exact is None:
+            exact = bool(m and m.group(1) in _EXACT)
+        if kind == "f" and not exact:  # the result's rounding (Half: also its subnormal spacing)
+            err = err + _U.get(dt, 0.0) * np.abs(ref) * (4.0 if transc else 1.0)
+            err = err + (2.0 ** -24 if dt == DataType.Half else 0.0)
+        v = Val(name, kind, tuple(labels), ref, err, dt)
+        return v
+
+    def add(self, v: Val) -> Val:
+        self.pool.append(v)
+        return v
+
+    def floats(self, pred: Callable[[Val], bool] = lambda v: True) -> List[Val]:
+        return [v for v in self.pool if v.kind == "f" and v.dtype in _U and pred(v)]
+
+    @staticmethod
+    def compatible(a: Val, b: Val) -> bool:
+        return len(a.labels) == len(b.labels) and all(
+            x == y or x == "b" or y == "b" for x, y in zip(a.labels, b.labels))
+
+    @staticmethod
+    def joined(a: Sequence[Any], b: Sequence[Any]) -> Tuple[Any, ...]:
+        return tuple(y if x == "b" else x for x, y in zip(a, b))
+
+    def scalar_operand(self, k: int, runtime: bool) -> Tuple[str, float]:
+        """A scalar operand: source text and value (a runtime scalar where there is one)."""
+        if runtime and self.scalars:
+            name, value, _ = self.scalars[k % len(self.scalars)]
+            return name, float(value)
+        value = CONSTS[k % len(CONSTS)]
+        return repr(value), value
+
+    # inputs ---------------------------------------------------------------------------------
+    def define_inputs(self) -> None:
+        c, r = self.c, len(self.c.sizes)
+        rng_src = f"np.random.default_rng({c.seed})"
+        self.input_code.append(f"rng = {rng_src}")
+        rng = np.random.default_rng(c.seed)
+        env = {"rng": rng, "np": np}
+
+        def make(code: str) -> Any:
+            name = f"a{len(self.inputs)}"
+            self.input_code.append(f"{name} = {code}")
+            arr = eval(code, env)
+            self.inputs.append(arr)
+            return arr
+
+        def shape_src(shape: Sequence[int], labels: Sequence[Any]) -> str:
+            dims = [str(s) if (c.static or lab == "b") else "-1" for s, lab in zip(shape, labels)]
+            return "[" + ", ".join(dims) + "]"
+
+        for dt, layout in c.fulls:
+            np_dt = {"Float": "np.float32", "Half": "np.float16", "Double": "np.float64"}[dt]
+            shape = list(c.sizes)
+            if layout == "transposed":
+                perm = list(range(r))[::-1]
+                inv = list(np.argsort(perm))
+                code = (f"rng.uniform(-1, 1, {tuple(shape[p] for p in perm)}).astype({np_dt})"
+                        f".transpose({tuple(int(i) for i in inv)})")
+            elif layout == "strided":
+                big = list(shape)
+                big[-1] *= 2
+                sl = ", ".join([":"] * (r - 1) + ["::2"])
+                code = f"rng.uniform(-1, 1, {tuple(big)}).astype({np_dt})[{sl}]"
+            else:
+                code = f"rng.uniform(-1, 1, {tuple(shape)}).astype({np_dt})"
+            arr = make(code)
+            labels = tuple(range(r))
+            name = f"t{self.n}"
+            self.n += 1
+            self.run(f"{name} = fd.define_tensor({shape_src(shape, labels)}, dtype=D.{dt})")
+            v = Val(name, "f", labels, arr.astype(np.float64), np.zeros(arr.shape), DataType(dt), True)
+            if dt == "Half":  # half inputs are computed on in float
+                v = self.emit(f"ops.cast({name}, D.Float)", "f", labels, v.ref, v.err)
+            self.add(v)
+        for axes, form, dt in c.biases:
+            np_dt = {"Float": "np.float32", "Half": "np.float16"}[dt]
+            if form == "low":
+                shape = [c.sizes[a] for a in axes]
+                labels: Tuple[Any, ...] = tuple(axes)
+                # (a static size 1 is a broadcast axis: its contiguity is None)
+                flags = ["None" if c.static and c.sizes[a] == 1 else "True" for a in axes]
+                contig = ", contiguity=[" + ", ".join(flags) + "]" if len(axes) else ""
+            else:
+                shape = [c.sizes[a] if a in axes else 1 for a in range(r)]
+                labels = tuple(a if a in axes else "b" for a in range(r))
+                contig = ""
+            if shape:
+                arr = make(f"rng.uniform(-1, 1, {tuple(shape)}).astype({np_dt})")
+            else:  # a 0-d array (uniform(size=()) gives a NumPy scalar)
+                arr = make(f"np.array(rng.uniform(-1, 1), dtype={np_dt})")
+            name = f"t{self.n}"
+            self.n += 1
+            self.run(f"{name} = fd.define_tensor({shape_src(shape, labels)}, dtype=D.{dt}{contig})")
+            v = Val(name, "f", labels, arr.astype(np.float64), np.zeros(arr.shape), DataType(dt), True)
+            if dt == "Half":
+                v = self.emit(f"ops.cast({name}, D.Float)", "f", labels, v.ref, v.err)
+            if form == "low" and len(axes) < r:  # a bias [C] broadcast onto the full shape
+                shape_b = [self.size(a) if a in axes else 1 for a in range(r)]
+                bd = list(axes)
+                v = self.emit(f"ops.broadcast_in_dim({v.name}, shape={[-1] * r}, broadcast_dims={bd})", "f",
+                              tuple(a if a in axes else "b" for a in range(r)),
+                              v.ref.reshape(shape_b), v.err.reshape(shape_b))
+            self.add(v)
+        for j, (axis, length, offset, dt) in enumerate(c.indices):
+            np_dt = {"Int": "np.int64", "Int32": "np.int32"}[dt]
+            hi = max(1, c.sizes[axis] - offset)
+            arr = make(f"rng.integers(0, {hi}, {length}).astype({np_dt})")
+            name = f"t{self.n}"
+            self.n += 1
+            self.run(f"{name} = fd.define_tensor([{length if c.static else -1}], dtype=D.{dt})")
+            self.add(Val(name, "i", (f"L{j}",), arr.astype(np.int64), np.zeros(arr.shape), DataType(dt),
+                         True))
+        for k, (dt, value) in enumerate(c.scalars):
+            name = f"s{k}"
+            self.run(f"{name} = fd.define_scalar(dtype=D.{dt})")
+            self.inputs.append(value)
+            self.input_code.append(f"a{len(self.inputs) - 1} = {value!r}")
+            self.scalars.append((name, value, DataType(dt)))
+        if c.size_scalar is not None:
+            self.size_scalar = "n0"
+            value = c.sizes[c.size_scalar]
+            self.run("n0 = fd.define_scalar(dtype=D.Int)")
+            self.inputs.append(value)
+            self.input_code.append(f"a{len(self.inputs) - 1} = {value!r}")
+
+    # ops --------------------------------------------------------------------------------------
+    def unary(self, name: str, v: Val) -> Val:
+        x, e, L = v.ref, v.err, v.labels
+        if name in ("abs", "neg", "relu"):
+            f = {"abs": np.abs, "neg": np.negative, "relu": lambda y: np.maximum(y, 0)}[name]
+            return self.emit(f"ops.{name}({v.name})", "f", L, f(x), e)
+        if name in ("sin", "cos", "tanh"):
+            return self.emit(f"ops.{name}({v.name})", "f", L, getattr(np, name)(x), e, transc=True)
+        if name == "sigmoid":
+            return self.emit(f"ops.sigmoid({v.name})", "f", L, 1 / (1 + np.exp(-x)), 0.25 * e, transc=True)
+        if name == "exp_tanh":
+            t = self.unary("tanh", v)
+            return self.emit(f"ops.exp({t.name})", "f", L, np.exp(t.ref), np.exp(t.ref) * t.err, transc=True)
+        if name == "exp_negabs":
+            a = self.emit(f"ops.neg(ops.abs({v.name}))", "f", L, -np.abs(x), e)
+            return self.emit(f"ops.exp({a.name})", "f", L, np.exp(a.ref), np.exp(a.ref) * a.err, transc=True)
+        p = self.emit(f"ops.add(ops.abs({v.name}), 1.0)", "f", L, np.abs(x) + 1, e)
+        y, ey = p.ref, p.err
+        if name == "log1p_abs":
+            return self.emit(f"ops.log({p.name})", "f", L, np.log(y), ey / y, transc=True)
+        if name == "rsqrt_1p_abs":
+            return self.emit(f"ops.rsqrt({p.name})", "f", L, 1 / np.sqrt(y), 0.5 * ey * y ** -1.5,
+                             transc=True)
+        if name == "reciprocal_1p_abs":
+            return self.emit(f"ops.reciprocal({p.name})", "f", L, 1 / y, ey / (y * y))
+        assert name == "sqrt_abs", name
+        a = self.emit(f"ops.abs({v.name})", "f", L, np.abs(x), e)
+        with np.errstate(divide="ignore"):
+            lin = np.where(a.ref > 0, a.err / (2 * np.sqrt(np.maximum(a.ref, 1e-300))), np.inf)
+        return self.emit(f"ops.sqrt({a.name})", "f", L, np.sqrt(a.ref), np.minimum(lin, np.sqrt(a.err)),
+                         transc=True)
+
+    def binary(self, name: str, a: Val, b: Optional[Val], form: str, k: int) -> Val:
+        """``a op b`` (tensor-tensor, ``form`` "tt"), or with a scalar operand: a constant
+        ("tc"/"ct") or a runtime scalar ("ts"/"st"), right ("t?") or left ("?t") of ``a``."""
+        if b is None and form == "tt":
+            form = "tc"
+        if form == "tt":
+            assert b is not None
+            x, ex, lhs = a.ref, a.err, a.name
+            y, ey, rhs = b.ref, b.err, b.name
+            L, x_t, y_t = self.joined(a.labels, b.labels), True, True
+        else:
+            src, value = self.scalar_operand(k, runtime=form in ("ts", "st"))
+            # a scalar is rounded to the tensor's dtype first (0.3 is not a float)
+            s_ref, s_err = np.float64(value), np.float64(_U.get(a.dtype, 0.0) * _rounds(value))
+            L = a.labels
+            if form in ("ct", "st"):
+                x, ex, lhs, x_t = s_ref, s_err, src, False
+                y, ey, rhs, y_t = a.ref, a.err, a.name, True
+            else:
+                x, ex, lhs, x_t = a.ref, a.err, a.name, True
+                y, ey, rhs, y_t = s_ref, s_err, src, False
+        shape = np.broadcast(np.asarray(x), np.asarray(y)).shape
+        if name in ("add", "sub", "mul", "maximum", "minimum"):
+            f = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "maximum": np.maximum,
+                 "minimum": np.minimum}[name]
+            if name in ("add", "sub"):
+                e = ex + ey
+            elif name == "mul":
+                e = np.abs(y) * ex + np.abs(x) * ey + ex * ey
+            else:
+                e = np.maximum(ex, ey)
+            return self.emit(f"ops.{name}({lhs}, {rhs})", "f", L, np.broadcast_to(f(x, y), shape), e)
+        if name == "div_1p_abs":  # x / (|y| + 1) for a tensor y, x / y for a (nonzero) scalar y
+            if not y_t:
+                if float(y) == 0.0:
+                    y, rhs = np.float64(2.0), "2.0"
+                return self.emit(f"ops.div({lhs}, {rhs})", "f", L, np.broadcast_to(x / y, shape),
+                                 ex / abs(float(y)))
+            yv = a if not x_t or b is None else b
+            den = self.unary("abs", yv)
+            den = self.emit(f"ops.add({den.name}, 1.0)", "f", den.labels, den.ref + 1, den.err)
+            q = np.broadcast_to(x / den.ref, shape)
+            return self.emit(f"ops.div({lhs}, {den.name})", "f", L, q,
+                             ex / den.ref + np.abs(x) * den.err / (den.ref * den.ref))
+        if name == "pow_1p_abs":  # (|x| + 1) ** c for a constant c; c ** tanh(y) for a scalar c
+            if not x_t:
+                c = abs(float(x)) + 1.0
+                t = self.unary("tanh", a)
+                out = c ** t.ref
+                return self.emit(f"ops.pow({c!r}, {t.name})", "f", a.labels, out, out * math.log(c) * t.err,
+                                 transc=True)
+            c = [0.5, 2.0, -1.5][k % 3]
+            base = self.unary("abs", a)
+            base = self.emit(f"ops.add({base.name}, 1.0)", "f", a.labels, base.ref + 1, base.err)
+            return self.emit(f"ops.pow({base.name}, {c!r})", "f", a.labels, base.ref ** c,
+                             abs(c) * base.ref ** (c - 1) * base.err, transc=True)
+        assert name == "pow2", name
+        return self.emit(f"ops.pow({a.name}, 2.0)", "f", a.labels, a.ref * a.ref, 2 * np.abs(a.ref) * a.err
+                         + a.err * a.err, transc=True)
+
+    def compare(self, cmp: str, a: Val, b: Optional[Val], k: int) -> Val:
+        x, ex = a.ref, a.err
+        if b is not None:
+            y, ey, rhs, L = b.ref, b.err, b.name, self.joined(a.labels, b.labels)
+        else:
+            src, value = self.scalar_operand(k, runtime=k % 2 == 1)
+            y, ey, rhs, L = np.float64(value), _U.get(a.dtype, 0.0) * _rounds(value), src, a.labels
+        f = {"gt": np.greater, "ge": np.greater_equal, "lt": np.less, "le": np.less_equal,
+             "eq": np.equal, "ne": np.not_equal}[cmp]
+        ref = f(x, y)
+        amb = (np.abs(x - y) <= 2 * (ex + ey) + 1e-300) & ((ex + ey) > 0)
+        shape = ref.shape
+        amb = np.broadcast_to(amb, shape).astype(float)
+        return self.emit(f"ops.{cmp}({a.name}, {rhs})", "b", L, ref, amb)
+
+    def where(self, c: Val, a_src: str, a_ref: Any, a_err: Any, b_src: str, b_ref: Any, b_err: Any,
+              labels: Sequence[Any]) -> Val:
+        shape = np.broadcast(c.ref, np.asarray(a_ref), np.asarray(b_ref)).shape
+        ref = np.where(c.ref, a_ref, b_ref)
+        err = np.where(c.ref, a_err, b_err)
+        amb = np.broadcast_to(c.err > 0, shape)
+        err = np.where(amb, np.maximum(a_err, b_err) + np.abs(np.asarray(a_ref) - np.asarray(b_ref)), err)
+        scalar_branch = not (np.ndim(a_ref) and np.ndim(b_ref))  # rounded to the result's dtype
+        return self.emit(f"ops.where({c.name}, {a_src}, {b_src})", "f", labels, np.broadcast_to(ref, shape),
+                         err, exact=not scalar_branch)
+
+    def reduce(self, name: str, v: Val, dims: List[int], keepdim: bool) -> Val:
+        f = {"sum": np.sum, "max": np.max, "min": np.min}[name]
+        ax = tuple(dims)
+        ref = f(v.ref, axis=ax, keepdims=keepdim)
+        n = int(np.prod([v.ref.shape[d] for d in dims])) if dims else 1
+        if name == "sum":
+            u = _U.get(v.dtype, 2.0 ** -24)
+            gamma = u * (8 * math.sqrt(n) + 2 * math.log2(max(n, 2)))
+            err = np.sum(v.err, axis=ax, keepdims=keepdim) + gamma * np.sum(np.abs(v.ref), axis=ax,
+                                                                            keepdims=keepdim)
+        else:
+            err = np.max(v.err, axis=ax, keepdims=keepdim)
+        labels = tuple(("b" if keepdim else None) if i in dims else lab for i, lab in enumerate(v.labels))
+        labels = tuple(lab for lab in labels if lab is not None)
+        return self.emit(f"ops.{name}({v.name}, dims={dims}, keepdim={keepdim})", "f", labels, ref, err)
+
+    def broadcast(self, v: Val, rank: int, positions: List[int], labels: Sequence[Any]) -> Val:
+        shape = [1] * rank
+        for i, p in enumerate(positions):
+            shape[p] = v.ref.shape[i]
+        return self.emit(f"ops.broadcast_in_dim({v.name}, shape={[-1] * rank}, broadcast_dims={positions})",
+                         v.kind, labels, v.ref.reshape(shape), v.err.reshape(shape))
+
+    def output(self, v: Val) -> None:
+        if any(o.name == v.name for o in self.outputs):
+            return
+        if v.dtype == DataType.BFloat16:  # NumPy has no bfloat16 without ml_dtypes
+            return
+        self.run(f"fd.add_output({v.name})")
+        self.outputs.append(v)
+
+    def op(self, op: tuple) -> None:  # noqa: C901 - one branch per op kind
+        kind = op[0]
+        fl = self.floats()
+        if kind == "unary":
+            v = fl[op[2] % len(fl)]
+            self.add(self.unary(op[1], v))
+        elif kind == "binary":
+            a = fl[op[2] % len(fl)]
+            others = self.floats(lambda w: self.compatible(a, w))
+            b = others[op[3] % len(others)] if others else None
+            self.add(self.binary(op[1], a, b, op[4], op[3]))
+        elif kind in ("where", "cast_bool"):
+            a = fl[op[2] % len(fl)]
+            others = self.floats(lambda w: self.compatible(a, w) and w.name != a.name)
+            b = others[op[3] % len(others)] if others and op[3] % 4 else None  # else a scalar
+            cond = self.compare(op[1], a, b, op[3])
+            if kind == "cast_bool":
+                self.add(self.emit(f"ops.cast({cond.name}, D.Float)", "f", cond.labels,
+                                   cond.ref.astype(float), cond.err))
+                if op[3] % 7 == 0:
+                    self.output(cond)
+                return
+            labels = cond.labels
+            br = b if b is not None else a
+            mode = op[4]
+            if mode == "ab":
+                w = self.where(cond, a.name, a.ref, a.err, br.name, br.ref, br.err, labels)
+            elif mode == "half_a":
+                w = self.where(cond, f"ops.mul({a.name}, 0.5)", a.ref * 0.5, a.err * 0.5,
+                               br.name, br.ref, br.err, labels)
+            elif mode == "a_const":
+                cv = CONSTS[op[3] % len(CONSTS)]
+                w = self.where(cond, a.name, a.ref, a.err, repr(cv), cv, 0.0, labels)
+            else:
+                src, value = self.scalar_operand(op[3], runtime=True)
+                w = self.where(cond, src, value, 0.0, br.name, br.ref, br.err, labels)
+            self.add(w)
+        elif kind == "cast":
+            target, v, keep = op[1], fl[op[2] % len(fl)], op[3]
+            if target in ("Half", "BFloat16") and v.ref.size and float(np.max(np.abs(v.ref))) > 1e4:
+                v = self.unary("tanh", v)  # keep half in range
+            if v.dtype == DataType(target):  # cast to its own type: a no-op cast
+                self.add(self.emit(f"ops.cast({v.name}, D.{target})", "f", v.labels, v.ref, v.err))
+                return
+            mid = self.emit(f"ops.cast({v.name}, D.{target})", "f", v.labels, v.ref, v.err)
+            if keep and target in ("Half", "Double"):
+                self.add(mid)  # computed on (half arithmetic) or output as it is
+                if op[2] % 3 == 0:
+                    self.output(mid)
+            back = v.dtype if v.dtype in (DataType.Float, DataType.Double) else DataType.Float
+            self.add(self.emit(f"ops.cast({mid.name}, D.{back.name})", "f", v.labels, mid.ref, mid.err))
+        elif kind == "reduce":
+            name, code, keepdim, mode, comb = op[1], op[3], op[4], op[5], op[6]
+            cands = self.floats(lambda w: w.dtype in (DataType.Float, DataType.Double) and len(w.labels) > 0)
+            if not cands:
+                return
+            v = cands[op[2] % len(cands)]
+            rk = len(v.labels)
+            dims = [i for i in range(rk) if code >> i & 1] or [code % rk]
+            red = self.add(self.reduce(name, v, dims, keepdim))
+            if mode == "none":
+                return
+            if keepdim:
+                if mode == "bid" or op[2] % 2:
+                    red = self.add(self.broadcast(red, rk, list(range(rk)), red.labels))
+            else:
+                kept = [i for i in range(rk) if i not in dims]
+                labels = tuple(v.labels[i] if i in kept else "b" for i in range(rk))
+                red = self.add(self.broadcast(red, rk, kept, labels))
+            if mode == "combine":  # joins the full-shape tensor again (softmax / layernorm style)
+                self.add(self.binary(comb, v, red, "tt", 0))
+        elif kind == "bcast":
+            src_pick, tgt_pick, mode, k, combine = op[1:]
+            cands = [w for w in self.pool if w.kind == "f" and w.dtype in _U and len(w.labels) < 4]
+            if not cands:
+                return
+            v = cands[src_pick % len(cands)]
+            targets = []
+            for w in self.floats(lambda w: len(w.labels) > len(v.labels)):
+                pos = _embed(v.labels, w.labels)
+                if pos is not None:
+                    targets.append((w, pos))
+            if mode == "align" and targets:
+                w, pos = targets[tgt_pick % len(targets)]
+                labels = tuple(v.labels[pos.index(i)] if i in pos else "b" for i in range(len(w.labels)))
+                b = self.add(self.broadcast(v, len(w.labels), pos, labels))
+                if combine:
+                    self.add(self.binary(["add", "mul", "sub"][k % 3], w, b, "tt", 0))
+            else:
+                rank = min(4, len(v.labels) + 1 + k % 2)
+                pos = sorted(random.Random(k).sample(range(rank), len(v.labels)))
+                labels = tuple(v.labels[pos.index(i)] if i in pos else "b" for i in range(rank))
+                self.add(self.broadcast(v, rank, pos, labels))
+        elif kind == "permute":
+            cands = [w for w in self.pool if w.kind == "f" and w.dtype in _U and len(w.labels) > 1]
+            if not cands:
+                return
+            v = cands[op[1] % len(cands)]
+            perms = list(itertools.permutations(range(len(v.labels))))
+            perm = list(perms[op[2] % len(perms)])
+            self.add(self.emit(f"ops.permute({v.name}, {perm})", "f", tuple(v.labels[p] for p in perm),
+                               np.transpose(v.ref, perm), np.transpose(v.err, perm)))
+        elif kind == "index_select":
+            idxs = [w for w in self.pool if w.kind == "i" and w.ref.size]
+            if not idxs:
+                return
+            idx = idxs[op[2] % len(idxs)]
+            lo, hi = int(idx.ref.min()), int(idx.ref.max())
+            pairs = [(w, dim) for w in fl for dim, lab in enumerate(w.labels)
+                     if lab != "b" and lo >= 0 and hi < self.size(lab)]
+            if not pairs:
+                return
+            v, dim = pairs[op[1] % len(pairs)]
+            out_elems = v.ref.size // max(1, v.ref.shape[dim]) * idx.ref.size
+            if out_elems > 3 * MAX_ELEMENTS:
+                return
+            labels = tuple(idx.labels[0] if i == dim else lab for i, lab in enumerate(v.labels))
+            self.add(self.emit(f"ops.index_select({v.name}, {idx.name}, {dim})", "f", labels,
+                               np.take(v.ref, idx.ref, axis=dim), np.take(v.err, idx.ref, axis=dim)))
+        elif kind == "idx_math":
+            idxs = [w for w in self.pool if w.kind == "i"]
+            if not idxs:
+                return
+            v, mode = idxs[op[1] % len(idxs)], op[2]
+            other = {DataType.Int: "Int32", DataType.Int32: "Int"}.get(v.dtype, "Int")
+            hi = int(v.ref.max()) if v.ref.size else 0
+            fits = [lab for lab in range(len(self.c.sizes)) if self.c.sizes[lab] > hi + 1]
+            if mode == "cast":
+                self.add(self.emit(f"ops.cast({v.name}, D.{other})", "i", v.labels, v.ref, 0))
+            elif mode == "add" and fits:
+                self.add(self.emit(f"ops.add({v.name}, 1)", "i", v.labels, v.ref + 1, 0))
+            elif mode == "sub" and v.ref.size and int(v.ref.min()) >= 1:
+                self.add(self.emit(f"ops.sub({v.name}, 1)", "i", v.labels, v.ref - 1, 0))
+            elif mode == "float_trip":  # exact for small integers
+                f = self.emit(f"ops.cast({v.name}, D.Float)", "f", v.labels, v.ref.astype(float), 0)
+                self.add(self.emit(f"ops.cast({f.name}, D.{other})", "i", v.labels, v.ref, 0))
+            else:
+                self.add(self.emit(f"ops.cast({v.name}, D.Float)", "f", v.labels, v.ref.astype(float), 0))
+        elif kind == "full":
+            pick, vkind, dt, combine = op[1:]
+            v = fl[pick % len(fl)]
+            dims = []
+            for lab in v.labels:
+                if lab == self.c.size_scalar and self.size_scalar is not None and isinstance(lab, int):
+                    dims.append(self.size_scalar)
+                else:
+                    dims.append(str(self.size(lab)))
+            src, value = self.scalar_operand(pick, runtime=vkind == "scalar")
+            shape = tuple(self.size(lab) for lab in v.labels)
+            labels = tuple("one" if lab == "b" else lab for lab in v.labels)
+            f = self.add(self.emit(f"ops.full([{', '.join(dims)}], {src}, D.{dt})", "f", labels,
+                                   np.full(shape, value, dtype=np.float64), 0))
+            if combine:
+                self.add(self.binary(["add", "mul", "sub"][pick % 3], v, f, "tt", 0))
+        else:
+            cands = [w for w in self.pool if not w.is_input]
+            if op[1] % 40 == 0:  # now and then an input itself is an output
+                cands = [w for w in self.pool if w.is_input and w.kind == "f"]
+            if cands:
+                self.output(cands[op[1] % len(cands)])
+
+    def finish(self) -> None:
+        last = next((v for v in reversed(self.pool) if not v.is_input and v.dtype != DataType.BFloat16), None)
+        if last is None:
+            last = self.add(self.unary("sin", self.floats()[0]))
+        self.output(last)
+
+
+def _rounds(value: float) -> float:
+    """|value| when a float32 cannot hold it exactly, else 0."""
+    return 0.0 if float(np.float32(value)) == value else abs(float(value))
+
+
+def _embed(src: Sequence[Any], tgt: Sequence[Any]) -> Optional[List[int]]:
+    """Increasing positions of ``tgt`` whose labels match ``src`` in order ("b" matches any)."""
+    pos: List[int] = []
+    j = 0
+    for lab in src:
+        while j < len(tgt) and not (lab == tgt[j] or lab == "b"):
+            j += 1
+        if j == len(tgt):
+            return None
+        pos.append(j)
+        j += 1
+    return pos
+
+
+def build(case: Case) -> Program:
+    """Define the fusion of ``case`` (raises what kiln raises while defining)."""
+    b = _Builder(case)
+    b.define_inputs()
+    for op in case.ops:
+        b.op(op)
+    b.finish()
+    return Program(case, b.fd, b.inputs, b.input_code, b.lines, b.outputs, b.pool, b.ns)
+
+
+# -- checking -----------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    category: str
+    message: str = ""
+    key: str = ""
+    kernels: int = -1
+    scheduler: str = ""
+
+
+def normalize(msg: str) -> str:
+    """The message with tensor names, ids and numbers stripped (for grouping)."""
+    m = msg.splitlines()[0] if msg else ""
+    m = m.replace("internal compiler error (please report): ", "")
+    m = re.sub(r"i[A-Za-z.]*\d+\{[^}]*\}", "<id>", m)
+    m = re.sub(r"\bT\d+\b", "T#", m)
+    m = re.sub(r"\bkernel\d+\b", "kernel#", m)
+    m = re.sub(r"<[^>]*>", "<..>", m)
+    m = re.sub(r"\[[^\]]*\]", "[..]", m)
+    m = re.sub(r"\d+", "#", m)
+    return m[:160]
+
+
+def classify_error(e: BaseException) -> str:
+    msg = str(e)
+    if KilnInternalError is not RuntimeError and isinstance(e, KilnInternalError):
+        return "internal"
+    if _INTERNAL.search(msg):
+        return "internal"
+    if isinstance(e, KilnError):
+        return "memfault" if _MEMFAULT.search(msg) else "refused"
+    return "internal"
+
+
+def _check_output(i: int, v: Val, got: Any) -> Optional[str]:
+    got = np.asarray(got)
+    want_dtype = np.dtype(_NP[v.dtype]) if v.dtype in _NP else None
+    if got.shape != v.ref.shape:
+        return f"output {i} ({v.name}): shape {got.shape}, expected {v.ref.shape}"
+    if want_dtype is not None and got.dtype != want_dtype:
+        return f"output {i} ({v.name}): dtype {got.dtype}, expected {want_dtype}"
+    if v.kind == "b":
+        bad = (got != v.ref) & ~(v.err > 0)
+    elif v.kind == "i":
+        bad = got.astype(np.int64) != v.ref
+    else:
+        g = got.astype(np.float64)
+        tol = 4 * v.err + 4 * _U.get(v.dtype, 2.0 ** -24) * np.abs(v.ref) + 1e-30
+        bad = ~(np.abs(g - v.ref) <= tol)
+    if not bad.any():
+        return None
+    at = tuple(int(j) for j in np.argwhere(bad)[0])
+    return (f"output {i} ({v.name}): values differ at {int(bad.sum())} of {bad.size} elements, first at "
+            f"{at}: got {got[at]!r}, expected {v.ref[at]!r}")
+
+
+def run_case(case: Case, diagnose: bool = True) -> Outcome:
+    """Build, lower and run ``case`` on the automatic path; classify what happened."""
+    try:
+        prog = build(case)
+    except KilnError as e:
+        return Outcome(classify_error(e), f"definition: {e}", "definition: " + normalize(str(e)))
+    except RuntimeError as e:
+        return Outcome("internal", f"definition: {e}", "definition: " + normalize(str(e)))
+    stage, n_kernels = "lower", -1
+    try:
+        low = prog.fd.lower(prog.inputs)
+        n_kernels, stage = len(low.kernels), "execute"
+        outs = prog.fd.execute(prog.inputs)
+    except Exception as e:  # noqa: BLE001 - every failure of the compiler is classified
+        cat = classify_error(e)
+        key = f"{type(e).__name__}: {normalize(str(e))}"
+        return Outcome(cat, f"{stage}: {type(e).__name__}: {e}", key, n_kernels,
+                       _scheduler(prog) if diagnose and cat != "refused" else "")
+    problems = []
+    if len(outs) != len(prog.outputs):
+        problems.append(f"{len(outs)} outputs, expected {len(prog.outputs)}")
+    else:
+        for i, (v, g) in enumerate(zip(prog.outputs, outs)):
+            p = _check_output(i, v, g)
+            if p:
+                problems.append(p)
+    if not problems:
+        return Outcome("ok", kernels=n_kernels)
+    kind = "shape" if "shape" in problems[0] else "dtype" if "dtype" in problems[0] else "values"
+    sched = _scheduler(prog) if diagnose else ""
+    written = ""
+    if diagnose:  # does the unscheduled interpretation agree with the reference?
+        try:
+            ref_outs = prog.fd.execute(prog.inputs, as_written=True)
+            bad = [i for i, (v, g) in enumerate(zip(prog.outputs, ref_outs)) if _check_output(i, v, g)]
+            written = "; as_written also differs" if bad else "; as_written agrees with the reference"
+        except Exception as e:  # noqa: BLE001
+            written = f"; as_written fails: {type(e).__name__}"
+    msg = "; ".join(problems[:3]) + written
+    key = f"{kind} differ [{sched}, {n_kernels} kernel(s)]{written}"
+    if diagnose and _contiguous_copies_agree(case, prog):
+        key = f"{kind} differ only for non-contiguous inputs (contiguous copies agree){written}"
+        msg += "; contiguous copies of the inputs give the reference"
+    return Outcome("mismatch", msg, key, n_kernels, sched)
+
+
+def _contiguous_copies_agree(case: Case, prog: Program) -> bool:
+    """Whether a fresh build of ``case`` run on C-contiguous copies of its inputs is right."""
+    if all(not hasattr(x, "flags") or x.flags.c_contiguous for x in prog.inputs):
+        return False
+    try:
+        fresh = build(case)
+        copies = [np.array(x, order="C") if hasattr(x, "flags") else x for x in fresh.inputs]
+        outs = fresh.fd.execute(copies)
+        return len(outs) == len(fresh.outputs) and not any(
+            _check_output(i, v, g) for i, (v, g) in enumerate(zip(fresh.outputs, outs)))
+    except Exception:  # noqa: BLE001 - fails for another reason: not this diagnosis
+        return False
+
+
+def _scheduler(prog: Program) -> str:
+    """The scheduler kind the automatic path picks (for grouping failures)."""
+    try:
+        from kiln.execute import data_ptr
+
+        arrays = [x for x in prog.inputs if hasattr(x, "shape")]
+        aligned = all(data_ptr(x) % 16 == 0 for x in arrays)
+        return str(prog.fd._core.auto_program([list(x.shape) for x in arrays], aligned)[1])
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+def repro(case: Case, outcome: Optional[Outcome] = None) -> str:
+    """A runnable Python snippet that rebuilds ``case`` and runs it on the automatic path
+    (definitions no output needs left out; for a failure that raises, also the inputs it
+    turns out not to need)."""
+    try:
+        prog = build(case)
+    except Exception as e:  # noqa: BLE001
+        return f"# could not rebuild: {e}\n# {case!r}"
+    lines = live_lines(prog.lines)
+    used = list(range(len(prog.inputs)))
+    raises = outcome is not None and outcome.category != "mismatch" and not outcome.key.startswith(
+        ("definition", "harness"))
+    if raises:
+        unused = _unused_inputs(lines)
+        if unused:
+            keep = [ln for i, ln in enumerate(lines) if i not in unused.values()]
+            pruned = [k for k in used if k not in unused]
+            if _raised_key(_snippet(prog.input_code, keep, pruned, False)) == outcome.key:
+                lines, used = keep, pruned
+    code = _snippet(prog.input_code, lines, used, outcome is not None and outcome.category == "mismatch")
+    if outcome is not None and outcome.message:
+        code += f"\n# {outcome.category}: {outcome.message.splitlines()[0][:300]}"
+    return code
+
+
+def _snippet(input_code: Sequence[str], lines: Sequence[str], used: Sequence[int], compare: bool) -> str:
+    out = ["import numpy as np", "from kiln import DataType as D, FusionDefinition", ""]
+    out += input_code
+    out += ["with FusionDefinition() as fd:", "    ops = fd.ops"]
+    out += ["    " + ln for ln in lines]
+    out.append(f"inputs = [{', '.join(f'a{i}' for i in used)}]")
+    if compare:
+        out += ["outs = fd.execute(inputs)  # automatic schedule",
+                "want = fd.execute(inputs, as_written=True)  # unscheduled interpretation",
+                "for o, w in zip(outs, want):",
+                "    print(o.shape, w.shape, np.max(np.abs(o.astype(np.float64) - w.astype(np.float64)))"
+                " if o.shape == w.shape and o.size else '')"]
+    else:
+        out.append("print([o.shape for o in fd.execute(inputs)])  # automatic schedule")
+    return "\n".join(out)
+
+
+def _unused_inputs(lines: Sequence[str]) -> Dict[int, int]:
+    """{input index: line index} of the inputs that no other line reads."""
+    defs = [(i, ln.split(" = ")[0]) for i, ln in enumerate(lines) if "= fd.define_" in ln]
+    text = "\n".join(ln for ln in lines if "= fd.define_" not in ln)
+    return {k: i for k, (i, name) in enumerate(defs) if not re.search(rf"\b{name}\b", text)}
+
+
+def _raised_key(code: str) -> Optional[str]:
+    """The normalized error ``code`` raises (as ``run_case`` keys it), or None."""
+    try:
+        exec(compile(code, "<repro>", "exec"), {"print": lambda *a, **k: None})
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {normalize(str(e))}"
+    return None
+
+
+def live_lines(lines: Sequence[str]) -> List[str]:
+    """``lines`` without the definitions no output depends on (inputs are all kept)."""
+    need: set = set()
+    keep = [False] * len(lines)
+    for i in range(len(lines) - 1, -1, -1):
+        ln = lines[i]
+        m = re.match(r"(\w+) = (.*)", ln)
+        if m is None or "define_" in ln or m.group(1) in need:
+            keep[i] = True
+            need.update(re.findall(r"\b[tsn]\d+\b", m.group(2) if m else ln))
+    return [ln for ln, k in zip(lines, keep) if k]
+
+
+def case_size(case: Case) -> Tuple[int, int, int]:
+    n_inputs = len(case.fulls) + len(case.biases) + len(case.indices) + len(case.scalars)
+    return (len(case.ops), int(np.prod(case.sizes)), n_inputs)
+
+
+def shrink(case: Case, key: str, budget: int = 150) -> Case:
+    """Greedily remove ops and inputs and shrink sizes while the failure ``key`` persists."""
+    tries = 0
+
+    def same(c: Case) -> bool:
+        nonlocal tries
+        tries += 1
+        try:
+            return run_case(c).key == key
+        except Exception:  # noqa: BLE001 - a harness failure on a shrunk case: not the same
+            return False
+
+    improved = True
+    while improved and tries < budget:
+        improved = False
+        candidates: List[Case] = []
+        for i in range(len(case.ops) - 1, -1, -1):
+            candidates.append(replace(case, ops=case.ops[:i] + case.ops[i + 1:]))
+        for attr in ("fulls", "biases", "indices", "scalars"):
+            items = getattr(case, attr)
+            lo = 1 if attr == "fulls" else 0
+            for i in range(len(items)):
+                if len(items) > lo:
+                    candidates.append(replace(case, **{attr: items[:i] + items[i + 1:]}))
+        for i, (dt, layout) in enumerate(case.fulls):
+            for simpler in ({layout, "contig"} - {layout}) | ({dt, "Float"} - {dt}):
+                fulls = list(case.fulls)
+                fulls[i] = (dt, "contig") if simpler == "contig" else ("Float", layout)
+                candidates.append(replace(case, fulls=fulls))
+        if case.size_scalar is not None:
+            candidates.append(replace(case, size_scalar=None))
+        if case.static:
+            candidates.append(replace(case, static=False))
+        for i, s in enumerate(case.sizes):
+            for smaller in sorted({x for x in SIZES if x < s})[-2:]:
+                sizes = list(case.sizes)
+                sizes[i] = smaller
+                candidates.append(replace(case, sizes=sizes,
+                                          indices=[(a, n, min(o, max(0, sizes[a] - 1)), dt)
+                                                   for a, n, o, dt in case.indices]))
+        for c in candidates:
+            if tries >= budget:
+                break
+            if same(c):
+                case, improved = c, True
+                break
+    return case
+
+
+# -- the CI test ------------------------------------------------------------------------------
+RESULTS: List[Tuple[Case, Outcome]] = []
+_COLLECTED: List[Any] = []  # True once collected, or the exception collecting raised
+# conftest NVRTC-compiles every kernel a test lowered (~1 s per example here, minutes for all
+# of them): the kernels of every KILN_AUTO_COMPILE_EVERY-th example are kept for it (0: none).
+_COMPILE_EVERY = int(os.environ.get("KILN_AUTO_COMPILE_EVERY", "10"))
+_KEPT: list = []
+
+
+def _collect() -> List[Tuple[Case, Outcome]]:
+    """Run the N derandomized examples once per session (both tests below read the results)."""
+    if _COLLECTED:
+        if isinstance(_COLLECTED[0], BaseException):
+            raise RuntimeError("running the examples failed (see the first test)") from _COLLECTED[0]
+        return RESULTS
+    from kiln import lowering
+
+    @settings(max_examples=N_EXAMPLES, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck), phases=[Phase.generate])
+    @given(cases())
+    def body(case: Case) -> None:
+        lowering.take_generated()
+        try:
+            outcome = run_case(case)
+        except Exception as e:  # noqa: BLE001 - the harness must not stop on one example
+            outcome = Outcome("internal", f"harness: {type(e).__name__}: {e}",
+                              f"harness: {normalize(str(e))}")
+        RESULTS.append((case, outcome))
+        kernels = lowering.take_generated()
+        if _COMPILE_EVERY and len(RESULTS) % _COMPILE_EVERY == 0:
+            _KEPT.extend(kernels)
+
+    try:
+        body()
+    except BaseException as e:
+        _COLLECTED.append(e)
+        raise
+    _COLLECTED.append(True)
+    return RESULTS
+
+
+def _hand_kept_kernels_to_conftest() -> None:
+    """Forget the kernels lowered since (shrinking repros), leave the sampled ones for conftest
+    to compile after this test."""
+    from kiln import lowering
+
+    lowering.take_generated()
+    lowering._GENERATED.extend(_KEPT)
+    _KEPT.clear()
+
+
+def summarize(results: Sequence[Tuple[Case, Outcome]], shrink_budget: int = 0, max_groups: int = 12) -> str:
+    """Counts per category, then per non-ok category the distinct messages with the smallest
+    example of each as a runnable repro."""
+    counts = {c: 0 for c in CATEGORIES}
+    groups: Dict[Tuple[str, str], List[Tuple[Case, Outcome]]] = {}
+    for case, o in results:
+        counts[o.category] = counts.get(o.category, 0) + 1
+        if o.category != "ok":
+            groups.setdefault((o.category, o.key), []).append((case, o))
+    total = max(1, len(results))
+    lines = [f"{len(results)} examples: " + ", ".join(
+        f"{c} {counts[c]} ({100.0 * counts[c] / total:.1f}%)" for c in CATEGORIES)]
+    for cat in CATEGORIES[1:]:
+        mine = sorted(((k, v) for k, v in groups.items() if k[0] == cat), key=lambda kv: -len(kv[1]))
+        if not mine:
+            continue
+        lines.append(f"\n=== {cat}: {counts[cat]} examples, {len(mine)} distinct messages ===")
+        for (_, key), items in mine:
+            lines.append(f"  {len(items):4d}  {key}")
+        for n, ((_, key), items) in enumerate(mine[:max_groups]):
+            case, o = min(items, key=lambda co: case_size(co[0]))
+            if shrink_budget:
+                case = shrink(case, key, shrink_budget)
+                o = run_case(case)
+            lines.append(f"\n--- {cat} #{n + 1} ({len(items)}x): {key}")
+            lines.append(f"# message: {o.message[:400]}")
+            lines.append(f"# case: {case!r}")
+            lines.append(repro(case, o))
+    return "\n".join(lines)
+
+
+def _bad(results: Sequence[Tuple[Case, Outcome]], cats: Sequence[str]) -> List[Tuple[Case, Outcome]]:
+    return [(c, o) for c, o in results if o.category in cats]
+
+
+def test_auto_random_fusions_match_numpy() -> None:
+    results = _collect()
+    bad = _bad(results, ["mismatch", "internal", "memfault"])
+    report = summarize(results, shrink_budget=60) if bad else ""
+    _hand_kept_kernels_to_conftest()
+    if bad:
+        pytest.fail(f"{len(bad)} of {len(results)} examples failed\n" + report, pytrace=False)
+
+
+def test_auto_random_refusals_are_rare_and_named() -> None:
+    results = _collect()
+    _hand_kept_kernels_to_conftest()
+    refused = _bad(results, ["refused"])
+    unnamed = [(c, o) for c, o in refused if not _NAMES_SOMETHING.search(o.message)]
+    if unnamed:
+        pytest.fail("refusals must name a tensor or an op:\n" + summarize(unnamed), pytrace=False)
+    limit = MAX_REFUSED_FRACTION * len(results)
+    if len(refused) > limit:
+        pytest.fail(f"{len(refused)} of {len(results)} examples refused (limit {limit:.0f})\n"
+                    + summarize(refused), pytrace=False)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_generator_builds_valid_definitions(seed: int) -> None:
+    """The generator itself: definitions build, references are finite, repros rebuild."""
+    rng = random.Random(seed)
+    for _ in range(100):
+        case = gen_case(RandomDraw(rng))
+        try:
+            prog = build(case)
+        except KilnError:
+            continue  # kiln refusing a definition is the property test's business
+        for v in prog.pool + prog.outputs:
+            # the generator's shapes agree with kiln's: rank, broadcast axes (1), dtype kind
+            shape = prog.handles[v.name].shape
+            kinds = {"f": set(_U), "i": {DataType.Int, DataType.Int32}, "b": {DataType.Bool}}
+            assert v.dtype in kinds[v.kind], (case, v.name, v.dtype)
+            assert len(shape) == len(v.labels) == v.ref.ndim, (case, v.name, shape, v.labels)
+            for lab, n, k in zip(v.labels, v.ref.shape, shape):
+                assert n == (1 if lab in ("b", "one") else n), (case, v.name)
+                assert lab != "b" or k == 1, (case, v.name, shape, v.labels)
+            if v.kind == "f":
+                assert np.all(np.isfinite(v.ref)) and np.all(np.isfinite(v.err)), (case, v.name)
+        compile(repro(case), "<repro>", "exec")
