@@ -536,7 +536,8 @@ def test_a_tensor_needed_in_both_orders_splits_the_fusion_at_the_permute():
         t = whole.ops.mul(x, 2.0)
         whole.add_output(whole.ops.add(whole.ops.permute(t, [1, 0, 2]), 1.0))
         whole.add_output(t)
-    with pytest.raises(KilnError, match=r"pointwise: outputs T3 \[5, 3, 8\] and T1 \[3, 5, 8\] differ in shape"):
+    with pytest.raises(KilnError,
+                       match=r"pointwise: outputs T3 \[5, 3, 8\] and T1 \[3, 5, 8\] differ in shape"):
         whole._core.auto_scheduled([[3, 5, 8]])
 
 

@@ -150,7 +150,8 @@ def device_props(tensors: Sequence[Any]) -> Tuple[int, int, int, int, int]:
         a = cupy.cuda.Device(dev).attributes
         cc = int(cupy.cuda.Device(dev).compute_capability)
         hit = _DEVICE_PROPS[dev] = (int(a["MultiProcessorCount"]), int(a["MaxThreadsPerBlock"]),
-                                    int(a["MaxSharedMemoryPerBlockOptin"]), int(a["MaxRegistersPerBlock"]), cc)
+                                    int(a["MaxSharedMemoryPerBlockOptin"]),
+                                    int(a["MaxRegistersPerBlock"]), cc)
     return hit
 
 

@@ -113,8 +113,9 @@ pub fn self_mapping(f: &Fusion) -> Option<(TvId, usize, usize)> {
 /// Give every output that other threads of the kernel read back a register copy that
 /// they read instead (`cache_before`, then the readers moved to the cache). One thread
 /// stores each element of an output; a reader in another thread would race with that
-/// store: a reduction's result (stored once per row, read by the whole row's block) or
-/// anything read through a broadcast (a row max that is both an output and the
+/// store: a reduction's result (stored once per row, read by the whole row's block), a
+/// tensor with size-one axes (stored by the first thread along them) or
+/// anything read through a broadcast or a gather (a row max that is both an output and the
 /// softmax's shift). Element-wise readers run in the thread that stored the element.
 pub fn reread_outputs(f: &mut Fusion) -> Result<()> {
     for o in f.outputs.clone() {
@@ -122,8 +123,14 @@ pub fn reread_outputs(f: &mut Fusion) -> Result<()> {
         if readers.is_empty() || f.tvs[o].definition.is_none() {
             continue;
         }
-        let reduced = f.tvs[o].logical.iter().any(|&id| f.ids[id].iter_type == IterType::Reduction);
-        let broadcast = readers.iter().any(|&u| matches!(f.exprs[u].op, Op::Broadcast { .. }));
+        // Only one thread stores each element along a reduced or broadcast axis.
+        let reduced =
+            f.tvs[o].logical.iter().any(|&id| matches!(f.ids[id].iter_type, IterType::Reduction | IterType::Broadcast));
+        // Broadcasts and gathers read elements other threads computed.
+        let broadcast = readers.iter().any(|&u| {
+            matches!(f.exprs[u].op, Op::Broadcast { .. })
+                || (matches!(f.exprs[u].op, Op::IndexSelect { .. }) && f.exprs[u].inputs[0] == Operand::Tensor(o))
+        });
         if !reduced && !broadcast {
             continue;
         }
