@@ -38,15 +38,7 @@ fn full_size(f: &Fusion, t: TvId, rank: usize) -> bool {
 /// the last axis in place (`[B, S, H] -> [S, B, H]`): a copy whose rows stay contiguous,
 /// which the pointwise schedule covers by iterating every tensor in the output's order.
 pub fn kept_last_permute(f: &Fusion) -> Option<(ExprId, Vec<usize>)> {
-    let mut found = None;
-    for e in f.topo_exprs() {
-        if let Op::Permute { perm } = &f.exprs[e].op {
-            if found.is_some() {
-                return None;
-            }
-            found = Some((e, perm.clone()));
-        }
-    }
+    let found = single_permute(f);
     // Size-one (broadcast) axes hold no data: only the order of the others matters, so
     // `[N, 1] -> [1, N]` is a copy too.
     let (e, perm) = found?;
