@@ -380,6 +380,20 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
     }
     let mut pred = predicate(f, ctx, c, &cidx, stack, false);
     let mut write_pred = predicate(f, ctx, c, &cidx, stack, true);
+    if matches!(f.exprs[e].op, Op::Reduction { .. }) {
+        // Reducing a broadcast axis reduces its one element. When the reduction's loop
+        // runs the extent of the axis it is broadcast against (a loop shared with a
+        // consumer), only its first iteration may contribute.
+        let zero = f.scalars.int(0);
+        for (pid, cid) in logical_pairs(f, e, 0) {
+            if f.ids[cid].iter_type == IterType::Reduction && f.ids[pid].iter_type == IterType::Broadcast {
+                if let Some(&i) = cidx.get(&cid) {
+                    let first = f.scalars.binary(ScalarOp::Eq, i, zero);
+                    pred = f.scalars.binary(ScalarOp::And, pred, first);
+                }
+            }
+        }
+    }
     // A Global/Shared tensor that does not use a launched thread or block dimension is
     // computed redundantly along it: only index 0 of that dimension writes.
     if f.tvs[c].memory != MemoryType::Local {

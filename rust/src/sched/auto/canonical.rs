@@ -13,12 +13,20 @@
 //!   same tensor (`bcast(a, [0, 1]) - bcast(a, [0, 2])`), two axes of the result map to
 //!   each other through `a`: no single loop nest computes `a` once for both. Schedulers
 //!   refuse such a group, so the segmenter gives the two reads of `a` separate kernels.
+//! - **Private broadcasts.** A tensor with broadcast axes that one reader concretizes (reads
+//!   along a larger axis) while another reader, or the fusion's output, keeps them, would
+//!   run in loops that mean different elements to its readers: a loop index over the
+//!   concretized iteration space is not an index into the broadcast one. Each concretizing
+//!   reader gets its own copy of the element-wise chain that builds the tensor (up to
+//!   tensors without broadcast axes, reductions and inputs); the copies cost arithmetic
+//!   only.
 
-use rustc_hash::FxHashSet;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::analysis::id_graph::IdGraph;
 use crate::error::Result;
-use crate::ir::{Fusion, IterType, Op, Operand, TvId};
+use crate::ir::mapping::logical_pairs;
+use crate::ir::{ExprId, Fusion, IterType, Op, Operand, TvId};
 
 /// Rewrite `f` (unscheduled) into canonical form; semantics are unchanged.
 pub fn sink_broadcasts(f: &mut Fusion) -> Result<()> {
@@ -110,28 +118,31 @@ pub fn self_mapping(f: &Fusion) -> Option<(TvId, usize, usize)> {
     None
 }
 
-/// Give every output that other threads of the kernel read back a register copy that
+/// Give every output that other threads of the kernel may read back a register copy that
 /// they read instead (`cache_before`, then the readers moved to the cache). One thread
 /// stores each element of an output; a reader in another thread would race with that
 /// store: a reduction's result (stored once per row, read by the whole row's block), a
-/// tensor with size-one axes (stored by the first thread along them) or
-/// anything read through a broadcast or a gather (a row max that is both an output and the
-/// softmax's shift). Element-wise readers run in the thread that stored the element.
+/// tensor with size-one axes (stored by the first thread along them), a tensor with fewer
+/// axes than the kernel iterates (every thread along the others computes it, the first
+/// stores it: a per-row value after a block reduction), anything read through a
+/// broadcast or a gather (a row max that is both an output and the softmax's shift).
+/// Element-wise readers of a full-size output run in the thread that stored the element.
 pub fn reread_outputs(f: &mut Fusion) -> Result<()> {
+    let dense =
+        |f: &Fusion, t: TvId| f.tvs[t].logical.iter().filter(|&&id| f.ids[id].iter_type == IterType::Iteration).count();
+    let widest = f.tvs.keys().map(|t| dense(f, t)).max().unwrap_or(0);
     for o in f.outputs.clone() {
         let readers: Vec<_> = f.tvs[o].uses.clone();
         if readers.is_empty() || f.tvs[o].definition.is_none() {
             continue;
         }
-        // Only one thread stores each element along a reduced or broadcast axis.
         let reduced =
             f.tvs[o].logical.iter().any(|&id| matches!(f.ids[id].iter_type, IterType::Reduction | IterType::Broadcast));
-        // Broadcasts and gathers read elements other threads computed.
         let broadcast = readers.iter().any(|&u| {
             matches!(f.exprs[u].op, Op::Broadcast { .. })
                 || (matches!(f.exprs[u].op, Op::IndexSelect { .. }) && f.exprs[u].inputs[0] == Operand::Tensor(o))
         });
-        if !reduced && !broadcast {
+        if !reduced && !broadcast && dense(f, o) == widest {
             continue;
         }
         let c = f.cache_before(o)?;
@@ -142,6 +153,90 @@ pub fn reread_outputs(f: &mut Fusion) -> Result<()> {
                 }
             }
             f.tvs[o].uses.retain(|&x| x != u);
+            if !f.tvs[c].uses.contains(&u) {
+                f.tvs[c].uses.push(u);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn has_broadcast(f: &Fusion, t: TvId) -> bool {
+    f.tvs[t].logical.iter().any(|&id| f.ids[id].iter_type == IterType::Broadcast)
+}
+
+/// True when expr `u` reads a broadcast axis of `t` along a larger axis, directly or
+/// through readers of its own broadcast result.
+fn concretizes(f: &Fusion, u: ExprId, t: TvId, depth: usize) -> bool {
+    let direct = f.exprs[u].inputs.iter().enumerate().any(|(pos, o)| {
+        *o == Operand::Tensor(t)
+            && logical_pairs(f, u, pos).into_iter().any(|(p, c)| {
+                f.ids[p].iter_type == IterType::Broadcast
+                    && f.ids[c].iter_type != IterType::Broadcast
+                    && f.scalars.as_int(f.ids[c].extent) != Some(1)
+            })
+    });
+    let out = f.exprs[u].output;
+    direct
+        || (depth < 64
+            && !matches!(f.exprs[u].op, Op::Reduction { .. })
+            && has_broadcast(f, out)
+            && f.tvs[out].uses.iter().any(|&v| concretizes(f, v, out, depth + 1)))
+}
+
+/// A copy of the element-wise chain that defines `t`, down to tensors without broadcast
+/// axes, reductions, inputs and ops that do not move (see `sink_broadcasts`).
+fn clone_chain(f: &mut Fusion, t: TvId, memo: &mut FxHashMap<TvId, TvId>) -> Result<TvId> {
+    if let Some(&c) = memo.get(&t) {
+        return Ok(c);
+    }
+    let Some(d) = f.tvs[t].definition else { return Ok(t) };
+    let op = f.exprs[d].op.clone();
+    if !has_broadcast(f, t)
+        || !matches!(op, Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast(_) | Op::Set | Op::Broadcast { .. })
+    {
+        return Ok(t);
+    }
+    let mut operands = Vec::new();
+    for o in f.exprs[d].inputs.clone() {
+        operands.push(match o {
+            Operand::Tensor(x) => Operand::Tensor(clone_chain(f, x, memo)?),
+            s => s,
+        });
+    }
+    let c = match op {
+        Op::Unary(u) => f.unary(u, operands[0])?,
+        Op::Binary(b) => f.binary(b, operands[0], operands[1])?,
+        Op::Where => f.where_(operands[0], operands[1], operands[2])?,
+        Op::Cast(dt) => f.cast(operands[0], dt)?,
+        Op::Broadcast { is_new } => f.broadcast(operands[0].tensor().expect("broadcast reads a tensor"), is_new)?,
+        _ => f.set(operands[0].tensor().expect("set reads a tensor"))?,
+    };
+    memo.insert(t, c);
+    Ok(c)
+}
+
+/// Give each reader that concretizes a shared broadcast its own copy (see the module docs).
+pub fn private_broadcasts(f: &mut Fusion) -> Result<()> {
+    for e in f.topo_exprs() {
+        let t = f.exprs[e].output;
+        if !has_broadcast(f, t) || matches!(f.exprs[e].op, Op::Reduction { .. }) {
+            continue;
+        }
+        let uses = f.tvs[t].uses.clone();
+        let (conc, keep): (Vec<ExprId>, Vec<ExprId>) = uses.iter().partition(|&&u| concretizes(f, u, t, 0));
+        if conc.is_empty() || (keep.is_empty() && !f.is_output(t)) {
+            continue;
+        }
+        for u in conc {
+            let mut memo = FxHashMap::default();
+            let c = clone_chain(f, t, &mut memo)?;
+            for o in f.exprs[u].inputs.iter_mut() {
+                if *o == Operand::Tensor(t) {
+                    *o = Operand::Tensor(c);
+                }
+            }
+            f.tvs[t].uses.retain(|&x| x != u);
             if !f.tvs[c].uses.contains(&u) {
                 f.tvs[c].uses.push(u);
             }

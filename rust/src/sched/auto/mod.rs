@@ -132,6 +132,29 @@ fn broadcast_input(f: &Fusion, t: TvId) -> bool {
 /// time: without this, a row of 4096 floats spends more instructions on predicates than
 /// on data. Returns `(n, value)` pairs for the heuristic's cache key, since the kernel
 /// now only runs on inputs of these sizes.
+/// The first of `tensors` whose logical axes do not line up with `reference`, position
+/// by position: another rank, or an iteration axis that is not the reference's axis at
+/// that place (in the broadcast-permissive id graph). Schedulers replay one loop structure
+/// positionally on every tensor, so such a tensor (an output computed from unrelated
+/// inputs, a broadcast that lands on other axes) would be iterated by the wrong loops.
+pub(crate) fn misaligned(f: &Fusion, reference: &[IterDomainId], tensors: &[TvId]) -> Option<TvId> {
+    let graph = crate::analysis::id_graph::IdGraph::permissive(f);
+    tensors.iter().copied().find(|&t| {
+        let l = &f.tvs[t].logical;
+        l.len() != reference.len()
+            || l.iter().zip(reference).any(|(&id, &r)| f.ids[id].iter_type != IterType::Broadcast && !graph.same(id, r))
+    })
+}
+
+/// True when input `x` has `n` axes and none of them a broadcast: a full-size input
+/// that a scheduler may cache and vectorize along the reference's loops. An input with a
+/// size-one broadcast axis (a keepdim statistic) covers fewer elements than those loops
+/// and is read in place instead.
+pub(crate) fn full_size_input(f: &Fusion, x: TvId, n: usize) -> bool {
+    let l = f.no_reduction_logical(x);
+    l.len() == n && l.iter().all(|&id| f.ids[id].iter_type != IterType::Broadcast)
+}
+
 pub(crate) fn specialize_reduced_extents(f: &mut Fusion, reductions: &[ExprId], extents: &[i64]) -> Vec<i64> {
     let mut reduced = Vec::new();
     for &e in reductions {

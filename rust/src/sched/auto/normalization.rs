@@ -95,7 +95,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     let mut caches = Vec::new();
     for op in f.inputs.clone() {
         let Operand::Tensor(x) = op else { continue };
-        if f.no_reduction_logical(x).len() == n && !f.tvs[x].uses.is_empty() {
+        if super::full_size_input(f, x, n) && !f.tvs[x].uses.is_empty() {
             let c = f.cache_after(x)?;
             // L2 keeps the input ahead of the output being written (see pointwise.rs):
             // layernorm 16384x4096 fp32 on the H200 127.9 -> 124.4 us, softmax 127.5 -> 126.0.
@@ -127,6 +127,15 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
             && f.tvs[t].logical.len() == n - k
             && f.tvs[t].logical.iter().all(|&id| f.ids[id].iter_type != IterType::Reduction)
     };
+    let (rows, full_rank): (Vec<TvId>, Vec<TvId>) = tensors.iter().partition(|&&t| per_row(f, t));
+    let kept_axes = f.no_reduction_logical(r0);
+    if let Some(t) = super::misaligned(f, &logical, &full_rank).or_else(|| super::misaligned(f, &kept_axes, &rows)) {
+        bail!(
+            "{}: its axes do not line up with the normalization's ({} has rank {n}); it needs a kernel of its own",
+            f.tv_name(t),
+            f.tv_name(r0)
+        );
+    }
     for &t in &tensors {
         if per_row(f, t) {
             for _ in 1..(n - k) {

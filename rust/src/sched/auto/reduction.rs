@@ -77,6 +77,13 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, red: ExprId) -> Result<Heuristic> {
 
     // Tensors before the reduction (same rank as its input) and after it.
     let (before, after) = by_dependence(f, r);
+    if let Some(t) = super::misaligned(f, &logical, &before) {
+        bail!(
+            "{}: its axes do not line up with those of the reduction {}'s input; it needs a kernel of its own",
+            f.tv_name(t),
+            f.tv_name(r)
+        );
+    }
     for &t in &after {
         // Consumers of the result must not read unreduced values again (that is a
         // normalization, which needs a persistent schedule or segmentation); kept-rank
@@ -108,6 +115,15 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, red: ExprId) -> Result<Heuristic> {
             f.tv_name(r)
         );
     }
+    let kept: Vec<_> = f.no_reduction_logical(r);
+    let (narrow, wide): (Vec<TvId>, Vec<TvId>) = after.iter().partition(|&&t| f.tvs[t].logical.len() == n - k);
+    if let Some(t) = super::misaligned(f, &kept, &narrow).or_else(|| super::misaligned(f, &logical, &wide)) {
+        bail!(
+            "{}: its axes do not line up with the kept axes of the reduction {}; it needs a kernel of its own",
+            f.tv_name(t),
+            f.tv_name(r)
+        );
+    }
 
     let widest = f.tvs.values().map(|t| t.dtype.size_bytes()).max().unwrap_or(4) as i64;
     if k == n {
@@ -125,7 +141,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, red: ExprId) -> Result<Heuristic> {
         let mut caches = Vec::new();
         for op in f.inputs.clone() {
             let Operand::Tensor(x) = op else { continue };
-            if f.no_reduction_logical(x).len() == n
+            if super::full_size_input(f, x, n)
                 && f.tvs[x].uses.iter().all(|&e| !matches!(f.exprs[e].op, Op::IndexSelect { .. }))
             {
                 let c = f.cache_after(x)?;
@@ -274,7 +290,7 @@ fn full(f: &mut Fusion, cx: &Ctx, r: TvId, after: &[TvId], total: i64) -> Result
     let mut caches = Vec::new();
     for op in f.inputs.clone() {
         let Operand::Tensor(x) = op else { continue };
-        if v > 1 && f.no_reduction_logical(x).len() == n && !f.tvs[x].uses.is_empty() {
+        if v > 1 && super::full_size_input(f, x, n) && !f.tvs[x].uses.is_empty() {
             let c = f.cache_after(x)?;
             // Read once, like the inner case (full sum: 64.8 us against 65.3).
             f.set_streaming_load(c)?;

@@ -229,6 +229,7 @@ pub fn schedule_fusion(out: &mut Fusion, cx: &Ctx) -> Result<std::result::Result
         );
     }
     let mut base = out.clone();
+    super::canonical::private_broadcasts(&mut base)?;
     super::canonical::reread_outputs(&mut base)?;
     let f = &mut base;
     if let Some((t, i, j)) = super::canonical::self_mapping(f) {

@@ -1,0 +1,149 @@
+"""Rules of the automatic schedules that random fusions once broke, each as a family of
+fusions over several shapes (size-one axes included), checked against float64 NumPy.
+
+- A tensor whose axes do not line up with a reduction's (another rank, unrelated inputs)
+  gets a kernel of its own instead of the reduction's loops.
+- An input with a size-one broadcast axis (a keepdim statistic) is read in place, never
+  cached and vectorized along loops that cover more elements than it has.
+- Reducing a broadcast axis reduces one element, even when the loop runs the extent of the
+  axis it is broadcast against.
+- A broadcast that one reader concretizes and another (or the output) keeps gets a private
+  copy for the concretizing reader.
+- An output that other threads read back (a per-row value after a block reduction) is read
+  from a register copy, not from Global memory while another thread stores it.
+
+Every fusion runs the automatic schedule in the interpreter (``fd.execute`` on NumPy), whose
+race and initialization checks fail the test on a wrong schedule; the GPU variant runs the
+same fusions through CuPy."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Sequence, Tuple
+
+import numpy as np
+import pytest
+from gpu_util import cupy_or_skip
+from kiln import DataType, FusionDefinition
+
+Build = Callable[[Tuple[int, ...]], Tuple[FusionDefinition, List[np.ndarray], List[np.ndarray]]]
+
+SHAPES_3D = [(1, 7, 5), (2, 1, 3), (3, 5, 1), (4, 6, 33), (1, 1, 1)]
+SHAPES_2D = [(2, 4), (1, 13), (5, 1), (7, 129), (1, 1)]
+SHAPES_4D = [(1, 1, 3, 9), (2, 3, 4, 5), (1, 2, 13, 4), (3, 1, 1, 7)]
+
+
+def _rand(shape: Sequence[int], seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).uniform(-1, 1, shape).astype(np.float32)
+
+
+def unrelated_output_beside_reduction(shape: Tuple[int, ...]):
+    """A keepdim min over the leading axes beside a rank-4 broadcast of an unrelated [1]."""
+    x, w = _rand(shape, 1), _rand((1,), 2)
+    with FusionDefinition() as fd:
+        t0 = fd.define_tensor([-1, -1, -1])
+        t1 = fd.define_tensor([-1])
+        b3 = fd.ops.broadcast_in_dim(t1, shape=[-1, -1, -1], broadcast_dims=[0])
+        fd.add_output(fd.ops.broadcast_in_dim(b3, shape=[-1, -1, -1, -1], broadcast_dims=[0, 1, 2]))
+        m = fd.ops.min(fd.ops.sub(t0, -1.25), dims=[0, 1], keepdim=True)
+        fd.add_output(fd.ops.broadcast_in_dim(m, shape=[-1, -1, -1], broadcast_dims=[0, 1, 2]))
+    xd = x.astype(np.float64)
+    return fd, [x, w], [w.astype(np.float64).reshape(1, 1, 1, 1), (xd + 1.25).min(axis=(0, 1), keepdims=True)]
+
+
+def keepdim_statistic_into_full_reduction(shape: Tuple[int, ...]):
+    """``max(x + min(x, 1, keepdim))`` over every axis: the row minimum crosses a kernel
+    boundary as a [M, 1] tensor that the full reduction reads."""
+    x = _rand(shape, 3)
+    with FusionDefinition() as fd:
+        t0 = fd.define_tensor([-1, -1])
+        t1 = fd.ops.min(t0, dims=[1], keepdim=True)
+        t2 = fd.ops.add(t0, t1)
+        t3 = fd.ops.max(t2, dims=[0, 1])
+        fd.add_output(fd.ops.broadcast_in_dim(t3, shape=[-1, -1], broadcast_dims=[]))
+        fd.add_output(t1)
+    xd = x.astype(np.float64)
+    mn = xd.min(axis=1, keepdims=True)
+    return fd, [x], [(xd + mn).max().reshape(1, 1), mn]
+
+
+def reduction_of_a_broadcast(shape: Tuple[int, ...]):
+    """``x - sum(bcast(s), 1, keepdim)`` and ``min(x, bcast(s) - sum(bcast(s), 1))``: a sum
+    over a size-one broadcast axis that the loops run at x's width."""
+    x, s = _rand(shape, 4), np.array(0.375, dtype=np.float32)
+    with FusionDefinition() as fd:
+        t0 = fd.define_tensor([-1, -1])
+        t1 = fd.define_tensor([])
+        b = fd.ops.broadcast_in_dim(t1, shape=[-1, -1], broadcast_dims=[])
+        r = fd.ops.sum(b, dims=[1], keepdim=True)
+        fd.add_output(fd.ops.minimum(t0, fd.ops.sub(b, r)))
+        fd.add_output(fd.ops.add(t0, fd.ops.neg(r)))
+    xd = x.astype(np.float64)
+    return fd, [x, s], [np.minimum(xd, 0.0), xd - 0.375]
+
+
+def shared_broadcast_output(shape: Tuple[int, ...]):
+    """A weight broadcast to [1, 1, 1, N] is an output and is compared with x [A, B, C, N];
+    beside them a sum over axis 1 added back."""
+    x, w = _rand(shape, 5), _rand(shape[-1:], 6)
+    with FusionDefinition() as fd:
+        t0 = fd.define_tensor([-1, -1, -1, -1])
+        t1 = fd.define_tensor([-1])
+        wb = fd.ops.broadcast_in_dim(t1, shape=[-1, -1, -1, -1], broadcast_dims=[3])
+        fd.add_output(wb)
+        fd.add_output(fd.ops.cast(fd.ops.gt(t0, wb), DataType.Float))
+        s = fd.ops.sum(t0, dims=[1])
+        fd.add_output(fd.ops.add(t0, fd.ops.broadcast_in_dim(s, shape=[-1, -1, -1, -1], broadcast_dims=[0, 2, 3])))
+    xd, wd = x.astype(np.float64), w.astype(np.float64)
+    return fd, [x, w], [wd.reshape(1, 1, 1, -1), (xd > wd).astype(np.float64), xd + xd.sum(axis=1, keepdims=True)]
+
+
+def per_row_output_read_back(shape: Tuple[int, ...]):
+    """``m = max(x, -1)``; ``flag = m > 0.25`` is an output and is read again (``eq(flag, m)``)."""
+    x = _rand(shape, 7)
+    rank = len(shape)
+    with FusionDefinition() as fd:
+        t0 = fd.define_tensor([-1] * rank)
+        m = fd.ops.max(t0, dims=[rank - 1])
+        flag = fd.ops.gt(m, 0.25)
+        fd.add_output(flag)
+        fd.add_output(fd.ops.cast(fd.ops.eq(fd.ops.cast(flag, DataType.Float), m), DataType.Float))
+    md = x.astype(np.float64).max(axis=-1)
+    return fd, [x], [md > 0.25, ((md > 0.25).astype(np.float64) == md).astype(np.float64)]
+
+
+CASES: List[Tuple[Build, Tuple[int, ...]]] = (
+    [(unrelated_output_beside_reduction, s) for s in SHAPES_3D]
+    + [(keepdim_statistic_into_full_reduction, s) for s in SHAPES_2D]
+    + [(reduction_of_a_broadcast, s) for s in SHAPES_2D]
+    + [(shared_broadcast_output, s) for s in SHAPES_4D]
+    + [(per_row_output_read_back, s) for s in SHAPES_4D + SHAPES_2D]
+)
+
+
+def _ids(case: Tuple[Build, Tuple[int, ...]]) -> str:
+    return f"{case[0].__name__}-{'x'.join(map(str, case[1]))}"
+
+
+def _check(outs: Sequence[Any], want: Sequence[np.ndarray]) -> None:
+    assert len(outs) == len(want)
+    for got, w in zip(outs, want):
+        got = np.asarray(got)
+        assert got.shape == w.shape
+        np.testing.assert_allclose(got.astype(np.float64), w.astype(np.float64), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_rule_holds_in_the_interpreter(case: Tuple[Build, Tuple[int, ...]]) -> None:
+    build, shape = case
+    fd, inputs, want = build(shape)
+    _check(fd.execute(inputs), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_rule_holds_on_gpu(case: Tuple[Build, Tuple[int, ...]]) -> None:
+    cp = cupy_or_skip()
+    build, shape = case
+    fd, inputs, want = build(shape)
+    outs = fd.execute([cp.asarray(a) for a in inputs])
+    _check([cp.asnumpy(o) for o in outs], want)
