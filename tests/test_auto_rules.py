@@ -92,9 +92,11 @@ def shared_broadcast_output(shape: Tuple[int, ...]):
         fd.add_output(wb)
         fd.add_output(fd.ops.cast(fd.ops.gt(t0, wb), DataType.Float))
         s = fd.ops.sum(t0, dims=[1])
-        fd.add_output(fd.ops.add(t0, fd.ops.broadcast_in_dim(s, shape=[-1, -1, -1, -1], broadcast_dims=[0, 2, 3])))
+        sb = fd.ops.broadcast_in_dim(s, shape=[-1, -1, -1, -1], broadcast_dims=[0, 2, 3])
+        fd.add_output(fd.ops.add(t0, sb))
     xd, wd = x.astype(np.float64), w.astype(np.float64)
-    return fd, [x, w], [wd.reshape(1, 1, 1, -1), (xd > wd).astype(np.float64), xd + xd.sum(axis=1, keepdims=True)]
+    want = [wd.reshape(1, 1, 1, -1), (xd > wd).astype(np.float64), xd + xd.sum(axis=1, keepdims=True)]
+    return fd, [x, w], want
 
 
 def per_row_output_read_back(shape: Tuple[int, ...]):
