@@ -11,6 +11,8 @@ fusions over several shapes (size-one axes included), checked against float64 Nu
   copy for the concretizing reader.
 - An output that other threads read back (a per-row value after a block reduction) is read
   from a register copy, not from Global memory while another thread stores it.
+- Sibling reductions (the same axes of tensors of one shape, neither reading the other)
+  share one kernel, also when they read different inputs.
 
 Every fusion runs the automatic schedule in the interpreter (``fd.execute`` on NumPy), whose
 race and initialization checks fail the test on a wrong schedule; the GPU variant runs the
@@ -113,12 +115,36 @@ def per_row_output_read_back(shape: Tuple[int, ...]):
     return fd, [x], [md > 0.25, ((md > 0.25).astype(np.float64) == md).astype(np.float64)]
 
 
+def sibling_reductions(shape: Tuple[int, ...]):
+    """A masked sum and a count over the same axes of two inputs (``sum(where(m, x, 0))``,
+    ``sum(cast(m))``) and a max of ``y``: every output reduces the axes given by ``shape``'s
+    leading entry (0: the first axis, 1: the last, 2: all)."""
+    which, dims = shape[0], shape[1:]
+    axes = {0: [0], 1: [len(dims) - 1], 2: list(range(len(dims)))}[which]
+    x, y = _rand(dims, 8), _rand(dims, 9)
+    with FusionDefinition() as fd:
+        t0 = fd.define_tensor([-1] * len(dims))
+        t1 = fd.define_tensor([-1] * len(dims))
+        m = fd.ops.gt(t1, 0.0)
+        fd.add_output(fd.ops.sum(fd.ops.where(m, t0, 0.0), dims=axes))
+        fd.add_output(fd.ops.sum(fd.ops.cast(m, DataType.Float), dims=axes))
+        fd.add_output(fd.ops.max(t1, dims=axes))
+    xd, yd = x.astype(np.float64), y.astype(np.float64)
+    ax = tuple(axes)
+    return fd, [x, y], [np.where(yd > 0, xd, 0.0).sum(axis=ax), (yd > 0).sum(axis=ax).astype(np.float64),
+                        yd.max(axis=ax)]
+
+
+SIBLINGS = [(w, *d) for w in (0, 1, 2) for d in [(5, 3), (1, 7), (33, 129), (4, 1)]] + [(2, 37), (2, 1)]
+
+
 CASES: List[Tuple[Build, Tuple[int, ...]]] = (
     [(unrelated_output_beside_reduction, s) for s in SHAPES_3D]
     + [(keepdim_statistic_into_full_reduction, s) for s in SHAPES_2D]
     + [(reduction_of_a_broadcast, s) for s in SHAPES_2D]
     + [(shared_broadcast_output, s) for s in SHAPES_4D]
     + [(per_row_output_read_back, s) for s in SHAPES_4D + SHAPES_2D]
+    + [(sibling_reductions, s) for s in SIBLINGS]
 )
 
 
@@ -149,3 +175,9 @@ def test_rule_holds_on_gpu(case: Tuple[Build, Tuple[int, ...]]) -> None:
     fd, inputs, want = build(shape)
     outs = fd.execute([cp.asarray(a) for a in inputs])
     _check([cp.asnumpy(o) for o in outs], want)
+
+
+@pytest.mark.parametrize("shape", SIBLINGS, ids=lambda s: "x".join(map(str, s)))
+def test_sibling_reductions_share_one_kernel(shape: Tuple[int, ...]) -> None:
+    fd, inputs, _ = sibling_reductions(shape)
+    assert len(fd.lower(inputs).kernels) == 1

@@ -19,8 +19,8 @@ use crate::host::ir::HostProgram;
 use crate::host::lower::lower_segments;
 use crate::host::segment::{segment_fusion, segment_of, Segment};
 use crate::ir::{ExprId, Fusion, TvId};
-use crate::sched::auto::registry::{kind_index, schedule_fusion};
-use crate::sched::auto::{extent_values, refused, tensor_sizes, Ctx, DeviceProps, Heuristic, Refusal};
+use crate::sched::auto::registry::schedule_fusion;
+use crate::sched::auto::{extent_values, refused, tensor_sizes, Ctx, DeviceProps, Heuristic, Params, Refusal};
 
 /// A group the schedulers covered: its segment's scheduled fusion and heuristic.
 #[derive(Clone)]
@@ -45,7 +45,7 @@ fn try_group(f: &Fusion, order: &[ExprId], group: &[ExprId], cx: &Ctx) -> Result
     match lowered {
         Ok(()) => Ok(Ok(Covered { fusion: sf, heuristic })),
         Err(e) if e.kind == ErrorKind::Internal => Err(e),
-        Err(e) => Ok(Err(format!("the {} schedule does not lower: {}", heuristic.kind, e.message))),
+        Err(e) => Ok(Err(format!("the {} schedule does not lower: {}", heuristic.kind(), e.message))),
     }
 }
 
@@ -70,7 +70,7 @@ pub fn auto_program(
     crate::sched::auto::canonical::sink_broadcasts(&mut g)?;
     let order = g.topo_exprs();
     if order.is_empty() {
-        return Ok((crate::host::lower::lower_program(&g)?, Heuristic { kind: "empty", params: Vec::new() }));
+        return Ok((crate::host::lower::lower_program(&g)?, Heuristic::new(Params::Empty)));
     }
     let mut report = String::new();
     if g.segment_after.is_empty() {
@@ -93,23 +93,19 @@ pub fn auto_program(
     }
     let (groups, covered) = merge_groups(&g, &order, &cx, &mut report)?;
     let segs: Vec<Segment> = groups.iter().map(|grp| segment_of(&g, grp, &order)).collect::<Result<_>>()?;
-    let mut params = Vec::new();
+    let mut parts = Vec::new();
     let _ = writeln!(report, "segments: {} kernels", groups.len());
     for (k, grp) in groups.iter().enumerate() {
         let h = &covered[k].heuristic;
         let _ = writeln!(report, "  segment {k}: {} {}", h.describe(), group_text(&g, grp));
-        params.push(kind_index(h.kind));
-        params.push(grp.len() as i64);
-        params.extend(grp.iter().map(|e| e.as_u32() as i64));
-        params.push(h.params.len() as i64);
-        params.extend(&h.params);
+        parts.push((grp.iter().map(|e| e.as_u32()).collect(), h.clone()));
     }
     let mut program = lower_segments(&g, &segs, &mut |k, sf| {
         *sf = covered[k].fusion.clone();
         Ok(())
     })?;
     program.segmentation = report;
-    Ok((program, Heuristic { kind: "segmented", params }))
+    Ok((program, Heuristic::new(Params::Segmented(parts))))
 }
 
 /// `{T3 = sum(T2), T4 = mul(T3, ..)}`-style short listing of a group's results.
@@ -243,7 +239,8 @@ fn group_index(groups: &[Option<Vec<ExprId>>]) -> FxHashMap<ExprId, usize> {
 
 /// Pairs of groups worth merging, best first: `(bytes saved, a, b)` with `a < b`.
 /// Producer and consumer save the intermediate's read (and its write when nothing else
-/// needs it in Global); two readers of one tensor save one read of it.
+/// needs it in Global); two readers of one tensor save one read of it; two producers of
+/// one consumer save a launch.
 fn candidates(
     f: &Fusion,
     order: &[ExprId],
@@ -284,6 +281,26 @@ fn candidates(
                 if Some(i) != producer && Some(j) != producer {
                     *saved.entry((i.min(j), i.max(j))).or_default() += b;
                 }
+            }
+        }
+    }
+    // Groups feeding one consumer (a sum and a count that a division reads) save no traffic
+    // when merged, but a launch: tried after every merge that saves bytes.
+    let mut fed_by: FxHashMap<usize, Vec<usize>> = FxHashMap::default();
+    for (&t, rs) in &readers {
+        if let Some(p) = f.tvs[t].definition.and_then(|d| group_of.get(&d).copied()) {
+            for &c in rs {
+                let v = fed_by.entry(c).or_default();
+                if c != p && !v.contains(&p) {
+                    v.push(p);
+                }
+            }
+        }
+    }
+    for ps in fed_by.values() {
+        for (x, &i) in ps.iter().enumerate() {
+            for &j in &ps[x + 1..] {
+                saved.entry((i.min(j), i.max(j))).or_insert(0);
             }
         }
     }

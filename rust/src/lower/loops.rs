@@ -98,9 +98,23 @@ pub fn run(f: &mut Fusion, lg: &LoopGraph, order: &[ExprId]) -> Result<(Vec<Node
     let mut body: Vec<Node> = Vec::new();
     let mut opened: FxHashSet<usize> = FxHashSet::default();
     let mut next_index = 0u32;
-    for &e in order {
+    let paths: Vec<Vec<usize>> = order
+        .iter()
+        .map(|&e| {
+            let out = f.exprs[e].output;
+            (0..f.tvs[out].loop_domain.len()).map(|a| lg.group(out, a)).collect()
+        })
+        .collect();
+    // The last expr (by position in `order`) whose loops include each group.
+    let mut last_need: FxHashMap<usize, usize> = FxHashMap::default();
+    for (i, p) in paths.iter().enumerate() {
+        for &g in p {
+            last_need.insert(g, i);
+        }
+    }
+    for (i, &e) in order.iter().enumerate() {
         let out = f.exprs[e].output;
-        let path: Vec<usize> = (0..f.tvs[out].loop_domain.len()).map(|a| lg.group(out, a)).collect();
+        let path = &paths[i];
         let mut cur = &mut body;
         let mut k = 0;
         while k < path.len() {
@@ -112,7 +126,22 @@ pub fn run(f: &mut Fusion, lg: &LoopGraph, order: &[ExprId]) -> Result<(Vec<Node
             cur = &mut l.body;
             k += 1;
         }
-        for &g in &path[k..] {
+        if k == path.len() {
+            // An expr outside a thread-parallel loop that later exprs still need (a per-row
+            // value between two block reductions of the same row) goes inside it rather
+            // than closing it: a thread loop runs once per thread, so each thread computes
+            // the value redundantly (one of them stores it), and the loop stays open.
+            loop {
+                let descend = matches!(cur.last(), Some(Node::Loop(l))
+                    if l.parallel.is_thread() && l.group.and_then(|g| last_need.get(&g)).is_some_and(|&j| j > i));
+                if !descend {
+                    break;
+                }
+                let Some(Node::Loop(l)) = cur.last_mut() else { unreachable!("checked above") };
+                cur = &mut l.body;
+            }
+        }
+        for &g in path[k..].iter() {
             if !opened.insert(g) {
                 let (tv, axis) = lg.groups[g].members[0];
                 bail!(

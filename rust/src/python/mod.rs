@@ -458,7 +458,7 @@ impl PyFusion {
         guarded(py, || {
             let mut f = self.inner.clone();
             let h = crate::sched::auto::schedule(&mut f, &sizes)?;
-            Ok((PyFusion { inner: f, version: 0 }, h.kind, h.params))
+            Ok((PyFusion { inner: f, version: 0 }, h.kind(), h.values()))
         })
     }
 
@@ -492,7 +492,7 @@ impl PyFusion {
                 None => crate::sched::auto::DeviceProps::default(),
             };
             let (p, h) = crate::host::segmenter::auto_program(&self.inner, &sizes, &scalars, aligned_bases, device)?;
-            Ok((PyHostProgram { inner: p, cache: crate::host::plan::PlanCache::default() }, h.kind, h.params))
+            Ok((PyHostProgram { inner: p, cache: crate::host::plan::PlanCache::default() }, h.kind(), h.values()))
         })
     }
 

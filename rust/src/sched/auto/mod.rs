@@ -43,17 +43,105 @@ pub(crate) fn moves_to(perm: &[usize]) -> Vec<(i64, i64)> {
     perm.iter().enumerate().map(|(to, &from)| (from as i64, to as i64)).collect()
 }
 
-/// What the scheduler decided, as a cache key and a readable description.
+/// What one scheduler decided: typed, hashable, part of every plan key.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Params {
+    /// A fusion without exprs.
+    Empty,
+    /// A single element: one thread computes it.
+    Scalar,
+    /// Element-wise over the flattened output: `[blocks, unswitch, unroll, threads, vector]`.
+    Pointwise { vector: i64, threads: i64, unroll: i64 },
+    /// Element-wise over `[rows, cols]` with a broadcast operand loaded once per vector:
+    /// `[rows/unroll (BIDy), unroll, cols/(threads*vector) (BIDx), threads, vector]`.
+    Pointwise2d { vector: i64, threads: i64, unroll: i64 },
+    /// A permute that moves the last axis, copied element-wise in the output's order.
+    StridedPermute { vector: i64, threads: i64, unroll: i64 },
+    /// One block per kept row; each thread accumulates `vector`-wide loads serially.
+    InnerReduction { vector: i64, threads: i64 },
+    /// Threads along the kept last axis, `rows` thread rows (TIDy), `grid` blocks along the
+    /// reduced axes (a grid reduction when above one), `serial` steps of `unroll` rows.
+    OuterReduction { threads: i64, rows: i64, grid: i64, serial: i64, unroll: i64 },
+    /// Everything into one value: `grid` blocks of `threads`, `serial` steps of `unroll`
+    /// vectors of `vector`, then a grid reduction.
+    FullReduction { threads: i64, vector: i64, grid: i64, serial: i64, unroll: i64 },
+    /// One block per row, the row kept in registers: `per_thread` vectors of `vector`.
+    Normalization { vector: i64, per_thread: i64 },
+    /// Shared-memory tiles of `tile` x `tile`, `threads` per block, `vector`-wide accesses.
+    Transpose { tile: i64, threads: i64, vector: i64 },
+    /// Several kernels: each group's expr ids and the heuristic it got.
+    Segmented(Vec<(Vec<u32>, Heuristic)>),
+}
+
+/// A scheduler's decisions plus the extents it made constants of the kernel (`(n, value)`
+/// for extent `i{n}`): the plan-cache key of one kernel (or host program).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Heuristic {
-    pub kind: &'static str,
-    pub params: Vec<i64>,
+    pub params: Params,
+    pub specialized: Vec<(u32, i64)>,
 }
 
 impl Heuristic {
-    /// `pointwise(v=4, t=128, u=2)`-style description.
+    /// A heuristic with no specialized extents.
+    pub fn new(params: Params) -> Self {
+        Self { params, specialized: Vec::new() }
+    }
+
+    /// Name of the schedule, as printed in dumps (`pointwise`, `inner_reduction`, ...).
+    pub fn kind(&self) -> &'static str {
+        match self.params {
+            Params::Empty => "empty",
+            Params::Scalar | Params::Pointwise { .. } | Params::Pointwise2d { .. } => "pointwise",
+            Params::StridedPermute { .. } => "strided_permute",
+            Params::InnerReduction { .. } => "inner_reduction",
+            Params::OuterReduction { .. } => "outer_reduction",
+            Params::FullReduction { .. } => "full_reduction",
+            Params::Normalization { .. } => "normalization",
+            Params::Transpose { .. } => "transpose",
+            Params::Segmented(_) => "segmented",
+        }
+    }
+
+    /// The parameters as integers (the Python side's plan key and dumps): the scheduler's
+    /// values in declaration order, then `-1 - n, value` per specialized extent.
+    pub fn values(&self) -> Vec<i64> {
+        let mut v = match &self.params {
+            Params::Empty => Vec::new(),
+            Params::Scalar => vec![0],
+            Params::Pointwise { vector, threads, unroll } => vec![*vector, *threads, *unroll, 1],
+            Params::Pointwise2d { vector, threads, unroll } => vec![*vector, *threads, *unroll, 2],
+            Params::StridedPermute { vector, threads, unroll } => vec![*vector, *threads, *unroll, 1],
+            Params::InnerReduction { vector, threads } => vec![*vector, *threads],
+            Params::OuterReduction { threads, rows, grid, serial, unroll } => {
+                vec![*threads, *rows, *grid, *serial, *unroll]
+            }
+            Params::FullReduction { threads, vector, grid, serial, unroll } => {
+                vec![*threads, *vector, *grid, *serial, *unroll]
+            }
+            Params::Normalization { vector, per_thread } => vec![*vector, *per_thread],
+            Params::Transpose { tile, threads, vector } => vec![*tile, *threads, *vector],
+            Params::Segmented(groups) => {
+                let mut out = Vec::new();
+                for (exprs, h) in groups {
+                    let inner = h.values();
+                    out.push(registry::kind_index(h.kind()));
+                    out.push(exprs.len() as i64);
+                    out.extend(exprs.iter().map(|&e| e as i64));
+                    out.push(inner.len() as i64);
+                    out.extend(inner);
+                }
+                out
+            }
+        };
+        for &(n, value) in &self.specialized {
+            v.extend([-1 - n as i64, value]);
+        }
+        v
+    }
+
+    /// `pointwise[4, 128, 1, 1]`-style description.
     pub fn describe(&self) -> String {
-        format!("{}{:?}", self.kind, self.params)
+        format!("{}{:?}", self.kind(), self.values())
     }
 }
 
@@ -133,16 +221,29 @@ fn broadcast_input(f: &Fusion, t: TvId) -> bool {
 /// on data. Returns `(n, value)` pairs for the heuristic's cache key, since the kernel
 /// now only runs on inputs of these sizes.
 /// The first of `tensors` whose logical axes do not line up with `reference`, position
-/// by position: another rank, or an iteration axis that is not the reference's axis at
-/// that place (in the broadcast-permissive id graph). Schedulers replay one loop structure
-/// positionally on every tensor, so such a tensor (an output computed from unrelated
-/// inputs, a broadcast that lands on other axes) would be iterated by the wrong loops.
-pub(crate) fn misaligned(f: &Fusion, reference: &[IterDomainId], tensors: &[TvId]) -> Option<TvId> {
+/// by position: another rank, or an iteration axis that is neither the reference's axis at
+/// that place (in the broadcast-permissive id graph) nor of the same size for the inputs at
+/// hand. Schedulers replay one loop structure positionally on every tensor, so such a
+/// tensor (an output computed from unrelated inputs of another shape, a broadcast that
+/// lands on other axes) would be iterated by the wrong loops. Unmapped axes of equal size
+/// are fine: each tensor indexes with its own extents (two sums over `[B]` rows that a
+/// kernel boundary separated from each other's definitions).
+pub(crate) fn misaligned(f: &Fusion, cx: &Ctx, reference: &[IterDomainId], tensors: &[TvId]) -> Option<TvId> {
     let graph = crate::analysis::id_graph::IdGraph::permissive(f);
+    let env = |s: Symbol| match s {
+        Symbol::Extent(n) => cx.extents.get(n as usize).copied(),
+        Symbol::ScalarInput(n) => cx.scalars.get(n as usize).copied().flatten(),
+        _ => None,
+    };
+    let size = |id: IterDomainId| f.scalars.eval(f.ids[id].extent, &env).ok();
     tensors.iter().copied().find(|&t| {
         let l = &f.tvs[t].logical;
         l.len() != reference.len()
-            || l.iter().zip(reference).any(|(&id, &r)| f.ids[id].iter_type != IterType::Broadcast && !graph.same(id, r))
+            || l.iter().zip(reference).any(|(&id, &r)| {
+                f.ids[id].iter_type != IterType::Broadcast
+                    && !graph.same(id, r)
+                    && (size(id).is_none() || size(id) != size(r))
+            })
     })
 }
 
@@ -155,7 +256,7 @@ pub(crate) fn full_size_input(f: &Fusion, x: TvId, n: usize) -> bool {
     l.len() == n && l.iter().all(|&id| f.ids[id].iter_type != IterType::Broadcast)
 }
 
-pub(crate) fn specialize_reduced_extents(f: &mut Fusion, reductions: &[ExprId], extents: &[i64]) -> Vec<i64> {
+pub(crate) fn specialize_reduced_extents(f: &mut Fusion, reductions: &[ExprId], extents: &[i64]) -> Vec<(u32, i64)> {
     let mut reduced = Vec::new();
     for &e in reductions {
         let r = f.exprs[e].output;
@@ -166,7 +267,7 @@ pub(crate) fn specialize_reduced_extents(f: &mut Fusion, reductions: &[ExprId], 
 
 /// Make the extents of `ids` (and of every id exactly mapped to one of them) constants of
 /// the kernel; returns `(n, value)` pairs for the heuristic's cache key.
-pub(crate) fn specialize_extents(f: &mut Fusion, ids: &[IterDomainId], extents: &[i64]) -> Vec<i64> {
+pub(crate) fn specialize_extents(f: &mut Fusion, ids: &[IterDomainId], extents: &[i64]) -> Vec<(u32, i64)> {
     let graph = crate::analysis::id_graph::IdGraph::exact(f);
     let mut syms: Vec<u32> = Vec::new();
     for id in f.ids.keys() {
@@ -183,7 +284,7 @@ pub(crate) fn specialize_extents(f: &mut Fusion, ids: &[IterDomainId], extents: 
     let mut key = Vec::new();
     for n in syms {
         f.specialize_extent(n, extents[n as usize]);
-        key.extend([-1 - n as i64, extents[n as usize]]);
+        key.push((n, extents[n as usize]));
     }
     key
 }

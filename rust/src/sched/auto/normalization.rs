@@ -7,10 +7,12 @@
 //! and again after it stay in registers (inlined at 2); weights broadcast over rows load
 //! one vector at a time (inlined at 3, vectorized); the rest inline fully.
 
+use rustc_hash::FxHashMap;
+
 use crate::bail;
 use crate::error::Result;
 use crate::ir::{ExprId, Fusion, IterType, Op, Operand, ParallelType, TvId};
-use crate::sched::auto::{broadcast_input, tensor_sizes, Ctx, Heuristic};
+use crate::sched::auto::{broadcast_input, tensor_sizes, Ctx, Heuristic, Params};
 
 /// Merge the leading axes into rows and the trailing `k` axes into one.
 fn rows_and_row(f: &mut Fusion, t: TvId, k: usize) -> Result<()> {
@@ -129,7 +131,9 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     };
     let (rows, full_rank): (Vec<TvId>, Vec<TvId>) = tensors.iter().partition(|&&t| per_row(f, t));
     let kept_axes = f.no_reduction_logical(r0);
-    if let Some(t) = super::misaligned(f, &logical, &full_rank).or_else(|| super::misaligned(f, &kept_axes, &rows)) {
+    if let Some(t) =
+        super::misaligned(f, cx, &logical, &full_rank).or_else(|| super::misaligned(f, cx, &kept_axes, &rows))
+    {
         bail!(
             "{}: its axes do not line up with the normalization's ({} has rank {n}); it needs a kernel of its own",
             f.tv_name(t),
@@ -183,7 +187,21 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     // thread, on top of roughly 32 for indices and the reductions. A block needing more
     // than the device's registers per block fails to launch, so such rows are refused
     // (the segmenter then streams them through separate kernels).
-    let kept = tensors.iter().filter(|&&t| f.tvs[t].inline_pos == 2).count() as i64;
+    // A kept tensor occupies its registers from its definition to its last reader; what
+    // is live across a reduction (the block waits there with every row value it still
+    // needs) is the most a thread holds at once.
+    let order = f.topo_exprs();
+    let at: FxHashMap<TvId, usize> = order.iter().enumerate().map(|(i, &e)| (f.exprs[e].output, i)).collect();
+    let held: Vec<TvId> = tensors.iter().copied().filter(|&t| f.tvs[t].inline_pos == 2).collect();
+    let last_use = |t: TvId| f.tvs[t].uses.iter().filter_map(|u| at.get(&f.exprs[*u].output)).max().copied();
+    let kept = order
+        .iter()
+        .enumerate()
+        .filter(|(_, &e)| matches!(f.exprs[e].op, Op::Reduction { .. }))
+        .map(|(i, _)| held.iter().filter(|&&t| at[&t] < i && last_use(t).is_some_and(|l| l > i)).count())
+        .max()
+        .unwrap_or(0)
+        .max(held.len().min(1)) as i64;
     let threads = (row / v + p - 1) / p;
     let regs = kept.max(1) * p * v + 32;
     if regs > 255 || threads * regs > cx.device.registers_per_block {
@@ -193,5 +211,5 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
             cx.device.registers_per_block
         );
     }
-    Ok(Heuristic { kind: "normalization", params: vec![v, p] })
+    Ok(Heuristic::new(Params::Normalization { vector: v, per_thread: p }))
 }

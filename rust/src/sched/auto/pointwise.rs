@@ -11,7 +11,7 @@
 use crate::bail;
 use crate::error::Result;
 use crate::ir::{ExprId, Fusion, IterType, Op, Operand, ParallelType, TvId};
-use crate::sched::auto::{broadcast_input, tensor_sizes, Ctx, Heuristic};
+use crate::sched::auto::{broadcast_input, tensor_sizes, Ctx, Heuristic, Params};
 
 /// Merge all loop axes of `t` into one, then split it as `[rest, u, threads, v]`.
 pub fn flatten_and_split(f: &mut Fusion, t: TvId, v: i64, threads: i64, unroll: i64) -> Result<()> {
@@ -75,7 +75,9 @@ pub fn single_permute(f: &Fusion) -> Option<(ExprId, Vec<usize>)> {
 /// the tiled transpose does not take (its tiles would span a size-one axis).
 pub fn schedule_strided_permute(f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
     let mut h = schedule_with(f, cx, true)?;
-    h.kind = "strided_permute";
+    if let Params::Pointwise { vector, threads, unroll } = h.params {
+        h.params = Params::StridedPermute { vector, threads, unroll };
+    }
     Ok(h)
 }
 
@@ -112,7 +114,7 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
                 f.inline_at(t, -1)?;
             }
         }
-        return Ok(Heuristic { kind: "pointwise", params: vec![0] });
+        return Ok(Heuristic::new(Params::Scalar));
     }
     let numel: i64 = sizes.iter().product();
     let permute = if any_permute { single_permute(f) } else { kept_last_permute(f) };
@@ -262,9 +264,7 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
                     f.inline_at(t, pos)?;
                 }
             }
-            let mut params = vec![v, t2, u2, 2];
-            params.extend(specialized);
-            return Ok(Heuristic { kind: "pointwise", params });
+            return Ok(Heuristic { params: Params::Pointwise2d { vector: v, threads: t2, unroll: u2 }, specialized });
         }
     }
     for &t in &tensors {
@@ -287,7 +287,7 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
             f.inline_at(t, -1)?;
         }
     }
-    Ok(Heuristic { kind: "pointwise", params: vec![v, threads, unroll, 1] })
+    Ok(Heuristic::new(Params::Pointwise { vector: v, threads, unroll }))
 }
 
 /// Largest gridDim.y (and z) a launch may have.

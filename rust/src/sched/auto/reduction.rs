@@ -15,7 +15,7 @@
 use crate::bail;
 use crate::error::Result;
 use crate::ir::{ExprId, Fusion, IterType, Op, Operand, ParallelType, TvId};
-use crate::sched::auto::{tensor_sizes, Ctx, Heuristic};
+use crate::sched::auto::{tensor_sizes, Ctx, Heuristic, Params};
 
 fn merge_range(f: &mut Fusion, t: TvId, start: usize, count: usize) -> Result<()> {
     for _ in 1..count {
@@ -27,14 +27,14 @@ fn merge_range(f: &mut Fusion, t: TvId, start: usize, count: usize) -> Result<()
 /// The computed tensors other than `r` that do not depend on `r` (its producers, and
 /// outputs computed from the same inputs beside it: scheduled like its input) and those
 /// that do (ops on its result), each in dependency order.
-fn by_dependence(f: &Fusion, r: TvId) -> (Vec<TvId>, Vec<TvId>) {
+fn by_dependence(f: &Fusion, rs: &[TvId]) -> (Vec<TvId>, Vec<TvId>) {
     let (mut before, mut after) = (Vec::new(), Vec::new());
     for e in f.topo_exprs() {
         let o = f.exprs[e].output;
-        if o == r {
+        if rs.contains(&o) {
             continue;
         }
-        if f.exprs[e].input_tvs().any(|t| t == r || after.contains(&t)) {
+        if f.exprs[e].input_tvs().any(|t| rs.contains(&t) || after.contains(&t)) {
             after.push(o);
         } else {
             before.push(o);
@@ -43,12 +43,26 @@ fn by_dependence(f: &Fusion, r: TvId) -> (Vec<TvId>, Vec<TvId>) {
     (before, after)
 }
 
-/// Schedule a fusion whose only reduction is expr `red`.
-pub fn schedule(f: &mut Fusion, cx: &Ctx, red: ExprId) -> Result<Heuristic> {
-    let r = f.exprs[red].output;
+/// Schedule a fusion whose reductions are the exprs `reds`: one, or siblings that reduce
+/// the same axes of tensors of one shape and do not read each other (a sum and a count
+/// side by side), which share every loop.
+pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> {
+    let rs: Vec<TvId> = reds.iter().map(|&e| f.exprs[e].output).collect();
+    let r = rs[0];
     let logical = f.tvs[r].logical.clone();
     let n = logical.len();
     let mut is_red: Vec<bool> = logical.iter().map(|&id| f.ids[id].iter_type == IterType::Reduction).collect();
+    for &o in &rs[1..] {
+        let same = f.tvs[o].logical.len() == n
+            && f.tvs[o].logical.iter().map(|&id| f.ids[id].iter_type == IterType::Reduction).eq(is_red.iter().copied());
+        if !same {
+            bail!(
+                "{}: it reduces other axes than {}; sibling reductions must reduce the same ones",
+                f.tv_name(o),
+                f.tv_name(r)
+            );
+        }
+    }
     let mut sizes = tensor_sizes(f, cx, r)?;
     let k = is_red.iter().filter(|&&b| b).count();
     // Reduced axes between kept ones ([B, R, I] summed over R): permute the loop domains so
@@ -76,8 +90,12 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, red: ExprId) -> Result<Heuristic> {
     let keep_size: i64 = sizes.iter().zip(&is_red).filter(|(_, &b)| !b).map(|(s, _)| *s).product();
 
     // Tensors before the reduction (same rank as its input) and after it.
-    let (before, after) = by_dependence(f, r);
-    if let Some(t) = super::misaligned(f, &logical, &before) {
+    let (before, after) = by_dependence(f, &rs);
+    if let Some(o) = rs.iter().copied().find(|&o| by_dependence(f, &[o]).1.iter().any(|t| rs.contains(t))) {
+        bail!("{}: a reduction reads it; reductions of reductions need a kernel each", f.tv_name(o));
+    }
+    let checked: Vec<TvId> = before.iter().chain(&rs[1..]).copied().collect();
+    if let Some(t) = super::misaligned(f, cx, &logical, &checked) {
         bail!(
             "{}: its axes do not line up with those of the reduction {}'s input; it needs a kernel of its own",
             f.tv_name(t),
@@ -117,7 +135,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, red: ExprId) -> Result<Heuristic> {
     }
     let kept: Vec<_> = f.no_reduction_logical(r);
     let (narrow, wide): (Vec<TvId>, Vec<TvId>) = after.iter().partition(|&&t| f.tvs[t].logical.len() == n - k);
-    if let Some(t) = super::misaligned(f, &kept, &narrow).or_else(|| super::misaligned(f, &logical, &wide)) {
+    if let Some(t) = super::misaligned(f, cx, &kept, &narrow).or_else(|| super::misaligned(f, cx, &logical, &wide)) {
         bail!(
             "{}: its axes do not line up with the kept axes of the reduction {}; it needs a kernel of its own",
             f.tv_name(t),
@@ -127,7 +145,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, red: ExprId) -> Result<Heuristic> {
 
     let widest = f.tvs.values().map(|t| t.dtype.size_bytes()).max().unwrap_or(4) as i64;
     if k == n {
-        return full(f, cx, r, &after, red_size);
+        return full(f, cx, &rs, &after, red_size);
     }
     if inner {
         // Vector loads along the reduced axes, one block per kept row. After a permutation
@@ -153,8 +171,8 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, red: ExprId) -> Result<Heuristic> {
                 caches.push(c);
             }
         }
-        let pre = by_dependence(f, r).0;
-        for &x in pre.iter().chain(std::iter::once(&r)) {
+        let pre = by_dependence(f, &rs).0;
+        for &x in pre.iter().chain(&rs) {
             permute(f, x)?;
             merge_range(f, x, 0, n - k)?;
             merge_range(f, x, 1, k)?;
@@ -170,8 +188,8 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, red: ExprId) -> Result<Heuristic> {
         for &x in &pre {
             f.inline_at(x, -1)?;
         }
-        inline_into_after(f, r, &after)?;
-        return Ok(Heuristic { kind: "inner_reduction", params: vec![v, t] });
+        inline_into_after(f, &rs, &after)?;
+        return Ok(Heuristic::new(Params::InnerReduction { vector: v, threads: t }));
     }
     if outer {
         let t = if keep_size >= 128 { 128 } else { (keep_size.max(32) as u64).next_power_of_two() as i64 };
@@ -190,7 +208,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, red: ExprId) -> Result<Heuristic> {
             1
         };
         let s = ((red_size + g * ty * u - 1) / (g * ty * u)).max(1);
-        for &x in before.iter().chain(std::iter::once(&r)) {
+        for &x in before.iter().chain(&rs) {
             permute(f, x)?;
             merge_range(f, x, 0, k)?;
             merge_range(f, x, 1, n - k)?;
@@ -222,14 +240,16 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, red: ExprId) -> Result<Heuristic> {
             f.inline_at(x, -1)?;
         }
         if !after.is_empty() {
-            f.inline_at(r, 2)?;
+            for &x in &rs {
+                f.inline_at(x, 2)?;
+            }
         }
         for &x in &after {
             if !f.is_output(x) {
                 f.inline_at(x, -1)?;
             }
         }
-        return Ok(Heuristic { kind: "outer_reduction", params: vec![t, ty, g, s, u] });
+        return Ok(Heuristic::new(Params::OuterReduction { threads: t, rows: ty, grid: g, serial: s, unroll: u }));
     }
     bail!("internal: {}: the reduced axes are neither leading nor trailing after the permutation", f.tv_name(r))
 }
@@ -259,9 +279,11 @@ fn schedule_after(f: &mut Fusion, after: &[TvId], rank: usize) -> Result<()> {
     Ok(())
 }
 
-fn inline_into_after(f: &mut Fusion, r: TvId, after: &[TvId]) -> Result<()> {
+fn inline_into_after(f: &mut Fusion, rs: &[TvId], after: &[TvId]) -> Result<()> {
     if !after.is_empty() {
-        f.inline_at(r, 1)?;
+        for &r in rs {
+            f.inline_at(r, 1)?;
+        }
     }
     for &x in after {
         if !f.is_output(x) {
@@ -272,7 +294,8 @@ fn inline_into_after(f: &mut Fusion, r: TvId, after: &[TvId]) -> Result<()> {
 }
 
 /// Everything reduced: a grid of blocks each summing a strided share.
-fn full(f: &mut Fusion, cx: &Ctx, r: TvId, after: &[TvId], total: i64) -> Result<Heuristic> {
+fn full(f: &mut Fusion, cx: &Ctx, rs: &[TvId], after: &[TvId], total: i64) -> Result<Heuristic> {
+    let r = rs[0];
     let n = f.tvs[r].loop_domain.len();
     let t = 512;
     let widest = f.tvs.values().map(|t| t.dtype.size_bytes()).max().unwrap_or(4) as i64;
@@ -297,8 +320,8 @@ fn full(f: &mut Fusion, cx: &Ctx, r: TvId, after: &[TvId], total: i64) -> Result
             caches.push(c);
         }
     }
-    let pre = by_dependence(f, r).0;
-    for &x in pre.iter().chain(std::iter::once(&r)) {
+    let pre = by_dependence(f, rs).0;
+    for &x in pre.iter().chain(rs) {
         merge_range(f, x, 0, n)?;
         f.split(x, 0, v, true)?; // [N/v, v]
         f.split(x, 0, t, true)?; // [N/(t v), t, v]
@@ -319,5 +342,5 @@ fn full(f: &mut Fusion, cx: &Ctx, r: TvId, after: &[TvId], total: i64) -> Result
     if !after.is_empty() {
         bail!("{}: ops after a full reduction are not covered by the automatic schedule", f.tv_name(r));
     }
-    Ok(Heuristic { kind: "full_reduction", params: vec![t, v, g, s, u] })
+    Ok(Heuristic::new(Params::FullReduction { threads: t, vector: v, grid: g, serial: s, unroll: u }))
 }

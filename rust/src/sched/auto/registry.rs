@@ -146,14 +146,22 @@ impl Scheduler for Reduction {
         if s.permutes > 0 {
             return Err("the fusion has a permute".into());
         }
-        if s.reductions.len() != 1 {
-            return Err(format!("{} reductions (one is covered)", s.reductions.len()));
+        let pattern = |e: ExprId| -> Vec<bool> {
+            let o = f.exprs[e].output;
+            f.tvs[o].logical.iter().map(|&id| f.ids[id].iter_type == crate::ir::IterType::Reduction).collect()
+        };
+        match s.reductions.as_slice() {
+            [] => Err("the fusion has no reduction".into()),
+            [first, rest @ ..] if rest.iter().all(|&e| pattern(e) == pattern(*first)) => Ok(()),
+            _ => Err(format!(
+                "{} reductions of different axes (one, or siblings of the same axes, are covered)",
+                s.reductions.len()
+            )),
         }
-        Ok(())
     }
     fn schedule(&self, f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
-        let r = shape(f).reductions[0];
-        reduction::schedule(f, cx, r)
+        let reds = shape(f).reductions;
+        reduction::schedule(f, cx, &reds)
     }
 }
 
@@ -252,7 +260,7 @@ pub fn schedule_fusion(out: &mut Fusion, cx: &Ctx) -> Result<std::result::Result
         match s.schedule(&mut g, cx) {
             Ok(mut h) => {
                 super::settle_inlining(&mut g);
-                h.params.extend(specialized);
+                h.specialized.extend(specialized);
                 *out = g;
                 return Ok(Ok(h));
             }

@@ -7,7 +7,7 @@
 use crate::bail;
 use crate::error::Result;
 use crate::ir::{Fusion, IterType, MemoryType, Op, ParallelType, TvId};
-use crate::sched::auto::{tensor_sizes, Ctx, Heuristic};
+use crate::sched::auto::{tensor_sizes, Ctx, Heuristic, Params};
 
 /// A tensor of the transpose, its reorder within the 2-D tile frame, and the axis order
 /// that brings it into that frame (batch axes first).
@@ -138,5 +138,5 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
             f.inline_at(t, -1)?;
         }
     }
-    Ok(Heuristic { kind: "transpose", params: vec![tile, threads, v] })
+    Ok(Heuristic::new(Params::Transpose { tile, threads, vector: v }))
 }
