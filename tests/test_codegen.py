@@ -24,7 +24,7 @@ def test_scenario_generates_and_compiles(build):
     arrays = sc.make_inputs(np)
     k = sc.fd.lower(arrays).kernels[0]
     src = k.cuda_source
-    assert re.search(r'extern "C" __global__ void (__maxnreg__\(\d+\) )?kiln_kernel\(', src)
+    assert 'extern "C" __global__ void kiln_kernel(' in src
     if nvrtc_available():
         res = compile_cubin(src, k.kernel_name, arch="sm_90")
         assert res.spills.get("kiln_kernel", 0) == 0

@@ -220,8 +220,7 @@ def test_kiln_dump_cuda_prints_each_generated_kernel_once(
     src = k.cuda_source
     assert k.cuda_source == src  # cached: printed once
     out = capfd.readouterr().out
-    signature = rf'extern "C" __global__ void (__maxnreg__\(\d+\) )?{k.kernel_name}\('
-    assert len(re.findall(signature, out)) == 1, out
+    assert out.count(f'extern "C" __global__ void {k.kernel_name}(') == 1, out
     assert "64-bit indexing" in out
     # The kernel, not the runtime header in front of it.
     body = src[src.index('extern "C" __global__'):]

@@ -238,17 +238,7 @@ pub fn generate(k: &Kernel, index32: bool) -> Result<CudaKernel> {
         })
         .collect();
     let _ = writeln!(g.out, "typedef {} kiln_index_t;", if index32 { "int" } else { "int64_t" });
-    // A block of more than 256 threads (65536 registers / 255) can fail to launch with
-    // CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES at the registers nvcc picks by default; with the
-    // block size known here, `__maxnreg__` caps them at what such a block can launch with
-    // (a kernel needing more spills instead). `__launch_bounds__` would also cap them, but
-    // ptxas then trades registers for occupancy and spills kernels that fit.
-    let threads: Option<i64> = k.launch.block.iter().map(|&b| f.scalars.as_int(b)).product();
-    let bounds = match threads {
-        Some(t) if (257..=1024).contains(&t) => format!("__maxnreg__({}) ", (65_536 / t) / 8 * 8),
-        _ => String::new(),
-    };
-    let _ = writeln!(g.out, "extern \"C\" __global__ void {bounds}{KERNEL_NAME}({}) {{", sig.join(", "));
+    let _ = writeln!(g.out, "extern \"C\" __global__ void {KERNEL_NAME}({}) {{", sig.join(", "));
     g.out.push_str("  extern __shared__ __align__(16) char kiln_smem[];\n");
     for n in &k.body {
         g.node(n, 1)?;
