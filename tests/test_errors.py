@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 import kiln
+import numpy as np
 import pytest
 from kiln import DataType, FusionDefinition, KilnError, MemoryType, ParallelType
 
@@ -470,3 +471,27 @@ def test_circular_buffer_too_few_stages(chain: Any, stages: int) -> None:
         c.circular_buffer(stages)
     msg = check(ei, "T3")
     assert str(stages) in msg
+
+
+def _add_of_two(rank_b: int) -> FusionDefinition:
+    with FusionDefinition() as fd:
+        a = fd.define_tensor([-1, -1])
+        b = fd.define_tensor([-1] * rank_b)
+        if rank_b == 1:
+            b = fd.ops.broadcast_in_dim(b, shape=[-1, -1], broadcast_dims=[1])
+        fd.add_output(fd.ops.add(a, b))
+    return fd
+
+
+SIZES_THAT_DISAGREE = [((4, 5), (4, 6)), ((4, 6), (4, 5)), ((3, 5), (4, 5)), ((4, 8), (5,)), ((2, 1), (3,))]
+
+
+@pytest.mark.parametrize("shapes", SIZES_THAT_DISAGREE)
+@pytest.mark.parametrize("as_written", [False, True])
+def test_symbolic_sizes_that_disagree_raise_before_running_on_cpu(shapes: Any, as_written: bool) -> None:
+    """Sizes the definition makes equal (an add's operands) are checked in the interpreter as
+    in the GPU plan: a KilnError naming the sizes, never a read of the wrong elements."""
+    fd = _add_of_two(len(shapes[1]))
+    ins = [np.ones(s, np.float32) for s in shapes]
+    with pytest.raises(KilnError, match="must be equal"):
+        fd.execute(ins, as_written=as_written)

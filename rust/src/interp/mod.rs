@@ -273,6 +273,10 @@ pub fn execute_stats(kernel: &Kernel, inputs: Vec<HostValue>) -> Result<(Vec<Hos
         b.extents.push(size.unwrap_or(-1));
     }
     let eval = |b: &Bindings, v| f.scalars.eval(v, &|s| b.symbol(s));
+    // Sizes the definition makes equal are checked before anything runs, as the GPU plan does.
+    if let Some(e) = kernel.size_violation(|v| eval(&b, v).ok()) {
+        return Err(e);
+    }
 
     // Outputs: contiguous in allocation order, viewed in logical order.
     let mut views: Vec<(Vec<usize>, Vec<i64>)> = Vec::new();

@@ -181,6 +181,17 @@ pub struct Kernel {
 }
 
 impl Kernel {
+    /// The first size constraint that sizes evaluated by `eval` break, as the error to
+    /// raise before the kernel runs (the GPU plan and the interpreter both check).
+    pub fn size_violation(&self, eval: impl Fn(ValId) -> Option<i64>) -> Option<crate::error::KilnError> {
+        self.size_constraints.iter().find_map(|(x, y, what)| match (eval(*x), eval(*y)) {
+            (Some(a), Some(b)) if a != b => {
+                Some(crate::error::KilnError::value(format!("{what}: sizes {a} and {b} must be equal")))
+            }
+            _ => None,
+        })
+    }
+
     /// Allocation records in tensor order.
     pub fn allocation_list(&self) -> Vec<&AllocationInfo> {
         let mut v: Vec<&AllocationInfo> = self.allocations.values().collect();
