@@ -2,9 +2,8 @@
 
 The runtime modules are loaded from this source tree under a private package name
 (``_kiln_src``) without running ``kiln/__init__.py``, so this file needs neither the
-compiled extension ``kiln._core`` nor an installed kiln. On a machine without the
-extension (e.g. the device machine) run it with ``--noconftest`` (tests/conftest.py
-imports kiln):
+compiled extension ``kiln._core`` nor an installed kiln. On a GPU machine where kiln is
+not built or installed, run it with ``--noconftest`` (tests/conftest.py imports kiln):
 
     PYTHONPATH=python python3 -m pytest --noconftest -m gpu tests/test_runtime_header.py
 """

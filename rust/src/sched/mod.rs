@@ -11,7 +11,8 @@ use smallvec::smallvec;
 use crate::error::Result;
 use crate::ir::mapping::producer_to_consumer;
 use crate::ir::{
-    DataType, Fusion, IterDomain, IterDomainId, IterType, MemoryType, Op, Operand, ParallelType, Transform, TvId,
+    DataType, ExprId, Fusion, IterDomain, IterDomainId, IterType, MemoryType, Op, Operand, ParallelType, Transform,
+    TvId,
 };
 use crate::{bail, bail_type};
 
@@ -241,6 +242,19 @@ impl Fusion {
         Ok(())
     }
 
+    /// Make expr `e` read `new` wherever it reads `old` (use lists follow).
+    pub fn redirect_use(&mut self, e: ExprId, old: TvId, new: TvId) {
+        for o in self.exprs[e].inputs.iter_mut() {
+            if *o == Operand::Tensor(old) {
+                *o = Operand::Tensor(new);
+            }
+        }
+        self.tvs[old].uses.retain(|&u| u != e);
+        if !self.tvs[new].uses.contains(&e) {
+            self.tvs[new].uses.push(e);
+        }
+    }
+
     /// A copy of `tv` that `tv`'s consumers read instead (a read cache).
     pub fn cache_after(&mut self, tv: TvId) -> Result<TvId> {
         let name = self.tv_name(tv);
@@ -251,15 +265,7 @@ impl Fusion {
         let c = self.set(tv)?;
         let set_expr = self.tvs[c].definition.expect("set defines its output");
         for e in old_uses {
-            for o in self.exprs[e].inputs.iter_mut() {
-                if *o == Operand::Tensor(tv) {
-                    *o = Operand::Tensor(c);
-                }
-            }
-            self.tvs[tv].uses.retain(|&u| u != e);
-            if !self.tvs[c].uses.contains(&e) {
-                self.tvs[c].uses.push(e);
-            }
+            self.redirect_use(e, tv, c);
         }
         debug_assert_eq!(self.tvs[tv].uses, vec![set_expr]);
         self.manually_scheduled = true;

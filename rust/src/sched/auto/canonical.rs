@@ -147,15 +147,7 @@ pub fn reread_outputs(f: &mut Fusion) -> Result<()> {
         }
         let c = f.cache_before(o)?;
         for u in readers {
-            for op in f.exprs[u].inputs.iter_mut() {
-                if *op == Operand::Tensor(o) {
-                    *op = Operand::Tensor(c);
-                }
-            }
-            f.tvs[o].uses.retain(|&x| x != u);
-            if !f.tvs[c].uses.contains(&u) {
-                f.tvs[c].uses.push(u);
-            }
+            f.redirect_use(u, o, c);
         }
     }
     Ok(())
@@ -231,15 +223,7 @@ pub fn private_broadcasts(f: &mut Fusion) -> Result<()> {
         for u in conc {
             let mut memo = FxHashMap::default();
             let c = clone_chain(f, t, &mut memo)?;
-            for o in f.exprs[u].inputs.iter_mut() {
-                if *o == Operand::Tensor(t) {
-                    *o = Operand::Tensor(c);
-                }
-            }
-            f.tvs[t].uses.retain(|&x| x != u);
-            if !f.tvs[c].uses.contains(&u) {
-                f.tvs[c].uses.push(u);
-            }
+            f.redirect_use(u, t, c);
         }
     }
     Ok(())
