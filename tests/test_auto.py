@@ -190,13 +190,13 @@ def test_rows_too_long_for_registers_are_segmented():
 @pytest.mark.parametrize("build", [bias_tanh, row_scale], ids=lambda b: b.__name__)
 def test_broadcast_operands_get_the_2d_pointwise_schedule(build):
     fd, _ = build()
-    _, kind, params = fd._core.auto_program([[300, 1000], [1000 if build is bias_tanh else 300]])
+    _, kind, params, _ = fd._core.auto_program([[300, 1000], [1000 if build is bias_tanh else 300]])
     assert kind == "pointwise" and params[3] == 2, params
     # No per-element integer division to find the broadcast operand's element.
     src = _auto_lowered(fd, make_inputs(build, 300, 1000, np)).kernels[0].cuda_source
     assert "% i" not in src
     # Rows narrower than a warp of vectors keep the flat schedule.
-    _, _, params = fd._core.auto_program([[300, 5], [5 if build is bias_tanh else 300]])
+    _, _, params, _ = fd._core.auto_program([[300, 5], [5 if build is bias_tanh else 300]])
     assert params[-1] == 1
 
 
@@ -222,7 +222,7 @@ def test_reductions_over_axes_between_kept_ones_match_numpy_in_the_interpreter(s
         s = fd.ops.sum(fd.ops.mul(x, 2.0), dims=dims)
         fd.add_output(fd.ops.add(s, 1.0))
     a = np.random.default_rng(len(dims) + sum(shape)).standard_normal(shape).astype(np.float32)
-    _, got_kind, _ = fd._core.auto_program([list(shape)])
+    _, got_kind, _, _ = fd._core.auto_program([list(shape)])
     assert got_kind == kind
     (out,) = run_on_cpu(_auto_lowered(fd, [a]), [a], _core.execute_cpu)
     want = (a.astype(np.float64) * 2.0).sum(axis=tuple(dims)) + 1.0
@@ -277,7 +277,7 @@ def test_ops_beside_a_reduction_share_its_kernel_in_the_interpreter(name, m, n):
 
     fd, ref, kind, bias = _beside(name)
     ins = _beside_inputs(bias, m, n, np)
-    program, got_kind, _ = fd._core.auto_program([list(a.shape) for a in ins])
+    program, got_kind, _, _ = fd._core.auto_program([list(a.shape) for a in ins])
     assert got_kind == kind and len(program.kernels()) == 1
     outs = run_on_cpu(_auto_lowered(fd, ins), ins, _core.execute_cpu)
     wants = ref(*[a.astype(np.float64) for a in ins], *([None] if not bias else []))
@@ -342,7 +342,7 @@ def test_ops_after_a_transpose_share_its_kernel_in_the_interpreter(name):
     fd, shapes, want = _epilogue(name)
     rng = np.random.default_rng(len(name))
     ins = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-    program, kind, _ = fd._core.auto_program([list(s) for s in shapes])
+    program, kind, _, _ = fd._core.auto_program([list(s) for s in shapes])
     assert kind == "transpose" and len(program.kernels()) == 1
     (out,) = run_on_cpu(_auto_lowered(fd, ins), ins, _core.execute_cpu)
     np.testing.assert_allclose(out, want(*ins), rtol=1e-6, atol=1e-6)
@@ -414,7 +414,7 @@ def test_batched_transposes_match_numpy_in_the_interpreter(shape):
 
     fd = _batched_transpose(len(shape))
     a = np.random.default_rng(len(shape)).standard_normal(shape).astype(np.float32)
-    _, kind, _ = fd._core.auto_program([list(shape)])
+    _, kind, _, _ = fd._core.auto_program([list(shape)])
     assert kind == "transpose"
     low = _auto_lowered(fd, [a])
     (k,) = low.kernels
@@ -506,7 +506,7 @@ def test_permutes_that_keep_the_last_axis_are_pointwise_in_the_interpreter(shape
 
     fd = _permute_chain(shape, perm, bias)
     ins = _permute_inputs(shape, bias, np)
-    _, kind, params = fd._core.auto_program([list(a.shape) for a in ins])
+    _, kind, params, _ = fd._core.auto_program([list(a.shape) for a in ins])
     assert kind == "pointwise"
     assert params[0] == (4 if shape[-1] % 4 == 0 else 1), params  # vectors stay within a row
     (out,) = run_on_cpu(_auto_lowered(fd, ins), ins, _core.execute_cpu)
@@ -809,7 +809,7 @@ def _assert_equal_heuristics_mean_equal_kernels(fd: FusionDefinition, all_sizes:
     by_heuristic: dict = {}
     for sizes in all_sizes:
         try:
-            program, kind, params = fd._core.auto_program(sizes, True)
+            program, kind, params, _ = fd._core.auto_program(sizes, True)
         except KilnError:
             continue
         cuda = tuple(k.cuda(False)[0] for k in program.kernels())

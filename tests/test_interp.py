@@ -141,8 +141,8 @@ def test_g_index_select():
     i_ = np.array([3, 0, 9, 3], np.int64)
     (out,) = run(fd, [x_, i_])
     check(out, np.exp(x_.astype(np.float64))[i_])
-    # A bad index is an out-of-bounds read of the Local copy of x.
-    with pytest.raises(KilnError, match=rf"out-of-bounds read of {t1.name} \(Local memory\) at index 10"):
+    # A bad index is reported against the index tensor, before any read of the table.
+    with pytest.raises(KilnError, match=rf"index tensor {idx.name} holds 10 at element 0; {t1.name} has 10 entries"):
         run(fd, [x_, np.array([10], np.int64)])
 
 

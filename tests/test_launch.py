@@ -791,7 +791,7 @@ def test_scalar_of_a_new_type_is_validated_before_launching(fake_gpu):
     fd.execute([x, -4])
     with pytest.raises(KilnTypeError, match=r"input 1 \(s0\): got float 2.5 for a Int32 scalar"):
         fd.execute([x, 2.5])
-    with pytest.raises(KilnTypeError, match=r"input 1 \(s0\): expected a Python scalar, got str"):
+    with pytest.raises(KilnTypeError, match=r"input 1 \(s0\): expected a Python scalar \(Int32\), got str"):
         fd.execute([x, "3"])
     with pytest.raises(KilnError, match=r"argument 2 \(Int32 parameter\): the value does not fit in int32"):
         fd.execute([x, 2**31])  # same type as before: the launcher refuses it

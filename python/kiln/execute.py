@@ -52,9 +52,10 @@ def execute(fd: Any, inputs: Sequence[Any], device: Optional[str], as_written: b
 
         from . import _core  # noqa: PLC0415
 
-        # Unscheduled fusions are planned for row-major inputs: a strided NumPy view is
-        # copied first (a hand schedule keeps the layout its definition declared).
-        if not fd._core.manually_scheduled:
+        # The fusion as written is interpreted for row-major inputs: a strided NumPy view is
+        # copied first (automatic kernels are specialised on the arrays' strides; a hand
+        # schedule keeps the layout its definition declared).
+        if as_written:
             inputs = [np.ascontiguousarray(x) if _kind(x) == "numpy" and not x.flags.c_contiguous else x
                       for x in inputs]
         from .host import run_on_cpu  # noqa: PLC0415
@@ -93,8 +94,13 @@ def lowered_for(fd: Any, inputs: Sequence[Any]) -> Any:
     from .fusion import dump_enabled  # noqa: PLC0415
     from .lowering import LoweredFusion, LoweredKernel  # noqa: PLC0415
 
+    from .lowering import _arg  # noqa: PLC0415
+
     tensors = [x for x in inputs if _kind(x) != "scalar"]
     sizes = [list(x.shape) for x in tensors]
+    # Inputs without declared contiguity get kernels for their arrays' layout (slices,
+    # transposes, expanded arrays read through runtime strides).
+    strides = [_arg(x)[3] for x in tensors]
     # Inputs at 16-byte aligned addresses (any fresh allocation) get kernels whose vector
     # accesses need no address checks; others (views at an odd offset) get checked ones.
     aligned = all(data_ptr(x) % 16 == 0 for x in tensors)
@@ -105,15 +111,16 @@ def lowered_for(fd: Any, inputs: Sequence[Any]) -> Any:
     for n in _shape_scalars(fd):
         if n < len(values) and isinstance(values[n], int) and not isinstance(values[n], bool):
             scalars[n] = int(values[n])
-    key = (fd._core.version, tuple(tuple(s) for s in sizes), aligned, device, tuple(scalars))
+    key = (fd._core.version, tuple(tuple(s) for s in sizes), tuple(tuple(s) for s in strides), aligned, device,
+           tuple(scalars))
     cache = fd.__dict__.setdefault("_auto_cache", {})
     hit = cache.get(key)
     if hit is not None:
         return hit
-    program, kind, params = fd._core.auto_program(sizes, aligned, device, scalars)
+    program, kind, params, layout = fd._core.auto_program(sizes, aligned, device, scalars, strides)
     if dump_enabled("segments"):
         print(program.segmentation())
-    hkey = (fd._core.version, kind, tuple(params), aligned, device, tuple(scalars))
+    hkey = (fd._core.version, kind, tuple(params), tuple(tuple(c) for c in layout), aligned, device, tuple(scalars))
     low = cache.get(hkey)
     if low is None:
         low = cache[hkey] = LoweredFusion([LoweredKernel(k) for k in program.kernels()], program)

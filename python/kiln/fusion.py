@@ -84,7 +84,11 @@ class FusionDefinition:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None and dump_enabled("fusion"):
+        if exc_type is not None:
+            return
+        if self._core.num_outputs == 0:
+            raise KilnError("the fusion defines no outputs: mark what it computes with fd.add_output(t)")
+        if dump_enabled("fusion"):
             print(self)
 
     def __str__(self) -> str:
@@ -99,6 +103,10 @@ class FusionDefinition:
                 isinstance(s, int) and not isinstance(s, bool) for s in shape):
             raise KilnTypeError(f"define_tensor {name}: shape must be a list of ints, got {shape!r}")
         dt = _check_dtype(dtype, f"define_tensor {name}")
+        for axis, s in enumerate(shape):
+            if not -1 <= s < 2**63:
+                raise KilnError(f"define_tensor {name}: axis {axis} has size {s}; expected -1 (symbolic), "
+                                f"1 (broadcast) or a size in [0, 2**63)")
         contig = None if contiguity is None else [None if c is None else bool(c) for c in contiguity]
         return Tensor(self, self._core.define_tensor(list(shape), dt, contig))
 
@@ -113,7 +121,14 @@ class FusionDefinition:
             if dtype == DataType.Bool:
                 value = bool(value)
             elif dtype in (DataType.Int, DataType.Int32):
+                if isinstance(value, float) and not value.is_integer():
+                    raise KilnTypeError(f"define_scalar: {value} is not an integer; a {dtype.name} constant "
+                                        f"needs one")
                 value = int(value)
+                lo, hi = (-(2**31), 2**31) if dtype == DataType.Int32 else (-(2**63), 2**63)
+                if not lo <= value < hi:
+                    raise KilnError(f"define_scalar: {value} does not fit a {dtype.name} constant "
+                                    f"(range [{lo}, {hi}))")
             else:
                 value = float(value)
         return self._const(value)
@@ -122,6 +137,8 @@ class FusionDefinition:
         if isinstance(value, bool):
             return Scalar(self, self._core.const_bool(value))
         if isinstance(value, int):
+            if not -(2**63) <= value < 2**63:
+                raise KilnError(f"the integer constant {value} does not fit an Int (int64) scalar")
             return Scalar(self, self._core.const_int(value))
         if isinstance(value, float):
             return Scalar(self, self._core.const_float(value))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from ._errors import KilnError, KilnTypeError
 from .enums import DataType, MemoryType
@@ -183,27 +183,31 @@ def array_dtype(x: Any, what: str) -> DataType:
     return _NUMPY_DTYPES[name]
 
 
-def check_inputs(fd: Any, inputs: Sequence[Any]) -> None:
-    """Validate arrays against the fusion's tensor inputs: count, dtype, rank, static sizes."""
+def _arg(x: Any) -> Tuple[str, str, List[int], List[int], Any]:
+    """One runtime argument as the core's input contract takes it."""
+    if isinstance(x, (bool, int, float)):
+        if isinstance(x, int) and not isinstance(x, bool) and not -(2**63) <= x < 2**63:
+            return ("bigint", str(x), [], [], None)
+        return ("scalar", "", [], [], x)
+    shape = getattr(x, "shape", None)
+    if shape is None or not hasattr(x, "dtype"):
+        return ("other", type(x).__name__, [], [], None)
+    name = str(x.dtype).replace("torch.", "")
+    if callable(getattr(x, "stride", None)) and type(x).__module__.startswith("torch"):
+        strides = [int(s) for s in x.stride()]
+    else:
+        item = int(getattr(x, "itemsize", 0) or x.dtype.itemsize)
+        strides = [int(s) // item for s in x.strides]
+    return ("tensor", name, [int(s) for s in shape], strides, None)
+
+
+def check_inputs(fd: Any, inputs: Sequence[Any], any_layout: Optional[bool] = None) -> None:
+    """Validate arrays and numbers against the fusion's inputs (the core's one contract:
+    count, kind, dtype, rank, sizes, sizes the definition makes equal, strides, scalars).
+    ``any_layout`` (default: the fusion is scheduled automatically): inputs without
+    declared contiguity may have any strides, kernels being compiled for them."""
     if not isinstance(inputs, (list, tuple)):
         raise KilnTypeError(f"inputs must be a list of arrays, got {type(inputs).__name__}")
-    specs = fd._core.input_specs()
-    if len(inputs) != len(specs):
-        raise KilnError(f"the fusion takes {len(specs)} inputs but {len(inputs)} were given")
-    for i, ((kind, name, dtype, shape), x) in enumerate(zip(specs, inputs)):
-        what = f"input {i} ({name})"
-        if kind == "scalar":
-            if not isinstance(x, (int, float, bool)):
-                raise KilnTypeError(f"{what}: expected a Python scalar, got {type(x).__name__}")
-            continue
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise KilnTypeError(f"{what}: expected an array (NumPy, CuPy or torch), got {type(x).__name__}")
-        got = array_dtype(x, what)
-        if got.value != dtype:
-            raise KilnTypeError(f"{what}: dtype {got.name} does not match the definition's {dtype}")
-        xs = tuple(int(s) for s in x.shape)
-        if len(xs) != len(shape):
-            raise KilnError(f"{what}: rank {len(xs)} does not match the definition's rank {len(shape)}")
-        for axis, (want, have) in enumerate(zip(shape, xs)):
-            if want >= 0 and want != have:
-                raise KilnError(f"{what}: axis {axis} has size {have} but the definition fixes it to {want}")
+    if any_layout is None:
+        any_layout = not fd._core.manually_scheduled
+    fd._core.check_inputs([_arg(x) for x in inputs], any_layout)

@@ -153,6 +153,7 @@ fn push_index(ix: Option<&AccessIndex>, acc: &mut Vec<ValId>) {
         acc.push(ix.write_predicate);
         for g in &ix.gathers {
             acc.push(g.at);
+            acc.push(g.extent);
         }
     }
 }
@@ -648,11 +649,12 @@ impl Gen<'_> {
             // dereferenced only then.
             let _ = writeln!(
                 self.out,
-                "{pad}  const kiln_index_t g{} = ({}) ? (kiln_index_t){}[{}] : 0;",
+                "{pad}  const kiln_index_t g{} = kiln::checkedIndex(({}) ? (kiln_index_t){}[{}] : 0, {});",
                 g.id,
                 self.pred(p0),
                 self.buf(g.index_tv),
-                self.c(g.at)
+                self.c(g.at),
+                self.c(g.extent)
             );
         }
         let _ = writeln!(self.out, "{pad}  const kiln_index_t kiln_ob = {}, kiln_ib = {};", self.c(o0), self.c(i0));
@@ -744,11 +746,12 @@ impl Gen<'_> {
         for gth in &ix.gathers {
             let _ = write!(
                 pre,
-                "const kiln_index_t g{} = ({}) ? (kiln_index_t){}[{}] : 0; ",
+                "const kiln_index_t g{} = kiln::checkedIndex(({}) ? (kiln_index_t){}[{}] : 0, {}); ",
                 gth.id,
                 pred,
                 self.buf(gth.index_tv),
-                self.c(gth.at)
+                self.c(gth.at),
+                self.c(gth.extent)
             );
         }
         let value = match &ex.op {

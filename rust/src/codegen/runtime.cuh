@@ -9,6 +9,7 @@
 // Contents (all in namespace kiln unless noted):
 //   integer typedefs (global scope)  int8_t .. uint64_t, guarded by KILN_NO_INT_TYPEDEFS
 //   ceilDiv, numeric<T>::lowest/highest (infinities for floating types)
+//   checkedIndex                       a gathered index kept inside its table
 //   to_float, from_float<T>            half / bf16 <-> float
 //   math: abs neg exp log sqrt rsqrt reciprocal sin cos tanh sigmoid relu pow maximum
 //         minimum add sub mul div eq ne lt le gt ge where   (float, double, __half,
@@ -68,6 +69,14 @@ KILN_DEVICE constexpr T ceilDiv(T a, T b) {
 }
 KILN_DEVICE constexpr int64_t ceilDiv(int64_t a, int b) { return (a + b - 1) / b; }
 KILN_DEVICE constexpr int64_t ceilDiv(int a, int64_t b) { return (a + b - 1) / b; }
+
+// An index_select value outside [0, n) selects entry 0 instead of reading outside the
+// table: bad data never becomes a wild address. (The CPU interpreter reports such a value
+// as an error naming the index tensor and the position.)
+template <typename I, typename N>
+KILN_DEVICE I checkedIndex(I v, N n) {
+  return (v >= 0 && v < (I)n) ? v : (I)0;
+}
 
 template <typename T>
 struct numeric;

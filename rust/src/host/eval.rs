@@ -7,7 +7,6 @@ use rustc_hash::FxHashMap;
 use crate::bail;
 use crate::codegen::{CudaKernel, ParamKind};
 use crate::error::{KilnError, Result};
-use crate::ir::scalar::Val;
 use crate::ir::{DataType, Fusion, IterType, Scalars, Symbol, TvId, ValId};
 use crate::kernel::Kernel;
 
@@ -98,96 +97,6 @@ impl Bindings {
     }
 }
 
-/// Bind input sizes/strides of `f`'s tensor inputs and check them against the definition.
-pub fn bind(f: &Fusion, inputs: &[InputDesc], scalars: &[ScalarArg]) -> Result<Bindings> {
-    let tensor_inputs: Vec<TvId> = f.inputs.iter().filter_map(|o| o.tensor()).collect();
-    if inputs.len() != tensor_inputs.len() {
-        bail!("the fusion takes {} tensor inputs but {} were given", tensor_inputs.len(), inputs.len());
-    }
-    let pos: FxHashMap<TvId, usize> = tensor_inputs.iter().enumerate().map(|(i, &t)| (t, i)).collect();
-    let mut extents = Vec::with_capacity(f.extent_sources.len());
-    for &(tv, axis) in &f.extent_sources {
-        let Some(&i) = pos.get(&tv) else {
-            // A size only an earlier segment's input carries: unknown to this kernel alone.
-            extents.push(-1);
-            continue;
-        };
-        let d = &inputs[i];
-        let Some(&s) = d.sizes.get(axis) else {
-            bail!("input {i} ({}): rank {} but axis {axis} is needed", f.tv_name(tv), d.sizes.len());
-        };
-        extents.push(s);
-    }
-    let mut strides = FxHashMap::default();
-    for (i, &tv) in tensor_inputs.iter().enumerate() {
-        let d = &inputs[i];
-        let logical = f.no_reduction_logical(tv);
-        if d.sizes.len() != logical.len() || d.strides.len() != logical.len() {
-            bail!(
-                "input {i} ({}): rank {} does not match the definition's rank {}",
-                f.tv_name(tv),
-                d.sizes.len(),
-                logical.len()
-            );
-        }
-        for (axis, &id) in logical.iter().enumerate() {
-            let want = &f.ids[id];
-            if d.sizes[axis] < 0 {
-                bail!("input {i} ({}): axis {axis} has negative size {}", f.tv_name(tv), d.sizes[axis]);
-            }
-            if want.iter_type == IterType::Broadcast && d.sizes[axis] != 1 {
-                bail!(
-                    "input {i} ({}): axis {axis} has size {} but is declared a broadcast (size 1)",
-                    f.tv_name(tv),
-                    d.sizes[axis]
-                );
-            }
-            if let Some(c) = f.scalars.as_int(want.extent) {
-                if c != d.sizes[axis] {
-                    bail!(
-                        "input {i} ({}): axis {axis} has size {} but the definition fixes it to {c}",
-                        f.tv_name(tv),
-                        d.sizes[axis]
-                    );
-                }
-            }
-            // Two inputs sharing a symbolic size must agree on it.
-            if let Val::Symbol(Symbol::Extent(n)) = f.scalars.get(want.extent) {
-                if let Some(&e) = extents.get(n as usize) {
-                    if e >= 0 && e != d.sizes[axis] {
-                        let (st, sa) = f.extent_sources[n as usize];
-                        bail!(
-                            "input {i} ({}): axis {axis} has size {} but input {} ({}) axis {sa} has size {e}; the definition makes them equal",
-                            f.tv_name(tv),
-                            d.sizes[axis],
-                            pos.get(&st).copied().unwrap_or(0),
-                            f.tv_name(st)
-                        );
-                    }
-                }
-            }
-        }
-        // Runtime strides of the allocation domain, skipping reductions.
-        let alloc = f.tvs[tv].maybe_allocation().to_vec();
-        let mut k = 0u32;
-        for id in alloc {
-            if f.ids[id].iter_type == IterType::Reduction {
-                continue;
-            }
-            let axis = logical.iter().position(|&l| l == id).ok_or_else(|| {
-                KilnError::value(format!(
-                    "input {i} ({}): its allocation domain must be a permutation of its logical axes",
-                    f.tv_name(tv)
-                ))
-            })?;
-            strides.insert((tv, k), d.strides[axis]);
-            k += 1;
-        }
-        check_contiguity(f, tv, i, d)?;
-    }
-    Ok(Bindings { extents, strides, scalars: scalars.to_vec() })
-}
-
 /// Check the extents `kernel` aligns agree under `b`.
 pub fn check_constraints(kernel: &Kernel, b: &Bindings) -> Result<()> {
     let sc = &kernel.fusion.scalars;
@@ -199,42 +108,6 @@ pub fn check_constraints(kernel: &Kernel, b: &Bindings) -> Result<()> {
         Some(e) => Err(e),
         None => Ok(()),
     }
-}
-
-/// Strides must match what the definition's contiguity promises.
-fn check_contiguity(f: &Fusion, tv: TvId, i: usize, d: &InputDesc) -> Result<()> {
-    let t = &f.tvs[tv];
-    let logical = f.no_reduction_logical(tv);
-    let alloc: Vec<_> =
-        t.maybe_allocation().iter().copied().filter(|&id| f.ids[id].iter_type != IterType::Reduction).collect();
-    let contig: Vec<Option<bool>> = t
-        .maybe_allocation()
-        .iter()
-        .zip(&t.contiguity)
-        .filter(|(id, _)| f.ids[**id].iter_type != IterType::Reduction)
-        .map(|(_, c)| *c)
-        .collect();
-    let mut expected = 1i64;
-    for (k, &id) in alloc.iter().enumerate().rev() {
-        let Some(axis) = logical.iter().position(|&l| l == id) else {
-            continue;
-        };
-        let (size, stride) = (d.sizes[axis], d.strides[axis]);
-        match contig.get(k).copied().flatten() {
-            Some(true) => {
-                if size > 1 && stride != expected {
-                    bail!(
-                        "input {i} ({}): axis {axis} has stride {stride} but is declared contiguous (expected stride {expected}); pass a contiguous array or declare contiguity=False",
-                        f.tv_name(tv)
-                    );
-                }
-                expected = expected.saturating_mul(size.max(1));
-            }
-            Some(false) => expected = stride.saturating_mul(size.max(1)),
-            None => {}
-        }
-    }
-    Ok(())
 }
 
 /// Launch dims, dynamic shared memory and scalar arguments of `kernel` under `b`.
@@ -334,7 +207,7 @@ pub fn output_plan(f: &Fusion, sc: &Scalars, tv: TvId, b: &Bindings) -> Result<O
 pub fn plan(kernel: &Kernel, cuda: &CudaKernel, inputs: &[InputDesc], scalars: &[ScalarArg]) -> Result<Plan> {
     let f = &kernel.fusion;
     let sc = &f.scalars;
-    let b = bind(f, inputs, scalars)?;
+    let b = crate::host::bind::bind(f, inputs, scalars)?;
     check_constraints(kernel, &b)?;
     let outputs = f.outputs.iter().map(|&tv| output_plan(f, sc, tv, &b)).collect::<Result<Vec<_>>>()?;
     let mut buffers = Vec::new();

@@ -13,7 +13,8 @@ use std::sync::{Arc, Mutex};
 use rustc_hash::FxHashMap;
 
 use crate::error::Result;
-use crate::host::eval::{bind, check_constraints, kernel_launch, output_plan, Bindings};
+use crate::host::bind::bind;
+use crate::host::eval::{check_constraints, kernel_launch, output_plan, Bindings};
 use crate::host::eval::{InputDesc, LaunchPlan, ScalarArg};
 use crate::host::ir::{BufId, BufferRole, HostInstr, HostProgram};
 use crate::ir::DataType;
@@ -158,6 +159,10 @@ pub fn plan_program(p: &HostProgram, inputs: &[InputDesc], scalars: &[ScalarArg]
                 live -= ba.bytes;
             }
             HostInstr::LaunchKernel { kernel, inputs: ins, outputs, intermediates } => {
+                // A kernel with no element to write is not launched.
+                if outputs.iter().all(|&o| buffers[o].elements == 0) {
+                    continue;
+                }
                 let cuda = p.cuda[*kernel].as_ref().map_err(Clone::clone)?;
                 let launch = kernel_launch(&p.kernels[*kernel], cuda, &b)?;
                 let memsets = intermediates

@@ -64,13 +64,38 @@ pub fn auto_program(
     aligned_bases: bool,
     device: DeviceProps,
 ) -> Result<(HostProgram, Heuristic)> {
+    auto_program_strided(f, inputs, &[], scalars, aligned_bases, device)
+}
+
+/// [`auto_program`] for arrays of these element `strides` (one list per tensor input;
+/// none: row-major): inputs without declared contiguity are read with the arrays' layout.
+pub fn auto_program_strided(
+    f: &Fusion,
+    inputs: &[Vec<i64>],
+    strides: &[Vec<i64>],
+    scalars: &[Option<i64>],
+    aligned_bases: bool,
+    device: DeviceProps,
+) -> Result<(HostProgram, Heuristic)> {
     let cx = Ctx { extents: extent_values(f, inputs)?, scalars: scalars.to_vec(), device };
     let mut g = f.clone();
     g.aligned_bases = aligned_bases;
+    if !strides.is_empty() {
+        let descs: Vec<crate::host::eval::InputDesc> = inputs
+            .iter()
+            .zip(strides)
+            .map(|(s, st)| crate::host::eval::InputDesc { sizes: s.clone(), strides: st.clone() })
+            .collect();
+        crate::host::bind::specialize_layout(&mut g, &descs);
+    }
     crate::sched::auto::canonical::sink_broadcasts(&mut g)?;
     let order = g.topo_exprs();
     if order.is_empty() {
         return Ok((crate::host::lower::lower_program(&g)?, Heuristic::new(Params::Empty)));
+    }
+    // Empty tensors: no schedule to tune; the kernels as written do the little there is.
+    if crate::sched::auto::has_empty_tensor(&g, &cx) {
+        return Ok((crate::host::lower::lower_program(&g)?, Heuristic::new(Params::ZeroSize)));
     }
     let mut report = String::new();
     if g.segment_after.is_empty() {

@@ -44,7 +44,8 @@ struct Access {
     inputs: Vec<Option<u32>>,
     pred: u32,
     wpred: u32,
-    gathers: Vec<(u32, TvId, u32)>,
+    /// (symbol id, index tensor, compiled offset, selected-from tensor, its extent).
+    gathers: Vec<(u32, TvId, u32, TvId, ValId)>,
     /// Thread/block parallel types of the reduced enclosing loops (reductions only).
     reduced: Vec<ParallelType>,
 }
@@ -114,7 +115,7 @@ fn compile(k: &Kernel, body: &[Node], stack: &mut Vec<(ParallelType, bool)>) -> 
                 let wpred = prog.add(&f.scalars, ix.write_predicate)?;
                 let mut gathers = Vec::new();
                 for g in &ix.gathers {
-                    gathers.push((g.id, g.index_tv, prog.add(&f.scalars, g.at)?));
+                    gathers.push((g.id, g.index_tv, prog.add(&f.scalars, g.at)?, g.table, g.extent));
                 }
                 let mut inputs = Vec::new();
                 for v in &ix.inputs {
@@ -809,10 +810,20 @@ impl Exec<'_, '_> {
             }
             AccessKind::Expr { expr } => {
                 let e = &f.exprs[*expr];
-                for &(id, tv, at) in &a.gathers {
+                for &(id, tv, at, table, extent) in &a.gathers {
                     let offs = ev.eval(at, &mk_env(&uniform, ctx, &active, &gathered))?.clone();
-                    let vals = mem.read(ctx, kname, tv, &active, &offs)?;
-                    gathered.insert(id, vals.to_i64());
+                    let vals = mem.read(ctx, kname, tv, &active, &offs)?.to_i64();
+                    let n = ctx.value(extent)?.as_i64();
+                    if let Some(j) = vals.iter().position(|&v| v < 0 || v >= n) {
+                        return Err(KilnError::value(format!(
+                            "index_select: the index tensor {} holds {} at element {}; {} has {n} entries along the selected axis (indices must be in [0, {n}))",
+                            f.tv_name(tv),
+                            vals[j],
+                            offs.at(j),
+                            f.tv_name(table)
+                        )));
+                    }
+                    gathered.insert(id, vals);
                 }
                 let mut cols: Vec<Option<Col>> = Vec::with_capacity(e.inputs.len());
                 let mut poison: Option<Poison> = None;

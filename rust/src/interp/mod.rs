@@ -18,6 +18,8 @@ pub mod values;
 use rustc_hash::FxHashMap;
 
 use crate::error::{KilnError, Result};
+use crate::host::bind::{bind_args, Arg};
+use crate::host::eval::{InputDesc, ScalarArg};
 use crate::ir::{DataType, IterType, Operand, Symbol, TvId};
 use crate::kernel::Kernel;
 
@@ -147,6 +149,19 @@ impl HostTensor {
     }
 }
 
+/// Largest buffer the interpreter allocates (elements): it runs every thread of a grid on
+/// the CPU, so anything larger is out of its reach (and would exhaust host memory).
+pub const MAX_HOST_ELEMENTS: i64 = 1 << 31;
+
+fn host_elements(name: String, n: i64) -> Result<usize> {
+    if !(0..=MAX_HOST_ELEMENTS).contains(&n) {
+        return Err(KilnError::value(format!(
+            "{name}: {n} elements; the CPU interpreter allocates at most 2^31 elements per tensor (run it on a GPU)"
+        )));
+    }
+    Ok(n as usize)
+}
+
 /// A runtime argument of a fusion.
 #[derive(Clone, Debug)]
 pub enum HostValue {
@@ -165,98 +180,54 @@ pub fn execute(kernel: &Kernel, inputs: Vec<HostValue>) -> Result<Vec<HostTensor
 /// [`execute`], returning execution counters too.
 pub fn execute_stats(kernel: &Kernel, inputs: Vec<HostValue>) -> Result<(Vec<HostTensor>, Stats)> {
     let f = &kernel.fusion;
-    if inputs.len() != f.inputs.len() {
-        return Err(KilnError::value(format!(
-            "the fusion takes {} inputs but {} were given",
-            f.inputs.len(),
-            inputs.len()
-        )));
-    }
-    let mut b = Bindings { kernel_name: "kernel0".to_string(), ..Bindings::default() };
-    let mut tensors: Vec<(TvId, HostTensor)> = Vec::new();
-    for (i, (op, v)) in f.inputs.iter().zip(inputs).enumerate() {
-        match (op, v) {
-            (Operand::Tensor(tv), HostValue::Tensor(t)) => {
-                let tv = *tv;
-                let want = f.tvs[tv].dtype;
-                if t.data.dtype() != want {
-                    return Err(KilnError::type_error(format!(
-                        "input {i} ({}): dtype {} does not match the definition's {}",
-                        f.tv_name(tv),
-                        t.data.dtype().enum_name(),
-                        want.enum_name()
-                    )));
-                }
-                let rank = f.tvs[tv].logical.len();
-                if t.shape.len() != rank || t.strides.len() != rank {
-                    return Err(KilnError::value(format!(
-                        "input {i} ({}): rank {} does not match the definition's rank {rank}",
-                        f.tv_name(tv),
-                        t.shape.len()
-                    )));
-                }
+    // The input contract is the GPU plan's: one binding for both.
+    let mut args = Vec::with_capacity(inputs.len());
+    for v in &inputs {
+        args.push(match v {
+            HostValue::Tensor(t) => {
                 if t.strides.iter().any(|&s| s < 0) || t.span() > t.data.len() {
                     return Err(KilnError::value(format!(
-                        "input {i} ({}): strides {:?} of shape {:?} reach past its {} elements or are negative",
-                        f.tv_name(tv),
+                        "input {}: strides {:?} of shape {:?} reach past its {} elements or are negative",
+                        args.len(),
                         t.strides,
                         t.shape,
                         t.data.len()
                     )));
                 }
-                for (axis, &id) in f.tvs[tv].logical.iter().enumerate() {
-                    if let Some(e) = f.scalars.as_int(f.ids[id].extent) {
-                        if e != t.shape[axis] as i64 {
-                            return Err(KilnError::value(format!(
-                                "input {i} ({}): axis {axis} has size {} but the definition fixes it to {e}",
-                                f.tv_name(tv),
-                                t.shape[axis]
-                            )));
-                        }
-                    }
+                Arg::Tensor {
+                    dtype: Ok(Some(t.data.dtype())),
+                    desc: InputDesc { sizes: t.shape.iter().map(|&s| s as i64).collect(), strides: t.strides.clone() },
                 }
-                // Runtime strides: the k-th non-reduction dim of the allocation domain.
-                let logical = &f.tvs[tv].logical;
-                for (k, id) in f.tvs[tv].maybe_allocation().iter().enumerate() {
-                    if let Some(p) = logical.iter().position(|x| x == id) {
-                        b.strides.insert((tv, k as u32), t.strides[p]);
-                    }
-                }
-                tensors.push((tv, t));
             }
-            (Operand::Scalar(v), HostValue::Scalar(s)) => {
-                let Some(crate::ir::scalar::Val::Symbol(Symbol::ScalarInput(n))) = Some(f.scalars.get(*v)) else {
-                    crate::bail_internal!("scalar input {i} is not a scalar-input symbol");
-                };
-                let dt = f.scalar_input_dtypes.get(n as usize).copied().unwrap_or(DataType::Double);
-                let s = match (dt, s) {
-                    (d, ScalarValue::Int(x)) if d.is_float() => ScalarValue::Float(x as f64),
-                    (d, ScalarValue::Bool(x)) if d.is_float() => ScalarValue::Float(x as u8 as f64),
-                    (d, ScalarValue::Bool(x)) if d.is_integer() => ScalarValue::Int(x as i64),
-                    (d, ScalarValue::Float(x)) if !d.is_float() => {
-                        return Err(KilnError::type_error(format!(
-                            "input {i} (s{n}): got float {x} for a {} scalar",
-                            d.enum_name()
-                        )))
-                    }
-                    (_, s) => s,
-                };
-                if b.scalars.len() <= n as usize {
-                    b.scalars.resize(n as usize + 1, ScalarValue::Int(0));
-                }
-                b.scalars[n as usize] = s;
-            }
-            (Operand::Tensor(tv), HostValue::Scalar(_)) => {
-                return Err(KilnError::type_error(format!(
-                    "input {i} ({}): expected an array, got a scalar",
-                    f.tv_name(*tv)
-                )))
-            }
-            (Operand::Scalar(_), HostValue::Tensor(_)) => {
-                return Err(KilnError::type_error(format!("input {i}: expected a scalar, got an array")))
-            }
-        }
+            HostValue::Scalar(ScalarValue::Bool(x)) => Arg::Scalar(ScalarArg::Bool(*x)),
+            HostValue::Scalar(ScalarValue::Int(x)) => Arg::Scalar(ScalarArg::Int(*x)),
+            HostValue::Scalar(ScalarValue::Float(x)) => Arg::Scalar(ScalarArg::Float(*x)),
+        });
     }
+    let bound = bind_args(f, &args)?;
+    let mut b = Bindings {
+        kernel_name: "kernel0".to_string(),
+        extents: Vec::new(),
+        strides: bound.strides,
+        scalars: bound
+            .scalars
+            .iter()
+            .map(|s| match *s {
+                ScalarArg::Bool(x) => ScalarValue::Bool(x),
+                ScalarArg::Int(x) => ScalarValue::Int(x),
+                ScalarArg::Float(x) => ScalarValue::Float(x),
+            })
+            .collect(),
+    };
+    let tensors: Vec<(TvId, HostTensor)> = f
+        .inputs
+        .iter()
+        .zip(inputs)
+        .filter_map(|(op, v)| match (op, v) {
+            (Operand::Tensor(tv), HostValue::Tensor(t)) => Some((*tv, t)),
+            _ => None,
+        })
+        .collect();
     for (n, &(tv, axis)) in f.extent_sources.iter().enumerate() {
         let size = match tensors.iter().find(|(x, _)| *x == tv) {
             Some((_, t)) => t.shape.get(axis).map(|&s| s as i64),
@@ -310,7 +281,7 @@ pub fn execute_stats(kernel: &Kernel, inputs: Vec<HostValue>) -> Result<(Vec<Hos
             shape.push(ext[p] as usize);
             vstrides.push(strides[p]);
         }
-        buffers.push(Buffer::unwritten(t.dtype, acc as usize));
+        buffers.push(Buffer::unwritten(t.dtype, host_elements(f.tv_name(tv), acc)?));
         views.push((shape, vstrides));
     }
     for g in &kernel.summary.global_allocations {
@@ -331,13 +302,12 @@ pub fn execute_stats(kernel: &Kernel, inputs: Vec<HostValue>) -> Result<(Vec<Hos
                 acc = acc.saturating_mul(eval(&b, f.ids[ids[k]].extent)?.max(0));
             }
         }
-        buffers.push(if g.zero_init {
-            Buffer::new(Data::zeros(g.dtype, n as usize))
-        } else {
-            Buffer::unwritten(g.dtype, n as usize)
-        });
+        let n = host_elements(g.name.clone(), n)?;
+        buffers.push(if g.zero_init { Buffer::new(Data::zeros(g.dtype, n)) } else { Buffer::unwritten(g.dtype, n) });
     }
-    let stats = exec::run(kernel, &b, &mut buffers)?;
+    // A kernel with no element to write does not run (the GPU plan does not launch it).
+    let nothing_to_write = views.iter().all(|(shape, _)| shape.contains(&0));
+    let stats = if nothing_to_write { Stats::default() } else { exec::run(kernel, &b, &mut buffers)? };
     let n_in = buffers.len() - f.outputs.len() - kernel.summary.global_allocations.len();
     let mut outs = Vec::new();
     for (j, ((shape, strides), buf)) in views.into_iter().zip(buffers.drain(n_in..n_in + f.outputs.len())).enumerate() {

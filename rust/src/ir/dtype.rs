@@ -99,6 +99,25 @@ impl DataType {
         }
     }
 
+    /// The NumPy / torch dtype name (`float32`, `int64`, `bfloat16`, ...).
+    pub fn numpy_name(self) -> &'static str {
+        match self {
+            DataType::Bool => "bool",
+            DataType::Int32 => "int32",
+            DataType::Int => "int64",
+            DataType::Half => "float16",
+            DataType::BFloat16 => "bfloat16",
+            DataType::Float => "float32",
+            DataType::Double => "float64",
+        }
+    }
+
+    /// Parse a NumPy / torch dtype name (`torch.` prefix allowed).
+    pub fn from_numpy_name(name: &str) -> Option<Self> {
+        let name = name.strip_prefix("torch.").unwrap_or(name);
+        DataType::ALL.into_iter().find(|d| d.numpy_name() == name)
+    }
+
     /// Parse the Python enum member name.
     pub fn from_enum_name(name: &str) -> Option<Self> {
         DataType::ALL.into_iter().find(|d| d.enum_name() == name)
@@ -254,6 +273,7 @@ impl ParallelType {
             ParallelType::Unswitch => "Unswitch",
         }
     }
+
     /// Parse the Python enum member name.
     pub fn from_enum_name(name: &str) -> Option<Self> {
         ParallelType::ALL.into_iter().find(|p| p.enum_name() == name)

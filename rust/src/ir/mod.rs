@@ -103,6 +103,10 @@ pub struct TensorView {
     /// Its definition reads a Global input whose lines should outlive other data in L2:
     /// vector loads carry an L2 evict_last hint (`set_evict_last`).
     pub evict_last_load: bool,
+    /// An input whose contiguity the definition declared: arrays must honour it. An input
+    /// without one takes the layout of the arrays it is run with (the automatic path
+    /// specialises its kernels on their stride pattern).
+    pub declared_contiguity: bool,
 }
 
 impl TensorView {
@@ -297,6 +301,7 @@ impl Fusion {
             serial_grid_reduction: false,
             streaming_load: false,
             evict_last_load: false,
+            declared_contiguity: false,
         })
     }
 

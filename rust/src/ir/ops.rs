@@ -66,6 +66,7 @@ impl Fusion {
                 }
             }
             self.tvs[tv].contiguity = c.to_vec();
+            self.tvs[tv].declared_contiguity = true;
         }
         self.inputs.push(Operand::Tensor(tv));
         Ok(tv)
@@ -82,9 +83,17 @@ impl Fusion {
 
     /// Mark a tensor as a fusion output.
     pub fn add_output(&mut self, tv: TvId) -> Result<()> {
-        if self.outputs.contains(&tv) {
+        let copies_it = |f: &Fusion, o: TvId| {
+            f.tvs[o].definition.is_some_and(|e| {
+                matches!(f.exprs[e].op, Op::Set) && f.exprs[e].inputs.first() == Some(&Operand::Tensor(tv))
+            })
+        };
+        if self.outputs.contains(&tv) || (self.is_input(tv) && self.outputs.iter().any(|&o| copies_it(self, o))) {
             bail!("add_output: {} is already an output", self.tv_name(tv));
         }
+        // An input given back as an output is returned as a fresh copy (outputs are always
+        // new arrays, whatever path runs the fusion).
+        let tv = if self.is_input(tv) { self.set(tv)? } else { tv };
         self.outputs.push(tv);
         // Outputs are handed back to the caller, so they always live in Global memory.
         self.tvs[tv].memory = MemoryType::Global;
@@ -210,7 +219,18 @@ impl Fusion {
         if cd != DataType::Bool {
             bail_type!("where: condition {} has dtype {cd}; expected Bool", self.describe(cond));
         }
-        let out_dt = promote(&[self.operand_dtype(a), self.operand_dtype(b)]);
+        let (pa, pb) = (self.operand_dtype(a), self.operand_dtype(b));
+        let out_dt = if pa.is_tensor || pb.is_tensor {
+            promote(&[pa, pb])
+        } else {
+            // Two numbers: PyTorch's default dtype of their category (a Python float
+            // gives float32, not double).
+            match promote(&[pa, pb]) {
+                d if d.is_float() => DataType::Float,
+                DataType::Bool => DataType::Bool,
+                _ => DataType::Int,
+            }
+        };
         self.pointwise("where", Op::Where, smallvec![cond, a, b], out_dt)
     }
 
@@ -267,6 +287,13 @@ impl Fusion {
             ReductionOp::Sum if !in_dt.is_float() => DataType::Int,
             _ => in_dt,
         });
+        // A half or bfloat16 sum accumulates in float and rounds once at the end (as
+        // PyTorch does): rounding every partial sum loses digits fast.
+        if op == ReductionOp::Sum && matches!(out_dt, DataType::Half | DataType::BFloat16) {
+            let wide = self.cast(Operand::Tensor(x), DataType::Float)?;
+            let r = self.reduction(op, wide, &dims.iter().map(|&d| d as i64).collect::<Vec<_>>(), keepdim, None)?;
+            return self.cast(Operand::Tensor(r), out_dt);
+        }
         let mut logical = Vec::with_capacity(inp.len());
         for (axis, &id) in inp.iter().enumerate() {
             let src = self.ids[id].clone();
@@ -274,6 +301,8 @@ impl Fusion {
             logical.push(self.new_id(src.extent, it));
         }
         let init = match (op, out_dt.is_float()) {
+            (ReductionOp::Max, _) if out_dt == DataType::Bool => self.scalars.boolean(false),
+            (ReductionOp::Min, _) if out_dt == DataType::Bool => self.scalars.boolean(true),
             (ReductionOp::Sum, true) => self.scalars.float(0.0),
             (ReductionOp::Sum, false) => self.scalars.int(0),
             (ReductionOp::Max, true) => self.scalars.float(f64::NEG_INFINITY),
@@ -360,11 +389,29 @@ impl Fusion {
                 bail!("broadcast_in_dim: output axis {d} has size {s}; expected -1 or a size >= 0");
             }
         }
-        if is_new.iter().all(|&n| !n) {
+        let t = if is_new.iter().all(|&n| !n) {
             // Nothing to add: a copy keeps the op graph simple for the schedulers.
-            return self.set(x);
+            self.set(x)?
+        } else {
+            self.broadcast(x, is_new)?
+        };
+        // Sizes asked for are sizes of the result (broadcast *and expand*, as nvFuser and
+        // NumPy's broadcast_to): a size-one axis asked to be n is expanded to n, and an
+        // input axis of symbolic size asked to be n must be n when the fusion runs. Both
+        // come from selecting `t` under an all-true mask of the asked shape, whose axes
+        // align with `t`'s like any element-wise operand's (-1 entries stay broadcasts).
+        let logical = self.no_reduction_logical(t);
+        let expands = shape.iter().zip(&logical).any(|(&s, &id)| {
+            let d = &self.ids[id];
+            s >= 0 && (d.iter_type == IterType::Broadcast && s != 1 || self.scalars.as_int(d.extent).is_none())
+        });
+        if !expands {
+            return Ok(t);
         }
-        self.broadcast(x, is_new)
+        let dims: Vec<ValId> = shape.iter().map(|&s| self.scalars.int(if s < 0 { 1 } else { s })).collect();
+        let yes = self.scalars.boolean(true);
+        let mask = self.full(&dims, Operand::Scalar(yes), DataType::Bool)?;
+        self.where_(Operand::Tensor(mask), Operand::Tensor(t), Operand::Tensor(t))
     }
 
     /// Reorder axes: output axis `i` is input axis `dims[i]`.
@@ -420,6 +467,16 @@ impl Fusion {
             bail_type!("full: the fill value must be a scalar, got {}", self.describe(value));
         };
         let mut logical = Vec::with_capacity(shape.len());
+        let mut count = Some(1i64);
+        for &e in shape {
+            if let Some(n) = self.scalars.as_int(e) {
+                count = count.and_then(|c| c.checked_mul(n.max(0)));
+            }
+        }
+        if count.is_none() {
+            let dims: Vec<String> = shape.iter().map(|&e| self.scalars.render(e)).collect();
+            bail!("full: shape [{}] has more than 2^63 elements", dims.join(", "));
+        }
         for (axis, &e) in shape.iter().enumerate() {
             let it = match self.scalars.as_int(e) {
                 Some(1) => IterType::Broadcast,

@@ -43,6 +43,10 @@ pub struct Gather {
     pub id: u32,
     pub index_tv: TvId,
     pub at: ValId,
+    /// The tensor the value selects from, and the extent of its selected axis: a value
+    /// outside `[0, extent)` is an error of the caller's data, never an address.
+    pub table: TvId,
+    pub extent: ValId,
 }
 
 /// Memory offsets and guard of one tensor access site (filled by indexing).

@@ -370,7 +370,7 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
             let at = index_operand(f, ctx, e, 1, idx_tv, &cidx, &groups, stack)?;
             let id = ctx.next_gather;
             ctx.next_gather += 1;
-            gathers.push(Gather { id, index_tv: idx_tv, at });
+            gathers.push(Gather { id, index_tv: idx_tv, at, table: p, extent: f.ids[sel].extent });
             let g = f.scalars.symbol(Symbol::Gathered(id));
             pidx.insert(sel, g);
         }

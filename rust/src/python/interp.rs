@@ -91,8 +91,15 @@ fn owned<'py, T: Element>(
     shape: &[usize],
     strides: &[usize],
 ) -> PyResult<Bound<'py, PyAny>> {
-    let a = ArrayD::from_shape_vec(IxDyn(shape).strides(IxDyn(strides)), v)
-        .map_err(|e| to_py(py, KilnError::internal(format!("interpreter output layout: {e}"))))?;
+    // ndarray refuses explicit strides for an empty shape: an empty array takes its default.
+    let a = if shape.contains(&0) {
+        ArrayD::from_shape_vec(IxDyn(shape), v)
+    } else {
+        ArrayD::from_shape_vec(IxDyn(shape).strides(IxDyn(strides)), v)
+    }
+    .map_err(|e| {
+        to_py(py, KilnError::internal(format!("interpreter output layout: {e} (shape {shape:?}, strides {strides:?})")))
+    })?;
     Ok(PyArray::from_owned_array(py, a).into_any())
 }
 

@@ -344,10 +344,47 @@ impl PyFusion {
             .collect()
     }
 
+    /// Check runtime arguments against the definition, the input contract of every path:
+    /// each is `(kind, text, sizes, strides, scalar)` with kind `tensor` (text: dtype name),
+    /// `scalar`, `bigint` (text: the integer) or `other` (text: its type name).
+    /// `any_layout`: kernels will be compiled for the arrays' strides (the automatic path).
+    #[allow(clippy::type_complexity)]
+    #[pyo3(signature = (args, any_layout = false))]
+    fn check_inputs(
+        &self,
+        py: Python<'_>,
+        args: Vec<(String, String, Vec<i64>, Vec<i64>, Option<PyScalarArg>)>,
+        any_layout: bool,
+    ) -> PyResult<()> {
+        use crate::host::bind::{bind_args_for, Arg};
+        use crate::host::eval::InputDesc;
+        guarded(py, || {
+            let args: Vec<Arg> = args
+                .into_iter()
+                .map(|(kind, text, sizes, strides, scalar)| match (kind.as_str(), scalar) {
+                    ("tensor", _) => Arg::Tensor {
+                        dtype: DataType::from_numpy_name(&text).map(Some).ok_or(text),
+                        desc: InputDesc { sizes, strides },
+                    },
+                    ("scalar", Some(s)) => Arg::Scalar(s.to_arg()),
+                    ("bigint", _) => Arg::BigInt(text),
+                    _ => Arg::Other(text),
+                })
+                .collect();
+            bind_args_for(&self.inner, &args, any_layout).map(|_| ())
+        })
+    }
+
     /// Mutation counter (changes whenever the definition or schedule changes).
     #[getter]
     fn version(&self) -> u64 {
         self.version
+    }
+
+    /// Number of outputs marked so far.
+    #[getter]
+    fn num_outputs(&self) -> usize {
+        self.inner.outputs.len()
     }
 
     /// Number of tensors created so far (the next tensor is `T{n}`).
@@ -469,7 +506,9 @@ impl PyFusion {
     /// block, compute capability) of the target; None for the default (H100/H200 class).
     /// `scalars`: values of the integer scalar inputs that shapes read (see
     /// `shape_scalars`), None for the others.
-    #[pyo3(signature = (sizes, aligned_bases = false, device = None, scalars = Vec::new()))]
+    /// `strides`: element strides of each tensor input's array (empty: row-major); inputs
+    /// without declared contiguity get kernels for that layout.
+    #[pyo3(signature = (sizes, aligned_bases = false, device = None, scalars = Vec::new(), strides = Vec::new()))]
     fn auto_program(
         &self,
         py: Python<'_>,
@@ -477,7 +516,8 @@ impl PyFusion {
         aligned_bases: bool,
         device: Option<(i64, i64, i64, i64, i64)>,
         scalars: Vec<Option<i64>>,
-    ) -> PyResult<(PyHostProgram, &'static str, Vec<i64>)> {
+        strides: Vec<Vec<i64>>,
+    ) -> PyResult<(PyHostProgram, &'static str, Vec<i64>, Vec<Vec<Option<bool>>>)> {
         guarded(py, || {
             let device = match device {
                 Some((sm_count, max_threads_per_block, shared_per_block, registers_per_block, arch)) => {
@@ -491,8 +531,22 @@ impl PyFusion {
                 }
                 None => crate::sched::auto::DeviceProps::default(),
             };
-            let (p, h) = crate::host::segmenter::auto_program(&self.inner, &sizes, &scalars, aligned_bases, device)?;
-            Ok((PyHostProgram { inner: p, cache: crate::host::plan::PlanCache::default() }, h.kind(), h.values()))
+            let (p, h) = crate::host::segmenter::auto_program_strided(
+                &self.inner,
+                &sizes,
+                &strides,
+                &scalars,
+                aligned_bases,
+                device,
+            )?;
+            let layout =
+                p.fusion.inputs.iter().filter_map(|o| o.tensor()).map(|t| p.fusion.tvs[t].contiguity.clone()).collect();
+            Ok((
+                PyHostProgram { inner: p, cache: crate::host::plan::PlanCache::default() },
+                h.kind(),
+                h.values(),
+                layout,
+            ))
         })
     }
 

@@ -71,6 +71,10 @@ pub enum Params {
     Transpose { tile: i64, threads: i64, vector: i64 },
     /// Several kernels: each group's expr ids and the heuristic it got.
     Segmented(Vec<(Vec<u32>, Heuristic)>),
+    /// Some tensor has no elements: the fusion as written (serial loops, one thread per
+    /// kernel), whose kernels with nothing to write are not launched and whose
+    /// reductions over empty axes write their identities.
+    ZeroSize,
 }
 
 /// A scheduler's decisions plus the extents it made constants of the kernel (`(n, value)`
@@ -91,6 +95,7 @@ impl Heuristic {
     pub fn kind(&self) -> &'static str {
         match self.params {
             Params::Empty => "empty",
+            Params::ZeroSize => "zero_size",
             Params::Scalar | Params::Pointwise { .. } | Params::Pointwise2d { .. } => "pointwise",
             Params::StridedPermute { .. } => "strided_permute",
             Params::InnerReduction { .. } => "inner_reduction",
@@ -106,7 +111,7 @@ impl Heuristic {
     /// values in declaration order, then `-1 - n, value` per specialized extent.
     pub fn values(&self) -> Vec<i64> {
         let mut v = match &self.params {
-            Params::Empty => Vec::new(),
+            Params::Empty | Params::ZeroSize => Vec::new(),
             Params::Scalar => vec![0],
             Params::Pointwise { vector, threads, unroll } => vec![*vector, *threads, *unroll, 1],
             Params::Pointwise2d { vector, threads, unroll } => vec![*vector, *threads, *unroll, 2],
@@ -167,6 +172,11 @@ pub fn tensor_sizes(f: &Fusion, cx: &Ctx, tv: TvId) -> Result<Vec<i64>> {
         _ => None,
     };
     f.tvs[tv].logical.iter().map(|&id| f.scalars.eval(f.ids[id].extent, &env)).collect()
+}
+
+/// True when some tensor of `f` has no elements for the inputs at hand.
+pub fn has_empty_tensor(f: &Fusion, cx: &Ctx) -> bool {
+    f.tvs.keys().any(|tv| tensor_sizes(f, cx, tv).is_ok_and(|s| s.contains(&0)))
 }
 
 /// The runtime scalar inputs `s{n}` that some tensor's shape reads (a `full` of a runtime
@@ -253,7 +263,15 @@ pub(crate) fn misaligned(f: &Fusion, cx: &Ctx, reference: &[IterDomainId], tenso
 /// and is read in place instead.
 pub(crate) fn full_size_input(f: &Fusion, x: TvId, n: usize) -> bool {
     let l = f.no_reduction_logical(x);
-    l.len() == n && l.iter().all(|&id| f.ids[id].iter_type != IterType::Broadcast)
+    l.len() == n && l.iter().all(|&id| f.ids[id].iter_type != IterType::Broadcast) && dense(f, x)
+}
+
+/// True when `x` is stored densely in logical order (every stored axis contiguous): a
+/// vector of consecutive logical elements is one of consecutive addresses. A strided
+/// input (a slice, a transposed or expanded array) is read element by element.
+pub(crate) fn dense(f: &Fusion, x: TvId) -> bool {
+    let t = &f.tvs[x];
+    t.allocation.is_none() && t.contiguity.iter().all(|&c| c != Some(false))
 }
 
 pub(crate) fn specialize_reduced_extents(f: &mut Fusion, reductions: &[ExprId], extents: &[i64]) -> Vec<(u32, i64)> {

@@ -125,7 +125,7 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
             .uses
             .iter()
             .any(|&e| matches!(f.exprs[e].op, Op::IndexSelect { .. }) && f.exprs[e].inputs[0] == Operand::Tensor(x));
-        full_size(f, x, rank) && !indexed
+        full_size(f, x, rank) && !indexed && (!f.is_input(x) || super::dense(f, x))
     };
     let widest = f
         .inputs
@@ -157,7 +157,7 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
             .uses
             .iter()
             .any(|&e| matches!(f.exprs[e].op, Op::IndexSelect { .. }) && f.exprs[e].inputs[0] == op);
-        if full_size(f, x, rank) && !f.tvs[x].uses.is_empty() && !indexed {
+        if full_size(f, x, rank) && super::dense(f, x) && !f.tvs[x].uses.is_empty() && !indexed {
             let c = f.cache_after(x)?;
             // Inputs are read once, yet L2 evict_last on their loads makes L2 give up the
             // output's dirty lines first, which the H200 measurably prefers (16384x4096:
@@ -214,7 +214,12 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
         if let (Op::IndexSelect { dim }, Some(Operand::Tensor(table))) = (&f.exprs[def].op, f.exprs[def].inputs.first())
         {
             let table_rank = f.tvs[*table].logical.len();
-            if f.is_input(*table) && *dim + 1 < table_rank && full_size(f, t, rank) && !vec_tensors.contains(&t) {
+            if f.is_input(*table)
+                && super::dense(f, *table)
+                && *dim + 1 < table_rank
+                && full_size(f, t, rank)
+                && !vec_tensors.contains(&t)
+            {
                 vec_tensors.push(t);
                 // As for the caches above (index_select of 16384 rows: 127.6 -> 125.3 us).
                 if v > 1 && super::evict_last_inputs() {

@@ -79,7 +79,8 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
         );
     }
     let widest = [x, staged, out].iter().map(|&t| f.tvs[t].dtype.size_bytes()).max().unwrap_or(4) as i64;
-    let v = (16 / widest).clamp(1, 4);
+    // A strided input is read element by element.
+    let v = if super::dense(f, x) { (16 / widest).clamp(1, 4) } else { 1 };
     // 64x64 tiles with 256 threads, each moving four vectors: more bytes in flight per
     // thread than 32x32 tiles (the tile fits a 16.6 KB padded Shared buffer).
     let (tile, threads) = (64, 256);
