@@ -204,6 +204,20 @@ class FusionDefinition:
 
         return execute(self, inputs, device, as_written)
 
+    def check_errors(self) -> None:
+        """Wait for this fusion's GPU work and raise what its kernels recorded (an
+        index_select index out of range); otherwise the next call reports it."""
+        lowerings = list(self.__dict__.get("_auto_cache", {}).values())
+        cached = self.__dict__.get("_lowered_cache")
+        if cached is not None:
+            lowerings.append(cached[1])
+        seen = set()
+        for low in lowerings:
+            ev = low._evaluator
+            if ev is not None and id(ev) not in seen:
+                seen.add(id(ev))
+                ev.check_errors()
+
     # -- helpers ---------------------------------------------------------------------
     def _tensor(self, t: object, what: str) -> int:
         if not isinstance(t, Tensor):

@@ -181,9 +181,24 @@ class Workspace:
         return int(self.mem.data.ptr)
 
 
+class ErrorWords:
+    """Pinned host memory that kernels with gathers write an out-of-range index into
+    (four int64 per kernel: site + 1, element, value, table extent). With unified
+    addressing the device writes it directly, so the host reads it at the next call with
+    no sync; :meth:`HostEvaluator.check_errors` synchronizes first."""
+
+    def __init__(self, slots: int) -> None:
+        import cupy as cp  # noqa: PLC0415
+
+        self._mem = cp.cuda.alloc_pinned_memory(32 * max(slots, 1))
+        self.words = np.frombuffer(self._mem, np.int64, 4 * max(slots, 1))
+        self.words[:] = 0
+        self.ptr = int(self._mem.ptr)
+
+
 class _Recipe:
-    __slots__ = ("arena", "arena_bytes", "fast", "inputs", "launcher", "launches", "nbufs", "outputs", "plan",
-                 "zero", "zero_bytes")
+    __slots__ = ("arena", "arena_bytes", "error_kernels", "errors", "fast", "inputs", "launcher", "launches",
+                 "nbufs", "outputs", "plan", "zero", "zero_bytes")
 
 
 _SEQUENCES = (list, tuple)
@@ -338,6 +353,9 @@ class HostEvaluator:
         # True once a plan turned out to read an int/bool scalar input's value (a size):
         # then recipes are keyed on those values too (see ``_key``).
         self._by_value = False
+        # Per device: the error words of this program's kernels with gathers.
+        self._error_words: Dict[int, ErrorWords] = {}
+        self._error_kernels: Dict[int, int] = {}  # error word slot -> kernel
         self.memsets = 0  # per-launch zeroings of zero_init-only buffers
         self.launches = 0
         # Test hook: skip the per-launch zeroing (shows why it is needed).
@@ -394,6 +412,37 @@ class HostEvaluator:
         for p, (_bid, nbytes) in zip(ptrs, memsets):
             cp.cuda.runtime.memsetAsync(int(p), 0, nbytes, stream)
             self.memsets += 1
+
+    def error_words_for(self, device: int, slots: int) -> ErrorWords:
+        """The error words of ``device`` (``slots`` of them, created zeroed on first use)."""
+        hit = self._error_words.get(device)
+        if hit is None or len(hit.words) < 4 * slots:
+            hit = self._error_words[device] = ErrorWords(slots)
+        return hit
+
+    def report_errors(self, words: Any) -> None:
+        """Raise the out-of-range index an earlier launch recorded in ``words`` (and clear
+        it), naming the kernel, the index tensor, the element and the value."""
+        for slot in range(len(words) // 4):
+            site, element, value, extent = (int(v) for v in words[4 * slot:4 * slot + 4])
+            if site == 0:
+                continue
+            words[:] = 0
+            k = self._error_kernels.get(slot, 0)
+            gathers = {g: (ix, table) for g, ix, table in self.lowered.kernels[k]._core.gathers()}
+            ix, table = gathers.get(site - 1, ("the index tensor", "the table"))
+            raise KilnError(f"index_select in kernel {k} of an earlier call of this fusion: the index tensor {ix} "
+                            f"held {value} at element {element}; {table} has {extent} entries along the "
+                            f"selected axis (indices must be in [0, {extent})); entry 0 was read instead")
+
+    def check_errors(self) -> None:
+        """Synchronize each device this program ran on and raise what its kernels recorded."""
+        import cupy as cp  # noqa: PLC0415
+
+        for dev, ew in self._error_words.items():
+            with cp.cuda.Device(dev):
+                cp.cuda.Device(dev).synchronize()
+            self.report_errors(ew.words)
 
     def arena_for(self, device: int) -> Workspace:
         """The arena of ``device`` (created empty on first use)."""
@@ -487,6 +536,11 @@ class HostEvaluator:
             r.outputs.append((bid, alloc, view))
         r.arena = [(bid, b.offset) for bid, b in enumerate(plan.buffers) if b.place == "arena"]
         r.zero = [(bid, b.offset) for bid, b in enumerate(plan.buffers) if b.place == "zero_pool"]
+        r.errors = [(bid, b.offset) for bid, b in enumerate(plan.buffers) if b.place == "error"]
+        for la in plan.launches:
+            for bid, slot in r.errors:
+                if bid in la.args:
+                    self._error_kernels[slot] = la.kernel
         r.arena_bytes = plan.arena_bytes
         r.zero_bytes = plan.zero_pool_bytes
         r.launches = []
@@ -498,7 +552,8 @@ class HostEvaluator:
             memsets = tuple((bid, max(plan.buffers[bid].nbytes, 1)) for bid in la.memsets)
             r.launches.append((fn, la.grid, la.block, la.smem, la.args, scal, memsets))
         r.launcher = launcher_kind()
-        r.fast = _specialize(r, torch_mode, dev, r.launcher, self.arena_for(dev), self.pool_for(dev))
+        words = self.error_words_for(dev, len(r.errors)) if r.errors else None
+        r.fast = _specialize(r, torch_mode, dev, r.launcher, self.arena_for(dev), self.pool_for(dev), words)
         return r
 
     def _scalar_args(self, la: PlannedLaunch, inputs: Sequence[Any], scalar_pos: Sequence[int],
@@ -552,7 +607,7 @@ class HostEvaluator:
 
 
 def _specialize(r: _Recipe, torch_mode: bool, device: int, launcher: str, arena: Workspace,
-                pool: ZeroedPool) -> Launcher:
+                pool: ZeroedPool, words: Optional[ErrorWords] = None) -> Launcher:
     """A launcher specialised to one recipe: straight-line Python with every constant
     (shapes, offsets, size/stride arguments, grid/block) bound, so a call does no lookups or
     loops. ``launcher="rust"``: each launch is one call of a ``PreparedLaunch`` with the
@@ -566,6 +621,12 @@ def _specialize(r: _Recipe, torch_mode: bool, device: int, launcher: str, arena:
     ns: Dict[str, Any] = {"_nd": cp.ndarray, "_gs": cp.cuda.get_current_stream, "_nps": np_scalar,
                           "_xs": external_stream}
     lines = ["def _run(inputs, ev):"]
+    if words is not None:
+        # An index an earlier call found out of range is reported now (no sync needed:
+        # the device wrote it to host memory).
+        ns["_ew"] = words.words
+        checks = " or ".join(f"_ew[{4 * slot}]" for _bid, slot in r.errors)
+        lines.append(f"    if {checks}: ev.report_errors(_ew)")
     # torch tensors: torch's current stream, read once per call and passed explicitly.
     stream_arg = ""
     if torch_mode:
@@ -599,6 +660,9 @@ def _specialize(r: _Recipe, torch_mode: bool, device: int, launcher: str, arena:
         lines.append(f"    base = _arena.get({r.arena_bytes}{stream_arg})")
         for bid, off in r.arena:
             arg[bid] = f"base + {off}"
+    if words is not None:
+        for bid, slot in r.errors:
+            arg[bid] = str(words.ptr + 32 * slot)
     if r.zero_bytes:
         ns["_zpool"] = pool
         lines.append(f"    zbase = _zpool.get({r.zero_bytes}{stream_arg})")

@@ -649,12 +649,15 @@ impl Gen<'_> {
             // dereferenced only then.
             let _ = writeln!(
                 self.out,
-                "{pad}  const kiln_index_t g{} = kiln::checkedIndex(({}) ? (kiln_index_t){}[{}] : 0, {});",
+                "{pad}  const kiln_index_t g{} = kiln::checkedIndex(({}) ? (kiln_index_t){}[{}] : 0, {}, {}, {}, {});",
                 g.id,
                 self.pred(p0),
                 self.buf(g.index_tv),
                 self.c(g.at),
-                self.c(g.extent)
+                self.c(g.extent),
+                crate::kernel::INDEX_ERROR,
+                g.id,
+                self.c(g.at)
             );
         }
         let _ = writeln!(self.out, "{pad}  const kiln_index_t kiln_ob = {}, kiln_ib = {};", self.c(o0), self.c(i0));
@@ -746,12 +749,15 @@ impl Gen<'_> {
         for gth in &ix.gathers {
             let _ = write!(
                 pre,
-                "const kiln_index_t g{} = kiln::checkedIndex(({}) ? (kiln_index_t){}[{}] : 0, {}); ",
+                "const kiln_index_t g{} = kiln::checkedIndex(({}) ? (kiln_index_t){}[{}] : 0, {}, {}, {}, {}); ",
                 gth.id,
                 pred,
                 self.buf(gth.index_tv),
                 self.c(gth.at),
-                self.c(gth.extent)
+                self.c(gth.extent),
+                crate::kernel::INDEX_ERROR,
+                gth.id,
+                self.c(gth.at)
             );
         }
         let value = match &ex.op {

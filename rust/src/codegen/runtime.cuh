@@ -71,11 +71,22 @@ KILN_DEVICE constexpr int64_t ceilDiv(int64_t a, int b) { return (a + b - 1) / b
 KILN_DEVICE constexpr int64_t ceilDiv(int a, int64_t b) { return (a + b - 1) / b; }
 
 // An index_select value outside [0, n) selects entry 0 instead of reading outside the
-// table: bad data never becomes a wild address. (The CPU interpreter reports such a value
-// as an error naming the index tensor and the position.)
+// table: bad data never becomes a wild address. The first such value is recorded in the
+// kernel's error word `err` (host memory the device writes; the host reports it as an
+// error later): [site + 1, element of the index tensor, value, n].
 template <typename I, typename N>
-KILN_DEVICE I checkedIndex(I v, N n) {
-  return (v >= 0 && v < (I)n) ? v : (I)0;
+KILN_DEVICE I checkedIndex(I v, N n, int64_t* err, int site, I element) {
+  if (v >= 0 && v < (I)n) {
+    return v;
+  }
+  unsigned long long* flag = reinterpret_cast<unsigned long long*>(err);
+  if (atomicCAS(flag, 0ull, (unsigned long long)(site + 1)) == 0ull) {
+    err[1] = (int64_t)element;
+    err[2] = (int64_t)v;
+    err[3] = (int64_t)n;
+    __threadfence_system();
+  }
+  return (I)0;
 }
 
 template <typename T>

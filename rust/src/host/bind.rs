@@ -10,7 +10,7 @@ use crate::bail;
 use crate::error::{KilnError, Result};
 use crate::host::eval::{Bindings, InputDesc, ScalarArg};
 use crate::ir::scalar::Val;
-use crate::ir::{DataType, Fusion, IterType, Op, Operand, ReductionOp, Symbol, TvId};
+use crate::ir::{DataType, Fusion, IterDomainId, IterType, Op, Operand, ReductionOp, Symbol, TvId};
 
 /// One runtime argument of a fusion.
 #[derive(Clone, Debug)]
@@ -20,6 +20,8 @@ pub enum Arg {
     Tensor { dtype: std::result::Result<Option<DataType>, String>, desc: InputDesc },
     /// A Python number.
     Scalar(ScalarArg),
+    /// A number the caller has checked already, bound as given.
+    Checked(ScalarArg),
     /// An integer outside the int64 range (its decimal text).
     BigInt(String),
     /// Anything else (its type name).
@@ -33,6 +35,7 @@ impl Arg {
             Arg::Scalar(ScalarArg::Bool(_)) => "a bool",
             Arg::Scalar(ScalarArg::Int(_)) | Arg::BigInt(_) => "an int",
             Arg::Scalar(ScalarArg::Float(_)) => "a float",
+            Arg::Checked(_) => "a number",
             Arg::Other(_) => "something else",
         }
     }
@@ -57,8 +60,13 @@ pub fn bind_args(f: &Fusion, args: &[Arg]) -> Result<Bindings> {
 pub fn bind_args_for(f: &Fusion, args: &[Arg], any_layout: bool) -> Result<Bindings> {
     if args.len() != f.inputs.len() {
         let tensors = f.inputs.iter().filter(|o| o.tensor().is_some()).count();
+        let missing = if args.len() < f.inputs.len() {
+            format!("; {} is missing", input_name(f, args.len()))
+        } else {
+            String::new()
+        };
         bail!(
-            "the fusion takes {} inputs but {} were given ({tensors} arrays and {} numbers, in definition order)",
+            "the fusion takes {} inputs but {} were given ({tensors} arrays and {} numbers, in definition order){missing}",
             f.inputs.len(),
             args.len(),
             f.inputs.len() - tensors
@@ -156,9 +164,43 @@ pub fn bind_args_for(f: &Fusion, args: &[Arg], any_layout: bool) -> Result<Bindi
             check_contiguity(f, tv, i, d)?;
         }
     }
+    check_mapped_sizes(f, &tensors)?;
     let b = Bindings { extents, strides, scalars };
     check_tensor_sizes(f, &b)?;
     Ok(b)
+}
+
+/// Input axes that the definition's ops align element by element (the exact map: an add of
+/// two inputs, a broadcast operand against the axis it is broadcast along) must have one
+/// size. Checked against the definition itself, so every path names the inputs.
+fn check_mapped_sizes(f: &Fusion, tensors: &FxHashMap<TvId, (usize, &InputDesc)>) -> Result<()> {
+    if tensors.len() < 2 {
+        return Ok(());
+    }
+    let exact = crate::analysis::id_graph::IdGraph::exact(f);
+    let mut seen: Vec<(IterDomainId, usize, usize, i64)> = Vec::new();
+    for (i, op) in f.inputs.iter().enumerate() {
+        let Some(tv) = op.tensor() else { continue };
+        let Some(&(_, d)) = tensors.get(&tv) else { continue };
+        for (axis, &id) in f.no_reduction_logical(tv).iter().enumerate() {
+            if f.ids[id].iter_type == IterType::Broadcast {
+                continue;
+            }
+            let size = d.sizes[axis];
+            if let Some(&(_, j, ja, js)) = seen.iter().find(|(o, ..)| exact.same(*o, id)) {
+                if js != size {
+                    bail!(
+                        "{}: axis {axis} has size {size} but {} axis {ja} has size {js}; the definition makes them equal",
+                        input_name(f, i),
+                        input_name(f, j)
+                    );
+                }
+            } else {
+                seen.push((id, i, axis, size));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Rank, sizes and broadcast axes of one array against its definition.
@@ -195,6 +237,7 @@ fn check_shape(f: &Fusion, tv: TvId, i: usize, d: &InputDesc) -> Result<()> {
 fn scalar_value(f: &Fusion, i: usize, dt: DataType, arg: &Arg) -> Result<ScalarArg> {
     let what = || input_name(f, i);
     let v = match (dt, arg) {
+        (_, Arg::Checked(s)) => return Ok(*s),
         (_, Arg::BigInt(s)) => bail!("{}: {s} does not fit a {} scalar", what(), dt.enum_name()),
         (_, Arg::Tensor { .. } | Arg::Other(_)) => {
             let got = match arg {
@@ -328,7 +371,7 @@ pub fn bind(f: &Fusion, inputs: &[InputDesc], scalars: &[ScalarArg]) -> Result<B
     for op in &f.inputs {
         let next = match op {
             Operand::Tensor(_) => ti.next().map(|d| Arg::Tensor { dtype: Ok(None), desc: d.clone() }),
-            Operand::Scalar(_) => si.next().map(|s| Arg::Scalar(*s)),
+            Operand::Scalar(_) => si.next().map(|s| Arg::Checked(*s)),
         };
         match next {
             Some(a) => args.push(a),

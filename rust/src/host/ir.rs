@@ -26,6 +26,9 @@ pub enum BufferRole {
     Intermediate,
     /// A global buffer of one kernel's `KernelSummary` (work buffer, semaphore, ...).
     KernelBuffer,
+    /// A kernel's error word: host memory the device writes and the host reads later,
+    /// without a sync (see `kernel::INDEX_ERROR`).
+    ErrorWord,
 }
 
 /// A Global buffer of the host program.

@@ -88,7 +88,7 @@ pub fn lower_segments(
                 kernel: k,
                 zero_init: g.zero_init,
                 resets_to_zero: g.resets_to_zero,
-                role: BufferRole::KernelBuffer,
+                role: if g.error_word { BufferRole::ErrorWord } else { BufferRole::KernelBuffer },
             });
             instrs.push(HostInstr::Allocate(b));
             intermediates.push(b);

@@ -33,6 +33,9 @@ pub enum Place {
     Arena(i64),
     /// Byte offset in the zeroed pool.
     ZeroPool(i64),
+    /// Error word `n` of the program (four int64 each, in host memory the device can
+    /// write: the host reads them at the next call without a sync).
+    ErrorWord(usize),
 }
 
 /// One buffer of a concrete plan.
@@ -136,6 +139,7 @@ pub fn plan_program(p: &HostProgram, inputs: &[InputDesc], scalars: &[ScalarArg]
     let mut pool = Region::default();
     let (mut live, mut peak) = (0i64, 0i64);
     let mut launches = Vec::new();
+    let mut error_words = 0;
     for instr in &p.instrs {
         match instr {
             HostInstr::Allocate(id) => {
@@ -143,6 +147,10 @@ pub fn plan_program(p: &HostProgram, inputs: &[InputDesc], scalars: &[ScalarArg]
                 ba.place = match p.buffers[*id].role {
                     BufferRole::Output(n) => Place::Output(n),
                     BufferRole::Input(n) => Place::Input(n),
+                    BufferRole::ErrorWord => {
+                        error_words += 1;
+                        Place::ErrorWord(error_words - 1)
+                    }
                     _ if ba.zero_init && ba.resets_to_zero => Place::ZeroPool(pool.alloc(ba.bytes)),
                     _ => Place::Arena(arena.alloc(ba.bytes)),
                 };

@@ -125,7 +125,14 @@ pub struct GlobalBuffer {
     pub shape: Vec<ValId>,
     pub zero_init: bool,
     pub resets_to_zero: bool,
+    /// The kernel's error word (`INDEX_ERROR`): four int64 that a gather writes when an
+    /// index is out of range; the host places it where it can read it without a sync.
+    pub error_word: bool,
 }
+
+/// Name of the error word of a kernel with gathers: [site + 1, element, value, extent] of
+/// the first index found outside its table (all zero while none was).
+pub const INDEX_ERROR: &str = "kiln_index_error";
 
 /// Facts about a kernel that its launcher needs.
 #[derive(Clone, Debug, Default)]
@@ -185,6 +192,25 @@ pub struct Kernel {
 }
 
 impl Kernel {
+    /// Every gather of the kernel: (site id, index tensor, selected-from tensor), the
+    /// sites its error word names.
+    pub fn gathers(&self) -> Vec<(u32, TvId, TvId)> {
+        fn walk(nodes: &[Node], out: &mut Vec<(u32, TvId, TvId)>) {
+            for n in nodes {
+                match n {
+                    Node::Loop(l) => walk(&l.body, out),
+                    Node::Expr { index: Some(ix), .. } | Node::Init { index: Some(ix), .. } => {
+                        out.extend(ix.gathers.iter().map(|g| (g.id, g.index_tv, g.table)));
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let mut out = Vec::new();
+        walk(&self.body, &mut out);
+        out
+    }
+
     /// The first size constraint that sizes evaluated by `eval` break, as the error to
     /// raise before the kernel runs (the GPU plan and the interpreter both check).
     pub fn size_violation(&self, eval: impl Fn(ValId) -> Option<i64>) -> Option<crate::error::KilnError> {

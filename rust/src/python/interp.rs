@@ -21,6 +21,16 @@ fn read_array<T: Element + Copy + Default>(
     let view = ro.as_array();
     let shape: Vec<usize> = view.shape().to_vec();
     let strides: Vec<isize> = view.strides().to_vec();
+    // A huge (say, broadcast) view would take forever to copy: the interpreter's limit.
+    let count = shape.iter().try_fold(1usize, |a, &n| a.checked_mul(n));
+    if count.is_none_or(|n| n as i64 > crate::interp::MAX_HOST_ELEMENTS) {
+        return Err(crate::python::to_py(
+            x.py(),
+            KilnError::value(format!(
+                "an array of shape {shape:?}: the CPU interpreter takes at most 2^31 elements per tensor (run it on a GPU)"
+            )),
+        ));
+    }
     if let Some(s) = view.as_slice() {
         return Ok(HostTensor::contiguous(wrap(s.to_vec()), shape));
     }

@@ -767,6 +767,12 @@ impl PyKernel {
             .collect()
     }
 
+    /// The kernel's gathers: (site id, index tensor, selected-from tensor).
+    fn gathers(&self) -> Vec<(u32, String, String)> {
+        let f = &self.inner.fusion;
+        self.inner.gathers().into_iter().map(|(id, ix, table)| (id, f.tv_name(ix), f.tv_name(table))).collect()
+    }
+
     /// KernelSummary global buffers: (name, dtype, shape, zero_init, resets_to_zero).
     fn global_allocations(&self) -> Vec<(String, &'static str, Vec<String>, bool, bool)> {
         let f = &self.inner.fusion;
@@ -897,6 +903,7 @@ impl PyHostProgram {
                     Place::Output(n) => ("output", n as i64),
                     Place::Arena(o) => ("arena", o),
                     Place::ZeroPool(o) => ("zero_pool", o),
+                    Place::ErrorWord(n) => ("error", n as i64),
                 };
                 (
                     b.name.clone(),

@@ -77,6 +77,7 @@ pub fn grid_reduction_buffers(f: &mut Fusion, lg: &LoopGraph, tv: TvId) -> Resul
             shape: work_shape,
             zero_init: false,
             resets_to_zero: false,
+            error_word: false,
         },
         GlobalBuffer {
             name: format!("{name}_sync"),
@@ -85,6 +86,7 @@ pub fn grid_reduction_buffers(f: &mut Fusion, lg: &LoopGraph, tv: TvId) -> Resul
             shape: vec![nseg],
             zero_init: true,
             resets_to_zero: true,
+            error_word: false,
         },
     ])
 }

@@ -98,6 +98,7 @@ pub fn run(
                         shape,
                         zero_init: false,
                         resets_to_zero: false,
+                        error_word: false,
                     });
                     top.push(Node::Alloc(alloc));
                 }
@@ -127,6 +128,19 @@ pub fn run(
             placement::insert_before_expr(f, body, lg, tv, alloc_pos, e, nodes)?;
         }
         allocations.insert(tv, info);
+    }
+    // Gathers report indices outside their table through the kernel's error word.
+    if order.iter().any(|&e| matches!(f.exprs[e].op, crate::ir::Op::IndexSelect { .. })) {
+        let four = f.scalars.int(4);
+        summary.global_allocations.push(GlobalBuffer {
+            name: crate::kernel::INDEX_ERROR.to_string(),
+            tv: None,
+            dtype: crate::ir::DataType::Int,
+            shape: vec![four],
+            zero_init: true,
+            resets_to_zero: true,
+            error_word: true,
+        });
     }
     top.append(body);
     *body = top;
