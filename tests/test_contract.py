@@ -9,7 +9,6 @@ from typing import Any, Callable, List
 
 import numpy as np
 import pytest
-
 from kiln import DataType, FusionDefinition, KilnError
 
 VIEWS = {
@@ -64,7 +63,8 @@ def test_strided_input_beside_a_contiguous_one_of_a_normalization(view: str) -> 
         a = fd.define_tensor(shape=[-1, -1])
         b = fd.define_tensor(shape=[-1])
         m = fd.ops.max(a, dims=[1], keepdim=True)
-        fd.add_output(fd.ops.add(fd.ops.sub(a, m), fd.ops.broadcast_in_dim(b, shape=[-1, -1], broadcast_dims=[1])))
+        row = fd.ops.broadcast_in_dim(b, shape=[-1, -1], broadcast_dims=[1])
+        fd.add_output(fd.ops.add(fd.ops.sub(a, m), row))
     (out,) = fd.execute([x, bias])
     x64 = x.astype(np.float64)
     _close(out, x64 - x64.max(1, keepdims=True) + bias)
@@ -176,8 +176,8 @@ def test_bool_max_and_min_are_any_and_all(op: str, want: List[bool]) -> None:
     assert out.dtype == np.bool_ and out.tolist() == want
 
 
-@pytest.mark.parametrize(("a", "b", "dtype"), [(0.1, -2.5, np.float32), (1, 2, np.int64), (True, False, np.bool_),
-                                                (1, 2.5, np.float32)])
+@pytest.mark.parametrize(("a", "b", "dtype"), [(0.1, -2.5, np.float32), (1, 2, np.int64),
+                                                (True, False, np.bool_), (1, 2.5, np.float32)])
 def test_where_of_two_numbers_has_pytorchs_default_dtype(a: Any, b: Any, dtype: Any) -> None:
     with FusionDefinition() as fd:
         t = fd.define_tensor(shape=[-1])
@@ -194,7 +194,8 @@ def test_out_of_range_indices_name_the_index_tensor(bad: List[int]) -> None:
         i = fd.define_tensor(shape=[-1], dtype=DataType.Int)
         fd.add_output(fd.ops.index_select(t, i, 0))
     first = next(k for k, v in enumerate(bad) if not 0 <= v < 5)
-    with pytest.raises(KilnError, match=rf"index tensor T1 holds {bad[first]} at element {first}; T0 has 5 entries"):
+    want = rf"index tensor T1 holds {bad[first]} at element {first}; T0 has 5 entries"
+    with pytest.raises(KilnError, match=want):
         fd.execute([np.ones((5, 3), np.float32), np.array(bad, np.int64)])
 
 
@@ -202,7 +203,8 @@ def test_out_of_range_indices_name_the_index_tensor(bad: List[int]) -> None:
     (lambda fd: fd.define_tensor(shape=[2**64]), r"define_tensor T0: axis 0 has size 18446744073709551616"),
     (lambda fd: fd.define_scalar(2**70), "does not fit an Int"),
     (lambda fd: fd.define_scalar(2**40, dtype=DataType.Int32), "does not fit a Int32 constant"),
-    (lambda fd: fd.ops.full(shape=[2**40, 2**40], value=1.0, dtype=DataType.Float), "more than 2\\^63 elements"),
+    (lambda fd: fd.ops.full(shape=[2**40, 2**40], value=1.0, dtype=DataType.Float),
+     "more than 2\\^63 elements"),
 ])
 def test_out_of_range_definitions_are_errors(build: Callable[[FusionDefinition], Any], message: str) -> None:
     fd = FusionDefinition()
@@ -260,7 +262,8 @@ def test_gpu_strided_inputs(framework: str, view: str) -> None:
     else:
         torch = pytest.importorskip("torch")
         tb = torch.tensor(base, device="cuda")
-        dev = {"transposed": tb.T, "sliced": tb[:, 2:7], "stepped": tb[:, ::2], "fortran": tb.T.contiguous().T,
+        dev = {"transposed": tb.T, "sliced": tb[:, 2:7], "stepped": tb[:, ::2],
+               "fortran": tb.T.contiguous().T,
                "expanded": tb[:1].expand(*base.shape)}[view]
     fd = _affine_and_sums()
     for got, want in zip(fd.execute([dev]), _expect_affine_and_sums(x)):

@@ -142,7 +142,8 @@ def test_g_index_select():
     (out,) = run(fd, [x_, i_])
     check(out, np.exp(x_.astype(np.float64))[i_])
     # A bad index is reported against the index tensor, before any read of the table.
-    with pytest.raises(KilnError, match=rf"index tensor {idx.name} holds 10 at element 0; {t1.name} has 10 entries"):
+    want = rf"index tensor {idx.name} holds 10 at element 0; {t1.name} has 10 entries"
+    with pytest.raises(KilnError, match=want):
         run(fd, [x_, np.array([10], np.int64)])
 
 

@@ -92,9 +92,11 @@ def lowered_for(fd: Any, inputs: Sequence[Any]) -> Any:
     ``inputs`` on the device they live on (the default target for NumPy inputs): cached per
     sizes, and per heuristic, so that sizes leading to the same schedule share a lowering."""
     from .fusion import dump_enabled  # noqa: PLC0415
-    from .lowering import LoweredFusion, LoweredKernel  # noqa: PLC0415
-
-    from .lowering import _arg  # noqa: PLC0415
+    from .lowering import (  # noqa: PLC0415
+        LoweredFusion,
+        LoweredKernel,
+        _arg,  # noqa: PLC0415
+    )
 
     tensors = [x for x in inputs if _kind(x) != "scalar"]
     sizes = [list(x.shape) for x in tensors]
@@ -111,8 +113,8 @@ def lowered_for(fd: Any, inputs: Sequence[Any]) -> Any:
     for n in _shape_scalars(fd):
         if n < len(values) and isinstance(values[n], int) and not isinstance(values[n], bool):
             scalars[n] = int(values[n])
-    key = (fd._core.version, tuple(tuple(s) for s in sizes), tuple(tuple(s) for s in strides), aligned, device,
-           tuple(scalars))
+    layout_key = tuple(tuple(s) for s in strides)
+    key = (fd._core.version, tuple(tuple(s) for s in sizes), layout_key, aligned, device, tuple(scalars))
     cache = fd.__dict__.setdefault("_auto_cache", {})
     hit = cache.get(key)
     if hit is not None:
@@ -120,7 +122,8 @@ def lowered_for(fd: Any, inputs: Sequence[Any]) -> Any:
     program, kind, params, layout = fd._core.auto_program(sizes, aligned, device, scalars, strides)
     if dump_enabled("segments"):
         print(program.segmentation())
-    hkey = (fd._core.version, kind, tuple(params), tuple(tuple(c) for c in layout), aligned, device, tuple(scalars))
+    contiguity = tuple(tuple(c) for c in layout)
+    hkey = (fd._core.version, kind, tuple(params), contiguity, aligned, device, tuple(scalars))
     low = cache.get(hkey)
     if low is None:
         low = cache[hkey] = LoweredFusion([LoweredKernel(k) for k in program.kernels()], program)

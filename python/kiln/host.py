@@ -431,7 +431,8 @@ class HostEvaluator:
             k = self._error_kernels.get(slot, 0)
             gathers = {g: (ix, table) for g, ix, table in self.lowered.kernels[k]._core.gathers()}
             ix, table = gathers.get(site - 1, ("the index tensor", "the table"))
-            raise KilnError(f"index_select in kernel {k} of an earlier call of this fusion: the index tensor {ix} "
+            raise KilnError(f"index_select in kernel {k} of an earlier call of this fusion: "
+                            f"the index tensor {ix} "
                             f"held {value} at element {element}; {table} has {extent} entries along the "
                             f"selected axis (indices must be in [0, {extent})); entry 0 was read instead")
 

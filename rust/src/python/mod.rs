@@ -517,7 +517,7 @@ impl PyFusion {
         device: Option<(i64, i64, i64, i64, i64)>,
         scalars: Vec<Option<i64>>,
         strides: Vec<Vec<i64>>,
-    ) -> PyResult<(PyHostProgram, &'static str, Vec<i64>, Vec<Vec<Option<bool>>>)> {
+    ) -> PyResult<AutoProgram> {
         guarded(py, || {
             let device = match device {
                 Some((sm_count, max_threads_per_block, shared_per_block, registers_per_block, arch)) => {
@@ -637,6 +637,10 @@ impl PyKernel {
         Ok(slot.get_or_init(|| k))
     }
 }
+
+/// `auto_program`'s result: the program, its heuristic (kind, params) and the contiguity
+/// each tensor input was compiled for.
+type AutoProgram = (PyHostProgram, &'static str, Vec<i64>, Vec<Vec<Option<bool>>>);
 
 /// A scalar argument as Python passes it.
 #[derive(FromPyObject)]
