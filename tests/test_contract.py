@@ -255,7 +255,9 @@ def test_gpu_strided_inputs(framework: str, view: str) -> None:
     if framework == "cupy":
         cp = pytest.importorskip("cupy")
         dev = cp.lib.stride_tricks.as_strided(cp.asarray(base), x.shape, x.strides)
-        if view == "sliced":
+        if view == "fortran":
+            dev = cp.asfortranarray(cp.asarray(base))
+        elif view == "sliced":
             dev = cp.asarray(base)[:, 2:7]
         elif view == "stepped":
             dev = cp.asarray(base)[:, ::2]
