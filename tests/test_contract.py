@@ -307,3 +307,50 @@ def test_gpu_empty_tensors_and_expansion() -> None:
         fd.add_output(fd.ops.broadcast_in_dim(b, shape=[3, 5], broadcast_dims=[0]))
     (out,) = fd.execute([cp.arange(3, dtype=cp.float32)])
     _close(out, np.repeat(np.arange(3.0)[:, None], 5, 1))
+
+
+def _copy(shape: List[int]) -> Any:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=shape)
+        y = fd.ops.neg(x)
+        fd.add_output(y)
+    return fd, y
+
+
+@pytest.mark.parametrize(("schedule", "inputs", "message"), [
+    ("tidx_2048", (2048,), r"blockDim.x = 2048 threads; the GPU allows at most 1024"),
+    ("tidy_tidx", (64, 32), r"2048 threads per block \(32 x 64 x 1\)"),
+    ("grid_y", (70000, 1), r"gridDim.y = 70000 blocks; the GPU allows at most 65535"),
+])
+def test_launch_limits_are_checked_on_every_path(schedule: str, inputs: tuple, message: str) -> None:
+    from kiln import ParallelType
+
+    if schedule == "tidx_2048":
+        fd, y = _copy([2048])
+        y.axis(0).parallelize(ParallelType.TIDx)
+    elif schedule == "tidy_tidx":
+        fd, y = _copy([-1, -1])
+        y.axis(0).parallelize(ParallelType.TIDy)
+        y.axis(1).parallelize(ParallelType.TIDx)
+    else:
+        fd, y = _copy([-1, -1])
+        y.axis(0).parallelize(ParallelType.BIDy)
+    x = np.ones(inputs, np.float32)
+    # Static sizes at lowering; symbolic ones when the plan or the interpreter binds them.
+    with pytest.raises(KilnError, match=message):
+        fd.lower([x]).plan([x])
+    with pytest.raises(KilnError, match=message):
+        fd.execute([x])
+
+
+def test_shared_memory_past_the_target_is_refused_at_lowering() -> None:
+    from kiln import MemoryType
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[65536])
+        t = fd.ops.exp(x)
+        fd.add_output(fd.ops.neg(t))
+    t.set_memory_type(MemoryType.Shared)
+    want = r"262144 bytes of Shared memory per block; the target allows at most 232448"
+    with pytest.raises(KilnError, match=want):
+        fd.lower([np.ones(65536, np.float32)])

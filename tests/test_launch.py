@@ -15,7 +15,16 @@ import numpy as np
 import pytest
 import scenarios
 from gpu_util import cupy_or_skip, plan_without_resets
-from kiln import DataType, FusionDefinition, KilnError, KilnTypeError, ParallelType, _core, host
+from kiln import (
+    DataType,
+    FusionDefinition,
+    KilnError,
+    KilnInternalError,
+    KilnTypeError,
+    ParallelType,
+    _core,
+    host,
+)
 from kiln.runtime.kernel_executor import np_scalar
 
 
@@ -294,7 +303,7 @@ CUresult cuFuncGetParamInfo(void *f, size_t i, size_t *off, size_t *size) {
 _FAKE_DRIVER_SCRIPT = r"""
 import ctypes, threading
 import numpy as np
-from kiln import KilnError, _core, host
+from kiln import KilnError, KilnInternalError, _core, host
 
 fake = ctypes.CDLL("libcuda.so.1")  # the stand-in: LD_LIBRARY_PATH puts it first
 for name in ("fake_last_params", "fake_last_dims", "fake_last_fn", "fake_last_stream"):
@@ -381,7 +390,7 @@ set_layout([8, 8, 4, 8, 1, 2])
 try:
     pl.verify()
     raise AssertionError("a kernel with fewer parameters must fail verify")
-except KilnError as e:
+except KilnInternalError as e:  # a launcher that disagrees with its kernel is a kiln bug
     assert "sizes [8, 8, 4, 8, 1, 2], but the launcher packs [8, 8, 4, 8, 1, 2, 8]" in str(e), e
 print("FAKE-DRIVER-OK")
 """
@@ -946,7 +955,7 @@ def test_prepared_launch_of_a_raw_kernel_on_explicit_and_current_streams():
     if kernel_layout is not None:
         assert kernel_layout == pl.layout == [(0, 8), (8, 8), (16, 4), (24, 8), (32, 1), (34, 2), (40, 8)]
         wide = [None, None] + [v.tobytes() for v in scal[:-1]] + [np.int32(3).tobytes()]
-        with pytest.raises(KilnError, match=r"sizes \[8, 8, 4, 8, 1, 2, 8\], but the launcher packs"):
+        with pytest.raises(KilnInternalError, match=r"sizes \[8, 8, 4, 8, 1, 2, 8\], but the launcher packs"):
             _core.PreparedLaunch(fn.ptr, (7, 1, 1), (128, 1, 1), 0, wide).verify()
     with pytest.raises(KilnError, match="cuLaunchKernel failed with CUDA_ERROR_"):
         too_big = [None, None] + [v.tobytes() for v in scal]

@@ -1,6 +1,6 @@
 """kiln: a fusion compiler for NVIDIA GPUs."""
 
-from ._errors import KilnError, KilnTypeError
+from ._errors import KilnError, KilnInternalError, KilnTypeError
 from .enums import DataType, MemoryType, ParallelType
 from .fusion import FusionDefinition, Scalar, Tensor
 from .schedule import IterDomain
@@ -12,6 +12,7 @@ __all__ = [
     "FusionDefinition",
     "IterDomain",
     "KilnError",
+    "KilnInternalError",
     "KilnTypeError",
     "MemoryType",
     "ParallelType",

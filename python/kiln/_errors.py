@@ -7,3 +7,8 @@ class KilnError(ValueError):
 
 class KilnTypeError(KilnError, TypeError):
     """A wrong dtype or argument type."""
+
+
+class KilnInternalError(RuntimeError):
+    """A bug in kiln itself, never a user mistake (so ``except KilnError`` does not hide
+    it); the message starts with "internal compiler error" and should be reported."""

@@ -130,6 +130,51 @@ pub struct GlobalBuffer {
     pub error_word: bool,
 }
 
+/// Threads per block, block and grid dimensions every CUDA GPU allows, and Shared memory
+/// per block of the default target (H100/H200 class, opt-in maximum).
+pub const MAX_THREADS_PER_BLOCK: i64 = 1024;
+pub const MAX_BLOCK: [i64; 3] = [1024, 1024, 64];
+pub const MAX_GRID: [i64; 3] = [(1 << 31) - 1, 65535, 65535];
+pub const MAX_SHARED_BYTES: i64 = 232_448;
+
+/// Check concrete launch dimensions (`None`: not known yet) against the hardware limits:
+/// every path (lowering for static sizes, the GPU plan, the interpreter) refuses the same
+/// launches with the same message.
+pub fn check_launch_dims(grid: [Option<i64>; 3], block: [Option<i64>; 3], smem: Option<i64>) -> crate::Result<()> {
+    const AXES: [&str; 3] = ["x", "y", "z"];
+    for k in 0..3 {
+        if let Some(b) = block[k].filter(|&b| b > MAX_BLOCK[k]) {
+            crate::bail!(
+                "the schedule launches blockDim.{} = {b} threads; the GPU allows at most {} (split the axis mapped to TID{} further)",
+                AXES[k],
+                MAX_BLOCK[k],
+                AXES[k]
+            );
+        }
+        if let Some(g) = grid[k].filter(|&g| g > MAX_GRID[k]) {
+            crate::bail!(
+                "the schedule launches gridDim.{} = {g} blocks; the GPU allows at most {} (map the large axis to BIDx)",
+                AXES[k],
+                MAX_GRID[k]
+            );
+        }
+    }
+    if let [Some(x), Some(y), Some(z)] = block {
+        let threads = x.saturating_mul(y).saturating_mul(z);
+        if threads > MAX_THREADS_PER_BLOCK {
+            crate::bail!(
+                "the schedule launches {threads} threads per block ({x} x {y} x {z}); the GPU allows at most {MAX_THREADS_PER_BLOCK}"
+            );
+        }
+    }
+    if let Some(s) = smem.filter(|&s| s > MAX_SHARED_BYTES) {
+        crate::bail!(
+            "the schedule needs {s} bytes of Shared memory per block; the target allows at most {MAX_SHARED_BYTES} (use smaller tiles or Local memory)"
+        );
+    }
+    Ok(())
+}
+
 /// Name of the error word of a kernel with gathers: [site + 1, element, value, extent] of
 /// the first index found outside its table (all zero while none was).
 pub const INDEX_ERROR: &str = "kiln_index_error";

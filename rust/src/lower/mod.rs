@@ -45,6 +45,9 @@ pub fn lower(fusion: &Fusion) -> Result<Kernel> {
     reduction_hoist::run(&f, &lg, &mut body)?;
     let size_constraints = size_constraints(&f);
     let launch = launch::run(&mut f, &body);
+    // Static dimensions are checked now; symbolic ones when sizes are bound.
+    let known = |v: crate::ir::ValId| f.scalars.as_int(v);
+    crate::kernel::check_launch_dims(launch.grid.map(known), launch.block.map(known), known(launch.smem_bytes))?;
     Ok(Kernel {
         fusion: f,
         loops: lg,

@@ -16,10 +16,12 @@ use crate::ir::{
     DataType, Fusion, IterDomainId, IterType, MemoryType, Operand, ParallelType, ReductionOp, TvId, ValId,
 };
 
-/// Raise `err` as `kiln.KilnError` (or `kiln.KilnTypeError`).
+/// Raise `err` as `kiln.KilnError`, `kiln.KilnTypeError` or, for a kiln bug,
+/// `kiln.KilnInternalError`.
 pub(crate) fn to_py(py: Python<'_>, err: KilnError) -> PyErr {
     let class = match err.kind {
         ErrorKind::Type => "KilnTypeError",
+        ErrorKind::Internal => "KilnInternalError",
         _ => "KilnError",
     };
     match py.import("kiln._errors").and_then(|m| m.getattr(class)) {
