@@ -122,7 +122,7 @@ def gen_case(d: RandomDraw) -> Case:
     c = Case(sizes=sizes, seed=d.int(0, 2 ** 16), static=d.bool(0.12))
     for _ in range(d.int(1, 3)):
         dt = d.choice(["Float"] * 6 + ["Half"] * 2 + ["Double"])
-        layout = d.choice(["contig"] * 10 + ["transposed", "strided"]) if r > 1 else \
+        layout = d.choice(["contig"] * 10 + ["transposed", "strided", "expanded"]) if r > 1 else \
             d.choice(["contig"] * 10 + ["strided"])
         c.fulls.append((dt, layout))
     for _ in range(d.choice([0, 0, 1, 1, 2])):
@@ -300,6 +300,9 @@ class _Builder:
                 big[-1] *= 2
                 sl = ", ".join([":"] * (r - 1) + ["::2"])
                 code = f"rng.uniform(-1, 1, {tuple(big)}).astype({np_dt})[{sl}]"
+            elif layout == "expanded":  # stride 0 along the first axis (np.broadcast_to)
+                one = tuple([1] + shape[1:])
+                code = f"np.broadcast_to(rng.uniform(-1, 1, {one}).astype({np_dt}), {tuple(shape)})"
             else:
                 code = f"rng.uniform(-1, 1, {tuple(shape)}).astype({np_dt})"
             arr = make(code)
