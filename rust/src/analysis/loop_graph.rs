@@ -100,7 +100,7 @@ impl LoopGraph {
 }
 
 /// True when `id` is derived from a broadcast logical id.
-fn depends_on_broadcast(f: &Fusion, id: IterDomainId) -> bool {
+pub fn depends_on_broadcast(f: &Fusion, id: IterDomainId) -> bool {
     let d = &f.ids[id];
     match d.definition {
         None => d.iter_type == IterType::Broadcast,
@@ -142,6 +142,25 @@ fn promote(f: &Fusion, exact: &IdGraph, g: &mut GroupInfo) -> Result<()> {
                 f.tv_name(c.0),
                 f.id_label(chosen.2),
                 f.tv_name(chosen.0)
+            );
+        }
+    }
+    for m in &ids {
+        // A member that is neither the chosen tensor's producer nor iterating its space
+        // (a sibling consumer of a producer inlined into both, which keeps a broadcast the
+        // other concretizes) would run the chosen extent over its own smaller one.
+        let same_space = exact.same(m.2, chosen.2) || f.ids[m.2].extent == f.ids[chosen.2].extent;
+        if !same_space && !is_upstream(f, m.0, chosen.0) {
+            bail!(
+                "cannot promote loop axis {} of {}: it is one loop with {} axis {} ({}), but {} axis {} iterates {} there; inline the tensors they share at a position before this axis",
+                m.1,
+                f.tv_name(m.0),
+                f.tv_name(chosen.0),
+                chosen.1,
+                f.id_label(chosen.2),
+                f.tv_name(m.0),
+                m.1,
+                f.id_label(m.2)
             );
         }
     }

@@ -278,17 +278,23 @@ fn broadcast_concretized(f: &Fusion, tv: TvId) -> bool {
     false
 }
 
+/// Indices of `tv`'s ids at the loops of `stack`. With `partial`, loops of `tv` that do
+/// not enclose the stack are left out (and so is every id computed from them) instead of
+/// being an error: a fully inlined producer asks its consumer, whose loops right of the
+/// producer's position (a new broadcast axis) do not enclose the producer's expr.
 fn consumer_indices(
     f: &mut Fusion,
     ctx: &Ctx,
     tv: TvId,
     stack: &[Enclosing],
+    partial: bool,
 ) -> Result<FxHashMap<IterDomainId, ValId>> {
     if let Some((e, pos)) = inlined_reference(f, tv) {
         // Index through the consumer's logical indices, exactly as the consumer reads tv;
         // tv's own extents may be smaller where it has broadcasts the consumer concretizes.
+        // Where the consumer's indices do not cover tv's logical ids, tv's own loops do.
         let d = f.exprs[e].output;
-        let didx = consumer_indices(f, ctx, d, stack)?;
+        let didx = consumer_indices(f, ctx, d, stack, true)?;
         let mut idx: FxHashMap<IterDomainId, ValId> = FxHashMap::default();
         for (pid, cid) in logical_pairs(f, e, pos) {
             if let Some(&v) = didx.get(&cid) {
@@ -335,6 +341,9 @@ fn consumer_indices(
     for (a, &id) in ld.iter().enumerate() {
         let g = ctx.lg.group(tv, a);
         let Some(l) = stack.iter().rev().find(|l| l.group == Some(g)) else {
+            if partial {
+                continue;
+            }
             bail_internal!("{} axis {a}: its loop does not enclose the expression", f.tv_name(tv));
         };
         idx.insert(id, l.index);
@@ -346,7 +355,7 @@ fn consumer_indices(
 fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> Result<AccessIndex> {
     let c = f.exprs[e].output;
     let groups = group_indices(ctx, stack);
-    let cidx = consumer_indices(f, ctx, c, stack)?;
+    let cidx = consumer_indices(f, ctx, c, stack, false)?;
     let out = offset(f, ctx, c, &cidx, &groups)?;
     let mut inputs = Vec::new();
     let mut gathers = Vec::new();
@@ -395,18 +404,13 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
         }
     }
     // A Global/Shared tensor that does not use a launched thread or block dimension is
-    // computed redundantly along it: only index 0 of that dimension writes.
+    // computed redundantly along it: only index 0 of that dimension writes. Its broadcast
+    // loop axes do not partition its elements either: the threads along one would all
+    // store the same element (`analysis::parallel::runs_on`).
     if f.tvs[c].memory != MemoryType::Local {
-        // A Global tensor's broadcast loop axis does not partition its elements either:
-        // the threads along it would all store the same element.
-        let global = f.tvs[c].memory == MemoryType::Global;
-        let own: Vec<ParallelType> = (0..f.tvs[c].loop_domain.len())
-            .filter(|&a| !(global && f.ids[f.tvs[c].loop_domain[a]].iter_type == IterType::Broadcast))
-            .map(|a| ctx.lg.groups[ctx.lg.group(c, a)].parallel)
-            .collect();
         let zero = f.scalars.int(0);
         for &p in &ctx.used {
-            if !own.contains(&p) {
+            if !crate::analysis::parallel::runs_on(f, ctx.lg, c, p) {
                 let i = f.scalars.symbol(Symbol::ParallelIndex(p));
                 let first = f.scalars.binary(ScalarOp::Eq, i, zero);
                 pred = f.scalars.binary(ScalarOp::And, pred, first);
@@ -477,11 +481,10 @@ fn index_init(f: &mut Fusion, ctx: &mut Ctx, tv: TvId, stack: &[Enclosing]) -> R
     // dimension the tensor is not indexed by (its reduced dimensions included), so no
     // block can re-initialize an output another block already reduced into.
     if f.tvs[tv].memory != MemoryType::Local {
-        // Broadcast axes of a Global tensor partition nothing either (as in index_expr).
-        let global = f.tvs[tv].memory == MemoryType::Global;
+        // Broadcast axes partition nothing either (as in index_expr).
         let own: Vec<ParallelType> = (0..ld.len())
             .filter(|&a| f.ids[ld[a]].iter_type != IterType::Reduction)
-            .filter(|&a| !(global && f.ids[ld[a]].iter_type == IterType::Broadcast))
+            .filter(|&a| f.ids[ld[a]].iter_type != IterType::Broadcast)
             .map(|a| ctx.lg.groups[ctx.lg.group(tv, a)].parallel)
             .collect();
         for &p in &ctx.used {

@@ -38,10 +38,12 @@ pub fn lower(fusion: &Fusion) -> Result<Kernel> {
     let tv_order = loops::tensor_order(&f, &order);
     let lg = LoopGraph::build(&f, &exact, &tv_order)?;
     validate::partial_inlining(&f, &lg, &exact)?;
+    validate::unique_parallel_dims(&f, &lg)?;
+    validate::parallel_reads(&f, &lg, &exact)?;
     let (mut body, mut next_index) = loops::run(&mut f, &lg, &order)?;
     let alloc = allocation::run(&mut f, &lg, &exact, &order, &mut body, &mut next_index)?;
     indexing::run(&mut f, &lg, &alloc.allocations, &mut body)?;
-    syncs::run(&f, &mut body);
+    syncs::run(&f, &lg, &exact, &mut body);
     reduction_hoist::run(&f, &lg, &mut body)?;
     let size_constraints = size_constraints(&f);
     let launch = launch::run(&mut f, &body);
