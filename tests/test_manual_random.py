@@ -14,7 +14,9 @@ and never
   memfault  the interpreter found an out-of-bounds access, a race, an uninitialized read, an
             element never written, a divergent barrier (the schedule was accepted but is wrong)
   internal  an internal compiler error, or any exception that is not a ``KilnError``
-  late      any other ``KilnError`` raised while running (refusals must come before).
+  late      any other ``KilnError`` raised while running (refusals must come before; the
+            launch limits, which need the input sizes, are checked by ``fd.execute`` before
+            any kernel runs and count as refusals).
 A scheduling primitive that raises ``KilnError`` leaves the fusion unchanged (it is part of the
 contract); the example goes on without it, and the repro leaves the line out.
 
@@ -58,6 +60,9 @@ _MEMFAULT = re.compile(
     r"out-of-bounds|out of bounds|memory race|\brace\b|uninitiali[sz]ed|never written|divergent barrier|"
     r"semaphore|overflows or divides by zero|has a bad size|accessed before its Allocate", re.I)
 _INTERNAL = re.compile(r"internal compiler error|\bpanic", re.I)
+# Launch limits depend on the input sizes, so they are checked when ``fd.execute`` binds the
+# inputs, before any kernel runs (on the GPU and in the interpreter alike): a refusal too.
+_LAUNCH_LIMIT = re.compile(r"the schedule launches .* (threads per block|grid of)")
 _NAMES_TENSOR = re.compile(r"\bT\d+\b")
 _REF_UNARY = {"abs": np.abs, "neg": np.negative, "sin": np.sin, "cos": np.cos, "tanh": np.tanh,
               "sigmoid": lambda y: 1 / (1 + np.exp(-y)), "relu": lambda y: np.maximum(y, 0)}
@@ -117,7 +122,8 @@ def _transforms(d: RandomDraw, n: int) -> List[tuple]:
 
 
 def _parallel(d: RandomDraw) -> List[tuple]:
-    return [(d.choice([0, 0, 1, -1, -1, 2, -2]), d.choice(PTYPES)) for _ in range(d.choice([0, 1, 1, 2, 2, 3]))]
+    n = d.choice([0, 1, 1, 2, 2, 3])
+    return [(d.choice([0, 0, 1, -1, -1, 2, -2]), d.choice(PTYPES)) for _ in range(n)]
 
 
 def gen_case(d: RandomDraw) -> Case:
@@ -402,7 +408,7 @@ def classify(e: BaseException, running: bool) -> str:
         return "internal"
     if _MEMFAULT.search(msg):
         return "memfault"
-    return "late" if running else "refused"
+    return "late" if running and not _LAUNCH_LIMIT.search(msg) else "refused"
 
 
 def check_output(v: Val, got: Any) -> Optional[str]:
@@ -466,6 +472,23 @@ def case_size(case: Case) -> Tuple[int, int]:
     return (len(case.ops) + len(case.inline) + len(case.base), int(np.prod(case.sizes)))
 
 
+RULES = [  # (rule, pattern of its refusal messages), for the explorer's distribution
+    ("read from another thread/block (Local, or across blocks)", r"would read it from another"),
+    ("block sync inside a partial thread loop", r"needs a block sync inside"),
+    ("one parallel type per loop (loop group)", r"inconsistent parallelization"),
+    ("each thread/block dimension once per tensor", r"both run on"),
+    ("codegen: Local allocation of non-constant size", r"not a constant size"),
+    ("launch limits", r"the schedule launches"),
+    ("reduction consumer inside its reduction loop", r"reads the reduction"),
+    ("inline / loop placement", r"cannot place|cannot promote|concretized loop|inline_at"),
+]
+
+
+def refusal_rule(msg: str) -> str:
+    """The rule a refusal message comes from (``RULES``), or ``other``."""
+    return next((name for name, pat in RULES if re.search(pat, msg)), "other")
+
+
 def summarize(results: Sequence[Tuple[Case, Outcome]], max_groups: int = 12) -> str:
     """Counts per category, the refusal messages' distribution, and a repro per failure kind."""
     counts = Counter(o.category for _, o in results)
@@ -484,6 +507,9 @@ def summarize(results: Sequence[Tuple[Case, Outcome]], max_groups: int = 12) -> 
         for (_, key), items in mine:
             lines.append(f"  {len(items):4d}  {key}")
         if cat == "refused":
+            rules = Counter(refusal_rule(o.message) for _, o in results if o.category == "refused")
+            lines.append("  by rule:")
+            lines += [f"  {n:4d}  {rule}" for rule, n in rules.most_common()]
             continue
         for n, ((_, key), items) in enumerate(mine[:max_groups]):
             case, o = min(items, key=lambda co: case_size(co[0]))
@@ -541,6 +567,34 @@ def test_manual_random_refusals_name_a_tensor() -> None:
     unnamed = [(c, o) for c, o in results if o.category == "refused" and not _NAMES_TENSOR.search(o.message)]
     if unnamed:
         pytest.fail("refusals must name a tensor:\n" + summarize(unnamed), pytrace=False)
+
+
+@pytest.mark.gpu
+def test_accepted_random_schedules_match_numpy_on_the_gpu() -> None:
+    """The schedules the interpreter accepted, run on the GPU (``KILN_MANUAL_GPU_EXAMPLES``)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gpu_util import cupy_or_skip
+
+    cp = cupy_or_skip()
+    limit = int(os.environ.get("KILN_MANUAL_GPU_EXAMPLES", "120"))
+    bad = []
+    ran = 0
+    for case, o in _collect():
+        if o.category != "ok" or ran >= limit:
+            continue
+        ran += 1
+        prog = build(case)
+        try:
+            got = prog.fd.execute([cp.asarray(a) for a in prog.arrays])
+        except Exception as e:  # noqa: BLE001 - every failure on the GPU is reported
+            bad.append((case, f"{type(e).__name__}: {e}"))
+            continue
+        problems = [p for v, g in zip(prog.outputs, got) if (p := check_output(v, cp.asnumpy(g)))]
+        if problems:
+            bad.append((case, "; ".join(problems)))
+    if bad:
+        pytest.fail(f"{len(bad)} of {ran} accepted schedules differ on the GPU\n" + "\n\n".join(
+            f"# {msg}\n{repro(case)}" for case, msg in bad[:5]), pytrace=False)
 
 
 # -- explorer --------------------------------------------------------------------------------------

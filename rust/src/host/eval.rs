@@ -268,12 +268,8 @@ pub fn kernel_launch(kernel: &Kernel, cuda: &CudaKernel, b: &Bindings) -> Result
     let l = &kernel.launch;
     let grid = [b.eval(sc, l.grid[0])?, b.eval(sc, l.grid[1])?, b.eval(sc, l.grid[2])?];
     let block = [b.eval(sc, l.block[0])?, b.eval(sc, l.block[1])?, b.eval(sc, l.block[2])?];
-    let threads = block.iter().product::<i64>();
-    if threads > 1024 {
-        bail!("the schedule launches {threads} threads per block ({block:?}); the GPU allows at most 1024");
-    }
-    if grid[1] > 65535 || grid[2] > 65535 {
-        bail!("the schedule launches a grid of {grid:?}; gridDim.y and gridDim.z are limited to 65535 (map the large axis to BIDx)");
+    if let Some(e) = kernel.launch_violation(|v| b.eval(sc, v).ok()) {
+        return Err(e);
     }
     let smem_bytes = b.eval(sc, l.smem_bytes)?;
     // Largest element offset any access can form: every allocation's last element,

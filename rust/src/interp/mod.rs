@@ -277,6 +277,9 @@ pub fn execute_stats(kernel: &Kernel, inputs: Vec<HostValue>) -> Result<(Vec<Hos
     if let Some(e) = kernel.size_violation(|v| eval(&b, v).ok()) {
         return Err(e);
     }
+    if let Some(e) = kernel.launch_violation(|v| eval(&b, v).ok()) {
+        return Err(e);
+    }
 
     // Outputs: contiguous in allocation order, viewed in logical order.
     let mut views: Vec<(Vec<usize>, Vec<i64>)> = Vec::new();

@@ -192,6 +192,49 @@ impl Kernel {
         })
     }
 
+    /// The launch limit that the grid and block evaluated by `eval` break (more than 1024
+    /// threads per block, gridDim.y or gridDim.z past 65535), as the error to raise before
+    /// the kernel runs: the GPU plan and the interpreter both check, so a schedule the GPU
+    /// cannot launch does not run on the CPU either.
+    pub fn launch_violation(&self, eval: impl Fn(ValId) -> Option<i64>) -> Option<crate::error::KilnError> {
+        let l = &self.launch;
+        let dims = |v: &[ValId; 3]| -> Option<[i64; 3]> { Some([eval(v[0])?, eval(v[1])?, eval(v[2])?]) };
+        let (Some(grid), Some(block)) = (dims(&l.grid), dims(&l.block)) else { return None };
+        // The axes that set each dimension (the widest loop of its type), as text.
+        let f = &self.fusion;
+        let axes = |pts: &[ParallelType]| -> String {
+            let mut by: Vec<String> = Vec::new();
+            for &pt in pts {
+                let widest = self
+                    .loops
+                    .groups
+                    .iter()
+                    .filter(|g| g.parallel == pt)
+                    .filter_map(|g| Some((eval(f.ids[g.promoted].extent)?, g)))
+                    .max_by_key(|(e, _)| *e);
+                if let Some((e, g)) = widest {
+                    let (tv, a) = g.members[g.members.len() - 1];
+                    by.push(format!("{} axis {a} runs {} over {e}", f.tv_name(tv), pt.enum_name()));
+                }
+            }
+            by.join(", ")
+        };
+        let threads = block.iter().product::<i64>();
+        if threads > 1024 {
+            return Some(crate::error::KilnError::value(format!(
+                "the schedule launches {threads} threads per block ({block:?}); the GPU allows at most 1024 ({}): split those axes and keep fewer threads",
+                axes(&[ParallelType::TIDx, ParallelType::TIDy, ParallelType::TIDz])
+            )));
+        }
+        if grid[1] > 65535 || grid[2] > 65535 {
+            return Some(crate::error::KilnError::value(format!(
+                "the schedule launches a grid of {grid:?}; gridDim.y and gridDim.z are limited to 65535 ({}): map the large axis to BIDx",
+                axes(&[ParallelType::BIDy, ParallelType::BIDz])
+            )));
+        }
+        None
+    }
+
     /// Allocation records in tensor order.
     pub fn allocation_list(&self) -> Vec<&AllocationInfo> {
         let mut v: Vec<&AllocationInfo> = self.allocations.values().collect();

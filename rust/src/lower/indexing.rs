@@ -243,12 +243,13 @@ fn predicate(
 
 /// The consumer that a fully inlined `tv` is indexed through: its loops are all shared
 /// with that consumer, whose (possibly broadcast-concretized) iteration space they run.
-fn inlined_reference(f: &Fusion, tv: TvId) -> Option<(ExprId, usize)> {
+fn inlined_reference(f: &Fusion, lg: &LoopGraph, tv: TvId) -> Option<(ExprId, usize)> {
     let t = &f.tvs[tv];
     if t.inline_pos == 0 || t.inline_pos < t.loop_domain.len() {
         return None;
     }
-    let e = *t.uses.first()?;
+    // (a use whose output no fusion output needs is not in the kernel)
+    let e = *t.uses.iter().find(|&&e| lg.has(f.exprs[e].output))?;
     let pos = f.exprs[e].inputs.iter().position(|o| *o == Operand::Tensor(tv))?;
     if matches!(f.exprs[e].op, Op::IndexSelect { .. }) {
         return None;
@@ -258,10 +259,10 @@ fn inlined_reference(f: &Fusion, tv: TvId) -> Option<(ExprId, usize)> {
 
 /// True when a broadcast axis of `tv` meets an iteration axis along its chain of fully
 /// inlined consumers: its loops then run the consumer's larger extent, not its own.
-fn broadcast_concretized(f: &Fusion, tv: TvId) -> bool {
+fn broadcast_concretized(f: &Fusion, lg: &LoopGraph, tv: TvId) -> bool {
     let mut t = tv;
     let mut seen = 0;
-    while let Some((e, pos)) = inlined_reference(f, t) {
+    while let Some((e, pos)) = inlined_reference(f, lg, t) {
         for (pid, cid) in logical_pairs(f, e, pos) {
             // A reduction of a broadcast axis is size one too: it concretizes nothing.
             let one = f.scalars.as_int(f.ids[cid].extent) == Some(1);
@@ -289,7 +290,7 @@ fn consumer_indices(
     stack: &[Enclosing],
     partial: bool,
 ) -> Result<FxHashMap<IterDomainId, ValId>> {
-    if let Some((e, pos)) = inlined_reference(f, tv) {
+    if let Some((e, pos)) = inlined_reference(f, ctx.lg, tv) {
         // Index through the consumer's logical indices, exactly as the consumer reads tv;
         // tv's own extents may be smaller where it has broadcasts the consumer concretizes.
         // Where the consumer's indices do not cover tv's logical ids, tv's own loops do.
@@ -313,7 +314,7 @@ fn consumer_indices(
             // logical indices instead, a merge with a broadcast outer wraps its inner index
             // (`% extent`), and the bound of an overrunning thread would be lost.
             let mut from_loops: FxHashMap<IterDomainId, ValId> = FxHashMap::default();
-            let mut own = !broadcast_concretized(f, tv);
+            let mut own = !broadcast_concretized(f, ctx.lg, tv);
             for (a, &id) in f.tvs[tv].loop_domain.clone().iter().enumerate() {
                 let g = ctx.lg.group(tv, a);
                 if let Some(l) = stack.iter().rev().find(|l| l.group == Some(g)) {

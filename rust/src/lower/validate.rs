@@ -11,14 +11,15 @@ use crate::analysis::loop_graph::LoopGraph;
 use crate::analysis::parallel::{cross_reads, CrossRead};
 use crate::bail;
 use crate::error::Result;
-use crate::ir::{Fusion, MemoryType, ParallelType, TvId};
+use crate::ir::{Fusion, IterType, MemoryType, ParallelType, TvId};
 
 /// A partly inlined tensor may not share loops that iterate a broadcast its consumer
 /// concretizes: its private loops would cover only its own (size-one) extent of that
 /// space. Fully inlined tensors are indexed through their consumer instead.
 pub fn partial_inlining(f: &Fusion, lg: &LoopGraph, exact: &IdGraph) -> Result<()> {
     for (tv, t) in f.tvs.iter() {
-        if t.inline_pos == 0 || t.inline_pos >= t.loop_domain.len() || t.uses.is_empty() {
+        // (tensors no output depends on are not in the kernel)
+        if t.inline_pos == 0 || t.inline_pos >= t.loop_domain.len() || t.uses.is_empty() || !lg.has(tv) {
             continue;
         }
         for a in 0..t.inline_pos {
@@ -26,7 +27,7 @@ pub fn partial_inlining(f: &Fusion, lg: &LoopGraph, exact: &IdGraph) -> Result<(
             let promoted = lg.promoted(tv, a);
             // A broadcast axis (or a split of one) is safe: the tensor does not vary along
             // it, so running it once per iteration of the concretized loop only repeats it.
-            let plain_broadcast = f.ids[own].iter_type == crate::ir::IterType::Broadcast;
+            let plain_broadcast = f.ids[own].iter_type == IterType::Broadcast;
             if promoted != own
                 && !plain_broadcast
                 && !exact.same(own, promoted)
@@ -130,6 +131,40 @@ pub fn unique_parallel_dims(f: &Fusion, lg: &LoopGraph) -> Result<()> {
                     why(b),
                     q.enum_name()
                 );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A reduction's consumer may not share a serial loop over one of its reduced axes: inside
+/// it the reduction has not completed (a producer inlined into both the reduction and an
+/// elementwise consumer of the same input makes their loops one; a broadcast of the result
+/// inlined into that consumer would then read partial sums). Thread and block loops are
+/// fine: a block reduction is complete when its statement ends.
+pub fn reduction_consumers(f: &Fusion, lg: &LoopGraph) -> Result<()> {
+    for e in f.topo_exprs() {
+        let c = f.exprs[e].output;
+        for r in f.exprs[e].input_tvs().collect::<Vec<_>>() {
+            if f.is_input(r) {
+                continue;
+            }
+            let t = &f.tvs[r];
+            for (a, &id) in t.loop_domain.iter().enumerate() {
+                let g = lg.group(r, a);
+                if f.ids[id].iter_type != IterType::Reduction || lg.groups[g].parallel.is_thread_or_block() {
+                    continue;
+                }
+                if let Some(b) = (0..f.tvs[c].loop_domain.len()).find(|&b| lg.group(c, b) == g) {
+                    bail!(
+                        "{} reads the reduction {} inside the loop of its reduced axis {a} ({}): its axis {b} ({}) shares that loop, where the reduction has not completed; inline {} and the tensors sharing that loop at a position before it",
+                        f.tv_name(c),
+                        f.tv_name(r),
+                        f.id_label(id),
+                        f.id_label(f.tvs[c].loop_domain[b]),
+                        f.tv_name(c)
+                    );
+                }
             }
         }
     }

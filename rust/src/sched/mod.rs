@@ -399,13 +399,17 @@ impl Fusion {
                 }
             }
         }
-        // An axis that comes from a broadcast runs the extent its consumer concretizes it
-        // with. Two consumers that iterate it with different extents (one concretizes the
-        // broadcast, the other keeps it) cannot share one loop with the producer: the loop
-        // would run the larger extent for both.
+        // An axis merged from a broadcast and an iteration axis runs the extent its consumer
+        // concretizes the broadcast with. Two consumers that iterate it with different
+        // extents (one concretizes the broadcast, the other keeps it) cannot share one loop
+        // with the producer: the loop would run the larger extent for both, and split it
+        // into the wrong elements for the other. (A plain broadcast axis only repeats its
+        // one element.)
         if self.tvs[tv].uses.len() > 1 {
             for (i, &pid) in ld.iter().enumerate().take(pos) {
-                if !crate::analysis::loop_graph::depends_on_broadcast(self, pid) {
+                let mixed = self.ids[pid].iter_type != IterType::Broadcast
+                    && crate::analysis::loop_graph::depends_on_broadcast(self, pid);
+                if !mixed {
                     continue;
                 }
                 let mut first: Option<(TvId, IterDomainId)> = None;
