@@ -172,6 +172,25 @@ def test_shared_sync_inside_a_partial_thread_loop_is_refused():
         fd.lower([rand(3, 5), rand(4)])
 
 
+def test_shared_axis_merged_with_a_broadcast_is_read_across_threads():
+    # The Shared tile stores the split broadcast's two copies at their own offsets; sin(T)
+    # reads the copy its logical index names, which another thread stored: a block sync.
+    with FusionDefinition() as fd:
+        v = fd.define_tensor([-1])
+        b = fd.ops.broadcast_in_dim(v, shape=[-1, -1], broadcast_dims=[1])
+        s = fd.ops.sin(b)
+        fd.add_output(s)
+    b.set_memory_type(MemoryType.Shared)
+    for t in (b, s):
+        t.split(0, 2)  # [1, 2 (broadcast copies), i1]
+        t.merge(1)
+        t.axis(1).parallelize(ParallelType.TIDx)
+    v_ = rand(10)
+    k = fd.lower([v_]).kernels[0]
+    assert "__syncthreads()  // RAW" in k.kernel_ir
+    np.testing.assert_allclose(fd.execute([v_])[0], np.sin(v_)[None], rtol=1e-6)
+
+
 def test_shared_broadcast_on_a_thread_loop_is_written_once():
     # The broadcast axis partitions nothing: every thread would store the same element.
     with FusionDefinition() as fd:

@@ -105,7 +105,17 @@ pub fn cross_reads(f: &Fusion, lg: &LoopGraph, exact: &IdGraph, p: TvId, e: Expr
         let crosses = match pa {
             Some(a) if a < pt_.inline_pos => false,
             Some(a) => match ca {
-                Some(b) => !exact.same(lg.promoted(p, a), lg.promoted(c, b)),
+                // Shared and Global memory are addressed by element: an axis merged from a
+                // broadcast and an iteration axis stores the broadcast's copies at their
+                // own offsets, while a consumer reads the one copy its logical index names,
+                // which another thread may have stored.
+                Some(b) => {
+                    let id = pt_.loop_domain[a];
+                    let mixed = pt_.memory != MemoryType::Local
+                        && f.ids[id].iter_type != IterType::Broadcast
+                        && crate::analysis::loop_graph::depends_on_broadcast(f, id);
+                    mixed || !exact.same(lg.promoted(p, a), lg.promoted(c, b))
+                }
                 None => true,
             },
             None if pt_.memory == MemoryType::Local => false,
