@@ -103,7 +103,10 @@ def test_shared_buffer_reused_in_a_loop_gets_a_war_sync():
     for t in (c, y):
         t.split(1, 128)  # [i0, ceilDiv(i1, 128), 128]
         t.axis(0).parallelize(ParallelType.BIDx)
-        t.axis(2).parallelize(ParallelType.TIDx)
+    c.axis(2).parallelize(ParallelType.TIDx)
+    # y reads the tile with 32 threads, 4 elements each: threads read what others wrote
+    y.split(2, 32)
+    y.axis(3).parallelize(ParallelType.TIDx)
     c.inline_at(2)  # shares blockIdx.x and the serial loop; threadIdx.x is not shared
     k = fd.lower([np.zeros((4, 300), np.float32)]).kernels[0]
     ir = k.kernel_ir

@@ -98,6 +98,21 @@ def test_empty_tensors_give_empty_outputs_and_sum_identities() -> None:
             _close(got, want)
 
 
+def test_empty_tensors_through_intermediates_and_reductions() -> None:
+    # exp -> sum over the empty axis -> scale: the identity flows through later ops.
+    with FusionDefinition() as fd:
+        a = fd.define_tensor(shape=[-1, -1])
+        s = fd.ops.sum(fd.ops.exp(a), dims=[1])
+        fd.add_output(fd.ops.add(fd.ops.mul(s, 2.0), 1.0))
+        fd.add_output(fd.ops.relu(a))
+    x = np.ones((5, 0), np.float32)
+    got, r = fd.execute([x])
+    _close(got, np.ones(5))
+    _close(r, np.zeros((5, 0)))
+    for k in fd.lower([x]).kernels:
+        assert "__global__" in k.cuda_source  # compiles for the GPU too
+
+
 @pytest.mark.parametrize("op", ["max", "min"])
 def test_max_over_an_empty_axis_is_an_error(op: str) -> None:
     with FusionDefinition() as fd:
@@ -307,6 +322,11 @@ def test_gpu_empty_tensors_and_expansion() -> None:
         fd.add_output(fd.ops.broadcast_in_dim(b, shape=[3, 5], broadcast_dims=[0]))
     (out,) = fd.execute([cp.arange(3, dtype=cp.float32)])
     _close(out, np.repeat(np.arange(3.0)[:, None], 5, 1))
+    with FusionDefinition() as fd:
+        a = fd.define_tensor(shape=[-1, -1])
+        fd.add_output(fd.ops.add(fd.ops.sum(fd.ops.exp(a), dims=[1]), 1.0))
+    (out,) = fd.execute([cp.ones((5, 0), cp.float32)])
+    _close(out, np.ones(5))
 
 
 def _copy(shape: List[int]) -> Any:
@@ -318,7 +338,7 @@ def _copy(shape: List[int]) -> Any:
 
 
 @pytest.mark.parametrize(("schedule", "inputs", "message"), [
-    ("tidx_2048", (2048,), r"blockDim.x = 2048 threads; the GPU allows at most 1024"),
+    ("tidx_2048", (2048,), r"2048 threads per block \(2048 x 1 x 1\); the GPU allows at most 1024"),
     ("tidy_tidx", (64, 32), r"2048 threads per block \(32 x 64 x 1\)"),
     ("grid_y", (70000, 1), r"gridDim.y = 70000 blocks; the GPU allows at most 65535"),
 ])

@@ -257,8 +257,10 @@ def test_local_producer_read_by_other_blocks_is_rejected():
         b = fd.ops.tanh(a)
         c = fd.ops.exp(b)
         fd.add_output(c)
-    for t in (a, c):
+    for t in (a, b, c):
         t.split(1, 2, inner_split=False)
+    # b is scheduled (serial), so it does not take c's BIDx
+    for t in (a, c):
         t.axis(1).parallelize(ParallelType.BIDx)
     a.inline_at(1)
     msg = rf"{a.name} is in Local memory but its axis 1 .* is parallelized on BIDx outside"

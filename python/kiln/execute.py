@@ -60,6 +60,11 @@ def execute(fd: Any, inputs: Sequence[Any], device: Optional[str], as_written: b
                       for x in inputs]
         from .host import run_on_cpu  # noqa: PLC0415
 
+        if not as_written:
+            # What the GPU could not compile does not run on the CPU either (a Local
+            # array of a non-constant size, say): the same KilnError on both.
+            for kernel in low.kernels:
+                kernel.cuda_source_for(False)
         if not hasattr(_core, "execute_cpu"):
             raise KilnError("this build of kiln has no CPU interpreter (kiln._core.execute_cpu); "
                             "run on a GPU with CuPy arrays or torch CUDA tensors")

@@ -30,12 +30,19 @@ pub struct LoopGraph {
 }
 
 impl LoopGraph {
+    /// True when the loop axes of `tv` are in the graph (it is computed or read in the kernel).
+    pub fn has(&self, tv: TvId) -> bool {
+        self.group_of.contains_key(&(tv, 0))
+    }
+
     /// The group of loop axis `axis` of `tv`.
+    #[track_caller]
     pub fn group(&self, tv: TvId, axis: usize) -> LoopGroup {
         self.group_of[&(tv, axis)]
     }
 
     /// The promoted (concrete) id of `tv`'s loop axis `axis`.
+    #[track_caller]
     pub fn promoted(&self, tv: TvId, axis: usize) -> IterDomainId {
         self.groups[self.group(tv, axis)].promoted
     }
@@ -100,7 +107,7 @@ impl LoopGraph {
 }
 
 /// True when `id` is derived from a broadcast logical id.
-fn depends_on_broadcast(f: &Fusion, id: IterDomainId) -> bool {
+pub fn depends_on_broadcast(f: &Fusion, id: IterDomainId) -> bool {
     let d = &f.ids[id];
     match d.definition {
         None => d.iter_type == IterType::Broadcast,
@@ -142,6 +149,29 @@ fn promote(f: &Fusion, exact: &IdGraph, g: &mut GroupInfo) -> Result<()> {
                 f.tv_name(c.0),
                 f.id_label(chosen.2),
                 f.tv_name(chosen.0)
+            );
+        }
+    }
+    for m in &ids {
+        // A member that is neither the chosen tensor's producer nor iterating its space
+        // (a sibling consumer of a producer inlined into both, which keeps a broadcast the
+        // other concretizes, merged with an iteration axis) would run the chosen extent over
+        // its own smaller one. A plain broadcast axis reads and writes its one element at
+        // every iteration: that only repeats it.
+        let same_space = exact.same(m.2, chosen.2)
+            || f.ids[m.2].extent == f.ids[chosen.2].extent
+            || f.ids[m.2].iter_type == IterType::Broadcast;
+        if !same_space && !is_upstream(f, m.0, chosen.0) {
+            bail!(
+                "cannot promote loop axis {} of {}: it is one loop with {} axis {} ({}), but {} axis {} iterates {} there; inline the tensors they share at a position before this axis",
+                m.1,
+                f.tv_name(m.0),
+                f.tv_name(chosen.0),
+                chosen.1,
+                f.id_label(chosen.2),
+                f.tv_name(m.0),
+                m.1,
+                f.id_label(m.2)
             );
         }
     }

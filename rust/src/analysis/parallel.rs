@@ -6,7 +6,9 @@
 //! type must be allocated even left of the inline position (Shared vs TID, Global vs
 //! TID/BID).
 
-use crate::ir::{MemoryType, ParallelType};
+use crate::analysis::id_graph::IdGraph;
+use crate::analysis::loop_graph::LoopGraph;
+use crate::ir::{ExprId, Fusion, IterType, MemoryType, ParallelType, TvId};
 
 /// True when memory of type `mem` is private per `pt` index.
 pub fn is_partitioned_across(mem: MemoryType, pt: ParallelType) -> bool {
@@ -24,6 +26,107 @@ pub fn is_shared_across(mem: MemoryType, pt: ParallelType) -> bool {
         MemoryType::Shared => pt.is_thread(),
         MemoryType::Global => pt.is_thread_or_block(),
     }
+}
+
+/// Thread and block dimensions of a kernel, in launch order.
+pub const DIMS: [ParallelType; 6] = [
+    ParallelType::BIDx,
+    ParallelType::BIDy,
+    ParallelType::BIDz,
+    ParallelType::TIDx,
+    ParallelType::TIDy,
+    ParallelType::TIDz,
+];
+
+/// The thread and block dimensions some loop of the kernel runs on.
+pub fn used_dims(lg: &LoopGraph) -> Vec<ParallelType> {
+    DIMS.into_iter().filter(|&p| lg.groups.iter().any(|g| g.parallel == p)).collect()
+}
+
+/// The loop axis of `tv` whose loop runs on `pt` and whose index selects the element `tv`
+/// writes. A broadcast axis of Shared or Global memory selects nothing: every index along
+/// it would store the same element, so index 0 stores it (as for a dimension the tensor
+/// does not use at all). Reduced axes are left out: a block reduction leaves its result in
+/// every thread of a Local tensor and stores it once to Shared or Global memory.
+pub fn writer_axis(f: &Fusion, lg: &LoopGraph, tv: TvId, pt: ParallelType) -> Option<usize> {
+    let t = &f.tvs[tv];
+    (0..t.loop_domain.len()).find(|&a| {
+        let id = &f.ids[t.loop_domain[a]];
+        lg.groups[lg.group(tv, a)].parallel == pt
+            && id.iter_type != IterType::Reduction
+            && !(t.memory != MemoryType::Local && id.iter_type == IterType::Broadcast)
+    })
+}
+
+/// True when the expr defining `tv` runs on every index of `pt` (not only on index 0):
+/// some loop axis of it runs on `pt`, other than a broadcast axis of Shared or Global memory.
+pub fn runs_on(f: &Fusion, lg: &LoopGraph, tv: TvId, pt: ParallelType) -> bool {
+    let t = &f.tvs[tv];
+    (0..t.loop_domain.len()).any(|a| {
+        lg.groups[lg.group(tv, a)].parallel == pt
+            && !(t.memory != MemoryType::Local && f.ids[t.loop_domain[a]].iter_type == IterType::Broadcast)
+    })
+}
+
+/// The loop axis of `tv` (any kind) whose loop runs on `pt`.
+pub fn parallel_axis(lg: &LoopGraph, f: &Fusion, tv: TvId, pt: ParallelType) -> Option<usize> {
+    (0..f.tvs[tv].loop_domain.len()).find(|&a| lg.groups[lg.group(tv, a)].parallel == pt)
+}
+
+/// A thread or block dimension along which a consumer reads elements of its producer that
+/// another thread or block of that dimension wrote.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CrossRead {
+    pub pt: ParallelType,
+    /// The producer's loop axis on `pt` (None: the producer is written by index 0 of `pt`).
+    pub producer_axis: Option<usize>,
+    /// The consumer's loop axis on `pt` (None: every index of `pt` runs the consumer).
+    pub consumer_axis: Option<usize>,
+}
+
+/// The dimensions along which expr `e` reads its producer `p` from other threads or blocks.
+///
+/// Along a dimension `pt` the read stays in the writing thread when the producer shares the
+/// `pt` loop with the consumer (inlined past it), when both run `pt` over exactly mapped ids
+/// (each index reads the element it wrote), or when the producer is Local and does not use
+/// `pt` (each index computed its own copy). A Shared or Global producer that does not use
+/// `pt` is written by index 0 of it, which only a consumer restricted to index 0 (a Shared
+/// or Global consumer that does not use `pt` either) reads back without crossing.
+pub fn cross_reads(f: &Fusion, lg: &LoopGraph, exact: &IdGraph, p: TvId, e: ExprId) -> Vec<CrossRead> {
+    let c = f.exprs[e].output;
+    let (pt_, ct) = (&f.tvs[p], &f.tvs[c]);
+    let mut out = Vec::new();
+    if f.is_input(p) || pt_.definition.is_none() {
+        return out;
+    }
+    for pt in used_dims(lg) {
+        let pa = writer_axis(f, lg, p, pt);
+        let ca = parallel_axis(lg, f, c, pt);
+        let crosses = match pa {
+            Some(a) if a < pt_.inline_pos => false,
+            Some(a) => match ca {
+                // Shared and Global memory are addressed by element: an axis merged from a
+                // broadcast and an iteration axis stores the broadcast's copies at their
+                // own offsets, while a consumer reads the one copy its logical index names,
+                // which another thread may have stored.
+                Some(b) => {
+                    let id = pt_.loop_domain[a];
+                    let mixed = pt_.memory != MemoryType::Local
+                        && f.ids[id].iter_type != IterType::Broadcast
+                        && crate::analysis::loop_graph::depends_on_broadcast(f, id);
+                    mixed || !exact.same(lg.promoted(p, a), lg.promoted(c, b))
+                }
+                None => true,
+            },
+            None if pt_.memory == MemoryType::Local => false,
+            // Only index 0 of `pt` runs a Shared or Global consumer that does not use `pt`.
+            None => ct.memory == MemoryType::Local || runs_on(f, lg, c, pt),
+        };
+        if crosses {
+            out.push(CrossRead { pt, producer_axis: pa, consumer_axis: ca });
+        }
+    }
+    out
 }
 
 #[cfg(test)]

@@ -142,7 +142,7 @@ pub fn kernel_launch(kernel: &Kernel, cuda: &CudaKernel, b: &Bindings) -> Result
     let grid = [b.eval(sc, l.grid[0])?, b.eval(sc, l.grid[1])?, b.eval(sc, l.grid[2])?];
     let block = [b.eval(sc, l.block[0])?, b.eval(sc, l.block[1])?, b.eval(sc, l.block[2])?];
     let smem_bytes = b.eval(sc, l.smem_bytes)?;
-    crate::kernel::check_launch_dims(grid.map(Some), block.map(Some), Some(smem_bytes))?;
+    kernel.check_launch(|v| b.eval(sc, v).ok())?;
     // Largest element offset any access can form: every allocation's last element,
     // every global buffer, and the linear thread index (2x margin for tiles that step
     // past a tensor's end before their predicates apply).

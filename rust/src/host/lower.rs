@@ -14,6 +14,10 @@ use crate::ir::{Fusion, MemoryType, TvId};
 
 /// Lower `f` to its kernels and host program.
 pub fn lower_program(f: &Fusion) -> Result<HostProgram> {
+    if f.manually_scheduled {
+        // Tensors a manual schedule leaves untouched follow their parallelized consumers.
+        return lower_program_with(&crate::sched::propagate::completed(f), &mut |_, _| Ok(()));
+    }
     lower_program_with(f, &mut |_, _| Ok(()))
 }
 

@@ -95,6 +95,12 @@ pub fn auto_program_strided(
     }
     // Empty tensors: no schedule to tune; the kernels as written do the little there is.
     if crate::sched::auto::has_empty_tensor(&g, &cx) {
+        // Intermediates in Global memory: a Local array must have a constant size, and the
+        // serial kernels have no other use for registers.
+        let inner: Vec<_> = g.tvs.keys().filter(|&t| g.tvs[t].definition.is_some() && !g.is_output(t)).collect();
+        for t in inner {
+            g.tvs[t].memory = crate::ir::MemoryType::Global;
+        }
         return Ok((crate::host::lower::lower_program(&g)?, Heuristic::new(Params::ZeroSize)));
     }
     let mut report = String::new();

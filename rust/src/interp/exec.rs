@@ -565,8 +565,7 @@ pub fn run(kernel: &Kernel, bindings: &Bindings, buffers: &mut [Buffer]) -> Resu
         ctx.grid[i] = ctx.eval_uniform(kernel.launch.grid[i])?;
         ctx.block[i] = ctx.eval_uniform(kernel.launch.block[i])?;
     }
-    let smem = ctx.eval_uniform(kernel.launch.smem_bytes)?;
-    crate::kernel::check_launch_dims(ctx.grid.map(Some), ctx.block.map(Some), Some(smem))?;
+    kernel.check_launch(|v| ctx.eval_uniform(v).ok())?;
     let dims: Vec<i64> = ctx.grid.iter().chain(ctx.block.iter()).copied().collect();
     if dims.iter().any(|&d| d < 1) {
         return Err(KilnError::value(format!(

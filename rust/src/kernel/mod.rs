@@ -141,6 +141,14 @@ pub const MAX_SHARED_BYTES: i64 = 232_448;
 /// every path (lowering for static sizes, the GPU plan, the interpreter) refuses the same
 /// launches with the same message.
 pub fn check_launch_dims(grid: [Option<i64>; 3], block: [Option<i64>; 3], smem: Option<i64>) -> crate::Result<()> {
+    if let [Some(x), Some(y), Some(z)] = block {
+        let threads = x.saturating_mul(y).saturating_mul(z);
+        if threads > MAX_THREADS_PER_BLOCK {
+            crate::bail!(
+                "the schedule launches {threads} threads per block ({x} x {y} x {z}); the GPU allows at most {MAX_THREADS_PER_BLOCK}"
+            );
+        }
+    }
     const AXES: [&str; 3] = ["x", "y", "z"];
     for k in 0..3 {
         if let Some(b) = block[k].filter(|&b| b > MAX_BLOCK[k]) {
@@ -156,14 +164,6 @@ pub fn check_launch_dims(grid: [Option<i64>; 3], block: [Option<i64>; 3], smem: 
                 "the schedule launches gridDim.{} = {g} blocks; the GPU allows at most {} (map the large axis to BIDx)",
                 AXES[k],
                 MAX_GRID[k]
-            );
-        }
-    }
-    if let [Some(x), Some(y), Some(z)] = block {
-        let threads = x.saturating_mul(y).saturating_mul(z);
-        if threads > MAX_THREADS_PER_BLOCK {
-            crate::bail!(
-                "the schedule launches {threads} threads per block ({x} x {y} x {z}); the GPU allows at most {MAX_THREADS_PER_BLOCK}"
             );
         }
     }
@@ -237,6 +237,36 @@ pub struct Kernel {
 }
 
 impl Kernel {
+    /// [`check_launch_dims`] for this kernel's launch with extents evaluated by `eval`
+    /// (`None`: unknown); the error names the tensor axes that set the dimensions.
+    pub fn check_launch(&self, eval: impl Fn(ValId) -> Option<i64>) -> crate::Result<()> {
+        let l = &self.launch;
+        let grid = l.grid.map(&eval);
+        let block = l.block.map(&eval);
+        check_launch_dims(grid, block, eval(l.smem_bytes)).map_err(|e| {
+            // The axes that set each parallel dimension (the widest loop of its type).
+            let f = &self.fusion;
+            let mut by: Vec<String> = Vec::new();
+            for pt in ParallelType::ALL.into_iter().filter(|p| p.is_thread_or_block()) {
+                let widest = self
+                    .loops
+                    .groups
+                    .iter()
+                    .filter(|g| g.parallel == pt)
+                    .filter_map(|g| Some((eval(f.ids[g.promoted].extent)?, g)))
+                    .max_by_key(|(n, _)| *n);
+                if let Some((n, g)) = widest {
+                    let (tv, a) = g.members[g.members.len() - 1];
+                    by.push(format!("{} axis {a} runs {} over {n}", f.tv_name(tv), pt.enum_name()));
+                }
+            }
+            if by.is_empty() {
+                return e;
+            }
+            crate::error::KilnError { kind: e.kind, message: format!("{} [{}]", e.message, by.join(", ")) }
+        })
+    }
+
     /// Every gather of the kernel: (site id, index tensor, selected-from tensor), the
     /// sites its error word names.
     pub fn gathers(&self) -> Vec<(u32, TvId, TvId)> {

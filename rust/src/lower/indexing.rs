@@ -243,12 +243,13 @@ fn predicate(
 
 /// The consumer that a fully inlined `tv` is indexed through: its loops are all shared
 /// with that consumer, whose (possibly broadcast-concretized) iteration space they run.
-fn inlined_reference(f: &Fusion, tv: TvId) -> Option<(ExprId, usize)> {
+fn inlined_reference(f: &Fusion, lg: &LoopGraph, tv: TvId) -> Option<(ExprId, usize)> {
     let t = &f.tvs[tv];
     if t.inline_pos == 0 || t.inline_pos < t.loop_domain.len() {
         return None;
     }
-    let e = *t.uses.first()?;
+    // (a use whose output no fusion output needs is not in the kernel)
+    let e = *t.uses.iter().find(|&&e| lg.has(f.exprs[e].output))?;
     let pos = f.exprs[e].inputs.iter().position(|o| *o == Operand::Tensor(tv))?;
     if matches!(f.exprs[e].op, Op::IndexSelect { .. }) {
         return None;
@@ -258,10 +259,10 @@ fn inlined_reference(f: &Fusion, tv: TvId) -> Option<(ExprId, usize)> {
 
 /// True when a broadcast axis of `tv` meets an iteration axis along its chain of fully
 /// inlined consumers: its loops then run the consumer's larger extent, not its own.
-fn broadcast_concretized(f: &Fusion, tv: TvId) -> bool {
+fn broadcast_concretized(f: &Fusion, lg: &LoopGraph, tv: TvId) -> bool {
     let mut t = tv;
     let mut seen = 0;
-    while let Some((e, pos)) = inlined_reference(f, t) {
+    while let Some((e, pos)) = inlined_reference(f, lg, t) {
         for (pid, cid) in logical_pairs(f, e, pos) {
             // A reduction of a broadcast axis is size one too: it concretizes nothing.
             let one = f.scalars.as_int(f.ids[cid].extent) == Some(1);
@@ -278,17 +279,23 @@ fn broadcast_concretized(f: &Fusion, tv: TvId) -> bool {
     false
 }
 
+/// Indices of `tv`'s ids at the loops of `stack`. With `partial`, loops of `tv` that do
+/// not enclose the stack are left out (and so is every id computed from them) instead of
+/// being an error: a fully inlined producer asks its consumer, whose loops right of the
+/// producer's position (a new broadcast axis) do not enclose the producer's expr.
 fn consumer_indices(
     f: &mut Fusion,
     ctx: &Ctx,
     tv: TvId,
     stack: &[Enclosing],
+    partial: bool,
 ) -> Result<FxHashMap<IterDomainId, ValId>> {
-    if let Some((e, pos)) = inlined_reference(f, tv) {
+    if let Some((e, pos)) = inlined_reference(f, ctx.lg, tv) {
         // Index through the consumer's logical indices, exactly as the consumer reads tv;
         // tv's own extents may be smaller where it has broadcasts the consumer concretizes.
+        // Where the consumer's indices do not cover tv's logical ids, tv's own loops do.
         let d = f.exprs[e].output;
-        let didx = consumer_indices(f, ctx, d, stack)?;
+        let didx = consumer_indices(f, ctx, d, stack, true)?;
         let mut idx: FxHashMap<IterDomainId, ValId> = FxHashMap::default();
         for (pid, cid) in logical_pairs(f, e, pos) {
             if let Some(&v) = didx.get(&cid) {
@@ -307,7 +314,7 @@ fn consumer_indices(
             // logical indices instead, a merge with a broadcast outer wraps its inner index
             // (`% extent`), and the bound of an overrunning thread would be lost.
             let mut from_loops: FxHashMap<IterDomainId, ValId> = FxHashMap::default();
-            let mut own = !broadcast_concretized(f, tv);
+            let mut own = !broadcast_concretized(f, ctx.lg, tv);
             for (a, &id) in f.tvs[tv].loop_domain.clone().iter().enumerate() {
                 let g = ctx.lg.group(tv, a);
                 if let Some(l) = stack.iter().rev().find(|l| l.group == Some(g)) {
@@ -335,6 +342,9 @@ fn consumer_indices(
     for (a, &id) in ld.iter().enumerate() {
         let g = ctx.lg.group(tv, a);
         let Some(l) = stack.iter().rev().find(|l| l.group == Some(g)) else {
+            if partial {
+                continue;
+            }
             bail_internal!("{} axis {a}: its loop does not enclose the expression", f.tv_name(tv));
         };
         idx.insert(id, l.index);
@@ -346,7 +356,7 @@ fn consumer_indices(
 fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> Result<AccessIndex> {
     let c = f.exprs[e].output;
     let groups = group_indices(ctx, stack);
-    let cidx = consumer_indices(f, ctx, c, stack)?;
+    let cidx = consumer_indices(f, ctx, c, stack, false)?;
     let out = offset(f, ctx, c, &cidx, &groups)?;
     let mut inputs = Vec::new();
     let mut gathers = Vec::new();
@@ -395,18 +405,13 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
         }
     }
     // A Global/Shared tensor that does not use a launched thread or block dimension is
-    // computed redundantly along it: only index 0 of that dimension writes.
+    // computed redundantly along it: only index 0 of that dimension writes. Its broadcast
+    // loop axes do not partition its elements either: the threads along one would all
+    // store the same element (`analysis::parallel::runs_on`).
     if f.tvs[c].memory != MemoryType::Local {
-        // A Global tensor's broadcast loop axis does not partition its elements either:
-        // the threads along it would all store the same element.
-        let global = f.tvs[c].memory == MemoryType::Global;
-        let own: Vec<ParallelType> = (0..f.tvs[c].loop_domain.len())
-            .filter(|&a| !(global && f.ids[f.tvs[c].loop_domain[a]].iter_type == IterType::Broadcast))
-            .map(|a| ctx.lg.groups[ctx.lg.group(c, a)].parallel)
-            .collect();
         let zero = f.scalars.int(0);
         for &p in &ctx.used {
-            if !own.contains(&p) {
+            if !crate::analysis::parallel::runs_on(f, ctx.lg, c, p) {
                 let i = f.scalars.symbol(Symbol::ParallelIndex(p));
                 let first = f.scalars.binary(ScalarOp::Eq, i, zero);
                 pred = f.scalars.binary(ScalarOp::And, pred, first);
@@ -477,11 +482,10 @@ fn index_init(f: &mut Fusion, ctx: &mut Ctx, tv: TvId, stack: &[Enclosing]) -> R
     // dimension the tensor is not indexed by (its reduced dimensions included), so no
     // block can re-initialize an output another block already reduced into.
     if f.tvs[tv].memory != MemoryType::Local {
-        // Broadcast axes of a Global tensor partition nothing either (as in index_expr).
-        let global = f.tvs[tv].memory == MemoryType::Global;
+        // Broadcast axes partition nothing either (as in index_expr).
         let own: Vec<ParallelType> = (0..ld.len())
             .filter(|&a| f.ids[ld[a]].iter_type != IterType::Reduction)
-            .filter(|&a| !(global && f.ids[ld[a]].iter_type == IterType::Broadcast))
+            .filter(|&a| f.ids[ld[a]].iter_type != IterType::Broadcast)
             .map(|a| ctx.lg.groups[ctx.lg.group(tv, a)].parallel)
             .collect();
         for &p in &ctx.used {

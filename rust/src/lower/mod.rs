@@ -38,17 +38,17 @@ pub fn lower(fusion: &Fusion) -> Result<Kernel> {
     let tv_order = loops::tensor_order(&f, &order);
     let lg = LoopGraph::build(&f, &exact, &tv_order)?;
     validate::partial_inlining(&f, &lg, &exact)?;
+    validate::unique_parallel_dims(&f, &lg)?;
+    validate::reduction_consumers(&f, &lg)?;
+    validate::parallel_reads(&f, &lg, &exact)?;
     let (mut body, mut next_index) = loops::run(&mut f, &lg, &order)?;
     let alloc = allocation::run(&mut f, &lg, &exact, &order, &mut body, &mut next_index)?;
     indexing::run(&mut f, &lg, &alloc.allocations, &mut body)?;
-    syncs::run(&f, &mut body);
+    syncs::run(&f, &lg, &exact, &mut body);
     reduction_hoist::run(&f, &lg, &mut body)?;
     let size_constraints = size_constraints(&f);
     let launch = launch::run(&mut f, &body);
-    // Static dimensions are checked now; symbolic ones when sizes are bound.
-    let known = |v: crate::ir::ValId| f.scalars.as_int(v);
-    crate::kernel::check_launch_dims(launch.grid.map(known), launch.block.map(known), known(launch.smem_bytes))?;
-    Ok(Kernel {
+    let k = Kernel {
         fusion: f,
         loops: lg,
         body,
@@ -56,7 +56,10 @@ pub fn lower(fusion: &Fusion) -> Result<Kernel> {
         summary: alloc.summary,
         launch,
         size_constraints,
-    })
+    };
+    // Static dimensions are checked now; symbolic ones when sizes are bound.
+    k.check_launch(|v| k.fusion.scalars.as_int(v))?;
+    Ok(k)
 }
 
 /// Pairs of extents an expr aligns (both iteration ids): they must agree at run time.

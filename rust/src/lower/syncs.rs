@@ -1,17 +1,34 @@
-//! Block synchronization for Shared memory.
-//! Consumes: the loop nest. Produces: `Sync` nodes. Guarantees: between a write of a
-//! Shared tensor and a later read of it there is a `__syncthreads()` (RAW); when both
-//! sit in one loop, the loop body ends with one so the next iteration's write cannot
-//! overtake slow readers (WAR). No sync is added where one already separates them.
+//! Block synchronization for memory that threads share.
+//! Consumes: the loop nest, its loop and exact id graphs. Produces: `Sync` nodes.
+//! Guarantees: between a write of a Shared (or in-kernel Global) tensor and a later read
+//! of it by other threads of the block (`analysis::parallel::cross_reads`) there is a
+//! `__syncthreads()` (RAW); when both sit in one loop, the loop body ends with one so the
+//! next iteration's write cannot overtake slow readers (WAR). No sync is added where one
+//! already separates them. `validate::parallel_reads` has refused the reads no barrier
+//! can order (across blocks, out of Local memory, inside a partial thread loop).
 
-use crate::ir::{Fusion, MemoryType, Operand, TvId};
+use crate::analysis::id_graph::IdGraph;
+use crate::analysis::loop_graph::LoopGraph;
+use crate::analysis::parallel::cross_reads;
+use crate::ir::{ExprId, Fusion, MemoryType, Operand, TvId};
 use crate::kernel::{Node, SyncKind};
 
-/// A Shared-memory access site: its path in the nest and the tensor.
+/// An access site of a tensor other threads can see: its path in the nest, the tensor
+/// and, for a read, the expr that reads it.
 struct Site {
     path: Vec<usize>,
     tv: TvId,
     write: bool,
+    reader: Option<ExprId>,
+}
+
+/// Shared tensors, and Global ones the kernel computes (not fusion inputs).
+fn visible(f: &Fusion, tv: TvId) -> bool {
+    match f.tvs[tv].memory {
+        MemoryType::Shared => true,
+        MemoryType::Global => f.tvs[tv].definition.is_some() && !f.is_input(tv),
+        MemoryType::Local => false,
+    }
 }
 
 fn collect(f: &Fusion, body: &[Node], prefix: &mut Vec<usize>, out: &mut Vec<Site>) {
@@ -19,20 +36,20 @@ fn collect(f: &Fusion, body: &[Node], prefix: &mut Vec<usize>, out: &mut Vec<Sit
         prefix.push(i);
         match n {
             Node::Loop(l) => collect(f, &l.body, prefix, out),
-            Node::Init { tv, .. } if f.tvs[*tv].memory == MemoryType::Shared => {
-                out.push(Site { path: prefix.clone(), tv: *tv, write: true })
+            Node::Init { tv, .. } if visible(f, *tv) => {
+                out.push(Site { path: prefix.clone(), tv: *tv, write: true, reader: None })
             }
             Node::Expr { expr, .. } => {
                 let e = &f.exprs[*expr];
                 for o in &e.inputs {
                     if let Operand::Tensor(t) = o {
-                        if f.tvs[*t].memory == MemoryType::Shared {
-                            out.push(Site { path: prefix.clone(), tv: *t, write: false });
+                        if visible(f, *t) {
+                            out.push(Site { path: prefix.clone(), tv: *t, write: false, reader: Some(*expr) });
                         }
                     }
                 }
-                if f.tvs[e.output].memory == MemoryType::Shared {
-                    out.push(Site { path: prefix.clone(), tv: e.output, write: true });
+                if visible(f, e.output) {
+                    out.push(Site { path: prefix.clone(), tv: e.output, write: true, reader: None });
                 }
             }
             _ => {}
@@ -65,21 +82,17 @@ fn scope_mut<'a>(body: &'a mut Vec<Node>, path: &[usize]) -> &'a mut Vec<Node> {
     cur
 }
 
-/// True when every thread-parallel loop axis of `tv` is inlined into its readers: each
-/// element is then read by the thread that wrote it, and no barrier is needed.
-fn same_thread_reads(f: &Fusion, tv: TvId) -> bool {
-    let t = &f.tvs[tv];
-    t.loop_domain.iter().enumerate().all(|(a, &id)| !f.ids[id].parallel.is_thread() || a < t.inline_pos)
-}
-
 /// Insert RAW and WAR syncs into `body`.
-pub fn run(f: &Fusion, body: &mut Vec<Node>) {
+pub fn run(f: &Fusion, lg: &LoopGraph, exact: &IdGraph, body: &mut Vec<Node>) {
+    // Reads by other threads of the block; each element read by the thread that wrote it
+    // needs no barrier.
+    let crosses = |tv: TvId, e: ExprId| cross_reads(f, lg, exact, tv, e).iter().any(|x| x.pt.is_thread());
     // Each insertion shifts positions, so recompute the sites after every change.
     loop {
         let mut sites = Vec::new();
         collect(f, body, &mut Vec::new(), &mut sites);
         let mut change: Option<(Vec<usize>, usize, SyncKind)> = None;
-        'outer: for r in sites.iter().filter(|s| !s.write && !same_thread_reads(f, s.tv)) {
+        'outer: for r in sites.iter().filter(|s| !s.write && s.reader.is_some_and(|e| crosses(s.tv, e))) {
             for w in sites.iter().filter(|s| s.write && s.tv == r.tv) {
                 let l = w.path.iter().zip(&r.path).take_while(|(a, b)| a == b).count();
                 if l == w.path.len() || l == r.path.len() {

@@ -1,21 +1,25 @@
 //! Schedule validation before lowering.
-//! Consumes: a scheduled fusion. Produces: nothing. Guarantees: every tensor has at
-//! least one output, a vectorized axis is innermost, inline positions are valid, cache
+//! Consumes: a scheduled fusion (and, for the checks that need them, its id and loop
+//! graphs). Produces: nothing. Guarantees: every tensor has at least one output, a
+//! vectorized axis is innermost, inline positions are valid, every read stays in the thread
+//! or block that wrote the element or crosses through memory a block sync can order, cache
 //! hints sit on vectorized tensors, and features this build cannot lower are rejected by
 //! name.
 
 use crate::analysis::id_graph::IdGraph;
 use crate::analysis::loop_graph::LoopGraph;
+use crate::analysis::parallel::{cross_reads, CrossRead};
 use crate::bail;
 use crate::error::Result;
-use crate::ir::{Fusion, ParallelType};
+use crate::ir::{Fusion, IterType, MemoryType, ParallelType, TvId};
 
 /// A partly inlined tensor may not share loops that iterate a broadcast its consumer
 /// concretizes: its private loops would cover only its own (size-one) extent of that
 /// space. Fully inlined tensors are indexed through their consumer instead.
 pub fn partial_inlining(f: &Fusion, lg: &LoopGraph, exact: &IdGraph) -> Result<()> {
     for (tv, t) in f.tvs.iter() {
-        if t.inline_pos == 0 || t.inline_pos >= t.loop_domain.len() || t.uses.is_empty() {
+        // (tensors no output depends on are not in the kernel)
+        if t.inline_pos == 0 || t.inline_pos >= t.loop_domain.len() || t.uses.is_empty() || !lg.has(tv) {
             continue;
         }
         for a in 0..t.inline_pos {
@@ -23,7 +27,7 @@ pub fn partial_inlining(f: &Fusion, lg: &LoopGraph, exact: &IdGraph) -> Result<(
             let promoted = lg.promoted(tv, a);
             // A broadcast axis (or a split of one) is safe: the tensor does not vary along
             // it, so running it once per iteration of the concretized loop only repeats it.
-            let plain_broadcast = f.ids[own].iter_type == crate::ir::IterType::Broadcast;
+            let plain_broadcast = f.ids[own].iter_type == IterType::Broadcast;
             if promoted != own
                 && !plain_broadcast
                 && !exact.same(own, promoted)
@@ -40,6 +44,163 @@ pub fn partial_inlining(f: &Fusion, lg: &LoopGraph, exact: &IdGraph) -> Result<(
         }
     }
     Ok(())
+}
+
+/// Every read of a tensor computed in the kernel stays in the thread or block that wrote
+/// the element, or crosses threads through memory that a block sync can order: Local
+/// memory is private to a thread, Shared memory to a block, and blocks never synchronize.
+/// A Shared or Global producer read by other threads needs a `__syncthreads()` between the
+/// write and the read, placed in the loops the two share; a thread loop shorter than its
+/// dimension would leave threads out of it (a divergent barrier), so that is refused too.
+pub fn parallel_reads(f: &Fusion, lg: &LoopGraph, exact: &IdGraph) -> Result<()> {
+    for e in f.topo_exprs() {
+        let c = f.exprs[e].output;
+        for p in f.exprs[e].input_tvs().collect::<Vec<_>>() {
+            for x in cross_reads(f, lg, exact, p, e) {
+                let t = &f.tvs[p];
+                let mem = t.memory;
+                let across = if x.pt.is_block() { "block" } else { "thread" };
+                let how = describe(f, lg, p, c, x);
+                let syncable = mem != MemoryType::Local && x.pt.is_thread();
+                if !syncable {
+                    let fix = match (mem, x.pt.is_block()) {
+                        (MemoryType::Local, false) => "; place it in Shared memory, or ",
+                        _ => "; ",
+                    };
+                    bail!(
+                        "{how}: its consumer {} would read it from another {across}, which {} memory cannot share{fix}parallelize both on exactly mapped axes, or inline {} past that axis",
+                        f.tv_name(c),
+                        mem.enum_name(),
+                        f.tv_name(p)
+                    );
+                }
+                for a in 0..t.inline_pos.min(t.loop_domain.len()) {
+                    let q = lg.groups[lg.group(p, a)].parallel;
+                    if q.is_thread() && thread_extents(f, lg, q) > 1 {
+                        bail!(
+                            "{how}: its consumer {} reads it from other threads, which needs a block sync inside the {} loop of axis {a} ({}) that {} shares with it, but {} loops of different extents leave some threads out of that loop; inline {} before axis {a}, or give every {} loop one extent",
+                            f.tv_name(c),
+                            q.enum_name(),
+                            f.id_label(t.loop_domain[a]),
+                            f.tv_name(p),
+                            q.enum_name(),
+                            f.tv_name(p),
+                            q.enum_name()
+                        );
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A tensor runs each thread or block dimension in at most one of its loops. An inlined
+/// axis takes the parallel type of the loop it shares, so a producer parallelized on TIDx
+/// inlined into a consumer's serial loop puts the consumer on TIDx there; a second TIDx
+/// axis of its own would then nest two loops over one `threadIdx.x`.
+pub fn unique_parallel_dims(f: &Fusion, lg: &LoopGraph) -> Result<()> {
+    for e in f.topo_exprs() {
+        let tv = f.exprs[e].output;
+        let t = &f.tvs[tv];
+        for b in 0..t.loop_domain.len() {
+            let q = lg.groups[lg.group(tv, b)].parallel;
+            if !q.is_thread_or_block() {
+                continue;
+            }
+            if let Some(a) = (0..b).find(|&a| lg.groups[lg.group(tv, a)].parallel == q) {
+                let why = |x: usize| {
+                    if f.ids[t.loop_domain[x]].parallel == q {
+                        String::new()
+                    } else {
+                        let (o, oa) = lg.groups[lg.group(tv, x)]
+                            .members
+                            .iter()
+                            .copied()
+                            .find(|&(m, ma)| f.ids[f.tvs[m].loop_domain[ma]].parallel == q)
+                            .unwrap_or((tv, x));
+                        format!(" (the loop it shares with {} axis {oa})", f.tv_name(o))
+                    }
+                };
+                bail!(
+                    "{}: axes {a} ({}){} and {b} ({}){} both run on {}; a tensor can use each thread or block dimension once: parallelize one of them differently, or change the inline positions",
+                    f.tv_name(tv),
+                    f.id_label(t.loop_domain[a]),
+                    why(a),
+                    f.id_label(t.loop_domain[b]),
+                    why(b),
+                    q.enum_name()
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A reduction's consumer may not share a serial loop over one of its reduced axes: inside
+/// it the reduction has not completed (a producer inlined into both the reduction and an
+/// elementwise consumer of the same input makes their loops one; a broadcast of the result
+/// inlined into that consumer would then read partial sums). Thread and block loops are
+/// fine: a block reduction is complete when its statement ends.
+pub fn reduction_consumers(f: &Fusion, lg: &LoopGraph) -> Result<()> {
+    for e in f.topo_exprs() {
+        let c = f.exprs[e].output;
+        for r in f.exprs[e].input_tvs().collect::<Vec<_>>() {
+            if f.is_input(r) {
+                continue;
+            }
+            let t = &f.tvs[r];
+            for (a, &id) in t.loop_domain.iter().enumerate() {
+                let g = lg.group(r, a);
+                if f.ids[id].iter_type != IterType::Reduction || lg.groups[g].parallel.is_thread_or_block() {
+                    continue;
+                }
+                if let Some(b) = (0..f.tvs[c].loop_domain.len()).find(|&b| lg.group(c, b) == g) {
+                    bail!(
+                        "{} reads the reduction {} inside the loop of its reduced axis {a} ({}): its axis {b} ({}) shares that loop, where the reduction has not completed; inline {} and the tensors sharing that loop at a position before it",
+                        f.tv_name(c),
+                        f.tv_name(r),
+                        f.id_label(id),
+                        f.id_label(f.tvs[c].loop_domain[b]),
+                        f.tv_name(c)
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Distinct extents of the loops on thread dimension `q`.
+fn thread_extents(f: &Fusion, lg: &LoopGraph, q: ParallelType) -> usize {
+    let mut v: Vec<crate::ir::ValId> = Vec::new();
+    for g in lg.groups.iter().filter(|g| g.parallel == q) {
+        let e = f.ids[g.promoted].extent;
+        if !v.contains(&e) {
+            v.push(e);
+        }
+    }
+    v.len()
+}
+
+/// How producer `p` is written along `x.pt` and how its consumer `c` runs it, as text.
+fn describe(f: &Fusion, lg: &LoopGraph, p: TvId, c: TvId, x: CrossRead) -> String {
+    let t = &f.tvs[p];
+    let (pn, cn, mem, pt) = (f.tv_name(p), f.tv_name(c), t.memory.enum_name(), x.pt.enum_name());
+    let consumer = match x.consumer_axis {
+        Some(b) => format!("{cn} runs {pt} over its axis {b} ({})", f.id_label(lg.promoted(c, b))),
+        None => format!("{cn} runs that space without {pt}"),
+    };
+    match x.producer_axis {
+        Some(a) => format!(
+            "{pn} is in {mem} memory but its axis {a} ({}) is parallelized on {pt} outside its inline position {} and {consumer}, not on an exactly mapped axis",
+            f.id_label(t.loop_domain[a]),
+            t.inline_pos
+        ),
+        None => format!(
+            "{pn} is in {mem} memory and none of its axes partitions it on {pt}, so index 0 of {pt} writes it, but {consumer}"
+        ),
+    }
 }
 
 /// Check `f` can be lowered.
@@ -59,30 +220,6 @@ pub fn run(f: &Fusion) -> Result<()> {
         }
         if t.inline_pos > 0 {
             f.check_inline(tv, t.inline_pos)?;
-        }
-        // A Local (Shared) value lives in one thread (block): a consumer outside the
-        // shared loops would read it from another one.
-        if t.memory != crate::ir::MemoryType::Global && !t.uses.is_empty() {
-            for (a, &id) in t.loop_domain.iter().enumerate().skip(t.inline_pos) {
-                let p = f.ids[id].parallel;
-                if f.ids[id].iter_type == crate::ir::IterType::Reduction {
-                    continue; // a reduced axis leaves the result in every thread (all-reduce)
-                }
-                let partitions = match t.memory {
-                    crate::ir::MemoryType::Local => p.is_thread_or_block(),
-                    _ => p.is_block(),
-                };
-                if partitions {
-                    bail!(
-                        "{name} is in {} memory but its axis {a} ({}) is parallelized on {} outside its inline position {}; its consumers would read it from another {}: inline {name} past axis {a} or keep the axis serial",
-                        t.memory.enum_name(),
-                        f.id_label(id),
-                        p.enum_name(),
-                        t.inline_pos,
-                        if p.is_block() { "block" } else { "thread" }
-                    );
-                }
-            }
         }
         // The cache hints are properties of vector loads (`kiln::loadVec*`): on a tensor
         // without a vectorized axis they would change nothing, silently.

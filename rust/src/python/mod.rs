@@ -559,7 +559,7 @@ impl PyFusion {
 
     /// Lower the fusion to one kernel.
     fn lower(&self, py: Python<'_>) -> PyResult<PyKernel> {
-        guarded(py, || Ok(PyKernel::new(crate::lower::lower(&self.inner)?)))
+        guarded(py, || Ok(PyKernel::new(crate::lower::lower(&crate::sched::propagate::completed(&self.inner))?)))
     }
 
     /// Start a new segment (kernel) after the definition of tensor `t`.

@@ -3,6 +3,7 @@
 //! its arguments and leaves the fusion unchanged when it returns an error.
 
 pub mod auto;
+pub mod propagate;
 pub mod replay;
 
 use rustc_hash::FxHashMap;
@@ -394,6 +395,38 @@ impl Fusion {
                             self.id_label(ld[i]),
                             self.id_label(cl[i])
                         );
+                    }
+                }
+            }
+        }
+        // An axis merged from a broadcast and an iteration axis runs the extent its consumer
+        // concretizes the broadcast with. Two consumers that iterate it with different
+        // extents (one concretizes the broadcast, the other keeps it) cannot share one loop
+        // with the producer: the loop would run the larger extent for both, and split it
+        // into the wrong elements for the other. (A plain broadcast axis only repeats its
+        // one element.)
+        if self.tvs[tv].uses.len() > 1 {
+            for (i, &pid) in ld.iter().enumerate().take(pos) {
+                let mixed = self.ids[pid].iter_type != IterType::Broadcast
+                    && crate::analysis::loop_graph::depends_on_broadcast(self, pid);
+                if !mixed {
+                    continue;
+                }
+                let mut first: Option<(TvId, IterDomainId)> = None;
+                for &e in &self.tvs[tv].uses {
+                    let c = self.exprs[e].output;
+                    let cid = self.tvs[c].loop_domain[i];
+                    match first {
+                        None => first = Some((c, cid)),
+                        Some((c0, id0)) if self.ids[id0].extent != self.ids[cid].extent => bail!(
+                            "inline_at {name}: axis {i} ({}) comes from a broadcast that its consumers {} and {} iterate with different extents ({} and {}); one loop cannot run both: inline {name} at {i} or less",
+                            self.id_label(pid),
+                            self.tv_name(c0),
+                            self.tv_name(c),
+                            self.scalars.render(self.ids[id0].extent),
+                            self.scalars.render(self.ids[cid].extent)
+                        ),
+                        _ => {}
                     }
                 }
             }

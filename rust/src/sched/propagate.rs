@@ -1,0 +1,139 @@
+//! Schedule propagation for manual schedules. A computed tensor the user never touched
+//! (Local, not inlined, its loop domain still its logical domain, nothing parallelized)
+//! whose consumer runs on threads or blocks takes that consumer's transforms and thread
+//! and block parallelization and is inlined into it as deep as valid, as nvFuser's
+//! `TransformPropagator` followed by `inlineMost` would do. Left alone, every thread would
+//! compute the whole tensor in registers (a symbolic-size Local array that codegen cannot
+//! emit, and redundant work the interpreter runs thread by thread). Consumers are done
+//! first, so a chain of untouched producers follows a scheduled output. A tensor keeps its
+//! own (untouched) schedule where the propagated one would leave a parallel axis outside
+//! its inline position, since other threads would then read it.
+
+use rustc_hash::FxHashMap;
+
+use crate::ir::mapping::logical_pairs;
+use crate::ir::{ExprId, Fusion, IterDomainId, IterType, MemoryType, ParallelType, Transform, TvId};
+
+/// True when `tv` looks the way a definition leaves a computed tensor.
+fn untouched(f: &Fusion, tv: TvId) -> bool {
+    let t = &f.tvs[tv];
+    t.definition.is_some()
+        && !f.is_input(tv)
+        && !f.is_output(tv)
+        && t.memory == MemoryType::Local
+        && t.inline_pos == 0
+        && t.allocation.is_none()
+        && t.circular_buffer.is_none()
+        && t.loop_domain == t.logical
+        && t.loop_domain.iter().all(|&id| f.ids[id].parallel == ParallelType::Serial)
+}
+
+/// The first use of `tv` whose output runs on a thread or block dimension.
+fn reference(f: &Fusion, tv: TvId) -> Option<(ExprId, usize, TvId)> {
+    f.tvs[tv].uses.iter().find_map(|&e| {
+        let c = f.exprs[e].output;
+        let parallel = f.tvs[c].loop_domain.iter().any(|&id| f.ids[id].parallel.is_thread_or_block());
+        let pos = f.exprs[e].inputs.iter().position(|o| o.tensor() == Some(tv))?;
+        parallel.then_some((e, pos, c))
+    })
+}
+
+/// Replay `c`'s transforms onto `tv` through the ids expr `e` aligns; false when a
+/// primitive refused (the caller restores the fusion).
+fn replay_from_consumer(f: &mut Fusion, tv: TvId, e: ExprId, pos: usize, c: TvId) -> bool {
+    // consumer id -> producer id
+    let mut map: FxHashMap<IterDomainId, IterDomainId> =
+        logical_pairs(f, e, pos).into_iter().map(|(p, cid)| (cid, p)).collect();
+    let fresh_broadcast = |f: &Fusion, map: &FxHashMap<IterDomainId, IterDomainId>, id: IterDomainId| {
+        f.ids[id].iter_type == IterType::Broadcast && f.ids[id].definition.is_none() && !map.contains_key(&id)
+    };
+    for t in f.transforms_of(c) {
+        match f.transforms[t].clone() {
+            Transform::Split { input, factor, inner_split, outer, inner } => {
+                let (Some(&d), Some(factor)) = (map.get(&input), f.scalars.as_int(factor)) else { continue };
+                let Some(a) = f.loop_position(tv, d) else { continue };
+                if f.split(tv, a as i64, factor, inner_split).is_err() {
+                    return false;
+                }
+                let ld = &f.tvs[tv].loop_domain;
+                let (no, ni) = (ld[a], ld[a + 1]);
+                map.insert(outer, no);
+                map.insert(inner, ni);
+            }
+            Transform::Merge { outer, inner, out } => match (map.get(&outer).copied(), map.get(&inner).copied()) {
+                (Some(o), Some(i)) => {
+                    let (Some(a), Some(b)) = (f.loop_position(tv, o), f.loop_position(tv, i)) else { continue };
+                    let before = f.tvs[tv].loop_domain.clone();
+                    if f.merge(tv, a as i64, b as i64).is_err() {
+                        return false;
+                    }
+                    if let Some(&n) = f.tvs[tv].loop_domain.iter().find(|x| !before.contains(x)) {
+                        map.insert(out, n);
+                    }
+                }
+                // A merge with a broadcast the producer does not have iterates the
+                // producer's id (broadcast forwarding, as `producer_to_consumer` maps it).
+                (Some(o), None) if fresh_broadcast(f, &map, inner) => {
+                    map.insert(out, o);
+                }
+                (None, Some(i)) if fresh_broadcast(f, &map, outer) => {
+                    map.insert(out, i);
+                }
+                _ => {}
+            },
+        }
+    }
+    // The consumer's loop order first, then the producer's own leftover axes.
+    let mut order: Vec<IterDomainId> = Vec::new();
+    for &cid in &f.tvs[c].loop_domain {
+        if let Some(&d) = map.get(&cid) {
+            if f.loop_position(tv, d).is_some() && !order.contains(&d) {
+                order.push(d);
+                let p = f.ids[cid].parallel;
+                if p.is_thread_or_block() || p == ParallelType::Unroll {
+                    f.ids[d].parallel = p;
+                }
+            }
+        }
+    }
+    for &d in &f.tvs[tv].loop_domain.clone() {
+        if !order.contains(&d) {
+            order.push(d);
+        }
+    }
+    f.tvs[tv].loop_domain = order;
+    true
+}
+
+/// Propagate consumers' schedules to the untouched tensors of the manually scheduled `f`.
+pub fn untouched_producers(f: &mut Fusion) {
+    if !f.manually_scheduled {
+        return;
+    }
+    for e in f.topo_exprs().into_iter().rev() {
+        let tv = f.exprs[e].output;
+        if !untouched(f, tv) {
+            continue;
+        }
+        let Some((use_, pos, c)) = reference(f, tv) else { continue };
+        let saved = f.clone();
+        if !replay_from_consumer(f, tv, use_, pos, c) {
+            *f = saved;
+            continue;
+        }
+        let p = f.max_inline_pos(tv);
+        f.tvs[tv].inline_pos = p;
+        let t = &f.tvs[tv];
+        let outside = t.loop_domain.iter().skip(p).any(|&id| f.ids[id].parallel.is_thread_or_block());
+        if p == 0 || outside {
+            *f = saved;
+        }
+    }
+}
+
+/// `f` as lowering sees it: a copy with [`untouched_producers`] applied.
+pub fn completed(f: &Fusion) -> Fusion {
+    let mut g = f.clone();
+    untouched_producers(&mut g);
+    g
+}

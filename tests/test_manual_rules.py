@@ -1,0 +1,447 @@
+"""Rules that manual schedules are validated by (nvFuser's), each with the schedule that used
+to run wrongly, fault, fail internally or be refused without reason. Every accepted schedule
+runs in the CPU interpreter (which checks bounds, uninitialized reads and races) against NumPy;
+every refused one raises ``KilnError`` from ``fd.lower`` naming the tensor, the axis and what is
+expected."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from kiln import DataType, FusionDefinition, KilnError, MemoryType, ParallelType
+
+F32 = np.float32
+X5 = np.array([0.5, -0.9, 1.8, -1.9, 1.2], F32)
+
+
+def rand(*shape: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).uniform(-1, 1, shape).astype(F32)
+
+
+def chain():
+    """T0 (input) -> T1 = abs(T0) -> T2 = neg(T1) (output)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1])
+        a = fd.ops.abs(x)
+        o = fd.ops.neg(a)
+        fd.add_output(o)
+    return fd, a, o
+
+
+# -- parallel types of shared loops -------------------------------------------------------
+def test_parallel_producer_inlined_into_a_serial_consumer_loop_parallelizes_the_loop():
+    # The loop a producer shares with its consumer is one loop: it takes the producer's
+    # TIDx (nvFuser propagates the parallel type over the loop group), so each thread
+    # computes and stores its own element.
+    fd, a, o = chain()
+    a.axis(0).parallelize(ParallelType.TIDx)
+    a.inline_at(-1)
+    k = fd.lower([X5]).kernels[0]
+    assert k.kernel_ir.startswith("FOR threadIdx.x")
+    assert k.launch["block"][0] == "i0"
+    np.testing.assert_array_equal(fd.execute([X5])[0], -np.abs(X5))
+
+
+def test_a_tensor_uses_each_thread_dimension_once():
+    # T1's axis 0 shares T2's TIDx loop and its axis 1 is TIDx itself: two loops on one
+    # threadIdx.x (this wrote only the diagonal).
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        a = fd.ops.mul(x, 2.0)
+        o = fd.ops.tanh(a)
+        fd.add_output(o)
+    a.axis(1).parallelize(ParallelType.TIDx)
+    o.axis(0).parallelize(ParallelType.TIDx)
+    a.inline_at(1)
+    with pytest.raises(KilnError, match=rf"{a.name}: axes 0 .* and 1 .* both run on TIDx"):
+        fd.lower([rand(3, 4)])
+
+
+# -- reads across threads and blocks --------------------------------------------------------
+def test_shared_producer_read_by_other_threads_gets_a_block_sync():
+    fd, a, o = chain()
+    a.set_memory_type(MemoryType.Shared)
+    o.axis(0).parallelize(ParallelType.TIDx)  # a is written by thread 0, read by every thread
+    k = fd.lower([X5]).kernels[0]
+    assert k.kernel_ir.count("__syncthreads()  // RAW") == 1
+    np.testing.assert_array_equal(fd.execute([X5])[0], -np.abs(X5))
+
+
+def test_shared_producer_read_by_other_blocks_is_refused():
+    fd, a, o = chain()
+    a.set_memory_type(MemoryType.Shared)
+    o.axis(0).parallelize(ParallelType.BIDx)
+    with pytest.raises(KilnError, match=rf"{a.name} is in Shared memory .* BIDx .* {o.name} would read it "
+                                        r"from another block"):
+        fd.lower([X5])
+
+
+def test_shared_producer_on_another_block_split_is_refused():
+    fd, a, o = chain()
+    a.set_memory_type(MemoryType.Shared)
+    for t in (a, o):
+        t.split(0, 2)
+    a.axis(0).parallelize(ParallelType.BIDx)
+    o.axis(1).parallelize(ParallelType.BIDx)
+    msg = rf"{a.name} is in Shared memory but its axis 0 .* parallelized on BIDx"
+    with pytest.raises(KilnError, match=msg):
+        fd.lower([X5])
+
+
+def test_local_producer_read_by_another_thread_is_refused():
+    fd, a, o = chain()
+    for t in (a, o):
+        t.split(0, 2)
+    a.axis(0).parallelize(ParallelType.TIDx)
+    o.axis(1).parallelize(ParallelType.TIDx)
+    msg = rf"{a.name} is in Local memory but its axis 0 .* parallelized on TIDx .*{o.name} would read it from"
+    with pytest.raises(KilnError, match=msg):
+        fd.lower([X5])
+
+
+def test_local_producer_on_an_exactly_mapped_thread_axis_needs_no_inlining():
+    # Each thread reads the element it wrote (nvFuser accepts this; kiln used to refuse it).
+    # Inlined at 1: the shared serial loop is outside, the TIDx axis right of the inline
+    # position, so the Local allocation is one element per thread (a constant size).
+    fd, a, o = chain()
+    for t in (a, o):
+        t.split(0, 2)
+        t.axis(1).parallelize(ParallelType.TIDx)
+    a.inline_at(1)
+    k = fd.lower([X5]).kernels[0]
+    assert "__syncthreads" not in k.kernel_ir
+    np.testing.assert_array_equal(fd.execute([X5])[0], -np.abs(X5))
+
+
+def test_shared_producer_on_an_exactly_mapped_thread_axis_needs_no_sync():
+    fd, a, o = chain()
+    a.set_memory_type(MemoryType.Shared)
+    for t in (a, o):
+        t.axis(0).parallelize(ParallelType.TIDx)
+    k = fd.lower([X5]).kernels[0]
+    assert "__syncthreads" not in k.kernel_ir
+    np.testing.assert_array_equal(fd.execute([X5])[0], -np.abs(X5))
+
+
+def test_global_output_read_back_by_other_threads_gets_a_block_sync():
+    with FusionDefinition() as fd:
+        s = fd.define_tensor([])
+        x = fd.define_tensor([-1])
+        b = fd.ops.broadcast_in_dim(s, shape=[-1], broadcast_dims=[])
+        y = fd.ops.add(b, x)
+        fd.add_output(y)
+        fd.add_output(b)
+    y.axis(0).parallelize(ParallelType.TIDx)  # b (Global, one element) is read by every thread
+    s_, x_ = np.array(0.25, F32), rand(7)
+    k = fd.lower([s_, x_]).kernels[0]
+    assert "__syncthreads()  // RAW" in k.kernel_ir
+    got_y, got_b = fd.execute([s_, x_])
+    np.testing.assert_allclose(got_y, x_ + 0.25)
+    np.testing.assert_allclose(got_b, [0.25])
+
+
+def test_global_output_read_back_by_other_blocks_is_refused():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1])
+        a = fd.ops.abs(x)
+        b = fd.ops.neg(a)
+        fd.add_output(a)
+        fd.add_output(b)
+    a.axis(0).parallelize(ParallelType.BIDx)  # b, serial, reads every block's element
+    with pytest.raises(KilnError, match=rf"{a.name} is in Global memory but its axis 0 .* BIDx"):
+        fd.lower([X5])
+
+
+def test_shared_sync_inside_a_partial_thread_loop_is_refused():
+    # a and o share a TIDy loop of 3 while another TIDy loop runs 4: a barrier inside the
+    # first would be reached by 3 of 4 rows of threads.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([3, 5])
+        w = fd.define_tensor([4])
+        a = fd.ops.abs(x)
+        o = fd.ops.neg(a)
+        v = fd.ops.neg(w)
+        fd.add_output(o)
+        fd.add_output(v)
+    a.set_memory_type(MemoryType.Shared)
+    for t in (a, o):
+        t.axis(0).parallelize(ParallelType.TIDy)
+    o.axis(1).parallelize(ParallelType.TIDx)
+    v.axis(0).parallelize(ParallelType.TIDy)
+    a.inline_at(1)
+    with pytest.raises(KilnError, match=rf"{a.name} .* needs a block sync inside the TIDy loop of axis 0"):
+        fd.lower([rand(3, 5), rand(4)])
+
+
+def test_shared_axis_merged_with_a_broadcast_is_read_across_threads():
+    # The Shared tile stores the split broadcast's two copies at their own offsets; sin(T)
+    # reads the copy its logical index names, which another thread stored: a block sync.
+    with FusionDefinition() as fd:
+        v = fd.define_tensor([-1])
+        b = fd.ops.broadcast_in_dim(v, shape=[-1, -1], broadcast_dims=[1])
+        s = fd.ops.sin(b)
+        fd.add_output(s)
+    b.set_memory_type(MemoryType.Shared)
+    for t in (b, s):
+        t.split(0, 2)  # [1, 2 (broadcast copies), i1]
+        t.merge(1)
+        t.axis(1).parallelize(ParallelType.TIDx)
+    v_ = rand(10)
+    k = fd.lower([v_]).kernels[0]
+    assert "__syncthreads()  // RAW" in k.kernel_ir
+    np.testing.assert_allclose(fd.execute([v_])[0], np.sin(v_)[None], rtol=1e-6)
+
+
+def test_shared_broadcast_on_a_thread_loop_is_written_once():
+    # The broadcast axis partitions nothing: every thread would store the same element.
+    with FusionDefinition() as fd:
+        s = fd.define_tensor([])
+        x = fd.define_tensor([-1, -1])
+        b = fd.ops.broadcast_in_dim(s, shape=[-1, -1], broadcast_dims=[])
+        y = fd.ops.mul(b, x)
+        fd.add_output(y)
+    b.set_memory_type(MemoryType.Shared)
+    for t in (b, y):
+        t.merge(0)
+        t.axis(0).parallelize(ParallelType.TIDx)
+    b.inline_at(-1)
+    s_, x_ = np.array(-1.5, F32), rand(4, 3)
+    np.testing.assert_allclose(fd.execute([s_, x_])[0], -1.5 * x_)
+
+
+# -- inlining and broadcasts -----------------------------------------------------------------
+@pytest.mark.parametrize("dims,shape", [([0], (5, 1)), ([1], (1, 5))])
+def test_inline_into_broadcast_in_dim(dims, shape):
+    # (static sizes: what stays allocated in Local memory has a constant size, as CUDA needs)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([5])
+        a = fd.ops.abs(x)
+        b = fd.ops.broadcast_in_dim(a, shape=[-1, -1], broadcast_dims=dims)
+        fd.add_output(b)
+    a.inline_at(-1)
+    np.testing.assert_array_equal(fd.execute([X5])[0], np.abs(X5).reshape(shape))
+
+
+def test_inline_through_broadcast_in_dim_into_a_concretizing_consumer():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([5])
+        u = fd.define_tensor([-1, -1])
+        a = fd.ops.abs(x)
+        b = fd.ops.broadcast_in_dim(a, shape=[-1, -1], broadcast_dims=[0])
+        c = fd.ops.add(b, u)
+        fd.add_output(c)
+    a.inline_at(-1)
+    u_ = rand(5, 3)
+    np.testing.assert_allclose(fd.execute([X5, u_])[0], np.abs(X5)[:, None] + u_)
+
+
+def build_sibling_broadcast():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([5, 1])
+        y = fd.define_tensor([-1, -1])
+        a = fd.ops.neg(x)
+        c1 = fd.ops.add(a, y)  # concretizes a's broadcast axis with y's
+        c2 = fd.ops.mul(a, 2.0)  # keeps it
+        fd.add_output(c1)
+        fd.add_output(c2)
+    for t in (a, c1, c2):
+        t.merge(0)
+    return fd, a, c1, c2
+
+
+def test_merged_broadcast_concretized_by_one_of_two_consumers_is_not_inlined():
+    # One loop over a's merged axis cannot run both c1's 5*3 and c2's 5*1 elements (c2 was
+    # written past its end).
+    fd, a, c1, c2 = build_sibling_broadcast()
+    with pytest.raises(KilnError, match=rf"inline_at {a.name}: axis 0 .* comes from a broadcast that its "
+                                        rf"consumers {c1.name} and {c2.name} iterate with different extents"):
+        a.inline_at(1)
+    a.inline_at(-1)
+    assert a.inline_position == 0
+    x_, y_ = rand(5, 1), rand(5, 3, seed=1)
+    got1, got2 = fd.execute([x_, y_])
+    np.testing.assert_allclose(got1, y_ - x_)
+    np.testing.assert_allclose(got2, -2 * x_)
+
+
+def test_reduction_consumer_inside_the_reduction_loop_is_refused():
+    # a is inlined into the sum over axis 0 and into o, which makes r's reduction loop and o's
+    # loop over axis 0 one loop; b, inlined into o, would read partial sums there.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        a = fd.ops.abs(x)
+        r = fd.ops.sum(a, dims=[0])
+        b = fd.ops.broadcast_in_dim(r, shape=[-1, -1], broadcast_dims=[1])
+        o = fd.ops.add(b, a)
+        fd.add_output(o)
+    a.inline_at(-1)
+    b.inline_at(-1)
+    msg = rf"{b.name} reads the reduction {r.name} inside the loop of its reduced axis 0"
+    with pytest.raises(KilnError, match=msg):
+        fd.lower([rand(2, 3)])
+
+
+def test_inlined_tensors_no_output_needs_are_left_out():
+    # (validation used to look them up in the kernel's loop graph and panic)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        dead = fd.ops.neg(x)
+        dead2 = fd.ops.abs(dead)
+        o = fd.ops.exp(x)
+        fd.add_output(o)
+    dead.inline_at(1)
+    assert dead2.inline_position == 0
+    x_ = rand(2, 3)
+    np.testing.assert_allclose(fd.execute([x_])[0], np.exp(x_), rtol=1e-6)
+
+
+# -- launch limits -------------------------------------------------------------------------------
+def test_blocks_past_1024_threads_are_refused_in_the_interpreter_too():
+    fd, a, o = chain()
+    o.axis(0).parallelize(ParallelType.TIDx)
+    with pytest.raises(KilnError, match="launches 2048 threads per block"):
+        fd.execute([rand(2048)])
+
+
+# -- the README hand schedule: untouched producers follow their consumer ---------------------------
+def readme_fusion():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1], dtype=DataType.Float)
+        b = fd.define_tensor(shape=[-1], dtype=DataType.Float)
+        y = fd.ops.add(x, fd.ops.broadcast_in_dim(b, shape=[-1, -1], broadcast_dims=[1]))
+        s = fd.ops.sum(fd.ops.relu(y), dims=[1])
+        fd.add_output(s)
+    return fd, y, s
+
+
+def test_readme_hand_schedule_propagates_to_untouched_producers():
+    fd, y, s = readme_fusion()
+    s.split(1, 128)
+    s.axis(0).parallelize(ParallelType.BIDx)
+    s.axis(-1).parallelize(ParallelType.TIDx)
+    xs = [rand(256, 256), np.ones(256, F32)]
+    k = fd.lower(xs).kernels[0]
+    _ = k.cuda_source  # codegen accepts it: every Local intermediate is one register
+    local = [a for a in k.allocations if a.memory_type == MemoryType.Local]
+    assert local and all(a.extents == () for a in local), local
+    t0 = time.time()
+    (out,) = fd.execute(xs)
+    assert time.time() - t0 < 20
+    np.testing.assert_allclose(out, np.maximum(xs[0] + xs[1][None], 0).sum(1), rtol=1e-5)
+    assert y.inline_position == 0  # the user's fusion is unchanged; lowering propagates on a copy
+
+
+def test_propagation_leaves_a_tensor_alone_when_it_cannot_follow():
+    # a has a second consumer scheduled otherwise: it cannot be inlined into both, so it is
+    # left untouched (computed by every thread) rather than read from other threads.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([6])
+        a = fd.ops.abs(x)
+        o1 = fd.ops.neg(a)
+        o2 = fd.ops.exp(a)
+        fd.add_output(o1)
+        fd.add_output(o2)
+    o1.axis(0).parallelize(ParallelType.TIDx)
+    o2.split(0, 2)
+    x_ = rand(6)
+    got1, got2 = fd.execute([x_])
+    np.testing.assert_allclose(got1, -np.abs(x_))
+    np.testing.assert_allclose(got2, np.exp(np.abs(x_)), rtol=1e-6)
+
+
+# -- the seed's transposed Shared staging, by hand ---------------------------------------------------
+def test_transpose_staged_through_a_shared_tile_by_hand():
+    # t0_g [N, M] -> t1_l = permute -> t2_s = t1_l -> t3_g = t2_s, all [M, N] tiled by 32x32:
+    # [M/32 (BIDy), N/32 (BIDx), 32m, 32n]. The tile is written along m (coalesced reads of
+    # t0: TIDx on 32m) and read along n (coalesced writes of t3: TIDx on 32n), so threads read
+    # what others wrote: a block sync between, and the Shared tile is the whole [32, 32].
+    n, m = 70, 45
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        t3 = fd.ops.permute(x, [1, 0])
+        fd.add_output(t3)
+    t1 = t3.cache_before()  # the permute, Local
+    t2 = t3.cache_before()  # the staging copy
+    t2.set_memory_type(MemoryType.Shared)
+    for t in (t1, t2, t3):
+        t.split(0, 32)
+        t.split(2, 32)
+        t.reorder({1: 2, 2: 1})  # [M/32, N/32, 32m, 32n]
+        t.axis(0).parallelize(ParallelType.BIDy)
+        t.axis(1).parallelize(ParallelType.BIDx)
+    for t in (t1, t2):
+        t.axis(2).parallelize(ParallelType.TIDx)
+        t.axis(3).parallelize(ParallelType.TIDy)
+    t3.axis(2).parallelize(ParallelType.TIDy)
+    t3.axis(3).parallelize(ParallelType.TIDx)
+    t1.inline_at(-1)
+    t2.inline_at(2)
+    x_ = rand(n, m)
+    low = fd.lower([x_])
+    k = low.kernels[0]
+    (smem,) = [a for a in k.allocations if a.memory_type == MemoryType.Shared]
+    assert smem.tensor == t2.name and smem.extents == ("32", "32"), smem
+    assert k.kernel_ir.count("__syncthreads()  // RAW") == 1
+    np.testing.assert_array_equal(fd.execute([x_])[0], x_.T)
+
+
+# -- the accepted schedules above, on the GPU ---------------------------------------------------
+def _gpu_cases():
+    """(name, fd, numpy inputs, expected outputs) of accepted schedules above."""
+    out = []
+    fd, a, o = chain()
+    a.axis(0).parallelize(ParallelType.TIDx)
+    a.inline_at(-1)
+    out.append(("parallel producer in a serial consumer loop", fd, [X5], [-np.abs(X5)]))
+    fd, a, o = chain()
+    a.set_memory_type(MemoryType.Shared)
+    o.axis(0).parallelize(ParallelType.TIDx)
+    out.append(("Shared producer read by other threads", fd, [X5], [-np.abs(X5)]))
+    fd, a, o = chain()
+    for t in (a, o):
+        t.split(0, 2)
+        t.axis(1).parallelize(ParallelType.TIDx)
+    a.inline_at(1)
+    out.append(("Local producer on a mapped thread axis", fd, [X5], [-np.abs(X5)]))
+    fd, y, s = readme_fusion()
+    s.split(1, 128)
+    s.axis(0).parallelize(ParallelType.BIDx)
+    s.axis(-1).parallelize(ParallelType.TIDx)
+    xs = [rand(4096, 4096), rand(4096, seed=1)]
+    out.append(("README hand schedule", fd, xs, [np.maximum(xs[0] + xs[1][None], 0).sum(1)]))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        t3 = fd.ops.permute(x, [1, 0])
+        fd.add_output(t3)
+    t1 = t3.cache_before()
+    t2 = t3.cache_before()
+    t2.set_memory_type(MemoryType.Shared)
+    for t in (t1, t2, t3):
+        t.split(0, 32)
+        t.split(2, 32)
+        t.reorder({1: 2, 2: 1})
+        t.axis(0).parallelize(ParallelType.BIDy)
+        t.axis(1).parallelize(ParallelType.BIDx)
+    for t in (t1, t2):
+        t.axis(2).parallelize(ParallelType.TIDx)
+        t.axis(3).parallelize(ParallelType.TIDy)
+    t3.axis(2).parallelize(ParallelType.TIDy)
+    t3.axis(3).parallelize(ParallelType.TIDx)
+    t1.inline_at(-1)
+    t2.inline_at(2)
+    x_ = rand(1000, 333)
+    out.append(("transpose through a Shared tile", fd, [x_], [x_.T]))
+    return out
+
+
+@pytest.mark.gpu
+def test_accepted_manual_schedules_match_numpy_on_the_gpu():
+    from gpu_util import cupy_or_skip
+
+    cp = cupy_or_skip()
+    for name, fd, xs, want in _gpu_cases():
+        got = fd.execute([cp.asarray(a) for a in xs])
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(cp.asnumpy(g), w, rtol=1e-4, atol=1e-4, err_msg=name)
