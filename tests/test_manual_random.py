@@ -593,6 +593,11 @@ def test_accepted_random_schedules_match_numpy_on_the_gpu() -> None:
         problems = [p for v, g in zip(prog.outputs, got) if (p := check_output(v, cp.asnumpy(g)))]
         if problems:
             bad.append((case, "; ".join(problems)))
+    # These kernels were compiled for the GPU they ran on; a random hand schedule (a wide
+    # unroll) may spill registers, which is its author's choice, not a compiler error.
+    from kiln.lowering import take_generated
+
+    take_generated()
     if bad:
         pytest.fail(f"{len(bad)} of {ran} accepted schedules differ on the GPU\n" + "\n\n".join(
             f"# {msg}\n{repro(case)}" for case, msg in bad[:5]), pytrace=False)
