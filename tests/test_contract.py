@@ -374,3 +374,16 @@ def test_shared_memory_past_the_target_is_refused_at_lowering() -> None:
     want = r"262144 bytes of Shared memory per block; the target allows at most 232448"
     with pytest.raises(KilnError, match=want):
         fd.lower([np.ones(65536, np.float32)])
+
+
+@pytest.mark.parametrize("rows", [1, 7, 31, 130])
+def test_gather_from_a_computed_table_reads_what_other_threads_wrote(rows: int) -> None:
+    # The table is computed in the kernel; the index picks rows another thread computed, so
+    # the table cannot stay in that thread's registers (it was read uninitialized).
+    with FusionDefinition() as fd:
+        ids = fd.define_tensor([rows], dtype=DataType.Int32)
+        table = fd.ops.broadcast_in_dim(fd.ops.cast(ids, DataType.Float), shape=[-1, -1], broadcast_dims=[0])
+        fd.add_output(fd.ops.index_select(table, ids, 0))
+    i = np.random.default_rng(rows).integers(0, rows, rows).astype(np.int32)
+    (out,) = fd.execute([i])
+    _close(out, i.astype(np.float64)[i][:, None])

@@ -84,6 +84,12 @@ pub struct CrossRead {
     pub consumer_axis: Option<usize>,
 }
 
+/// True when loop id `id` is `root` or computed from it by splits and merges.
+fn derives_from(f: &Fusion, id: crate::ir::IterDomainId, root: crate::ir::IterDomainId) -> bool {
+    id == root
+        || f.ids[id].definition.is_some_and(|t| f.transforms[t].inputs().iter().any(|&i| derives_from(f, i, root)))
+}
+
 /// The dimensions along which expr `e` reads its producer `p` from other threads or blocks.
 ///
 /// Along a dimension `pt` the read stays in the writing thread when the producer shares the
@@ -99,11 +105,21 @@ pub fn cross_reads(f: &Fusion, lg: &LoopGraph, exact: &IdGraph, p: TvId, e: Expr
     if f.is_input(p) || pt_.definition.is_none() {
         return out;
     }
+    // The table of a gather is read along its selected axis at positions the index data
+    // picks: an axis of the table computed from that one is read by whichever thread the
+    // index names, whatever the loops map.
+    let gathered = match (&f.exprs[e].op, f.exprs[e].inputs.first()) {
+        (crate::ir::Op::IndexSelect { dim }, Some(&crate::ir::Operand::Tensor(t))) if t == p => {
+            f.no_reduction_logical(p).get(*dim).copied()
+        }
+        _ => None,
+    };
     for pt in used_dims(lg) {
         let pa = writer_axis(f, lg, p, pt);
         let ca = parallel_axis(lg, f, c, pt);
         let crosses = match pa {
             Some(a) if a < pt_.inline_pos => false,
+            Some(a) if gathered.is_some_and(|sel| derives_from(f, pt_.loop_domain[a], sel)) => true,
             Some(a) => match ca {
                 // Shared and Global memory are addressed by element: an axis merged from a
                 // broadcast and an iteration axis stores the broadcast's copies at their

@@ -74,8 +74,8 @@ KILN_DEVICE constexpr int64_t ceilDiv(int a, int64_t b) { return (a + b - 1) / b
 // table: bad data never becomes a wild address. The first such value is recorded in the
 // kernel's error word `err` (host memory the device writes; the host reports it as an
 // error later): [site + 1, element of the index tensor, value, n].
-template <typename I, typename N>
-KILN_DEVICE I checkedIndex(I v, N n, int64_t* err, int site, I element) {
+template <typename I, typename N, typename E>
+KILN_DEVICE I checkedIndex(I v, N n, int64_t* err, int site, E element) {
   if (v >= 0 && v < (I)n) {
     return v;
   }
