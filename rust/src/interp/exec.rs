@@ -20,14 +20,7 @@ use crate::kernel::{AllocTarget, Allocate, Kernel, Node};
 /// Largest grid the interpreter runs (threads of all blocks together).
 const MAX_THREADS: i64 = 1 << 24;
 
-const PARALLEL_DIMS: [ParallelType; 6] = [
-    ParallelType::BIDx,
-    ParallelType::BIDy,
-    ParallelType::BIDz,
-    ParallelType::TIDx,
-    ParallelType::TIDy,
-    ParallelType::TIDz,
-];
+use crate::analysis::parallel::DIMS as PARALLEL_DIMS;
 
 /// What an Init or Expr node does.
 enum AccessKind {

@@ -247,7 +247,7 @@ impl Kernel {
             // The axes that set each parallel dimension (the widest loop of its type).
             let f = &self.fusion;
             let mut by: Vec<String> = Vec::new();
-            for pt in ParallelType::ALL.into_iter().filter(|p| p.is_thread_or_block()) {
+            for pt in crate::analysis::parallel::DIMS {
                 let widest = self
                     .loops
                     .groups
