@@ -17,17 +17,6 @@ def kernel_part(source: str) -> str:
     return source if at < 0 else source[at + len(_RUNTIME_END):].lstrip("\n")
 
 
-_NUMPY_DTYPES = {
-    "float32": DataType.Float,
-    "float64": DataType.Double,
-    "float16": DataType.Half,
-    "bfloat16": DataType.BFloat16,
-    "int64": DataType.Int,
-    "int32": DataType.Int32,
-    "bool": DataType.Bool,
-}
-
-
 @dataclass(frozen=True)
 class AllocationInfo:
     """How one tensor is laid out and where it is allocated in the kernel."""
@@ -173,14 +162,6 @@ class LoweredFusion:
 
     def __repr__(self) -> str:
         return self.host_program if self.program is not None else repr(self.kernels)
-
-
-def array_dtype(x: Any, what: str) -> DataType:
-    """The kiln DataType of an array-like (NumPy, CuPy or torch)."""
-    name = str(getattr(x, "dtype", None)).replace("torch.", "")
-    if name not in _NUMPY_DTYPES:
-        raise KilnTypeError(f"{what}: unsupported dtype {name}; expected one of {sorted(_NUMPY_DTYPES)}")
-    return _NUMPY_DTYPES[name]
 
 
 def _arg(x: Any) -> Tuple[str, str, List[int], List[int], Any]:
