@@ -2,11 +2,13 @@
 //! rows of `x` and writing rows of `out` with 16-byte vectors (the transposed-Shared
 //! allocation patch makes the tile `[64, 64]`, rows padded by one bank). With more axes the
 //! tiles span x's last axis and the output's last axis; the others (`B` in `[B, S, H] ->
-//! [B, H, S]` or `[H, B, S]`) make a batch of such transposes on BIDz.
+//! [B, H, S]` or `[H, B, S]`) make a batch of such transposes on BIDz. Pointwise ops
+//! before the permute run on the tile's input side in the input's order (their full-size
+//! inputs loaded through vectorized caches), ops after it on the output side.
 
 use crate::bail;
 use crate::error::Result;
-use crate::ir::{Fusion, IterType, MemoryType, Op, ParallelType, TvId};
+use crate::ir::{Fusion, IterType, MemoryType, Op, Operand, ParallelType, TvId};
 use crate::sched::auto::{tensor_sizes, Ctx, Heuristic, Params};
 
 /// A tensor of the transpose, its reorder within the 2-D tile frame, and the axis order
@@ -24,8 +26,8 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
     let Some(&e) = order.iter().find(|&&e| matches!(f.exprs[e].op, Op::Permute { .. })) else {
         bail!("the transpose schedule needs a permute");
     };
-    let Some(x) = f.exprs[e].inputs[0].tensor().filter(|&x| f.is_input(x)) else {
-        bail!("{}: the transpose schedule reads a fusion input directly (ops before the permute are not covered; segment them off)", f.tv_name(f.exprs[e].output));
+    let Some(src) = f.exprs[e].inputs[0].tensor() else {
+        bail!("{}: the permute reads no tensor", f.tv_name(f.exprs[e].output));
     };
     let staged = f.exprs[e].output;
     if f.outputs.len() != 1 {
@@ -36,12 +38,64 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
         Op::Permute { perm } => perm.clone(),
         _ => bail!("{}: not a permute", f.tv_name(out)),
     };
-    // Ops after the permute (an epilogue: a scale, a cast, a bias) run on the output side of
-    // the Shared tile, in the output's order; so do broadcasts of other inputs they read.
-    let epilogue: Vec<TvId> = order.iter().filter(|&&d| d != e).map(|&d| f.exprs[d].output).collect();
+    // Ops before the permute (a prologue: a bias, an activation) run on the input side of
+    // the Shared tile, in the input's order; ops after it (an epilogue: a scale, a cast, a
+    // bias) on the output side, in the output's order. Each side reads its own inputs.
+    // The prologue: the permute's input and the computed tensors it is made from.
+    let mut prologue: Vec<TvId> = Vec::new();
+    let mut stack = vec![src];
+    while let Some(t) = stack.pop() {
+        if f.tvs[t].definition.is_some() && !prologue.contains(&t) {
+            prologue.push(t);
+            stack.extend(f.producers(t));
+        }
+    }
+    let mut epilogue: Vec<TvId> = Vec::new();
+    for &d in order.iter().filter(|&&d| d != e) {
+        let t = f.exprs[d].output;
+        if prologue.contains(&t) {
+            continue;
+        }
+        if let Some(p) = f.exprs[d].input_tvs().find(|r| prologue.contains(r) || (*r == src)) {
+            bail!(
+                "{}: it reads {} both before and after the transpose; the tile holds one orientation",
+                f.tv_name(t),
+                f.tv_name(p)
+            );
+        }
+        epilogue.push(t);
+    }
+    // Keep the prologue in dependency order.
+    prologue = order.iter().map(|&d| f.exprs[d].output).filter(|t| prologue.contains(t)).collect();
+    if let Some(&t) =
+        prologue.iter().find(|&&t| t != src && !f.consumers(t).iter().all(|c| prologue.contains(c) || *c == staged))
+    {
+        bail!("{}: a tensor before the transpose is also an output or read after it", f.tv_name(t));
+    }
     for &t in &epilogue {
         if f.no_reduction_logical(t).len() != perm.len() {
             bail!("{}: an op after a transpose must keep the output's rank", f.tv_name(t));
+        }
+    }
+    if let Some(t) = super::misaligned(f, cx, &f.tvs[src].logical.clone(), &prologue) {
+        bail!("{}: its axes do not line up with the permute's input {}", f.tv_name(t), f.tv_name(src));
+    }
+    // Inputs read before the permute with every element (the permute's input itself, or
+    // the operands of its prologue): loaded through vectorized register caches in the
+    // input's order. Inputs read on both sides would need both orientations.
+    let mut loaded: Vec<TvId> = Vec::new();
+    for op in f.inputs.clone() {
+        let Operand::Tensor(i) = op else { continue };
+        let uses = f.tvs[i].uses.clone();
+        let before = uses.iter().filter(|&&u| u == e || prologue.contains(&f.exprs[u].output)).count();
+        if before == 0 {
+            continue;
+        }
+        if before != uses.len() {
+            bail!("{}: it is read both before and after the transpose", f.tv_name(i));
+        }
+        if super::full_size_input(f, i, perm.len()) || i == src {
+            loaded.push(i);
         }
     }
     let n = perm.len();
@@ -49,9 +103,12 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
         bail!("{}: not a transpose (the last axis stays in place): {perm:?}", f.tv_name(out));
     }
     // A tile spanning a size-one axis would have its threads write one element each.
-    let xl = f.no_reduction_logical(x);
-    if f.ids[xl[n - 1]].iter_type == IterType::Broadcast || f.ids[xl[perm[n - 1]]].iter_type == IterType::Broadcast {
-        bail!("{}: a tile would span a size-one axis of {}", f.tv_name(out), f.tv_name(x));
+    let xl = f.no_reduction_logical(src);
+    if xl.len() != n
+        || f.ids[xl[n - 1]].iter_type == IterType::Broadcast
+        || f.ids[xl[perm[n - 1]]].iter_type == IterType::Broadcast
+    {
+        bail!("{}: a tile would span a size-one axis of {}", f.tv_name(out), f.tv_name(src));
     }
     // The two axes the tiles span: x's last axis (`a`, at output position `qa`) and the
     // output's last axis (x's axis `perm[n - 1]`). Every other axis is a batch axis, taken in
@@ -78,9 +135,10 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
             f.tv_name(out)
         );
     }
-    let widest = [x, staged, out].iter().map(|&t| f.tvs[t].dtype.size_bytes()).max().unwrap_or(4) as i64;
+    let sides = loaded.iter().chain(&prologue).chain([&src, &staged, &out]);
+    let widest = sides.map(|&t| f.tvs[t].dtype.size_bytes()).max().unwrap_or(4) as i64;
     // A strided input is read element by element.
-    let v = if super::dense(f, x) { (16 / widest).clamp(1, 4) } else { 1 };
+    let v = if loaded.iter().all(|&x| super::dense(f, x)) { (16 / widest).clamp(1, 4) } else { 1 };
     // 64x64 tiles with 256 threads, each moving four vectors: more bytes in flight per
     // thread than 32x32 tiles (the tile fits a 16.6 KB padded Shared buffer).
     let (tile, threads) = (64, 256);
@@ -89,11 +147,16 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
     let s = if out == staged { f.cache_before(out)? } else { staged };
     f.set_memory_type(s, MemoryType::Shared)?;
     // Producer side: the same tile, walked along x's rows, read with 16-byte vectors into
-    // registers (`l`) and scattered into the Shared tile from there.
-    let l = f.cache_after(x)?;
-    // As in pointwise.rs: 8192x8192 fp32 129.9 -> 128.1 us on the H200.
-    if v > 1 && super::evict_last_inputs() {
-        f.set_evict_last(l)?;
+    // registers (the caches `ls`), computed on by the prologue, and scattered into the
+    // Shared tile from there.
+    let mut ls = Vec::new();
+    for &x in &loaded {
+        let l = f.cache_after(x)?;
+        // As in pointwise.rs: 8192x8192 fp32 129.9 -> 128.1 us on the H200.
+        if v > 1 && super::evict_last_inputs() {
+            f.set_evict_last(l)?;
+        }
+        ls.push(l);
     }
     // All three to [batch (BIDz),] [J/64 (BIDy), I/64 (BIDx), rows (serial), threads (TIDx),
     // v]: `out` walks the output's rows; `s` is in the output's axis order (j, i) but walks
@@ -103,7 +166,8 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
     if out == staged {
         orders.push((out, out_side, &canon_out));
     }
-    orders.push((l, &[(2, 0), (0, 1), (1, 2)], &canon_x));
+    let in_side: &[(i64, i64)] = &[(2, 0), (0, 1), (1, 2)];
+    orders.extend(ls.iter().chain(&prologue).map(|&t| (t, in_side, canon_x.as_slice())));
     orders.push((s, &[(1, 3), (3, 2), (2, 1)], &canon_out));
     orders.extend(epilogue.iter().filter(|&&t| t != s).map(|&t| (t, out_side, canon_out.as_slice())));
     let at = |a: i64| a + o as i64;
@@ -129,10 +193,15 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
         f.parallelize(t, at(3), ParallelType::TIDx)?;
     }
     f.parallelize(out, at(4), ParallelType::Vectorize)?;
-    if v > 1 {
-        f.parallelize(l, at(4), ParallelType::Vectorize)?;
+    for &l in &ls {
+        if v > 1 {
+            f.parallelize(l, at(4), ParallelType::Vectorize)?;
+        }
+        f.inline_at(l, at(4))?;
     }
-    f.inline_at(l, at(4))?;
+    for &t in &prologue {
+        f.inline_at(t, -1)?;
+    }
     f.inline_at(s, at(2))?;
     for &t in &epilogue {
         if t != s && !f.is_output(t) {
