@@ -73,6 +73,49 @@ pub fn parallel_axis(lg: &LoopGraph, f: &Fusion, tv: TvId, pt: ParallelType) -> 
     (0..f.tvs[tv].loop_domain.len()).find(|&a| lg.groups[lg.group(tv, a)].parallel == pt)
 }
 
+/// The thread and block dimensions that the reduction defining `tv` combines, when one of
+/// them is a block dimension (a grid reduction); empty otherwise. Only the threads that
+/// `Symbol::GridDone(tv)` names hold its result.
+pub fn grid_reduced_dims(f: &Fusion, lg: &LoopGraph, tv: TvId) -> Vec<ParallelType> {
+    let Some(d) = f.tvs[tv].definition else { return Vec::new() };
+    if !matches!(f.exprs[d].op, crate::ir::Op::Reduction { .. }) {
+        return Vec::new();
+    }
+    let t = &f.tvs[tv];
+    let dims: Vec<ParallelType> = (0..t.loop_domain.len())
+        .filter(|&a| f.ids[t.loop_domain[a]].iter_type == IterType::Reduction)
+        .map(|a| lg.groups[lg.group(tv, a)].parallel)
+        .filter(|p| p.is_thread_or_block())
+        .collect();
+    if dims.iter().any(|p| p.is_block()) {
+        dims
+    } else {
+        Vec::new()
+    }
+}
+
+/// For every computed tensor, the grid reductions of the kernel whose results it is
+/// computed from: its expr runs only where `Symbol::GridDone` of each holds (the one
+/// thread per output element that has the finished result), in the same kernel.
+pub fn grid_waits(f: &Fusion, lg: &LoopGraph) -> rustc_hash::FxHashMap<TvId, Vec<TvId>> {
+    let mut waits: rustc_hash::FxHashMap<TvId, Vec<TvId>> = rustc_hash::FxHashMap::default();
+    for e in f.topo_exprs() {
+        let mut w: Vec<TvId> = Vec::new();
+        for t in f.exprs[e].input_tvs() {
+            let direct = (!grid_reduced_dims(f, lg, t).is_empty()).then_some(t);
+            for g in direct.into_iter().chain(waits.get(&t).cloned().unwrap_or_default()) {
+                if !w.contains(&g) {
+                    w.push(g);
+                }
+            }
+        }
+        if !w.is_empty() {
+            waits.insert(f.exprs[e].output, w);
+        }
+    }
+    waits
+}
+
 /// A thread or block dimension along which a consumer reads elements of its producer that
 /// another thread or block of that dimension wrote.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -114,9 +157,18 @@ pub fn cross_reads(f: &Fusion, lg: &LoopGraph, exact: &IdGraph, p: TvId, e: Expr
         }
         _ => None,
     };
+    // Along the dimensions a grid reduction combines, one thread holds each result, and the
+    // consumer runs there (`grid_waits`) unless it spreads over that dimension itself.
+    let grid = grid_reduced_dims(f, lg, p);
     for pt in used_dims(lg) {
         let pa = writer_axis(f, lg, p, pt);
         let ca = parallel_axis(lg, f, c, pt);
+        if grid.contains(&pt) {
+            if ca.is_some() {
+                out.push(CrossRead { pt, producer_axis: None, consumer_axis: ca });
+            }
+            continue;
+        }
         let crosses = match pa {
             Some(a) if a < pt_.inline_pos => false,
             Some(a) if gathered.is_some_and(|sel| derives_from(f, pt_.loop_domain[a], sel)) => true,

@@ -241,6 +241,13 @@ pub fn generate(k: &Kernel, index32: bool) -> Result<CudaKernel> {
     let _ = writeln!(g.out, "typedef {} kiln_index_t;", if index32 { "int" } else { "int64_t" });
     let _ = writeln!(g.out, "extern \"C\" __global__ void {KERNEL_NAME}({}) {{", sig.join(", "));
     g.out.push_str("  extern __shared__ __align__(16) char kiln_smem[];\n");
+    // Which threads hold each grid reduction's finished result (`Symbol::GridDone`).
+    for tv in f.tvs.keys() {
+        let sync = format!("{}_sync", f.tv_name(tv));
+        if k.summary.global_allocations.iter().any(|b| b.name == sync) {
+            let _ = writeln!(g.out, "  bool kiln_done_{} = false;", f.tv_name(tv));
+        }
+    }
     for n in &k.body {
         g.node(n, 1)?;
     }
@@ -275,6 +282,7 @@ impl Gen<'_> {
                 Symbol::ScalarInput(n) => format!("s{n}"),
                 Symbol::LoopIndex(n) => format!("idx{n}"),
                 Symbol::Gathered(n) => format!("g{n}"),
+                Symbol::GridDone(t) => format!("kiln_done_{}", self.f.tv_name(t)),
                 Symbol::ParallelIndex(p) => {
                     format!("((kiln_index_t){})", crate::ir::scalar::parallel_index_name(p))
                 }
@@ -901,8 +909,9 @@ impl Gen<'_> {
             let _ = writeln!(self.out, "{pad}  {ty} {r};");
             let _ = writeln!(
                 self.out,
-                "{pad}  if (kiln::{func}<{bflags}, {tflags}>({r}, {v}, {functor}, {init_c}, {work}, {sync}, kiln_ws, true)) {{"
+                "{pad}  kiln_done_{tname} = kiln::{func}<{bflags}, {tflags}>({r}, {v}, {functor}, {init_c}, {work}, {sync}, kiln_ws, true);"
             );
+            let _ = writeln!(self.out, "{pad}  if (kiln_done_{tname}) {{");
             let _ = writeln!(self.out, "{pad}    if ({wpred}) {{ {store} }}");
             let _ = writeln!(self.out, "{pad}  }}");
         } else if f.tvs[out_tv].memory == MemoryType::Local {
@@ -985,10 +994,11 @@ fn collect_predicates(body: &[Node], out: &mut Vec<ValId>) {
     }
 }
 
-/// True when `v` reads a gathered index value (defined per statement, not before a loop).
+/// True when `v` reads a gathered index value or a grid reduction's completion (defined
+/// per statement, not before a loop).
 fn mentions_gathered(sc: &crate::ir::Scalars, v: ValId) -> bool {
     match sc.get(v) {
-        Val::Symbol(s) => matches!(s, Symbol::Gathered(_)),
+        Val::Symbol(s) => matches!(s, Symbol::Gathered(_) | Symbol::GridDone(_)),
         Val::Binary(_, a, b) => mentions_gathered(sc, a) || mentions_gathered(sc, b),
         _ => false,
     }

@@ -88,6 +88,7 @@ pub fn auto_program_strided(
             .collect();
         crate::host::bind::specialize_layout(&mut g, &descs);
     }
+    crate::sched::auto::canonical::merge_nested_reductions(&mut g)?;
     crate::sched::auto::canonical::sink_broadcasts(&mut g)?;
     let order = g.topo_exprs();
     if order.is_empty() {

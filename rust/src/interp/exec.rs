@@ -234,7 +234,7 @@ impl Ctx<'_> {
                 ParallelType::TIDz => self.block[2],
                 _ => 1,
             }),
-            Symbol::ParallelIndex(_) | Symbol::Gathered(_) => None,
+            Symbol::ParallelIndex(_) | Symbol::Gathered(_) | Symbol::GridDone(_) => None,
             other => self.b.symbol(other),
         }
     }
@@ -289,6 +289,10 @@ struct Mem<'b> {
     global_writers: FxHashMap<usize, Vec<(i64, u32)>>,
     /// Barriers passed so far.
     epoch: u32,
+    /// Per grid-reduction output, which threads hold its finished result (as
+    /// `Symbol::GridDone` reads it): index 0 of every reduced dimension. Which block
+    /// finishes a grid reduction is up to the GPU; the result is the same.
+    done: FxHashMap<TvId, Vec<bool>>,
 }
 
 impl Mem<'_> {
@@ -611,6 +615,7 @@ pub fn run(kernel: &Kernel, bindings: &Bindings, buffers: &mut [Buffer]) -> Resu
         checked_globals: n_in + n_out,
         global_writers: FxHashMap::default(),
         epoch: 0,
+        done: FxHashMap::default(),
     };
     let body = compile(kernel, &kernel.body, &mut Vec::new())?;
     let mut ex = Exec {
@@ -777,7 +782,7 @@ impl Exec<'_, '_> {
         let mut gathered: FxHashMap<u32, Vec<i64>> = FxHashMap::default();
         let mut ev = Evaluator::new(&a.prog);
         // Which threads compute.
-        let pred = ev.eval(a.pred, &mk_env(&uniform, ctx, &ctx.all, &gathered))?;
+        let pred = ev.eval(a.pred, &mk_env(&uniform, ctx, &ctx.all, &gathered, &mem.done))?;
         let active: Cow<[u32]> = match pred {
             Reg::U(0) => Cow::Owned(Vec::new()),
             Reg::U(_) => Cow::Borrowed(&ctx.all),
@@ -805,7 +810,7 @@ impl Exec<'_, '_> {
             AccessKind::Expr { expr } => {
                 let e = &f.exprs[*expr];
                 for &(id, tv, at, table, extent) in &a.gathers {
-                    let offs = ev.eval(at, &mk_env(&uniform, ctx, &active, &gathered))?.clone();
+                    let offs = ev.eval(at, &mk_env(&uniform, ctx, &active, &gathered, &mem.done))?.clone();
                     let vals = mem.read(ctx, kname, tv, &active, &offs)?.to_i64();
                     let n = ctx.value(extent)?.as_i64();
                     if let Some(j) = vals.iter().position(|&v| v < 0 || v >= n) {
@@ -828,7 +833,7 @@ impl Exec<'_, '_> {
                     }
                     cols.push(Some(match (op, off) {
                         (Operand::Tensor(tv), Some(off)) => {
-                            let offs = ev.eval(*off, &mk_env(&uniform, ctx, &active, &gathered))?.clone();
+                            let offs = ev.eval(*off, &mk_env(&uniform, ctx, &active, &gathered, &mem.done))?.clone();
                             let (col, pz) = mem.read_lenient(ctx, kname, *tv, &active, &offs, true)?;
                             poison = Poison::join(poison.take(), pz);
                             col
@@ -903,11 +908,11 @@ impl Exec<'_, '_> {
             AccessKind::Init { .. } => None,
         };
         let Some((rop, init)) = reduction else {
-            let offs = ev.eval(a.out, &mk_env(&uniform, ctx, &active, &gathered))?.clone();
+            let offs = ev.eval(a.out, &mk_env(&uniform, ctx, &active, &gathered, &mem.done))?.clone();
             return mem.write_poisoned(ctx, kname, a.out_tv, &active, &offs, &result, result_poison.as_ref());
         };
         if !collective {
-            let offs = ev.eval(a.out, &mk_env(&uniform, ctx, &active, &gathered))?.clone();
+            let offs = ev.eval(a.out, &mk_env(&uniform, ctx, &active, &gathered, &mem.done))?.clone();
             let (cur, pz) = mem.read_lenient(ctx, kname, a.out_tv, &active, &offs, true)?;
             let r = values::combine(rop, cur, result, out_dt)?;
             let pz = Poison::join(pz, result_poison);
@@ -989,6 +994,11 @@ impl Exec<'_, '_> {
                     w.fill(true);
                 }
             }
+            let mut holders = vec![false; total];
+            for &l in &members[..n_grp] {
+                holders[l as usize] = true;
+            }
+            mem.done.insert(a.out_tv, holders);
         }
         let everyone = !grid && f.tvs[a.out_tv].memory == MemoryType::Local;
         let (writers, r): (Vec<u32>, Col) = if everyone {
@@ -999,7 +1009,7 @@ impl Exec<'_, '_> {
         };
         ev.reset_varying();
         gathered.clear();
-        let wp = ev.eval(a.wpred, &mk_env(&uniform, ctx, &writers, &gathered))?.clone();
+        let wp = ev.eval(a.wpred, &mk_env(&uniform, ctx, &writers, &gathered, &mem.done))?.clone();
         let keep: Vec<usize> = (0..writers.len()).filter(|&i| wp.at(i) != 0).collect();
         let writers: Vec<u32> = keep.iter().map(|&i| writers[i]).collect();
         let r = r.select(&keep);
@@ -1007,7 +1017,7 @@ impl Exec<'_, '_> {
             return Ok(());
         }
         ev.reset_varying();
-        let offs = ev.eval(a.out, &mk_env(&uniform, ctx, &writers, &gathered))?.clone();
+        let offs = ev.eval(a.out, &mk_env(&uniform, ctx, &writers, &gathered, &mem.done))?.clone();
         let cur = mem.read(ctx, kname, a.out_tv, &writers, &offs)?;
         let out = values::combine(rop, cur, r, out_dt)?;
         mem.write(ctx, kname, a.out_tv, &writers, &offs, &out)
@@ -1019,8 +1029,9 @@ fn mk_env<'a>(
     ctx: &'a Ctx,
     lanes: &'a [u32],
     gathered: &'a FxHashMap<u32, Vec<i64>>,
+    done: &'a FxHashMap<TvId, Vec<bool>>,
 ) -> EvalEnv<'a> {
-    EvalEnv { uniform, lanes, block: ctx.block, grid: ctx.grid, gathered, coords: Some(&ctx.coords) }
+    EvalEnv { uniform, lanes, block: ctx.block, grid: ctx.grid, gathered, coords: Some(&ctx.coords), done: Some(done) }
 }
 
 fn self_dtype(f: &Fusion, ctx: &Ctx, o: Operand) -> DataType {

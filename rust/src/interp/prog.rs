@@ -55,7 +55,9 @@ impl Prog {
             Val::Int(i) => (Instr::Const(i), false),
             Val::Bool(b) => (Instr::Const(b as i64), false),
             Val::Float(bits) => (Instr::Const(f64::from_bits(bits) as i64), false),
-            Val::Symbol(s) => (Instr::Sym(s), matches!(s, Symbol::ParallelIndex(_) | Symbol::Gathered(_))),
+            Val::Symbol(s) => {
+                (Instr::Sym(s), matches!(s, Symbol::ParallelIndex(_) | Symbol::Gathered(_) | Symbol::GridDone(_)))
+            }
             Val::Binary(op, a, b) => {
                 let sa = self.add(sc, a)?;
                 let sb = self.add(sc, b)?;
@@ -89,6 +91,8 @@ pub struct EvalEnv<'a> {
     /// Coordinates of every thread of the launch, per parallel type (BIDx..TIDz), if
     /// precomputed.
     pub coords: Option<&'a [Vec<u32>; 6]>,
+    /// Per grid-reduction output, which threads (by global id) hold its finished result.
+    pub done: Option<&'a FxHashMap<crate::ir::TvId, Vec<bool>>>,
 }
 
 /// Slot of a thread/block parallel type in `EvalEnv::coords`.
@@ -167,6 +171,11 @@ impl<'p> Evaluator<'p> {
                 Some(v) => Reg::V(v.clone()),
                 None => bail_internal!("interpreter: gathered value g{g} used before its read"),
             },
+            // Before its grid reduction has run, no thread holds the result.
+            Instr::Sym(Symbol::GridDone(t)) => {
+                let done = env.done.and_then(|d| d.get(&t));
+                Reg::V(env.lanes.iter().map(|&l| i64::from(done.is_some_and(|d| d[l as usize]))).collect())
+            }
             Instr::Sym(sym) => match (env.uniform)(sym) {
                 Some(v) => Reg::U(v),
                 None => {

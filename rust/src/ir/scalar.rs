@@ -32,6 +32,10 @@ pub enum Symbol {
     ParallelDim(ParallelType),
     /// A value read from an index tensor (index_select), printed `g{n}`.
     Gathered(u32),
+    /// True in the threads that hold the finished result of the grid reduction of this
+    /// tensor (the last block to arrive, index 0 of the reduced thread dimensions), printed
+    /// `done(T{n})`. Ops on that result in the same kernel run there.
+    GridDone(TvId),
 }
 
 /// Integer binary operators of the scalar DAG.
@@ -677,6 +681,7 @@ pub fn render_symbol(s: Symbol, out: &mut String) {
         Symbol::ParallelIndex(p) => write!(out, "{}", parallel_index_name(p)),
         Symbol::ParallelDim(p) => write!(out, "{}", parallel_dim_name(p)),
         Symbol::Gathered(n) => write!(out, "g{n}"),
+        Symbol::GridDone(tv) => write!(out, "done(T{})", tv.as_u32()),
     };
 }
 

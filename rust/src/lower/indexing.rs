@@ -36,6 +36,10 @@ struct Ctx<'a> {
     /// Thread/block parallel types the kernel launches with.
     used: Vec<ParallelType>,
     next_gather: u32,
+    /// Per tensor, the grid reductions it is computed from (`analysis::parallel::grid_waits`),
+    /// and the dimensions each of those combines.
+    waits: FxHashMap<TvId, Vec<TvId>>,
+    grid_dims: FxHashMap<TvId, Vec<ParallelType>>,
 }
 
 /// Fill `AccessIndex` into every Expr and Init node of `body`.
@@ -44,7 +48,10 @@ pub fn run(f: &mut Fusion, lg: &LoopGraph, allocs: &FxHashMap<TvId, AllocationIn
     collect_parallel_extents(body, &mut extents);
     let used = extents.keys().copied().collect();
     let ragged = extents.into_iter().filter(|(_, v)| v.len() > 1).map(|(p, _)| p).collect();
-    let mut ctx = Ctx { lg, allocs, ragged, used, next_gather: 0 };
+    let waits = crate::analysis::parallel::grid_waits(f, lg);
+    let grid_dims =
+        waits.values().flatten().map(|&t| (t, crate::analysis::parallel::grid_reduced_dims(f, lg, t))).collect();
+    let mut ctx = Ctx { lg, allocs, ragged, used, next_gather: 0, waits, grid_dims };
     let mut stack = Vec::new();
     walk(f, &mut ctx, body, &mut stack)
 }
@@ -408,10 +415,20 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
     // computed redundantly along it: only index 0 of that dimension writes. Its broadcast
     // loop axes do not partition its elements either: the threads along one would all
     // store the same element (`analysis::parallel::runs_on`).
+    // Ops on a grid reduction's result run where it is held; along the dimensions the
+    // reduction combined, that one thread is the only writer.
+    let waits = ctx.waits.get(&c).cloned().unwrap_or_default();
+    let mut held_along: Vec<ParallelType> = Vec::new();
+    for &g in &waits {
+        let done = f.scalars.symbol(Symbol::GridDone(g));
+        pred = f.scalars.binary(ScalarOp::And, pred, done);
+        write_pred = f.scalars.binary(ScalarOp::And, write_pred, done);
+        held_along.extend(ctx.grid_dims.get(&g).cloned().unwrap_or_default());
+    }
     if f.tvs[c].memory != MemoryType::Local {
         let zero = f.scalars.int(0);
         for &p in &ctx.used {
-            if !crate::analysis::parallel::runs_on(f, ctx.lg, c, p) {
+            if !held_along.contains(&p) && !crate::analysis::parallel::runs_on(f, ctx.lg, c, p) {
                 let i = f.scalars.symbol(Symbol::ParallelIndex(p));
                 let first = f.scalars.binary(ScalarOp::Eq, i, zero);
                 pred = f.scalars.binary(ScalarOp::And, pred, first);

@@ -143,6 +143,18 @@ pub fn unique_parallel_dims(f: &Fusion, lg: &LoopGraph) -> Result<()> {
 /// inlined into that consumer would then read partial sums). Thread and block loops are
 /// fine: a block reduction is complete when its statement ends.
 pub fn reduction_consumers(f: &Fusion, lg: &LoopGraph) -> Result<()> {
+    // Ops on a grid reduction's result run only in the threads that hold it: a reduction
+    // there would combine values the other threads do not have.
+    for (t, waits) in crate::analysis::parallel::grid_waits(f, lg) {
+        let Some(d) = f.tvs[t].definition else { continue };
+        if matches!(f.exprs[d].op, crate::ir::Op::Reduction { .. }) {
+            bail!(
+                "{} reduces values computed from the grid reduction {} in the same kernel, where only one block holds that result; give it a kernel of its own",
+                f.tv_name(t),
+                f.tv_name(waits[0])
+            );
+        }
+    }
     for e in f.topo_exprs() {
         let c = f.exprs[e].output;
         for r in f.exprs[e].input_tvs().collect::<Vec<_>>() {

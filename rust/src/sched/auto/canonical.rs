@@ -9,6 +9,10 @@
 //!   and shares its loops. The moved op is recomputed per element: element-wise math costs
 //!   nothing next to the memory traffic of these kernels. The original op stays where
 //!   something else (an output) reads it.
+//! - **Nested reductions merge.** `sum(sum(x, [1]), [0])` (a per-row loss averaged over
+//!   the rows) becomes `sum(x, [0, 1])` when nothing else reads the inner result: one
+//!   reduction the schedulers cover in one kernel instead of two. Sums reassociate (the
+//!   order of a reduction is unspecified anyway); max and min are exact.
 //! - **Self-mapping.** When one tensor is broadcast into two different positions of the
 //!   same tensor (`bcast(a, [0, 1]) - bcast(a, [0, 2])`), two axes of the result map to
 //!   each other through `a`: no single loop nest computes `a` once for both. Schedulers
@@ -57,6 +61,58 @@ pub fn sink_broadcasts(f: &mut Fusion) -> Result<()> {
             let old = f.exprs[e].output;
             replace_tensor(f, old, moved);
             f.tvs[x].uses.retain(|&u| u != e);
+            continue 'again;
+        }
+        return Ok(());
+    }
+}
+
+/// Merge a reduction of a reduction's result into one reduction of the inner input over
+/// the axes of both, where the combiner and dtype agree and nothing else (no output, no
+/// other op) reads the inner result; semantics are unchanged up to reassociation.
+pub fn merge_nested_reductions(f: &mut Fusion) -> Result<()> {
+    'again: loop {
+        for e in f.topo_exprs() {
+            let Op::Reduction { op, .. } = f.exprs[e].op else { continue };
+            let Some(inner) = f.exprs[e].inputs[0].tensor() else { continue };
+            let Some(d) = f.tvs[inner].definition else { continue };
+            let Op::Reduction { op: inner_op, .. } = f.exprs[d].op else { continue };
+            let Some(x) = f.exprs[d].inputs[0].tensor() else { continue };
+            let live_uses = f.tvs[inner].uses.iter().filter(|&&u| u == e).count();
+            if inner_op != op
+                || f.tvs[inner].dtype != f.tvs[f.exprs[e].output].dtype
+                || f.tvs[inner].dtype != f.tvs[x].dtype
+                || f.is_output(inner)
+                || live_uses != 1
+                || f.tvs[inner].uses.len() != 1
+            {
+                continue;
+            }
+            // Axes of `x` that either reduction reduces: the inner one's in place, the outer
+            // one's through the inner result's kept axes.
+            let inner_l = f.tvs[inner].logical.clone();
+            let kept: Vec<usize> =
+                (0..inner_l.len()).filter(|&a| f.ids[inner_l[a]].iter_type != IterType::Reduction).collect();
+            let outer_l = f.tvs[f.exprs[e].output].logical.clone();
+            if outer_l.len() != kept.len() {
+                continue;
+            }
+            let mut dims: Vec<i64> = (0..inner_l.len())
+                .filter(|&a| f.ids[inner_l[a]].iter_type == IterType::Reduction)
+                .map(|a| a as i64)
+                .collect();
+            for (k, &a) in kept.iter().enumerate() {
+                if f.ids[outer_l[k]].iter_type == IterType::Reduction {
+                    dims.push(a as i64);
+                }
+            }
+            dims.sort_unstable();
+            let dtype = f.tvs[x].dtype;
+            let merged = f.reduction(op, x, &dims, false, Some(dtype))?;
+            let old = f.exprs[e].output;
+            replace_tensor(f, old, merged);
+            f.tvs[inner].uses.retain(|&u| u != e);
+            f.tvs[x].uses.retain(|&u| u != d);
             continue 'again;
         }
         return Ok(());

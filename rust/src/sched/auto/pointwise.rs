@@ -88,9 +88,13 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
     let sizes = tensor_sizes(f, cx, out)?;
     // One iteration space for every tensor: the outputs share a shape, and every computed
     // tensor has their rank (an index computed for a gather runs in a kernel of its own).
+    // Outputs of several shapes computed from disjoint tensors run side by side.
     for &o in &f.outputs {
         let s = tensor_sizes(f, cx, o)?;
         if s != sizes {
+            if !any_permute && single_permute(f).is_none() {
+                return horizontal(f, cx);
+            }
             bail!(
                 "outputs {} {:?} and {} {:?} differ in shape; a pointwise kernel writes one shape",
                 f.tv_name(out),
@@ -293,6 +297,110 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
         }
     }
     Ok(Heuristic::new(Params::Pointwise { vector: v, threads, unroll }))
+}
+
+/// Outputs of different shapes whose computations share no computed tensor (a weight's
+/// and a bias's update, a tensor and an unrelated vector): each shape class gets its own
+/// flat `[blocks (BIDx), 1 (Unswitch), t (TIDx), v]` space in one kernel. The classes'
+/// block counts differ; each class's blocks past its own count are predicated off.
+fn horizontal(f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
+    let mut classes: Vec<(Vec<i64>, Vec<TvId>)> = Vec::new();
+    for &o in &f.outputs {
+        let s = tensor_sizes(f, cx, o)?;
+        match classes.iter_mut().find(|(cs, _)| *cs == s) {
+            Some((_, outs)) => outs.push(o),
+            None => classes.push((s, vec![o])),
+        }
+    }
+    // The computed tensors of each class; one shared by two classes would need both
+    // iteration spaces.
+    let closure = |f: &Fusion, outs: &[TvId]| -> Vec<TvId> {
+        let mut seen: Vec<TvId> = Vec::new();
+        let mut stack = outs.to_vec();
+        while let Some(t) = stack.pop() {
+            if f.tvs[t].definition.is_some() && !seen.contains(&t) {
+                seen.push(t);
+                stack.extend(f.producers(t));
+            }
+        }
+        seen
+    };
+    let mut owner: Vec<(TvId, usize)> = Vec::new();
+    for (k, (_, outs)) in classes.iter().enumerate() {
+        for t in closure(f, outs) {
+            if let Some(&(_, j)) = owner.iter().find(|(u, _)| *u == t) {
+                bail!(
+                    "{}: outputs {} and {} differ in shape and both are computed from it; a pointwise kernel writes one shape",
+                    f.tv_name(t),
+                    f.tv_name(classes[j].1[0]),
+                    f.tv_name(outs[0])
+                );
+            }
+            owner.push((t, k));
+        }
+    }
+    let threads = 128;
+    let mut widest_v = 1;
+    for (k, (sizes, outs)) in classes.iter().enumerate() {
+        let rank = sizes.len();
+        let mine: Vec<TvId> = owner.iter().filter(|(_, j)| *j == k).map(|(t, _)| *t).collect();
+        if let Some(&t) = mine.iter().find(|&&t| f.no_reduction_logical(t).len() != rank) {
+            bail!("{}: rank {} differs from its outputs' rank {rank}", f.tv_name(t), f.no_reduction_logical(t).len());
+        }
+        // Inputs read only by this class, at its full size, load through vector caches.
+        let only_here = |f: &Fusion, x: TvId| {
+            !f.tvs[x].uses.is_empty() && f.tvs[x].uses.iter().all(|&e| mine.contains(&f.exprs[e].output))
+        };
+        let gathered =
+            |f: &Fusion, x: TvId| f.tvs[x].uses.iter().any(|&e| matches!(f.exprs[e].op, Op::IndexSelect { .. }));
+        let inputs: Vec<TvId> = f
+            .inputs
+            .iter()
+            .filter_map(|o| o.tensor())
+            .filter(|&x| only_here(f, x) && full_size(f, x, rank) && super::dense(f, x) && !gathered(f, x))
+            .collect();
+        let widest = inputs
+            .iter()
+            .chain(outs.iter().filter(|&&o| full_size(f, o, rank)))
+            .map(|&x| f.tvs[x].dtype.size_bytes())
+            .max()
+            .unwrap_or(4) as i64;
+        let v = if rank == 0 { 1 } else { (16 / widest).clamp(1, 8) };
+        widest_v = widest_v.max(v);
+        let mut vec_tensors = Vec::new();
+        for x in inputs {
+            let c = f.cache_after(x)?;
+            if v > 1 && super::evict_last_inputs() {
+                f.set_evict_last(c)?;
+            }
+            vec_tensors.push(c);
+        }
+        for &o in outs {
+            if f.tvs[o].definition.is_some() && full_size(f, o, rank) {
+                f.cache_before(o)?;
+                vec_tensors.push(o);
+            }
+        }
+        let tensors: Vec<TvId> =
+            f.topo_exprs().into_iter().map(|e| f.exprs[e].output).filter(|t| closure(f, outs).contains(t)).collect();
+        for &t in &tensors {
+            if rank > 0 {
+                flatten_and_split(f, t, v, threads, 1)?;
+                f.parallelize(t, 0, ParallelType::BIDx)?;
+                f.parallelize(t, 1, ParallelType::Unswitch)?;
+                f.parallelize(t, 2, ParallelType::TIDx)?;
+                if vec_tensors.contains(&t) && v > 1 {
+                    f.parallelize(t, 3, ParallelType::Vectorize)?;
+                }
+            }
+        }
+        for &t in &tensors {
+            if !f.is_output(t) {
+                f.inline_at(t, -1)?;
+            }
+        }
+    }
+    Ok(Heuristic::new(Params::Pointwise { vector: widest_v, threads, unroll: 1 }))
 }
 
 /// Largest gridDim.y (and z) a launch may have.

@@ -14,7 +14,7 @@
 
 use crate::bail;
 use crate::error::Result;
-use crate::ir::{ExprId, Fusion, IterType, Op, Operand, ParallelType, TvId};
+use crate::ir::{ExprId, Fusion, IterType, MemoryType, Op, Operand, ParallelType, TvId};
 use crate::sched::auto::{tensor_sizes, Ctx, Heuristic, Params};
 
 fn merge_range(f: &mut Fusion, t: TvId, start: usize, count: usize) -> Result<()> {
@@ -339,8 +339,19 @@ fn full(f: &mut Fusion, cx: &Ctx, rs: &[TvId], after: &[TvId], total: i64) -> Re
     for &x in &pre {
         f.inline_at(x, -1)?;
     }
+    // Ops on the total (a mean's scale, a norm's square root and clip coefficient) run in
+    // the thread that finishes the grid reduction, which reads the total back from Global.
     if !after.is_empty() {
-        bail!("{}: ops after a full reduction are not covered by the automatic schedule", f.tv_name(r));
+        for &x in rs {
+            if !f.is_output(x) {
+                f.set_memory_type(x, MemoryType::Global)?;
+            }
+        }
+        for &x in after {
+            if !f.is_output(x) {
+                f.inline_at(x, -1)?;
+            }
+        }
     }
     Ok(Heuristic::new(Params::FullReduction { threads: t, vector: v, grid: g, serial: s, unroll: u }))
 }
