@@ -361,18 +361,26 @@ def test_a_bf16_cast_after_a_transpose_rounds_like_the_unscheduled_fusion():
     np.testing.assert_array_equal(got, ref)
 
 
-def test_ops_before_a_transpose_get_their_own_kernel():
+@pytest.mark.parametrize("shape, perm", [((70, 130), [1, 0]), ((3, 33, 65), [0, 2, 1]), ((5, 2, 67), [2, 0, 1])])
+def test_ops_before_a_transpose_run_in_its_kernel(shape, perm):
     from kiln import _core
     from kiln.host import run_on_cpu
 
     with FusionDefinition() as fd:
-        x = fd.define_tensor([-1, -1])
-        fd.add_output(fd.ops.permute(fd.ops.mul(x, 2.0), [1, 0]))
-    a = np.random.default_rng(6).standard_normal((70, 130)).astype(np.float32)
-    low = _auto_lowered(fd, [a])
-    assert len(low.kernels) == 2
-    (out,) = run_on_cpu(low, [a], _core.execute_cpu)
-    np.testing.assert_array_equal(out, (a * 2).T)
+        x = fd.define_tensor([-1] * len(shape))
+        b = fd.define_tensor([-1])
+        bb = fd.ops.broadcast_in_dim(b, shape=list(shape), broadcast_dims=[len(shape) - 1])
+        pre = fd.ops.relu(fd.ops.add(fd.ops.mul(x, 2.0), bb))
+        t = fd.ops.permute(pre, perm)
+        fd.add_output(fd.ops.mul(t, fd.ops.sigmoid(t)))
+    rng = np.random.default_rng(6)
+    a = rng.standard_normal(shape).astype(np.float32)
+    bias = rng.standard_normal(shape[-1]).astype(np.float32)
+    low = _auto_lowered(fd, [a, bias])
+    assert len(low.kernels) == 1
+    (out,) = run_on_cpu(low, [a, bias], _core.execute_cpu)
+    pre64 = np.maximum(a.astype(np.float64) * 2 + bias, 0).transpose(perm)
+    np.testing.assert_allclose(out, pre64 / (1 + np.exp(-pre64)), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.gpu

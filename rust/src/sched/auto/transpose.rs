@@ -146,6 +146,11 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
     // output before its store.
     let s = if out == staged { f.cache_before(out)? } else { staged };
     f.set_memory_type(s, MemoryType::Shared)?;
+    // With an epilogue, its last op computes into registers and the output stores them
+    // as a vector copy (as the pointwise schedule's outputs do).
+    if out != staged {
+        epilogue.push(f.cache_before(out)?);
+    }
     // Producer side: the same tile, walked along x's rows, read with 16-byte vectors into
     // registers (the caches `ls`), computed on by the prologue, and scattered into the
     // Shared tile from there.
