@@ -361,7 +361,8 @@ def test_a_bf16_cast_after_a_transpose_rounds_like_the_unscheduled_fusion():
     np.testing.assert_array_equal(got, ref)
 
 
-@pytest.mark.parametrize("shape, perm", [((70, 130), [1, 0]), ((3, 33, 65), [0, 2, 1]), ((5, 2, 67), [2, 0, 1])])
+@pytest.mark.parametrize("shape, perm",
+                         [((70, 130), [1, 0]), ((3, 33, 65), [0, 2, 1]), ((5, 2, 67), [2, 0, 1])])
 def test_ops_before_a_transpose_run_in_its_kernel(shape, perm):
     from kiln import _core
     from kiln.host import run_on_cpu
@@ -845,3 +846,25 @@ def test_equal_heuristics_mean_equal_kernels_for_norms_gathers_and_3d():
         fd.add_output(fd.ops.mul(x, fd.ops.broadcast_in_dim(b, shape=[-1, -1, -1], broadcast_dims=[2])))
     _assert_equal_heuristics_mean_equal_kernels(
         fd, [[[a, m, n], [n]] for a in (1, 3) for m, n in HEURISTIC_SHAPES if a * m * n < 10**8])
+
+
+@pytest.mark.parametrize("n", [1, 7, 4099, 300_001])
+def test_ops_after_a_full_reduction_share_its_kernel(n):
+    """``sum(x) * (1/n) * s`` runs where the grid reduction finishes; ``sum(x) / sum(y)``
+    needs both totals in one thread, which two grid reductions do not guarantee."""
+    rng = np.random.default_rng(n)
+    x, y = rng.standard_normal(n).astype(np.float32), rng.random(n).astype(np.float32) + 0.5
+    with FusionDefinition() as fd:
+        a = fd.define_tensor([-1])
+        s = fd.define_scalar(dtype=DataType.Double)
+        fd.add_output(fd.ops.mul(fd.ops.mul(fd.ops.sum(a, dims=[0]), 1.0 / n), s))
+    assert len(fd.lower([x, 3.0]).kernels) == 1
+    (out,) = fd.execute([x, 3.0])
+    np.testing.assert_allclose(out, x.astype(np.float64).mean() * 3.0, rtol=1e-4, atol=1e-5)
+    with FusionDefinition() as fd2:
+        a = fd2.define_tensor([-1])
+        b = fd2.define_tensor([-1])
+        fd2.add_output(fd2.ops.div(fd2.ops.sum(a, dims=[0]), fd2.ops.sum(b, dims=[0])))
+    (out,) = fd2.execute([x, y])
+    want = x.astype(np.float64).sum() / y.astype(np.float64).sum()
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)

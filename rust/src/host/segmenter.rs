@@ -90,6 +90,7 @@ pub fn auto_program_strided(
     }
     crate::sched::auto::canonical::merge_nested_reductions(&mut g)?;
     crate::sched::auto::canonical::sink_broadcasts(&mut g)?;
+    crate::sched::auto::canonical::unify_mapped_extents(&mut g);
     let order = g.topo_exprs();
     if order.is_empty() {
         return Ok((crate::host::lower::lower_program(&g)?, Heuristic::new(Params::Empty)));

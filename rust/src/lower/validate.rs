@@ -146,6 +146,16 @@ pub fn reduction_consumers(f: &Fusion, lg: &LoopGraph) -> Result<()> {
     // Ops on a grid reduction's result run only in the threads that hold it: a reduction
     // there would combine values the other threads do not have.
     for (t, waits) in crate::analysis::parallel::grid_waits(f, lg) {
+        // Each grid reduction finishes in whichever block arrives last: two of them need
+        // not finish in the same one, so no thread may hold both results.
+        if waits.len() > 1 {
+            bail!(
+                "{} combines the results of the grid reductions {} and {}, which may finish in different blocks; give it a kernel of its own",
+                f.tv_name(t),
+                f.tv_name(waits[0]),
+                f.tv_name(waits[1])
+            );
+        }
         let Some(d) = f.tvs[t].definition else { continue };
         if matches!(f.exprs[d].op, crate::ir::Op::Reduction { .. }) {
             bail!(

@@ -13,6 +13,9 @@
 //!   the rows) becomes `sum(x, [0, 1])` when nothing else reads the inner result: one
 //!   reduction the schedulers cover in one kernel instead of two. Sums reassociate (the
 //!   order of a reduction is unspecified anyway); max and min are exact.
+//! - **Mapped extents share one symbol.** Axes the definition aligns (a running mean `[C]`
+//!   added to a statistic over x's `C` axis) have sizes the input contract checks equal at
+//!   run time (`host::bind`); giving them one extent symbol lets their loops be one loop.
 //! - **Self-mapping.** When one tensor is broadcast into two different positions of the
 //!   same tensor (`bcast(a, [0, 1]) - bcast(a, [0, 2])`), two axes of the result map to
 //!   each other through `a`: no single loop nest computes `a` once for both. Schedulers
@@ -116,6 +119,39 @@ pub fn merge_nested_reductions(f: &mut Fusion) -> Result<()> {
             continue 'again;
         }
         return Ok(());
+    }
+}
+
+/// Give every exactly mapped class of iteration axes the smallest extent symbol among its
+/// input extents, so that loops over axes the definition aligns have one extent.
+pub fn unify_mapped_extents(f: &mut Fusion) {
+    use crate::ir::scalar::Val;
+    use crate::ir::Symbol;
+    loop {
+        let graph = IdGraph::exact(f);
+        let extent_of = |f: &Fusion, id| match f.scalars.get(f.ids[id].extent) {
+            Val::Symbol(Symbol::Extent(n)) if f.ids[id].iter_type != IterType::Broadcast => Some(n),
+            _ => None,
+        };
+        let mut rep: FxHashMap<crate::ir::IterDomainId, u32> = FxHashMap::default();
+        for id in f.ids.keys() {
+            if let Some(n) = extent_of(f, id) {
+                let m = rep.entry(graph.find(id)).or_insert(n);
+                *m = (*m).min(n);
+            }
+        }
+        let sub = f.ids.keys().find_map(|id| {
+            let n = extent_of(f, id)?;
+            let m = rep[&graph.find(id)];
+            (m != n).then_some((n, m))
+        });
+        let Some((n, m)) = sub else { return };
+        let target = f.scalars.symbol(Symbol::Extent(m));
+        let ids: Vec<_> = f.ids.keys().collect();
+        for id in ids {
+            let e = f.ids[id].extent;
+            f.ids[id].extent = f.scalars.substitute(e, Symbol::Extent(n), target);
+        }
     }
 }
 

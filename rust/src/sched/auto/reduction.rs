@@ -40,6 +40,26 @@ fn by_dependence(f: &Fusion, rs: &[TvId]) -> (Vec<TvId>, Vec<TvId>) {
             before.push(o);
         }
     }
+    // A tensor of lower rank than the reduction's input that only ops after the reduction
+    // read (a running statistic's `(1 - momentum) * running_mean`) runs in their space.
+    let rank = rs.first().map_or(0, |&r| f.tvs[r].logical.len());
+    for i in (0..before.len()).rev() {
+        let t = before[i];
+        let consumers = f.consumers(t);
+        let reduced = |x: TvId| f.tvs[x].definition.is_some_and(|d| matches!(f.exprs[d].op, Op::Reduction { .. }));
+        if !reduced(t)
+            && f.producers(t).iter().all(|&p| !reduced(p))
+            && f.no_reduction_logical(t).len() < rank
+            && !f.is_output(t)
+            && !consumers.is_empty()
+            && consumers.iter().all(|c| after.contains(c))
+        {
+            before.remove(i);
+            after.push(t);
+        }
+    }
+    let order = f.topo_exprs();
+    after.sort_by_key(|t| order.iter().position(|&e| f.exprs[e].output == *t));
     (before, after)
 }
 
