@@ -868,3 +868,22 @@ def test_ops_after_a_full_reduction_share_its_kernel(n):
     (out,) = fd2.execute([x, y])
     want = x.astype(np.float64).sum() / y.astype(np.float64).sum()
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(4099, 13), (1000, 3), (257, 130), (2, 5)])
+def test_ops_after_a_column_reduction_split_across_blocks(shape):
+    """A column mean with a per-column epilogue (BatchNorm's running mean): the reduction
+    is split over blocks and the epilogue runs where each column's grid reduction ends."""
+    rng = np.random.default_rng(shape[0])
+    x = rng.standard_normal(shape).astype(np.float32)
+    rm = rng.standard_normal(shape[1]).astype(np.float32)
+    with FusionDefinition() as fd:
+        a = fd.define_tensor([-1, -1])
+        r = fd.define_tensor([-1])
+        mean = fd.ops.mul(fd.ops.sum(a, dims=[0]), 1.0 / shape[0])
+        fd.add_output(fd.ops.add(fd.ops.mul(r, 0.9), fd.ops.mul(mean, 0.1)))
+    low = fd.lower([x, rm])
+    assert len(low.kernels) == 1
+    (out,) = fd.execute([x, rm])
+    want = rm.astype(np.float64) * 0.9 + x.astype(np.float64).mean(axis=0) * 0.1
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)

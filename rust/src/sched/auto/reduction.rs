@@ -219,14 +219,22 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
         let col_blocks = (keep_size + t - 1) / t;
         // Split the reduced axis across a grid so that the blocks make one full wave (a
         // partial second wave would leave most SMs idle at the end). Ops after the
-        // reduction read its result in the same kernel: only the last block of a grid
-        // reduction has it, so they need a single block per column tile.
+        // reduction then run where the grid reduction finishes (`Symbol::GridDone`); with
+        // sibling reductions they would need two grid results in one thread, which two
+        // grid reductions do not guarantee, so those keep one block per column tile.
         let wave = cx.device.sm_count * (2048 / (t * ty)).max(1);
-        let g = if after.is_empty() && col_blocks < wave {
+        let g = if (after.is_empty() || rs.len() == 1) && col_blocks < wave {
             (wave / col_blocks).clamp(1, (red_size + ty * u - 1) / (ty * u)).min(1024)
         } else {
             1
         };
+        if g > 1 && !after.is_empty() {
+            for &x in &rs {
+                if !f.is_output(x) {
+                    f.set_memory_type(x, MemoryType::Global)?;
+                }
+            }
+        }
         let s = ((red_size + g * ty * u - 1) / (g * ty * u)).max(1);
         for &x in before.iter().chain(&rs) {
             permute(f, x)?;
