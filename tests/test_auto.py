@@ -887,3 +887,20 @@ def test_ops_after_a_column_reduction_split_across_blocks(shape):
     (out,) = fd.execute([x, rm])
     want = rm.astype(np.float64) * 0.9 + x.astype(np.float64).mean(axis=0) * 0.1
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows, vocab, cols", [(5, 7, 3), (1, 2, 1), (64, 50, 1031), (1000, 31, 3)])
+def test_a_computed_gather_index_runs_in_the_gathers_kernel(rows, vocab, cols):
+    """``table[(ids * 2 + 1) % vocab] * 0.5``: the index chain runs in the output's loops."""
+    rng = np.random.default_rng(rows * cols)
+    table = rng.standard_normal((vocab, cols)).astype(np.float32)
+    ids = rng.integers(0, vocab, rows).astype(np.int64)
+    with FusionDefinition() as fd:
+        t = fd.define_tensor([-1, -1])
+        i = fd.define_tensor([-1], dtype=DataType.Int)
+        k = fd.ops.where(fd.ops.lt(fd.ops.add(i, 1), vocab), fd.ops.add(i, 1), 0)
+        fd.add_output(fd.ops.mul(fd.ops.index_select(t, k, 0), 0.5))
+    assert len(fd.lower([table, ids]).kernels) == 1
+    (out,) = fd.execute([table, ids])
+    k_ref = np.where(ids + 1 < vocab, ids + 1, 0)
+    np.testing.assert_array_equal(out, table[k_ref] * np.float32(0.5))

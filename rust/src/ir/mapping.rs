@@ -33,8 +33,12 @@ pub fn logical_pairs(f: &Fusion, e: ExprId, input_pos: usize) -> Vec<(IterDomain
                     .filter(|(i, _)| i != dim)
                     .map(|(_, p)| p)
                     .collect()
-            } else {
+            } else if pdom.len() == 1 {
                 vec![(pdom[0], cdom[*dim])]
+            } else {
+                // An index of the output's rank (size one off `dim`, as the automatic
+                // schedules broadcast a computed index): axis by axis.
+                pdom.iter().copied().zip(cdom.iter().copied()).collect()
             }
         }
         Op::Full { .. } => Vec::new(),

@@ -258,7 +258,10 @@ fn inlined_reference(f: &Fusion, lg: &LoopGraph, tv: TvId) -> Option<(ExprId, us
     // (a use whose output no fusion output needs is not in the kernel)
     let e = *t.uses.iter().find(|&&e| lg.has(f.exprs[e].output))?;
     let pos = f.exprs[e].inputs.iter().position(|o| *o == Operand::Tensor(tv))?;
-    if matches!(f.exprs[e].op, Op::IndexSelect { .. }) {
+    // A gather's table is read at data-dependent rows, and a rank-1 index maps to one axis
+    // only; an index of the output's rank (`canonical::broadcast_computed_indices`) is read
+    // like an element-wise operand.
+    if matches!(f.exprs[e].op, Op::IndexSelect { .. }) && (pos == 0 || f.no_reduction_logical(tv).len() == 1) {
         return None;
     }
     Some((e, pos))
@@ -451,6 +454,12 @@ fn index_operand(
     stack: &[Enclosing],
 ) -> Result<ValId> {
     let mut pidx = from_consumer(f, e, pos, cidx);
+    let zero = f.scalars.int(0);
+    for pid in f.tvs[p].logical.clone() {
+        if f.ids[pid].iter_type != IterType::Iteration {
+            pidx.insert(pid, zero);
+        }
+    }
     bind_enclosing(f, ctx, p, stack, &mut pidx);
     forward(f, p, &mut pidx);
     offset(f, ctx, p, &pidx, groups)

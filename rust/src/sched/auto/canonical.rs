@@ -16,6 +16,10 @@
 //! - **Mapped extents share one symbol.** Axes the definition aligns (a running mean `[C]`
 //!   added to a statistic over x's `C` axis) have sizes the input contract checks equal at
 //!   run time (`host::bind`); giving them one extent symbol lets their loops be one loop.
+//! - **Computed gather indices take the output's rank.** `index_select(t, ids + 1, 0)` reads
+//!   a rank-1 index computed in the kernel; broadcast to `[K, 1, ...]` (size one off the
+//!   selected axis) and sunk like any broadcast, its chain runs in the output's loops, one
+//!   index per output row, instead of in a kernel of its own.
 //! - **Self-mapping.** When one tensor is broadcast into two different positions of the
 //!   same tensor (`bcast(a, [0, 1]) - bcast(a, [0, 2])`), two axes of the result map to
 //!   each other through `a`: no single loop nest computes `a` once for both. Schedulers
@@ -153,6 +157,26 @@ pub fn unify_mapped_extents(f: &mut Fusion) {
             f.ids[id].extent = f.scalars.substitute(e, Symbol::Extent(n), target);
         }
     }
+}
+
+/// Give every computed rank-1 gather index of a higher-rank gather the output's rank, size
+/// one off the selected axis (the broadcast then sinks through its element-wise chain).
+pub fn broadcast_computed_indices(f: &mut Fusion) -> Result<()> {
+    for e in f.topo_exprs() {
+        let Op::IndexSelect { dim } = f.exprs[e].op else { continue };
+        let Some(index) = f.exprs[e].inputs[1].tensor() else { continue };
+        let rank = f.no_reduction_logical(f.exprs[e].output).len();
+        if f.tvs[index].definition.is_none() || f.no_reduction_logical(index).len() != 1 || rank < 2 {
+            continue;
+        }
+        let b = f.broadcast(index, (0..rank).map(|a| a != dim).collect())?;
+        f.exprs[e].inputs[1] = Operand::Tensor(b);
+        f.tvs[index].uses.retain(|&u| u != e);
+        if !f.tvs[b].uses.contains(&e) {
+            f.tvs[b].uses.push(e);
+        }
+    }
+    Ok(())
 }
 
 /// Make every reader of `old` read `new` instead (outputs and marks included).

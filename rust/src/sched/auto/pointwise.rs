@@ -276,6 +276,23 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
             return Ok(Heuristic { params: Params::Pointwise2d { vector: v, threads: t2, unroll: u2 }, specialized });
         }
     }
+    // In the flat space a gather's vector shares one index, which a computed index (a
+    // broadcast chain, `canonical::broadcast_computed_indices`) cannot supply from a loop
+    // of its own: such gathers load element by element.
+    let computed_gathers: Vec<TvId> = vec_tensors
+        .iter()
+        .copied()
+        .filter(|&t| {
+            f.tvs[t].definition.is_some_and(|def| {
+                matches!(f.exprs[def].op, Op::IndexSelect { .. })
+                    && f.exprs[def].inputs[1].tensor().is_some_and(|i| f.tvs[i].definition.is_some())
+            })
+        })
+        .collect();
+    for &t in &computed_gathers {
+        f.tvs[t].evict_last_load = false;
+    }
+    vec_tensors.retain(|t| !computed_gathers.contains(t));
     for &t in &tensors {
         oriented(f, t)?;
         flatten_and_split(f, t, v, threads, unroll)?;
