@@ -904,3 +904,23 @@ def test_a_computed_gather_index_runs_in_the_gathers_kernel(rows, vocab, cols):
     (out,) = fd.execute([table, ids])
     k_ref = np.where(ids + 1 < vocab, ids + 1, 0)
     np.testing.assert_array_equal(out, table[k_ref] * np.float32(0.5))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [4099, 300_001, 10_000_019])
+def test_ops_on_two_grid_reductions_match_numpy_on_gpu(n):
+    """``sum(x) / sum(y)`` in one kernel runs where the second grid reduction finishes, which
+    has seen the first one's result; repeated calls would expose a block that had not."""
+    cp = cupy_or_skip()
+    rng = np.random.default_rng(n)
+    x, y = rng.standard_normal(n).astype(np.float32), rng.random(n).astype(np.float32) + 0.5
+    with FusionDefinition() as fd:
+        a = fd.define_tensor([-1])
+        b = fd.define_tensor([-1])
+        fd.add_output(fd.ops.div(fd.ops.sum(a, dims=[0]), fd.ops.sum(b, dims=[0])))
+    assert len(fd.lower([x, y]).kernels) == 1
+    want = x.astype(np.float64).sum() / y.astype(np.float64).sum()
+    xs, ys = cp.asarray(x), cp.asarray(y)
+    for _ in range(50):
+        (out,) = fd.execute([xs, ys])
+        np.testing.assert_allclose(cp.asnumpy(out), want, rtol=1e-4, atol=1e-5)

@@ -94,10 +94,11 @@ pub fn grid_reduced_dims(f: &Fusion, lg: &LoopGraph, tv: TvId) -> Vec<ParallelTy
     }
 }
 
-/// For every computed tensor, the grid reductions of the kernel whose results it is
-/// computed from: its expr runs only where `Symbol::GridDone` of each holds (the one
-/// thread per output element that has the finished result), in the same kernel.
-pub fn grid_waits(f: &Fusion, lg: &LoopGraph) -> rustc_hash::FxHashMap<TvId, Vec<TvId>> {
+/// For every computed tensor, the grid reductions of the kernel whose results it waits for:
+/// its expr runs only where `Symbol::GridDone` of each holds (the one thread per output
+/// element that has the finished result), in the same kernel. Of several grid reductions
+/// over the same dimensions, only the last one in the kernel's expr `order` is listed.
+pub fn grid_waits(f: &Fusion, lg: &LoopGraph, order: &[ExprId]) -> rustc_hash::FxHashMap<TvId, Vec<TvId>> {
     let mut waits: rustc_hash::FxHashMap<TvId, Vec<TvId>> = rustc_hash::FxHashMap::default();
     for e in f.topo_exprs() {
         let mut w: Vec<TvId> = Vec::new();
@@ -106,6 +107,18 @@ pub fn grid_waits(f: &Fusion, lg: &LoopGraph) -> rustc_hash::FxHashMap<TvId, Vec
             for g in direct.into_iter().chain(waits.get(&t).cloned().unwrap_or_default()) {
                 if !w.contains(&g) {
                     w.push(g);
+                }
+            }
+        }
+        // Grid reductions over the same dimensions run one after another in every block: the
+        // block that finishes the last of them has arrived at it after writing each earlier
+        // result (its protocol fences before the arrival), so that block sees them all.
+        if w.len() > 1 {
+            let dims = grid_reduced_dims(f, lg, w[0]);
+            if w.iter().all(|&g| grid_reduced_dims(f, lg, g) == dims) {
+                let at = |g: TvId| f.tvs[g].definition.and_then(|d| order.iter().position(|&x| x == d));
+                if let Some(&last) = w.iter().max_by_key(|&&g| at(g)) {
+                    w = vec![last];
                 }
             }
         }

@@ -48,7 +48,7 @@ pub fn run(f: &mut Fusion, lg: &LoopGraph, allocs: &FxHashMap<TvId, AllocationIn
     collect_parallel_extents(body, &mut extents);
     let used = extents.keys().copied().collect();
     let ragged = extents.into_iter().filter(|(_, v)| v.len() > 1).map(|(p, _)| p).collect();
-    let waits = crate::analysis::parallel::grid_waits(f, lg);
+    let waits = crate::analysis::parallel::grid_waits(f, lg, &crate::lower::loops::expr_order(f));
     let grid_dims =
         waits.values().flatten().map(|&t| (t, crate::analysis::parallel::grid_reduced_dims(f, lg, t))).collect();
     let mut ctx = Ctx { lg, allocs, ragged, used, next_gather: 0, waits, grid_dims };

@@ -39,7 +39,7 @@ pub fn lower(fusion: &Fusion) -> Result<Kernel> {
     let lg = LoopGraph::build(&f, &exact, &tv_order)?;
     validate::partial_inlining(&f, &lg, &exact)?;
     validate::unique_parallel_dims(&f, &lg)?;
-    validate::reduction_consumers(&f, &lg)?;
+    validate::reduction_consumers(&f, &lg, &order)?;
     validate::parallel_reads(&f, &lg, &exact)?;
     let (mut body, mut next_index) = loops::run(&mut f, &lg, &order)?;
     let alloc = allocation::run(&mut f, &lg, &exact, &order, &mut body, &mut next_index)?;

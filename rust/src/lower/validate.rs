@@ -142,15 +142,15 @@ pub fn unique_parallel_dims(f: &Fusion, lg: &LoopGraph) -> Result<()> {
 /// elementwise consumer of the same input makes their loops one; a broadcast of the result
 /// inlined into that consumer would then read partial sums). Thread and block loops are
 /// fine: a block reduction is complete when its statement ends.
-pub fn reduction_consumers(f: &Fusion, lg: &LoopGraph) -> Result<()> {
+pub fn reduction_consumers(f: &Fusion, lg: &LoopGraph, order: &[crate::ir::ExprId]) -> Result<()> {
     // Ops on a grid reduction's result run only in the threads that hold it: a reduction
     // there would combine values the other threads do not have.
-    for (t, waits) in crate::analysis::parallel::grid_waits(f, lg) {
-        // Each grid reduction finishes in whichever block arrives last: two of them need
-        // not finish in the same one, so no thread may hold both results.
+    for (t, waits) in crate::analysis::parallel::grid_waits(f, lg, order) {
+        // Each grid reduction finishes in whichever block arrives last: two over different
+        // dimensions need not finish in the same one, so no thread may hold both results.
         if waits.len() > 1 {
             bail!(
-                "{} combines the results of the grid reductions {} and {}, which may finish in different blocks; give it a kernel of its own",
+                "{} combines the results of the grid reductions {} and {}, which reduce over different dimensions and may finish in different blocks; give it a kernel of its own",
                 f.tv_name(t),
                 f.tv_name(waits[0]),
                 f.tv_name(waits[1])
