@@ -87,6 +87,13 @@ def reduction() -> Reduction:
 _COMPILED: dict = {}
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Keep the kernels each test lowers, for the NVRTC check below."""
+    from kiln.lowering import record_generated
+
+    record_generated(True)
+
+
 def _nvrtc_ready() -> bool:
     try:
         from kiln.runtime.nvrtc import nvrtc_available

@@ -57,7 +57,8 @@ class LoweredKernel:
             GlobalBuffer(n, DataType(d), tuple(s), z, r) for (n, d, s, z, r) in core.global_allocations()
         ]
         self._cuda: dict = {}
-        _GENERATED.append(self)
+        if _RECORDING:
+            _GENERATED.append(self)
 
     def _codegen(self, index32: bool = False) -> Tuple[str, str, list]:
         hit = self._cuda.get(index32)
@@ -112,8 +113,18 @@ class LoweredKernel:
         return self.kernel_ir
 
 
-# Kernels lowered in this process, so test suites can compile every one of them.
+# Kernels lowered while recording is on, so test suites can compile every one of them.
+# Off by default: a long-running process would otherwise keep every kernel alive.
 _GENERATED: List[LoweredKernel] = []
+_RECORDING = False
+
+
+def record_generated(on: bool = True) -> None:
+    """Keep (or stop keeping) every kernel lowered from now on for ``take_generated``."""
+    global _RECORDING
+    _RECORDING = on
+    if not on:
+        _GENERATED.clear()
 
 
 def take_generated() -> List[LoweredKernel]:
