@@ -10,7 +10,7 @@ import numpy as np
 from kiln import FusionDefinition, lowering
 
 
-def _lowered_kernel_ref() -> "weakref.ref":
+def _lowered_kernel_ref() -> weakref.ref:
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, -1])
         fd.add_output(fd.ops.relu(fd.ops.mul(x, 2.0)))
