@@ -280,3 +280,15 @@ def test_producer_inlined_into_two_separate_consumers():
     x_ = rand(3, 4)
     (out,) = run(fd, [x_])
     np.testing.assert_allclose(out, np.where(-x_ <= x_, -x_ * 0.5, x_))
+
+
+def test_double_to_half_rounds_once_as_numpy_does():
+    """A Double cast to Half rounds straight from the double (the GPU's ``__double2half``,
+    NumPy's ``astype(float16)``); rounding through float first is one unit off here."""
+    x = np.array([-9.127807567677662e-2, 5.449295232317457e-3, -12.964843363322565, 65519.99, 1e-9],
+                 dtype=np.float64)
+    with FusionDefinition() as fd:
+        t = fd.define_tensor([-1], dtype=DataType.Double)
+        fd.add_output(fd.ops.cast(t, DataType.Half))
+    (out,) = fd.execute([x])
+    np.testing.assert_array_equal(out.view(np.uint16), x.astype(np.float16).view(np.uint16))

@@ -281,8 +281,8 @@ fn scalar_bytes(slot: Slot, v: PyNum, to_f64: impl FnOnce() -> crate::Result<f64
         Slot::Pointer => return Err(KilnError::internal("scalar_bytes of a pointer slot")),
         Slot::Double => out.copy_from_slice(&float(v)?.to_ne_bytes()),
         Slot::Float => out[..4].copy_from_slice(&(float(v)? as f32).to_ne_bytes()),
-        Slot::Half => out[..2].copy_from_slice(&f64_to_f16_bits(float(v)?).to_ne_bytes()),
-        Slot::BFloat16 => out[..2].copy_from_slice(&f32_to_bf16_bits(float(v)? as f32).to_ne_bytes()),
+        Slot::Half => out[..2].copy_from_slice(&crate::ir::dtype::f64_to_f16_bits(float(v)?).to_ne_bytes()),
+        Slot::BFloat16 => out[..2].copy_from_slice(&half::bf16::from_f32(float(v)? as f32).to_bits().to_ne_bytes()),
         Slot::Int => out.copy_from_slice(&int(v, i64::MIN, i64::MAX, "int64")?.to_ne_bytes()),
         Slot::Int32 => {
             let i = int(v, i64::from(i32::MIN), i64::from(i32::MAX), "int32")?;
@@ -297,53 +297,6 @@ fn scalar_bytes(slot: Slot, v: PyNum, to_f64: impl FnOnce() -> crate::Result<f64
         }
     }
     Ok(out)
-}
-
-/// IEEE binary16 bits of `v`, rounded to nearest even straight from the double (as NumPy's
-/// `np.float16(v)`; going through f32 would round twice). NaN keeps its top payload bits.
-fn f64_to_f16_bits(v: f64) -> u16 {
-    let b = v.to_bits();
-    let sign = ((b >> 48) & 0x8000) as u16;
-    let exp = ((b >> 52) & 0x7FF) as i32;
-    let man = b & ((1u64 << 52) - 1);
-    if exp == 0x7FF {
-        if man == 0 {
-            return sign | 0x7C00;
-        }
-        // NumPy: 0x7c00 + (man >> 42), kept a NaN when the payload bits shifted out.
-        let r = 0x7C00 + (man >> 42) as u16;
-        return sign | if r == 0x7C00 { r + 1 } else { r };
-    }
-    if exp == 0 {
-        return sign; // zero, or a double subnormal: far below half's smallest subnormal
-    }
-    let e = exp - 1023;
-    if e > 15 {
-        return sign | 0x7C00;
-    }
-    // value = sig * 2^(e-52); one unit of the result is 2^(max(e,-14)-10).
-    let sig = (1u64 << 52) | man;
-    let shift = (42 + e.max(-14) - e) as u32;
-    if shift >= 64 {
-        return sign; // below a quarter of the smallest subnormal
-    }
-    let (mut q, rem, half) = (sig >> shift, sig & ((1u64 << shift) - 1), 1u64 << (shift - 1));
-    if rem > half || (rem == half && q & 1 == 1) {
-        q += 1;
-    }
-    // Normal: the implicit bit in q carries into the exponent field (also on rounding up
-    // to the next binade, or to infinity at 65520); subnormal: q is the field itself.
-    let bits = if e >= -14 { (((e + 14) as u64) << 10) + q } else { q };
-    sign | bits.min(0x7C00) as u16
-}
-
-/// bfloat16 bits of `x`: round to nearest even, NaN kept a quiet NaN (as `np_scalar`).
-fn f32_to_bf16_bits(x: f32) -> u16 {
-    let bits = x.to_bits();
-    if bits & 0x7FFF_FFFF > 0x7F80_0000 {
-        return ((bits >> 16) | 0x40) as u16;
-    }
-    ((u64::from(bits) + 0x7FFF + u64::from((bits >> 16) & 1)) >> 16) as u16
 }
 
 /// Write the low `size` bytes of `src` at byte `off` of the parameter buffer `words`
