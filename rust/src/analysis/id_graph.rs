@@ -5,37 +5,28 @@
 
 use rustc_hash::FxHashMap;
 
+use crate::analysis::union_find::UnionFind;
 use crate::ir::mapping::logical_pairs;
 use crate::ir::{Fusion, IterDomainId, IterType, Transform, TransformId};
 
 /// A partition of all ids of a fusion into groups.
 #[derive(Clone, Debug)]
 pub struct IdGraph {
-    parent: Vec<u32>,
+    sets: UnionFind,
 }
 
 impl IdGraph {
     fn new(n: usize) -> Self {
-        Self { parent: (0..n as u32).collect() }
+        Self { sets: UnionFind::new(n) }
     }
 
     /// Representative of `id`'s group.
     pub fn find(&self, id: IterDomainId) -> IterDomainId {
-        let mut x = id.as_u32();
-        while self.parent[x as usize] != x {
-            x = self.parent[x as usize];
-        }
-        IterDomainId::from_u32(x)
+        IterDomainId::from_u32(self.sets.find(id.as_u32() as usize) as u32)
     }
 
     fn union(&mut self, a: IterDomainId, b: IterDomainId) -> bool {
-        let (ra, rb) = (self.find(a), self.find(b));
-        if ra == rb {
-            return false;
-        }
-        let (lo, hi) = if ra < rb { (ra, rb) } else { (rb, ra) };
-        self.parent[hi.as_u32() as usize] = lo.as_u32();
-        true
+        self.sets.union(a.as_u32() as usize, b.as_u32() as usize)
     }
 
     /// True when `a` and `b` are in one group.

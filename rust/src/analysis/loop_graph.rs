@@ -60,14 +60,7 @@ impl LoopGraph {
                 keys.push((tv, a));
             }
         }
-        let mut parent: Vec<usize> = (0..keys.len()).collect();
-        fn find(p: &mut [usize], mut x: usize) -> usize {
-            while p[x] != x {
-                p[x] = p[p[x]];
-                x = p[x];
-            }
-            x
-        }
+        let mut sets = crate::analysis::union_find::UnionFind::new(keys.len());
         for (tv, t) in f.tvs.iter() {
             if !tv_order.contains_key(&tv) || t.inline_pos == 0 {
                 continue;
@@ -78,15 +71,14 @@ impl LoopGraph {
                     continue;
                 }
                 for a in 0..t.inline_pos {
-                    let (x, y) = (find(&mut parent, index[&(tv, a)]), find(&mut parent, index[&(c, a)]));
-                    parent[x] = y;
+                    sets.union(index[&(tv, a)], index[&(c, a)]);
                 }
             }
         }
         let mut root_group: FxHashMap<usize, LoopGroup> = FxHashMap::default();
         let mut lg = LoopGraph::default();
         for (k, &key) in keys.iter().enumerate() {
-            let r = find(&mut parent, k);
+            let r = sets.find(k);
             let g = *root_group.entry(r).or_insert_with(|| {
                 lg.groups.push(GroupInfo {
                     members: Vec::new(),

@@ -3,3 +3,4 @@
 pub mod id_graph;
 pub mod loop_graph;
 pub mod parallel;
+pub mod union_find;

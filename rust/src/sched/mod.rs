@@ -12,8 +12,7 @@ use smallvec::smallvec;
 use crate::error::Result;
 use crate::ir::mapping::producer_to_consumer;
 use crate::ir::{
-    DataType, ExprId, Fusion, IterDomain, IterDomainId, IterType, MemoryType, Op, Operand, ParallelType, Transform,
-    TvId,
+    DataType, ExprId, Fusion, IterDomainId, IterType, MemoryType, Op, Operand, ParallelType, Transform, TvId,
 };
 use crate::{bail, bail_type};
 
@@ -56,18 +55,6 @@ impl Fusion {
         Ok(())
     }
 
-    fn new_derived_id(&mut self, extent: crate::ir::ValId, iter_type: IterType) -> IterDomainId {
-        let start = self.scalars.int(0);
-        self.ids.push(IterDomain {
-            extent,
-            start,
-            iter_type,
-            parallel: ParallelType::Serial,
-            definition: None,
-            use_: None,
-        })
-    }
-
     /// Split loop axis `axis` by `factor` into (outer, inner); non-divisible sizes round up.
     pub fn split(&mut self, tv: TvId, axis: i64, factor: i64, inner_split: bool) -> Result<()> {
         let a = self.normalize_axis(tv, axis)?;
@@ -84,8 +71,8 @@ impl Fusion {
         let f = self.scalars.int(factor);
         let rest = self.scalars.ceil_div(extent, f);
         let (oe, ie) = if inner_split { (rest, f) } else { (f, rest) };
-        let outer = self.new_derived_id(oe, it);
-        let inner = self.new_derived_id(ie, it);
+        let outer = self.new_id(oe, it);
+        let inner = self.new_id(ie, it);
         let t = self.transforms.push(Transform::Split { input: id, factor: f, inner_split, outer, inner });
         self.ids[outer].definition = Some(t);
         self.ids[inner].definition = Some(t);
@@ -120,7 +107,7 @@ impl Fusion {
             }
         }
         let extent = self.scalars.mul(self.ids[oa].extent, self.ids[ob].extent);
-        let out = self.new_derived_id(extent, it);
+        let out = self.new_id(extent, it);
         let t = self.transforms.push(Transform::Merge { outer: oa, inner: ob, out });
         self.ids[out].definition = Some(t);
         self.ids[oa].use_ = Some(t);
