@@ -1,0 +1,237 @@
+"""Type stubs of ``kiln._core``, the Rust extension module (PyO3). The public API is the
+``kiln`` package; these are the boundary it converts to and from. Tensors and scalars of a
+``Fusion`` are passed as integer ids."""
+
+from typing import Any, List, Optional, Tuple, Union
+
+# An operand: (is_tensor, tensor id or scalar id).
+Operand = Tuple[bool, int]
+# A runtime scalar argument.
+ScalarArg = Union[bool, int, float]
+# (host program, heuristic kind, heuristic values, contiguity of each input as laid out).
+AutoProgram = Tuple["HostProgram", str, List[int], List[List[Optional[bool]]]]
+# (name, dtype, sizes, layout, elements, bytes, zero_init, resets_to_zero, place, offset_or_index).
+BufferAlloc = Tuple[str, str, List[int], List[int], int, int, bool, bool, str, int]
+# (kernel, arg buffer ids, memset buffer ids, scalar args [(value, dtype)], grid, block, smem,
+# 32-bit indexing).
+Launch = Tuple[
+    int, List[int], List[int], List[Tuple[Any, str]], Tuple[int, int, int], Tuple[int, int, int], int, bool
+]
+
+DTYPES: List[str]
+
+class Fusion:
+    def __init__(self) -> None: ...
+    def define_tensor(
+        self, shape: List[int], dtype: str, contiguity: Optional[List[Optional[bool]]] = ...
+    ) -> int:
+        """Declare a tensor input; returns its tensor id."""
+    def define_scalar(self, dtype: str) -> int:
+        """Declare a runtime scalar input; returns its scalar id."""
+    def const_int(self, v: int) -> int:
+        """An integer constant scalar."""
+    def const_float(self, v: float) -> int:
+        """A float constant scalar."""
+    def const_bool(self, v: bool) -> int:
+        """A bool constant scalar."""
+    def unary(self, op: str, x: Operand) -> int:
+        """Element-wise unary op by name."""
+    def binary(self, op: str, a: Operand, b: Operand) -> int:
+        """Element-wise binary op by name."""
+    def where_(self, c: Operand, a: Operand, b: Operand) -> int:
+        """`where(cond, a, b)`."""
+    def cast(self, x: Operand, dtype: str) -> int:
+        """Cast to a dtype."""
+    def reduction(self, op: str, x: int, dims: List[int], keepdim: bool, dtype: Optional[str] = ...) -> int:
+        """Reduction (`sum`, `max`, `min`) over dims."""
+    def broadcast_in_dim(self, x: int, shape: List[int], broadcast_dims: List[int]) -> int:
+        """nvFuser-style broadcast_in_dim."""
+    def permute(self, x: int, dims: List[int]) -> int:
+        """Permute axes."""
+    def index_select(self, x: int, index: int, dim: int) -> int:
+        """index_select along dim."""
+    def full(self, shape: List[int], value: Operand, dtype: str) -> int:
+        """A filled tensor; `shape` holds scalar ids of the extents."""
+    def add_output(self, t: int) -> None:
+        """Mark a tensor as output."""
+    def tv_dtype(self, t: int) -> str:
+        """Dtype name of a tensor."""
+    def scalar_dtype(self, v: int) -> str:
+        """Dtype name of a scalar."""
+    def tv_shape(self, t: int) -> List[int]:
+        """Shape of a tensor: -1 symbolic, 1 broadcast, n static (reduced axes dropped)."""
+    def tv_loop(self, t: int) -> List[int]:
+        """Loop domain ids of a tensor."""
+    def tv_logical(self, t: int) -> List[int]:
+        """Logical domain ids of a tensor."""
+    def tv_memory(self, t: int) -> Tuple[str, int]:
+        """Memory type name and inline position of a tensor."""
+    def id_info(self, i: int) -> Tuple[str, str, str, str]:
+        """(extent text, iter type, parallel type, label) of an id."""
+    def math(self) -> str:
+        """The math dump."""
+    def transforms(self, t: int) -> str:
+        """The transform dump of one tensor."""
+    def tv_label(self, t: int) -> str:
+        """Label of a tensor (`T3_l_float[...]`)."""
+    def input_specs(self) -> List[Tuple[str, str, str, List[int]]]:
+        """Each input as (kind, name, dtype, shape) with kind "tensor" or "scalar"."""
+    def check_inputs(
+        self, args: List[Tuple[str, str, List[int], List[int], Optional[ScalarArg]]], any_layout: bool = ...
+    ) -> None:
+        """Check runtime arguments against the definition, the input contract of every path:"""
+    @property
+    def version(self) -> int:
+        """Mutation counter (changes whenever the definition or schedule changes)."""
+    @property
+    def num_outputs(self) -> int:
+        """Number of outputs marked so far."""
+    @property
+    def num_tensors(self) -> int:
+        """Number of tensors created so far (the next tensor is `T{n}`)."""
+    @property
+    def manually_scheduled(self) -> bool:
+        """True once a scheduling primitive was used."""
+    def split(self, t: int, axis: int, factor: int, inner_split: bool) -> None:
+        """Split a loop axis."""
+    def merge(self, t: int, a: int, b: int) -> None:
+        """Merge two loop axes."""
+    def reorder(self, t: int, moves: List[Tuple[int, int]]) -> None:
+        """Reorder loop axes."""
+    def parallelize(self, t: int, axis: int, pt: str) -> None:
+        """Parallelize a loop axis."""
+    def set_memory_type(self, t: int, mt: str) -> None:
+        """Set the memory type."""
+    def cache_after(self, t: int) -> int:
+        """Read cache."""
+    def cache_before(self, t: int) -> int:
+        """Write cache."""
+    def inline_at(self, t: int, pos: int) -> None:
+        """Inline at a position."""
+    def set_allocation_domain(self, t: int, ids: List[int], contiguity: List[Optional[bool]]) -> None:
+        """Set the allocation domain from id numbers."""
+    def auto_scheduled(self, sizes: List[List[int]]) -> Tuple[Fusion, str, List[int]]:
+        """A copy of the fusion scheduled automatically for inputs of `sizes`, with the"""
+    def auto_program(
+        self,
+        sizes: List[List[int]],
+        aligned_bases: bool = ...,
+        device: Optional[Tuple[int, int, int, int, int]] = ...,
+        scalars: List[Optional[int]] = ...,
+        strides: List[List[int]] = ...,
+    ) -> AutoProgram:
+        """The host program the automatic schedulers (and, failing them, the segmenter) pick"""
+    def shape_scalars(self) -> List[int]:
+        """Positions of the runtime scalar inputs that some tensor shape reads."""
+    def lower(self) -> Kernel:
+        """Lower the fusion to one kernel."""
+    def segment_after(self, t: int) -> None:
+        """Start a new segment (kernel) after the definition of tensor `t`."""
+    def lower_program(self) -> HostProgram:
+        """Lower the fusion to its kernels (one per segment) and host program."""
+    def set_streaming_load(self, t: int) -> None:
+        """Mark a copy of a fusion input as read once (its vector loads skip L1)."""
+    def set_evict_last(self, t: int) -> None:
+        """Mark a tensor that reads a fusion input directly as kept in L2 (evict_last loads)."""
+    def set_serial_grid_reduction(self, t: int) -> None:
+        """Request the serial grid-reduction protocol."""
+    def circular_buffer(self, t: int, stages: int) -> None:
+        """Circular-buffer a tensor."""
+
+class Kernel:
+    def kernel_ir(self) -> str:
+        """Kernel IR as text."""
+    def cuda(self, index32: bool = ...) -> Tuple[str, str, List[Tuple[str, str, int, int, str]]]:
+        """CUDA source (runtime header + kernel) and its parameters as (name, kind, index, dtype)."""
+    def plan(
+        self, sizes: List[List[int]], strides: List[List[int]], scalars: List[ScalarArg]
+    ) -> Tuple[
+        List[Tuple[List[int], List[int], str]],
+        List[Tuple[str, int, str, bool, bool]],
+        List[Any],
+        Tuple[int, int, int],
+        Tuple[int, int, int],
+        int,
+        bool,
+    ]:
+        """Concrete launch plan for input sizes/strides (elements) and scalar inputs:"""
+    def launch(self) -> Tuple[List[str], List[str], str]:
+        """Launch configuration as expressions: (grid, block, dynamic shared memory bytes)."""
+    def allocations_text(self) -> str:
+        """The allocation table as text."""
+    def allocations(
+        self,
+    ) -> List[Tuple[str, str, List[str], List[str], List[str], List[bool], int, bool, bool]]:
+        """AllocationInfo records: (tensor, memory, id labels, extents, strides, contiguity,
+        position, zero_init, resets_to_zero)."""
+    def gathers(self) -> List[Tuple[int, str, str]]:
+        """The kernel's gathers: (site id, index tensor, selected-from tensor)."""
+    def global_allocations(self) -> List[Tuple[str, str, List[str], bool, bool]]:
+        """KernelSummary global buffers: (name, dtype, shape, zero_init, resets_to_zero)."""
+
+class HostProgram:
+    def text(self) -> str:
+        """The program as text."""
+    def segmentation(self) -> str:
+        """How the automatic segmenter grouped the fusion (empty for the user's segments)."""
+    def kernels(self) -> List[Kernel]:
+        """The kernels, one per segment, in launch order."""
+    def instructions(self) -> List[Tuple[str, int, List[str], List[str], List[str]]]:
+        """Instructions as (op, kernel or -1, buffers, outputs, intermediates): Allocate and"""
+    def input_names(self) -> List[str]:
+        """Names of the fusion's tensor inputs, in order."""
+    def output_names(self) -> List[str]:
+        """Names of the fusion's outputs, in order."""
+    @property
+    def plan_misses(self) -> int:
+        """Number of plans evaluated so far (misses of the per-signature cache)."""
+    def plan(
+        self, sizes: List[List[int]], strides: List[List[int]], scalars: List[ScalarArg]
+    ) -> Tuple[List[BufferAlloc], List[Launch], int, int, int]:
+        """Concrete plan for input sizes/strides (elements) and scalar inputs:"""
+
+class PreparedLaunch:
+    def __init__(
+        self,
+        function: int,
+        grid: Tuple[int, int, int],
+        block: Tuple[int, int, int],
+        smem: int,
+        params: List[Optional[Any]],
+        memsets: List[Tuple[int, int]] = ...,
+        device: int = ...,
+        stream_getter: Optional[Any] = ...,
+    ) -> None:
+        """Pack a launch: ``params`` has one entry per kernel parameter, ``None`` for a device"""
+    def launch(self, stream: int, *args: Any) -> None:
+        """Launch on ``stream`` (a CUstream handle; 0 is the legacy default stream) with the"""
+    def launch_current(self, *args: Any) -> None:
+        """Launch on CuPy's current stream (read through CuPy's C API, as CuPy's own launches do)."""
+    def zero(self, stream: int, *pointers: Any) -> None:
+        """Zero the ``memsets`` buffers on ``stream`` (``cuMemsetD8Async``), before a launch;"""
+    def zero_current(self, *pointers: Any) -> None:
+        """``zero`` on CuPy's current stream."""
+    def stream(self) -> int:
+        """CuPy's current stream as ``launch_current`` reads it (a test hook)."""
+    def packed(self, *args: Any) -> bytes:
+        """The parameter buffer a launch with these per-call arguments passes, read back through"""
+    @property
+    def layout(self) -> List[Tuple[int, int]]:
+        """(offset, size) of every kernel parameter in the packed buffer."""
+    @property
+    def pointer_count(self) -> int:
+        """Device pointers a call takes."""
+    @property
+    def scalar_count(self) -> int:
+        """Per-call scalars a call takes (after, or among, the pointers in parameter order)."""
+    @property
+    def stream_getter_used(self) -> bool:
+        """Whether ``launch_current`` can read CuPy's current stream itself."""
+    @property
+    def dims(self) -> Tuple[Tuple[int, int, int], Tuple[int, int, int], int]:
+        """(grid, block, dynamic shared memory bytes)."""
+    def verify(self) -> Optional[List[Tuple[int, int]]]:
+        """The kernel's own parameter layout, [(offset, size)] from ``cuFuncGetParamInfo``"""
+
+def load_cuda_driver() -> None: ...
+def execute_cpu(kernel: Kernel, inputs: List[Any]) -> List[Any]: ...
