@@ -35,7 +35,8 @@ def test_the_stub_matches_the_extension_module():
     for cls in classes:
         runtime = {m for m in vars(getattr(_core, cls)) if not m.startswith("_")}
         declared = stub[cls] - {"__init__"}
-        assert declared == runtime, f"{cls}: only in the stub {declared - runtime}, only built {runtime - declared}"
+        assert declared == runtime, (
+            f"{cls}: only in the stub {declared - runtime}, only built {runtime - declared}")
 
 
 def test_the_package_is_marked_typed():
