@@ -219,6 +219,32 @@ pub fn refused(refusals: &[Refusal]) -> KilnError {
     KilnError::value(format!("no automatic schedule covers this fusion as one kernel ({})", why.join("; ")))
 }
 
+/// `roots` and the computed tensors they are made from (fusion inputs excluded), in no
+/// particular order: what a scheduler places on one side of a permute or in one class of
+/// outputs.
+pub(crate) fn computed_closure(f: &Fusion, roots: &[TvId]) -> Vec<TvId> {
+    let mut seen: Vec<TvId> = Vec::new();
+    let mut stack = roots.to_vec();
+    while let Some(t) = stack.pop() {
+        if f.tvs[t].definition.is_some() && !seen.contains(&t) {
+            seen.push(t);
+            stack.extend(f.producers(t));
+        }
+    }
+    seen
+}
+
+/// Put the reduction results `rs` that are not outputs in Global memory: ops after a grid
+/// reduction read its result back in the thread that finishes it.
+pub(crate) fn grid_results_in_global(f: &mut Fusion, rs: &[TvId]) -> Result<()> {
+    for &x in rs {
+        if !f.is_output(x) {
+            f.set_memory_type(x, crate::ir::MemoryType::Global)?;
+        }
+    }
+    Ok(())
+}
+
 /// True when `t` is a broadcast of a fusion input (a weight or bias read by every row).
 fn broadcast_input(f: &Fusion, t: TvId) -> bool {
     let Some(def) = f.tvs[t].definition else { return false };

@@ -186,13 +186,7 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
     let mut orient: Vec<(i64, i64)> = Vec::new();
     if let Some((pe, perm)) = &permute {
         let src = f.exprs[*pe].inputs[0].tensor().expect("a permute reads a tensor");
-        let mut stack = vec![src];
-        while let Some(t) = stack.pop() {
-            if f.tvs[t].definition.is_some() && !upstream.contains(&t) {
-                upstream.push(t);
-                stack.extend(f.producers(t));
-            }
-        }
+        upstream = super::computed_closure(f, &[src]);
         for &t in &upstream {
             let elsewhere = f.tvs[t].uses.iter().any(|&e| e != *pe && !upstream.contains(&f.exprs[e].output));
             if elsewhere || f.is_output(t) {
@@ -331,20 +325,9 @@ fn horizontal(f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
     }
     // The computed tensors of each class; one shared by two classes would need both
     // iteration spaces.
-    let closure = |f: &Fusion, outs: &[TvId]| -> Vec<TvId> {
-        let mut seen: Vec<TvId> = Vec::new();
-        let mut stack = outs.to_vec();
-        while let Some(t) = stack.pop() {
-            if f.tvs[t].definition.is_some() && !seen.contains(&t) {
-                seen.push(t);
-                stack.extend(f.producers(t));
-            }
-        }
-        seen
-    };
     let mut owner: Vec<(TvId, usize)> = Vec::new();
     for (k, (_, outs)) in classes.iter().enumerate() {
-        for t in closure(f, outs) {
+        for t in super::computed_closure(f, outs) {
             if let Some(&(_, j)) = owner.iter().find(|(u, _)| *u == t) {
                 bail!(
                     "{}: outputs {} and {} differ in shape and both are computed from it; a pointwise kernel writes one shape",
@@ -398,8 +381,10 @@ fn horizontal(f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
                 vec_tensors.push(o);
             }
         }
+        // Dependency order, caches included.
+        let mine_now = super::computed_closure(f, outs);
         let tensors: Vec<TvId> =
-            f.topo_exprs().into_iter().map(|e| f.exprs[e].output).filter(|t| closure(f, outs).contains(t)).collect();
+            f.topo_exprs().into_iter().map(|e| f.exprs[e].output).filter(|t| mine_now.contains(t)).collect();
         for &t in &tensors {
             if rank > 0 {
                 flatten_and_split(f, t, v, threads, 1)?;

@@ -14,7 +14,7 @@
 
 use crate::bail;
 use crate::error::Result;
-use crate::ir::{ExprId, Fusion, IterType, MemoryType, Op, Operand, ParallelType, TvId};
+use crate::ir::{ExprId, Fusion, IterType, Op, Operand, ParallelType, TvId};
 use crate::sched::auto::{tensor_sizes, Ctx, Heuristic, Params};
 
 fn merge_range(f: &mut Fusion, t: TvId, start: usize, count: usize) -> Result<()> {
@@ -43,10 +43,10 @@ fn by_dependence(f: &Fusion, rs: &[TvId]) -> (Vec<TvId>, Vec<TvId>) {
     // A tensor of lower rank than the reduction's input that only ops after the reduction
     // read (a running statistic's `(1 - momentum) * running_mean`) runs in their space.
     let rank = rs.first().map_or(0, |&r| f.tvs[r].logical.len());
+    let reduced = |x: TvId| f.tvs[x].definition.is_some_and(|d| matches!(f.exprs[d].op, Op::Reduction { .. }));
     for i in (0..before.len()).rev() {
         let t = before[i];
         let consumers = f.consumers(t);
-        let reduced = |x: TvId| f.tvs[x].definition.is_some_and(|d| matches!(f.exprs[d].op, Op::Reduction { .. }));
         if !reduced(t)
             && f.producers(t).iter().all(|&p| !reduced(p))
             && f.no_reduction_logical(t).len() < rank
@@ -229,11 +229,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
             1
         };
         if g > 1 && !after.is_empty() {
-            for &x in &rs {
-                if !f.is_output(x) {
-                    f.set_memory_type(x, MemoryType::Global)?;
-                }
-            }
+            super::grid_results_in_global(f, &rs)?;
         }
         let s = ((red_size + g * ty * u - 1) / (g * ty * u)).max(1);
         for &x in before.iter().chain(&rs) {
@@ -370,11 +366,7 @@ fn full(f: &mut Fusion, cx: &Ctx, rs: &[TvId], after: &[TvId], total: i64) -> Re
     // Ops on the total (a mean's scale, a norm's square root and clip coefficient) run in
     // the thread that finishes the grid reduction, which reads the total back from Global.
     if !after.is_empty() {
-        for &x in rs {
-            if !f.is_output(x) {
-                f.set_memory_type(x, MemoryType::Global)?;
-            }
-        }
+        super::grid_results_in_global(f, rs)?;
         for &x in after {
             if !f.is_output(x) {
                 f.inline_at(x, -1)?;

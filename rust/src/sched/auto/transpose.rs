@@ -42,14 +42,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
     // the Shared tile, in the input's order; ops after it (an epilogue: a scale, a cast, a
     // bias) on the output side, in the output's order. Each side reads its own inputs.
     // The prologue: the permute's input and the computed tensors it is made from.
-    let mut prologue: Vec<TvId> = Vec::new();
-    let mut stack = vec![src];
-    while let Some(t) = stack.pop() {
-        if f.tvs[t].definition.is_some() && !prologue.contains(&t) {
-            prologue.push(t);
-            stack.extend(f.producers(t));
-        }
-    }
+    let mut prologue = super::computed_closure(f, &[src]);
     let mut epilogue: Vec<TvId> = Vec::new();
     for &d in order.iter().filter(|&&d| d != e) {
         let t = f.exprs[d].output;
