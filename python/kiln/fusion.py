@@ -9,7 +9,7 @@ from . import _core
 from ._errors import KilnError, KilnTypeError
 from .enums import DataType
 from .host import signature_key
-from .lowering import LoweredFusion, LoweredKernel, check_inputs
+from .lowering import LoweredFusion, LoweredKernel, check_inputs, plain_numbers
 from .schedule import ScheduleMixin
 
 Operand = Union["Tensor", "Scalar", int, float, bool]
@@ -156,6 +156,7 @@ class FusionDefinition:
     # -- lowering --------------------------------------------------------------------
     def lower(self, inputs: Sequence[Any]) -> LoweredFusion:
         """The host program and kernels ``execute`` runs for inputs like ``inputs``."""
+        inputs = plain_numbers(inputs)
         check_inputs(self, inputs)
         if self._core.manually_scheduled:
             low = self._lower_program()
@@ -202,7 +203,7 @@ class FusionDefinition:
                     return hit[0](inputs, hit[1])
         from .execute import execute  # noqa: PLC0415
 
-        return execute(self, inputs, device, as_written)
+        return execute(self, plain_numbers(inputs), device, as_written)
 
     def check_errors(self) -> None:
         """Wait for this fusion's GPU work and raise what its kernels recorded (an

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from ._errors import KilnError, KilnTypeError
 from .enums import DataType, MemoryType
 
@@ -191,6 +193,13 @@ def _arg(x: Any) -> Tuple[str, str, List[int], List[int], Any]:
         item = int(getattr(x, "itemsize", 0) or x.dtype.itemsize)
         strides = [int(s) // item for s in x.strides]
     return ("tensor", name, [int(s) for s in shape], strides, None)
+
+
+def plain_numbers(inputs: Any) -> Any:
+    """``inputs`` with NumPy scalars (``np.float32(2.0)``) as the Python numbers they hold."""
+    if isinstance(inputs, (list, tuple)) and any(isinstance(x, np.generic) for x in inputs):
+        return [x.item() if isinstance(x, np.generic) else x for x in inputs]
+    return inputs
 
 
 def check_inputs(fd: Any, inputs: Sequence[Any], any_layout: Optional[bool] = None) -> None:

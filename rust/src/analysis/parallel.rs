@@ -73,20 +73,35 @@ pub fn parallel_axis(lg: &LoopGraph, f: &Fusion, tv: TvId, pt: ParallelType) -> 
     (0..f.tvs[tv].loop_domain.len()).find(|&a| lg.groups[lg.group(tv, a)].parallel == pt)
 }
 
-/// The thread and block dimensions that the reduction defining `tv` combines, when one of
-/// them is a block dimension (a grid reduction); empty otherwise. Only the threads that
-/// `Symbol::GridDone(tv)` names hold its result.
-pub fn grid_reduced_dims(f: &Fusion, lg: &LoopGraph, tv: TvId) -> Vec<ParallelType> {
+/// The thread and block dimensions that the reduction defining `tv` combines (empty for
+/// other exprs), in launch order: the parallel types of its reduced axes, and for a grid
+/// reduction also the thread dimensions of the kernel that `tv` does not run on. Those
+/// threads hold copies of one value, of which only index 0's enters (indexing guards a Global tensor to index 0
+/// along a dimension it does not use), so each block contributes one partial instead of one
+/// per thread. Codegen, the interpreter and the work buffers' sizes all read this.
+pub fn reduced_dims(f: &Fusion, lg: &LoopGraph, tv: TvId) -> Vec<ParallelType> {
     let Some(d) = f.tvs[tv].definition else { return Vec::new() };
     if !matches!(f.exprs[d].op, crate::ir::Op::Reduction { .. }) {
         return Vec::new();
     }
     let t = &f.tvs[tv];
-    let dims: Vec<ParallelType> = (0..t.loop_domain.len())
+    let axes: Vec<ParallelType> = (0..t.loop_domain.len())
         .filter(|&a| f.ids[t.loop_domain[a]].iter_type == IterType::Reduction)
         .map(|a| lg.groups[lg.group(tv, a)].parallel)
         .filter(|p| p.is_thread_or_block())
         .collect();
+    let grid = axes.iter().any(|p| p.is_block());
+    let used = used_dims(lg);
+    DIMS.into_iter()
+        .filter(|&p| axes.contains(&p) || (grid && p.is_thread() && used.contains(&p) && !runs_on(f, lg, tv, p)))
+        .collect()
+}
+
+/// The dimensions of [`reduced_dims`] when one of them is a block dimension (a grid
+/// reduction); empty otherwise. Only the threads that `Symbol::GridDone(tv)` names hold its
+/// result.
+pub fn grid_reduced_dims(f: &Fusion, lg: &LoopGraph, tv: TvId) -> Vec<ParallelType> {
+    let dims = reduced_dims(f, lg, tv);
     if dims.iter().any(|p| p.is_block()) {
         dims
     } else {

@@ -843,15 +843,7 @@ impl Gen<'_> {
         let out = format!("{}[{}]", self.buf(out_tv), self.c(ix.out));
         let input = self.operand(e, ix, 0, dt);
         let init_c = format!("kiln::cast<{ty}>({})", self.c(init));
-        // Parallel types of the reduced axes of the output.
-        let mut red: Vec<ParallelType> = Vec::new();
-        let ld = &f.tvs[out_tv].loop_domain;
-        for (a, &id) in ld.iter().enumerate() {
-            let p = self.k.loops.groups[self.k.loops.group(out_tv, a)].parallel;
-            if f.ids[id].iter_type == IterType::Reduction && p.is_thread_or_block() {
-                red.push(p);
-            }
-        }
+        let red = crate::analysis::parallel::reduced_dims(f, &self.k.loops, out_tv);
         let pred = self.pred(ix.predicate);
         if red.is_empty() {
             let _ = writeln!(self.out, "{pad}if ({pred}) {{ {pre}{out} = {functor}({out}, {input}); }}");

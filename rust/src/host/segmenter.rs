@@ -88,7 +88,9 @@ pub fn auto_program_strided(
             .collect();
         crate::host::bind::specialize_layout(&mut g, &descs);
     }
+    crate::sched::auto::canonical::reduce_through_broadcasts(&mut g)?;
     crate::sched::auto::canonical::merge_nested_reductions(&mut g)?;
+    crate::sched::auto::canonical::reuse_partial_reductions(&mut g)?;
     crate::sched::auto::canonical::broadcast_computed_indices(&mut g)?;
     crate::sched::auto::canonical::sink_broadcasts(&mut g)?;
     crate::sched::auto::canonical::unify_mapped_extents(&mut g);

@@ -125,23 +125,9 @@ fn compile(k: &Kernel, body: &[Node], stack: &mut Vec<(ParallelType, bool)>) -> 
                         f.tv_name(e.output)
                     );
                 }
-                // Like codegen: the reduced thread/block dims are the parallel types of the
-                // output's own reduction axes (a shared loop may be promoted to another
-                // tensor's iteration id).
-                let reduced = if matches!(e.op, Op::Reduction { .. }) {
-                    let out = e.output;
-                    let ld = &f.tvs[out].loop_domain;
-                    let mut r: Vec<ParallelType> = (0..ld.len())
-                        .filter(|&a| f.ids[ld[a]].iter_type == IterType::Reduction)
-                        .map(|a| k.loops.groups[k.loops.group(out, a)].parallel)
-                        .filter(|p| p.is_thread_or_block())
-                        .collect();
-                    r.sort_by_key(|p| p.enum_name());
-                    r.dedup();
-                    r
-                } else {
-                    Vec::new()
-                };
+                // The dims codegen reduces over (a shared loop may be promoted to another
+                // tensor's iteration id, so they come from the output's own axes).
+                let reduced = crate::analysis::parallel::reduced_dims(f, &k.loops, e.output);
                 CNode::Access(Box::new(Access {
                     kind: AccessKind::Expr { expr: *expr },
                     out_tv: e.output,

@@ -16,10 +16,36 @@ use crate::kernel::{ForLoop, Node};
 pub fn expr_order(f: &Fusion) -> Vec<ExprId> {
     let mut order = Vec::new();
     let mut done: FxHashSet<ExprId> = FxHashSet::default();
-    for &out in &f.outputs {
+    // Outputs computed from a grid reduction last: a grid reduction waits for every block,
+    // so the ops on its result come after all of the block's other work (placed first, a
+    // loss averaged over the rows would close the row loop that a per-row output needs).
+    let mut outputs = f.outputs.clone();
+    outputs.sort_by_key(|&o| after_grid_reduction(f, o));
+    for out in outputs {
         visit(f, out, &mut done, &mut order);
     }
     order
+}
+
+/// True when `tv` is, or is computed from, a reduction over a block-parallel axis.
+fn after_grid_reduction(f: &Fusion, tv: TvId) -> bool {
+    let mut stack = vec![tv];
+    let mut seen: FxHashSet<TvId> = FxHashSet::default();
+    while let Some(t) = stack.pop() {
+        if !seen.insert(t) {
+            continue;
+        }
+        let Some(e) = f.tvs[t].definition else { continue };
+        let grid = matches!(f.exprs[e].op, crate::ir::Op::Reduction { .. })
+            && f.tvs[t].loop_domain.iter().any(|&id| {
+                f.ids[id].iter_type == crate::ir::IterType::Reduction && f.ids[id].parallel.is_block()
+            });
+        if grid {
+            return true;
+        }
+        stack.extend(f.exprs[e].input_tvs());
+    }
+    false
 }
 
 fn visit(f: &Fusion, tv: TvId, done: &mut FxHashSet<ExprId>, order: &mut Vec<ExprId>) {

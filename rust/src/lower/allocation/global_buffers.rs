@@ -8,7 +8,7 @@
 use crate::analysis::loop_graph::LoopGraph;
 use crate::bail;
 use crate::error::Result;
-use crate::ir::{DataType, Fusion, IterType, MemoryType, ParallelType, TvId, ValId};
+use crate::ir::{DataType, Fusion, MemoryType, ParallelType, TvId, ValId};
 use crate::kernel::GlobalBuffer;
 
 /// Launch extent of `pt`: the largest extent of any loop group mapped to it (1 if none).
@@ -33,14 +33,7 @@ pub fn launch_extent(f: &mut Fusion, lg: &LoopGraph, pt: ParallelType) -> ValId 
 /// normal work buffer holds NSEG*G*P partials, the serial one NSEG*P running results,
 /// and there is one int64 semaphore per segment.
 pub fn grid_reduction_buffers(f: &mut Fusion, lg: &LoopGraph, tv: TvId) -> Result<Vec<GlobalBuffer>> {
-    let ld = f.tvs[tv].loop_domain.clone();
-    let mut reduced: Vec<ParallelType> = Vec::new();
-    for (a, &id) in ld.iter().enumerate() {
-        let p = lg.groups[lg.group(tv, a)].parallel;
-        if f.ids[id].iter_type == IterType::Reduction && p.is_thread_or_block() {
-            reduced.push(p);
-        }
-    }
+    let reduced = crate::analysis::parallel::reduced_dims(f, lg, tv);
     if !reduced.iter().any(|p| p.is_block()) {
         return Ok(Vec::new());
     }

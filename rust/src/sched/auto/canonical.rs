@@ -13,6 +13,11 @@
 //!   the rows) becomes `sum(x, [0, 1])` when nothing else reads the inner result: one
 //!   reduction the schedulers cover in one kernel instead of two. Sums reassociate (the
 //!   order of a reduction is unspecified anyway); max and min are exact.
+//! - **Reductions read through broadcasts.** A reduction over every axis a broadcast added
+//!   (`x.mean()` of a keepdim statistic) reduces the broadcast's source instead.
+//! - **Partial reductions are reused.** `sum(y, [0, 1])` beside `sum(y, [1])` becomes the
+//!   sum of the row sums: one pass over `y`, and the total a grid reduction of the rows in
+//!   the row reduction's kernel.
 //! - **Mapped extents share one symbol.** Axes the definition aligns (a running mean `[C]`
 //!   added to a statistic over x's `C` axis) have sizes the input contract checks equal at
 //!   run time (`host::bind`); giving them one extent symbol lets their loops be one loop.
@@ -121,6 +126,87 @@ pub fn merge_nested_reductions(f: &mut Fusion) -> Result<()> {
             f.tvs[inner].uses.retain(|&u| u != e);
             f.tvs[x].uses.retain(|&u| u != d);
             continue 'again;
+        }
+        return Ok(());
+    }
+}
+
+/// Reduce the source of a broadcast instead of the broadcast, where the reduction covers
+/// every axis the broadcast added (`x.mean()` of a keepdim statistic `[R, 1]`): a size-one
+/// axis adds its one element, so the result is the same, and the reduction then reads a
+/// per-row value that the row schedule totals in its kernel. Reducing only the new axes
+/// leaves the source itself.
+pub fn reduce_through_broadcasts(f: &mut Fusion) -> Result<()> {
+    'again: loop {
+        for e in f.topo_exprs() {
+            let Op::Reduction { op, .. } = f.exprs[e].op else { continue };
+            let Some(b) = f.exprs[e].inputs[0].tensor() else { continue };
+            let Some(d) = f.tvs[b].definition else { continue };
+            let Op::Broadcast { is_new } = f.exprs[d].op.clone() else { continue };
+            let Some(src) = f.exprs[d].inputs[0].tensor() else { continue };
+            let reduced = reduced_axes(f, e);
+            let out = f.exprs[e].output;
+            if !is_new.iter().enumerate().all(|(a, &new)| !new || reduced.contains(&a))
+                || f.tvs[out].dtype != f.tvs[src].dtype
+            {
+                continue;
+            }
+            // The other reduced axes, numbered among the source's axes.
+            let old: Vec<usize> = (0..is_new.len()).filter(|&a| !is_new[a]).collect();
+            let dims: Vec<i64> =
+                old.iter().enumerate().filter(|(_, a)| reduced.contains(a)).map(|(i, _)| i as i64).collect();
+            let replacement = if dims.is_empty() { f.set(src)? } else { f.reduction(op, src, &dims, false, None)? };
+            replace_tensor(f, out, replacement);
+            f.tvs[b].uses.retain(|&u| u != e);
+            continue 'again;
+        }
+        return Ok(());
+    }
+}
+
+/// The axes of its input that reduction expr `e` reduces.
+fn reduced_axes(f: &Fusion, e: ExprId) -> Vec<usize> {
+    let out = &f.tvs[f.exprs[e].output].logical;
+    (0..out.len()).filter(|&a| f.ids[out[a]].iter_type == IterType::Reduction).collect()
+}
+
+/// Compute a reduction from a sibling that reduces a subset of its axes of the same tensor
+/// with the same combiner: `sum(y, [0, 1])` beside `sum(y, [1])` becomes a sum over the
+/// rows of the row sums. It reads the small result instead of the input again, and a
+/// schedule of the row reduction takes the total as a grid reduction of its rows.
+pub fn reuse_partial_reductions(f: &mut Fusion) -> Result<()> {
+    'again: loop {
+        let reductions: Vec<ExprId> =
+            f.topo_exprs().into_iter().filter(|&e| matches!(f.exprs[e].op, Op::Reduction { .. })).collect();
+        for &b in &reductions {
+            for &a in &reductions {
+                let (Op::Reduction { op: op_a, .. }, Op::Reduction { op: op_b, .. }) = (&f.exprs[a].op, &f.exprs[b].op)
+                else {
+                    continue;
+                };
+                let (ra, rb) = (reduced_axes(f, a), reduced_axes(f, b));
+                let (oa, ob) = (f.exprs[a].output, f.exprs[b].output);
+                if a == b
+                    || op_a != op_b
+                    || f.exprs[a].inputs[0] != f.exprs[b].inputs[0]
+                    || f.tvs[oa].dtype != f.tvs[ob].dtype
+                    || ra.len() >= rb.len()
+                    || !ra.iter().all(|x| rb.contains(x))
+                {
+                    continue;
+                }
+                // B's other axes, numbered among A's kept axes.
+                let rank = f.tvs[oa].logical.len();
+                let kept: Vec<usize> = (0..rank).filter(|x| !ra.contains(x)).collect();
+                let dims: Vec<i64> = kept.iter().enumerate().filter(|(_, x)| rb.contains(x)).map(|(i, _)| i as i64).collect();
+                let op = *op_b;
+                let dtype = f.tvs[ob].dtype;
+                let total = f.reduction(op, oa, &dims, false, Some(dtype))?;
+                let x = f.exprs[b].inputs[0].tensor().expect("a reduction reads a tensor");
+                replace_tensor(f, ob, total);
+                f.tvs[x].uses.retain(|&u| u != b);
+                continue 'again;
+            }
         }
         return Ok(());
     }
@@ -312,16 +398,39 @@ fn clone_chain(f: &mut Fusion, t: TvId, memo: &mut FxHashMap<TvId, TvId>) -> Res
             s => s,
         });
     }
-    let c = match op {
+    let c = replay(f, op, &operands)?;
+    memo.insert(t, c);
+    Ok(c)
+}
+
+/// A new tensor computed by `op` from `operands`, as the op's builder makes it (element-wise
+/// ops, broadcasts, copies and gathers; the others are not replayed).
+pub(crate) fn replay(f: &mut Fusion, op: Op, operands: &[Operand]) -> Result<TvId> {
+    let tensor =
+        |i: usize| operands[i].tensor().ok_or_else(|| crate::error::KilnError::internal("replay: a scalar operand"));
+    Ok(match op {
         Op::Unary(u) => f.unary(u, operands[0])?,
         Op::Binary(b) => f.binary(b, operands[0], operands[1])?,
         Op::Where => f.where_(operands[0], operands[1], operands[2])?,
         Op::Cast(dt) => f.cast(operands[0], dt)?,
-        Op::Broadcast { is_new } => f.broadcast(operands[0].tensor().expect("broadcast reads a tensor"), is_new)?,
-        _ => f.set(operands[0].tensor().expect("set reads a tensor"))?,
-    };
-    memo.insert(t, c);
-    Ok(c)
+        Op::Broadcast { is_new } => f.broadcast(tensor(0)?, is_new)?,
+        Op::Set => f.set(tensor(0)?)?,
+        Op::IndexSelect { dim } => f.index_select(tensor(0)?, tensor(1)?, dim as i64)?,
+        Op::Reduction { .. } | Op::Permute { .. } | Op::Full { .. } => {
+            crate::bail_internal!("replay: {op:?} is not replayed")
+        }
+    })
+}
+
+/// A second copy of the expr that defines `t`, reading the same operands (recomputation).
+pub(crate) fn recompute(f: &mut Fusion, t: TvId) -> Result<TvId> {
+    let Some(d) = f.tvs[t].definition else { crate::bail_internal!("recompute: {} is an input", f.tv_name(t)) };
+    let (op, operands) = (f.exprs[d].op.clone(), f.exprs[d].inputs.clone());
+    if let Op::Full { value } = op {
+        let shape: Vec<_> = f.tvs[t].logical.iter().map(|&id| f.ids[id].extent).collect();
+        return f.full(&shape, Operand::Scalar(value), f.tvs[t].dtype);
+    }
+    replay(f, op, &operands)
 }
 
 /// Give each reader that concretizes a shared broadcast its own copy (see the module docs).

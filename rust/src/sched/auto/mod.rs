@@ -12,6 +12,7 @@
 //!   the last axis in place is a pointwise copy in the output's axis order).
 
 pub mod canonical;
+pub mod looped;
 pub mod normalization;
 pub mod pointwise;
 pub mod reduction;
@@ -22,7 +23,7 @@ pub use registry::{Ctx, DeviceProps, Refusal, Scheduler, REGISTRY};
 
 use crate::bail;
 use crate::error::{KilnError, Result};
-use crate::ir::{ExprId, Fusion, IterDomainId, IterType, Op, Symbol, TvId};
+use crate::ir::{ExprId, Fusion, IterDomainId, IterType, Op, ParallelType, Symbol, TvId};
 
 /// Whether the automatic schedules load inputs with the L2 evict_last hint
 /// (`Fusion::set_evict_last`): yes unless `KILN_L2_EVICT_LAST` is `0`, `false`, `off` or
@@ -63,10 +64,15 @@ pub enum Params {
     /// reduced axes (a grid reduction when above one), `serial` steps of `unroll` rows.
     OuterReduction { threads: i64, rows: i64, grid: i64, serial: i64, unroll: i64 },
     /// Everything into one value: `grid` blocks of `threads`, `serial` steps of `unroll`
-    /// vectors of `vector`, then a grid reduction.
-    FullReduction { threads: i64, vector: i64, grid: i64, serial: i64, unroll: i64 },
+    /// vectors of `vector`, then a grid reduction; `others` holds `[vector, serial, unroll]`
+    /// of each further reduction (of another shape) sharing the grid.
+    FullReduction { threads: i64, vector: i64, grid: i64, serial: i64, unroll: i64, others: Vec<i64> },
     /// One block per row, the row kept in registers: `per_thread` vectors of `vector`.
     Normalization { vector: i64, per_thread: i64 },
+    /// One block per row (`outer` 0: `threads_x` threads of `vector`-wide steps) or per
+    /// tile of `threads_x` columns (`outer` 1: `threads_y` thread rows), each pass a loop
+    /// over the row that reads its inputs again, `unroll` steps in flight.
+    LoopedNormalization { outer: i64, unroll: i64, vector: i64, threads_x: i64, threads_y: i64 },
     /// Shared-memory tiles of `tile` x `tile`, `threads` per block, `vector`-wide accesses.
     Transpose { tile: i64, threads: i64, vector: i64 },
     /// Several kernels: each group's expr ids and the heuristic it got.
@@ -102,6 +108,7 @@ impl Heuristic {
             Params::OuterReduction { .. } => "outer_reduction",
             Params::FullReduction { .. } => "full_reduction",
             Params::Normalization { .. } => "normalization",
+            Params::LoopedNormalization { .. } => "looped_normalization",
             Params::Transpose { .. } => "transpose",
             Params::Segmented(_) => "segmented",
         }
@@ -120,10 +127,13 @@ impl Heuristic {
             Params::OuterReduction { threads, rows, grid, serial, unroll } => {
                 vec![*threads, *rows, *grid, *serial, *unroll]
             }
-            Params::FullReduction { threads, vector, grid, serial, unroll } => {
-                vec![*threads, *vector, *grid, *serial, *unroll]
+            Params::FullReduction { threads, vector, grid, serial, unroll, others } => {
+                [vec![*threads, *vector, *grid, *serial, *unroll], others.clone()].concat()
             }
             Params::Normalization { vector, per_thread } => vec![*vector, *per_thread],
+            Params::LoopedNormalization { outer, unroll, vector, threads_x, threads_y } => {
+                vec![*outer, *unroll, *vector, *threads_x, *threads_y]
+            }
             Params::Transpose { tile, threads, vector } => vec![*tile, *threads, *vector],
             Params::Segmented(groups) => {
                 let mut out = Vec::new();
@@ -240,6 +250,66 @@ pub(crate) fn grid_results_in_global(f: &mut Fusion, rs: &[TvId]) -> Result<()> 
     for &x in rs {
         if !f.is_output(x) {
             f.set_memory_type(x, crate::ir::MemoryType::Global)?;
+        }
+    }
+    Ok(())
+}
+
+/// The tensors computed from `roots` (roots excluded), in dependency order.
+pub(crate) fn downstream(f: &Fusion, roots: &[TvId]) -> Vec<TvId> {
+    let mut out: Vec<TvId> = Vec::new();
+    for e in f.topo_exprs() {
+        if f.exprs[e].input_tvs().any(|t| roots.contains(&t) || out.contains(&t)) {
+            out.push(f.exprs[e].output);
+        }
+    }
+    out
+}
+
+/// The reductions of `reds` that a row schedule runs as totals of its rows, and the others.
+/// A total reduces every axis of a per-row value (a tensor of the kept axes of the widest
+/// reductions: a loss averaged over the rows, the sum of the row sums, a count of the valid
+/// rows): each block adds its row's value in a grid reduction over the blocks, and ops on
+/// the totals (rank 0) run where the last one finishes.
+pub(crate) fn split_totals(f: &Fusion, reds: &[ExprId]) -> (Vec<ExprId>, Vec<ExprId>) {
+    let input_rank = |e: ExprId| f.exprs[e].inputs[0].tensor().map_or(0, |x| f.no_reduction_logical(x).len());
+    let widest = reds.iter().map(|&e| input_rank(e)).max().unwrap_or(0);
+    let kept = reds
+        .iter()
+        .find(|&&e| input_rank(e) == widest)
+        .map_or(0, |&e| f.no_reduction_logical(f.exprs[e].output).len());
+    reds.iter().partition(|&&e| {
+        let out = f.exprs[e].output;
+        !(kept > 0
+            && input_rank(e) == kept
+            && f.tvs[out].logical.iter().all(|&id| f.ids[id].iter_type == IterType::Reduction))
+    })
+}
+
+/// Schedule the totals of a row schedule whose rows run on BIDx (see [`split_totals`]):
+/// each a grid reduction over the rows' blocks; `post` (what is computed from them, rank 0)
+/// runs in the thread that finishes the last one. Refuses totals read by anything of a
+/// higher rank: that needs the total in every block.
+pub(crate) fn schedule_totals(f: &mut Fusion, totals: &[TvId], post: &[TvId]) -> Result<()> {
+    if let Some(&t) = post.iter().find(|&&t| !f.no_reduction_logical(t).is_empty()) {
+        bail!(
+            "{}: reads a total of the rows, which only the block that finishes it has; it needs a kernel of its own",
+            f.tv_name(t)
+        );
+    }
+    for &t in totals {
+        let n = f.tvs[t].loop_domain.len();
+        for _ in 1..n {
+            f.merge(t, 0, 1)?;
+        }
+        f.parallelize(t, 0, ParallelType::BIDx)?;
+    }
+    if !post.is_empty() {
+        grid_results_in_global(f, totals)?;
+        for &t in post {
+            if !f.is_output(t) {
+                f.inline_at(t, -1)?;
+            }
         }
     }
     Ok(())

@@ -63,6 +63,9 @@ pub fn is_normalization(f: &Fusion, reductions: &[ExprId]) -> bool {
 
 /// Schedule a normalization over the trailing axes.
 pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuristic> {
+    let (reductions, totals) = super::split_totals(f, reductions);
+    let totals: Vec<TvId> = totals.iter().map(|&e| f.exprs[e].output).collect();
+    let post = super::downstream(f, &totals);
     let r0 = f.exprs[reductions[0]].output;
     let logical = f.tvs[r0].logical.clone();
     let n = logical.len();
@@ -71,7 +74,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     if n < 2 || !is_red.iter().skip(n - k).all(|&b| b) {
         bail!("{}: only normalizations over the trailing axes are scheduled automatically", f.tv_name(r0));
     }
-    for &e in reductions {
+    for &e in &reductions {
         let r = f.exprs[e].output;
         let same =
             f.tvs[r].logical.iter().map(|&id| f.ids[id].iter_type == IterType::Reduction).eq(is_red.iter().copied());
@@ -120,7 +123,11 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
         }
     }
     let order = f.topo_exprs();
-    let tensors: Vec<TvId> = order.iter().map(|&e| f.exprs[e].output).collect();
+    let tensors: Vec<TvId> = order
+        .iter()
+        .map(|&e| f.exprs[e].output)
+        .filter(|t| !totals.contains(t) && !post.contains(t))
+        .collect();
     // Per-row values computed from the reductions (a mean or rstd that is also an output):
     // `[rows (BIDx)]`, inlined into the row's loop like the reductions themselves.
     // A weight: an input broadcast along every row axis, the same for every row. It loads
@@ -169,6 +176,8 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
             f.parallelize(t, 3, ParallelType::Vectorize)?;
         }
     }
+    // Totals first: the per-row values they read are inlined into their loops.
+    super::schedule_totals(f, &totals, &post)?;
     let is_reduction =
         |f: &Fusion, t: TvId| matches!(f.tvs[t].definition.map(|e| &f.exprs[e].op), Some(Op::Reduction { .. }));
     for &t in &tensors {

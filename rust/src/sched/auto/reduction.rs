@@ -67,7 +67,14 @@ fn by_dependence(f: &Fusion, rs: &[TvId]) -> (Vec<TvId>, Vec<TvId>) {
 /// the same axes of tensors of one shape and do not read each other (a sum and a count
 /// side by side), which share every loop.
 pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> {
+    let (reds, totals) = super::split_totals(f, reds);
+    let totals: Vec<TvId> = totals.iter().map(|&e| f.exprs[e].output).collect();
+    let post = super::downstream(f, &totals);
     let rs: Vec<TvId> = reds.iter().map(|&e| f.exprs[e].output).collect();
+    let everything = |f: &Fusion, o: TvId| f.tvs[o].logical.iter().all(|&id| f.ids[id].iter_type == IterType::Reduction);
+    if rs.iter().all(|&o| everything(f, o)) {
+        return full(f, cx, &rs);
+    }
     let r = rs[0];
     let logical = f.tvs[r].logical.clone();
     let n = logical.len();
@@ -109,8 +116,13 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
     let red_size: i64 = sizes.iter().zip(&is_red).filter(|(_, &b)| b).map(|(s, _)| *s).product();
     let keep_size: i64 = sizes.iter().zip(&is_red).filter(|(_, &b)| !b).map(|(s, _)| *s).product();
 
-    // Tensors before the reduction (same rank as its input) and after it.
-    let (before, after) = by_dependence(f, &rs);
+    // Tensors before the reduction (same rank as its input) and after it; totals of the
+    // rows and what they compute are placed last.
+    let (before, mut after) = by_dependence(f, &rs);
+    after.retain(|t| !totals.contains(t) && !post.contains(t));
+    if !totals.is_empty() && !inner {
+        bail!("{}: a total needs the rows on the blocks (an inner reduction); it needs a kernel of its own", f.tv_name(totals[0]));
+    }
     if let Some(o) = rs.iter().copied().find(|&o| by_dependence(f, &[o]).1.iter().any(|t| rs.contains(t))) {
         bail!("{}: a reduction reads it; reductions of reductions need a kernel each", f.tv_name(o));
     }
@@ -164,9 +176,6 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
     }
 
     let widest = f.tvs.values().map(|t| t.dtype.size_bytes()).max().unwrap_or(4) as i64;
-    if k == n {
-        return full(f, cx, &rs, &after, red_size);
-    }
     if inner {
         // Vector loads along the reduced axes, one block per kept row. After a permutation
         // the merged reduced axes are contiguous in memory only along the last one.
@@ -208,6 +217,8 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
         for &x in &pre {
             f.inline_at(x, -1)?;
         }
+        // Totals before inlining: the per-row values they read are inlined into their loops.
+        super::schedule_totals(f, &totals, &post)?;
         inline_into_after(f, &rs, &after)?;
         return Ok(Heuristic::new(Params::InnerReduction { vector: v, threads: t }));
     }
@@ -317,61 +328,99 @@ fn inline_into_after(f: &mut Fusion, rs: &[TvId], after: &[TvId]) -> Result<()> 
     Ok(())
 }
 
-/// Everything reduced: a grid of blocks each summing a strided share.
-fn full(f: &mut Fusion, cx: &Ctx, rs: &[TvId], after: &[TvId], total: i64) -> Result<Heuristic> {
-    let r = rs[0];
-    let n = f.tvs[r].loop_domain.len();
+/// Everything reduced: a grid of blocks each summing a strided share, one loop nest per
+/// reduction (several totals of tensors of different shapes share the grid: the squares of
+/// a weight's and a bias's gradients summed into one norm).
+fn full(f: &mut Fusion, cx: &Ctx, rs: &[TvId]) -> Result<Heuristic> {
+    let (before, after) = by_dependence(f, rs);
+    if let Some(o) = rs.iter().copied().find(|&o| by_dependence(f, &[o]).1.iter().any(|t| rs.contains(t))) {
+        bail!("{}: a reduction reads it; reductions of reductions need a kernel each", f.tv_name(o));
+    }
+    if let Some(&t) = after.iter().find(|&&t| !f.no_reduction_logical(t).is_empty()) {
+        bail!(
+            "{}: reads a total, which only the block that finishes it has; it needs a kernel of its own",
+            f.tv_name(t)
+        );
+    }
+    // Each tensor before the reductions runs in the loops of the first one it lines up with.
+    let mut groups: Vec<Vec<TvId>> = vec![Vec::new(); rs.len()];
+    for &t in &before {
+        let Some(i) = rs.iter().position(|&r| super::misaligned(f, cx, &f.tvs[r].logical, &[t]).is_none()) else {
+            bail!("{}: its axes do not line up with those of any reduction's input; it needs a kernel of its own", f.tv_name(t));
+        };
+        groups[i].push(t);
+    }
     let t = 512;
     let widest = f.tvs.values().map(|t| t.dtype.size_bytes()).max().unwrap_or(4) as i64;
-    let v = if total % (16 / widest) == 0 { 16 / widest } else { 1 };
-    let rows = (total + t * v - 1) / (t * v); // vectors of the whole block
-                                              // Blocks: one full wave (four 512-thread blocks per SM), preferring a count that divides
-                                              // the work evenly so no block runs a partial last step.
+    let totals: Vec<i64> =
+        rs.iter().map(|&r| Ok(tensor_sizes(f, cx, r)?.iter().product())).collect::<Result<_>>()?;
+    let vector = |total: i64| if total % (16 / widest) == 0 { 16 / widest } else { 1 };
+    // Vectors of the whole block, per reduction; the grid is sized by the largest.
+    let rows = |total: i64| (total + t * vector(total) - 1) / (t * vector(total));
+    let most = totals.iter().map(|&n| rows(n)).max().unwrap_or(1);
+    // Blocks: one full wave (four 512-thread blocks per SM), preferring a count that divides
+    // the work evenly so no block runs a partial last step.
     let wave = 4 * cx.device.sm_count;
-    let g = (2 * cx.device.sm_count..=wave).rev().find(|&g| rows % g == 0).unwrap_or(rows.clamp(1, wave));
-    let s = ((rows + g - 1) / g).max(1);
-    // Steps each thread has in flight at once: independent loads hide DRAM latency.
-    let u = [4, 2].into_iter().find(|&u| s % u == 0).unwrap_or(1);
-    let s = s / u;
-    // Vectorized read caches of full-size inputs.
-    let mut caches = Vec::new();
-    for op in f.inputs.clone() {
-        let Operand::Tensor(x) = op else { continue };
-        if v > 1 && super::full_size_input(f, x, n) && !f.tvs[x].uses.is_empty() {
-            let c = f.cache_after(x)?;
-            // Read once, like the inner case (full sum: 64.8 us against 65.3).
-            f.set_streaming_load(c)?;
-            caches.push(c);
+    let g = (2 * cx.device.sm_count..=wave).rev().find(|&g| most % g == 0).unwrap_or(most.clamp(1, wave));
+    let mut params = Vec::new();
+    for (i, &r) in rs.iter().enumerate() {
+        let n = f.tvs[r].loop_domain.len();
+        let v = vector(totals[i]);
+        let s = ((rows(totals[i]) + g - 1) / g).max(1);
+        // Steps each thread has in flight at once: independent loads hide DRAM latency.
+        let u = [4, 2].into_iter().find(|&u| s % u == 0).unwrap_or(1);
+        let s = s / u;
+        params.push((v, s, u));
+        // Vectorized read caches of the full-size inputs this reduction reads.
+        let mut caches = Vec::new();
+        let reads: Vec<TvId> = groups[i].iter().chain([&r]).flat_map(|&x| f.producers(x)).collect();
+        for op in f.inputs.clone() {
+            let Operand::Tensor(x) = op else { continue };
+            if v > 1 && reads.contains(&x) && super::full_size_input(f, x, n) && !f.tvs[x].uses.is_empty() {
+                let c = f.cache_after(x)?;
+                // Read once, like the inner case (full sum: 64.8 us against 65.3).
+                f.set_streaming_load(c)?;
+                caches.push(c);
+                groups[i].push(c);
+            }
+        }
+        for &x in groups[i].iter().chain([&r]) {
+            merge_range(f, x, 0, n)?;
+            f.split(x, 0, v, true)?; // [N/v, v]
+            f.split(x, 0, t, true)?; // [N/(t v), t, v]
+            f.split(x, 0, u, true)?; // [N/(t v u), u, t, v]
+            f.split(x, 0, s, true)?; // [g, s, u, t, v]
+            f.parallelize(x, 0, ParallelType::BIDx)?;
+            if u > 1 {
+                f.parallelize(x, 2, ParallelType::Unroll)?;
+            }
+            f.parallelize(x, 3, ParallelType::TIDx)?;
+            if caches.contains(&x) {
+                f.parallelize(x, 4, ParallelType::Vectorize)?;
+            }
+        }
+        for &x in &groups[i] {
+            f.inline_at(x, -1)?;
         }
     }
-    let pre = by_dependence(f, rs).0;
-    for &x in pre.iter().chain(rs) {
-        merge_range(f, x, 0, n)?;
-        f.split(x, 0, v, true)?; // [N/v, v]
-        f.split(x, 0, t, true)?; // [N/(t v), t, v]
-        f.split(x, 0, u, true)?; // [N/(t v u), u, t, v]
-        f.split(x, 0, s, true)?; // [g, s, u, t, v]
-        f.parallelize(x, 0, ParallelType::BIDx)?;
-        if u > 1 {
-            f.parallelize(x, 2, ParallelType::Unroll)?;
-        }
-        f.parallelize(x, 3, ParallelType::TIDx)?;
-        if caches.contains(&x) {
-            f.parallelize(x, 4, ParallelType::Vectorize)?;
-        }
-    }
-    for &x in &pre {
-        f.inline_at(x, -1)?;
-    }
-    // Ops on the total (a mean's scale, a norm's square root and clip coefficient) run in
-    // the thread that finishes the grid reduction, which reads the total back from Global.
+    // Ops on the totals (a mean's scale, a norm's square root and clip coefficient) run in
+    // the thread that finishes the last grid reduction, which reads the totals back from
+    // Global.
     if !after.is_empty() {
         super::grid_results_in_global(f, rs)?;
-        for &x in after {
+        for &x in &after {
             if !f.is_output(x) {
                 f.inline_at(x, -1)?;
             }
         }
     }
-    Ok(Heuristic::new(Params::FullReduction { threads: t, vector: v, grid: g, serial: s, unroll: u }))
+    let (vector, serial, unroll) = params[0];
+    Ok(Heuristic::new(Params::FullReduction {
+        threads: t,
+        vector,
+        grid: g,
+        serial,
+        unroll,
+        others: params[1..].iter().flat_map(|&(v, s, u)| [v, s, u]).collect(),
+    }))
 }

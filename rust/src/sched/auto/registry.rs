@@ -11,7 +11,7 @@ use std::fmt;
 
 use crate::error::{ErrorKind, Result};
 use crate::ir::{ExprId, Fusion, Op};
-use crate::sched::auto::{normalization, pointwise, reduction, specialize_reduced_extents, transpose, Heuristic};
+use crate::sched::auto::{looped, normalization, pointwise, reduction, specialize_reduced_extents, transpose, Heuristic};
 
 /// Properties of the target GPU that the heuristics read; part of every plan key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -92,6 +92,7 @@ fn shape(f: &Fusion) -> Shape {
 
 struct Pointwise;
 struct Normalization;
+struct LoopedNormalization;
 struct Reduction;
 struct Transpose;
 
@@ -137,6 +138,19 @@ impl Scheduler for Normalization {
     }
 }
 
+impl Scheduler for LoopedNormalization {
+    fn name(&self) -> &'static str {
+        "looped_normalization"
+    }
+    fn accepts(&self, f: &Fusion, cx: &Ctx) -> std::result::Result<(), String> {
+        Normalization.accepts(f, cx)
+    }
+    fn schedule(&self, f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
+        let reductions = shape(f).reductions;
+        looped::schedule(f, cx, &reductions)
+    }
+}
+
 impl Scheduler for Reduction {
     fn name(&self) -> &'static str {
         "reduction"
@@ -150,9 +164,12 @@ impl Scheduler for Reduction {
             let o = f.exprs[e].output;
             f.tvs[o].logical.iter().map(|&id| f.ids[id].iter_type == crate::ir::IterType::Reduction).collect()
         };
-        match s.reductions.as_slice() {
+        let (rows, _) = super::split_totals(f, &s.reductions);
+        match rows.as_slice() {
             [] => Err("the fusion has no reduction".into()),
             [first, rest @ ..] if rest.iter().all(|&e| pattern(e) == pattern(*first)) => Ok(()),
+            // Totals of tensors of several shapes share one grid.
+            all if all.iter().all(|&e| pattern(e).iter().all(|&r| r)) => Ok(()),
             _ => Err(format!(
                 "{} reductions of different axes (one, or siblings of the same axes, are covered)",
                 s.reductions.len()
@@ -212,11 +229,12 @@ impl Scheduler for StridedPermute {
 }
 
 /// Every automatic scheduler, in the order they are asked.
-pub static REGISTRY: [&dyn Scheduler; 5] = [&Pointwise, &Normalization, &Reduction, &Transpose, &StridedPermute];
+pub static REGISTRY: [&dyn Scheduler; 6] =
+    [&Pointwise, &Normalization, &LoopedNormalization, &Reduction, &Transpose, &StridedPermute];
 
 /// Index of the scheduler that produced heuristic kind `kind` (for plan keys).
 pub fn kind_index(kind: &str) -> i64 {
-    const KINDS: [&str; 7] = [
+    const KINDS: [&str; 8] = [
         "pointwise",
         "inner_reduction",
         "outer_reduction",
@@ -224,6 +242,7 @@ pub fn kind_index(kind: &str) -> i64 {
         "normalization",
         "transpose",
         "strided_permute",
+        "looped_normalization",
     ];
     KINDS.iter().position(|&k| k == kind).unwrap_or(KINDS.len()) as i64
 }

@@ -1,0 +1,254 @@
+//! Looped normalization scheduler: the normalizations that the register-persistent one
+//! cannot hold (rows longer than a block's registers) and those over leading or
+//! interleaved axes (softmax over the first axis, BatchNorm over (0, 2, 3) of NCHW). One
+//! block per row, or per tile of columns; each reduction is a loop over the row, and each
+//! pass reads its inputs again (from L2 while the rows in flight fit there) instead of
+//! keeping the row on chip, as Inductor's looped reductions do.
+//!
+//! - inner (the last axis is reduced): loop domains permuted so that the kept axes lead,
+//!   then `[rows (BIDx), ceilDiv(K, u*t*v) (serial), u (Unroll), t (TIDx), v]`, with
+//!   vectorized input caches and output stores;
+//! - outer (the last axis is kept): the reduced axes lead, then
+//!   `[cols/tx (BIDx), tx (TIDx), ceilDiv(R, u*ty) (serial), u (Unroll), ty (TIDy)]`,
+//!   coalesced along the kept last axis.
+//!
+//! A tensor read by two passes would need the whole row stored. Instead each reader gets
+//! its own copy of the element-wise chain that computes it, back to the inputs, the
+//! reductions and the per-row values: arithmetic is cheap next to a row's memory traffic.
+
+use crate::bail;
+use crate::error::Result;
+use crate::ir::{ExprId, Fusion, IterType, Op, Operand, ParallelType, TvId};
+use crate::sched::auto::{broadcast_input, canonical, tensor_sizes, Ctx, Heuristic, Params};
+
+fn merge_range(f: &mut Fusion, t: TvId, start: usize, count: usize) -> Result<()> {
+    for _ in 1..count {
+        f.merge(t, start as i64, start as i64 + 1)?;
+    }
+    Ok(())
+}
+
+/// Give every reader of a row tensor its own copy of it, so that each tensor is computed in
+/// the pass that reads it. Reductions and the tensors `shared` accepts (per-row values, one
+/// per block) stay single: every pass reads them.
+fn recompute_per_reader(f: &mut Fusion, shared: &dyn Fn(&Fusion, TvId) -> bool) -> Result<()> {
+    // Readers first: a copy adds readers to its producers, which come later in this order.
+    for e in f.topo_exprs().into_iter().rev() {
+        let t = f.exprs[e].output;
+        if matches!(f.exprs[e].op, Op::Reduction { .. }) || shared(f, t) {
+            continue;
+        }
+        let uses = f.tvs[t].uses.clone();
+        // An output is stored by its own loop nest; every reader then takes a copy.
+        let first = usize::from(!f.is_output(t));
+        if uses.len() > first && matches!(f.exprs[e].op, Op::Permute { .. }) {
+            bail!("{}: read by several passes over the row, and not recomputed per pass", f.tv_name(t));
+        }
+        for &u in uses.iter().skip(first) {
+            let c = canonical::recompute(f, t)?;
+            f.redirect_use(u, t, c);
+        }
+    }
+    Ok(())
+}
+
+/// Schedule a normalization as loops over each row (see the module docs).
+pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuristic> {
+    let (reductions, totals) = super::split_totals(f, reductions);
+    let totals: Vec<TvId> = totals.iter().map(|&e| f.exprs[e].output).collect();
+    let post = super::downstream(f, &totals);
+    if !totals.is_empty() && !is_red_last(f, reductions[0]) {
+        bail!("{}: a total over column tiles needs the rows on the blocks; it needs a kernel of its own", f.tv_name(totals[0]));
+    }
+    let r0 = f.exprs[reductions[0]].output;
+    let logical = f.tvs[r0].logical.clone();
+    let n = logical.len();
+    let is_red: Vec<bool> = logical.iter().map(|&id| f.ids[id].iter_type == IterType::Reduction).collect();
+    for &e in &reductions {
+        let r = f.exprs[e].output;
+        let same =
+            f.tvs[r].logical.iter().map(|&id| f.ids[id].iter_type == IterType::Reduction).eq(is_red.iter().copied());
+        if !same {
+            bail!(
+                "{}: every reduction of a normalization must reduce the same axes as {}",
+                f.tv_name(r),
+                f.tv_name(r0)
+            );
+        }
+    }
+    let (red_axes, kept_axes): (Vec<usize>, Vec<usize>) = (0..n).partition(|&a| is_red[a]);
+    let k = red_axes.len();
+    if k == n {
+        bail!(
+            "{}: every axis is reduced; a normalization by a total needs it in every block, which one kernel does not have",
+            f.tv_name(r0)
+        );
+    }
+    let inner = is_red[n - 1];
+    let perm: Vec<usize> = if inner { [kept_axes.clone(), red_axes] } else { [red_axes, kept_axes.clone()] }.concat();
+    let permuted = perm.iter().enumerate().any(|(i, &a)| i != a);
+    let sizes = tensor_sizes(f, cx, r0)?;
+    let row: i64 = (0..n).filter(|&a| is_red[a]).map(|a| sizes[a]).product();
+    let cols: i64 = kept_axes.iter().map(|&a| sizes[a]).product();
+
+    let per_row = |f: &Fusion, t: TvId| {
+        f.tvs[t].logical.len() == n - k && f.tvs[t].logical.iter().all(|&id| f.ids[id].iter_type != IterType::Reduction)
+    };
+    let row_tensors = |f: &Fusion| -> Vec<TvId> {
+        f.topo_exprs()
+            .iter()
+            .map(|&e| f.exprs[e].output)
+            .filter(|t| !totals.contains(t) && !post.contains(t))
+            .collect()
+    };
+    let tensors = row_tensors(f);
+    let (rows, full_rank): (Vec<TvId>, Vec<TvId>) = tensors.iter().partition(|&&t| per_row(f, t));
+    let kept_ids = f.no_reduction_logical(r0);
+    if let Some(t) =
+        super::misaligned(f, cx, &logical, &full_rank).or_else(|| super::misaligned(f, cx, &kept_ids, &rows))
+    {
+        bail!(
+            "{}: its axes do not line up with the normalization's ({} has rank {n}); it needs a kernel of its own",
+            f.tv_name(t),
+            f.tv_name(r0)
+        );
+    }
+
+    let widest = f.tvs.values().map(|t| t.dtype.size_bytes()).max().unwrap_or(4) as i64;
+    let v = if inner && sizes[n - 1] % (16 / widest) == 0 { 16 / widest } else { 1 };
+    let mut cached = Vec::new();
+    let mut outs = Vec::new();
+    if v > 1 {
+        for op in f.inputs.clone() {
+            let Operand::Tensor(x) = op else { continue };
+            // A gather's table is read at the rows its index picks, not along the row loops.
+            let table = f.tvs[x].uses.iter().any(|&e| {
+                matches!(f.exprs[e].op, Op::IndexSelect { .. }) && f.exprs[e].inputs[0] == Operand::Tensor(x)
+            });
+            if super::full_size_input(f, x, n) && !f.tvs[x].uses.is_empty() && !table {
+                f.cache_after(x)?;
+                cached.push(x);
+            }
+        }
+        for o in f.outputs.clone() {
+            if f.no_reduction_logical(o).len() == n && f.tvs[o].logical.len() == n {
+                f.cache_before(o)?;
+                outs.push(o);
+            }
+        }
+    }
+    recompute_per_reader(f, &|f: &Fusion, t: TvId| per_row(f, t) || post.contains(&t))?;
+    // The copies of a cache are caches too: each pass loads its own vectors.
+    let is_cache = |f: &Fusion, t: TvId| {
+        f.tvs[t].definition.is_some_and(|d| {
+            matches!(f.exprs[d].op, Op::Set) && f.exprs[d].inputs[0].tensor().is_some_and(|x| cached.contains(&x))
+        })
+    };
+    // A weight: an input broadcast along every kept axis, the same for every row, loaded in
+    // its own vector loop.
+    let weight = |f: &Fusion, t: TvId| {
+        broadcast_input(f, t) && kept_axes.iter().all(|&a| f.ids[f.tvs[t].logical[a]].iter_type == IterType::Broadcast)
+    };
+
+    let (tx, ty) = if inner {
+        (pow2(((row + v - 1) / v).clamp(32, 512)), 1)
+    } else {
+        let tx = pow2(cols.clamp(1, 32));
+        (tx, pow2(row.clamp(1, 512 / tx)).min(512 / tx))
+    };
+    // Steps each thread has in flight at once: independent loads hide DRAM latency.
+    let steps = if inner { (row + tx * v - 1) / (tx * v) } else { (row + ty - 1) / ty };
+    // Fewer where a merged row of axes that are not adjacent in memory needs a division per
+    // index (NCHW BatchNorm spilled registers at four).
+    let most = if !inner { 8 } else if permuted { 2 } else { 4 };
+    let u = [8, 4, 2, 1].into_iter().find(|&u| u <= most && steps >= u).unwrap_or(1);
+    let tensors = row_tensors(f);
+    for &t in &tensors {
+        if per_row(f, t) {
+            merge_range(f, t, 0, n - k)?;
+            if !inner {
+                f.split(t, 0, tx, true)?;
+                f.parallelize(t, 1, ParallelType::TIDx)?;
+            }
+            f.parallelize(t, 0, ParallelType::BIDx)?;
+            continue;
+        }
+        if f.tvs[t].logical.len() != n {
+            bail!(
+                "{}: rank differs from the normalization's rank {n}; not covered by the automatic schedule",
+                f.tv_name(t)
+            );
+        }
+        if permuted {
+            f.reorder(t, &super::moves_to(&perm))?;
+        }
+        if inner {
+            merge_range(f, t, 0, n - k)?;
+            merge_range(f, t, 1, k)?;
+            if v > 1 {
+                f.split(t, 1, v, true)?;
+            }
+            f.split(t, 1, tx, true)?; // [rows, serial, tx, v]
+            f.split(t, 1, u, true)?; // [rows, serial, u, tx, v]
+            f.parallelize(t, 0, ParallelType::BIDx)?;
+            if u > 1 {
+                f.parallelize(t, 2, ParallelType::Unroll)?;
+            }
+            f.parallelize(t, 3, ParallelType::TIDx)?;
+            let vectorized = outs.contains(&t) || is_cache(f, t) || (!permuted && weight(f, t));
+            if v > 1 && vectorized {
+                f.parallelize(t, 4, ParallelType::Vectorize)?;
+            }
+        } else {
+            merge_range(f, t, 0, k)?;
+            merge_range(f, t, 1, n - k)?;
+            f.split(t, 1, tx, true)?; // [R, cols/tx, tx]
+            f.split(t, 0, ty, true)?; // [R/ty, ty, cols/tx, tx]
+            f.split(t, 0, u, true)?; // [R/(ty u), u, ty, cols/tx, tx]
+            f.reorder(t, &[(3, 0), (4, 1)])?; // [cols/tx, tx, serial, u, ty]
+            f.parallelize(t, 0, ParallelType::BIDx)?;
+            f.parallelize(t, 1, ParallelType::TIDx)?;
+            if u > 1 {
+                f.parallelize(t, 3, ParallelType::Unroll)?;
+            }
+            f.parallelize(t, 4, ParallelType::TIDy)?;
+        }
+    }
+    // Totals first: the per-row values they read are inlined into their loops.
+    super::schedule_totals(f, &totals, &post)?;
+    let is_reduction =
+        |f: &Fusion, t: TvId| matches!(f.tvs[t].definition.map(|e| &f.exprs[e].op), Some(Op::Reduction { .. }));
+    // A row's results live in the row's loops: the block (inner) or the thread column (outer).
+    let row_pos = if inner { 1 } else { 2 };
+    for &t in &tensors {
+        if f.is_output(t) {
+            continue;
+        }
+        let pos = if is_reduction(f, t) || per_row(f, t) {
+            row_pos
+        } else if v > 1 && (is_cache(f, t) || (!permuted && weight(f, t))) {
+            4 // its own vector loop inside the thread's step
+        } else {
+            -1
+        };
+        f.inline_at(t, pos)?;
+    }
+    Ok(Heuristic::new(Params::LoopedNormalization {
+        outer: i64::from(!inner),
+        unroll: u,
+        vector: v,
+        threads_x: tx,
+        threads_y: ty,
+    }))
+}
+
+/// True when reduction expr `e` reduces the last axis (an inner normalization).
+fn is_red_last(f: &Fusion, e: ExprId) -> bool {
+    let l = &f.tvs[f.exprs[e].output].logical;
+    l.last().is_some_and(|&id| f.ids[id].iter_type == IterType::Reduction)
+}
+
+/// The smallest power of two at least `x` (and at least one).
+fn pow2(x: i64) -> i64 {
+    (x.max(1) as u64).next_power_of_two() as i64
+}
