@@ -842,3 +842,15 @@ def test_no_crash_in_child(name: str) -> None:
     assert proc.returncode == 0, report
     assert marker in proc.stdout, report
     assert "NO_ERROR" not in proc.stdout, report
+
+
+def test_numpy_scalars_are_0d_arrays_or_numbers():
+    # np.float32(1.5) where a 0-d tensor is expected is a 0-d array; where a scalar input is
+    # expected, the number it holds.
+    with FusionDefinition() as fd:
+        t = fd.define_tensor(shape=[])
+        s = fd.define_scalar(dtype=DataType.Double)
+        fd.add_output(fd.ops.mul(t, s))
+    (out,) = fd.execute([np.float32(1.5), np.float32(2.0)])
+    assert out.shape == () and float(out) == 3.0
+    assert len(fd.lower([np.float32(1.5), np.int64(2)]).kernels) == 1

@@ -528,7 +528,7 @@ def fake_gpu(monkeypatch):
 
     monkeypatch.setattr(host, "prepare_launch", prepare)
     monkeypatch.setattr(host.HostEvaluator, "_function",
-                        lambda self, k, smem, index32=False: types.SimpleNamespace(ptr=0xF00 + k))
+                        lambda self, k, smem, index32=False, threads=0: types.SimpleNamespace(ptr=0xF00 + k))
     return types.SimpleNamespace(made=made, stream=stream, entered=entered, device=device)
 
 
@@ -665,7 +665,7 @@ def test_compiled_kernels_are_loaded_per_device(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", cp)
     loads = []
 
-    def load_module(source, name):
+    def load_module(source, name, threads=0):
         loads.append(device[0])
         return types.SimpleNamespace(function=f"fn@{device[0]}", max_dynamic_smem=0)
 

@@ -154,11 +154,8 @@ def build(case: Case) -> Tuple[FusionDefinition, Callable[..., List[np.ndarray]]
     return fd, ref, inputs
 
 
-def check(case: Case) -> None:
-    fd, ref, inputs = build(case)
-    low = fd.lower(inputs)
-    outs = fd.execute(inputs)
-    expected = ref(*inputs)
+def tolerances(case: Case, inputs: List[np.ndarray]) -> Tuple[float, float]:
+    """(rtol, atol): float32 statistics over n terms round like sqrt(n); exp/log add ulps."""
     n = math.prod(case.shape[a] for a in case.dims)
     rtol = 2e-4
     if case.kind == "layernorm_moments":
@@ -167,13 +164,20 @@ def check(case: Case) -> None:
         var = x.var(axis=case.dims, keepdims=True)
         ratio = (x * x).mean(axis=case.dims, keepdims=True) / (var + 1e-5)
         rtol = max(rtol, 16 * 2.0 ** -24 * float(ratio.max()))
+    return rtol, 2e-5 * max(1.0, math.sqrt(n))
+
+
+def check(case: Case) -> None:
+    fd, ref, inputs = build(case)
+    low = fd.lower(inputs)
+    outs = fd.execute(inputs)
+    expected = ref(*inputs)
+    rtol, atol = tolerances(case, inputs)
     assert len(outs) == len(expected), case
     for i, (got, want) in enumerate(zip(outs, expected)):
         got = np.asarray(got, dtype=np.float64)
         assert got.shape == want.shape, (case, i, got.shape, want.shape)
-        # float32 statistics over n terms: rounding grows like sqrt(n); exp/log add a few ulps.
-        np.testing.assert_allclose(got, want, rtol=rtol, atol=2e-5 * max(1.0, math.sqrt(n)),
-                                   err_msg=f"{case} output {i}")
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=f"{case} output {i}")
     partial = len(case.dims) < len(case.shape)
     # A mean over the rows runs in the row kernel when the rows are on the blocks (the last
     # axis reduced) and the statistic is rank-reduced; a keepdim statistic computed on its
@@ -199,3 +203,19 @@ def test_random_normalizations_match_numpy_in_one_kernel(case: Case) -> None:
 ], ids=["softmax_dim0", "batchnorm_nchw", "middle_axis", "long_rows", "row_mean"])
 def test_named_normalizations(case: Case) -> None:
     check(case)
+
+
+@pytest.mark.gpu
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(cases())
+def test_random_normalizations_match_numpy_on_gpu(case: Case) -> None:
+    from gpu_util import cupy_or_skip  # noqa: PLC0415
+
+    cp = cupy_or_skip()
+    fd, ref, inputs = build(case)
+    outs = fd.execute([cp.asarray(a) for a in inputs])
+    rtol, atol = tolerances(case, inputs)
+    for i, (got, want) in enumerate(zip(outs, ref(*inputs))):
+        np.testing.assert_allclose(cp.asnumpy(got).astype(np.float64), want, rtol=rtol, atol=atol,
+                                   err_msg=f"{case} output {i}")

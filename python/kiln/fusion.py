@@ -156,7 +156,7 @@ class FusionDefinition:
     # -- lowering --------------------------------------------------------------------
     def lower(self, inputs: Sequence[Any]) -> LoweredFusion:
         """The host program and kernels ``execute`` runs for inputs like ``inputs``."""
-        inputs = plain_numbers(inputs)
+        inputs = plain_numbers(self, inputs)
         check_inputs(self, inputs)
         if self._core.manually_scheduled:
             low = self._lower_program()
@@ -203,7 +203,7 @@ class FusionDefinition:
                     return hit[0](inputs, hit[1])
         from .execute import execute  # noqa: PLC0415
 
-        return execute(self, plain_numbers(inputs), device, as_written)
+        return execute(self, plain_numbers(self, inputs), device, as_written)
 
     def check_errors(self) -> None:
         """Wait for this fusion's GPU work and raise what its kernels recorded (an

@@ -548,7 +548,7 @@ class HostEvaluator:
         for la in plan.launches:
             if min(la.grid) == 0 or min(la.block) == 0:
                 continue  # empty tensors: nothing to compute
-            fn = self._function(la.kernel, la.smem, la.index32)
+            fn = self._function(la.kernel, la.smem, la.index32, la.block[0] * la.block[1] * la.block[2])
             scal = self._scalar_args(la, inputs, scalar_pos, np_scalar)
             memsets = tuple((bid, max(plan.buffers[bid].nbytes, 1)) for bid in la.memsets)
             r.launches.append((fn, la.grid, la.block, la.smem, la.args, scal, memsets))
@@ -580,17 +580,17 @@ class HostEvaluator:
             out.append((None, d, pos))
         return tuple(out)
 
-    def _function(self, k: int, smem: int, index32: bool = False) -> Any:
+    def _function(self, k: int, smem: int, index32: bool = False, threads: int = 0) -> Any:
         import cupy as cp  # noqa: PLC0415
 
         from .runtime import executor  # noqa: PLC0415
 
         # A module is loaded per device: another device's function is an invalid handle here.
-        key = (cp.cuda.Device().id, index32)
+        key = (cp.cuda.Device().id, index32, threads)
         ck = self._functions[k].get(key)
         if ck is None:
             kern = self.lowered.kernels[k]
-            ck = executor.load_module(kern.cuda_source_for(index32), kern.kernel_name)
+            ck = executor.load_module(kern.cuda_source_for(index32), kern.kernel_name, threads=threads)
             self._functions[k][key] = ck
         if smem > ck.max_dynamic_smem:
             ck.function.max_dynamic_shared_size_bytes = smem

@@ -195,11 +195,14 @@ def _arg(x: Any) -> Tuple[str, str, List[int], List[int], Any]:
     return ("tensor", name, [int(s) for s in shape], strides, None)
 
 
-def plain_numbers(inputs: Any) -> Any:
-    """``inputs`` with NumPy scalars (``np.float32(2.0)``) as the Python numbers they hold."""
-    if isinstance(inputs, (list, tuple)) and any(isinstance(x, np.generic) for x in inputs):
-        return [x.item() if isinstance(x, np.generic) else x for x in inputs]
-    return inputs
+def plain_numbers(fd: Any, inputs: Any) -> Any:
+    """``inputs`` with NumPy scalars (``np.float32(2.0)``) as what the fusion takes there: a
+    0-d array for a tensor input, the Python number for a scalar input."""
+    if not isinstance(inputs, (list, tuple)) or not any(isinstance(x, np.generic) for x in inputs):
+        return inputs
+    kinds = [spec[0] for spec in fd._core.input_specs()]
+    return [(np.asarray(x) if i < len(kinds) and kinds[i] == "tensor" else x.item())
+            if isinstance(x, np.generic) else x for i, x in enumerate(inputs)]
 
 
 def check_inputs(fd: Any, inputs: Sequence[Any], any_layout: Optional[bool] = None) -> None:

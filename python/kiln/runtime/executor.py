@@ -175,16 +175,36 @@ def _load_module(cp: Any, dev_id: int, source: str, opts: Tuple[str, ...], arch:
 
 
 def load_module(
-    source: str, kernel_name: str, arch: Optional[str] = None, options: Sequence[str] = ()
+    source: str, kernel_name: str, arch: Optional[str] = None, options: Sequence[str] = (),
+    threads: Optional[int] = None,
 ) -> CompiledKernel:
     """Compile (or fetch from the caches) ``source`` for ``arch`` (default: the current
     device's ``sm_XX``) and return its kernel ``kernel_name`` (an ``extern "C"`` name or a
-    mangled one). Several kernels of one source share one compile and one module."""
+    mangled one). Several kernels of one source share one compile and one module. With
+    ``threads`` (the block size), a kernel whose registers would not fit one block of that
+    size is compiled again with a register cap."""
+    kernel = _load_kernel(source, kernel_name, arch, tuple(options))
+    if threads and threads > _max_threads(kernel.function):
+        per_block = int(_cupy().cuda.Device().attributes["MaxRegistersPerBlock"])
+        # Registers are granted in units of 8 per thread; the cap keeps the block launchable.
+        cap = max(16, per_block // threads // 8 * 8)
+        kernel = _load_kernel(source, kernel_name, arch, (*options, f"--maxrregcount={cap}"))
+    return kernel
+
+
+def _max_threads(function: Any) -> int:
+    """The largest block ``function`` launches with, given the registers it was compiled to."""
+    from cupy.cuda import driver  # type: ignore[import-not-found]  # noqa: PLC0415
+
+    attribute = getattr(driver, "CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK", 0)  # 0 in cuda.h
+    return int(driver.funcGetAttribute(attribute, function.ptr))
+
+
+def _load_kernel(source: str, kernel_name: str, arch: Optional[str], opts: Tuple[str, ...]) -> CompiledKernel:
     cp = _cupy()
     dev = cp.cuda.Device()
     if arch is None:
         arch = f"sm_{dev.compute_capability}"
-    opts = tuple(options)
     kkey = (dev.id, source, kernel_name, opts, arch)
     hit = _MEMORY_CACHE.get(kkey)
     if hit is not None:

@@ -64,7 +64,7 @@ class KernelExecutor:
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel  # kiln.lowering.LoweredKernel
-        self._compiled: Dict[bool, Any] = {}
+        self._compiled: Dict[Tuple[bool, int], Any] = {}
         self._plans: Dict[Tuple, Tuple] = {}
         params = [p for p in kernel.params if p[1] in ("scalar", "extent", "stride")]
         # Sizes and strides take the kernel's index type; scalar inputs keep their dtype.
@@ -74,12 +74,14 @@ class KernelExecutor:
         }
         self.launches = 0
 
-    def compiled(self, index32: bool = False) -> Any:
-        """The loaded CUDA function (compiled on first use, cached in memory and on disk)."""
-        hit = self._compiled.get(index32)
+    def compiled(self, index32: bool = False, threads: int = 0) -> Any:
+        """The loaded CUDA function for blocks of ``threads`` (compiled on first use, cached in
+        memory and on disk)."""
+        hit = self._compiled.get((index32, threads))
         if hit is None:
             src = self.kernel.cuda_source_for(index32)
-            hit = self._compiled[index32] = executor.load_module(src, self.kernel.kernel_name)
+            hit = executor.load_module(src, self.kernel.kernel_name, threads=threads)
+            self._compiled[(index32, threads)] = hit
         return hit
 
     def plan(self, arrays: Sequence[Any], scalars: Sequence[Any]) -> Tuple:
@@ -123,6 +125,7 @@ class KernelExecutor:
             return outputs  # empty tensors: nothing to compute
         args: List[Any] = [*arrays, *outputs, *bufs]
         args += [np_scalar(v, d) for v, d in zip(scalar_args, self._scalar_dtypes[index32])]
-        executor.launch(self.compiled(index32), tuple(grid), tuple(block), int(smem), args)
+        threads = int(block[0]) * int(block[1]) * int(block[2])
+        executor.launch(self.compiled(index32, threads), tuple(grid), tuple(block), int(smem), args)
         self.launches += 1
         return outputs

@@ -1003,8 +1003,13 @@ __device__ bool gridReduce(T& out, T in, Op op, T init, volatile T* work_buf, in
   const int64_t p = threadIndex<!X_THREAD, !Y_THREAD, !Z_THREAD>();
   volatile T* seg_buf = work_buf + seg * G * P;
 
-  if (holder) storeVolatile(seg_buf + b * P + p, partial);
-  __threadfence();  // make the partial visible device-wide before signalling
+  // Only the threads that store a partial fence: a fence waits for every earlier write of
+  // its thread (a whole row of outputs, in a row kernel) to drain. The barrier then orders
+  // those fences before the signalling atomic.
+  if (holder) {
+    storeVolatile(seg_buf + b * P + p, partial);
+    __threadfence();  // make the partial visible device-wide before signalling
+  }
   __syncthreads();
   if (isFirstThread()) {
     const unsigned long long old =
@@ -1065,8 +1070,8 @@ __device__ bool gridReduceSerial(T& out, T in, Op op, T init, volatile T* work_b
       if (write_pred) out = acc;
       result_here = true;
     }
+    __threadfence();  // release the running result before handing over the turn
   }
-  __threadfence();  // release the running result before handing over the turn
   __syncthreads();
   if (isFirstThread()) *flag = last ? 0 : b + 1;
   return result_here;

@@ -161,7 +161,9 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     // Fewer where a merged row of axes that are not adjacent in memory needs a division per
     // index (NCHW BatchNorm spilled registers at four).
     let most = if !inner { 8 } else if permuted { 2 } else { 4 };
-    let u = [8, 4, 2, 1].into_iter().find(|&u| u <= most && steps >= u).unwrap_or(1);
+    // Codegen unrolls constant loops of up to 16 steps completely, so the serial loop keeps
+    // more than 16: a complete unroll of both would hold every step's loads in registers.
+    let u = [8, 4, 2, 1].into_iter().find(|&u| u <= most && steps > 16 * u).unwrap_or(1);
     let tensors = row_tensors(f);
     for &t in &tensors {
         if per_row(f, t) {
@@ -215,7 +217,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
         }
     }
     // Totals first: the per-row values they read are inlined into their loops.
-    super::schedule_totals(f, &totals, &post)?;
+    super::schedule_totals(f, cx, &totals, &post, cols)?;
     let is_reduction =
         |f: &Fusion, t: TvId| matches!(f.tvs[t].definition.map(|e| &f.exprs[e].op), Some(Op::Reduction { .. }));
     // A row's results live in the row's loops: the block (inner) or the thread column (outer).

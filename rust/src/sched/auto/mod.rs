@@ -286,11 +286,21 @@ pub(crate) fn split_totals(f: &Fusion, reds: &[ExprId]) -> (Vec<ExprId>, Vec<Exp
     })
 }
 
-/// Schedule the totals of a row schedule whose rows run on BIDx (see [`split_totals`]):
+/// Schedule the totals of a row schedule whose `rows` run on BIDx (see [`split_totals`]):
 /// each a grid reduction over the rows' blocks; `post` (what is computed from them, rank 0)
 /// runs in the thread that finishes the last one. Refuses totals read by anything of a
-/// higher rank: that needs the total in every block.
-pub(crate) fn schedule_totals(f: &mut Fusion, totals: &[TvId], post: &[TvId]) -> Result<()> {
+/// higher rank (that needs the total in every block), and totals over more than four waves
+/// of rows: every block then waits on the grid reduction's semaphore before it exits, which
+/// costs more than a second small kernel (H200, `benches/families.py`: cross-entropy over
+/// 8192 x 32000, 770.8 us in one kernel against 582.8 us in two; 16384 row sums and their
+/// total, 230.0 against 210.3).
+pub(crate) fn schedule_totals(f: &mut Fusion, cx: &Ctx, totals: &[TvId], post: &[TvId], rows: i64) -> Result<()> {
+    if !totals.is_empty() && rows > 4 * cx.device.sm_count {
+        bail!(
+            "{}: a total of {rows} rows in the row kernel would hold every block at its semaphore; it takes a kernel of its own",
+            f.tv_name(totals[0])
+        );
+    }
     if let Some(&t) = post.iter().find(|&&t| !f.no_reduction_logical(t).is_empty()) {
         bail!(
             "{}: reads a total of the rows, which only the block that finishes it has; it needs a kernel of its own",

@@ -177,7 +177,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
         }
     }
     // Totals first: the per-row values they read are inlined into their loops.
-    super::schedule_totals(f, &totals, &post)?;
+    super::schedule_totals(f, cx, &totals, &post, sizes[..n - k].iter().product())?;
     let is_reduction =
         |f: &Fusion, t: TvId| matches!(f.tvs[t].definition.map(|e| &f.exprs[e].op), Some(Op::Reduction { .. }));
     for &t in &tensors {

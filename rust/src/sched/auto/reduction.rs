@@ -218,7 +218,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
             f.inline_at(x, -1)?;
         }
         // Totals before inlining: the per-row values they read are inlined into their loops.
-        super::schedule_totals(f, &totals, &post)?;
+        super::schedule_totals(f, cx, &totals, &post, keep_size)?;
         inline_into_after(f, &rs, &after)?;
         return Ok(Heuristic::new(Params::InnerReduction { vector: v, threads: t }));
     }
