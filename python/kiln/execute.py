@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence, Tuple
 
+from ._env import dump_enabled
 from ._errors import KilnError, KilnTypeError
 from .host import signature_key
 from .lowering import check_inputs
@@ -23,8 +24,6 @@ def _kind(x: Any) -> str:
 
 def execute(fd: Any, inputs: Sequence[Any], device: Optional[str], as_written: bool = False) -> List[Any]:
     """Run ``fd`` on ``inputs``; ``device`` is ``"cpu"``, ``"cuda"`` or None (from the inputs)."""
-    from .fusion import dump_enabled  # noqa: PLC0415
-
     check_inputs(fd, inputs)
     kinds = {_kind(x) for x in inputs if _kind(x) != "scalar"}
     if device is None:
@@ -96,7 +95,6 @@ def lowered_for(fd: Any, inputs: Sequence[Any]) -> Any:
     """The host program the automatic schedulers and the segmenter pick for inputs like
     ``inputs`` on the device they live on (the default target for NumPy inputs): cached per
     sizes, and per heuristic, so that sizes leading to the same schedule share a lowering."""
-    from .fusion import dump_enabled  # noqa: PLC0415
     from .lowering import (  # noqa: PLC0415
         LoweredFusion,
         LoweredKernel,

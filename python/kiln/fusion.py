@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from . import _core
+from ._env import dump_enabled
 from ._errors import KilnError, KilnTypeError
 from .enums import DataType
 from .host import signature_key
@@ -14,10 +14,6 @@ from .schedule import ScheduleMixin
 
 Operand = Union["Tensor", "Scalar", int, float, bool]
 
-
-def dump_enabled(what: str) -> bool:
-    """True when ``KILN_DUMP`` lists ``what``."""
-    return what in {p.strip() for p in os.environ.get("KILN_DUMP", "").split(",")}
 
 
 class Tensor(ScheduleMixin):

@@ -36,12 +36,12 @@ interpreter's ``kiln._core.execute_cpu(kernel, inputs)``).
 from __future__ import annotations
 
 import contextlib
-import os
 from collections import defaultdict
 from typing import Any, Callable, DefaultDict, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ._env import launcher_choice
 from ._errors import KilnError, KilnTypeError
 
 _ITEMSIZE_NAMES = {"Float": "float32", "Double": "float64", "Half": "float16", "Int": "int64",
@@ -238,7 +238,7 @@ def signature_key(inputs: Sequence[Any]) -> Tuple:
 def launcher_kind() -> str:
     """``"rust"`` (kiln's launcher) or ``"cupy"`` (CuPy's): ``KILN_LAUNCHER`` picks one,
     unset it is ``"rust"`` wherever libcuda loads."""
-    want = os.environ.get("KILN_LAUNCHER", "").strip().lower()
+    want = launcher_choice()
     if want not in ("", "rust", "cupy"):
         raise KilnError(f"KILN_LAUNCHER must be 'rust' or 'cupy', got {want!r}")
     if want == "cupy":

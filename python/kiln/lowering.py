@@ -7,6 +7,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ._env import dump_enabled
 from ._errors import KilnError, KilnTypeError
 from .enums import DataType, MemoryType
 
@@ -66,7 +67,6 @@ class LoweredKernel:
         hit = self._cuda.get(index32)
         if hit is None:
             hit = self._cuda[index32] = self._core.cuda(index32)
-            from .fusion import dump_enabled  # noqa: PLC0415 - fusion imports this module
 
             if dump_enabled("cuda"):
                 print(f"// {hit[1]}, {32 if index32 else 64}-bit indexing (runtime header left out)")

@@ -142,15 +142,11 @@ class ScheduleMixin:
 
     def cache_after(self) -> Tensor:
         """A copy of this tensor that its consumers read instead."""
-        from .fusion import Tensor
-
-        return Tensor(self._fd, self._fd._core.cache_after(self._id))
+        return type(self)(self._fd, self._fd._core.cache_after(self._id))
 
     def cache_before(self) -> Tensor:
         """A new tensor that takes over this tensor's definition; this one becomes its copy."""
-        from .fusion import Tensor
-
-        return Tensor(self._fd, self._fd._core.cache_before(self._id))
+        return type(self)(self._fd, self._fd._core.cache_before(self._id))
 
     def inline_at(self, pos: int) -> None:
         """Compute this tensor inside its consumers' first ``pos`` loops (-1: deepest valid)."""

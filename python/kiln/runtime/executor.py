@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple
 
+from .. import _env
 from .._errors import KilnError
 from . import nvrtc as _nvrtc
 
@@ -94,9 +95,8 @@ def clear_memory_cache() -> None:
 
 
 def cache_dir() -> Path:
-    """$KILN_CACHE_DIR, else ~/.cache/kiln."""
-    env = os.environ.get("KILN_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "kiln"
+    """Where compiled CUBINs are kept: $KILN_CACHE_DIR, else ~/.cache/kiln."""
+    return _env.cache_dir()
 
 
 def device_arch() -> str:

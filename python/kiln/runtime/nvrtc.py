@@ -12,13 +12,13 @@ compiled extension (see DEVELOPERS.md).
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .. import _env
 from .._errors import KilnError
 
 __all__ = [
@@ -86,7 +86,7 @@ def cuda_include_dir() -> Optional[str]:
     """Directory holding ``cuda_fp16.h``: $KILN_CUDA_INCLUDE, the nvidia-cuda-runtime wheel
     (``nvidia/cu13/include``, else ``nvidia/cuda_runtime/include``), then $CUDA_HOME/include
     and /usr/local/cuda/include. None if nothing is found."""
-    env = os.environ.get("KILN_CUDA_INCLUDE")
+    env = _env.cuda_include_override()
     if env and Path(env, "cuda_fp16.h").is_file():
         return env
     roots: List[str] = []
@@ -101,9 +101,8 @@ def cuda_include_dir() -> Optional[str]:
             cand = Path(root, rel)
             if (cand / "cuda_fp16.h").is_file():
                 return str(cand)
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        base = os.environ.get(var)
-        if base and Path(base, "include", "cuda_fp16.h").is_file():
+    for base in _env.cuda_roots():
+        if Path(base, "include", "cuda_fp16.h").is_file():
             return str(Path(base, "include"))
     if Path("/usr/local/cuda/include/cuda_fp16.h").is_file():
         return "/usr/local/cuda/include"

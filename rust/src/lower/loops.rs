@@ -37,9 +37,10 @@ fn after_grid_reduction(f: &Fusion, tv: TvId) -> bool {
         }
         let Some(e) = f.tvs[t].definition else { continue };
         let grid = matches!(f.exprs[e].op, crate::ir::Op::Reduction { .. })
-            && f.tvs[t].loop_domain.iter().any(|&id| {
-                f.ids[id].iter_type == crate::ir::IterType::Reduction && f.ids[id].parallel.is_block()
-            });
+            && f.tvs[t]
+                .loop_domain
+                .iter()
+                .any(|&id| f.ids[id].iter_type == crate::ir::IterType::Reduction && f.ids[id].parallel.is_block());
         if grid {
             return true;
         }

@@ -198,7 +198,8 @@ pub fn reuse_partial_reductions(f: &mut Fusion) -> Result<()> {
                 // B's other axes, numbered among A's kept axes.
                 let rank = f.tvs[oa].logical.len();
                 let kept: Vec<usize> = (0..rank).filter(|x| !ra.contains(x)).collect();
-                let dims: Vec<i64> = kept.iter().enumerate().filter(|(_, x)| rb.contains(x)).map(|(i, _)| i as i64).collect();
+                let dims: Vec<i64> =
+                    kept.iter().enumerate().filter(|(_, x)| rb.contains(x)).map(|(i, _)| i as i64).collect();
                 let op = *op_b;
                 let dtype = f.tvs[ob].dtype;
                 let total = f.reduction(op, oa, &dims, false, Some(dtype))?;

@@ -58,7 +58,10 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     let totals: Vec<TvId> = totals.iter().map(|&e| f.exprs[e].output).collect();
     let post = super::downstream(f, &totals);
     if !totals.is_empty() && !is_red_last(f, reductions[0]) {
-        bail!("{}: a total over column tiles needs the rows on the blocks; it needs a kernel of its own", f.tv_name(totals[0]));
+        bail!(
+            "{}: a total over column tiles needs the rows on the blocks; it needs a kernel of its own",
+            f.tv_name(totals[0])
+        );
     }
     let r0 = f.exprs[reductions[0]].output;
     let logical = f.tvs[r0].logical.clone();
@@ -95,11 +98,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
         f.tvs[t].logical.len() == n - k && f.tvs[t].logical.iter().all(|&id| f.ids[id].iter_type != IterType::Reduction)
     };
     let row_tensors = |f: &Fusion| -> Vec<TvId> {
-        f.topo_exprs()
-            .iter()
-            .map(|&e| f.exprs[e].output)
-            .filter(|t| !totals.contains(t) && !post.contains(t))
-            .collect()
+        f.topo_exprs().iter().map(|&e| f.exprs[e].output).filter(|t| !totals.contains(t) && !post.contains(t)).collect()
     };
     let tensors = row_tensors(f);
     let (rows, full_rank): (Vec<TvId>, Vec<TvId>) = tensors.iter().partition(|&&t| per_row(f, t));
@@ -160,7 +159,13 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     let steps = if inner { (row + tx * v - 1) / (tx * v) } else { (row + ty - 1) / ty };
     // Fewer where a merged row of axes that are not adjacent in memory needs a division per
     // index (NCHW BatchNorm spilled registers at four).
-    let most = if !inner { 8 } else if permuted { 2 } else { 4 };
+    let most = if !inner {
+        8
+    } else if permuted {
+        2
+    } else {
+        4
+    };
     // Codegen unrolls constant loops of up to 16 steps completely, so the serial loop keeps
     // more than 16: a complete unroll of both would hold every step's loads in registers.
     let u = [8, 4, 2, 1].into_iter().find(|&u| u <= most && steps > 16 * u).unwrap_or(1);

@@ -274,10 +274,8 @@ pub(crate) fn downstream(f: &Fusion, roots: &[TvId]) -> Vec<TvId> {
 pub(crate) fn split_totals(f: &Fusion, reds: &[ExprId]) -> (Vec<ExprId>, Vec<ExprId>) {
     let input_rank = |e: ExprId| f.exprs[e].inputs[0].tensor().map_or(0, |x| f.no_reduction_logical(x).len());
     let widest = reds.iter().map(|&e| input_rank(e)).max().unwrap_or(0);
-    let kept = reds
-        .iter()
-        .find(|&&e| input_rank(e) == widest)
-        .map_or(0, |&e| f.no_reduction_logical(f.exprs[e].output).len());
+    let kept =
+        reds.iter().find(|&&e| input_rank(e) == widest).map_or(0, |&e| f.no_reduction_logical(f.exprs[e].output).len());
     reds.iter().partition(|&&e| {
         let out = f.exprs[e].output;
         !(kept > 0

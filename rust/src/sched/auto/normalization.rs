@@ -123,11 +123,8 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
         }
     }
     let order = f.topo_exprs();
-    let tensors: Vec<TvId> = order
-        .iter()
-        .map(|&e| f.exprs[e].output)
-        .filter(|t| !totals.contains(t) && !post.contains(t))
-        .collect();
+    let tensors: Vec<TvId> =
+        order.iter().map(|&e| f.exprs[e].output).filter(|t| !totals.contains(t) && !post.contains(t)).collect();
     // Per-row values computed from the reductions (a mean or rstd that is also an output):
     // `[rows (BIDx)]`, inlined into the row's loop like the reductions themselves.
     // A weight: an input broadcast along every row axis, the same for every row. It loads

@@ -71,7 +71,8 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
     let totals: Vec<TvId> = totals.iter().map(|&e| f.exprs[e].output).collect();
     let post = super::downstream(f, &totals);
     let rs: Vec<TvId> = reds.iter().map(|&e| f.exprs[e].output).collect();
-    let everything = |f: &Fusion, o: TvId| f.tvs[o].logical.iter().all(|&id| f.ids[id].iter_type == IterType::Reduction);
+    let everything =
+        |f: &Fusion, o: TvId| f.tvs[o].logical.iter().all(|&id| f.ids[id].iter_type == IterType::Reduction);
     if rs.iter().all(|&o| everything(f, o)) {
         return full(f, cx, &rs);
     }
@@ -121,7 +122,10 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
     let (before, mut after) = by_dependence(f, &rs);
     after.retain(|t| !totals.contains(t) && !post.contains(t));
     if !totals.is_empty() && !inner {
-        bail!("{}: a total needs the rows on the blocks (an inner reduction); it needs a kernel of its own", f.tv_name(totals[0]));
+        bail!(
+            "{}: a total needs the rows on the blocks (an inner reduction); it needs a kernel of its own",
+            f.tv_name(totals[0])
+        );
     }
     if let Some(o) = rs.iter().copied().find(|&o| by_dependence(f, &[o]).1.iter().any(|t| rs.contains(t))) {
         bail!("{}: a reduction reads it; reductions of reductions need a kernel each", f.tv_name(o));
@@ -346,14 +350,16 @@ fn full(f: &mut Fusion, cx: &Ctx, rs: &[TvId]) -> Result<Heuristic> {
     let mut groups: Vec<Vec<TvId>> = vec![Vec::new(); rs.len()];
     for &t in &before {
         let Some(i) = rs.iter().position(|&r| super::misaligned(f, cx, &f.tvs[r].logical, &[t]).is_none()) else {
-            bail!("{}: its axes do not line up with those of any reduction's input; it needs a kernel of its own", f.tv_name(t));
+            bail!(
+                "{}: its axes do not line up with those of any reduction's input; it needs a kernel of its own",
+                f.tv_name(t)
+            );
         };
         groups[i].push(t);
     }
     let t = 512;
     let widest = f.tvs.values().map(|t| t.dtype.size_bytes()).max().unwrap_or(4) as i64;
-    let totals: Vec<i64> =
-        rs.iter().map(|&r| Ok(tensor_sizes(f, cx, r)?.iter().product())).collect::<Result<_>>()?;
+    let totals: Vec<i64> = rs.iter().map(|&r| Ok(tensor_sizes(f, cx, r)?.iter().product())).collect::<Result<_>>()?;
     let vector = |total: i64| if total % (16 / widest) == 0 { 16 / widest } else { 1 };
     // Vectors of the whole block, per reduction; the grid is sized by the largest.
     let rows = |total: i64| (total + t * vector(total) - 1) / (t * vector(total));

@@ -11,7 +11,9 @@ use std::fmt;
 
 use crate::error::{ErrorKind, Result};
 use crate::ir::{ExprId, Fusion, Op};
-use crate::sched::auto::{looped, normalization, pointwise, reduction, specialize_reduced_extents, transpose, Heuristic};
+use crate::sched::auto::{
+    looped, normalization, pointwise, reduction, specialize_reduced_extents, transpose, Heuristic,
+};
 
 /// Properties of the target GPU that the heuristics read; part of every plan key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

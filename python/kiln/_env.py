@@ -1,0 +1,42 @@
+"""Every environment variable kiln reads, in one place (each read when it is used, so a
+test or a long-running process can change it between calls).
+
+- ``KILN_DUMP``: comma-separated dumps to print (``fusion``, ``segments``, ``kernel_ir``,
+  ``allocations``, ``host_ir``, ``cuda``).
+- ``KILN_CACHE_DIR``: where compiled CUBINs are kept (default ``~/.cache/kiln``).
+- ``KILN_CUDA_INCLUDE``: a directory holding ``cuda_fp16.h`` for NVRTC; then ``CUDA_HOME`` and
+  ``CUDA_PATH`` are tried after the nvidia-cuda-runtime wheel.
+- ``KILN_LAUNCHER``: ``rust`` (kiln's launcher, the default where libcuda loads) or ``cupy``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import List, Optional
+
+
+def dump_enabled(what: str) -> bool:
+    """True when ``KILN_DUMP`` lists ``what``."""
+    return what in {p.strip() for p in os.environ.get("KILN_DUMP", "").split(",")}
+
+
+def cache_dir() -> Path:
+    """``KILN_CACHE_DIR``, else ``~/.cache/kiln``."""
+    env = os.environ.get("KILN_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "kiln"
+
+
+def cuda_include_override() -> Optional[str]:
+    """``KILN_CUDA_INCLUDE`` when set."""
+    return os.environ.get("KILN_CUDA_INCLUDE") or None
+
+
+def cuda_roots() -> List[str]:
+    """``CUDA_HOME`` and ``CUDA_PATH``, where set."""
+    return [v for v in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")) if v]
+
+
+def launcher_choice() -> str:
+    """``KILN_LAUNCHER``, lower-cased (empty when unset)."""
+    return os.environ.get("KILN_LAUNCHER", "").strip().lower()
