@@ -20,7 +20,7 @@ pub fn expr_order(f: &Fusion) -> Vec<ExprId> {
     // so the ops on its result come after all of the block's other work (placed first, a
     // loss averaged over the rows would close the row loop that a per-row output needs).
     let mut outputs = f.outputs.clone();
-    outputs.sort_by_key(|&o| after_grid_reduction(f, o));
+    outputs.sort_by_cached_key(|&o| after_grid_reduction(f, o));
     for out in outputs {
         visit(f, out, &mut done, &mut order);
     }

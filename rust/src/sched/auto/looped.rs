@@ -19,7 +19,7 @@
 use crate::bail;
 use crate::error::Result;
 use crate::ir::{ExprId, Fusion, IterType, Op, Operand, ParallelType, TvId};
-use crate::sched::auto::{broadcast_input, canonical, tensor_sizes, Ctx, Heuristic, Params};
+use crate::sched::auto::{broadcast_input, canonical, normalization, tensor_sizes, Ctx, Heuristic, Params};
 
 fn merge_range(f: &mut Fusion, t: TvId, start: usize, count: usize) -> Result<()> {
     for _ in 1..count {
@@ -66,19 +66,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     let r0 = f.exprs[reductions[0]].output;
     let logical = f.tvs[r0].logical.clone();
     let n = logical.len();
-    let is_red: Vec<bool> = logical.iter().map(|&id| f.ids[id].iter_type == IterType::Reduction).collect();
-    for &e in &reductions {
-        let r = f.exprs[e].output;
-        let same =
-            f.tvs[r].logical.iter().map(|&id| f.ids[id].iter_type == IterType::Reduction).eq(is_red.iter().copied());
-        if !same {
-            bail!(
-                "{}: every reduction of a normalization must reduce the same axes as {}",
-                f.tv_name(r),
-                f.tv_name(r0)
-            );
-        }
-    }
+    let is_red = normalization::reduced_pattern(f, &reductions)?;
     let (red_axes, kept_axes): (Vec<usize>, Vec<usize>) = (0..n).partition(|&a| is_red[a]);
     let k = red_axes.len();
     if k == n {
@@ -102,16 +90,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     };
     let tensors = row_tensors(f);
     let (rows, full_rank): (Vec<TvId>, Vec<TvId>) = tensors.iter().partition(|&&t| per_row(f, t));
-    let kept_ids = f.no_reduction_logical(r0);
-    if let Some(t) =
-        super::misaligned(f, cx, &logical, &full_rank).or_else(|| super::misaligned(f, cx, &kept_ids, &rows))
-    {
-        bail!(
-            "{}: its axes do not line up with the normalization's ({} has rank {n}); it needs a kernel of its own",
-            f.tv_name(t),
-            f.tv_name(r0)
-        );
-    }
+    normalization::check_aligned(f, cx, r0, &rows, &full_rank)?;
 
     let widest = f.tvs.values().map(|t| t.dtype.size_bytes()).max().unwrap_or(4) as i64;
     let v = if inner && sizes[n - 1] % (16 / widest) == 0 { 16 / widest } else { 1 };

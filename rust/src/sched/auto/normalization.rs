@@ -61,6 +61,40 @@ pub fn is_normalization(f: &Fusion, reductions: &[ExprId]) -> bool {
     })
 }
 
+/// Which axes the normalization's reductions reduce (`true` at a reduced axis); refuses
+/// reductions that do not all reduce the same ones.
+pub(super) fn reduced_pattern(f: &Fusion, reductions: &[ExprId]) -> Result<Vec<bool>> {
+    let pattern = |e: ExprId| -> Vec<bool> {
+        f.tvs[f.exprs[e].output].logical.iter().map(|&id| f.ids[id].iter_type == IterType::Reduction).collect()
+    };
+    let first = pattern(reductions[0]);
+    if let Some(&e) = reductions.iter().find(|&&e| pattern(e) != first) {
+        bail!(
+            "{}: every reduction of a normalization must reduce the same axes as {}",
+            f.tv_name(f.exprs[e].output),
+            f.tv_name(f.exprs[reductions[0]].output)
+        );
+    }
+    Ok(first)
+}
+
+/// Refuses a per-row tensor (`rows`) or a row tensor (`full_rank`) whose axes do not line up
+/// with the kept axes or all axes of the reduction `r0`: the schedule replays one loop
+/// structure positionally.
+pub(super) fn check_aligned(f: &Fusion, cx: &Ctx, r0: TvId, rows: &[TvId], full_rank: &[TvId]) -> Result<()> {
+    let logical = &f.tvs[r0].logical;
+    let kept = f.no_reduction_logical(r0);
+    if let Some(t) = super::misaligned(f, cx, logical, full_rank).or_else(|| super::misaligned(f, cx, &kept, rows)) {
+        bail!(
+            "{}: its axes do not line up with the normalization's ({} has rank {}); it needs a kernel of its own",
+            f.tv_name(t),
+            f.tv_name(r0),
+            logical.len()
+        );
+    }
+    Ok(())
+}
+
 /// Schedule a normalization over the trailing axes.
 pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuristic> {
     let (reductions, totals) = super::split_totals(f, reductions);
@@ -69,22 +103,10 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     let r0 = f.exprs[reductions[0]].output;
     let logical = f.tvs[r0].logical.clone();
     let n = logical.len();
-    let is_red: Vec<bool> = logical.iter().map(|&id| f.ids[id].iter_type == IterType::Reduction).collect();
+    let is_red = reduced_pattern(f, &reductions)?;
     let k = is_red.iter().filter(|&&b| b).count();
     if n < 2 || !is_red.iter().skip(n - k).all(|&b| b) {
         bail!("{}: only normalizations over the trailing axes are scheduled automatically", f.tv_name(r0));
-    }
-    for &e in &reductions {
-        let r = f.exprs[e].output;
-        let same =
-            f.tvs[r].logical.iter().map(|&id| f.ids[id].iter_type == IterType::Reduction).eq(is_red.iter().copied());
-        if !same {
-            bail!(
-                "{}: every reduction of a normalization must reduce the same axes as {}",
-                f.tv_name(r),
-                f.tv_name(r0)
-            );
-        }
     }
     let sizes = tensor_sizes(f, cx, r0)?;
     let row: i64 = sizes[n - k..].iter().product();
@@ -139,16 +161,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
             && f.tvs[t].logical.iter().all(|&id| f.ids[id].iter_type != IterType::Reduction)
     };
     let (rows, full_rank): (Vec<TvId>, Vec<TvId>) = tensors.iter().partition(|&&t| per_row(f, t));
-    let kept_axes = f.no_reduction_logical(r0);
-    if let Some(t) =
-        super::misaligned(f, cx, &logical, &full_rank).or_else(|| super::misaligned(f, cx, &kept_axes, &rows))
-    {
-        bail!(
-            "{}: its axes do not line up with the normalization's ({} has rank {n}); it needs a kernel of its own",
-            f.tv_name(t),
-            f.tv_name(r0)
-        );
-    }
+    check_aligned(f, cx, r0, &rows, &full_rank)?;
     for &t in &tensors {
         if per_row(f, t) {
             for _ in 1..(n - k) {
