@@ -683,6 +683,23 @@ def test_broadcast_in_dim_expands() -> None:
     close(out, np.broadcast_to(v.astype(np.float64)[:, None], (3, 3)))
 
 
+@pytest.mark.parametrize("as_written", [False, True], ids=["auto", "as_written"])
+@pytest.mark.parametrize("asked", [1, 3])
+def test_broadcast_in_dim_pins_symbolic_sizes(asked: int, as_written: bool) -> None:
+    """A fixed size asked of an input axis of runtime size (one included) is that axis's size:
+    another size is a KilnError naming the input, never an output of the input's shape."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1], dtype=F)
+        y = fd.ops.broadcast_in_dim(x, shape=[asked, 4], broadcast_dims=[0, 1])
+        fd.add_output(fd.ops.add(y, 1.0))
+    v = _a(asked, 4)
+    (out,) = fd.execute([v], as_written=as_written)
+    close(out, v.astype(np.float64) + 1)
+    with pytest.raises(KilnError, match=r"T0|T1|T3") as e:
+        fd.execute([_a(5, 4)], as_written=as_written)
+    assert "5" in str(e.value) and str(asked) in str(e.value)
+
+
 def test_tuple_inputs() -> None:
     a, b = _a(4, 5), _a(4, 5)
     (out,) = fd_add().execute((a, b))

@@ -59,22 +59,14 @@ def test_reference_matches_the_fusion_as_written(spec: Spec, sizes):
     _check(fam, fam.fd.execute(inputs, as_written=True), fam.expected(inputs))
 
 
-# Families the segmenter splits into more kernels than their expected count, with the most
-# they take at any tested size: two reductions over different axes of one tensor (neither
-# axis set containing the other) get a kernel each. A count above these is a regression.
-MORE_KERNELS_TODAY = {"broadcast_axes_anywhere": 2}
-
-
 @pytest.mark.parametrize("spec, sizes", CPU_CASES + BENCH_CASES)
 def test_automatic_schedule_takes_the_fewest_kernels(spec: Spec, sizes):
     fam = spec.build(sizes)
     if "BFloat16" in fam.dtypes:
         pytest.importorskip("ml_dtypes", reason="NumPy bfloat16 arrays need ml_dtypes")
     low = fam.fd.lower(fam.stand_ins())
-    most = MORE_KERNELS_TODAY.get(fam.name, fam.kernels)
-    assert fam.kernels <= len(low.kernels) <= most, (
-        f"{fam.name} {sizes}: {len(low.kernels)} kernels, expected {fam.kernels}"
-        f"{f' to {most}' if most != fam.kernels else ''}\n{low.host_program}")
+    assert len(low.kernels) == fam.kernels, (
+        f"{fam.name} {sizes}: {len(low.kernels)} kernels, expected {fam.kernels}\n{low.host_program}")
 
 
 # ----------------------------------------------------------------------------- GPU

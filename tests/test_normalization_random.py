@@ -201,7 +201,9 @@ def test_random_normalizations_match_numpy_in_one_kernel(case: Case) -> None:
     Case((4, 5, 6), (1,), "layernorm_moments", True, "reduced", False, False, 3),  # middle axis
     Case((2, 40_000), (1,), "log_softmax", False, "none", True, True, 4),  # rows past registers
     Case((5, 33), (1,), "layernorm", False, "kept", False, True, 5),  # mean over the rows too
-], ids=["softmax_dim0", "batchnorm_nchw", "middle_axis", "long_rows", "row_mean"])
+    # Statistics broadcast back to a fixed shape with size-one axes on both sides.
+    Case((1, 1, 2), (0,), "softmax", False, "reduced", True, False, 6),
+], ids=["softmax_dim0", "batchnorm_nchw", "middle_axis", "long_rows", "row_mean", "size_one_axes"])
 def test_named_normalizations(case: Case) -> None:
     check(case)
 

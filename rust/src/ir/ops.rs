@@ -411,6 +411,14 @@ impl Fusion {
         let dims: Vec<ValId> = shape.iter().map(|&s| self.scalars.int(if s < 0 { 1 } else { s })).collect();
         let yes = self.scalars.boolean(true);
         let mask = self.full(&dims, Operand::Scalar(yes), DataType::Bool)?;
+        // A size of one asked of an axis that is not a broadcast pins that axis to one:
+        // the mask's axis iterates (a `full` of size one would broadcast and pin nothing).
+        let mask_ids = self.tvs[mask].logical.clone();
+        for ((&s, &id), &m) in shape.iter().zip(&logical).zip(&mask_ids) {
+            if s == 1 && self.ids[id].iter_type != IterType::Broadcast {
+                self.ids[m].iter_type = IterType::Iteration;
+            }
+        }
         self.where_(Operand::Tensor(mask), Operand::Tensor(t), Operand::Tensor(t))
     }
 

@@ -213,31 +213,46 @@ pub fn reuse_partial_reductions(f: &mut Fusion) -> Result<()> {
     }
 }
 
-/// Give every exactly mapped class of iteration axes the smallest extent symbol among its
-/// input extents, so that loops over axes the definition aligns have one extent.
+/// Give every exactly mapped class of iteration axes one extent, so that loops over axes
+/// the definition aligns have one extent: the class's constant size where an axis has one
+/// (a `full` or `broadcast_in_dim` of a fixed shape aligned with an input; the input must
+/// then have that size, which binding checks), else its smallest input extent symbol.
 pub fn unify_mapped_extents(f: &mut Fusion) {
     use crate::ir::scalar::Val;
     use crate::ir::Symbol;
+    #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+    enum Rep {
+        Constant(i64),
+        Symbol(u32),
+    }
     loop {
         let graph = IdGraph::exact(f);
-        let extent_of = |f: &Fusion, id| match f.scalars.get(f.ids[id].extent) {
-            Val::Symbol(Symbol::Extent(n)) if f.ids[id].iter_type != IterType::Broadcast => Some(n),
-            _ => None,
+        let extent_of = |f: &Fusion, id| {
+            if f.ids[id].iter_type == IterType::Broadcast {
+                return None;
+            }
+            match f.scalars.get(f.ids[id].extent) {
+                Val::Symbol(Symbol::Extent(n)) => Some(Rep::Symbol(n)),
+                Val::Int(c) => Some(Rep::Constant(c)),
+                _ => None,
+            }
         };
-        let mut rep: FxHashMap<crate::ir::IterDomainId, u32> = FxHashMap::default();
+        let mut rep: FxHashMap<crate::ir::IterDomainId, Rep> = FxHashMap::default();
         for id in f.ids.keys() {
             if let Some(n) = extent_of(f, id) {
                 let m = rep.entry(graph.find(id)).or_insert(n);
                 *m = (*m).min(n);
             }
         }
-        let sub = f.ids.keys().find_map(|id| {
-            let n = extent_of(f, id)?;
-            let m = rep[&graph.find(id)];
-            (m != n).then_some((n, m))
+        let sub = f.ids.keys().find_map(|id| match (extent_of(f, id)?, rep[&graph.find(id)]) {
+            (Rep::Symbol(n), m) if m != Rep::Symbol(n) => Some((n, m)),
+            _ => None,
         });
         let Some((n, m)) = sub else { return };
-        let target = f.scalars.symbol(Symbol::Extent(m));
+        let target = match m {
+            Rep::Constant(c) => f.scalars.int(c),
+            Rep::Symbol(m) => f.scalars.symbol(Symbol::Extent(m)),
+        };
         let ids: Vec<_> = f.ids.keys().collect();
         for id in ids {
             let e = f.ids[id].extent;
