@@ -14,10 +14,11 @@ use crate::bail;
 use crate::error::Result;
 use crate::ir::scalar::{ScalarOp, Val};
 use crate::ir::{
-    BinaryOp, DataType, ExprId, Fusion, IterType, MemoryType, Op, Operand, ParallelType, ReductionOp, Symbol, TvId,
-    UnaryOp, ValId,
+    BinaryOp, DataType, ExprId, Fusion, MemoryType, Op, Operand, ParallelType, ReductionOp, Symbol, TvId, UnaryOp,
+    ValId,
 };
-use crate::kernel::{AccessIndex, AllocTarget, Kernel, Node, SyncKind};
+use crate::kernel::{AccessIndex, AllocTarget, IfKind, Kernel, Node, SyncKind, VectorAccess, VectorCopy};
+use crate::lower::predicate::conjuncts;
 
 /// The runtime header every kernel includes.
 pub const RUNTIME_HEADER: &str = include_str!("runtime.cuh");
@@ -75,28 +76,11 @@ pub fn c_type(d: DataType) -> &'static str {
 struct Gen<'a> {
     k: &'a Kernel,
     f: &'a Fusion,
-    /// A copy of the kernel's scalars: codegen specializes index expressions (vector bases).
-    sc: crate::ir::Scalars,
+    sc: &'a crate::ir::Scalars,
     out: String,
-    /// Register accumulator of each hoisted reduction while its loops are emitted.
-    hoisted: FxHashMap<ExprId, String>,
-    /// Predicate conjuncts known to hold (inside the fast path of an unswitched loop).
-    assumed: FxHashSet<ValId>,
     /// C name of each tensor's buffer.
     names: FxHashMap<TvId, String>,
-    /// Outputs of complete hoisted reductions: they store every element themselves, so
-    /// their init statements are dead (the interpreter still runs them: it does not hoist).
-    stored_whole: FxHashSet<TvId>,
     scratch: u32,
-}
-
-fn complete_hoists(f: &Fusion, nodes: &[Node], out: &mut FxHashSet<TvId>) {
-    for n in nodes {
-        if let Node::Loop(l) = n {
-            out.extend(l.hoisted.iter().filter(|h| h.complete).map(|h| f.exprs[h.expr].output));
-            complete_hoists(f, &l.body, out);
-        }
-    }
 }
 
 fn collect_symbols(f: &Fusion, v: ValId, seen: &mut FxHashSet<ValId>, out: &mut FxHashSet<Symbol>) {
@@ -117,19 +101,10 @@ fn collect_symbols(f: &Fusion, v: ValId, seen: &mut FxHashSet<ValId>, out: &mut 
 
 fn node_vals(n: &Node, f: &Fusion, acc: &mut Vec<ValId>) {
     match n {
-        Node::Loop(l) => {
-            acc.push(l.extent);
-            for c in &l.body {
-                node_vals(c, f, acc);
-            }
-        }
+        Node::Loop(l) => acc.push(l.extent),
         Node::Alloc(a) => acc.extend(a.shape.iter().copied()),
-        Node::Init { value, index, .. } => {
-            acc.push(*value);
-            push_index(index.as_ref(), acc);
-        }
-        Node::Expr { expr, index } => {
-            push_index(index.as_ref(), acc);
+        Node::Init { value, .. } => acc.push(*value),
+        Node::Expr { expr, .. } | Node::Accumulate { acc: crate::kernel::Accumulator { expr, .. }, .. } => {
             for o in &f.exprs[*expr].inputs {
                 if let Operand::Scalar(v) = o {
                     acc.push(*v);
@@ -141,7 +116,25 @@ fn node_vals(n: &Node, f: &Fusion, acc: &mut Vec<ValId>) {
                 _ => {}
             }
         }
+        Node::AccumulatorInit(a) | Node::ReduceAccumulator { acc: a, .. } => {
+            if let Op::Reduction { init, .. } = f.exprs[a.expr].op {
+                acc.push(init);
+            }
+        }
+        Node::If(i) => acc.push(i.cond),
+        Node::Vector(v) => {
+            acc.extend([v.out, v.input, v.first, v.last]);
+            for g in &v.gathers {
+                acc.extend([g.at, g.extent]);
+            }
+        }
         Node::Sync(_) => {}
+    }
+    push_index(n.access_index(), acc);
+    for b in n.bodies() {
+        for c in b {
+            node_vals(c, f, acc);
+        }
     }
 }
 
@@ -216,18 +209,7 @@ pub fn generate(k: &Kernel, index32: bool) -> Result<CudaKernel> {
         params.push((format!("{}_stride{a}", f.tv_name(t)), ParamKind::Stride(t, a), DataType::Int));
     }
 
-    let mut g = Gen {
-        k,
-        f,
-        sc: f.scalars.clone(),
-        out: String::new(),
-        hoisted: FxHashMap::default(),
-        assumed: FxHashSet::default(),
-        names,
-        stored_whole: FxHashSet::default(),
-        scratch: 0,
-    };
-    complete_hoists(f, &k.body, &mut g.stored_whole);
+    let mut g = Gen { k, f, sc: &f.scalars, out: String::new(), names, scratch: 0 };
     let sig: Vec<String> = params
         .iter()
         .map(|(name, kind, dt)| match kind {
@@ -262,7 +244,7 @@ impl Gen<'_> {
 
     /// C expression of an integer/bool scalar.
     fn c(&self, v: ValId) -> String {
-        let sc = &self.sc;
+        let sc = self.sc;
         match sc.get(v) {
             Val::Int(i) => {
                 if i == i64::MIN {
@@ -314,25 +296,9 @@ impl Gen<'_> {
         self.names.get(&tv).cloned().unwrap_or_else(|| self.f.tv_name(tv))
     }
 
-    /// True for an init statement that `stored_whole` makes dead, or a loop holding only such.
-    fn dead_init(&self, n: &Node) -> bool {
-        match n {
-            Node::Init { tv, .. } => self.stored_whole.contains(tv),
-            Node::Loop(l) => !l.body.is_empty() && l.body.iter().all(|c| self.dead_init(c)),
-            _ => false,
-        }
-    }
-
     fn node(&mut self, n: &Node, depth: usize) -> Result<()> {
         let pad = Self::pad(depth);
-        if self.dead_init(n) {
-            return Ok(());
-        }
         match n {
-            Node::Loop(l) if self.try_vectorized_copy(l, depth)? => {}
-            Node::Loop(l) if !l.hoisted.is_empty() => self.hoisting_loop(l, depth)?,
-            Node::Loop(l) if l.parallel == ParallelType::Unswitch && self.unswitch(l, depth)? => {}
-            Node::Loop(l) if !l.parallel.is_thread_or_block() && self.hoist_invariant(l, depth)? => {}
             Node::Loop(l) => {
                 if l.parallel.is_thread_or_block() {
                     let _ = writeln!(self.out, "{pad}{{  // {} over {}", l.parallel.enum_name(), self.f.id_label(l.id));
@@ -412,15 +378,87 @@ impl Gen<'_> {
                 let _ =
                     writeln!(self.out, "{pad}__syncthreads();  // {}", if *k == SyncKind::Raw { "RAW" } else { "WAR" });
             }
+            Node::If(i) => {
+                let note = match i.kind {
+                    IfKind::Unswitch => "unswitched: bounds hold for the whole tile",
+                    IfKind::InvariantBounds => "bounds no inner loop changes",
+                };
+                let _ = writeln!(self.out, "{pad}if ({}) {{  // {note}", self.pred(i.cond));
+                for c in &i.then {
+                    self.node(c, depth + 1)?;
+                }
+                if !i.otherwise.is_empty() {
+                    let _ = writeln!(self.out, "{pad}}} else {{");
+                    for c in &i.otherwise {
+                        self.node(c, depth + 1)?;
+                    }
+                }
+                let _ = writeln!(self.out, "{pad}}}");
+            }
+            Node::Vector(v) => self.vector_copy(v, depth)?,
+            Node::AccumulatorInit(a) => {
+                let Op::Reduction { init, .. } = self.f.exprs[a.expr].op else {
+                    crate::bail_internal!("accumulator of a non-reduction")
+                };
+                let ty = c_type(self.f.tvs[self.f.exprs[a.expr].output].dtype);
+                let _ = writeln!(self.out, "{pad}{ty} kiln_acc{} = kiln::cast<{ty}>({});", a.id, self.c(init));
+            }
+            Node::Accumulate { acc, index } => {
+                let Op::Reduction { op, .. } = self.f.exprs[acc.expr].op else {
+                    crate::bail_internal!("accumulate of a non-reduction")
+                };
+                let dt = self.f.tvs[self.f.exprs[acc.expr].output].dtype;
+                let pre = self.gather_reads(index);
+                let input = self.operand(acc.expr, index, 0, dt);
+                let _ = writeln!(
+                    self.out,
+                    "{pad}if ({}) {{ {pre}kiln_acc{} = {}(kiln_acc{}, {input}); }}",
+                    self.pred(index.predicate),
+                    acc.id,
+                    functor(op),
+                    acc.id
+                );
+            }
+            Node::ReduceAccumulator { acc, index, complete } => {
+                let Op::Reduction { op, init } = self.f.exprs[acc.expr].op else {
+                    crate::bail_internal!("reduction of an accumulator of a non-reduction")
+                };
+                let ty = c_type(self.f.tvs[self.f.exprs[acc.expr].output].dtype);
+                let init_c = format!("kiln::cast<{ty}>({})", self.c(init));
+                let red = crate::analysis::parallel::reduced_dims(self.f, &self.k.loops, self.f.exprs[acc.expr].output);
+                let value = format!("kiln_acc{}", acc.id);
+                self.parallel_reduce(acc.expr, index, &red, functor(op), &init_c, &value, depth, "", *complete)?;
+            }
         }
         Ok(())
     }
 
-    /// A predicate without the conjuncts assumed to hold.
+    /// The gathered index reads an access depends on, as C declarations.
+    fn gather_reads(&self, ix: &AccessIndex) -> String {
+        let pred = self.pred(ix.predicate);
+        let mut pre = String::new();
+        for gth in &ix.gathers {
+            let _ = write!(
+                pre,
+                "const kiln_index_t g{} = kiln::checkedIndex(({}) ? (kiln_index_t){}[{}] : 0, {}, {}, {}, {}); ",
+                gth.id,
+                pred,
+                self.buf(gth.index_tv),
+                self.c(gth.at),
+                self.c(gth.extent),
+                crate::kernel::INDEX_ERROR,
+                gth.id,
+                self.c(gth.at)
+            );
+        }
+        pre
+    }
+
+    /// A predicate, its conjuncts joined by `&&`.
     fn pred(&self, v: ValId) -> String {
         let mut parts = Vec::new();
-        conjuncts(&self.sc, v, &mut parts);
-        let kept: Vec<String> = parts.into_iter().filter(|c| !self.assumed.contains(c)).map(|c| self.c(c)).collect();
+        conjuncts(self.sc, v, &mut parts);
+        let kept: Vec<String> = parts.into_iter().map(|c| self.c(c)).collect();
         if kept.is_empty() {
             "true".into()
         } else {
@@ -428,238 +466,32 @@ impl Gen<'_> {
         }
     }
 
-    /// Unswitch: when every bound predicate inside the loop holds at the largest loop
-    /// indices (the bounds are monotone in them), run a copy of the loop without those
-    /// predicates; otherwise the predicated loop. Returns false when nothing can be
-    /// hoisted (the loop is then emitted as a plain serial loop).
-    fn unswitch(&mut self, l: &crate::kernel::ForLoop, depth: usize) -> Result<bool> {
-        let mut loops: Vec<(Symbol, ValId)> = Vec::new();
-        let mut preds: Vec<ValId> = Vec::new();
-        collect_unswitch(&self.sc, &Node::Loop(l.clone()), &mut loops, &mut preds);
-        let syms: FxHashSet<Symbol> = loops.iter().map(|&(s, _)| s).collect();
-        let mut hoist: Vec<ValId> = Vec::new();
-        for p in preds {
-            let mut parts = Vec::new();
-            conjuncts(&self.sc, p, &mut parts);
-            for c in parts {
-                if hoist.contains(&c) || self.assumed.contains(&c) {
-                    continue;
-                }
-                if let Val::Binary(ScalarOp::Lt, a, b) = self.sc.get(c) {
-                    if mentions(&self.sc, a, &syms) && !mentions(&self.sc, b, &syms) && monotone(&self.sc, a) {
-                        hoist.push(c);
-                    }
-                }
-            }
-        }
-        if hoist.is_empty() || loops.iter().any(|&(_, e)| mentions(&self.sc, e, &syms)) {
-            return Ok(false);
-        }
-        // The fast-path condition: each hoisted bound at the largest indices.
-        let mut cond = self.sc.boolean(true);
-        for &c in &hoist {
-            let mut v = c;
-            for &(s, e) in &loops {
-                let one = self.sc.int(1);
-                let last = self.sc.sub(e, one);
-                v = self.sc.substitute(v, s, last);
-            }
-            cond = self.sc.binary(ScalarOp::And, cond, v);
-        }
-        let pad = Self::pad(depth);
-        let _ = writeln!(self.out, "{pad}if ({}) {{  // unswitched: bounds hold for the whole tile", self.pred(cond));
-        let mut plain = l.clone();
-        plain.parallel = ParallelType::Serial;
-        let added: Vec<ValId> = hoist.iter().copied().filter(|c| self.assumed.insert(*c)).collect();
-        self.node(&Node::Loop(plain.clone()), depth + 1)?;
-        for c in added {
-            self.assumed.remove(&c);
-        }
-        let _ = writeln!(self.out, "{pad}}} else {{");
-        self.node(&Node::Loop(plain), depth + 1)?;
-        let _ = writeln!(self.out, "{pad}}}");
-        Ok(true)
-    }
-
-    /// Bounds checks that every statement under a serial loop repeats but no loop inside
-    /// it changes (a column bound inside a loop over rows): test them once around the
-    /// loop. Per-statement checks compile to a branch around every load, which keeps the
-    /// loads of an unrolled loop from being issued together. Returns false (emitting
-    /// nothing) when there is nothing to hoist or the loop holds a barrier or a block
-    /// reduction, which every thread must reach.
-    fn hoist_invariant(&mut self, l: &crate::kernel::ForLoop, depth: usize) -> Result<bool> {
-        let mut loops: Vec<(Symbol, ValId)> = Vec::new();
-        let mut preds: Vec<ValId> = Vec::new();
-        if !self.only_local_statements(&l.body) {
-            return Ok(false);
-        }
-        // This loop's index and those of the loops inside it (no clone of the subtree).
-        if let Val::Symbol(s) = self.sc.get(l.index) {
-            loops.push((s, l.extent));
-        }
-        for c in &l.body {
-            collect_unswitch(&self.sc, c, &mut loops, &mut Vec::new());
-        }
-        collect_predicates(&l.body, &mut preds);
-        let inner: FxHashSet<Symbol> = loops.iter().map(|&(s, _)| s).collect();
-        let mut common: Option<Vec<ValId>> = None;
-        for p in preds {
-            let mut parts = Vec::new();
-            conjuncts(&self.sc, p, &mut parts);
-            parts.retain(|c| !self.assumed.contains(c));
-            common = Some(match common {
-                None => parts,
-                Some(prev) => prev.into_iter().filter(|c| parts.contains(c)).collect(),
-            });
-        }
-        let hoist: Vec<ValId> = common
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|&c| !mentions(&self.sc, c, &inner) && !mentions_gathered(&self.sc, c))
-            .collect();
-        if hoist.is_empty() {
-            return Ok(false);
-        }
-        let mut cond = self.sc.boolean(true);
-        for &c in &hoist {
-            cond = self.sc.binary(ScalarOp::And, cond, c);
-        }
-        let pad = Self::pad(depth);
-        let _ = writeln!(self.out, "{pad}if ({}) {{  // bounds no inner loop changes", self.pred(cond));
-        let added: Vec<ValId> = hoist.iter().copied().filter(|c| self.assumed.insert(*c)).collect();
-        let r = self.node(&Node::Loop(l.clone()), depth + 1);
-        for c in added {
-            self.assumed.remove(&c);
-        }
-        r?;
-        let _ = writeln!(self.out, "{pad}}}");
-        Ok(true)
-    }
-
-    /// True when `body` holds only loops, Local allocations and statements that emit no
-    /// barrier (no syncs, no block or grid reductions that are not hoisted out).
-    fn only_local_statements(&self, body: &[Node]) -> bool {
-        body.iter().all(|n| match n {
-            Node::Loop(l) => l.hoisted.is_empty() && self.only_local_statements(&l.body),
-            Node::Alloc(a) => a.memory == MemoryType::Local,
-            Node::Expr { expr, .. } => {
-                let e = &self.f.exprs[*expr];
-                let block_reduce = matches!(e.op, Op::Reduction { .. })
-                    && !self.hoisted.contains_key(expr)
-                    && self.f.tvs[e.output].loop_domain.iter().enumerate().any(|(a, &id)| {
-                        self.f.ids[id].iter_type == IterType::Reduction
-                            && self.k.loops.groups[self.k.loops.group(e.output, a)].parallel.is_thread_or_block()
-                    });
-                !block_reduce
-            }
-            Node::Init { .. } | Node::Sync(_) => false,
-        })
-    }
-
-    /// A loop that hoisted reductions accumulate through: registers before it, the
-    /// block/grid reductions after it.
-    fn hoisting_loop(&mut self, l: &crate::kernel::ForLoop, depth: usize) -> Result<()> {
-        let pad = Self::pad(depth);
+    /// A vector copy: one wide load and store where the whole vector is in range and
+    /// aligned, the element loop otherwise.
+    fn vector_copy(&mut self, v: &VectorCopy, depth: usize) -> Result<()> {
         let f = self.f;
-        let mut after = Vec::new();
-        for &crate::kernel::Hoisted { expr: e, complete } in &l.hoisted {
-            let Op::Reduction { op, init } = f.exprs[e].op else { crate::bail_internal!("hoisted a non-reduction") };
-            let Some(ix) = find_index(&l.body, e) else { crate::bail_internal!("hoisted reduction not in its loop") };
-            let ty = c_type(f.tvs[f.exprs[e].output].dtype);
-            self.scratch += 1;
-            let acc = format!("kiln_acc{}", self.scratch);
-            let init_c = format!("kiln::cast<{ty}>({})", self.c(init));
-            let _ = writeln!(self.out, "{pad}{ty} {acc} = {init_c};");
-            self.hoisted.insert(e, acc.clone());
-            after.push((e, ix.clone(), op, init_c, acc, complete));
-        }
-        let mut plain = l.clone();
-        plain.hoisted.clear();
-        self.node(&Node::Loop(plain), depth)?;
-        for (e, ix, op, init_c, acc, complete) in after {
-            self.hoisted.remove(&e);
-            let out_tv = f.exprs[e].output;
-            let mut red = Vec::new();
-            for (a, &id) in f.tvs[out_tv].loop_domain.iter().enumerate() {
-                let p = self.k.loops.groups[self.k.loops.group(out_tv, a)].parallel;
-                if f.ids[id].iter_type == IterType::Reduction && p.is_thread_or_block() {
-                    red.push(p);
-                }
-            }
-            let functor = match op {
-                ReductionOp::Sum => "kiln::Sum()",
-                ReductionOp::Max => "kiln::Max()",
-                ReductionOp::Min => "kiln::Min()",
-            };
-            self.parallel_reduce(e, &ix, &red, functor, &init_c, &acc, depth, "", complete)?;
-        }
-        Ok(())
-    }
-
-    /// Emit a Vectorize loop holding one copy as a single wide load and store, with a
-    /// scalar fallback for misaligned or partly out-of-range vectors. Returns false (and
-    /// emits nothing) when the loop is not such a copy.
-    fn try_vectorized_copy(&mut self, l: &crate::kernel::ForLoop, depth: usize) -> Result<bool> {
-        if l.parallel != ParallelType::Vectorize {
-            return Ok(false);
-        }
-        let Some(n) = self.sc.as_int(l.extent) else {
-            return Ok(false);
+        let e = &f.exprs[v.expr];
+        let Some(Operand::Tensor(src)) = e.inputs.first().copied() else {
+            crate::bail_internal!("vector copy of a non-tensor operand")
         };
-        let [Node::Expr { expr, index: Some(ix) }] = l.body.as_slice() else {
-            return Ok(false);
+        let [Node::Expr { index: Some(ix), .. }] = v.fallback.body.as_slice() else {
+            crate::bail_internal!("vector copy without its element statement")
         };
-        let f = self.f;
-        let e = &f.exprs[*expr];
-        // A broadcast moves data like a copy: along the vector it reads consecutive elements.
-        let (Op::Set | Op::Broadcast { .. } | Op::IndexSelect { .. }, Some(Operand::Tensor(src))) =
-            (&e.op, e.inputs.first().copied())
-        else {
-            return Ok(false);
-        };
+        let n = v.width;
         let dt = f.tvs[e.output].dtype;
         let bytes = n as usize * dt.size_bytes();
-        if !matches!(bytes, 2 | 4 | 8 | 16) || f.tvs[src].dtype != dt {
-            return Ok(false);
-        }
-        let Val::Symbol(sym) = self.sc.get(l.index) else {
-            return Ok(false);
-        };
-        let Some(in_off) = ix.inputs[0] else {
-            return Ok(false);
-        };
-        let (zero, last) = (self.sc.int(0), self.sc.int(n - 1));
-        let at = |v: ValId, k: ValId, sc: &mut crate::ir::Scalars| sc.substitute(v, sym, k);
-        let (o0, i0) = (at(ix.out, zero, &mut self.sc), at(in_off, zero, &mut self.sc));
-        // Unit stride in the vector index on both sides, or no wide access.
-        if linear_coeff(&self.sc, ix.out, sym) != Some(1) || linear_coeff(&self.sc, in_off, sym) != Some(1) {
-            return Ok(false);
-        }
-        // A gathered row: the index is read once for the whole vector, so it must not move
-        // along it.
-        if ix.gathers.iter().any(|g| linear_coeff(&self.sc, g.at, sym) != Some(0)) {
-            return Ok(false);
-        }
-        // Conjuncts already known to hold (unswitched fast path) need no re-check per vector.
-        let mut parts = Vec::new();
-        conjuncts(&self.sc, ix.predicate, &mut parts);
-        let mut live = self.sc.boolean(true);
-        for c in parts.into_iter().filter(|c| !self.assumed.contains(c)) {
-            live = self.sc.binary(ScalarOp::And, live, c);
-        }
-        let (p0, pl) = (at(live, zero, &mut self.sc), at(live, last, &mut self.sc));
         let pad = Self::pad(depth);
         let ty = c_type(dt);
         let (ob, ib) = (self.buf(e.output), self.buf(src));
-        let _ = writeln!(self.out, "{pad}{{  // Vectorize x{n} over {}", f.id_label(l.id));
-        for g in &ix.gathers {
+        let _ = writeln!(self.out, "{pad}{{  // Vectorize x{n} over {}", f.id_label(v.fallback.id));
+        for g in &v.gathers {
             // Read only where the vector's first element is in bounds; the address below is
             // dereferenced only then.
             let _ = writeln!(
                 self.out,
                 "{pad}  const kiln_index_t g{} = kiln::checkedIndex(({}) ? (kiln_index_t){}[{}] : 0, {}, {}, {}, {});",
                 g.id,
-                self.pred(p0),
+                self.pred(v.first),
                 self.buf(g.index_tv),
                 self.c(g.at),
                 self.c(g.extent),
@@ -668,37 +500,25 @@ impl Gen<'_> {
                 self.c(g.at)
             );
         }
-        let _ = writeln!(self.out, "{pad}  const kiln_index_t kiln_ob = {}, kiln_ib = {};", self.c(o0), self.c(i0));
-        // Local arrays are declared 16-byte aligned, so an offset that is a multiple of the
-        // vector width is aligned by construction. Checking a Local address at run time
-        // would force the array out of registers into the stack frame. A Shared side whose
-        // offset is not a multiple of the width (a tile padded by one bank) is moved element
-        // by element, so that the Global side keeps its 16-byte access on every row.
+        let _ =
+            writeln!(self.out, "{pad}  const kiln_index_t kiln_ob = {}, kiln_ib = {};", self.c(v.out), self.c(v.input));
         let mut checks = Vec::new();
-        let mut wide = [true, true];
-        for (k, (buf, tv, off)) in [(&ob, e.output, o0), (&ib, src, i0)].into_iter().enumerate() {
-            let multiple = self.sc.known_multiple(off) % n == 0;
-            match f.tvs[tv].memory {
-                MemoryType::Local if multiple => {}
-                MemoryType::Shared if !multiple => wide[k] = false,
-                // Global with aligned bases: only the offset can break the alignment.
-                MemoryType::Global if f.aligned_bases && multiple => {}
-                MemoryType::Global if f.aligned_bases => {
-                    checks.push(format!(" && {} % {n} == 0", if k == 0 { "kiln_ob" } else { "kiln_ib" }));
+        for (k, buf) in [&ob, &ib].into_iter().enumerate() {
+            let var = if k == 0 { "kiln_ob" } else { "kiln_ib" };
+            match v.access[k] {
+                VectorAccess::WideIfOffsetAligned => checks.push(format!(" && {var} % {n} == 0")),
+                VectorAccess::WideIfAddressAligned => {
+                    checks.push(format!(" && reinterpret_cast<unsigned long long>(&{buf}[{var}]) % {bytes} == 0"))
                 }
-                _ => {
-                    let var = if k == 0 { "kiln_ob" } else { "kiln_ib" };
-                    checks.push(format!(" && reinterpret_cast<unsigned long long>(&{buf}[{var}]) % {bytes} == 0"));
-                }
+                VectorAccess::Wide | VectorAccess::Elements => {}
             }
         }
-        let _ = writeln!(self.out, "{pad}  if (({}) && ({}){}) {{", self.pred(p0), self.pred(pl), checks.concat());
+        let _ =
+            writeln!(self.out, "{pad}  if (({}) && ({}){}) {{", self.pred(v.first), self.pred(v.last), checks.concat());
         let _ = writeln!(self.out, "{pad}    kiln::Array<{ty}, {n}> kiln_vec;");
         let each = format!("{pad}    #pragma unroll\n{pad}    for (int kiln_j = 0; kiln_j < {n}; ++kiln_j) ");
-        let load = if wide[1] {
-            let global = f.tvs[src].memory == MemoryType::Global;
-            let hints = (f.tvs[e.output].streaming_load && global, f.tvs[e.output].evict_last_load && global);
-            let func = match hints {
+        let load = if v.access[1] != VectorAccess::Elements {
+            let func = match v.load_hints {
                 (false, false) => "loadVec",
                 (true, false) => "loadVecStreaming",
                 (false, true) => "loadVecEvictLast",
@@ -708,21 +528,21 @@ impl Gen<'_> {
         } else {
             format!("{each}kiln_vec[kiln_j] = {ib}[kiln_ib + kiln_j];")
         };
-        let store = if wide[0] {
+        let store = if v.access[0] != VectorAccess::Elements {
             format!("{pad}    kiln::storeVec<{ty}, {n}>(&{ob}[kiln_ob], kiln_vec);")
         } else {
             format!("{each}{ob}[kiln_ob + kiln_j] = kiln_vec[kiln_j];")
         };
         let _ = writeln!(self.out, "{load}\n{store}");
         let _ = writeln!(self.out, "{pad}  }} else {{");
-        let idx = self.c(l.index);
+        let idx = self.c(v.fallback.index);
         let _ = writeln!(self.out, "{pad}    #pragma unroll");
         let _ = writeln!(self.out, "{pad}    for (kiln_index_t {idx} = 0; {idx} < {n}; ++{idx}) {{");
-        self.expr(*expr, ix, depth + 3)?;
+        self.expr(v.expr, ix, depth + 3)?;
         let _ = writeln!(self.out, "{pad}    }}");
         let _ = writeln!(self.out, "{pad}  }}");
         let _ = writeln!(self.out, "{pad}}}");
-        Ok(true)
+        Ok(())
     }
 
     /// C expression reading operand `pos` of `e`, converted to dtype `to`.
@@ -753,21 +573,7 @@ impl Gen<'_> {
         let out_ty = c_type(out_dt);
         let out = format!("{}[{}]", self.buf(out_tv), self.c(ix.out));
         let pred = self.pred(ix.predicate);
-        let mut pre = String::new();
-        for gth in &ix.gathers {
-            let _ = write!(
-                pre,
-                "const kiln_index_t g{} = kiln::checkedIndex(({}) ? (kiln_index_t){}[{}] : 0, {}, {}, {}, {}); ",
-                gth.id,
-                pred,
-                self.buf(gth.index_tv),
-                self.c(gth.at),
-                self.c(gth.extent),
-                crate::kernel::INDEX_ERROR,
-                gth.id,
-                self.c(gth.at)
-            );
-        }
+        let pre = self.gather_reads(ix);
         let value = match &ex.op {
             Op::Unary(u) => {
                 let cd = if matches!(u, UnaryOp::Abs | UnaryOp::Neg | UnaryOp::Relu) {
@@ -835,11 +641,7 @@ impl Gen<'_> {
         let out_tv = f.exprs[e].output;
         let dt = f.tvs[out_tv].dtype;
         let ty = c_type(dt);
-        let functor = match op {
-            ReductionOp::Sum => "kiln::Sum()",
-            ReductionOp::Max => "kiln::Max()",
-            ReductionOp::Min => "kiln::Min()",
-        };
+        let functor = functor(op);
         let out = format!("{}[{}]", self.buf(out_tv), self.c(ix.out));
         let input = self.operand(e, ix, 0, dt);
         let init_c = format!("kiln::cast<{ty}>({})", self.c(init));
@@ -847,11 +649,6 @@ impl Gen<'_> {
         let pred = self.pred(ix.predicate);
         if red.is_empty() {
             let _ = writeln!(self.out, "{pad}if ({pred}) {{ {pre}{out} = {functor}({out}, {input}); }}");
-            return Ok(());
-        }
-        if let Some(acc) = self.hoisted.get(&e) {
-            // Hoisted: accumulate per thread now; the block/grid reduction follows the loop.
-            let _ = writeln!(self.out, "{pad}if ({pred}) {{ {pre}{acc} = {functor}({acc}, {input}); }}");
             return Ok(());
         }
         let value = format!("({pred}) ? {input} : {init_c}");
@@ -930,118 +727,13 @@ impl Gen<'_> {
     }
 }
 
-/// The constant coefficient of `sym` in `v` when `v` is affine in it (it appears only
-/// under sums and products with constants); `None` otherwise.
-fn linear_coeff(sc: &crate::ir::Scalars, v: ValId, sym: Symbol) -> Option<i64> {
-    match sc.get(v) {
-        Val::Symbol(s) => Some(if s == sym { 1 } else { 0 }),
-        Val::Int(_) | Val::Bool(_) | Val::Float(_) => Some(0),
-        Val::Binary(ScalarOp::Add, a, b) => Some(linear_coeff(sc, a, sym)? + linear_coeff(sc, b, sym)?),
-        Val::Binary(ScalarOp::Sub, a, b) => Some(linear_coeff(sc, a, sym)? - linear_coeff(sc, b, sym)?),
-        Val::Binary(ScalarOp::Mul, a, b) => {
-            let (ca, cb) = (linear_coeff(sc, a, sym)?, linear_coeff(sc, b, sym)?);
-            match (ca, cb) {
-                (0, 0) => Some(0),
-                (k, 0) => sc.as_int(b).map(|c| k * c),
-                (0, k) => sc.as_int(a).map(|c| k * c),
-                _ => None,
-            }
-        }
-        Val::Binary(_, a, b) => {
-            // Any other operator is fine only if the symbol does not occur under it.
-            (linear_coeff(sc, a, sym)? == 0 && linear_coeff(sc, b, sym)? == 0).then_some(0)
-        }
+/// The combining functor of a reduction in the runtime header.
+fn functor(op: ReductionOp) -> &'static str {
+    match op {
+        ReductionOp::Sum => "kiln::Sum()",
+        ReductionOp::Max => "kiln::Max()",
+        ReductionOp::Min => "kiln::Min()",
     }
-}
-
-/// Split a predicate into its `&&` conjuncts.
-fn conjuncts(sc: &crate::ir::Scalars, v: ValId, out: &mut Vec<ValId>) {
-    match sc.get(v) {
-        Val::Binary(ScalarOp::And, a, b) => {
-            conjuncts(sc, a, out);
-            conjuncts(sc, b, out);
-        }
-        Val::Bool(true) => {}
-        _ => out.push(v),
-    }
-}
-
-/// True when `v` mentions one of `syms`.
-fn mentions(sc: &crate::ir::Scalars, v: ValId, syms: &FxHashSet<Symbol>) -> bool {
-    match sc.get(v) {
-        Val::Symbol(s) => syms.contains(&s),
-        Val::Binary(_, a, b) => mentions(sc, a, syms) || mentions(sc, b, syms),
-        _ => false,
-    }
-}
-
-/// The predicates of the statements in `body` (what each checks before it runs).
-fn collect_predicates(body: &[Node], out: &mut Vec<ValId>) {
-    for n in body {
-        match n {
-            Node::Loop(l) => collect_predicates(&l.body, out),
-            Node::Expr { index: Some(ix), .. } => out.push(ix.predicate),
-            _ => {}
-        }
-    }
-}
-
-/// True when `v` reads a gathered index value or a grid reduction's completion (defined
-/// per statement, not before a loop).
-fn mentions_gathered(sc: &crate::ir::Scalars, v: ValId) -> bool {
-    match sc.get(v) {
-        Val::Symbol(s) => matches!(s, Symbol::Gathered(_) | Symbol::GridDone(_)),
-        Val::Binary(_, a, b) => mentions_gathered(sc, a) || mentions_gathered(sc, b),
-        _ => false,
-    }
-}
-
-/// True when `v` never decreases as any (non-negative) symbol grows: sums and products
-/// of non-negative terms.
-fn monotone(sc: &crate::ir::Scalars, v: ValId) -> bool {
-    match sc.get(v) {
-        Val::Symbol(_) => true,
-        Val::Int(i) => i >= 0,
-        Val::Binary(ScalarOp::Add | ScalarOp::Mul, a, b) => monotone(sc, a) && monotone(sc, b),
-        _ => false,
-    }
-}
-
-/// Loop-index symbols (with extents) and predicates of the nodes under an unswitched loop.
-fn collect_unswitch(sc: &crate::ir::Scalars, n: &Node, loops: &mut Vec<(Symbol, ValId)>, preds: &mut Vec<ValId>) {
-    match n {
-        Node::Loop(l) => {
-            if !l.parallel.is_thread_or_block() {
-                if let Val::Symbol(s) = sc.get(l.index) {
-                    loops.push((s, l.extent));
-                }
-            }
-            for c in &l.body {
-                collect_unswitch(sc, c, loops, preds);
-            }
-        }
-        Node::Expr { index: Some(ix), .. } | Node::Init { index: Some(ix), .. } => {
-            preds.push(ix.predicate);
-            preds.push(ix.write_predicate);
-        }
-        _ => {}
-    }
-}
-
-/// The access index of expr `e` somewhere in `body`.
-fn find_index(body: &[Node], e: ExprId) -> Option<AccessIndex> {
-    for n in body {
-        match n {
-            Node::Expr { expr, index } if *expr == e => return index.clone(),
-            Node::Loop(l) => {
-                if let Some(ix) = find_index(&l.body, e) {
-                    return Some(ix);
-                }
-            }
-            _ => {}
-        }
-    }
-    None
 }
 
 fn float_literal(x: f64) -> String {

@@ -15,17 +15,59 @@ use crate::ir::scalar::Val;
 use crate::ir::{
     BinaryOp, DataType, ExprId, Fusion, IterType, MemoryType, Op, Operand, ParallelType, Symbol, TvId, UnaryOp, ValId,
 };
-use crate::kernel::{AllocTarget, Allocate, Kernel, Node};
+use crate::kernel::{AllocTarget, Allocate, Kernel, Node, VectorAccess};
 
 /// Largest grid the interpreter runs (threads of all blocks together).
 const MAX_THREADS: i64 = 1 << 24;
 
 use crate::analysis::parallel::DIMS as PARALLEL_DIMS;
 
-/// What an Init or Expr node does.
+/// What an indexed statement does.
 enum AccessKind {
-    Init { value: ValId },
-    Expr { expr: ExprId },
+    Init {
+        value: ValId,
+    },
+    Expr {
+        expr: ExprId,
+    },
+    /// A hoisted reduction's per-thread step, combined into register `acc`.
+    Accumulate {
+        expr: ExprId,
+        acc: u32,
+    },
+    /// The block/grid reduction of register `acc` into the reduction's output; `complete`:
+    /// stored, not combined with the output's running value.
+    ReduceAccumulator {
+        expr: ExprId,
+        acc: u32,
+        complete: bool,
+    },
+}
+
+impl AccessKind {
+    fn expr(&self) -> Option<ExprId> {
+        match *self {
+            AccessKind::Init { .. } => None,
+            AccessKind::Expr { expr }
+            | AccessKind::Accumulate { expr, .. }
+            | AccessKind::ReduceAccumulator { expr, .. } => Some(expr),
+        }
+    }
+}
+
+/// A vector copy with its compiled offsets and guards.
+struct CVector {
+    expr: ExprId,
+    src: TvId,
+    width: i64,
+    prog: Prog,
+    out: u32,
+    input: u32,
+    first: u32,
+    last: u32,
+    gathers: Vec<(u32, TvId, u32, TvId, ValId)>,
+    access: [VectorAccess; 2],
+    fallback: Vec<CNode>,
 }
 
 /// An Init or Expr node with its compiled index program.
@@ -49,6 +91,9 @@ enum CNode {
     Alloc(Allocate),
     Access(Box<Access>),
     Sync,
+    If { prog: Prog, cond: u32, then: Vec<CNode>, otherwise: Vec<CNode> },
+    Vector(Box<CVector>),
+    AccumulatorInit { acc: u32, expr: ExprId },
 }
 
 fn compile(k: &Kernel, body: &[Node], stack: &mut Vec<(ParallelType, bool)>) -> Result<Vec<CNode>> {
@@ -98,51 +143,92 @@ fn compile(k: &Kernel, body: &[Node], stack: &mut Vec<(ParallelType, bool)>) -> 
                 }))
             }
             Node::Expr { expr, index } => {
-                let e = &f.exprs[*expr];
                 let Some(ix) = index else {
-                    bail_internal!("interpreter: expression of {} is not indexed", f.tv_name(e.output));
+                    bail_internal!("interpreter: expression of {} is not indexed", f.tv_name(f.exprs[*expr].output));
                 };
+                CNode::Access(Box::new(compile_access(k, AccessKind::Expr { expr: *expr }, ix)?))
+            }
+            Node::Accumulate { acc, index } => CNode::Access(Box::new(compile_access(
+                k,
+                AccessKind::Accumulate { expr: acc.expr, acc: acc.id },
+                index,
+            )?)),
+            Node::ReduceAccumulator { acc, index, complete } => CNode::Access(Box::new(compile_access(
+                k,
+                AccessKind::ReduceAccumulator { expr: acc.expr, acc: acc.id, complete: *complete },
+                index,
+            )?)),
+            Node::AccumulatorInit(a) => CNode::AccumulatorInit { acc: a.id, expr: a.expr },
+            Node::If(i) => {
                 let mut prog = Prog::default();
-                let out = prog.add(&f.scalars, ix.out)?;
-                let pred = prog.add(&f.scalars, ix.predicate)?;
-                let wpred = prog.add(&f.scalars, ix.write_predicate)?;
+                let cond = prog.add(&f.scalars, i.cond)?;
+                CNode::If { prog, cond, then: compile(k, &i.then, stack)?, otherwise: compile(k, &i.otherwise, stack)? }
+            }
+            Node::Vector(v) => {
+                let mut prog = Prog::default();
+                let out = prog.add(&f.scalars, v.out)?;
+                let input = prog.add(&f.scalars, v.input)?;
+                let first = prog.add(&f.scalars, v.first)?;
+                let last = prog.add(&f.scalars, v.last)?;
                 let mut gathers = Vec::new();
-                for g in &ix.gathers {
+                for g in &v.gathers {
                     gathers.push((g.id, g.index_tv, prog.add(&f.scalars, g.at)?, g.table, g.extent));
                 }
-                let mut inputs = Vec::new();
-                for v in &ix.inputs {
-                    inputs.push(match v {
-                        Some(v) => Some(prog.add(&f.scalars, *v)?),
-                        None => None,
-                    });
-                }
-                if inputs.len() != e.inputs.len() {
-                    bail_internal!(
-                        "interpreter: {} operands but {} offsets for {}",
-                        e.inputs.len(),
-                        inputs.len(),
-                        f.tv_name(e.output)
-                    );
-                }
-                // The dims codegen reduces over (a shared loop may be promoted to another
-                // tensor's iteration id, so they come from the output's own axes).
-                let reduced = crate::analysis::parallel::reduced_dims(f, &k.loops, e.output);
-                CNode::Access(Box::new(Access {
-                    kind: AccessKind::Expr { expr: *expr },
-                    out_tv: e.output,
+                let Some(Operand::Tensor(src)) = f.exprs[v.expr].inputs.first().copied() else {
+                    bail_internal!("interpreter: vector copy of a non-tensor operand");
+                };
+                let fallback = compile(k, std::slice::from_ref(&Node::Loop(v.fallback.clone())), stack)?;
+                CNode::Vector(Box::new(CVector {
+                    expr: v.expr,
+                    src,
+                    width: v.width,
                     prog,
                     out,
-                    inputs,
-                    pred,
-                    wpred,
+                    input,
+                    first,
+                    last,
                     gathers,
-                    reduced,
+                    access: v.access,
+                    fallback,
                 }))
             }
         });
     }
     Ok(out)
+}
+
+/// The compiled index program of an expression statement.
+fn compile_access(k: &Kernel, kind: AccessKind, ix: &crate::kernel::AccessIndex) -> Result<Access> {
+    let f = &k.fusion;
+    let Some(expr) = kind.expr() else { bail_internal!("interpreter: an init is not an expression") };
+    let e = &f.exprs[expr];
+    let mut prog = Prog::default();
+    let out = prog.add(&f.scalars, ix.out)?;
+    let pred = prog.add(&f.scalars, ix.predicate)?;
+    let wpred = prog.add(&f.scalars, ix.write_predicate)?;
+    let mut gathers = Vec::new();
+    for g in &ix.gathers {
+        gathers.push((g.id, g.index_tv, prog.add(&f.scalars, g.at)?, g.table, g.extent));
+    }
+    let mut inputs = Vec::new();
+    for v in &ix.inputs {
+        inputs.push(match v {
+            Some(v) => Some(prog.add(&f.scalars, *v)?),
+            None => None,
+        });
+    }
+    if inputs.len() != e.inputs.len() {
+        bail_internal!(
+            "interpreter: {} operands but {} offsets for {}",
+            e.inputs.len(),
+            inputs.len(),
+            f.tv_name(e.output)
+        );
+    }
+    // The dims codegen reduces over (a shared loop may be promoted to another tensor's
+    // iteration id, so they come from the output's own axes).
+    let reduced = crate::analysis::parallel::reduced_dims(f, &k.loops, e.output);
+    Ok(Access { kind, out_tv: e.output, prog, out, inputs, pred, wpred, gathers, reduced })
 }
 
 /// Where a tensor's memory lives.
@@ -204,6 +290,9 @@ struct Ctx<'k> {
     block: [i64; 3],
     nt: usize,
     all: Vec<u32>,
+    /// The lanes running the current statement: every lane, except inside the arms of an
+    /// `If` (and a vector copy's fallback), which run only the lanes taking them.
+    active: Vec<u32>,
     coords: [Vec<u32>; 6],
 }
 
@@ -542,6 +631,7 @@ pub fn run(kernel: &Kernel, bindings: &Bindings, buffers: &mut [Buffer]) -> Resu
         block: [1; 3],
         nt: 1,
         all: Vec::new(),
+        active: Vec::new(),
         coords: Default::default(),
     };
     for i in 0..3 {
@@ -568,6 +658,7 @@ pub fn run(kernel: &Kernel, bindings: &Bindings, buffers: &mut [Buffer]) -> Resu
         })?;
     ctx.nt = (ctx.block[0] * ctx.block[1] * ctx.block[2]) as usize;
     ctx.all = (0..total as u32).collect();
+    ctx.active = ctx.all.clone();
     for (k, &p) in PARALLEL_DIMS.iter().enumerate() {
         ctx.coords[k] = ctx.all.iter().map(|&l| coord(l, p, ctx.block, ctx.grid) as u32).collect();
     }
@@ -610,6 +701,7 @@ pub fn run(kernel: &Kernel, bindings: &Bindings, buffers: &mut [Buffer]) -> Resu
         ctx,
         mem,
         par: Vec::new(),
+        accs: FxHashMap::default(),
         stats: Stats { threads: total as u64, ..Stats::default() },
     };
     ex.nodes(&body)?;
@@ -634,6 +726,8 @@ struct Exec<'k, 'b> {
     mem: Mem<'b>,
     /// Enclosing thread/block loops and their extents (for divergent barriers).
     par: Vec<(ParallelType, i64)>,
+    /// Register accumulators of hoisted reductions: one value per lane.
+    accs: FxHashMap<u32, Col>,
     stats: Stats,
 }
 
@@ -679,12 +773,172 @@ impl Exec<'_, '_> {
                             )));
                         }
                     }
+                    self.converged("__syncthreads()")?;
                     self.mem.reset_races();
                 }
                 CNode::Access(a) => self.access(a)?,
+                CNode::If { prog, cond, then, otherwise } => {
+                    let (yes, no) = self.split(prog, *cond)?;
+                    self.on_lanes(yes, then)?;
+                    self.on_lanes(no, otherwise)?;
+                }
+                CNode::Vector(v) => self.vector(v)?,
+                CNode::AccumulatorInit { acc, expr } => {
+                    let f = &self.k.fusion;
+                    let Op::Reduction { init, .. } = f.exprs[*expr].op else {
+                        bail_internal!("interpreter: accumulator of a non-reduction")
+                    };
+                    let dt = f.tvs[f.exprs[*expr].output].dtype;
+                    let v =
+                        Col::splat(self.ctx.value(init)?, self.ctx.scalar_dtype(init), self.ctx.all.len()).convert(dt);
+                    self.accs.insert(*acc, v);
+                }
             }
         }
         Ok(())
+    }
+
+    /// The active lanes where `cond` holds, and those where it does not.
+    fn split(&self, prog: &Prog, cond: u32) -> Result<(Vec<u32>, Vec<u32>)> {
+        let ctx = &self.ctx;
+        let uniform = |s: Symbol| ctx.uniform(s);
+        let gathered = FxHashMap::default();
+        let mut ev = Evaluator::new(prog);
+        let c = ev.eval(cond, &mk_env(&uniform, ctx, &ctx.active, &gathered, &self.mem.done))?;
+        let (mut yes, mut no) = (Vec::new(), Vec::new());
+        for (i, &l) in ctx.active.iter().enumerate() {
+            if c.at(i) != 0 {
+                yes.push(l);
+            } else {
+                no.push(l);
+            }
+        }
+        Ok((yes, no))
+    }
+
+    /// Run `body` on `lanes` only (none: skipped).
+    fn on_lanes(&mut self, lanes: Vec<u32>, body: &[CNode]) -> Result<()> {
+        if lanes.is_empty() {
+            return Ok(());
+        }
+        let outer = std::mem::replace(&mut self.ctx.active, lanes);
+        let r = self.nodes(body);
+        self.ctx.active = outer;
+        r
+    }
+
+    /// A barrier or block reduction must be reached by every thread of a block or by none
+    /// (a branch some threads of a block skip would deadlock or misreduce on the GPU).
+    fn converged(&self, what: &str) -> Result<()> {
+        let ctx = &self.ctx;
+        if ctx.active.len() == ctx.all.len() {
+            return Ok(());
+        }
+        let mut count: FxHashMap<usize, usize> = FxHashMap::default();
+        for &l in &ctx.active {
+            *count.entry(l as usize / ctx.nt).or_default() += 1;
+        }
+        if let Some((&b, &n)) = count.iter().find(|(_, &n)| n != ctx.nt) {
+            let lane = (b * ctx.nt) as u32;
+            let block = ctx.thread(lane);
+            let block = block.split(" of ").nth(1).unwrap_or("a block").to_string();
+            return Err(KilnError::value(format!(
+                "kernel {}: divergent {what}: inside a branch taken by only {n} of the {} threads of {block}",
+                self.kname, ctx.nt
+            )));
+        }
+        Ok(())
+    }
+
+    /// A vector copy: lanes whose vector is in range and aligned copy it element by element
+    /// (checking the alignment codegen relies on without a test); the rest run the
+    /// fallback loop.
+    fn vector(&mut self, v: &CVector) -> Result<()> {
+        let f = &self.k.fusion;
+        let kname = self.kname;
+        let ctx = &self.ctx;
+        let mem = &mut self.mem;
+        let uniform = |s: Symbol| ctx.uniform(s);
+        let mut gathered: FxHashMap<u32, Vec<i64>> = FxHashMap::default();
+        let mut ev = Evaluator::new(&v.prog);
+        let lanes = &ctx.active;
+        let first = ev.eval(v.first, &mk_env(&uniform, ctx, lanes, &gathered, &mem.done))?.clone();
+        // Index reads where the first element is in range (elsewhere the GPU reads index 0).
+        let reading: Vec<u32> = lanes.iter().enumerate().filter(|(i, _)| first.at(*i) != 0).map(|(_, &l)| l).collect();
+        for &(id, tv, at, table, extent) in &v.gathers {
+            ev.reset_varying();
+            let offs = ev.eval(at, &mk_env(&uniform, ctx, &reading, &gathered, &mem.done))?.clone();
+            let got = mem.read(ctx, kname, tv, &reading, &offs)?.to_i64();
+            let n = ctx.value(extent)?.as_i64();
+            if let Some(j) = got.iter().position(|&x| x < 0 || x >= n) {
+                return Err(KilnError::value(format!(
+                    "index_select: the index tensor {} holds {} at element {}; {} has {n} entries along the selected axis (indices must be in [0, {n}))",
+                    f.tv_name(tv),
+                    got[j],
+                    offs.at(j),
+                    f.tv_name(table)
+                )));
+            }
+            // Lanes that read nothing hold index 0, as on the GPU.
+            let mut all = vec![0i64; lanes.len()];
+            let mut k = 0;
+            for (i, slot) in all.iter_mut().enumerate() {
+                if first.at(i) != 0 {
+                    *slot = got[k];
+                    k += 1;
+                }
+            }
+            gathered.insert(id, all);
+        }
+        ev.reset_varying();
+        let env = mk_env(&uniform, ctx, lanes, &gathered, &mem.done);
+        let first = ev.eval(v.first, &env)?.clone();
+        let last = ev.eval(v.last, &env)?.clone();
+        let out = ev.eval(v.out, &env)?.clone();
+        let input = ev.eval(v.input, &env)?.clone();
+        let (mut wide, mut rest) = (Vec::new(), Vec::new());
+        let mut wide_at: Vec<(i64, i64)> = Vec::new();
+        for (i, &l) in lanes.iter().enumerate() {
+            let offs = [out.at(i), input.at(i)];
+            let mut ok = first.at(i) != 0 && last.at(i) != 0;
+            for (side, acc) in v.access.iter().enumerate() {
+                let aligned = offs[side].rem_euclid(v.width) == 0;
+                match acc {
+                    // The interpreter's arrays have aligned bases: an address is aligned when
+                    // its offset is.
+                    VectorAccess::WideIfOffsetAligned | VectorAccess::WideIfAddressAligned => ok &= aligned,
+                    VectorAccess::Wide if ok && !aligned => {
+                        let tv = if side == 0 { f.exprs[v.expr].output } else { v.src };
+                        return Err(KilnError::value(format!(
+                            "kernel {kname}: misaligned vector access: {} x{} at element offset {} is not a multiple of the width, which the wide access assumes without a check; by {}",
+                            f.tv_name(tv),
+                            v.width,
+                            offs[side],
+                            ctx.thread(l)
+                        )));
+                    }
+                    VectorAccess::Wide | VectorAccess::Elements => {}
+                }
+            }
+            if ok {
+                wide.push(l);
+                wide_at.push((offs[0], offs[1]));
+            } else {
+                rest.push(l);
+            }
+        }
+        if !wide.is_empty() {
+            let out_tv = f.exprs[v.expr].output;
+            let dt = f.tvs[out_tv].dtype;
+            self.stats.thread_instructions += wide.len() as u64;
+            for j in 0..v.width {
+                let src: Vec<i64> = wide_at.iter().map(|&(_, i)| i + j).collect();
+                let dst: Vec<i64> = wide_at.iter().map(|&(o, _)| o + j).collect();
+                let (col, pz) = mem.read_lenient(ctx, kname, v.src, &wide, &Reg::V(src), true)?;
+                mem.write_poisoned(ctx, kname, out_tv, &wide, &Reg::V(dst), &col.convert(dt), pz.as_ref())?;
+            }
+        }
+        self.on_lanes(rest, &v.fallback)
     }
 
     fn alloc(&mut self, a: &Allocate) -> Result<()> {
@@ -760,6 +1014,15 @@ impl Exec<'_, '_> {
     }
 
     fn access(&mut self, a: &Access) -> Result<()> {
+        if let AccessKind::ReduceAccumulator { expr, acc, complete } = a.kind {
+            let Op::Reduction { op, .. } = self.k.fusion.exprs[expr].op else {
+                bail_internal!("interpreter: reduction of an accumulator of a non-reduction")
+            };
+            let Some(v) = self.accs.get(&acc).cloned() else {
+                bail_internal!("interpreter: register accumulator {acc} is reduced before it is declared")
+            };
+            return self.collective(a, op, v, complete);
+        }
         let f = &self.k.fusion;
         let kname = self.kname;
         let ctx = &self.ctx;
@@ -768,16 +1031,16 @@ impl Exec<'_, '_> {
         let mut gathered: FxHashMap<u32, Vec<i64>> = FxHashMap::default();
         let mut ev = Evaluator::new(&a.prog);
         // Which threads compute.
-        let pred = ev.eval(a.pred, &mk_env(&uniform, ctx, &ctx.all, &gathered, &mem.done))?;
+        let pred = ev.eval(a.pred, &mk_env(&uniform, ctx, &ctx.active, &gathered, &mem.done))?;
         let active: Cow<[u32]> = match pred {
             Reg::U(0) => Cow::Owned(Vec::new()),
-            Reg::U(_) => Cow::Borrowed(&ctx.all),
-            Reg::V(v) if v.iter().all(|&p| p != 0) => Cow::Borrowed(&ctx.all),
-            Reg::V(v) => Cow::Owned(ctx.all.iter().zip(v).filter(|(_, &p)| p != 0).map(|(&l, _)| l).collect()),
+            Reg::U(_) => Cow::Borrowed(&ctx.active),
+            Reg::V(v) if v.iter().all(|&p| p != 0) => Cow::Borrowed(&ctx.active),
+            Reg::V(v) => Cow::Owned(ctx.active.iter().zip(v).filter(|(_, &p)| p != 0).map(|(&l, _)| l).collect()),
         };
-        let everyone_active = active.len() == ctx.all.len();
+        let everyone_active = active.len() == ctx.active.len();
         let out_dt = f.tvs[a.out_tv].dtype;
-        let collective = !a.reduced.is_empty();
+        let collective = !a.reduced.is_empty() && matches!(a.kind, AccessKind::Expr { .. });
         if active.is_empty() && !collective {
             return Ok(());
         }
@@ -793,7 +1056,10 @@ impl Exec<'_, '_> {
             AccessKind::Init { value } => {
                 Col::splat(ctx.value(*value)?, ctx.scalar_dtype(*value), active.len()).convert(out_dt)
             }
-            AccessKind::Expr { expr } => {
+            AccessKind::ReduceAccumulator { .. } => {
+                bail_internal!("interpreter: an accumulator reduction is collective")
+            }
+            AccessKind::Expr { expr } | AccessKind::Accumulate { expr, .. } => {
                 let e = &f.exprs[*expr];
                 for &(id, tv, at, table, extent) in &a.gathers {
                     let offs = ev.eval(at, &mk_env(&uniform, ctx, &active, &gathered, &mem.done))?.clone();
@@ -886,17 +1152,34 @@ impl Exec<'_, '_> {
             }
         };
 
-        let reduction = match &a.kind {
-            AccessKind::Expr { expr } => match f.exprs[*expr].op {
+        let reduction = match a.kind.expr() {
+            Some(expr) => match f.exprs[expr].op {
                 Op::Reduction { op, init } => Some((op, init)),
                 _ => None,
             },
-            AccessKind::Init { .. } => None,
+            None => None,
         };
         let Some((rop, init)) = reduction else {
             let offs = ev.eval(a.out, &mk_env(&uniform, ctx, &active, &gathered, &mem.done))?.clone();
             return mem.write_poisoned(ctx, kname, a.out_tv, &active, &offs, &result, result_poison.as_ref());
         };
+        if let AccessKind::Accumulate { acc, .. } = a.kind {
+            // The register accumulates like a serial reduction in Local memory, except that
+            // a poisoned lane is an error (the block reduction after the loop combines it).
+            if let Some(pz) = result_poison.filter(|p| p.lanes.iter().any(|&b| b)) {
+                return Err(KilnError::value(format!(
+                    "kernel {kname}: {}, and the value computed from it enters the reduction of {}",
+                    pz.what,
+                    f.tv_name(a.out_tv)
+                )));
+            }
+            let pos: Vec<usize> = active.iter().map(|&l| l as usize).collect();
+            let Some(reg) = self.accs.get_mut(&acc) else {
+                bail_internal!("interpreter: register accumulator {acc} is used before it is declared")
+            };
+            let r = values::combine(rop, reg.select(&pos), result, out_dt)?;
+            return reg.place(&pos, &r);
+        }
         if !collective {
             let offs = ev.eval(a.out, &mk_env(&uniform, ctx, &active, &gathered, &mem.done))?.clone();
             let (cur, pz) = mem.read_lenient(ctx, kname, a.out_tv, &active, &offs, true)?;
@@ -912,12 +1195,33 @@ impl Exec<'_, '_> {
                 f.tv_name(a.out_tv)
             )));
         }
-
-        // Block or grid reduction over the reduced parallel types.
-        let total = ctx.all.len();
-        let mut v = Col::splat(ctx.value(init)?, ctx.scalar_dtype(init), total).convert(out_dt);
         let pos: Vec<usize> = active.iter().map(|&l| l as usize).collect();
+        let mut v = Col::splat(ctx.value(init)?, ctx.scalar_dtype(init), ctx.all.len()).convert(out_dt);
         v.place(&pos, &result)?;
+        self.collective(a, rop, v, false)
+    }
+
+    /// The block or grid reduction of `v` (one value per lane, the identity where a lane
+    /// does not contribute) over the reduced parallel types, combined into the output (or
+    /// stored: `complete`) by the threads that hold the result.
+    fn collective(&mut self, a: &Access, rop: crate::ir::ReductionOp, v: Col, complete: bool) -> Result<()> {
+        let f = &self.k.fusion;
+        let kname = self.kname;
+        let out_dt = f.tvs[a.out_tv].dtype;
+        let grid = a.reduced.iter().any(|p| p.is_block());
+        if grid && self.ctx.active.len() != self.ctx.all.len() {
+            return Err(KilnError::value(format!(
+                "kernel {kname}: divergent grid reduction of {}: inside a branch only some threads take",
+                f.tv_name(a.out_tv)
+            )));
+        }
+        self.converged(&format!("block reduction of {}", f.tv_name(a.out_tv)))?;
+        let ctx = &self.ctx;
+        let mem = &mut self.mem;
+        let uniform = |s: Symbol| ctx.uniform(s);
+        let mut gathered: FxHashMap<u32, Vec<i64>> = FxHashMap::default();
+        let mut ev = Evaluator::new(&a.prog);
+        let total = ctx.all.len();
         let dim = |p: ParallelType| -> i64 {
             match p {
                 ParallelType::BIDx => ctx.grid[0],
@@ -947,7 +1251,6 @@ impl Exec<'_, '_> {
             members[j as usize * n_grp + g as usize] = l;
             group_of[l as usize] = g as u32;
         }
-        let grid = red.iter().any(|p| p.is_block());
         let sync_name = format!("{}_sync", f.tv_name(a.out_tv));
         let work_name = format!("{}_work", f.tv_name(a.out_tv));
         if grid {
@@ -988,10 +1291,15 @@ impl Exec<'_, '_> {
         }
         let everyone = !grid && f.tvs[a.out_tv].memory == MemoryType::Local;
         let (writers, r): (Vec<u32>, Col) = if everyone {
-            let sel: Vec<usize> = ctx.all.iter().map(|&l| group_of[l as usize] as usize).collect();
-            (ctx.all.clone(), acc.select(&sel))
-        } else {
+            let sel: Vec<usize> = ctx.active.iter().map(|&l| group_of[l as usize] as usize).collect();
+            (ctx.active.clone(), acc.select(&sel))
+        } else if ctx.active.len() == total {
             (members[..n_grp].to_vec(), acc)
+        } else {
+            // Only the blocks that took the branch ran the reduction.
+            let running: rustc_hash::FxHashSet<usize> = ctx.active.iter().map(|&l| l as usize / ctx.nt).collect();
+            let keep: Vec<usize> = (0..n_grp).filter(|&g| running.contains(&(members[g] as usize / ctx.nt))).collect();
+            (keep.iter().map(|&g| members[g]).collect(), acc.select(&keep))
         };
         ev.reset_varying();
         gathered.clear();
@@ -1004,8 +1312,11 @@ impl Exec<'_, '_> {
         }
         ev.reset_varying();
         let offs = ev.eval(a.out, &mk_env(&uniform, ctx, &writers, &gathered, &mem.done))?.clone();
-        let cur = mem.read(ctx, kname, a.out_tv, &writers, &offs)?;
-        let out = values::combine(rop, cur, r, out_dt)?;
+        let out = if complete {
+            r
+        } else {
+            values::combine(rop, mem.read(ctx, kname, a.out_tv, &writers, &offs)?, r, out_dt)?
+        };
         mem.write(ctx, kname, a.out_tv, &writers, &offs, &out)
     }
 }

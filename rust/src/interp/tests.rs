@@ -56,8 +56,8 @@ fn first_node<'a>(body: &'a mut [Node], pred: &dyn Fn(&Node) -> bool) -> Option<
         if pred(n) {
             return Some(n);
         }
-        if let Node::Loop(l) = n {
-            if let Some(x) = first_node(&mut l.body, pred) {
+        for b in n.bodies_mut() {
+            if let Some(x) = first_node(b, pred) {
                 return Some(x);
             }
         }
@@ -248,4 +248,107 @@ fn dtypes_cast_and_wrap() {
     }
     assert_eq!(outs[1].data, Data::I32(vec![0, 0, 0]));
     let _ = AllocTarget::Buffer(0);
+}
+
+/// x -> exp -> neg over [BIDx, Unswitch 1, TIDx 32, 4] (both fully inlined): the unswitch
+/// pass makes `if (the last element of the tile is in range) { unpredicated } else { .. }`.
+fn unswitched_chain() -> Fusion {
+    let mut f = Fusion::new();
+    let x = f.define_tensor(&[-1], DataType::Float, None).unwrap();
+    let a = f.unary(UnaryOp::Exp, Operand::Tensor(x)).unwrap();
+    let b = f.unary(UnaryOp::Neg, Operand::Tensor(a)).unwrap();
+    f.add_output(b).unwrap();
+    for t in [a, b] {
+        f.split(t, 0, 128, true).unwrap();
+        f.split(t, 1, 4, true).unwrap();
+        f.split(t, 0, 1, true).unwrap();
+        f.parallelize(t, 0, ParallelType::BIDx).unwrap();
+        f.parallelize(t, 1, ParallelType::Unswitch).unwrap();
+        f.parallelize(t, 2, ParallelType::TIDx).unwrap();
+    }
+    f.inline_at(a, 4).unwrap();
+    f
+}
+
+#[test]
+fn unswitched_loops_run_both_arms_and_a_wrong_condition_is_caught() {
+    let mut k = lower(&unswitched_chain()).unwrap();
+    let is_unswitch = |n: &Node| matches!(n, Node::If(i) if i.kind == crate::kernel::IfKind::Unswitch);
+    assert!(first_node(&mut k.body, &is_unswitch).is_some(), "{}", k.to_text());
+    // 1000 elements: seven full tiles take the unpredicated arm, the eighth the checked one.
+    let x = f32s(1000);
+    let outs = execute(&k, vec![input(x.clone(), vec![1000])]).unwrap();
+    let want: Vec<f32> = x.iter().map(|v| -v.exp()).collect();
+    close(&out_f32(&outs[0]), &want);
+    // Planted bug: the unswitch condition always holds, so the last tile runs unpredicated.
+    let Some(Node::If(i)) = first_node(&mut k.body, &is_unswitch) else { unreachable!() };
+    i.cond = k.fusion.scalars.boolean(true);
+    let e = execute(&k, vec![input(x, vec![1000])]).unwrap_err();
+    assert!(e.message.contains("out-of-bounds read of T0 (Global memory) at index 1000"), "{e}");
+}
+
+/// y = x copied through a Local cache over [BIDx, TIDx 32, Vectorize 4].
+fn vector_copy() -> Fusion {
+    let mut f = Fusion::new();
+    let x = f.define_tensor(&[-1], DataType::Float, None).unwrap();
+    let y = f.unary(UnaryOp::Neg, Operand::Tensor(x)).unwrap();
+    f.add_output(y).unwrap();
+    let c = f.cache_after(x).unwrap();
+    for t in [c, y] {
+        f.split(t, 0, 128, true).unwrap();
+        f.split(t, 1, 4, true).unwrap();
+        f.parallelize(t, 0, ParallelType::BIDx).unwrap();
+        f.parallelize(t, 1, ParallelType::TIDx).unwrap();
+    }
+    f.parallelize(c, 2, ParallelType::Vectorize).unwrap();
+    f.inline_at(c, 2).unwrap();
+    f
+}
+
+#[test]
+fn vector_copies_run_wide_or_fall_back_and_misalignment_is_caught() {
+    let mut k = lower(&vector_copy()).unwrap();
+    let is_vector = |n: &Node| matches!(n, Node::Vector(_));
+    assert!(first_node(&mut k.body, &is_vector).is_some(), "{}", k.to_text());
+    let x = f32s(1001);
+    let outs = execute(&k, vec![input(x.clone(), vec![1001])]).unwrap();
+    let want: Vec<f32> = x.iter().map(|v| -v).collect();
+    close(&out_f32(&outs[0]), &want);
+    // Planted bug: the Local side claims alignment by construction at an offset of one.
+    let Some(Node::Vector(v)) = first_node(&mut k.body, &is_vector) else { unreachable!() };
+    let one = k.fusion.scalars.int(1);
+    v.out = k.fusion.scalars.add(v.out, one);
+    v.access[0] = crate::kernel::VectorAccess::Wide;
+    let e = execute(&k, vec![input(x, vec![1001])]).unwrap_err();
+    assert!(e.message.contains("misaligned vector access: T"), "{e}");
+}
+
+#[test]
+fn a_dropped_accumulator_reduction_leaves_the_output_unwritten() {
+    // sum over a [BIDx rows, serial 4 x TIDx 32] row: the block reduction is hoisted.
+    let mut f = Fusion::new();
+    let x = f.define_tensor(&[-1, -1], DataType::Float, None).unwrap();
+    let s = f.reduction(ReductionOp::Sum, x, &[1], false, None).unwrap();
+    f.add_output(s).unwrap();
+    f.split(s, 1, 32, true).unwrap();
+    f.parallelize(s, 0, ParallelType::BIDx).unwrap();
+    f.parallelize(s, 2, ParallelType::TIDx).unwrap();
+    let mut k = lower(&f).unwrap();
+    let is_reduce = |n: &Node| matches!(n, Node::ReduceAccumulator { .. });
+    assert!(first_node(&mut k.body, &is_reduce).is_some(), "{}", k.to_text());
+    let x = f32s(3 * 100);
+    let outs = execute(&k, vec![input(x.clone(), vec![3, 100])]).unwrap();
+    let want: Vec<f32> = (0..3).map(|r| x[r * 100..(r + 1) * 100].iter().sum()).collect();
+    close(&out_f32(&outs[0]), &want);
+    fn drop_reduce(b: &mut Vec<Node>) {
+        b.retain(|n| !matches!(n, Node::ReduceAccumulator { .. }));
+        for n in b.iter_mut() {
+            for c in n.bodies_mut() {
+                drop_reduce(c);
+            }
+        }
+    }
+    drop_reduce(&mut k.body);
+    let e = execute(&k, vec![input(x, vec![3, 100])]).unwrap_err();
+    assert!(e.message.contains("T1") && e.message.contains("never written"), "{e}");
 }

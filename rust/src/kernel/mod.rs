@@ -21,20 +21,75 @@ pub struct ForLoop {
     pub parallel: ParallelType,
     /// For loops of a reduction-init nest: the loop axis of the initialised tensor.
     pub init_axis: Option<usize>,
-    /// Reductions across threads/blocks that accumulate per thread through this loop and
-    /// reduce once after it (set by the reduction-hoisting pass).
-    pub hoisted: Vec<Hoisted>,
     pub body: Vec<Node>,
 }
 
-/// A reduction hoisted out of a loop (see `lower::reduction_hoist`).
+/// Which rewrite made an [`IfThenElse`] (it names the branch in dumps and in the CUDA).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Hoisted {
+pub enum IfKind {
+    /// An unswitched loop: `then` is the loop without the bounds checks that hold for
+    /// the whole tile, `otherwise` the checked loop.
+    Unswitch,
+    /// Bounds checks that no loop inside changes, tested once around the loop; `otherwise`
+    /// is empty (every statement inside was guarded by `cond`).
+    InvariantBounds,
+}
+
+/// Run `then` on the threads where `cond` holds and `otherwise` on the rest.
+#[derive(Clone, Debug)]
+pub struct IfThenElse {
+    pub cond: ValId,
+    pub kind: IfKind,
+    pub then: Vec<Node>,
+    pub otherwise: Vec<Node>,
+}
+
+/// How one side of a [`VectorCopy`] is accessed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VectorAccess {
+    /// One wide access, aligned by construction (the offset is a multiple of the width in
+    /// an aligned array): no run-time check.
+    Wide,
+    /// One wide access when the offset is a multiple of the width (the base is aligned).
+    WideIfOffsetAligned,
+    /// One wide access when the address is aligned (the base's alignment is unknown).
+    WideIfAddressAligned,
+    /// Element by element (a Shared tile whose row offset is not a multiple of the width).
+    Elements,
+}
+
+/// A copy of `width` consecutive elements (a Vectorize loop holding one data-moving
+/// expression) as one wide load and store; `fallback`, the element loop, runs instead
+/// where part of the vector is out of range or an alignment check fails.
+#[derive(Clone, Debug)]
+pub struct VectorCopy {
     pub expr: ExprId,
-    /// No serial loop over the reduction's own axes encloses the loop: the result after it
-    /// is final, so it is stored rather than combined with the output's running value
-    /// (which would cost a dependent load of the output per element).
-    pub complete: bool,
+    pub width: i64,
+    /// Element offsets of the vector's first element in the written and the read tensor.
+    pub out: ValId,
+    pub input: ValId,
+    /// The copy's predicate at the first and at the last element of the vector.
+    pub first: ValId,
+    pub last: ValId,
+    /// Index reads at the first element (read only where `first` holds; they do not move
+    /// along the vector).
+    pub gathers: Vec<Gather>,
+    /// Access of the written side and of the read side.
+    pub access: [VectorAccess; 2],
+    /// Cache hints of a wide Global load: (streaming, evict-last).
+    pub load_hints: (bool, bool),
+    pub fallback: ForLoop,
+}
+
+/// A reduction across threads or blocks inside serial loops over its own axes, hoisted
+/// (see `lower::reduction_hoist`): each thread accumulates in a register through the
+/// loops and the block/grid reduction runs once after them.
+#[derive(Clone, Debug)]
+pub struct Accumulator {
+    /// Register number (`kiln_acc{id}`), unique in the kernel.
+    pub id: u32,
+    /// The reduction it stands for (its op, identity and output dtype).
+    pub expr: ExprId,
 }
 
 /// A data-dependent index: the value of `index_tv` at `at`, bound to symbol `Symbol::Gathered(id)`.
@@ -112,6 +167,56 @@ pub enum Node {
         index: Option<AccessIndex>,
     },
     Sync(SyncKind),
+    If(IfThenElse),
+    Vector(Box<VectorCopy>),
+    /// Declare register `acc` holding the reduction's identity (before the hoisted loops).
+    AccumulatorInit(Accumulator),
+    /// The reduction `acc.expr` at the current indices, combined into the register.
+    Accumulate {
+        acc: Accumulator,
+        index: AccessIndex,
+    },
+    /// The block/grid reduction of the register into the output at `index` (after the
+    /// hoisted loops). `complete`: no serial loop over the reduction's own axes encloses
+    /// the hoist, so the result is final and stored rather than combined with the
+    /// output's running value (the output then has no init statements).
+    ReduceAccumulator {
+        acc: Accumulator,
+        index: AccessIndex,
+        complete: bool,
+    },
+}
+
+impl Node {
+    /// The node lists directly inside this node (loop body, both arms of an `If`, a
+    /// vector copy's fallback loop).
+    pub fn bodies(&self) -> Vec<&[Node]> {
+        match self {
+            Node::Loop(l) => vec![&l.body],
+            Node::If(i) => vec![&i.then, &i.otherwise],
+            Node::Vector(v) => vec![&v.fallback.body],
+            _ => Vec::new(),
+        }
+    }
+
+    /// Mutable [`Node::bodies`].
+    pub fn bodies_mut(&mut self) -> Vec<&mut Vec<Node>> {
+        match self {
+            Node::Loop(l) => vec![&mut l.body],
+            Node::If(i) => vec![&mut i.then, &mut i.otherwise],
+            Node::Vector(v) => vec![&mut v.fallback.body],
+            _ => Vec::new(),
+        }
+    }
+
+    /// The access index of an indexed statement.
+    pub fn access_index(&self) -> Option<&AccessIndex> {
+        match self {
+            Node::Init { index, .. } | Node::Expr { index, .. } => index.as_ref(),
+            Node::Accumulate { index, .. } | Node::ReduceAccumulator { index, .. } => Some(index),
+            _ => None,
+        }
+    }
 }
 
 /// A global buffer the kernel needs besides its inputs and outputs.
@@ -272,12 +377,11 @@ impl Kernel {
     pub fn gathers(&self) -> Vec<(u32, TvId, TvId)> {
         fn walk(nodes: &[Node], out: &mut Vec<(u32, TvId, TvId)>) {
             for n in nodes {
-                match n {
-                    Node::Loop(l) => walk(&l.body, out),
-                    Node::Expr { index: Some(ix), .. } | Node::Init { index: Some(ix), .. } => {
-                        out.extend(ix.gathers.iter().map(|g| (g.id, g.index_tv, g.table)));
-                    }
-                    _ => {}
+                if let Some(ix) = n.access_index() {
+                    out.extend(ix.gathers.iter().map(|g| (g.id, g.index_tv, g.table)));
+                }
+                for b in n.bodies() {
+                    walk(b, out);
                 }
             }
         }
@@ -358,6 +462,55 @@ impl Kernel {
             }
             Node::Sync(k) => {
                 let _ = writeln!(s, "{pad}__syncthreads()  // {}", if *k == SyncKind::Raw { "RAW" } else { "WAR" });
+            }
+            Node::If(i) => {
+                let why = match i.kind {
+                    IfKind::Unswitch => "unswitch",
+                    IfKind::InvariantBounds => "invariant bounds",
+                };
+                let _ = writeln!(s, "{pad}IF {}:  // {why}", f.scalars.render(i.cond));
+                for c in &i.then {
+                    self.write_node(c, depth + 1, s);
+                }
+                if !i.otherwise.is_empty() {
+                    let _ = writeln!(s, "{pad}ELSE:");
+                    for c in &i.otherwise {
+                        self.write_node(c, depth + 1, s);
+                    }
+                }
+            }
+            Node::Vector(v) => {
+                let sc = &f.scalars;
+                let _ = writeln!(
+                    s,
+                    "{pad}VECTOR x{} {}  @ [{}] <- [{}] {:?} if {} and {}; else:",
+                    v.width,
+                    f.expr_short(&f.exprs[v.expr]),
+                    sc.render(v.out),
+                    sc.render(v.input),
+                    v.access,
+                    sc.render(v.first),
+                    sc.render(v.last)
+                );
+                self.write_node(&Node::Loop(v.fallback.clone()), depth + 1, s);
+            }
+            Node::AccumulatorInit(a) => {
+                let _ =
+                    writeln!(s, "{pad}acc{} = identity  // register of {}", a.id, f.tv_name(f.exprs[a.expr].output));
+            }
+            Node::Accumulate { acc, index } => {
+                let note = self.index_note(Some(index));
+                let _ = writeln!(s, "{pad}acc{} += {}{note}", acc.id, f.expr_short(&f.exprs[acc.expr]));
+            }
+            Node::ReduceAccumulator { acc, index, complete } => {
+                let note = self.index_note(Some(index));
+                let _ = writeln!(
+                    s,
+                    "{pad}{} {} parallel reduction of acc{}{note}",
+                    f.tv_name(f.exprs[acc.expr].output),
+                    if *complete { "=" } else { "+=" },
+                    acc.id
+                );
             }
         }
     }

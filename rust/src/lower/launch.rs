@@ -25,14 +25,17 @@ fn collect(body: &[Node], f: &Fusion, dims: &mut [Vec<ValId>; 6], reductions: &m
                         dims[s].push(l.extent);
                     }
                 }
-                collect(&l.body, f, dims, reductions);
             }
             Node::Expr { expr, .. } => {
                 if matches!(f.exprs[*expr].op, Op::Reduction { .. }) {
                     *reductions = true;
                 }
             }
+            Node::ReduceAccumulator { .. } => *reductions = true,
             _ => {}
+        }
+        for b in n.bodies() {
+            collect(b, f, dims, reductions);
         }
     }
 }

@@ -198,7 +198,6 @@ pub fn run(f: &mut Fusion, lg: &LoopGraph, order: &[ExprId]) -> Result<(Vec<Node
                 extent,
                 parallel: info.parallel,
                 init_axis: None,
-                hoisted: Vec::new(),
                 body: Vec::new(),
             }));
             let Some(Node::Loop(l)) = cur.last_mut() else { unreachable!("just pushed") };

@@ -7,8 +7,13 @@
 //! 5. `allocation` — allocation domains, Allocate placement, reduction inits, global buffers
 //! 6. `indexing`   — element offsets of every access, gathers, predicates
 //! 7. `syncs`      — block syncs for Shared memory RAW/WAR hazards
-//! 8. `reduction_hoist` — per-thread accumulation before block/grid reductions
+//! 8. `reduction_hoist` — register accumulators before block/grid reductions
 //! 9. `launch`     — grid/block dims and the dynamic shared memory layout
+//! 10. `unswitch`  — unswitched loops and loop-invariant bounds checks (`If` nodes)
+//! 11. `vectorize` — wide vector copies with their element-loop fallback
+//!
+//! Codegen and the interpreter both run the kernel IR these passes leave: codegen prints
+//! it and decides nothing, so the interpreter checks every rewrite the GPU runs.
 //!
 //! Passes hand results on explicitly (kernel IR plus side tables); none reaches into
 //! another's internals.
@@ -18,9 +23,12 @@ pub mod indexing;
 pub mod launch;
 pub mod loops;
 pub mod precision;
+pub mod predicate;
 pub mod reduction_hoist;
 pub mod syncs;
+pub mod unswitch;
 pub mod validate;
+pub mod vectorize;
 
 use crate::analysis::id_graph::IdGraph;
 use crate::analysis::loop_graph::LoopGraph;
@@ -48,6 +56,8 @@ pub fn lower(fusion: &Fusion) -> Result<Kernel> {
     reduction_hoist::run(&f, &lg, &mut body)?;
     let size_constraints = size_constraints(&f);
     let launch = launch::run(&mut f, &body);
+    unswitch::run(&mut f, &lg, &mut body)?;
+    vectorize::run(&mut f, &mut body)?;
     let k = Kernel {
         fusion: f,
         loops: lg,

@@ -1,5 +1,6 @@
 //! Reduction hoisting.
-//! Consumes: the indexed, synchronized nest. Produces: `ForLoop::hoisted` entries.
+//! Consumes: the indexed, synchronized nest. Produces: register accumulators
+//! (`AccumulatorInit`, `Accumulate`, `ReduceAccumulator` nodes).
 //! Guarantees: a reduction across threads or blocks that sits inside serial loops over
 //! its own reduction axes accumulates in a per-thread register through those loops and
 //! runs its block/grid reduction once, after the outermost of them (what an rfactor
@@ -12,8 +13,8 @@ use crate::analysis::loop_graph::LoopGraph;
 use crate::bail;
 use crate::error::Result;
 use crate::ir::scalar::Val;
-use crate::ir::{ExprId, Fusion, IterType, Op, Symbol, ValId};
-use crate::kernel::{Hoisted, Node};
+use crate::ir::{ExprId, Fusion, IterType, Op, Symbol, TvId, ValId};
+use crate::kernel::{AccessIndex, Accumulator, Node};
 
 struct Frame {
     path: Vec<usize>,
@@ -35,27 +36,90 @@ fn symbols(f: &Fusion, v: ValId, out: &mut FxHashSet<Symbol>) {
     }
 }
 
-/// Find and record hoistable reductions in `body`.
-pub fn run(f: &Fusion, lg: &LoopGraph, body: &mut [Node]) -> Result<()> {
-    let mut found: Vec<(Vec<usize>, Hoisted)> = Vec::new();
+/// A hoistable reduction found in the nest: the path of its outermost hoisted loop.
+struct Hoist {
+    path: Vec<usize>,
+    expr: ExprId,
+    complete: bool,
+}
+
+/// Rewrite every hoistable reduction of `body` into a register accumulator: an
+/// `AccumulatorInit` before its outermost hoisted loop, `Accumulate` in place of the
+/// reduction inside it, a `ReduceAccumulator` after it (and no init statements for a
+/// complete one, whose reduction stores every element).
+pub fn run(f: &Fusion, lg: &LoopGraph, body: &mut Vec<Node>) -> Result<()> {
+    let mut found: Vec<Hoist> = Vec::new();
     let mut stack: Vec<Frame> = Vec::new();
     walk(f, lg, body, &mut Vec::new(), &mut stack, &mut found)?;
-    for (path, h) in found {
-        let mut cur: &mut [Node] = body;
-        let mut target = None;
-        for (k, &i) in path.iter().enumerate() {
-            let Node::Loop(l) = &mut cur[i] else { crate::bail_internal!("hoist path is not a loop") };
-            if k + 1 == path.len() {
-                target = Some(l);
-                break;
+    // Deepest and latest first: inserting around one loop moves no path still to come.
+    found.sort_by(|a, b| b.path.cmp(&a.path));
+    let mut next_id = 0u32;
+    let mut stored_whole: FxHashSet<TvId> = FxHashSet::default();
+    let mut i = 0;
+    while i < found.len() {
+        let path = found[i].path.clone();
+        // In the order the walk found them (the sort is stable): program order.
+        let group: Vec<&Hoist> = found[i..].iter().take_while(|h| h.path == path).collect();
+        i += group.len();
+        let (&at, parent) = path.split_last().expect("a hoist path names a loop");
+        let list = scope_mut(body, parent)?;
+        let mut before = Vec::new();
+        let mut after = Vec::new();
+        for h in group {
+            let acc = Accumulator { id: next_id, expr: h.expr };
+            next_id += 1;
+            let Some(index) = accumulate_in(&mut list[at], &acc) else {
+                crate::bail_internal!("hoisted reduction of {} is not in its loop", f.tv_name(f.exprs[h.expr].output))
+            };
+            if h.complete {
+                stored_whole.insert(f.exprs[h.expr].output);
             }
-            cur = &mut l.body;
+            before.push(Node::AccumulatorInit(acc.clone()));
+            after.push(Node::ReduceAccumulator { acc, index, complete: h.complete });
         }
-        if let Some(l) = target {
-            l.hoisted.push(h);
-        }
+        let n_before = before.len();
+        list.splice(at + 1..at + 1, after);
+        list.splice(at..at, before);
+        debug_assert!(matches!(list[at + n_before], Node::Loop(_)));
+    }
+    if !stored_whole.is_empty() {
+        drop_inits(body, &stored_whole);
     }
     Ok(())
+}
+
+/// The node list at `path` (indices of loops from the top).
+fn scope_mut<'a>(body: &'a mut Vec<Node>, path: &[usize]) -> Result<&'a mut Vec<Node>> {
+    let mut cur = body;
+    for &i in path {
+        let Some(Node::Loop(l)) = cur.get_mut(i) else { crate::bail_internal!("hoist path is not a loop") };
+        cur = &mut l.body;
+    }
+    Ok(cur)
+}
+
+/// Replace the reduction `acc.expr` under `n` by an `Accumulate` into `acc`; its index.
+fn accumulate_in(n: &mut Node, acc: &Accumulator) -> Option<AccessIndex> {
+    match n {
+        Node::Expr { expr, index: Some(ix) } if *expr == acc.expr => {
+            let ix = ix.clone();
+            *n = Node::Accumulate { acc: acc.clone(), index: ix.clone() };
+            Some(ix)
+        }
+        _ => n.bodies_mut().into_iter().find_map(|b| b.iter_mut().find_map(|c| accumulate_in(c, acc))),
+    }
+}
+
+/// Remove the init statements of `tvs` and the loops that held nothing else.
+fn drop_inits(body: &mut Vec<Node>, tvs: &FxHashSet<TvId>) {
+    body.retain_mut(|n| match n {
+        Node::Init { tv, .. } => !tvs.contains(tv),
+        Node::Loop(l) if !l.body.is_empty() => {
+            drop_inits(&mut l.body, tvs);
+            !l.body.is_empty()
+        }
+        _ => true,
+    });
 }
 
 fn walk(
@@ -64,7 +128,7 @@ fn walk(
     body: &[Node],
     path: &mut Vec<usize>,
     stack: &mut Vec<Frame>,
-    found: &mut Vec<(Vec<usize>, Hoisted)>,
+    found: &mut Vec<Hoist>,
 ) -> Result<()> {
     for (i, n) in body.iter().enumerate() {
         path.push(i);
@@ -97,7 +161,7 @@ fn consider(
     e: ExprId,
     ix: &crate::kernel::AccessIndex,
     stack: &[Frame],
-    found: &mut Vec<(Vec<usize>, Hoisted)>,
+    found: &mut Vec<Hoist>,
 ) -> Result<()> {
     let c = f.exprs[e].output;
     let ld = &f.tvs[c].loop_domain;
@@ -162,6 +226,6 @@ fn consider(
     // A serial loop over the reduction's own axes further out (beyond a kept axis) runs
     // the hoisted reduction once per iteration: each result is a partial one.
     let complete = !stack[..k].iter().any(|fr| !fr.is_parallel && fr.group.is_some_and(|g| own_groups.contains(&g)));
-    found.push((stack[k].path.clone(), Hoisted { expr: e, complete }));
+    found.push(Hoist { path: stack[k].path.clone(), expr: e, complete });
     Ok(())
 }

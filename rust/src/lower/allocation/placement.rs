@@ -78,16 +78,7 @@ pub fn init_nest(
         };
         let id = info.promoted;
         let extent = f.ids[id].extent;
-        node = Node::Loop(ForLoop {
-            group: None,
-            id,
-            index,
-            extent,
-            parallel,
-            init_axis: Some(a),
-            hoisted: Vec::new(),
-            body: vec![node],
-        });
+        node = Node::Loop(ForLoop { group: None, id, index, extent, parallel, init_axis: Some(a), body: vec![node] });
     }
     node
 }

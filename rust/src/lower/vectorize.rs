@@ -1,0 +1,113 @@
+//! Vector copies.
+//! Consumes: the nest after unswitching. Produces: `Vector` nodes.
+//! Guarantees: a Vectorize loop of a constant 2/4/8/16-byte width holding one
+//! data-moving expression (set, broadcast, gather) of one dtype, unit-stride in the loop
+//! index on both sides, becomes one wide load and store, with the element loop as the
+//! fallback where part of the vector is out of range or an alignment check fails. Each
+//! side records the check its alignment needs: none where the offset is a multiple of the
+//! width in an aligned array (a 16-byte aligned Local array, a Global array of aligned
+//! base), the offset where only it can break the alignment, the address otherwise; a
+//! Shared side whose offset is not a multiple of the width (a tile padded by one bank)
+//! moves element by element, so the Global side keeps its wide access on every row.
+
+use crate::error::Result;
+use crate::ir::scalar::Val;
+use crate::ir::{ExprId, Fusion, MemoryType, Op, Operand, ParallelType, Symbol, TvId};
+use crate::kernel::{AccessIndex, ForLoop, Node, VectorAccess, VectorCopy};
+use crate::lower::predicate::linear_coeff;
+
+/// Rewrite every Vectorize loop of `body` that is a copy.
+pub fn run(f: &mut Fusion, body: &mut [Node]) -> Result<()> {
+    for n in body.iter_mut() {
+        if let Node::Loop(l) = n {
+            if let Some(v) = vector_copy(f, l) {
+                *n = Node::Vector(Box::new(v));
+                continue;
+            }
+        }
+        for b in n.bodies_mut() {
+            run(f, b)?;
+        }
+    }
+    Ok(())
+}
+
+/// What makes `l` a copy: (width, expr, its index, the read tensor, the loop symbol).
+fn copy_shape<'l>(f: &Fusion, l: &'l ForLoop) -> Option<(i64, ExprId, &'l AccessIndex, TvId, Symbol)> {
+    if l.parallel != ParallelType::Vectorize {
+        return None;
+    }
+    let n = f.scalars.as_int(l.extent)?;
+    let [Node::Expr { expr, index: Some(ix) }] = l.body.as_slice() else {
+        return None;
+    };
+    let e = &f.exprs[*expr];
+    // A broadcast moves data like a copy: along the vector it reads consecutive elements.
+    let (Op::Set | Op::Broadcast { .. } | Op::IndexSelect { .. }, Some(Operand::Tensor(src))) =
+        (&e.op, e.inputs.first().copied())
+    else {
+        return None;
+    };
+    let dt = f.tvs[e.output].dtype;
+    if !matches!(n as usize * dt.size_bytes(), 2 | 4 | 8 | 16) || f.tvs[src].dtype != dt {
+        return None;
+    }
+    let Val::Symbol(sym) = f.scalars.get(l.index) else {
+        return None;
+    };
+    let in_off = ix.inputs[0]?;
+    // Unit stride in the vector index on both sides, or no wide access.
+    if linear_coeff(&f.scalars, ix.out, sym) != Some(1) || linear_coeff(&f.scalars, in_off, sym) != Some(1) {
+        return None;
+    }
+    // A gathered row: the index is read once for the whole vector, so it must not move
+    // along it.
+    if ix.gathers.iter().any(|g| linear_coeff(&f.scalars, g.at, sym) != Some(0)) {
+        return None;
+    }
+    Some((n, *expr, ix, src, sym))
+}
+
+/// True when `l` is a loop this pass turns into a vector copy.
+pub fn is_vector_copy(f: &Fusion, l: &ForLoop) -> bool {
+    copy_shape(f, l).is_some()
+}
+
+fn vector_copy(f: &mut Fusion, l: &ForLoop) -> Option<VectorCopy> {
+    let (n, expr, ix, src, sym) = copy_shape(f, l)?;
+    let ix = ix.clone();
+    let out_tv = f.exprs[expr].output;
+    let sc = &mut f.scalars;
+    let (zero, last) = (sc.int(0), sc.int(n - 1));
+    let in_off = ix.inputs[0]?;
+    let out = sc.substitute(ix.out, sym, zero);
+    let input = sc.substitute(in_off, sym, zero);
+    let live = ix.predicate;
+    let first = sc.substitute(live, sym, zero);
+    let last = sc.substitute(live, sym, last);
+    let gathers = ix
+        .gathers
+        .iter()
+        .map(|g| {
+            let mut g = g.clone();
+            g.at = sc.substitute(g.at, sym, zero);
+            g
+        })
+        .collect();
+    let mut access = [VectorAccess::Wide; 2];
+    for (k, (tv, off)) in [(out_tv, out), (src, input)].into_iter().enumerate() {
+        let multiple = sc.known_multiple(off) % n == 0;
+        access[k] = match f.tvs[tv].memory {
+            MemoryType::Local if multiple => VectorAccess::Wide,
+            MemoryType::Shared if !multiple => VectorAccess::Elements,
+            MemoryType::Global if f.aligned_bases && multiple => VectorAccess::Wide,
+            MemoryType::Global if f.aligned_bases => VectorAccess::WideIfOffsetAligned,
+            _ => VectorAccess::WideIfAddressAligned,
+        };
+    }
+    let global_src = f.tvs[src].memory == MemoryType::Global;
+    let load_hints = (f.tvs[out_tv].streaming_load && global_src, f.tvs[out_tv].evict_last_load && global_src);
+    let mut fallback = l.clone();
+    fallback.parallel = ParallelType::Unroll;
+    Some(VectorCopy { expr, width: n, out, input, first, last, gathers, access, load_hints, fallback })
+}
