@@ -88,10 +88,12 @@ _COMPILED: dict = {}
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Keep the kernels each test lowers, for the NVRTC check below."""
+    """Keep the kernels each test lowers, for the NVRTC check below; verify the kernel IR
+    after every lowering pass."""
     from kiln.lowering import record_generated
 
     record_generated(True)
+    os.environ.setdefault("KILN_VERIFY", "1")
 
 
 def _nvrtc_ready() -> bool:

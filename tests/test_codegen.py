@@ -443,3 +443,24 @@ def test_2d_pointwise_compiles_the_row_length_in():
     other = _auto_lowered(fd, [np.zeros((64, 2048), np.float32), np.zeros(2048, np.float32)])
     same = _auto_lowered(fd, [np.zeros((100, 4096), np.float32), b])
     assert other is not _auto_lowered(fd, [x, b]) and same is _auto_lowered(fd, [x, b])
+
+
+def test_kernel_ir_after_a_pass_is_dumped(monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture) -> None:
+    """``KILN_DUMP=after:<pass>`` prints the kernel IR after that pass: before ``unswitch`` the
+    tile has no branch, after it the unswitched arms; an unknown pass is named."""
+    from kiln import _core
+
+    assert _core.lower_passes()[-2:] == ["unswitch", "vectorize"]
+    fd = _unscheduled(lambda fd, x: fd.ops.mul(x, 2.0))
+    x = np.zeros((64, 1000), np.float32)
+    monkeypatch.setenv("KILN_DUMP", "after:launch,after:unswitch")
+    fd.lower([x])
+    out = capsys.readouterr().out
+    before = out.split("// kernel IR after launch\n", 1)[1].split("// kernel IR after unswitch\n", 1)[0]
+    after = out.split("// kernel IR after unswitch\n", 1)[1]
+    assert "IF " not in before and "FOR " in before, out
+    assert "IF " in after and "// unswitch" in after, out
+    monkeypatch.setenv("KILN_DUMP", "after:no_such_pass")
+    with pytest.raises(KilnError, match="no such pass; the passes are schedule_checks, loops"):
+        fd.lower([np.zeros((3, 1001), np.float32)])

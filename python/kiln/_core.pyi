@@ -141,6 +141,8 @@ class Fusion:
 class Kernel:
     def kernel_ir(self) -> str:
         """Kernel IR as text."""
+    def pass_dumps(self) -> List[Tuple[str, str]]:
+        """Kernel IR after the passes lowering was asked to dump: (pass, text) in pass order."""
     def cuda(self, index32: bool = ...) -> Tuple[str, str, List[Tuple[str, str, int, int, str]]]:
         """CUDA source (runtime header + kernel) and its parameters as (name, kind, index, dtype)."""
     def plan(
@@ -233,5 +235,10 @@ class PreparedLaunch:
     def verify(self) -> Optional[List[Tuple[int, int]]]:
         """The kernel's own parameter layout, [(offset, size)] from ``cuFuncGetParamInfo``"""
 
+def set_lower_options(dump_after: List[str], verify: bool) -> None:
+    """Set what every later lowering records: IR dumps after the named passes, and whether the
+    kernel-IR verifier runs after every pass."""
+def lower_passes() -> List[str]:
+    """The names of the kernel-IR passes, in order."""
 def load_cuda_driver() -> None: ...
 def execute_cpu(kernel: Kernel, inputs: List[Any]) -> List[Any]: ...

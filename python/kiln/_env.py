@@ -2,7 +2,10 @@
 test or a long-running process can change it between calls).
 
 - ``KILN_DUMP``: comma-separated dumps to print (``fusion``, ``segments``, ``kernel_ir``,
-  ``allocations``, ``host_ir``, ``cuda``).
+  ``allocations``, ``host_ir``, ``cuda``, and ``after:<pass>`` for the kernel IR after one
+  lowering pass; ``kiln._core.lower_passes()`` names them).
+- ``KILN_VERIFY``: ``1`` runs the kernel-IR verifier after every lowering pass (always on in
+  debug builds of the core).
 - ``KILN_CACHE_DIR``: where compiled CUBINs are kept (default ``~/.cache/kiln``).
 - ``KILN_CUDA_INCLUDE``: a directory holding ``cuda_fp16.h`` for NVRTC; then ``CUDA_HOME`` and
   ``CUDA_PATH`` are tried after the nvidia-cuda-runtime wheel.
@@ -19,6 +22,17 @@ from typing import List, Optional
 def dump_enabled(what: str) -> bool:
     """True when ``KILN_DUMP`` lists ``what``."""
     return what in {p.strip() for p in os.environ.get("KILN_DUMP", "").split(",")}
+
+
+def dump_after() -> List[str]:
+    """The passes ``KILN_DUMP`` asks to print the kernel IR after (``after:<pass>`` entries)."""
+    parts = (p.strip() for p in os.environ.get("KILN_DUMP", "").split(","))
+    return [p[len("after:"):] for p in parts if p.startswith("after:")]
+
+
+def verify_passes() -> bool:
+    """``KILN_VERIFY=1``."""
+    return os.environ.get("KILN_VERIFY", "") == "1"
 
 
 def cache_dir() -> Path:

@@ -99,6 +99,7 @@ def lowered_for(fd: Any, inputs: Sequence[Any]) -> Any:
         LoweredFusion,
         LoweredKernel,
         _arg,  # noqa: PLC0415
+        configure_lowering,
     )
 
     tensors = [x for x in inputs if _kind(x) != "scalar"]
@@ -122,6 +123,7 @@ def lowered_for(fd: Any, inputs: Sequence[Any]) -> Any:
     hit = cache.get(key)
     if hit is not None:
         return hit
+    configure_lowering()
     program, kind, params, layout = fd._core.auto_program(sizes, aligned, device, scalars, strides)
     if dump_enabled("segments"):
         print(program.segmentation())

@@ -9,7 +9,7 @@ from ._env import dump_enabled
 from ._errors import KilnError, KilnTypeError
 from .enums import DataType
 from .host import signature_key
-from .lowering import LoweredFusion, LoweredKernel, check_inputs, plain_numbers
+from .lowering import LoweredFusion, LoweredKernel, check_inputs, configure_lowering, plain_numbers
 from .schedule import ScheduleMixin
 
 Operand = Union["Tensor", "Scalar", int, float, bool]
@@ -161,6 +161,8 @@ class FusionDefinition:
 
             low = lowered_for(self, inputs)
         for kernel in low.kernels:
+            for name, text in kernel.pass_dumps:
+                print(f"// kernel IR after {name}\n{text}")
             if dump_enabled("kernel_ir"):
                 print(kernel.kernel_ir)
             if dump_enabled("allocations"):
@@ -170,6 +172,7 @@ class FusionDefinition:
         return low
 
     def _lower_program(self) -> LoweredFusion:
+        configure_lowering()
         program = self._core.lower_program()
         return LoweredFusion([LoweredKernel(k) for k in program.kernels()], program)
 

@@ -7,7 +7,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ._env import dump_enabled
+from ._env import dump_after, dump_enabled, verify_passes
 from ._errors import KilnError, KilnTypeError
 from .enums import DataType, MemoryType
 
@@ -46,12 +46,28 @@ class GlobalBuffer:
     resets_to_zero: bool
 
 
+_LOWER_OPTIONS: Optional[Tuple[Tuple[str, ...], bool]] = None
+
+
+def configure_lowering() -> None:
+    """Hand ``KILN_DUMP=after:<pass>`` and ``KILN_VERIFY`` to the core before it lowers."""
+    global _LOWER_OPTIONS
+    want = (tuple(dump_after()), verify_passes())
+    if want != _LOWER_OPTIONS:
+        from . import _core  # noqa: PLC0415
+
+        _core.set_lower_options(list(want[0]), want[1])
+        _LOWER_OPTIONS = want
+
+
 class LoweredKernel:
     """One kernel of a lowered fusion."""
 
     def __init__(self, core: Any) -> None:
         self._core = core
         self.kernel_ir: str = core.kernel_ir()
+        # Kernel IR after the passes KILN_DUMP=after:<pass> named when this kernel was lowered.
+        self.pass_dumps: List[Tuple[str, str]] = core.pass_dumps()
         self.allocations: List[AllocationInfo] = [
             AllocationInfo(t, MemoryType(m), tuple(ids), tuple(ext), tuple(st), tuple(c), p, z, r)
             for (t, m, ids, ext, st, c, p, z, r) in core.allocations()

@@ -219,39 +219,9 @@ impl<'p> Evaluator<'p> {
     }
 }
 
-/// Per-lane integer op: wraps; division by zero gives 0 (such lanes are predicated off).
+/// Per-lane integer op ([`ScalarOp::apply_wrapping`], what the generated C computes);
+/// division by zero gives 0 (such lanes are predicated off).
 #[inline]
 fn lane_op(op: ScalarOp, a: i64, b: i64) -> i64 {
-    match op {
-        ScalarOp::Add => a.wrapping_add(b),
-        ScalarOp::Sub => a.wrapping_sub(b),
-        ScalarOp::Mul => a.wrapping_mul(b),
-        ScalarOp::Div => {
-            if b == 0 {
-                0
-            } else {
-                a.wrapping_div_euclid(b)
-            }
-        }
-        ScalarOp::Mod => {
-            if b == 0 {
-                0
-            } else {
-                a.wrapping_rem_euclid(b)
-            }
-        }
-        ScalarOp::CeilDiv => {
-            if b == 0 {
-                0
-            } else {
-                (a.wrapping_add(b) - 1).div_euclid(b)
-            }
-        }
-        ScalarOp::Min => a.min(b),
-        ScalarOp::Max => a.max(b),
-        ScalarOp::Lt => (a < b) as i64,
-        ScalarOp::Le => (a <= b) as i64,
-        ScalarOp::Eq => (a == b) as i64,
-        ScalarOp::And => (a != 0 && b != 0) as i64,
-    }
+    op.apply_wrapping(a, b).unwrap_or(0)
 }

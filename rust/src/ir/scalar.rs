@@ -84,19 +84,32 @@ impl ScalarOp {
             _ => 9,
         }
     }
-    /// Evaluate on concrete integers; `None` on division by zero.
+    /// The op on concrete integers as the generated C computes it: `/` and `%` truncate
+    /// toward zero, `ceilDiv(a, b)` is `(a + b - 1) / b`. `None` on overflow or a zero
+    /// divisor. The simplifier, the interpreter ([`ScalarOp::apply_wrapping`]) and codegen
+    /// share this one definition.
     pub fn apply(self, a: i64, b: i64) -> Option<i64> {
+        self.eval(a, b, false)
+    }
+
+    /// [`ScalarOp::apply`] with two's-complement wrapping on overflow (a 64-bit register);
+    /// `None` only for a zero divisor.
+    pub fn apply_wrapping(self, a: i64, b: i64) -> Option<i64> {
+        self.eval(a, b, true)
+    }
+
+    fn eval(self, a: i64, b: i64, wrap: bool) -> Option<i64> {
+        let pick = |checked: Option<i64>, wrapped: i64| if wrap { Some(wrapped) } else { checked };
         Some(match self {
-            ScalarOp::Add => a.checked_add(b)?,
-            ScalarOp::Sub => a.checked_sub(b)?,
-            ScalarOp::Mul => a.checked_mul(b)?,
-            ScalarOp::Div => a.checked_div_euclid(b)?,
-            ScalarOp::Mod => a.checked_rem_euclid(b)?,
+            ScalarOp::Add => pick(a.checked_add(b), a.wrapping_add(b))?,
+            ScalarOp::Sub => pick(a.checked_sub(b), a.wrapping_sub(b))?,
+            ScalarOp::Mul => pick(a.checked_mul(b), a.wrapping_mul(b))?,
+            ScalarOp::Div | ScalarOp::Mod | ScalarOp::CeilDiv if b == 0 => return None,
+            ScalarOp::Div => pick(a.checked_div(b), a.wrapping_div(b))?,
+            ScalarOp::Mod => pick(a.checked_rem(b), a.wrapping_rem(b))?,
             ScalarOp::CeilDiv => {
-                if b == 0 {
-                    return None;
-                }
-                (a + b - 1).div_euclid(b)
+                let n = pick(a.checked_add(b).and_then(|s| s.checked_sub(1)), a.wrapping_add(b).wrapping_sub(1))?;
+                pick(n.checked_div(b), n.wrapping_div(b))?
             }
             ScalarOp::Min => a.min(b),
             ScalarOp::Max => a.max(b),
@@ -714,6 +727,23 @@ pub fn parallel_dim_name(p: ParallelType) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn integer_ops_truncate_like_c() {
+        // The generated C's `/` and `%` truncate toward zero; folding and the interpreter agree.
+        assert_eq!(ScalarOp::Div.apply(-7, 2), Some(-3));
+        assert_eq!(ScalarOp::Mod.apply(-7, 2), Some(-1));
+        assert_eq!(ScalarOp::Mod.apply(7, -2), Some(1));
+        assert_eq!(ScalarOp::CeilDiv.apply(7, 2), Some(4));
+        assert_eq!(ScalarOp::Div.apply(1, 0), None);
+        assert_eq!(ScalarOp::Add.apply(i64::MAX, 1), None);
+        assert_eq!(ScalarOp::Add.apply_wrapping(i64::MAX, 1), Some(i64::MIN));
+        assert_eq!(ScalarOp::Div.apply_wrapping(i64::MIN, -1), Some(i64::MIN));
+        let mut s = Scalars::new();
+        let (a, b) = (s.int(-7), s.int(2));
+        let q = s.binary(ScalarOp::Div, a, b);
+        assert_eq!(s.as_int(q), Some(-3));
+    }
 
     #[test]
     fn constants_fold_and_dedup() {

@@ -339,6 +339,8 @@ pub struct Kernel {
     pub launch: LaunchParams,
     /// Extents that must be equal at run time, with what combines them.
     pub size_constraints: Vec<(ValId, ValId, String)>,
+    /// Kernel IR after the passes `KILN_DUMP=after:<pass>` asked for: (pass, text).
+    pub pass_dumps: Vec<(String, String)>,
 }
 
 impl Kernel {
@@ -410,8 +412,57 @@ impl Kernel {
 
     /// Readable kernel IR.
     pub fn to_text(&self) -> String {
+        IrText { fusion: &self.fusion, summary: &self.summary }.body(&self.body)
+    }
+
+    /// The allocation table as text (`KILN_DUMP=allocations`).
+    pub fn allocations_text(&self) -> String {
+        let f = &self.fusion;
         let mut s = String::new();
-        for n in &self.body {
+        for a in self.allocation_list() {
+            let ids: Vec<String> = a.ids.iter().map(|&i| f.id_label(i)).collect();
+            let strides: Vec<String> = a.strides.iter().map(|&v| f.scalars.render(v)).collect();
+            let _ = writeln!(
+                s,
+                "{} {} ids=[{}] strides=[{}] contiguity={:?} position={}{}{}",
+                f.tv_name(a.tv),
+                a.memory.enum_name(),
+                ids.join(", "),
+                strides.join(", "),
+                a.contiguity,
+                a.position,
+                if a.zero_init { " zero_init" } else { "" },
+                if a.resets_to_zero { " resets_to_zero" } else { "" }
+            );
+        }
+        for b in &self.summary.global_allocations {
+            let shape: Vec<String> = b.shape.iter().map(|&v| f.scalars.render(v)).collect();
+            let _ = writeln!(
+                s,
+                "global buffer {} {} [{}] zero_init={} resets_to_zero={}",
+                b.name,
+                b.dtype,
+                shape.join(", "),
+                b.zero_init,
+                b.resets_to_zero
+            );
+        }
+        s
+    }
+}
+
+/// The printer of kernel IR (`KILN_DUMP=kernel_ir`, `after:<pass>`): the nodes with the
+/// fusion and buffer list they refer to.
+pub struct IrText<'a> {
+    pub fusion: &'a Fusion,
+    pub summary: &'a KernelSummary,
+}
+
+impl IrText<'_> {
+    /// Readable text of `body`.
+    pub fn body(&self, body: &[Node]) -> String {
+        let mut s = String::new();
+        for n in body {
             self.write_node(n, 0, &mut s);
         }
         s
@@ -531,41 +582,6 @@ impl Kernel {
         }
         if sc.as_int(ix.predicate) != Some(1) {
             let _ = write!(s, " if {}", sc.render(ix.predicate));
-        }
-        s
-    }
-
-    /// The allocation table as text (`KILN_DUMP=allocations`).
-    pub fn allocations_text(&self) -> String {
-        let f = &self.fusion;
-        let mut s = String::new();
-        for a in self.allocation_list() {
-            let ids: Vec<String> = a.ids.iter().map(|&i| f.id_label(i)).collect();
-            let strides: Vec<String> = a.strides.iter().map(|&v| f.scalars.render(v)).collect();
-            let _ = writeln!(
-                s,
-                "{} {} ids=[{}] strides=[{}] contiguity={:?} position={}{}{}",
-                f.tv_name(a.tv),
-                a.memory.enum_name(),
-                ids.join(", "),
-                strides.join(", "),
-                a.contiguity,
-                a.position,
-                if a.zero_init { " zero_init" } else { "" },
-                if a.resets_to_zero { " resets_to_zero" } else { "" }
-            );
-        }
-        for b in &self.summary.global_allocations {
-            let shape: Vec<String> = b.shape.iter().map(|&v| f.scalars.render(v)).collect();
-            let _ = writeln!(
-                s,
-                "global buffer {} {} [{}] zero_init={} resets_to_zero={}",
-                b.name,
-                b.dtype,
-                shape.join(", "),
-                b.zero_init,
-                b.resets_to_zero
-            );
         }
         s
     }

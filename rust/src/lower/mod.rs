@@ -1,22 +1,27 @@
-//! Device lowering: a scheduled fusion (one kernel) to kernel IR. The passes, in order:
+//! Device lowering: a scheduled fusion (one kernel) to kernel IR. In order:
 //!
 //! 1. `validate`   — schedule checks that need the whole fusion
 //! 2. `precision` — half/bf16 register intermediates held in float
 //! 3. analyses     — exact id graph, loop groups and loop promotion
-//! 4. `loops`      — loop nest generation
-//! 5. `allocation` — allocation domains, Allocate placement, reduction inits, global buffers
-//! 6. `indexing`   — element offsets of every access, gathers, predicates
-//! 7. `syncs`      — block syncs for Shared memory RAW/WAR hazards
-//! 8. `reduction_hoist` — register accumulators before block/grid reductions
-//! 9. `launch`     — grid/block dims and the dynamic shared memory layout
-//! 10. `unswitch`  — unswitched loops and loop-invariant bounds checks (`If` nodes)
-//! 11. `vectorize` — wide vector copies with their element-loop fallback
+//!
+//! then the kernel-IR passes of [`PASSES`]:
+//!
+//! 4. `schedule_checks` — schedule rules that need the loop groups
+//! 5. `loops`      — loop nest generation
+//! 6. `allocation` — allocation domains, Allocate placement, reduction inits, global buffers
+//! 7. `indexing`   — element offsets of every access, gathers, predicates
+//! 8. `syncs`      — block syncs for Shared memory RAW/WAR hazards
+//! 9. `reduction_hoist` — register accumulators before block/grid reductions
+//! 10. `launch`    — grid/block dims and the dynamic shared memory layout
+//! 11. `unswitch`  — unswitched loops and loop-invariant bounds checks (`If` nodes)
+//! 12. `vectorize` — wide vector copies with their element-loop fallback
 //!
 //! Codegen and the interpreter both run the kernel IR these passes leave: codegen prints
 //! it and decides nothing, so the interpreter checks every rewrite the GPU runs.
 //!
-//! Passes hand results on explicitly (kernel IR plus side tables); none reaches into
-//! another's internals.
+//! Steps 4-12 are one list of functions over one [`LowerCtx`]; the verifier
+//! (`verify`) runs after each in tests and debug builds. Passes hand results on explicitly
+//! (kernel IR plus side tables); none reaches into another's internals.
 
 pub mod allocation;
 pub mod indexing;
@@ -29,15 +34,116 @@ pub mod syncs;
 pub mod unswitch;
 pub mod validate;
 pub mod vectorize;
+pub mod verify;
+
+use std::sync::RwLock;
+
+use rustc_hash::FxHashMap;
 
 use crate::analysis::id_graph::IdGraph;
 use crate::analysis::loop_graph::LoopGraph;
 use crate::error::Result;
-use crate::ir::Fusion;
-use crate::kernel::Kernel;
+use crate::ir::{ExprId, Fusion, TvId};
+use crate::kernel::{AllocationInfo, IrText, Kernel, KernelSummary, LaunchParams, Node};
+
+/// Everything the kernel-IR passes read and write: the fusion (lowering adds scalars to
+/// it), its analyses, the loop nest and the side tables the passes fill in.
+pub struct LowerCtx {
+    pub f: Fusion,
+    pub exact: IdGraph,
+    pub lg: LoopGraph,
+    /// Expressions in the order the nest computes them.
+    pub order: Vec<ExprId>,
+    pub body: Vec<Node>,
+    /// The next free loop-index number.
+    pub next_index: u32,
+    pub allocations: FxHashMap<TvId, AllocationInfo>,
+    pub summary: KernelSummary,
+    pub launch: Option<LaunchParams>,
+    pub size_constraints: Vec<(crate::ir::ValId, crate::ir::ValId, String)>,
+}
+
+/// A kernel-IR pass: one step of [`PASSES`].
+pub struct Pass {
+    pub name: &'static str,
+    pub run: fn(&mut LowerCtx) -> Result<()>,
+}
+
+/// The kernel-IR passes, in order (`KILN_DUMP=after:<name>` prints the IR after one).
+pub const PASSES: &[Pass] = &[
+    Pass { name: "schedule_checks", run: schedule_checks },
+    Pass {
+        name: "loops",
+        run: |c| {
+            let (body, next) = loops::run(&mut c.f, &c.lg, &c.order)?;
+            (c.body, c.next_index) = (body, next);
+            Ok(())
+        },
+    },
+    Pass {
+        name: "allocation",
+        run: |c| {
+            let r = allocation::run(&mut c.f, &c.lg, &c.exact, &c.order, &mut c.body, &mut c.next_index)?;
+            (c.allocations, c.summary) = (r.allocations, r.summary);
+            Ok(())
+        },
+    },
+    Pass { name: "indexing", run: |c| indexing::run(&mut c.f, &c.lg, &c.allocations, &mut c.body) },
+    Pass {
+        name: "syncs",
+        run: |c| {
+            syncs::run(&c.f, &c.lg, &c.exact, &mut c.body);
+            Ok(())
+        },
+    },
+    Pass { name: "reduction_hoist", run: |c| reduction_hoist::run(&c.f, &c.lg, &mut c.body) },
+    Pass {
+        name: "launch",
+        run: |c| {
+            c.size_constraints = size_constraints(&c.f);
+            c.launch = Some(launch::run(&mut c.f, &c.body));
+            Ok(())
+        },
+    },
+    Pass { name: "unswitch", run: |c| unswitch::run(&mut c.f, &c.lg, &mut c.body) },
+    Pass { name: "vectorize", run: |c| vectorize::run(&mut c.f, &mut c.body) },
+];
+
+/// What lowering records beside the kernel: IR dumps after the named passes, and whether
+/// the verifier runs after every pass (always in debug builds).
+#[derive(Clone, Debug, Default)]
+pub struct LowerOptions {
+    pub dump_after: Vec<String>,
+    pub verify: bool,
+}
+
+static OPTIONS: RwLock<LowerOptions> = RwLock::new(LowerOptions { dump_after: Vec::new(), verify: false });
+
+/// Set the options every later lowering uses (the Python layer sets them from `KILN_DUMP`
+/// and its test configuration).
+pub fn set_options(o: LowerOptions) -> Result<()> {
+    for name in &o.dump_after {
+        if !PASSES.iter().any(|p| p.name == name) {
+            let names: Vec<&str> = PASSES.iter().map(|p| p.name).collect();
+            crate::bail!("KILN_DUMP=after:{name}: no such pass; the passes are {}", names.join(", "));
+        }
+    }
+    *OPTIONS.write().unwrap_or_else(|e| e.into_inner()) = o;
+    Ok(())
+}
+
+/// Schedule rules that need the loop groups (the fusion-level ones ran before the
+/// analyses).
+fn schedule_checks(c: &mut LowerCtx) -> Result<()> {
+    validate::partial_inlining(&c.f, &c.lg, &c.exact)?;
+    validate::unique_parallel_dims(&c.f, &c.lg)?;
+    validate::reduction_consumers(&c.f, &c.lg, &c.order)?;
+    validate::parallel_reads(&c.f, &c.lg, &c.exact)
+}
 
 /// Lower `fusion` to one kernel.
 pub fn lower(fusion: &Fusion) -> Result<Kernel> {
+    let options = OPTIONS.read().unwrap_or_else(|e| e.into_inner()).clone();
     let mut f = fusion.clone();
     validate::run(&f)?;
     precision::run(&mut f);
@@ -45,27 +151,42 @@ pub fn lower(fusion: &Fusion) -> Result<Kernel> {
     let order = loops::expr_order(&f);
     let tv_order = loops::tensor_order(&f, &order);
     let lg = LoopGraph::build(&f, &exact, &tv_order)?;
-    validate::partial_inlining(&f, &lg, &exact)?;
-    validate::unique_parallel_dims(&f, &lg)?;
-    validate::reduction_consumers(&f, &lg, &order)?;
-    validate::parallel_reads(&f, &lg, &exact)?;
-    let (mut body, mut next_index) = loops::run(&mut f, &lg, &order)?;
-    let alloc = allocation::run(&mut f, &lg, &exact, &order, &mut body, &mut next_index)?;
-    indexing::run(&mut f, &lg, &alloc.allocations, &mut body)?;
-    syncs::run(&f, &lg, &exact, &mut body);
-    reduction_hoist::run(&f, &lg, &mut body)?;
-    let size_constraints = size_constraints(&f);
-    let launch = launch::run(&mut f, &body);
-    unswitch::run(&mut f, &lg, &mut body)?;
-    vectorize::run(&mut f, &mut body)?;
+    let mut c = LowerCtx {
+        f,
+        exact,
+        lg,
+        order,
+        body: Vec::new(),
+        next_index: 0,
+        allocations: FxHashMap::default(),
+        summary: KernelSummary::default(),
+        launch: None,
+        size_constraints: Vec::new(),
+    };
+    let verify = options.verify || cfg!(debug_assertions);
+    let mut dumps = Vec::new();
+    let mut stage = verify::Stage { indexed: false, allocated: false };
+    for p in PASSES {
+        (p.run)(&mut c)?;
+        stage.indexed |= p.name == "indexing";
+        stage.allocated |= p.name == "allocation";
+        if verify {
+            verify::run(&c.f, &c.body, stage, p.name)?;
+        }
+        if options.dump_after.iter().any(|n| n == p.name) {
+            dumps.push((p.name.to_string(), IrText { fusion: &c.f, summary: &c.summary }.body(&c.body)));
+        }
+    }
+    let Some(launch) = c.launch else { crate::bail_internal!("lowering ended without launch parameters") };
     let k = Kernel {
-        fusion: f,
-        loops: lg,
-        body,
-        allocations: alloc.allocations,
-        summary: alloc.summary,
+        fusion: c.f,
+        loops: c.lg,
+        body: c.body,
+        allocations: c.allocations,
+        summary: c.summary,
         launch,
-        size_constraints,
+        size_constraints: c.size_constraints,
+        pass_dumps: dumps,
     };
     // Static dimensions are checked now; symbolic ones when sizes are bound.
     k.check_launch(|v| k.fusion.scalars.as_int(v))?;
@@ -103,5 +224,7 @@ fn size_constraints(f: &Fusion) -> Vec<(crate::ir::ValId, crate::ir::ValId, Stri
     out
 }
 
+#[cfg(test)]
+mod snapshots;
 #[cfg(test)]
 pub(crate) mod tests;

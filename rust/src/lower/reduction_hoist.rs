@@ -74,6 +74,14 @@ pub fn run(f: &Fusion, lg: &LoopGraph, body: &mut Vec<Node>) -> Result<()> {
             if h.complete {
                 stored_whole.insert(f.exprs[h.expr].output);
             }
+            // After the loops only the output's offset and the write guard are defined.
+            let index = AccessIndex {
+                out: index.out,
+                inputs: vec![None; index.inputs.len()],
+                predicate: index.write_predicate,
+                write_predicate: index.write_predicate,
+                gathers: Vec::new(),
+            };
             before.push(Node::AccumulatorInit(acc.clone()));
             after.push(Node::ReduceAccumulator { acc, index, complete: h.complete });
         }

@@ -659,6 +659,11 @@ impl PyKernel {
         self.inner.to_text()
     }
 
+    /// Kernel IR after the passes lowering was asked to dump: (pass, text) in pass order.
+    fn pass_dumps(&self) -> Vec<(String, String)> {
+        self.inner.pass_dumps.clone()
+    }
+
     /// CUDA source (runtime header + kernel) and its parameters as (name, kind, index, dtype).
     #[allow(clippy::type_complexity)]
     #[pyo3(signature = (index32=false))]
@@ -969,11 +974,27 @@ impl PyScalarArg {
 }
 
 /// The extension module `kiln._core`.
+/// Set what every later lowering records: IR dumps after the named passes, and whether the
+/// kernel-IR verifier runs after every pass.
+#[pyfunction]
+#[pyo3(signature = (dump_after, verify))]
+fn set_lower_options(py: Python<'_>, dump_after: Vec<String>, verify: bool) -> PyResult<()> {
+    guarded(py, || crate::lower::set_options(crate::lower::LowerOptions { dump_after, verify }))
+}
+
+/// The names of the kernel-IR passes, in order.
+#[pyfunction]
+fn lower_passes() -> Vec<&'static str> {
+    crate::lower::PASSES.iter().map(|p| p.name).collect()
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyFusion>()?;
     m.add_class::<PyKernel>()?;
     m.add_class::<PyHostProgram>()?;
+    m.add_function(wrap_pyfunction!(set_lower_options, m)?)?;
+    m.add_function(wrap_pyfunction!(lower_passes, m)?)?;
     interp::register(m)?;
     launch::register(m)?;
     m.add("DTYPES", DataType::ALL.iter().map(|d| d.enum_name()).collect::<Vec<_>>())?;
