@@ -236,8 +236,15 @@ def test_random_fusions_match_numpy(c: Case) -> None:
         if "internal" in str(e) and os.environ.get("KILN_PROPERTY_DEBUG"):
             print("\nINTERNAL", e, c)
         assume(False)
+    try:
+        got = core.execute_cpu(kernel, list(arrays))
+    except KilnError as e:
+        # A launch over the GPU's limits for these sizes is refused before it runs, by name.
+        if "the GPU allows at most" not in str(e):
+            raise
+        STATS["lowering_rejected"] += 1
+        assume(False)
     STATS["run"] += 1
-    got = core.execute_cpu(kernel, list(arrays))
     for g, o in zip(got, outs):
         reference_check(g, o.ref)
 

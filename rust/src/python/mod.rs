@@ -6,6 +6,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 mod interp;
 mod launch;
+mod versioned;
 
 use pyo3::prelude::*;
 use pyo3::types::PyModule;
@@ -58,28 +59,26 @@ type PyOperand = (bool, u32);
 /// The fusion arena, owned by a Python `FusionDefinition`.
 #[pyclass(name = "Fusion", module = "kiln._core")]
 pub struct PyFusion {
-    inner: Fusion,
-    /// Bumped by every mutation, so Python can tell when a cached lowering is stale.
-    version: u64,
+    inner: versioned::Versioned,
 }
 
 impl PyFusion {
     fn tv(&self, t: u32) -> crate::Result<TvId> {
-        if (t as usize) < self.inner.tvs.len() {
+        if (t as usize) < self.inner.get().tvs.len() {
             Ok(TvId::from_u32(t))
         } else {
             Err(KilnError::value(format!("T{t} is not a tensor of this fusion")))
         }
     }
     fn val(&self, v: u32) -> crate::Result<ValId> {
-        if (v as usize) < self.inner.scalars.len() {
+        if (v as usize) < self.inner.get().scalars.len() {
             Ok(ValId::from_u32(v))
         } else {
             Err(KilnError::value(format!("scalar {v} is not a scalar of this fusion")))
         }
     }
     fn id(&self, i: u32) -> crate::Result<IterDomainId> {
-        if (i as usize) < self.inner.ids.len() {
+        if (i as usize) < self.inner.get().ids.len() {
             Ok(IterDomainId::from_u32(i))
         } else {
             Err(KilnError::value(format!("iter domain {i} is not part of this fusion")))
@@ -94,7 +93,7 @@ impl PyFusion {
 impl PyFusion {
     #[new]
     fn new() -> Self {
-        Self { inner: Fusion::new(), version: 0 }
+        Self { inner: versioned::Versioned::new(Fusion::new()) }
     }
 
     /// Declare a tensor input; returns its tensor id.
@@ -106,70 +105,61 @@ impl PyFusion {
         dtype: &str,
         contiguity: Option<Vec<Option<bool>>>,
     ) -> PyResult<u32> {
-        self.version += 1;
         guarded(py, || {
             let dt = Fusion::parse_dtype(dtype)?;
-            Ok(self.inner.define_tensor(&shape, dt, contiguity.as_deref())?.as_u32())
+            Ok(self.inner.get_mut().define_tensor(&shape, dt, contiguity.as_deref())?.as_u32())
         })
     }
 
     /// Declare a runtime scalar input; returns its scalar id.
     fn define_scalar(&mut self, py: Python<'_>, dtype: &str) -> PyResult<u32> {
-        self.version += 1;
-        guarded(py, || Ok(self.inner.define_scalar_input(Fusion::parse_dtype(dtype)?).as_u32()))
+        guarded(py, || Ok(self.inner.get_mut().define_scalar_input(Fusion::parse_dtype(dtype)?).as_u32()))
     }
 
     /// An integer constant scalar.
     fn const_int(&mut self, v: i64) -> u32 {
-        self.version += 1;
-        self.inner.scalars.int(v).as_u32()
+        self.inner.get_mut().scalars.int(v).as_u32()
     }
     /// A float constant scalar.
     fn const_float(&mut self, v: f64) -> u32 {
-        self.version += 1;
-        self.inner.scalars.float(v).as_u32()
+        self.inner.get_mut().scalars.float(v).as_u32()
     }
     /// A bool constant scalar.
     fn const_bool(&mut self, v: bool) -> u32 {
-        self.version += 1;
-        self.inner.scalars.boolean(v).as_u32()
+        self.inner.get_mut().scalars.boolean(v).as_u32()
     }
 
     /// Element-wise unary op by name.
     fn unary(&mut self, py: Python<'_>, op: &str, x: PyOperand) -> PyResult<u32> {
-        self.version += 1;
         guarded(py, || {
             let u = parse_enum("unary op", op, |n| UNARY_OPS.into_iter().find(|&u| unary_name(u) == n))?;
             let x = self.operand(x)?;
-            Ok(self.inner.unary(u, x)?.as_u32())
+            Ok(self.inner.get_mut().unary(u, x)?.as_u32())
         })
     }
 
     /// Element-wise binary op by name.
     fn binary(&mut self, py: Python<'_>, op: &str, a: PyOperand, b: PyOperand) -> PyResult<u32> {
-        self.version += 1;
         guarded(py, || {
             let o = parse_enum("binary op", op, |n| BINARY_OPS.into_iter().find(|&b| binary_name(b) == n))?;
             let (a, b) = (self.operand(a)?, self.operand(b)?);
-            Ok(self.inner.binary(o, a, b)?.as_u32())
+            Ok(self.inner.get_mut().binary(o, a, b)?.as_u32())
         })
     }
 
     /// `where(cond, a, b)`.
     fn where_(&mut self, py: Python<'_>, c: PyOperand, a: PyOperand, b: PyOperand) -> PyResult<u32> {
-        self.version += 1;
         guarded(py, || {
             let (c, a, b) = (self.operand(c)?, self.operand(a)?, self.operand(b)?);
-            Ok(self.inner.where_(c, a, b)?.as_u32())
+            Ok(self.inner.get_mut().where_(c, a, b)?.as_u32())
         })
     }
 
     /// Cast to a dtype.
     fn cast(&mut self, py: Python<'_>, x: PyOperand, dtype: &str) -> PyResult<u32> {
-        self.version += 1;
         guarded(py, || {
             let x = self.operand(x)?;
-            Ok(self.inner.cast(x, Fusion::parse_dtype(dtype)?)?.as_u32())
+            Ok(self.inner.get_mut().cast(x, Fusion::parse_dtype(dtype)?)?.as_u32())
         })
     }
 
@@ -184,71 +174,67 @@ impl PyFusion {
         keepdim: bool,
         dtype: Option<&str>,
     ) -> PyResult<u32> {
-        self.version += 1;
         guarded(py, || {
             let r = parse_enum("reduction", op, |n| {
                 [ReductionOp::Sum, ReductionOp::Max, ReductionOp::Min].into_iter().find(|&r| reduction_name(r) == n)
             })?;
             let dt = dtype.map(Fusion::parse_dtype).transpose()?;
             let x = self.tv(x)?;
-            Ok(self.inner.reduction(r, x, &dims, keepdim, dt)?.as_u32())
+            Ok(self.inner.get_mut().reduction(r, x, &dims, keepdim, dt)?.as_u32())
         })
     }
 
     /// nvFuser-style broadcast_in_dim.
     fn broadcast_in_dim(&mut self, py: Python<'_>, x: u32, shape: Vec<i64>, broadcast_dims: Vec<i64>) -> PyResult<u32> {
-        self.version += 1;
         guarded(py, || {
             let x = self.tv(x)?;
-            Ok(self.inner.broadcast_in_dim(x, &shape, &broadcast_dims)?.as_u32())
+            Ok(self.inner.get_mut().broadcast_in_dim(x, &shape, &broadcast_dims)?.as_u32())
         })
     }
 
     /// Permute axes.
     fn permute(&mut self, py: Python<'_>, x: u32, dims: Vec<i64>) -> PyResult<u32> {
-        self.version += 1;
         guarded(py, || {
             let x = self.tv(x)?;
-            Ok(self.inner.permute(x, &dims)?.as_u32())
+            Ok(self.inner.get_mut().permute(x, &dims)?.as_u32())
         })
     }
 
     /// index_select along dim.
     fn index_select(&mut self, py: Python<'_>, x: u32, index: u32, dim: i64) -> PyResult<u32> {
-        self.version += 1;
         guarded(py, || {
             let (x, i) = (self.tv(x)?, self.tv(index)?);
-            Ok(self.inner.index_select(x, i, dim)?.as_u32())
+            Ok(self.inner.get_mut().index_select(x, i, dim)?.as_u32())
         })
     }
 
     /// A filled tensor; `shape` holds scalar ids of the extents.
     fn full(&mut self, py: Python<'_>, shape: Vec<u32>, value: PyOperand, dtype: &str) -> PyResult<u32> {
-        self.version += 1;
         guarded(py, || {
             let shape = shape.into_iter().map(|v| self.val(v)).collect::<crate::Result<Vec<_>>>()?;
             let value = self.operand(value)?;
-            Ok(self.inner.full(&shape, value, Fusion::parse_dtype(dtype)?)?.as_u32())
+            Ok(self.inner.get_mut().full(&shape, value, Fusion::parse_dtype(dtype)?)?.as_u32())
         })
     }
 
     /// Mark a tensor as output.
     fn add_output(&mut self, py: Python<'_>, t: u32) -> PyResult<()> {
-        self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
-            self.inner.add_output(t)
+            self.inner.get_mut().add_output(t)
         })
     }
 
     /// Dtype name of a tensor.
     fn tv_dtype(&self, py: Python<'_>, t: u32) -> PyResult<&'static str> {
-        guarded(py, || Ok(self.inner.tvs[self.tv(t)?].dtype.enum_name()))
+        guarded(py, || Ok(self.inner.get().tvs[self.tv(t)?].dtype.enum_name()))
     }
 
     /// Dtype name of a scalar.
     fn scalar_dtype(&self, py: Python<'_>, v: u32) -> PyResult<&'static str> {
-        guarded(py, || Ok(self.inner.scalars.dtype(self.val(v)?, &self.inner.scalar_input_dtypes).enum_name()))
+        guarded(py, || {
+            Ok(self.inner.get().scalars.dtype(self.val(v)?, &self.inner.get().scalar_input_dtypes).enum_name())
+        })
     }
 
     /// Shape of a tensor: -1 symbolic, 1 broadcast, n static (reduced axes dropped).
@@ -257,14 +243,15 @@ impl PyFusion {
             let t = self.tv(t)?;
             Ok(self
                 .inner
+                .get()
                 .no_reduction_logical(t)
                 .iter()
                 .map(|&id| {
-                    let d = &self.inner.ids[id];
+                    let d = &self.inner.get().ids[id];
                     if d.iter_type == IterType::Broadcast {
                         1
                     } else {
-                        self.inner.scalars.as_int(d.extent).unwrap_or(-1)
+                        self.inner.get().scalars.as_int(d.extent).unwrap_or(-1)
                     }
                 })
                 .collect())
@@ -273,18 +260,18 @@ impl PyFusion {
 
     /// Loop domain ids of a tensor.
     fn tv_loop(&self, py: Python<'_>, t: u32) -> PyResult<Vec<u32>> {
-        guarded(py, || Ok(self.inner.tvs[self.tv(t)?].loop_domain.iter().map(|i| i.as_u32()).collect()))
+        guarded(py, || Ok(self.inner.get().tvs[self.tv(t)?].loop_domain.iter().map(|i| i.as_u32()).collect()))
     }
 
     /// Logical domain ids of a tensor.
     fn tv_logical(&self, py: Python<'_>, t: u32) -> PyResult<Vec<u32>> {
-        guarded(py, || Ok(self.inner.tvs[self.tv(t)?].logical.iter().map(|i| i.as_u32()).collect()))
+        guarded(py, || Ok(self.inner.get().tvs[self.tv(t)?].logical.iter().map(|i| i.as_u32()).collect()))
     }
 
     /// Memory type name and inline position of a tensor.
     fn tv_memory(&self, py: Python<'_>, t: u32) -> PyResult<(&'static str, usize)> {
         guarded(py, || {
-            let tv = &self.inner.tvs[self.tv(t)?];
+            let tv = &self.inner.get().tvs[self.tv(t)?];
             Ok((tv.memory.enum_name(), tv.inline_pos))
         })
     }
@@ -293,34 +280,34 @@ impl PyFusion {
     fn id_info(&self, py: Python<'_>, i: u32) -> PyResult<(String, &'static str, &'static str, String)> {
         guarded(py, || {
             let id = self.id(i)?;
-            let d = &self.inner.ids[id];
+            let d = &self.inner.get().ids[id];
             let it = match d.iter_type {
                 IterType::Iteration => "Iteration",
                 IterType::Reduction => "Reduction",
                 IterType::Broadcast => "Broadcast",
             };
-            Ok((self.inner.scalars.render(d.extent), it, d.parallel.enum_name(), self.inner.id_label(id)))
+            Ok((self.inner.get().scalars.render(d.extent), it, d.parallel.enum_name(), self.inner.get().id_label(id)))
         })
     }
 
     /// The math dump.
     fn math(&self, py: Python<'_>) -> PyResult<String> {
-        guarded(py, || Ok(self.inner.math_string()))
+        guarded(py, || Ok(self.inner.get().math_string()))
     }
 
     /// The transform dump of one tensor.
     fn transforms(&self, py: Python<'_>, t: u32) -> PyResult<String> {
-        guarded(py, || Ok(self.inner.transforms_string(self.tv(t)?)))
+        guarded(py, || Ok(self.inner.get().transforms_string(self.tv(t)?)))
     }
 
     /// Label of a tensor (`T3_l_float[...]`).
     fn tv_label(&self, py: Python<'_>, t: u32) -> PyResult<String> {
-        guarded(py, || Ok(self.inner.tv_label(self.tv(t)?)))
+        guarded(py, || Ok(self.inner.get().tv_label(self.tv(t)?)))
     }
 
     /// Each input as (kind, name, dtype, shape) with kind "tensor" or "scalar".
     fn input_specs(&self) -> Vec<(&'static str, String, &'static str, Vec<i64>)> {
-        let f = &self.inner;
+        let f = self.inner.get();
         f.inputs
             .iter()
             .map(|&op| match op {
@@ -373,105 +360,97 @@ impl PyFusion {
                     _ => Arg::Other(text),
                 })
                 .collect();
-            bind_args_for(&self.inner, &args, any_layout).map(|_| ())
+            bind_args_for(self.inner.get(), &args, any_layout).map(|_| ())
         })
     }
 
     /// Mutation counter (changes whenever the definition or schedule changes).
     #[getter]
     fn version(&self) -> u64 {
-        self.version
+        self.inner.version()
     }
 
     /// Number of outputs marked so far.
     #[getter]
     fn num_outputs(&self) -> usize {
-        self.inner.outputs.len()
+        self.inner.get().outputs.len()
     }
 
     /// Number of tensors created so far (the next tensor is `T{n}`).
     #[getter]
     fn num_tensors(&self) -> usize {
-        self.inner.tvs.len()
+        self.inner.get().tvs.len()
     }
 
     /// True once a scheduling primitive was used.
     #[getter]
     fn manually_scheduled(&self) -> bool {
-        self.inner.manually_scheduled
+        self.inner.get().manually_scheduled
     }
 
     /// Split a loop axis.
     fn split(&mut self, py: Python<'_>, t: u32, axis: i64, factor: i64, inner_split: bool) -> PyResult<()> {
-        self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
-            self.inner.split(t, axis, factor, inner_split)
+            self.inner.get_mut().split(t, axis, factor, inner_split)
         })
     }
 
     /// Merge two loop axes.
     fn merge(&mut self, py: Python<'_>, t: u32, a: i64, b: i64) -> PyResult<()> {
-        self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
-            self.inner.merge(t, a, b)
+            self.inner.get_mut().merge(t, a, b)
         })
     }
 
     /// Reorder loop axes.
     fn reorder(&mut self, py: Python<'_>, t: u32, moves: Vec<(i64, i64)>) -> PyResult<()> {
-        self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
-            self.inner.reorder(t, &moves)
+            self.inner.get_mut().reorder(t, &moves)
         })
     }
 
     /// Parallelize a loop axis.
     fn parallelize(&mut self, py: Python<'_>, t: u32, axis: i64, pt: &str) -> PyResult<()> {
-        self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
             let p = parse_enum("parallel type", pt, ParallelType::from_enum_name)?;
-            self.inner.parallelize(t, axis, p)
+            self.inner.get_mut().parallelize(t, axis, p)
         })
     }
 
     /// Set the memory type.
     fn set_memory_type(&mut self, py: Python<'_>, t: u32, mt: &str) -> PyResult<()> {
-        self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
             let m = parse_enum("memory type", mt, MemoryType::from_enum_name)?;
-            self.inner.set_memory_type(t, m)
+            self.inner.get_mut().set_memory_type(t, m)
         })
     }
 
     /// Read cache.
     fn cache_after(&mut self, py: Python<'_>, t: u32) -> PyResult<u32> {
-        self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
-            Ok(self.inner.cache_after(t)?.as_u32())
+            Ok(self.inner.get_mut().cache_after(t)?.as_u32())
         })
     }
 
     /// Write cache.
     fn cache_before(&mut self, py: Python<'_>, t: u32) -> PyResult<u32> {
-        self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
-            Ok(self.inner.cache_before(t)?.as_u32())
+            Ok(self.inner.get_mut().cache_before(t)?.as_u32())
         })
     }
 
     /// Inline at a position.
     fn inline_at(&mut self, py: Python<'_>, t: u32, pos: i64) -> PyResult<()> {
-        self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
-            self.inner.inline_at(t, pos)
+            self.inner.get_mut().inline_at(t, pos)
         })
     }
 
@@ -483,11 +462,10 @@ impl PyFusion {
         ids: Vec<u32>,
         contiguity: Vec<Option<bool>>,
     ) -> PyResult<()> {
-        self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
             let ids = ids.into_iter().map(|i| self.id(i)).collect::<crate::Result<Vec<_>>>()?;
-            self.inner.set_allocation_domain(t, &ids, &contiguity)
+            self.inner.get_mut().set_allocation_domain(t, &ids, &contiguity)
         })
     }
 
@@ -495,9 +473,9 @@ impl PyFusion {
     /// heuristic's (kind, params).
     fn auto_scheduled(&self, py: Python<'_>, sizes: Vec<Vec<i64>>) -> PyResult<(PyFusion, &'static str, Vec<i64>)> {
         guarded(py, || {
-            let mut f = self.inner.clone();
+            let mut f = self.inner.get().clone();
             let h = crate::sched::auto::schedule(&mut f, &sizes)?;
-            Ok((PyFusion { inner: f, version: 0 }, h.kind(), h.values()))
+            Ok((PyFusion { inner: versioned::Versioned::new(f) }, h.kind(), h.values()))
         })
     }
 
@@ -534,7 +512,7 @@ impl PyFusion {
                 None => crate::sched::auto::DeviceProps::default(),
             };
             let (p, h) = crate::host::segmenter::auto_program_strided(
-                &self.inner,
+                self.inner.get(),
                 &sizes,
                 &strides,
                 &scalars,
@@ -554,64 +532,59 @@ impl PyFusion {
 
     /// Positions of the runtime scalar inputs that some tensor shape reads.
     fn shape_scalars(&self) -> Vec<u32> {
-        crate::sched::auto::shape_scalars(&self.inner)
+        crate::sched::auto::shape_scalars(self.inner.get())
     }
 
     /// Lower the fusion to one kernel.
     fn lower(&self, py: Python<'_>) -> PyResult<PyKernel> {
-        guarded(py, || Ok(PyKernel::new(crate::lower::lower(&crate::sched::propagate::completed(&self.inner))?)))
+        guarded(py, || Ok(PyKernel::new(crate::lower::lower(&crate::sched::propagate::completed(self.inner.get()))?)))
     }
 
     /// Start a new segment (kernel) after the definition of tensor `t`.
     fn segment_after(&mut self, py: Python<'_>, t: u32) -> PyResult<()> {
-        self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
-            self.inner.mark_segment_after(t)
+            self.inner.get_mut().mark_segment_after(t)
         })
     }
 
     /// Lower the fusion to its kernels (one per segment) and host program.
     fn lower_program(&self, py: Python<'_>) -> PyResult<PyHostProgram> {
         guarded(py, || {
-            let p = crate::host::lower::lower_program(&self.inner)?;
+            let p = crate::host::lower::lower_program(self.inner.get())?;
             Ok(PyHostProgram { inner: p, cache: crate::host::plan::PlanCache::default() })
         })
     }
 
     /// Mark a copy of a fusion input as read once (its vector loads skip L1).
     fn set_streaming_load(&mut self, py: Python<'_>, t: u32) -> PyResult<()> {
-        self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
-            self.inner.set_streaming_load(t)
+            self.inner.get_mut().set_streaming_load(t)
         })
     }
 
     /// Mark a tensor that reads a fusion input directly as kept in L2 (evict_last loads).
     fn set_evict_last(&mut self, py: Python<'_>, t: u32) -> PyResult<()> {
-        self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
-            self.inner.set_evict_last(t)
+            self.inner.get_mut().set_evict_last(t)
         })
     }
 
     /// Request the serial grid-reduction protocol.
     fn set_serial_grid_reduction(&mut self, py: Python<'_>, t: u32) -> PyResult<()> {
-        self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
-            self.inner.set_serial_grid_reduction(t)
+            self.inner.get_mut().set_serial_grid_reduction(t)
         })
     }
 
     /// Circular-buffer a tensor.
     fn circular_buffer(&mut self, py: Python<'_>, t: u32, stages: i64) -> PyResult<()> {
-        self.version += 1;
         guarded(py, || {
             let t = self.tv(t)?;
-            self.inner.circular_buffer(t, stages)
+            self.inner.get_mut().circular_buffer(t, stages)
         })
     }
 }
