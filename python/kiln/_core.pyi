@@ -2,7 +2,7 @@
 ``kiln`` package; these are the boundary it converts to and from. Tensors and scalars of a
 ``Fusion`` are passed as integer ids."""
 
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union, final
 
 # An operand: (is_tensor, tensor id or scalar id).
 Operand = Tuple[bool, int]
@@ -161,15 +161,49 @@ class Kernel:
         """Launch configuration as expressions: (grid, block, dynamic shared memory bytes)."""
     def allocations_text(self) -> str:
         """The allocation table as text."""
-    def allocations(
-        self,
-    ) -> List[Tuple[str, str, List[str], List[str], List[str], List[bool], int, bool, bool]]:
-        """AllocationInfo records: (tensor, memory, id labels, extents, strides, contiguity,
-        position, zero_init, resets_to_zero)."""
+    def allocations(self) -> List[Allocation]:
+        """The allocation record of every tensor the kernel allocates, in tensor order."""
     def gathers(self) -> List[Tuple[int, str, str]]:
         """The kernel's gathers: (site id, index tensor, selected-from tensor)."""
-    def global_allocations(self) -> List[Tuple[str, str, List[str], bool, bool]]:
-        """KernelSummary global buffers: (name, dtype, shape, zero_init, resets_to_zero)."""
+    def global_allocations(self) -> List[GlobalBuffer]:
+        """The Global buffers the kernel needs besides its inputs and outputs (KernelSummary)."""
+
+@final
+class Allocation:
+    """How one tensor is laid out and where the kernel allocates it."""
+    @property
+    def tensor(self) -> str: ...
+    @property
+    def memory_type(self) -> str: ...
+    @property
+    def ids(self) -> List[str]:
+        """Allocated ids (after loop promotion), outermost first."""
+    @property
+    def extents(self) -> List[str]: ...
+    @property
+    def strides(self) -> List[str]: ...
+    @property
+    def contiguity(self) -> List[bool]: ...
+    @property
+    def position(self) -> int: ...
+    @property
+    def zero_init(self) -> bool: ...
+    @property
+    def resets_to_zero(self) -> bool: ...
+
+@final
+class GlobalBuffer:
+    """A Global buffer a kernel needs besides its inputs and outputs."""
+    @property
+    def name(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> List[str]: ...
+    @property
+    def zero_init(self) -> bool: ...
+    @property
+    def resets_to_zero(self) -> bool: ...
 
 class HostProgram:
     def text(self) -> str:

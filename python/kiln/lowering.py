@@ -69,11 +69,15 @@ class LoweredKernel:
         # Kernel IR after the passes KILN_DUMP=after:<pass> named when this kernel was lowered.
         self.pass_dumps: List[Tuple[str, str]] = core.pass_dumps()
         self.allocations: List[AllocationInfo] = [
-            AllocationInfo(t, MemoryType(m), tuple(ids), tuple(ext), tuple(st), tuple(c), p, z, r)
-            for (t, m, ids, ext, st, c, p, z, r) in core.allocations()
+            AllocationInfo(tensor=a.tensor, memory_type=MemoryType(a.memory_type), ids=tuple(a.ids),
+                           extents=tuple(a.extents), strides=tuple(a.strides), contiguity=tuple(a.contiguity),
+                           position=a.position, zero_init=a.zero_init, resets_to_zero=a.resets_to_zero)
+            for a in core.allocations()
         ]
         self.global_allocations: List[GlobalBuffer] = [
-            GlobalBuffer(n, DataType(d), tuple(s), z, r) for (n, d, s, z, r) in core.global_allocations()
+            GlobalBuffer(name=b.name, dtype=DataType(b.dtype), shape=tuple(b.shape), zero_init=b.zero_init,
+                         resets_to_zero=b.resets_to_zero)
+            for b in core.global_allocations()
         ]
         self._cuda: dict = {}
         if _RECORDING:

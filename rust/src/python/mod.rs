@@ -589,6 +589,31 @@ impl PyFusion {
     }
 }
 
+/// How one tensor is laid out and where the kernel allocates it.
+#[pyclass(name = "Allocation", module = "kiln._core", frozen, get_all)]
+pub struct PyAllocation {
+    tensor: String,
+    memory_type: &'static str,
+    /// Allocated ids (after loop promotion), outermost first.
+    ids: Vec<String>,
+    extents: Vec<String>,
+    strides: Vec<String>,
+    contiguity: Vec<bool>,
+    position: usize,
+    zero_init: bool,
+    resets_to_zero: bool,
+}
+
+/// A Global buffer a kernel needs besides its inputs and outputs.
+#[pyclass(name = "GlobalBuffer", module = "kiln._core", frozen, get_all)]
+pub struct PyGlobalBuffer {
+    name: String,
+    dtype: &'static str,
+    shape: Vec<String>,
+    zero_init: bool,
+    resets_to_zero: bool,
+}
+
 /// A lowered kernel: kernel IR text, allocation records, global buffers.
 #[pyclass(name = "Kernel", module = "kiln._core", frozen)]
 pub struct PyKernel {
@@ -726,27 +751,22 @@ impl PyKernel {
         self.inner.allocations_text()
     }
 
-    /// AllocationInfo records: (tensor, memory, id labels, extents, strides, contiguity, position, zero_init, resets_to_zero).
-    #[allow(clippy::type_complexity)]
-    fn allocations(
-        &self,
-    ) -> Vec<(String, &'static str, Vec<String>, Vec<String>, Vec<String>, Vec<bool>, usize, bool, bool)> {
+    /// The allocation record of every tensor the kernel allocates, in tensor order.
+    fn allocations(&self) -> Vec<PyAllocation> {
         let f = &self.inner.fusion;
         self.inner
             .allocation_list()
             .into_iter()
-            .map(|a| {
-                (
-                    f.tv_name(a.tv),
-                    a.memory.enum_name(),
-                    a.ids.iter().map(|&i| f.id_label(i)).collect(),
-                    a.ids.iter().map(|&i| f.scalars.render(f.ids[i].extent)).collect(),
-                    a.strides.iter().map(|&s| f.scalars.render(s)).collect(),
-                    a.contiguity.clone(),
-                    a.position,
-                    a.zero_init,
-                    a.resets_to_zero,
-                )
+            .map(|a| PyAllocation {
+                tensor: f.tv_name(a.tv),
+                memory_type: a.memory.enum_name(),
+                ids: a.ids.iter().map(|&i| f.id_label(i)).collect(),
+                extents: a.ids.iter().map(|&i| f.scalars.render(f.ids[i].extent)).collect(),
+                strides: a.strides.iter().map(|&s| f.scalars.render(s)).collect(),
+                contiguity: a.contiguity.clone(),
+                position: a.position,
+                zero_init: a.zero_init,
+                resets_to_zero: a.resets_to_zero,
             })
             .collect()
     }
@@ -757,21 +777,19 @@ impl PyKernel {
         self.inner.gathers().into_iter().map(|(id, ix, table)| (id, f.tv_name(ix), f.tv_name(table))).collect()
     }
 
-    /// KernelSummary global buffers: (name, dtype, shape, zero_init, resets_to_zero).
-    fn global_allocations(&self) -> Vec<(String, &'static str, Vec<String>, bool, bool)> {
+    /// The Global buffers the kernel needs besides its inputs and outputs (KernelSummary).
+    fn global_allocations(&self) -> Vec<PyGlobalBuffer> {
         let f = &self.inner.fusion;
         self.inner
             .summary
             .global_allocations
             .iter()
-            .map(|b| {
-                (
-                    b.name.clone(),
-                    b.dtype.enum_name(),
-                    b.shape.iter().map(|&s| f.scalars.render(s)).collect(),
-                    b.zero_init,
-                    b.resets_to_zero,
-                )
+            .map(|b| PyGlobalBuffer {
+                name: b.name.clone(),
+                dtype: b.dtype.enum_name(),
+                shape: b.shape.iter().map(|&v| f.scalars.render(v)).collect(),
+                zero_init: b.zero_init,
+                resets_to_zero: b.resets_to_zero,
             })
             .collect()
     }
@@ -966,6 +984,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyFusion>()?;
     m.add_class::<PyKernel>()?;
     m.add_class::<PyHostProgram>()?;
+    m.add_class::<PyAllocation>()?;
+    m.add_class::<PyGlobalBuffer>()?;
     m.add_function(wrap_pyfunction!(set_lower_options, m)?)?;
     m.add_function(wrap_pyfunction!(lower_passes, m)?)?;
     interp::register(m)?;
