@@ -1079,7 +1079,7 @@ impl Exec<'_, '_> {
                 let mut cols: Vec<Option<Col>> = Vec::with_capacity(e.inputs.len());
                 let mut poison: Option<Poison> = None;
                 for (pos, (op, off)) in e.inputs.iter().zip(&a.inputs).enumerate() {
-                    if matches!(e.op, Op::IndexSelect { .. }) && pos == 1 {
+                    if e.op.index_input() == Some(pos) {
                         cols.push(None);
                         continue;
                     }

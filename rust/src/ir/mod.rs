@@ -209,6 +209,23 @@ pub enum Op {
     },
 }
 
+impl Op {
+    /// The operand read at positions that another operand holds (a gather's table).
+    pub fn indexed_input(&self) -> Option<usize> {
+        matches!(self, Op::IndexSelect { .. }).then_some(0)
+    }
+
+    /// The operand holding positions into [`Op::indexed_input`] (a gather's index tensor).
+    pub fn index_input(&self) -> Option<usize> {
+        matches!(self, Op::IndexSelect { .. }).then_some(1)
+    }
+
+    /// True for an op that reads one operand at data-dependent positions.
+    pub fn is_gather(&self) -> bool {
+        self.indexed_input().is_some()
+    }
+}
+
 /// A tensor expression with one output.
 #[derive(Clone, Debug)]
 pub struct Expr {
@@ -218,6 +235,16 @@ pub struct Expr {
 }
 
 impl Expr {
+    /// The tensor this expression reads at data-dependent positions (a gather's table).
+    pub fn indexed_tensor(&self) -> Option<TvId> {
+        self.op.indexed_input().and_then(|p| self.inputs[p].tensor())
+    }
+
+    /// The tensor holding those positions (a gather's index tensor).
+    pub fn index_tensor(&self) -> Option<TvId> {
+        self.op.index_input().and_then(|p| self.inputs[p].tensor())
+    }
+
     /// Tensor inputs, in operand order.
     pub fn input_tvs(&self) -> impl Iterator<Item = TvId> + '_ {
         self.inputs.iter().filter_map(|o| o.tensor())

@@ -261,7 +261,9 @@ fn inlined_reference(f: &Fusion, lg: &LoopGraph, tv: TvId) -> Option<(ExprId, us
     // A gather's table is read at data-dependent rows, and a rank-1 index maps to one axis
     // only; an index of the output's rank (`canonical::broadcast_computed_indices`) is read
     // like an element-wise operand.
-    if matches!(f.exprs[e].op, Op::IndexSelect { .. }) && (pos == 0 || f.no_reduction_logical(tv).len() == 1) {
+    if f.exprs[e].op.is_gather()
+        && (f.exprs[e].op.indexed_input() == Some(pos) || f.no_reduction_logical(tv).len() == 1)
+    {
         return None;
     }
     Some((e, pos))

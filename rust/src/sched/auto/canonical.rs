@@ -356,10 +356,9 @@ pub fn reread_outputs(f: &mut Fusion) -> Result<()> {
         }
         let reduced =
             f.tvs[o].logical.iter().any(|&id| matches!(f.ids[id].iter_type, IterType::Reduction | IterType::Broadcast));
-        let broadcast = readers.iter().any(|&u| {
-            matches!(f.exprs[u].op, Op::Broadcast { .. })
-                || (matches!(f.exprs[u].op, Op::IndexSelect { .. }) && f.exprs[u].inputs[0] == Operand::Tensor(o))
-        });
+        let broadcast = readers
+            .iter()
+            .any(|&u| matches!(f.exprs[u].op, Op::Broadcast { .. }) || f.exprs[u].indexed_tensor() == Some(o));
         if !reduced && !broadcast && dense(f, o) == widest {
             continue;
         }

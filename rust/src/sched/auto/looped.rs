@@ -100,9 +100,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
         for op in f.inputs.clone() {
             let Operand::Tensor(x) = op else { continue };
             // A gather's table is read at the rows its index picks, not along the row loops.
-            let table = f.tvs[x].uses.iter().any(|&e| {
-                matches!(f.exprs[e].op, Op::IndexSelect { .. }) && f.exprs[e].inputs[0] == Operand::Tensor(x)
-            });
+            let table = f.tvs[x].uses.iter().any(|&e| f.exprs[e].indexed_tensor() == Some(x));
             if super::full_size_input(f, x, n) && !f.tvs[x].uses.is_empty() && !table {
                 f.cache_after(x)?;
                 cached.push(x);

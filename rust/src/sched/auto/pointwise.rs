@@ -125,10 +125,7 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
     // The vector width: 16 bytes of the widest tensor that is accessed with vectors
     // (an int64 index tensor read once per row does not narrow it).
     let vectorized = |f: &Fusion, x: TvId| {
-        let indexed = f.tvs[x]
-            .uses
-            .iter()
-            .any(|&e| matches!(f.exprs[e].op, Op::IndexSelect { .. }) && f.exprs[e].inputs[0] == Operand::Tensor(x));
+        let indexed = f.tvs[x].uses.iter().any(|&e| f.exprs[e].indexed_tensor() == Some(x));
         full_size(f, x, rank) && !indexed && (!f.is_input(x) || super::dense(f, x))
     };
     let widest = f
@@ -157,10 +154,8 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
     let mut vec_tensors = Vec::new();
     for op in f.inputs.clone() {
         let Operand::Tensor(x) = op else { continue };
-        let indexed = f.tvs[x]
-            .uses
-            .iter()
-            .any(|&e| matches!(f.exprs[e].op, Op::IndexSelect { .. }) && f.exprs[e].inputs[0] == op);
+        let indexed =
+            f.tvs[x].uses.iter().any(|&e| op.tensor().is_some() && f.exprs[e].indexed_tensor() == op.tensor());
         if full_size(f, x, rank) && super::dense(f, x) && !f.tvs[x].uses.is_empty() && !indexed {
             let c = f.cache_after(x)?;
             // Inputs are read once, yet L2 evict_last on their loads makes L2 give up the
@@ -277,10 +272,9 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
         .iter()
         .copied()
         .filter(|&t| {
-            f.tvs[t].definition.is_some_and(|def| {
-                matches!(f.exprs[def].op, Op::IndexSelect { .. })
-                    && f.exprs[def].inputs[1].tensor().is_some_and(|i| f.tvs[i].definition.is_some())
-            })
+            f.tvs[t]
+                .definition
+                .is_some_and(|def| f.exprs[def].index_tensor().is_some_and(|i| f.tvs[i].definition.is_some()))
         })
         .collect();
     for &t in &computed_gathers {
@@ -351,8 +345,7 @@ fn horizontal(f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
         let only_here = |f: &Fusion, x: TvId| {
             !f.tvs[x].uses.is_empty() && f.tvs[x].uses.iter().all(|&e| mine.contains(&f.exprs[e].output))
         };
-        let gathered =
-            |f: &Fusion, x: TvId| f.tvs[x].uses.iter().any(|&e| matches!(f.exprs[e].op, Op::IndexSelect { .. }));
+        let gathered = |f: &Fusion, x: TvId| f.tvs[x].uses.iter().any(|&e| f.exprs[e].op.is_gather());
         let inputs: Vec<TvId> = f
             .inputs
             .iter()
