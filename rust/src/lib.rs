@@ -3,6 +3,7 @@
 
 pub mod analysis;
 pub mod codegen;
+pub mod compile;
 pub mod error;
 pub mod host;
 pub mod interp;

@@ -511,14 +511,10 @@ impl PyFusion {
                 }
                 None => crate::sched::auto::DeviceProps::default(),
             };
-            let (p, h) = crate::host::segmenter::auto_program_strided(
-                self.inner.get(),
-                &sizes,
-                &strides,
-                &scalars,
-                aligned_bases,
-                device,
-            )?;
+            let seen = crate::compile::InputsSeen { sizes, strides, scalars, aligned_bases, device };
+            let c = crate::compile::compile(self.inner.get(), &crate::compile::Schedule::Automatic(seen))?;
+            let Some(h) = c.heuristic else { crate::bail_internal!("an automatic compile without a heuristic") };
+            let p = c.program;
             let layout =
                 p.fusion.inputs.iter().filter_map(|o| o.tensor()).map(|t| p.fusion.tvs[t].contiguity.clone()).collect();
             Ok((
@@ -551,7 +547,7 @@ impl PyFusion {
     /// Lower the fusion to its kernels (one per segment) and host program.
     fn lower_program(&self, py: Python<'_>) -> PyResult<PyHostProgram> {
         guarded(py, || {
-            let p = crate::host::lower::lower_program(self.inner.get())?;
+            let p = crate::compile::compile(self.inner.get(), &crate::compile::Schedule::AsScheduled)?.program;
             Ok(PyHostProgram { inner: p, cache: crate::host::plan::PlanCache::default() })
         })
     }

@@ -1,0 +1,58 @@
+//! The compile driver: a fusion, and what is known of its inputs, to the host program that
+//! runs it (segments, their schedules, one lowered kernel each). Python's `fd.lower` and
+//! `fd.execute` (GPU and interpreter) compile through [`compile`]; below it sit the
+//! segmenter and scheduler registry (`host::segmenter`, `sched::auto`), lowering
+//! (`lower`) and the host-program builder (`host::lower`).
+
+use crate::error::Result;
+use crate::host::ir::HostProgram;
+use crate::ir::Fusion;
+use crate::sched::auto::{DeviceProps, Heuristic};
+
+/// The inputs an automatic schedule is chosen for.
+#[derive(Clone, Debug, Default)]
+pub struct InputsSeen {
+    /// Sizes of each tensor input.
+    pub sizes: Vec<Vec<i64>>,
+    /// Element strides of each tensor input's array (empty: row-major).
+    pub strides: Vec<Vec<i64>>,
+    /// Runtime scalar values that a shape reads (None for the others).
+    pub scalars: Vec<Option<i64>>,
+    /// Every tensor input starts 16-byte aligned.
+    pub aligned_bases: bool,
+    pub device: DeviceProps,
+}
+
+/// Which schedule a compile uses.
+#[derive(Clone, Debug)]
+pub enum Schedule {
+    /// The fusion's own (hand) schedule and `segment_after` marks, for any input sizes.
+    AsScheduled,
+    /// The scheduler registry and the segmenter, for these inputs.
+    Automatic(InputsSeen),
+}
+
+/// A compiled fusion: its host program and, for an automatic schedule, the heuristic
+/// that chose it (part of the plan key).
+pub struct Compiled {
+    pub program: HostProgram,
+    pub heuristic: Option<Heuristic>,
+}
+
+/// Compile `f` with `schedule`.
+pub fn compile(f: &Fusion, schedule: &Schedule) -> Result<Compiled> {
+    match schedule {
+        Schedule::AsScheduled => Ok(Compiled { program: crate::host::lower::lower_program(f)?, heuristic: None }),
+        Schedule::Automatic(seen) => {
+            let (program, h) = crate::host::segmenter::auto_program_strided(
+                f,
+                &seen.sizes,
+                &seen.strides,
+                &seen.scalars,
+                seen.aligned_bases,
+                seen.device,
+            )?;
+            Ok(Compiled { program, heuristic: Some(h) })
+        }
+    }
+}
