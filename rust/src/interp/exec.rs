@@ -869,16 +869,7 @@ impl Exec<'_, '_> {
             ev.reset_varying();
             let offs = ev.eval(at, &mk_env(&uniform, ctx, &reading, &gathered, &mem.done))?.clone();
             let got = mem.read(ctx, kname, tv, &reading, &offs)?.to_i64();
-            let n = ctx.value(extent)?.as_i64();
-            if let Some(j) = got.iter().position(|&x| x < 0 || x >= n) {
-                return Err(KilnError::value(format!(
-                    "index_select: the index tensor {} holds {} at element {}; {} has {n} entries along the selected axis (indices must be in [0, {n}))",
-                    f.tv_name(tv),
-                    got[j],
-                    offs.at(j),
-                    f.tv_name(table)
-                )));
-            }
+            check_indices(f, ctx, tv, table, extent, &got, &offs)?;
             // Lanes that read nothing hold index 0, as on the GPU.
             let mut all = vec![0i64; lanes.len()];
             let mut k = 0;
@@ -1064,16 +1055,7 @@ impl Exec<'_, '_> {
                 for &(id, tv, at, table, extent) in &a.gathers {
                     let offs = ev.eval(at, &mk_env(&uniform, ctx, &active, &gathered, &mem.done))?.clone();
                     let vals = mem.read(ctx, kname, tv, &active, &offs)?.to_i64();
-                    let n = ctx.value(extent)?.as_i64();
-                    if let Some(j) = vals.iter().position(|&v| v < 0 || v >= n) {
-                        return Err(KilnError::value(format!(
-                            "index_select: the index tensor {} holds {} at element {}; {} has {n} entries along the selected axis (indices must be in [0, {n}))",
-                            f.tv_name(tv),
-                            vals[j],
-                            offs.at(j),
-                            f.tv_name(table)
-                        )));
-                    }
+                    check_indices(f, ctx, tv, table, extent, &vals, &offs)?;
                     gathered.insert(id, vals);
                 }
                 let mut cols: Vec<Option<Col>> = Vec::with_capacity(e.inputs.len());
@@ -1318,6 +1300,21 @@ impl Exec<'_, '_> {
             values::combine(rop, mem.read(ctx, kname, a.out_tv, &writers, &offs)?, r, out_dt)?
         };
         mem.write(ctx, kname, a.out_tv, &writers, &offs, &out)
+    }
+}
+
+/// Gathered index values must select an entry of their table: the error names both.
+fn check_indices(f: &Fusion, ctx: &Ctx, tv: TvId, table: TvId, extent: ValId, vals: &[i64], offs: &Reg) -> Result<()> {
+    let n = ctx.value(extent)?.as_i64();
+    match vals.iter().position(|&v| v < 0 || v >= n) {
+        Some(j) => Err(KilnError::value(format!(
+            "index_select: the index tensor {} holds {} at element {}; {} has {n} entries along the selected axis (indices must be in [0, {n}))",
+            f.tv_name(tv),
+            vals[j],
+            offs.at(j),
+            f.tv_name(table)
+        ))),
+        None => Ok(()),
     }
 }
 
