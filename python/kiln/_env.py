@@ -10,6 +10,9 @@ test or a long-running process can change it between calls).
 - ``KILN_CUDA_INCLUDE``: a directory holding ``cuda_fp16.h`` for NVRTC; then ``CUDA_HOME`` and
   ``CUDA_PATH`` are tried after the nvidia-cuda-runtime wheel.
 - ``KILN_LAUNCHER``: ``rust`` (kiln's launcher, the default where libcuda loads) or ``cupy``.
+- ``KILN_L2_EVICT_LAST``: ``0``/``false``/``off``/``no`` turns off the L2 evict_last hint of the
+  automatic schedules; read once per process by the Rust core
+  (``sched::auto::evict_last_inputs``), so that cached plans never mix the two settings.
 """
 
 from __future__ import annotations
