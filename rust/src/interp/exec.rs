@@ -1148,13 +1148,7 @@ impl Exec<'_, '_> {
         if let AccessKind::Accumulate { acc, .. } = a.kind {
             // The register accumulates like a serial reduction in Local memory, except that
             // a poisoned lane is an error (the block reduction after the loop combines it).
-            if let Some(pz) = result_poison.filter(|p| p.lanes.iter().any(|&b| b)) {
-                return Err(KilnError::value(format!(
-                    "kernel {kname}: {}, and the value computed from it enters the reduction of {}",
-                    pz.what,
-                    f.tv_name(a.out_tv)
-                )));
-            }
+            poison_reaches_reduction(kname, f, a.out_tv, result_poison)?;
             let pos: Vec<usize> = active.iter().map(|&l| l as usize).collect();
             let Some(reg) = self.accs.get_mut(&acc) else {
                 bail_internal!("interpreter: register accumulator {acc} is used before it is declared")
@@ -1169,14 +1163,7 @@ impl Exec<'_, '_> {
             let pz = Poison::join(pz, result_poison);
             return mem.write_poisoned(ctx, kname, a.out_tv, &active, &offs, &r, pz.as_ref());
         }
-        // A block or grid reduction combines every lane: a poisoned one reaches the result.
-        if let Some(pz) = result_poison.filter(|p| p.lanes.iter().any(|&b| b)) {
-            return Err(KilnError::value(format!(
-                "kernel {kname}: {}, and the value computed from it enters the reduction of {}",
-                pz.what,
-                f.tv_name(a.out_tv)
-            )));
-        }
+        poison_reaches_reduction(kname, f, a.out_tv, result_poison)?;
         let pos: Vec<usize> = active.iter().map(|&l| l as usize).collect();
         let mut v = Col::splat(ctx.value(init)?, ctx.scalar_dtype(init), ctx.all.len()).convert(out_dt);
         v.place(&pos, &result)?;
@@ -1300,6 +1287,19 @@ impl Exec<'_, '_> {
             values::combine(rop, mem.read(ctx, kname, a.out_tv, &writers, &offs)?, r, out_dt)?
         };
         mem.write(ctx, kname, a.out_tv, &writers, &offs, &out)
+    }
+}
+
+/// A block, grid or register reduction combines every lane: a value computed from an
+/// unwritten register reaches its result, which is an error naming the read.
+fn poison_reaches_reduction(kname: &str, f: &Fusion, out: TvId, poison: Option<Poison>) -> Result<()> {
+    match poison.filter(|p| p.lanes.iter().any(|&b| b)) {
+        Some(pz) => Err(KilnError::value(format!(
+            "kernel {kname}: {}, and the value computed from it enters the reduction of {}",
+            pz.what,
+            f.tv_name(out)
+        ))),
+        None => Ok(()),
     }
 }
 

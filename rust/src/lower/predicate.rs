@@ -38,6 +38,20 @@ pub fn without(sc: &mut Scalars, v: ValId, known: &[ValId]) -> ValId {
     and_all(sc, parts)
 }
 
+/// Every symbol `v` reads, added to `out`.
+pub fn symbols(sc: &Scalars, v: ValId, out: &mut FxHashSet<Symbol>) {
+    match sc.get(v) {
+        Val::Symbol(s) => {
+            out.insert(s);
+        }
+        Val::Binary(_, a, b) => {
+            symbols(sc, a, out);
+            symbols(sc, b, out);
+        }
+        _ => {}
+    }
+}
+
 /// True when `v` mentions one of `syms`.
 pub fn mentions(sc: &Scalars, v: ValId, syms: &FxHashSet<Symbol>) -> bool {
     match sc.get(v) {

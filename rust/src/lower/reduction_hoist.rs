@@ -23,19 +23,6 @@ struct Frame {
     index: ValId,
 }
 
-fn symbols(f: &Fusion, v: ValId, out: &mut FxHashSet<Symbol>) {
-    match f.scalars.get(v) {
-        Val::Symbol(s) => {
-            out.insert(s);
-        }
-        Val::Binary(_, a, b) => {
-            symbols(f, a, out);
-            symbols(f, b, out);
-        }
-        _ => {}
-    }
-}
-
 /// A hoistable reduction found in the nest: the path of its outermost hoisted loop.
 struct Hoist {
     path: Vec<usize>,
@@ -219,8 +206,8 @@ fn consider(
         .filter_map(|fr| if let Val::Symbol(s) = f.scalars.get(fr.index) { Some(s) } else { None })
         .collect();
     let mut used = FxHashSet::default();
-    symbols(f, ix.out, &mut used);
-    symbols(f, ix.write_predicate, &mut used);
+    crate::lower::predicate::symbols(&f.scalars, ix.out, &mut used);
+    crate::lower::predicate::symbols(&f.scalars, ix.write_predicate, &mut used);
     if used.iter().any(|s| inner.contains(s)) {
         if is_grid && !f.tvs[c].serial_grid_reduction {
             bail!(

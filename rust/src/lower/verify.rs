@@ -126,7 +126,7 @@ impl Verifier<'_> {
 
     fn in_scope(&self, v: ValId, what: &str) -> std::result::Result<(), String> {
         let mut syms = FxHashSet::default();
-        symbols(self.f, v, &mut syms);
+        crate::lower::predicate::symbols(&self.f.scalars, v, &mut syms);
         for s in syms {
             if let Symbol::LoopIndex(i) = s {
                 if !self.loops.contains(&i) {
@@ -159,23 +159,10 @@ fn touched(f: &Fusion, n: &Node) -> Vec<TvId> {
     out
 }
 
-fn symbols(f: &Fusion, v: ValId, out: &mut FxHashSet<Symbol>) {
-    match f.scalars.get(v) {
-        Val::Symbol(s) => {
-            out.insert(s);
-        }
-        Val::Binary(_, a, b) => {
-            symbols(f, a, out);
-            symbols(f, b, out);
-        }
-        _ => {}
-    }
-}
-
 /// True when `v` reads a thread index (it differs between the threads of a block).
 fn reads_thread_index(f: &Fusion, v: ValId) -> bool {
     let mut syms = FxHashSet::default();
-    symbols(f, v, &mut syms);
+    crate::lower::predicate::symbols(&f.scalars, v, &mut syms);
     syms.iter().any(|s| {
         matches!(s, Symbol::ParallelIndex(ParallelType::TIDx | ParallelType::TIDy | ParallelType::TIDz))
             || matches!(s, Symbol::Gathered(_))
