@@ -276,10 +276,18 @@ def test_binary_arith_dtype(op: str, a: str, b: str) -> None:
 
 @pytest.mark.parametrize("b", DTYPES)
 @pytest.mark.parametrize("a", DTYPES)
-def test_div_dtype(a: str, b: str) -> None:
-    out = _binary("div", a, b)
+def test_truediv_dtype(a: str, b: str) -> None:
+    out = _binary("truediv", a, b)
     assert out.dtype == dt(true_div(a, b))
     assert out.shape == (-1, 4)
+
+
+@pytest.mark.parametrize("b", DTYPES)
+@pytest.mark.parametrize("a", DTYPES)
+def test_div_keeps_the_promoted_type(a: str, b: str) -> None:
+    # div truncates integers (as nvFuser's div); truediv is torch.div.
+    out = _binary("div", a, b)
+    assert out.dtype == dt(promote(a, b))
 
 
 @pytest.mark.parametrize("b", DTYPES)
@@ -293,7 +301,7 @@ def test_compare_dtype(op: str, a: str, b: str) -> None:
 
 SCALAR_CASES = [
     (op, t, which, first)
-    for op in ["add", "sub", "mul", "pow", "div"]
+    for op in ["add", "sub", "mul", "pow", "truediv"]
     for t in DTYPES
     for which in range(3)
     for first in (False, True)
@@ -306,7 +314,7 @@ def test_binary_with_python_scalar_dtype(
     op: str, tensor_dtype: str, which: int, scalar_first: bool
 ) -> None:
     value = PY_SCALARS[which]
-    table = SCALAR_DIV if op == "div" else SCALAR_PROMOTE
+    table = SCALAR_DIV if op == "truediv" else SCALAR_PROMOTE
     out = _with_scalar(op, tensor_dtype, value, scalar_first)
     assert out.dtype == dt(table[tensor_dtype][which])
     assert out.shape == (3, -1)

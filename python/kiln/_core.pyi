@@ -2,7 +2,7 @@
 ``kiln`` package; these are the boundary it converts to and from. Tensors and scalars of a
 ``Fusion`` are passed as integer ids."""
 
-from typing import Any, List, Optional, Tuple, Union, final
+from typing import Any, Dict, List, Optional, Tuple, Union, final
 
 # An operand: (is_tensor, tensor id or scalar id).
 Operand = Tuple[bool, int]
@@ -19,6 +19,8 @@ Launch = Tuple[
 ]
 
 DTYPES: List[str]
+# kiln dtype name -> NumPy / torch dtype name (``"Float"`` -> ``"float32"``).
+DTYPE_NUMPY_NAMES: Dict[str, str]
 
 class Fusion:
     def __init__(self) -> None: ...
@@ -274,5 +276,19 @@ def set_lower_options(dump_after: List[str], verify: bool) -> None:
     kernel-IR verifier runs after every pass."""
 def lower_passes() -> List[str]:
     """The names of the kernel-IR passes, in order."""
+
+@final
+class ElementwiseOp:
+    """One element-wise op of the op table, as ``fd.ops`` exposes it."""
+    @property
+    def name(self) -> str: ...
+    @property
+    def arity(self) -> int:
+        """Number of operands (1 or 2)."""
+    @property
+    def doc(self) -> str: ...
+
+def elementwise_ops() -> List[ElementwiseOp]:
+    """The element-wise ops of the op table, unary first, in table order."""
 def load_cuda_driver() -> None: ...
 def execute_cpu(kernel: Kernel, inputs: List[Any]) -> List[Any]: ...

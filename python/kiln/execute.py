@@ -7,6 +7,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from ._env import dump_enabled
 from ._errors import KilnError, KilnTypeError
+from .compiled import compiled
 from .host import signature_key
 from .lowering import check_inputs
 
@@ -84,11 +85,7 @@ def _remember(fd: Any, inputs: Sequence[Any], ev: Any) -> None:
         return
     if launcher is None:
         return
-    version = fd._core.version
-    seen = fd.__dict__.get("_signatures")
-    if seen is None or seen[0] != version:
-        seen = fd._signatures = (version, {})
-    seen[1][key] = (launcher, ev)
+    compiled(fd).launchers[key] = (launcher, ev)
 
 
 def lowered_for(fd: Any, inputs: Sequence[Any]) -> Any:
@@ -118,9 +115,9 @@ def lowered_for(fd: Any, inputs: Sequence[Any]) -> Any:
         if n < len(values) and isinstance(values[n], int) and not isinstance(values[n], bool):
             scalars[n] = int(values[n])
     layout_key = tuple(tuple(s) for s in strides)
-    key = (fd._core.version, tuple(tuple(s) for s in sizes), layout_key, aligned, device, tuple(scalars))
-    cache = fd.__dict__.setdefault("_auto_cache", {})
-    hit = cache.get(key)
+    key = (tuple(tuple(s) for s in sizes), layout_key, aligned, device, tuple(scalars))
+    c = compiled(fd)
+    hit = c.by_inputs.get(key)
     if hit is not None:
         return hit
     configure_lowering()
@@ -128,21 +125,21 @@ def lowered_for(fd: Any, inputs: Sequence[Any]) -> Any:
     if dump_enabled("segments"):
         print(program.segmentation())
     contiguity = tuple(tuple(c) for c in layout)
-    hkey = (fd._core.version, kind, tuple(params), contiguity, aligned, device, tuple(scalars))
-    low = cache.get(hkey)
+    hkey = (kind, tuple(params), contiguity, aligned, device, tuple(scalars))
+    low = c.by_heuristic.get(hkey)
     if low is None:
-        low = cache[hkey] = LoweredFusion([LoweredKernel(k) for k in program.kernels()], program)
+        low = c.by_heuristic[hkey] = LoweredFusion([LoweredKernel(k) for k in program.kernels()], program)
         low.aligned_bases = aligned
-    cache[key] = low
+    c.by_inputs[key] = low
     return low
 
 
 def _shape_scalars(fd: Any) -> List[int]:
     """Positions of ``fd``'s scalar inputs that tensor shapes read (cached per fusion version)."""
-    hit = fd.__dict__.get("_shape_scalars")
-    if hit is None or hit[0] != fd._core.version:
-        hit = fd._shape_scalars = (fd._core.version, list(fd._core.shape_scalars()))
-    return hit[1]
+    c = compiled(fd)
+    if c.shape_scalars is None:
+        c.shape_scalars = list(fd._core.shape_scalars())
+    return c.shape_scalars
 
 
 #: The target the heuristics assume without a GPU (H100/H200 class): SM count, threads

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple, Union
 
 from . import _core
 from ._env import dump_enabled
 from ._errors import KilnError, KilnTypeError
+from .compiled import CompiledFusion, compiled
 from .enums import DataType
 from .host import signature_key
 from .lowering import LoweredFusion, LoweredKernel, check_inputs, configure_lowering, plain_numbers
@@ -75,6 +76,7 @@ class FusionDefinition:
     def __init__(self) -> None:
         self._core = _core.Fusion()
         self.ops = Ops(self)
+        self._compiled: Optional[CompiledFusion] = None
 
     def __enter__(self) -> FusionDefinition:
         return self
@@ -179,12 +181,10 @@ class FusionDefinition:
     # -- execution -------------------------------------------------------------------
     def _lowered(self) -> LoweredFusion:
         """The lowered fusion of the current schedule (re-lowered when the schedule changes)."""
-        cached = self.__dict__.get("_lowered_cache")
-        if cached is not None and cached[0] == self._core.version:
-            return cached[1]
-        low = self._lower_program()
-        self._lowered_cache = (self._core.version, low)
-        return low
+        c = compiled(self)
+        if c.as_scheduled is None:
+            c.as_scheduled = self._lower_program()
+        return c.as_scheduled
 
     def execute(self, inputs: Sequence[Any], device: Optional[str] = None,
                 as_written: bool = False) -> List[Any]:
@@ -192,10 +192,10 @@ class FusionDefinition:
         if not as_written and (device is None or device == "cuda"):
             # Fast path: a GPU input signature that ran before (validated then) goes straight
             # to its specialised launcher; anything else takes the full path below.
-            seen = self.__dict__.get("_signatures")
-            if seen is not None and seen[0] == self._core.version:
+            c = self._compiled
+            if c is not None and c.version == self._core.version:
                 try:
-                    hit = seen[1].get(signature_key(inputs))
+                    hit = c.launchers.get(signature_key(inputs))
                 except (AttributeError, TypeError):
                     hit = None
                 if hit is not None:
@@ -207,16 +207,12 @@ class FusionDefinition:
     def check_errors(self) -> None:
         """Wait for this fusion's GPU work and raise what its kernels recorded (an
         index_select index out of range); otherwise the next call reports it."""
-        lowerings = list(self.__dict__.get("_auto_cache", {}).values())
-        cached = self.__dict__.get("_lowered_cache")
-        if cached is not None:
-            lowerings.append(cached[1])
-        seen = set()
-        for low in lowerings:
-            ev = low._evaluator
-            if ev is not None and id(ev) not in seen:
-                seen.add(id(ev))
-                ev.check_errors()
+        c = self._compiled
+        if c is None:
+            return
+        for low in c.lowerings():
+            if low._evaluator is not None:
+                low._evaluator.check_errors()
 
     # -- helpers ---------------------------------------------------------------------
     def _tensor(self, t: object, what: str) -> int:
@@ -252,107 +248,10 @@ class Ops:
         fd = self._fd
         return Tensor(fd, fd._core.binary(op, fd._operand(a, op), fd._operand(b, op)))
 
-    # unary
-    def abs(self, x: Operand) -> Tensor:
-        """|x|."""
-        return self._unary("abs", x)
-
-    def neg(self, x: Operand) -> Tensor:
-        """-x."""
-        return self._unary("neg", x)
-
-    def exp(self, x: Operand) -> Tensor:
-        """e**x."""
-        return self._unary("exp", x)
-
-    def log(self, x: Operand) -> Tensor:
-        """Natural log."""
-        return self._unary("log", x)
-
-    def sqrt(self, x: Operand) -> Tensor:
-        """Square root."""
-        return self._unary("sqrt", x)
-
-    def rsqrt(self, x: Operand) -> Tensor:
-        """1 / sqrt(x)."""
-        return self._unary("rsqrt", x)
-
-    def reciprocal(self, x: Operand) -> Tensor:
-        """1 / x."""
-        return self._unary("reciprocal", x)
-
-    def sin(self, x: Operand) -> Tensor:
-        """Sine."""
-        return self._unary("sin", x)
-
-    def cos(self, x: Operand) -> Tensor:
-        """Cosine."""
-        return self._unary("cos", x)
-
-    def tanh(self, x: Operand) -> Tensor:
-        """Hyperbolic tangent."""
-        return self._unary("tanh", x)
-
-    def sigmoid(self, x: Operand) -> Tensor:
-        """1 / (1 + e**-x)."""
-        return self._unary("sigmoid", x)
-
-    def relu(self, x: Operand) -> Tensor:
-        """max(x, 0)."""
-        return self._unary("relu", x)
-
-    # binary
-    def add(self, a: Operand, b: Operand) -> Tensor:
-        """a + b."""
-        return self._binary("add", a, b)
-
-    def sub(self, a: Operand, b: Operand) -> Tensor:
-        """a - b."""
-        return self._binary("sub", a, b)
-
-    def mul(self, a: Operand, b: Operand) -> Tensor:
-        """a * b."""
-        return self._binary("mul", a, b)
-
-    def div(self, a: Operand, b: Operand) -> Tensor:
-        """a / b (true division)."""
-        return self._binary("div", a, b)
-
-    def pow(self, a: Operand, b: Operand) -> Tensor:
-        """a ** b."""
-        return self._binary("pow", a, b)
-
-    def maximum(self, a: Operand, b: Operand) -> Tensor:
-        """Element-wise max."""
-        return self._binary("maximum", a, b)
-
-    def minimum(self, a: Operand, b: Operand) -> Tensor:
-        """Element-wise min."""
-        return self._binary("minimum", a, b)
-
-    def eq(self, a: Operand, b: Operand) -> Tensor:
-        """a == b."""
-        return self._binary("eq", a, b)
-
-    def ne(self, a: Operand, b: Operand) -> Tensor:
-        """a != b."""
-        return self._binary("ne", a, b)
-
-    def lt(self, a: Operand, b: Operand) -> Tensor:
-        """a < b."""
-        return self._binary("lt", a, b)
-
-    def le(self, a: Operand, b: Operand) -> Tensor:
-        """a <= b."""
-        return self._binary("le", a, b)
-
-    def gt(self, a: Operand, b: Operand) -> Tensor:
-        """a > b."""
-        return self._binary("gt", a, b)
-
-    def ge(self, a: Operand, b: Operand) -> Tensor:
-        """a >= b."""
-        return self._binary("ge", a, b)
+    if TYPE_CHECKING:
+        # The element-wise ops (``fd.ops.exp(x)``, ``fd.ops.add(a, b)``) are generated from
+        # the op table below the class; this tells type checkers they return Tensors.
+        def __getattr__(self, name: str) -> Callable[..., Tensor]: ...
 
     # others
     def where(self, cond: Operand, a: Operand, b: Operand) -> Tensor:
@@ -423,3 +322,25 @@ class Ops:
             else:
                 raise KilnTypeError(f"full: shape entries must be ints or Scalars, got {s!r}")
         return Tensor(fd, fd._core.full(dims, fd._operand(value, "full"), _check_dtype(dtype, "full")))
+
+
+def _elementwise_method(op: _core.ElementwiseOp) -> Callable[..., Tensor]:
+    """An ``fd.ops`` method for one entry of the op table."""
+    name = op.name
+    if op.arity == 1:
+        def unary(self: Ops, x: Operand) -> Tensor:
+            return self._unary(name, x)
+        method: Callable[..., Tensor] = unary
+    else:
+        def binary(self: Ops, a: Operand, b: Operand) -> Tensor:
+            return self._binary(name, a, b)
+        method = binary
+    method.__name__ = name
+    method.__qualname__ = f"Ops.{name}"
+    method.__doc__ = op.doc
+    return method
+
+
+for _op in _core.elementwise_ops():
+    setattr(Ops, _op.name, _elementwise_method(_op))
+del _op

@@ -41,12 +41,9 @@ from typing import Any, Callable, DefaultDict, Dict, List, NamedTuple, Optional,
 
 import numpy as np
 
+from ._core import DTYPE_NUMPY_NAMES as _ITEMSIZE_NAMES
 from ._env import launcher_choice
 from ._errors import KilnError, KilnTypeError
-
-_ITEMSIZE_NAMES = {"Float": "float32", "Double": "float64", "Half": "float16", "Int": "int64",
-                   "Int32": "int32", "Bool": "bool", "BFloat16": "bfloat16"}
-
 
 # A recipe's specialised launcher, called as ``launcher(inputs, evaluator)``.
 Launcher = Callable[[Sequence[Any], "HostEvaluator"], List[Any]]

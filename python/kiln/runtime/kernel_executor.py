@@ -12,51 +12,34 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .._core import DTYPE_NUMPY_NAMES
 from .._errors import KilnError, KilnTypeError
 from . import executor
-
-_NP_DTYPES = {
-    "Float": np.float32,
-    "Double": np.float64,
-    "Half": np.float16,
-    "Int": np.int64,
-    "Int32": np.int32,
-    "Bool": np.bool_,
-}
 
 
 def np_dtype(name: str) -> Any:
     """The NumPy/CuPy dtype of a kiln dtype name (bfloat16 needs ml_dtypes or torch)."""
-    if name == "BFloat16":
+    numpy_name = DTYPE_NUMPY_NAMES[name]
+    if numpy_name == "bfloat16":  # not a NumPy type: ml_dtypes provides it
         try:
             import ml_dtypes  # noqa: PLC0415
 
             return ml_dtypes.bfloat16
         except ImportError as e:
             raise KilnTypeError("BFloat16 buffers need the ml_dtypes package (or torch inputs)") from e
-    return _NP_DTYPES[name]
+    return np.dtype(numpy_name).type
 
 
 def np_scalar(value: Any, dtype: str) -> Any:
     """A NumPy scalar of kiln dtype ``dtype``, passed by value to a kernel (its bytes are
     what the kernel's parameter of that type holds)."""
-    if dtype == "Int":
-        return np.int64(value)
-    if dtype == "Int32":
-        return np.int32(value)
-    if dtype == "Bool":
-        return np.bool_(value)
-    if dtype == "Float":
-        return np.float32(value)
-    if dtype == "Half":  # a __half parameter: 2 bytes, not a double
-        return np.float16(value)
     if dtype == "BFloat16":  # a __nv_bfloat16 parameter: its 16 bits, rounded to nearest even
         with np.errstate(over="ignore"):  # beyond float32's range is beyond bfloat16's: inf
             bits = int(np.float32(value).view(np.uint32))
         if (bits & 0x7FFFFFFF) > 0x7F800000:
             return np.uint16((bits >> 16) | 0x40)  # NaN stays a (quiet) NaN
         return np.uint16((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
-    return np.float64(value)
+    return np_dtype(dtype)(value)
 
 
 class KernelExecutor:

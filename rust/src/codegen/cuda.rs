@@ -12,11 +12,9 @@ use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::bail;
 use crate::error::Result;
+use crate::ir::op_table::Cuda;
 use crate::ir::scalar::{ScalarOp, Val};
-use crate::ir::{
-    BinaryOp, DataType, ExprId, Fusion, MemoryType, Op, Operand, ParallelType, ReductionOp, Symbol, TvId, UnaryOp,
-    ValId,
-};
+use crate::ir::{DataType, ExprId, Fusion, MemoryType, Op, Operand, ParallelType, ReductionOp, Symbol, TvId, ValId};
 use crate::kernel::{AccessIndex, AllocTarget, IfKind, Kernel, Node, SyncKind, VectorAccess, VectorCopy};
 use crate::lower::predicate::conjuncts;
 
@@ -57,19 +55,6 @@ impl CudaKernel {
     /// Full translation unit: runtime header + kernel.
     pub fn source(&self) -> String {
         format!("{RUNTIME_HEADER}\n{}", self.body)
-    }
-}
-
-/// C type of a dtype.
-pub fn c_type(d: DataType) -> &'static str {
-    match d {
-        DataType::Float => "float",
-        DataType::Double => "double",
-        DataType::Half => "__half",
-        DataType::BFloat16 => "__nv_bfloat16",
-        DataType::Int => "int64_t",
-        DataType::Int32 => "int",
-        DataType::Bool => "bool",
     }
 }
 
@@ -213,11 +198,11 @@ pub fn generate(k: &Kernel, index32: bool) -> Result<CudaKernel> {
     let sig: Vec<String> = params
         .iter()
         .map(|(name, kind, dt)| match kind {
-            ParamKind::Input(_) => format!("const {}* __restrict__ {name}", c_type(*dt)),
-            ParamKind::Output(_) => format!("{}* __restrict__ {name}", c_type(*dt)),
-            ParamKind::Buffer(_) => format!("{}* {name}", c_type(*dt)),
+            ParamKind::Input(_) => format!("const {}* __restrict__ {name}", dt.c_type()),
+            ParamKind::Output(_) => format!("{}* __restrict__ {name}", dt.c_type()),
+            ParamKind::Buffer(_) => format!("{}* {name}", dt.c_type()),
             ParamKind::Extent(_) | ParamKind::Stride(..) => format!("kiln_index_t {name}"),
-            _ => format!("{} {name}", c_type(*dt)),
+            _ => format!("{} {name}", dt.c_type()),
         })
         .collect();
     let _ = writeln!(g.out, "typedef {} kiln_index_t;", if index32 { "int" } else { "int64_t" });
@@ -329,7 +314,7 @@ impl Gen<'_> {
                 let AllocTarget::Tensor(tv) = a.target else {
                     return Ok(());
                 };
-                let ty = c_type(a.dtype);
+                let ty = a.dtype.c_type();
                 let name = self.buf(tv);
                 match a.memory {
                     MemoryType::Local => {
@@ -360,7 +345,7 @@ impl Gen<'_> {
             }
             Node::Init { tv, value, index } => {
                 let Some(ix) = index else { crate::bail_internal!("init of {} was not indexed", self.f.tv_name(*tv)) };
-                let ty = c_type(self.f.tvs[*tv].dtype);
+                let ty = self.f.tvs[*tv].dtype.c_type();
                 let _ = writeln!(
                     self.out,
                     "{pad}if ({}) {{ {}[{}] = kiln::cast<{ty}>({}); }}",
@@ -400,7 +385,7 @@ impl Gen<'_> {
                 let Op::Reduction { init, .. } = self.f.exprs[a.expr].op else {
                     crate::bail_internal!("accumulator of a non-reduction")
                 };
-                let ty = c_type(self.f.tvs[self.f.exprs[a.expr].output].dtype);
+                let ty = self.f.tvs[self.f.exprs[a.expr].output].dtype.c_type();
                 let _ = writeln!(self.out, "{pad}{ty} kiln_acc{} = kiln::cast<{ty}>({});", a.id, self.c(init));
             }
             Node::Accumulate { acc, index } => {
@@ -423,7 +408,7 @@ impl Gen<'_> {
                 let Op::Reduction { op, init } = self.f.exprs[acc.expr].op else {
                     crate::bail_internal!("reduction of an accumulator of a non-reduction")
                 };
-                let ty = c_type(self.f.tvs[self.f.exprs[acc.expr].output].dtype);
+                let ty = self.f.tvs[self.f.exprs[acc.expr].output].dtype.c_type();
                 let init_c = format!("kiln::cast<{ty}>({})", self.c(init));
                 let red = crate::analysis::parallel::reduced_dims(self.f, &self.k.loops, self.f.exprs[acc.expr].output);
                 let value = format!("kiln_acc{}", acc.id);
@@ -481,7 +466,7 @@ impl Gen<'_> {
         let dt = f.tvs[e.output].dtype;
         let bytes = n as usize * dt.size_bytes();
         let pad = Self::pad(depth);
-        let ty = c_type(dt);
+        let ty = dt.c_type();
         let (ob, ib) = (self.buf(e.output), self.buf(src));
         let _ = writeln!(self.out, "{pad}{{  // Vectorize x{n} over {}", f.id_label(v.fallback.id));
         for g in &v.gathers {
@@ -547,13 +532,22 @@ impl Gen<'_> {
 
     /// C expression reading operand `pos` of `e`, converted to dtype `to`.
     fn operand(&self, e: ExprId, ix: &AccessIndex, pos: usize, to: DataType) -> String {
-        let ty = c_type(to);
+        let ty = to.c_type();
         match self.f.exprs[e].inputs[pos] {
             Operand::Tensor(t) => {
                 let off = ix.inputs[pos].map(|v| self.c(v)).unwrap_or_else(|| "0".into());
                 format!("kiln::cast<{ty}>({}[{off}])", self.buf(t))
             }
             Operand::Scalar(v) => format!("kiln::cast<{ty}>({})", self.c(v)),
+        }
+    }
+
+    /// The function codegen calls for an element-wise op computing in `cd`.
+    fn call(name: &str, cuda: Cuda, cd: DataType) -> String {
+        match cuda {
+            Cuda::Runtime => format!("kiln::{name}"),
+            Cuda::Libm(_, f64_name) if cd == DataType::Double => format!("::{f64_name}"),
+            Cuda::Libm(f32_name, _) => format!("::{f32_name}"),
         }
     }
 
@@ -570,46 +564,28 @@ impl Gen<'_> {
         let ex = &f.exprs[e];
         let out_tv = ex.output;
         let out_dt = f.tvs[out_tv].dtype;
-        let out_ty = c_type(out_dt);
+        let out_ty = out_dt.c_type();
         let out = format!("{}[{}]", self.buf(out_tv), self.c(ix.out));
         let pred = self.pred(ix.predicate);
         let pre = self.gather_reads(ix);
         let value = match &ex.op {
             Op::Unary(u) => {
-                let cd = if matches!(u, UnaryOp::Abs | UnaryOp::Neg | UnaryOp::Relu) {
-                    self.operand_dtype(ex.inputs[0])
-                } else {
-                    out_dt.compute_dtype()
-                };
-                format!("kiln::cast<{out_ty}>(kiln::{}({}))", unary_fn(*u), self.operand(e, ix, 0, cd))
+                let cd = u.compute_dtype(self.operand_dtype(ex.inputs[0]), out_dt);
+                let call = Self::call(u.name(), u.cuda(), cd);
+                format!("kiln::cast<{out_ty}>({call}({}))", self.operand(e, ix, 0, cd))
             }
             Op::Binary(b) => {
-                let cd = if is_comparison(*b) || (*b == BinaryOp::Div) {
-                    let dts: Vec<_> = ex
-                        .inputs
-                        .iter()
-                        .map(|&o| crate::ir::dtype::PromotionOperand {
-                            dtype: self.operand_dtype(o),
-                            is_tensor: o.tensor().is_some(),
-                        })
-                        .collect();
-                    let p = crate::ir::dtype::promote(&dts);
-                    if *b == BinaryOp::Div && !p.is_float() {
-                        DataType::Float
-                    } else if *b == BinaryOp::Div {
-                        p.compute_dtype()
-                    } else {
-                        p
-                    }
-                } else {
-                    out_dt.compute_dtype()
-                };
-                format!(
-                    "kiln::cast<{out_ty}>(kiln::{}({}, {}))",
-                    binary_fn(*b),
-                    self.operand(e, ix, 0, cd),
-                    self.operand(e, ix, 1, cd)
-                )
+                let dts: Vec<_> = ex
+                    .inputs
+                    .iter()
+                    .map(|&o| crate::ir::dtype::PromotionOperand {
+                        dtype: self.operand_dtype(o),
+                        is_tensor: o.tensor().is_some(),
+                    })
+                    .collect();
+                let cd = b.compute_dtype(crate::ir::dtype::promote(&dts), out_dt);
+                let call = Self::call(b.name(), b.cuda(), cd);
+                format!("kiln::cast<{out_ty}>({call}({}, {}))", self.operand(e, ix, 0, cd), self.operand(e, ix, 1, cd))
             }
             Op::Where => format!(
                 "kiln::where({}, {}, {})",
@@ -640,7 +616,7 @@ impl Gen<'_> {
         let f = self.f;
         let out_tv = f.exprs[e].output;
         let dt = f.tvs[out_tv].dtype;
-        let ty = c_type(dt);
+        let ty = dt.c_type();
         let functor = functor(op);
         let out = format!("{}[{}]", self.buf(out_tv), self.c(ix.out));
         let input = self.operand(e, ix, 0, dt);
@@ -672,7 +648,7 @@ impl Gen<'_> {
         let pad = Self::pad(depth);
         let f = self.f;
         let out_tv = f.exprs[e].output;
-        let ty = c_type(f.tvs[out_tv].dtype);
+        let ty = f.tvs[out_tv].dtype.c_type();
         let out = format!("{}[{}]", self.buf(out_tv), self.c(ix.out));
         let wpred = self.pred(ix.write_predicate);
         let has = |p: ParallelType| red.contains(&p);
@@ -748,16 +724,4 @@ fn float_literal(x: f64) -> String {
     } else {
         format!("{x:?}")
     }
-}
-
-fn is_comparison(b: BinaryOp) -> bool {
-    matches!(b, BinaryOp::Eq | BinaryOp::Ne | BinaryOp::Lt | BinaryOp::Le | BinaryOp::Gt | BinaryOp::Ge)
-}
-
-fn unary_fn(u: UnaryOp) -> &'static str {
-    crate::ir::ops::unary_name(u)
-}
-
-fn binary_fn(b: BinaryOp) -> &'static str {
-    crate::ir::ops::binary_name(b)
 }

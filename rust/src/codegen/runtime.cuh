@@ -14,6 +14,10 @@
 //   math: abs neg exp log sqrt rsqrt reciprocal sin cos tanh sigmoid relu pow maximum
 //         minimum add sub mul div eq ne lt le gt ge where   (float, double, __half,
 //         __nv_bfloat16; half/bf16 computed in float; integer overloads where they make sense)
+//   rounding, predicates, integer and logical ops: floor ceil round trunc frac sign
+//         signbit isnan isinf isfinite isposinf isneginf truediv fmod remainder bitwise_*
+//         logical_* gcd (the element-wise ops of rust/src/ir/op_table.rs that are not a
+//         CUDA math-library call; codegen calls those, erf and the like, directly)
 //   cast<To>(From)                     every pair of {bool, int, int64_t, __half,
 //                                      __nv_bfloat16, float, double}
 //   Array<T, N>, loadVec, storeVec     vectorized global/shared accesses
@@ -347,6 +351,142 @@ KILN_DEVICE __nv_bfloat16 minimum<__nv_bfloat16>(__nv_bfloat16 a, __nv_bfloat16 
   const float x = __bfloat162float(a), y = __bfloat162float(b);
   return isnan_(x) ? a : (isnan_(y) ? b : (x < y ? a : b));
 }
+
+// Rounding and sign: integers and bool are unchanged by rounding; half and bfloat16
+// compute in float (codegen converts), so only float and double have real overloads.
+template <typename T>
+KILN_DEVICE T floor(T a) {
+  return a;
+}
+template <typename T>
+KILN_DEVICE T ceil(T a) {
+  return a;
+}
+template <typename T>
+KILN_DEVICE T round(T a) {
+  return a;
+}
+template <typename T>
+KILN_DEVICE T trunc(T a) {
+  return a;
+}
+KILN_DEVICE float floor(float a) { return floorf(a); }
+KILN_DEVICE double floor(double a) { return ::floor(a); }
+KILN_DEVICE float ceil(float a) { return ceilf(a); }
+KILN_DEVICE double ceil(double a) { return ::ceil(a); }
+KILN_DEVICE float round(float a) { return rintf(a); }  // halves to even, as torch.round
+KILN_DEVICE double round(double a) { return ::rint(a); }
+KILN_DEVICE float trunc(float a) { return truncf(a); }
+KILN_DEVICE double trunc(double a) { return ::trunc(a); }
+KILN_DEVICE float frac(float a) { return a - truncf(a); }
+KILN_DEVICE double frac(double a) { return a - ::trunc(a); }
+// sign: -1, 0 or 1; 0 for NaN and for either zero (torch.sign).
+template <typename T>
+KILN_DEVICE T sign(T a) {
+  return (T)((T(0) < a) - (a < T(0)));
+}
+KILN_DEVICE bool sign(bool a) { return a; }
+
+// Predicates (the result is bool; integers are finite and never NaN).
+template <typename T>
+KILN_DEVICE bool signbit(T a) {
+  return a < T(0);
+}
+KILN_DEVICE bool signbit(bool) { return false; }
+KILN_DEVICE bool signbit(float a) { return ::signbit(a); }
+KILN_DEVICE bool signbit(double a) { return ::signbit(a); }
+template <typename T>
+KILN_DEVICE bool isnan(T) {
+  return false;
+}
+KILN_DEVICE bool isnan(float a) { return ::isnan(a); }
+KILN_DEVICE bool isnan(double a) { return ::isnan(a); }
+template <typename T>
+KILN_DEVICE bool isinf(T) {
+  return false;
+}
+KILN_DEVICE bool isinf(float a) { return ::isinf(a); }
+KILN_DEVICE bool isinf(double a) { return ::isinf(a); }
+template <typename T>
+KILN_DEVICE bool isfinite(T) {
+  return true;
+}
+KILN_DEVICE bool isfinite(float a) { return ::isfinite(a); }
+KILN_DEVICE bool isfinite(double a) { return ::isfinite(a); }
+template <typename T>
+KILN_DEVICE bool isposinf(T a) {
+  return isinf(a) && a > T(0);
+}
+template <typename T>
+KILN_DEVICE bool isneginf(T a) {
+  return isinf(a) && a < T(0);
+}
+
+// Division and remainders. Integer division truncates (C, nvFuser's div); an integer
+// divisor of 0 gives 0 and the minimum divided by -1 wraps, so no input is undefined.
+#define KILN_INT_DIVISION(I, U)                                                         \
+  template <>                                                                          \
+  KILN_DEVICE I div<I>(I a, I b) {                                                     \
+    return b == 0 ? I(0) : (b == -1 ? (I)((U)0 - (U)a) : a / b);                       \
+  }                                                                                    \
+  KILN_DEVICE I fmod(I a, I b) { return (b == 0 || b == -1) ? I(0) : a % b; }          \
+  KILN_DEVICE I remainder(I a, I b) {                                                  \
+    const I m = fmod(a, b);                                                            \
+    return (m != 0 && ((b < 0) != (m < 0))) ? (I)((U)m + (U)b) : m;                    \
+  }                                                                                    \
+  KILN_DEVICE I bitwise_left_shift(I a, I b) {                                         \
+    return (b < 0 || b >= (I)(8 * sizeof(I))) ? I(0) : (I)((U)a << b);                 \
+  }                                                                                    \
+  KILN_DEVICE I bitwise_right_shift(I a, I b) {                                        \
+    return a >> ((b < 0 || b >= (I)(8 * sizeof(I))) ? (I)(8 * sizeof(I) - 1) : b);     \
+  }                                                                                    \
+  KILN_DEVICE I gcd(I a, I b) {                                                        \
+    U x = a < 0 ? (U)0 - (U)a : (U)a, y = b < 0 ? (U)0 - (U)b : (U)b;                  \
+    while (y != 0) {                                                                   \
+      const U t = x % y;                                                               \
+      x = y;                                                                           \
+      y = t;                                                                           \
+    }                                                                                  \
+    return (I)x;                                                                       \
+  }
+KILN_INT_DIVISION(int, unsigned int)
+KILN_INT_DIVISION(int64_t, uint64_t)
+#undef KILN_INT_DIVISION
+KILN_DEVICE float truediv(float a, float b) { return a / b; }
+KILN_DEVICE double truediv(double a, double b) { return a / b; }
+KILN_DEVICE float fmod(float a, float b) { return fmodf(a, b); }
+KILN_DEVICE double fmod(double a, double b) { return ::fmod(a, b); }
+// Python's %: the remainder takes the divisor's sign (torch.remainder).
+template <typename F>
+KILN_DEVICE F remainderFloat(F a, F b) {
+  const F m = fmod(a, b);
+  return (m != F(0) && ((b < F(0)) != (m < F(0)))) ? m + b : m;
+}
+KILN_DEVICE float remainder(float a, float b) { return remainderFloat(a, b); }
+KILN_DEVICE double remainder(double a, double b) { return remainderFloat(a, b); }
+
+// Bitwise ops (integers and bool) and logic (on bool: codegen converts operands to truth).
+template <typename T>
+KILN_DEVICE T bitwise_and(T a, T b) {
+  return a & b;
+}
+template <typename T>
+KILN_DEVICE T bitwise_or(T a, T b) {
+  return a | b;
+}
+template <typename T>
+KILN_DEVICE T bitwise_xor(T a, T b) {
+  return a ^ b;
+}
+template <typename T>
+KILN_DEVICE T bitwise_not(T a) {
+  return ~a;
+}
+KILN_DEVICE bool bitwise_not(bool a) { return !a; }
+KILN_DEVICE bool logical_not(bool a) { return !a; }
+KILN_DEVICE bool logical_and(bool a, bool b) { return a && b; }
+KILN_DEVICE bool logical_or(bool a, bool b) { return a || b; }
+KILN_DEVICE bool logical_xor(bool a, bool b) { return a != b; }
 
 // Comparisons (half/bf16 compared in float) and select.
 KILN_DEVICE float cmpValue(__half a) { return __half2float(a); }

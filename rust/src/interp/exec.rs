@@ -12,9 +12,7 @@ use crate::interp::values::{self, Col, Data, ScalarValue};
 use crate::interp::{Bindings, Buffer, Stats};
 use crate::ir::dtype::{promote, PromotionOperand};
 use crate::ir::scalar::Val;
-use crate::ir::{
-    BinaryOp, DataType, ExprId, Fusion, IterType, MemoryType, Op, Operand, ParallelType, Symbol, TvId, UnaryOp, ValId,
-};
+use crate::ir::{DataType, ExprId, Fusion, IterType, MemoryType, Op, Operand, ParallelType, Symbol, TvId, ValId};
 use crate::kernel::{AllocTarget, Allocate, Kernel, Node, VectorAccess};
 
 /// Largest grid the interpreter runs (threads of all blocks together).
@@ -1087,34 +1085,24 @@ impl Exec<'_, '_> {
                 };
                 match &e.op {
                     Op::Unary(u) => {
-                        // Same compute type as codegen: abs/neg/relu are exact in the operand's type.
-                        let cd = if matches!(u, UnaryOp::Abs | UnaryOp::Neg | UnaryOp::Relu) {
-                            self_dtype(f, ctx, e.inputs[0])
-                        } else {
-                            out_dt.compute_dtype()
-                        };
+                        let cd = u.compute_dtype(self_dtype(f, ctx, e.inputs[0]), out_dt);
                         values::unary(*u, take(0)?.convert(cd), cd)?.convert(out_dt)
                     }
                     Op::Binary(b) => {
-                        let cmp = matches!(
-                            b,
-                            BinaryOp::Eq | BinaryOp::Ne | BinaryOp::Lt | BinaryOp::Le | BinaryOp::Gt | BinaryOp::Ge
-                        );
-                        let (x, y) = (take(0)?, take(1)?);
-                        if cmp {
-                            let ops: Vec<PromotionOperand> = e
-                                .inputs
-                                .iter()
-                                .map(|&o| PromotionOperand {
-                                    dtype: self_dtype(f, ctx, o),
-                                    is_tensor: o.tensor().is_some(),
-                                })
-                                .collect();
-                            let c = promote(&ops);
-                            values::compare(*b, x.convert(c), y.convert(c))?
+                        let ops: Vec<PromotionOperand> = e
+                            .inputs
+                            .iter()
+                            .map(|&o| PromotionOperand {
+                                dtype: self_dtype(f, ctx, o),
+                                is_tensor: o.tensor().is_some(),
+                            })
+                            .collect();
+                        let cd = b.compute_dtype(promote(&ops), out_dt);
+                        let (x, y) = (take(0)?.convert(cd), take(1)?.convert(cd));
+                        if b.is_comparison() {
+                            values::compare(*b, x, y)?
                         } else {
-                            let cd = out_dt.compute_dtype();
-                            values::arith(*b, x.convert(cd), y.convert(cd), cd)?.convert(out_dt)
+                            values::arith(*b, x, y, cd)?.convert(out_dt)
                         }
                     }
                     Op::Where => {

@@ -252,173 +252,63 @@ impl Col {
     }
 }
 
-fn maximum_f<T: PartialOrd + Copy>(a: T, b: T, nan_a: bool, nan_b: bool) -> T {
-    if nan_a {
-        a
-    } else if nan_b || b > a {
-        b
-    } else {
-        a
-    }
-}
-
-fn minimum_f<T: PartialOrd + Copy>(a: T, b: T, nan_a: bool, nan_b: bool) -> T {
-    if nan_a {
-        a
-    } else if nan_b || b < a {
-        b
-    } else {
-        a
-    }
-}
-
-/// Integer power by squaring; negative exponents follow torch.
-fn ipow(mut a: i64, mut b: i64) -> i64 {
-    if b < 0 {
-        return match a {
-            1 => 1,
-            -1 => {
-                if b & 1 == 1 {
-                    -1
-                } else {
-                    1
-                }
-            }
-            _ => 0,
-        };
-    }
-    let mut r: i64 = 1;
-    while b != 0 {
-        if b & 1 == 1 {
-            r = r.wrapping_mul(a);
-        }
-        b >>= 1;
-        a = a.wrapping_mul(a);
-    }
-    r
-}
-
-/// `op` on one float (f32 or f64: the same expression serves both widths).
-macro_rules! float_unary {
-    ($op:expr, $a:expr) => {{
-        let a = $a;
-        match $op {
-            Abs => a.abs(),
-            Neg => -a,
-            Exp => a.exp(),
-            Log => a.ln(),
-            Sqrt => a.sqrt(),
-            Rsqrt => 1.0 / a.sqrt(),
-            Reciprocal => 1.0 / a,
-            Sin => a.sin(),
-            Cos => a.cos(),
-            Tanh => a.tanh(),
-            Sigmoid => 1.0 / (1.0 + (-a).exp()),
-            Relu => {
-                if a <= 0.0 {
-                    0.0
-                } else {
-                    a
-                }
-            }
-        }
-    }};
-}
-
-/// Unary math on a column already converted to the output dtype `dt`; the result is
+/// Unary math on a column already converted to the compute dtype `dt`; the result is
 /// rounded to `dt`.
 pub fn unary(op: UnaryOp, x: Col, dt: DataType) -> Result<Col> {
-    use UnaryOp::*;
+    let missing = |kind: &str| crate::error::KilnError::internal(format!("interpreter: {op:?} of a {kind} column"));
     let r = match x {
-        Col::F32(v) => Col::F32(v.into_iter().map(|a| float_unary!(op, a)).collect()),
-        Col::F64(v) => Col::F64(v.into_iter().map(|a| float_unary!(op, a)).collect()),
-        Col::I(v) => match op {
-            Abs => Col::I(v.into_iter().map(|a| a.wrapping_abs()).collect()),
-            Neg => Col::I(v.into_iter().map(|a| a.wrapping_neg()).collect()),
-            Relu => Col::I(v.into_iter().map(|a| a.max(0)).collect()),
-            _ => bail_internal!("interpreter: {op:?} of an integer column"),
-        },
-        Col::B(v) => match op {
-            Abs | Relu => Col::B(v),
-            _ => bail_internal!("interpreter: {op:?} of a bool column"),
-        },
+        Col::F32(v) => {
+            Col::F32(v.into_iter().map(|a| op.eval_f32(a).ok_or_else(|| missing("f32"))).collect::<Result<_>>()?)
+        }
+        Col::F64(v) => {
+            Col::F64(v.into_iter().map(|a| op.eval_f64(a).ok_or_else(|| missing("f64"))).collect::<Result<_>>()?)
+        }
+        Col::I(v) => {
+            Col::I(v.into_iter().map(|a| op.eval_int(a).ok_or_else(|| missing("integer"))).collect::<Result<_>>()?)
+        }
+        Col::B(v) => {
+            Col::B(v.into_iter().map(|a| op.eval_bool(a).ok_or_else(|| missing("bool"))).collect::<Result<_>>()?)
+        }
     };
     Ok(r.convert(dt))
 }
 
 macro_rules! zip_map {
     ($a:expr, $b:expr, |$x:ident, $y:ident| $e:expr) => {
-        $a.iter().zip($b.iter()).map(|(&$x, &$y)| $e).collect()
+        $a.iter().zip($b.iter()).map(|(&$x, &$y)| $e).collect::<Option<_>>()
     };
 }
 
-/// Arithmetic on two floats of one width (f32 or f64).
-macro_rules! float_arith {
-    ($op:expr, $x:expr, $y:expr) => {{
-        let (x, y) = ($x, $y);
-        match $op {
-            Add => x + y,
-            Sub => x - y,
-            Mul => x * y,
-            Div => x / y,
-            Pow => x.powf(y),
-            Maximum => maximum_f(x, y, x.is_nan(), y.is_nan()),
-            _ => minimum_f(x, y, x.is_nan(), y.is_nan()),
-        }
-    }};
-}
-
-/// Arithmetic (`add` … `minimum`) on two columns converted to `dt`; rounded to `dt`.
+/// Arithmetic (not a comparison) on two columns converted to `dt`; rounded to `dt`.
 pub fn arith(op: BinaryOp, a: Col, b: Col, dt: DataType) -> Result<Col> {
-    use BinaryOp::*;
+    let (ka, kb) = (a.kind(), b.kind());
     let r = match (a, b) {
-        (Col::F32(a), Col::F32(b)) => Col::F32(zip_map!(a, b, |x, y| float_arith!(op, x, y))),
-        (Col::F64(a), Col::F64(b)) => Col::F64(zip_map!(a, b, |x, y| float_arith!(op, x, y))),
-        (Col::I(a), Col::I(b)) => Col::I(zip_map!(a, b, |x, y| match op {
-            Add => x.wrapping_add(y),
-            Sub => x.wrapping_sub(y),
-            Mul => x.wrapping_mul(y),
-            Div => x.checked_div(y).unwrap_or(0),
-            Pow => ipow(x, y),
-            Maximum => x.max(y),
-            _ => x.min(y),
-        })),
-        (Col::B(a), Col::B(b)) => Col::B(zip_map!(a, b, |x, y| match op {
-            Add | Maximum => x | y,
-            Sub => x != y,
-            Mul | Minimum => x & y,
-            Div => x,
-            Pow => !y || x,
-            _ => x & y,
-        })),
-        (a, b) => bail_internal!("interpreter: {op:?} of {} and {} columns", a.kind(), b.kind()),
+        (Col::F32(a), Col::F32(b)) => zip_map!(a, b, |x, y| op.eval_f32(x, y)).map(Col::F32),
+        (Col::F64(a), Col::F64(b)) => zip_map!(a, b, |x, y| op.eval_f64(x, y)).map(Col::F64),
+        (Col::I(a), Col::I(b)) => zip_map!(a, b, |x, y| op.eval_int(x, y)).map(Col::I),
+        (Col::B(a), Col::B(b)) => zip_map!(a, b, |x, y| op.eval_bool(x, y)).map(Col::B),
+        _ => None,
     };
-    if matches!(op, Eq | Ne | Lt | Le | Gt | Ge) {
-        bail_internal!("interpreter: comparison {op:?} reached arith");
+    match r {
+        Some(r) => Ok(r.convert(dt)),
+        None => bail_internal!("interpreter: {op:?} of {ka} and {kb} columns"),
     }
-    Ok(r.convert(dt))
 }
 
 /// Comparisons on two columns converted to a common dtype.
 pub fn compare(op: BinaryOp, a: Col, b: Col) -> Result<Col> {
-    use BinaryOp::*;
-    fn cmp<T: PartialOrd>(op: BinaryOp, x: T, y: T) -> bool {
-        match op {
-            Eq => x == y,
-            Ne => x != y,
-            Lt => x < y,
-            Le => x <= y,
-            Gt => x > y,
-            _ => x >= y,
-        }
+    let (ka, kb) = (a.kind(), b.kind());
+    let r = match (a, b) {
+        (Col::F32(a), Col::F32(b)) => zip_map!(a, b, |x, y| op.compare(x, y)),
+        (Col::F64(a), Col::F64(b)) => zip_map!(a, b, |x, y| op.compare(x, y)),
+        (Col::I(a), Col::I(b)) => zip_map!(a, b, |x, y| op.compare(x, y)),
+        (Col::B(a), Col::B(b)) => zip_map!(a, b, |x, y| op.compare(x, y)),
+        _ => None,
+    };
+    match r {
+        Some(r) => Ok(Col::B(r)),
+        None => bail_internal!("interpreter: {op:?} of {ka} and {kb} columns"),
     }
-    Ok(Col::B(match (a, b) {
-        (Col::F32(a), Col::F32(b)) => zip_map!(a, b, |x, y| cmp(op, x, y)),
-        (Col::F64(a), Col::F64(b)) => zip_map!(a, b, |x, y| cmp(op, x, y)),
-        (Col::I(a), Col::I(b)) => zip_map!(a, b, |x, y| cmp(op, x, y)),
-        (Col::B(a), Col::B(b)) => zip_map!(a, b, |x, y| cmp(op, x, y)),
-        (a, b) => bail_internal!("interpreter: comparing {} and {} columns", a.kind(), b.kind()),
-    }))
 }
 
 /// `where(c, a, b)` on columns converted to the output dtype.
@@ -466,9 +356,9 @@ mod tests {
             .unwrap();
         let Col::F32(v) = r else { panic!() };
         assert!(v[0].is_nan() && v[1].is_nan());
-        assert_eq!(ipow(2, 10), 1024);
-        assert_eq!(ipow(-1, -3), -1);
-        assert_eq!(ipow(5, -1), 0);
+        assert_eq!(crate::ir::op_table::ipow(2, 10), 1024);
+        assert_eq!(crate::ir::op_table::ipow(-1, -3), -1);
+        assert_eq!(crate::ir::op_table::ipow(5, -1), 0);
     }
 
     #[test]

@@ -3,16 +3,69 @@
 
 use std::fmt;
 
-/// Element type of a tensor or scalar.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum DataType {
-    Bool,
-    Int32,
-    Int,
-    Half,
-    BFloat16,
-    Float,
-    Double,
+use crate::error::{KilnError, Result};
+
+macro_rules! dtypes {
+    ($(
+        $(#[doc = $doc:literal])*
+        $var:ident: enum $enum_name:literal, short $short:literal, numpy $numpy:literal,
+            c $c:literal, $bytes:literal bytes, $cat:ident;
+    )+) => {
+        /// Element type of a tensor or scalar. Within a category the declaration order is
+        /// the width order promotion uses.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum DataType {
+            $( $(#[doc = $doc])* $var, )+
+        }
+
+        impl DataType {
+            /// All data types, narrowest first within each category.
+            pub const ALL: [DataType; [$(DataType::$var),+].len()] = [$(DataType::$var),+];
+
+            /// The promotion category of this type.
+            pub fn category(self) -> Category {
+                match self { $(DataType::$var => Category::$cat,)+ }
+            }
+
+            /// Size of one element in bytes.
+            pub fn size_bytes(self) -> usize {
+                match self { $(DataType::$var => $bytes,)+ }
+            }
+
+            /// Short name used in dumps (`float`, `half`, `int64`, ...).
+            pub fn short_name(self) -> &'static str {
+                match self { $(DataType::$var => $short,)+ }
+            }
+
+            /// The Python enum member name (`Float`, `Int32`, ...).
+            pub fn enum_name(self) -> &'static str {
+                match self { $(DataType::$var => $enum_name,)+ }
+            }
+
+            /// The NumPy / torch dtype name (`float32`, `int64`, `bfloat16`, ...).
+            pub fn numpy_name(self) -> &'static str {
+                match self { $(DataType::$var => $numpy,)+ }
+            }
+
+            /// The CUDA C type (runtime.cuh defines the conversions between them).
+            pub fn c_type(self) -> &'static str {
+                match self { $(DataType::$var => $c,)+ }
+            }
+        }
+    };
+}
+
+// The dtype table: adding a dtype is a row here, its storage and rounding in
+// interp/values.rs, its NumPy conversion in python/interp.rs, its CUDA type's
+// conversions in runtime.cuh and its Python enum member in kiln/enums.py.
+dtypes! {
+    Bool: enum "Bool", short "bool", numpy "bool", c "bool", 1 bytes, Bool;
+    Int32: enum "Int32", short "int32", numpy "int32", c "int", 4 bytes, Integer;
+    Int: enum "Int", short "int64", numpy "int64", c "int64_t", 8 bytes, Integer;
+    Half: enum "Half", short "half", numpy "float16", c "__half", 2 bytes, Floating;
+    BFloat16: enum "BFloat16", short "bfloat16", numpy "bfloat16", c "__nv_bfloat16", 2 bytes, Floating;
+    Float: enum "Float", short "float", numpy "float32", c "float", 4 bytes, Floating;
+    Double: enum "Double", short "double", numpy "float64", c "double", 8 bytes, Floating;
 }
 
 /// Promotion category: PyTorch promotes across categories before widths.
@@ -24,36 +77,6 @@ pub enum Category {
 }
 
 impl DataType {
-    /// All data types, in a stable order.
-    pub const ALL: [DataType; 7] = [
-        DataType::Float,
-        DataType::Double,
-        DataType::Half,
-        DataType::BFloat16,
-        DataType::Int,
-        DataType::Int32,
-        DataType::Bool,
-    ];
-
-    /// The promotion category of this type.
-    pub fn category(self) -> Category {
-        match self {
-            DataType::Bool => Category::Bool,
-            DataType::Int32 | DataType::Int => Category::Integer,
-            _ => Category::Floating,
-        }
-    }
-
-    /// Size of one element in bytes.
-    pub fn size_bytes(self) -> usize {
-        match self {
-            DataType::Bool => 1,
-            DataType::Half | DataType::BFloat16 => 2,
-            DataType::Int32 | DataType::Float => 4,
-            DataType::Int | DataType::Double => 8,
-        }
-    }
-
     /// True for floating-point types.
     pub fn is_float(self) -> bool {
         self.category() == Category::Floating
@@ -62,54 +85,16 @@ impl DataType {
     /// The type arithmetic producing this type is computed in: half and bfloat16 compute
     /// in float (one rounding per stored value, as the hardware has no cheaper path).
     pub fn compute_dtype(self) -> DataType {
-        match self {
-            DataType::Half | DataType::BFloat16 => DataType::Float,
-            d => d,
+        if self.is_float() && self.size_bytes() < DataType::Float.size_bytes() {
+            DataType::Float
+        } else {
+            self
         }
     }
 
     /// True for integer types (not bool).
     pub fn is_integer(self) -> bool {
         self.category() == Category::Integer
-    }
-
-    /// Short name used in dumps (`float`, `half`, `int64`, ...).
-    pub fn short_name(self) -> &'static str {
-        match self {
-            DataType::Bool => "bool",
-            DataType::Int32 => "int32",
-            DataType::Int => "int64",
-            DataType::Half => "half",
-            DataType::BFloat16 => "bfloat16",
-            DataType::Float => "float",
-            DataType::Double => "double",
-        }
-    }
-
-    /// The Python enum member name (`Float`, `Int32`, ...).
-    pub fn enum_name(self) -> &'static str {
-        match self {
-            DataType::Bool => "Bool",
-            DataType::Int32 => "Int32",
-            DataType::Int => "Int",
-            DataType::Half => "Half",
-            DataType::BFloat16 => "BFloat16",
-            DataType::Float => "Float",
-            DataType::Double => "Double",
-        }
-    }
-
-    /// The NumPy / torch dtype name (`float32`, `int64`, `bfloat16`, ...).
-    pub fn numpy_name(self) -> &'static str {
-        match self {
-            DataType::Bool => "bool",
-            DataType::Int32 => "int32",
-            DataType::Int => "int64",
-            DataType::Half => "float16",
-            DataType::BFloat16 => "bfloat16",
-            DataType::Float => "float32",
-            DataType::Double => "float64",
-        }
     }
 
     /// Parse a NumPy / torch dtype name (`torch.` prefix allowed).
@@ -127,6 +112,77 @@ impl DataType {
 impl fmt::Display for DataType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.short_name())
+    }
+}
+
+/// A Python scalar as a per-call kernel argument sees it.
+pub enum HostNumber {
+    Bool(bool),
+    /// An int that fits in 64 bits, or None for a larger one.
+    Int(Option<i64>),
+    Float(f64),
+}
+
+impl DataType {
+    /// The bytes (host byte order, `size_bytes` of them used) of `v` as a kernel parameter
+    /// of this type, converted exactly as NumPy casts a Python scalar to it (an int or float
+    /// out of an integer type's range, or NaN to an integer, is an error as in NumPy).
+    /// `to_f64` is only called for ints, whose float value Python computes (correctly
+    /// rounded; an error for ints beyond a double's range, like NumPy's).
+    pub fn param_bytes(self, v: HostNumber, to_f64: impl FnOnce() -> Result<f64>) -> Result<[u8; 8]> {
+        let float = match v {
+            HostNumber::Bool(b) => f64::from(u8::from(b)),
+            HostNumber::Int(_) if self.is_float() => to_f64()?,
+            HostNumber::Int(_) => 0.0,
+            HostNumber::Float(x) => x,
+        };
+        let mut out = [0u8; 8];
+        let n = self.size_bytes();
+        match self.category() {
+            Category::Bool => {
+                out[0] = u8::from(match v {
+                    HostNumber::Bool(b) => b,
+                    HostNumber::Int(i) => i != Some(0), // an int beyond 64 bits is nonzero
+                    HostNumber::Float(x) => x != 0.0,   // NaN is true, as in NumPy
+                })
+            }
+            Category::Integer => {
+                // NumPy converts a float to an integer type by truncation toward zero, and
+                // refuses NaN, infinities and values outside the type.
+                let i = match v {
+                    HostNumber::Bool(b) => Some(i64::from(b)),
+                    HostNumber::Int(i) => i,
+                    HostNumber::Float(x) if x.is_nan() => {
+                        return Err(KilnError::value("cannot convert float NaN to integer"))
+                    }
+                    // -2**63 <= trunc(x) < 2**63 is exactly the range `as` converts losslessly.
+                    HostNumber::Float(x) => {
+                        Some(x.trunc()).filter(|t| *t >= i64::MIN as f64 && *t < -(i64::MIN as f64)).map(|t| t as i64)
+                    }
+                };
+                let bits = 8 * n as u32;
+                let (lo, hi) = (i64::MIN >> (64 - bits), i64::MAX >> (64 - bits));
+                let i = i
+                    .filter(|i| (lo..=hi).contains(i))
+                    .ok_or_else(|| KilnError::value(format!("the value does not fit in {}", self.numpy_name())))?;
+                // Little or big endian alike: the low `n` bytes of the native representation
+                // of a value in range are the narrow type's native bytes.
+                let b = i.to_ne_bytes();
+                if cfg!(target_endian = "little") {
+                    out[..n].copy_from_slice(&b[..n]);
+                } else {
+                    out[..n].copy_from_slice(&b[8 - n..]);
+                }
+            }
+            Category::Floating => match self {
+                DataType::Double => out.copy_from_slice(&float.to_ne_bytes()),
+                DataType::Float => out[..4].copy_from_slice(&(float as f32).to_ne_bytes()),
+                DataType::Half => out[..2].copy_from_slice(&f64_to_f16_bits(float).to_ne_bytes()),
+                // Through float32 first, as NumPy without a bfloat16 type converts.
+                _ => out[..2].copy_from_slice(&half::bf16::from_f32(float as f32).to_bits().to_ne_bytes()),
+            },
+        }
+        Ok(out)
     }
 }
 

@@ -3,6 +3,7 @@
 
 pub mod dtype;
 pub mod mapping;
+pub mod op_table;
 pub mod ops;
 pub mod printer;
 pub mod scalar;
@@ -11,6 +12,7 @@ use cranelift_entity::{entity_impl, PrimaryMap};
 use smallvec::SmallVec;
 
 pub use dtype::{DataType, IterType, MemoryType, ParallelType};
+pub use op_table::{BinaryClass, BinaryOp, UnaryClass, UnaryOp};
 pub use scalar::{Scalars, Symbol, ValId};
 
 use crate::error::Result;
@@ -131,41 +133,6 @@ impl Operand {
             Operand::Scalar(_) => None,
         }
     }
-}
-
-/// Element-wise unary math.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum UnaryOp {
-    Abs,
-    Neg,
-    Exp,
-    Log,
-    Sqrt,
-    Rsqrt,
-    Reciprocal,
-    Sin,
-    Cos,
-    Tanh,
-    Sigmoid,
-    Relu,
-}
-
-/// Element-wise binary math.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum BinaryOp {
-    Add,
-    Sub,
-    Mul,
-    Div,
-    Pow,
-    Maximum,
-    Minimum,
-    Eq,
-    Ne,
-    Lt,
-    Le,
-    Gt,
-    Ge,
 }
 
 /// Reduction combiners.

@@ -4,10 +4,10 @@
 use smallvec::{smallvec, SmallVec};
 
 use crate::error::Result;
-use crate::ir::dtype::{promote, PromotionOperand};
+use crate::ir::dtype::{promote, Category, PromotionOperand};
 use crate::ir::{
-    BinaryOp, DataType, Fusion, IterDomainId, IterType, MemoryType, Op, Operand, ReductionOp, Symbol, TvId, UnaryOp,
-    ValId,
+    BinaryClass, BinaryOp, DataType, Fusion, IterDomainId, IterType, MemoryType, Op, Operand, ReductionOp, Symbol,
+    TvId, UnaryClass, UnaryOp, ValId,
 };
 use crate::{bail, bail_type};
 
@@ -185,32 +185,53 @@ impl Fusion {
 
     /// An element-wise unary op.
     pub fn unary(&mut self, op: UnaryOp, x: Operand) -> Result<TvId> {
-        let name = unary_name(op);
+        let name = op.name();
         let dt = self.operand_dtype(x).dtype;
-        let out_dt = match op {
-            UnaryOp::Abs | UnaryOp::Relu => dt,
-            UnaryOp::Neg => {
-                if dt == DataType::Bool {
-                    bail_type!("neg: {} is Bool; negation of Bool is not defined (use eq(x, False))", self.describe(x));
-                }
-                dt
-            }
-            // Transcendentals of integers compute in the default float type, as PyTorch does.
-            _ if dt.is_float() => dt,
-            _ => DataType::Float,
+        // The type the op computes in must have a form in the table (no bitwise_not of
+        // a float, no frac of an integer).
+        let defined = |cd: DataType| match cd.category() {
+            Category::Bool => op.eval_bool(false).is_some(),
+            Category::Integer => op.eval_int(0).is_some(),
+            Category::Floating => op.eval_f64(0.5).is_some(),
         };
+        let out_dt = match op.class() {
+            UnaryClass::Exact | UnaryClass::KeepType => dt,
+            // Transcendentals of integers compute in the default float type, as PyTorch does.
+            UnaryClass::Float if dt.is_float() => dt,
+            UnaryClass::Float => DataType::Float,
+            UnaryClass::Predicate | UnaryClass::Logical => DataType::Bool,
+        };
+        if !defined(op.compute_dtype(dt, out_dt)) {
+            bail_type!("{name}: {} has dtype {dt}; {name} is not defined for it", self.describe(x));
+        }
         self.pointwise(name, Op::Unary(op), smallvec![x], out_dt)
     }
 
     /// An element-wise binary op.
     pub fn binary(&mut self, op: BinaryOp, a: Operand, b: Operand) -> Result<TvId> {
         let promoted = promote(&[self.operand_dtype(a), self.operand_dtype(b)]);
-        let out_dt = match op {
-            BinaryOp::Eq | BinaryOp::Ne | BinaryOp::Lt | BinaryOp::Le | BinaryOp::Gt | BinaryOp::Ge => DataType::Bool,
-            BinaryOp::Div if !promoted.is_float() => DataType::Float,
-            _ => promoted,
+        let out_dt = match op.class() {
+            BinaryClass::Compare | BinaryClass::Logical => DataType::Bool,
+            BinaryClass::Float if !promoted.is_float() => DataType::Float,
+            BinaryClass::Float | BinaryClass::Promote => promoted,
         };
-        self.pointwise(binary_name(op), Op::Binary(op), smallvec![a, b], out_dt)
+        let cd = op.compute_dtype(promoted, out_dt);
+        let defined = op.is_comparison()
+            || match cd.category() {
+                Category::Bool => op.eval_bool(false, false).is_some(),
+                Category::Integer => op.eval_int(0, 1).is_some(),
+                Category::Floating => op.eval_f64(0.5, 1.0).is_some(),
+            };
+        if !defined {
+            bail_type!(
+                "{}: {} and {} promote to {promoted}; {} is not defined for it",
+                op.name(),
+                self.describe(a),
+                self.describe(b),
+                op.name()
+            );
+        }
+        self.pointwise(op.name(), Op::Binary(op), smallvec![a, b], out_dt)
     }
 
     /// `where(cond, a, b)`.
@@ -496,76 +517,6 @@ impl Fusion {
         let out = self.new_tv(dtype, MemoryType::Local, logical);
         self.add_expr(Op::Full { value: v }, smallvec![], out);
         Ok(out)
-    }
-}
-
-/// Name of a unary op as the Python API spells it.
-pub fn unary_name(op: UnaryOp) -> &'static str {
-    match op {
-        UnaryOp::Abs => "abs",
-        UnaryOp::Neg => "neg",
-        UnaryOp::Exp => "exp",
-        UnaryOp::Log => "log",
-        UnaryOp::Sqrt => "sqrt",
-        UnaryOp::Rsqrt => "rsqrt",
-        UnaryOp::Reciprocal => "reciprocal",
-        UnaryOp::Sin => "sin",
-        UnaryOp::Cos => "cos",
-        UnaryOp::Tanh => "tanh",
-        UnaryOp::Sigmoid => "sigmoid",
-        UnaryOp::Relu => "relu",
-    }
-}
-
-/// Every unary op, for name lookup.
-pub const UNARY_OPS: [UnaryOp; 12] = [
-    UnaryOp::Abs,
-    UnaryOp::Neg,
-    UnaryOp::Exp,
-    UnaryOp::Log,
-    UnaryOp::Sqrt,
-    UnaryOp::Rsqrt,
-    UnaryOp::Reciprocal,
-    UnaryOp::Sin,
-    UnaryOp::Cos,
-    UnaryOp::Tanh,
-    UnaryOp::Sigmoid,
-    UnaryOp::Relu,
-];
-
-/// Every binary op, for name lookup.
-pub const BINARY_OPS: [BinaryOp; 13] = [
-    BinaryOp::Add,
-    BinaryOp::Sub,
-    BinaryOp::Mul,
-    BinaryOp::Div,
-    BinaryOp::Pow,
-    BinaryOp::Maximum,
-    BinaryOp::Minimum,
-    BinaryOp::Eq,
-    BinaryOp::Ne,
-    BinaryOp::Lt,
-    BinaryOp::Le,
-    BinaryOp::Gt,
-    BinaryOp::Ge,
-];
-
-/// Name of a binary op as the Python API spells it.
-pub fn binary_name(op: BinaryOp) -> &'static str {
-    match op {
-        BinaryOp::Add => "add",
-        BinaryOp::Sub => "sub",
-        BinaryOp::Mul => "mul",
-        BinaryOp::Div => "div",
-        BinaryOp::Pow => "pow",
-        BinaryOp::Maximum => "maximum",
-        BinaryOp::Minimum => "minimum",
-        BinaryOp::Eq => "eq",
-        BinaryOp::Ne => "ne",
-        BinaryOp::Lt => "lt",
-        BinaryOp::Le => "le",
-        BinaryOp::Gt => "gt",
-        BinaryOp::Ge => "ge",
     }
 }
 

@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use crate::ir::ops::{binary_name, reduction_name, unary_name};
+use crate::ir::ops::reduction_name;
 use crate::ir::{Expr, Fusion, IterDomainId, Op, Operand, ParallelType, Transform, TvId};
 
 impl Fusion {
@@ -49,8 +49,8 @@ impl Fusion {
         let out = self.tv_label(e.output);
         let args: Vec<String> = e.inputs.iter().map(|&o| self.operand_label(o)).collect();
         let rhs = match &e.op {
-            Op::Unary(u) => format!("{}({})", unary_name(*u), args[0]),
-            Op::Binary(b) => format!("{}({}, {})", binary_name(*b), args[0], args[1]),
+            Op::Unary(u) => format!("{}({})", u.name(), args[0]),
+            Op::Binary(b) => format!("{}({}, {})", b.name(), args[0], args[1]),
             Op::Where => format!("where({}, {}, {})", args[0], args[1], args[2]),
             Op::Cast(d) => format!("cast({}, {})", args[0], d.enum_name()),
             Op::Reduction { op, init } => {
@@ -73,8 +73,8 @@ impl Fusion {
         };
         let args: Vec<String> = e.inputs.iter().map(name).collect();
         let op = match &e.op {
-            Op::Unary(u) => unary_name(*u).to_string(),
-            Op::Binary(b) => binary_name(*b).to_string(),
+            Op::Unary(u) => u.name().to_string(),
+            Op::Binary(b) => b.name().to_string(),
             Op::Where => "where".into(),
             Op::Cast(d) => format!("cast<{}>", d.enum_name()),
             Op::Reduction { op, .. } => format!("reduce_{}", reduction_name(*op)),

@@ -23,6 +23,7 @@ use smallvec::SmallVec;
 
 use super::{guarded, to_py};
 use crate::error::KilnError;
+use crate::ir::dtype::{DataType, HostNumber};
 
 type CuResult = c_int;
 type CuFunction = *mut c_void;
@@ -207,96 +208,29 @@ fn load_cuda_driver(py: Python<'_>) -> PyResult<()> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Slot {
     Pointer,
-    Float,
-    Double,
-    Half,
-    BFloat16,
-    Int,
-    Int32,
-    Bool,
+    Scalar(DataType),
 }
 
 impl Slot {
     /// The slot of a per-call scalar of kiln dtype `name` (as `np_scalar` names them).
     fn scalar(name: &str) -> Option<Self> {
-        Some(match name {
-            "Float" => Slot::Float,
-            "Double" => Slot::Double,
-            "Half" => Slot::Half,
-            "BFloat16" => Slot::BFloat16,
-            "Int" => Slot::Int,
-            "Int32" => Slot::Int32,
-            "Bool" => Slot::Bool,
-            _ => return None,
-        })
+        DataType::from_enum_name(name).map(Slot::Scalar)
     }
 
     fn size(self) -> usize {
         match self {
-            Slot::Pointer | Slot::Double | Slot::Int => 8,
-            Slot::Float | Slot::Int32 => 4,
-            Slot::Half | Slot::BFloat16 => 2,
-            Slot::Bool => 1,
+            Slot::Pointer => 8,
+            Slot::Scalar(d) => d.size_bytes(),
         }
     }
 }
 
-/// A Python scalar as a per-call argument sees it.
-enum PyNum {
-    Bool(bool),
-    /// An int that fits in 64 bits, or None for a larger one.
-    Int(Option<i64>),
-    Float(f64),
-}
-
-/// The bytes (host byte order, the slot's size of them used) of `v` as a parameter of `slot`,
-/// converted exactly as `np_scalar(v, dtype)` converts (NumPy's casts; an int or float
-/// out of an integer type's range, or NaN to an integer, is an error as in NumPy).
-/// `to_f64` is only called for ints, whose float value Python computes (correctly
-/// rounded; an error for ints beyond a double's range, like NumPy's).
-fn scalar_bytes(slot: Slot, v: PyNum, to_f64: impl FnOnce() -> crate::Result<f64>) -> crate::Result<[u8; 8]> {
-    let float = |v: PyNum| -> crate::Result<f64> {
-        match v {
-            PyNum::Bool(b) => Ok(f64::from(u8::from(b))),
-            PyNum::Int(_) => to_f64(),
-            PyNum::Float(x) => Ok(x),
-        }
-    };
-    // NumPy converts a float to an integer type by truncation toward zero, and refuses
-    // NaN, infinities and values outside the type.
-    let int = |v: PyNum, lo: i64, hi: i64, what: &str| -> crate::Result<i64> {
-        let i = match v {
-            PyNum::Bool(b) => Some(i64::from(b)),
-            PyNum::Int(i) => i,
-            PyNum::Float(x) if x.is_nan() => return Err(KilnError::value("cannot convert float NaN to integer")),
-            // -2**63 <= trunc(x) < 2**63 is exactly the range `as` converts losslessly.
-            PyNum::Float(x) => {
-                Some(x.trunc()).filter(|t| *t >= i64::MIN as f64 && *t < -(i64::MIN as f64)).map(|t| t as i64)
-            }
-        };
-        i.filter(|i| (lo..=hi).contains(i)).ok_or_else(|| KilnError::value(format!("the value does not fit in {what}")))
-    };
-    let mut out = [0u8; 8];
+/// The bytes of `v` as a parameter of `slot` (see [`DataType::param_bytes`]).
+fn scalar_bytes(slot: Slot, v: HostNumber, to_f64: impl FnOnce() -> crate::Result<f64>) -> crate::Result<[u8; 8]> {
     match slot {
-        Slot::Pointer => return Err(KilnError::internal("scalar_bytes of a pointer slot")),
-        Slot::Double => out.copy_from_slice(&float(v)?.to_ne_bytes()),
-        Slot::Float => out[..4].copy_from_slice(&(float(v)? as f32).to_ne_bytes()),
-        Slot::Half => out[..2].copy_from_slice(&crate::ir::dtype::f64_to_f16_bits(float(v)?).to_ne_bytes()),
-        Slot::BFloat16 => out[..2].copy_from_slice(&half::bf16::from_f32(float(v)? as f32).to_bits().to_ne_bytes()),
-        Slot::Int => out.copy_from_slice(&int(v, i64::MIN, i64::MAX, "int64")?.to_ne_bytes()),
-        Slot::Int32 => {
-            let i = int(v, i64::from(i32::MIN), i64::from(i32::MAX), "int32")?;
-            out[..4].copy_from_slice(&(i as i32).to_ne_bytes());
-        }
-        Slot::Bool => {
-            out[0] = u8::from(match v {
-                PyNum::Bool(b) => b,
-                PyNum::Int(i) => i != Some(0), // an int beyond 64 bits is nonzero
-                PyNum::Float(x) => x != 0.0,   // NaN is true, as in NumPy
-            })
-        }
+        Slot::Pointer => Err(KilnError::internal("scalar_bytes of a pointer slot")),
+        Slot::Scalar(d) => d.param_bytes(v, to_f64),
     }
-    Ok(out)
 }
 
 /// Write the low `size` bytes of `src` at byte `off` of the parameter buffer `words`
@@ -405,11 +339,11 @@ impl PreparedLaunch {
     fn scalar(py: Python<'_>, i: usize, a: &Bound<'_, PyAny>, slot: Slot) -> PyResult<[u8; 8]> {
         // bool before int: Python's bool is an int subclass.
         let v = if let Ok(b) = a.downcast::<PyBool>() {
-            PyNum::Bool(b.is_true())
+            HostNumber::Bool(b.is_true())
         } else if a.is_instance_of::<PyInt>() {
-            PyNum::Int(a.extract::<i64>().ok())
+            HostNumber::Int(a.extract::<i64>().ok())
         } else if let Ok(f) = a.downcast::<PyFloat>() {
-            PyNum::Float(f.value())
+            HostNumber::Float(f.value())
         } else {
             let msg = format!("scalar argument {i}: expected a Python int, float or bool, got {}", type_name(a));
             return Err(to_py(py, KilnError::type_error(msg)));
@@ -419,7 +353,11 @@ impl PreparedLaunch {
                 .map_err(|e| KilnError::value(format!("int too large to convert to float ({})", e.value(py))))
         };
         scalar_bytes(slot, v, to_f64).map_err(|e| {
-            let msg = format!("scalar argument {i} ({:?} parameter): {e}", slot);
+            let kind = match slot {
+                Slot::Scalar(d) => d.enum_name(),
+                Slot::Pointer => "pointer",
+            };
+            let msg = format!("scalar argument {i} ({kind} parameter): {e}");
             to_py(py, KilnError::value(msg))
         })
     }

@@ -12,9 +12,10 @@ use pyo3::prelude::*;
 use pyo3::types::PyModule;
 
 use crate::error::{ErrorKind, KilnError};
-use crate::ir::ops::{binary_name, reduction_name, unary_name, BINARY_OPS, UNARY_OPS};
+use crate::ir::ops::reduction_name;
 use crate::ir::{
-    DataType, Fusion, IterDomainId, IterType, MemoryType, Operand, ParallelType, ReductionOp, TvId, ValId,
+    BinaryOp, DataType, Fusion, IterDomainId, IterType, MemoryType, Operand, ParallelType, ReductionOp, TvId, UnaryOp,
+    ValId,
 };
 
 /// Raise `err` as `kiln.KilnError`, `kiln.KilnTypeError` or, for a kiln bug,
@@ -132,7 +133,7 @@ impl PyFusion {
     /// Element-wise unary op by name.
     fn unary(&mut self, py: Python<'_>, op: &str, x: PyOperand) -> PyResult<u32> {
         guarded(py, || {
-            let u = parse_enum("unary op", op, |n| UNARY_OPS.into_iter().find(|&u| unary_name(u) == n))?;
+            let u = parse_enum("unary op", op, UnaryOp::from_name)?;
             let x = self.operand(x)?;
             Ok(self.inner.get_mut().unary(u, x)?.as_u32())
         })
@@ -141,7 +142,7 @@ impl PyFusion {
     /// Element-wise binary op by name.
     fn binary(&mut self, py: Python<'_>, op: &str, a: PyOperand, b: PyOperand) -> PyResult<u32> {
         guarded(py, || {
-            let o = parse_enum("binary op", op, |n| BINARY_OPS.into_iter().find(|&b| binary_name(b) == n))?;
+            let o = parse_enum("binary op", op, BinaryOp::from_name)?;
             let (a, b) = (self.operand(a)?, self.operand(b)?);
             Ok(self.inner.get_mut().binary(o, a, b)?.as_u32())
         })
@@ -975,6 +976,23 @@ fn lower_passes() -> Vec<&'static str> {
     crate::lower::PASSES.iter().map(|p| p.name).collect()
 }
 
+/// One element-wise op of the op table, as `fd.ops` exposes it.
+#[pyclass(name = "ElementwiseOp", module = "kiln._core", frozen, get_all)]
+pub struct PyElementwiseOp {
+    name: &'static str,
+    /// Number of operands (1 or 2).
+    arity: usize,
+    doc: &'static str,
+}
+
+/// The element-wise ops of the op table, unary first, in table order.
+#[pyfunction]
+fn elementwise_ops() -> Vec<PyElementwiseOp> {
+    let unary = UnaryOp::ALL.iter().map(|u| PyElementwiseOp { name: u.name(), arity: 1, doc: u.doc() });
+    let binary = BinaryOp::ALL.iter().map(|b| PyElementwiseOp { name: b.name(), arity: 2, doc: b.doc() });
+    unary.chain(binary).collect()
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyFusion>()?;
@@ -984,8 +1002,13 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyGlobalBuffer>()?;
     m.add_function(wrap_pyfunction!(set_lower_options, m)?)?;
     m.add_function(wrap_pyfunction!(lower_passes, m)?)?;
+    m.add_class::<PyElementwiseOp>()?;
+    m.add_function(wrap_pyfunction!(elementwise_ops, m)?)?;
     interp::register(m)?;
     launch::register(m)?;
     m.add("DTYPES", DataType::ALL.iter().map(|d| d.enum_name()).collect::<Vec<_>>())?;
+    let numpy: std::collections::HashMap<&str, &str> =
+        DataType::ALL.iter().map(|d| (d.enum_name(), d.numpy_name())).collect();
+    m.add("DTYPE_NUMPY_NAMES", numpy)?;
     Ok(())
 }

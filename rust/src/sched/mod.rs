@@ -561,7 +561,8 @@ impl Fusion {
         match DataType::from_enum_name(name) {
             Some(d) => Ok(d),
             None => {
-                bail_type!("unknown dtype {name:?}; expected one of Float, Double, Half, BFloat16, Int, Int32, Bool")
+                let names: Vec<&str> = DataType::ALL.iter().map(|d| d.enum_name()).collect();
+                bail_type!("unknown dtype {name:?}; expected one of {}", names.join(", "))
             }
         }
     }
