@@ -165,13 +165,14 @@ pub fn lower(fusion: &Fusion) -> Result<Kernel> {
     };
     let verify = options.verify || cfg!(debug_assertions);
     let mut dumps = Vec::new();
-    let mut stage = verify::Stage { indexed: false, allocated: false };
+    let mut stage = verify::Stage { indexed: false, allocated: false, synced: false };
     for p in PASSES {
         (p.run)(&mut c)?;
         stage.indexed |= p.name == "indexing";
         stage.allocated |= p.name == "allocation";
+        stage.synced |= p.name == "syncs";
         if verify {
-            verify::run(&c.f, &c.body, stage, p.name)?;
+            verify::run(&c.f, &c.lg, &c.exact, &c.body, stage, p.name)?;
         }
         if options.dump_after.iter().any(|n| n == p.name) {
             dumps.push((p.name.to_string(), IrText { fusion: &c.f, summary: &c.summary }.body(&c.body)));

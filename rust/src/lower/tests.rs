@@ -3,9 +3,10 @@
 use crate::analysis::id_graph::IdGraph;
 use crate::analysis::loop_graph::LoopGraph;
 use crate::ir::{DataType, Fusion, MemoryType, Operand, ParallelType, ReductionOp, TvId, UnaryOp};
-use crate::kernel::Node;
+use crate::kernel::{IfKind, IfThenElse, Kernel, Node, SyncKind};
 use crate::lower::allocation::domain;
-use crate::lower::{loops, lower};
+use crate::lower::{loops, lower, verify};
+use crate::sched::propagate::completed;
 
 fn graphs(f: &Fusion) -> (IdGraph, LoopGraph) {
     let exact = IdGraph::exact(f);
@@ -152,4 +153,102 @@ fn loop_nest_shares_loops_of_inlined_producers() {
     assert_eq!(text.matches("FOR blockIdx.x").count(), 1, "{text}");
     assert_eq!(text.matches("FOR threadIdx.x").count(), 1, "{text}");
     assert_eq!(text.matches("FOR idx").count(), 2, "each tensor keeps its own serial loop: {text}");
+}
+
+/// A transpose through a Shared tile T2 (`snapshots::f_transpose`); with `serial_tiles` the
+/// tiles along the input's rows are a serial loop of each block instead of `blockIdx.x`, so
+/// the loop writes T2 again after other threads read it.
+fn shared_transpose(serial_tiles: bool) -> Kernel {
+    let mut f = Fusion::new();
+    let x = f.define_tensor(&[-1, -1], DataType::Float, None).unwrap();
+    let t = f.permute(x, &[1, 0]).unwrap();
+    f.add_output(t).unwrap();
+    let s = f.cache_before(t).unwrap();
+    f.set_memory_type(s, MemoryType::Shared).unwrap();
+    for (tv, order) in [(t, &[(1, 2)][..]), (s, &[(1, 3), (3, 2)][..])] {
+        f.split(tv, 0, 32, true).unwrap();
+        f.split(tv, 2, 32, true).unwrap();
+        f.reorder(tv, order).unwrap();
+        f.merge(tv, 2, 3).unwrap();
+        f.split(tv, 2, 4, true).unwrap();
+        f.parallelize(tv, 0, ParallelType::BIDy).unwrap();
+        if !serial_tiles {
+            f.parallelize(tv, 1, ParallelType::BIDx).unwrap();
+        }
+        f.parallelize(tv, 2, ParallelType::TIDx).unwrap();
+    }
+    f.parallelize(t, 3, ParallelType::Vectorize).unwrap();
+    f.inline_at(s, 2).unwrap();
+    lower(&completed(&f)).unwrap()
+}
+
+/// The verifier on a lowered kernel's (edited) body, at the end of the pipeline.
+fn verify_body(k: &Kernel, body: &[Node]) -> crate::error::Result<()> {
+    let stage = verify::Stage { indexed: true, allocated: true, synced: true };
+    verify::run(&k.fusion, &k.loops, &IdGraph::exact(&k.fusion), body, stage, "vectorize")
+}
+
+/// `body` with every barrier of `kind` replaced by what `with` makes of it.
+fn replace_syncs(body: &[Node], kind: SyncKind, with: &dyn Fn() -> Vec<Node>) -> Vec<Node> {
+    let mut out = Vec::new();
+    for n in body {
+        if matches!(n, Node::Sync(k) if *k == kind) {
+            out.extend(with());
+            continue;
+        }
+        let mut n = n.clone();
+        for b in n.bodies_mut() {
+            *b = replace_syncs(b, kind, with);
+        }
+        out.push(n);
+    }
+    out
+}
+
+fn count_syncs(body: &[Node], kind: SyncKind) -> usize {
+    body.iter()
+        .map(|n| {
+            usize::from(matches!(n, Node::Sync(k) if *k == kind))
+                + n.bodies().into_iter().map(|b| count_syncs(b, kind)).sum::<usize>()
+        })
+        .sum()
+}
+
+#[test]
+fn verifier_requires_a_barrier_between_a_shared_write_and_cross_thread_reads() {
+    let mut k = shared_transpose(false);
+    assert_eq!(count_syncs(&k.body, SyncKind::Raw), 1, "{}", k.to_text());
+    verify_body(&k, &k.body).unwrap();
+    let e = verify_body(&k, &replace_syncs(&k.body, SyncKind::Raw, &Vec::new)).unwrap_err();
+    assert!(e.message.contains("kernel IR after vectorize: T2 (Shared memory)"), "{}", e.message);
+    assert!(e.message.contains("(RAW)") && e.message.contains("`T1 = set(T2)`"), "{}", e.message);
+    // A barrier that only one arm of a branch runs does not separate them; one in both does.
+    let cond = k.fusion.scalars.boolean(true);
+    let branch = |otherwise: Vec<Node>| {
+        move || {
+            vec![Node::If(IfThenElse {
+                cond,
+                kind: IfKind::InvariantBounds,
+                then: vec![Node::Sync(SyncKind::Raw)],
+                otherwise: otherwise.clone(),
+            })]
+        }
+    };
+    let e = verify_body(&k, &replace_syncs(&k.body, SyncKind::Raw, &branch(Vec::new()))).unwrap_err();
+    assert!(e.message.contains("T2") && e.message.contains("(RAW)"), "{}", e.message);
+    verify_body(&k, &replace_syncs(&k.body, SyncKind::Raw, &branch(vec![Node::Sync(SyncKind::Raw)]))).unwrap();
+}
+
+#[test]
+fn verifier_requires_a_barrier_before_a_serial_loop_overwrites_shared_memory() {
+    let k = shared_transpose(true);
+    assert_eq!(count_syncs(&k.body, SyncKind::War), 1, "{}", k.to_text());
+    verify_body(&k, &k.body).unwrap();
+    let e = verify_body(&k, &replace_syncs(&k.body, SyncKind::War, &Vec::new)).unwrap_err();
+    assert!(e.message.contains("kernel IR after vectorize: T2 (Shared memory)"), "{}", e.message);
+    assert!(e.message.contains("(WAR)") && e.message.contains("next iteration of loop"), "{}", e.message);
+    // The WAR barrier ends the loop body: it does not order this iteration's read after
+    // this iteration's write.
+    let e = verify_body(&k, &replace_syncs(&k.body, SyncKind::Raw, &Vec::new)).unwrap_err();
+    assert!(e.message.contains("T2") && e.message.contains("(RAW)"), "{}", e.message);
 }
