@@ -52,7 +52,8 @@ INDEX_LENGTHS = [1, 2, 3, 5, 7, 16, 31]
 CONSTS = [0.5, 2.0, -1.25, 3.0, 1.0, -0.75]
 SCALAR_VALUES = {"Double": [0.75, -1.5, 0.3, 2.0], "Float": [0.25, -2.0, 1.5], "Int": [2, -3, 1]}
 UNARY = ["abs", "neg", "sin", "cos", "tanh", "sigmoid", "relu", "exp_tanh", "exp_negabs", "log1p_abs",
-         "sqrt_abs", "rsqrt_1p_abs", "reciprocal_1p_abs"]
+         "sqrt_abs", "rsqrt_1p_abs", "reciprocal_1p_abs", "erf", "erfc", "atan", "asinh", "log1p",
+         "expm1_tanh", "exp2_tanh", "sinh_tanh", "erfinv_tanh"]
 BINARY = ["add", "sub", "mul", "maximum", "minimum", "div_1p_abs", "pow_1p_abs", "pow2"]
 COMPARE = ["gt", "gt", "ge", "lt", "lt", "le", "eq", "ne"]
 REDUCE = ["sum", "max", "min"]
@@ -65,7 +66,7 @@ _U = {DataType.Float: 2.0 ** -24, DataType.Double: 2.0 ** -53, DataType.Half: 2.
       DataType.BFloat16: 2.0 ** -8}
 # ops whose result is exactly representable (no rounding)
 _EXACT = {"abs", "neg", "relu", "where", "permute", "broadcast_in_dim", "index_select", "maximum", "minimum",
-          "max", "min"}
+          "max", "min", "squeeze"}
 _NP = {DataType.Float: np.float32, DataType.Double: np.float64, DataType.Half: np.float16,
        DataType.Int: np.int64, DataType.Int32: np.int32, DataType.Bool: np.bool_}
 _MEMFAULT = re.compile(
@@ -75,11 +76,25 @@ _MEMFAULT = re.compile(
 _INTERNAL = re.compile(r"internal compiler error|\bpanic", re.I)
 _NAMES_SOMETHING = re.compile(
     r"\bT\d+\b|\b(abs|neg|exp|log|sqrt|rsqrt|reciprocal|sin|cos|tanh|sigmoid|relu|add|sub|mul|div|pow|"
+    r"erf|erfc|erfinv|atan|asinh|log1p|expm1|exp2|sinh|"
     r"maximum|minimum|eq|ne|lt|le|gt|ge|where|cast|sum|max|min|reduction|broadcast|broadcast_in_dim|"
-    r"permute|transpose|index_select|gather|full)\b", re.I)
+    r"permute|transpose|index_select|gather|full|squeeze)\b", re.I)
 
 
 # -- drawing ---------------------------------------------------------------------------------
+def _erfinv(y: float) -> float:
+    """erfinv by bisection on math.erf (an independent float64 reference)."""
+    if y == 0:
+        return y
+    lo, hi = -6.0, 6.0
+    for _ in range(1100):  # down to adjacent doubles (subnormals near 0)
+        mid = (lo + hi) / 2
+        if mid in (lo, hi):
+            break
+        lo, hi = (mid, hi) if math.erf(mid) < y else (lo, mid)
+    return (lo + hi) / 2
+
+
 class RandomDraw:
     """The generator's draws, from a ``random.Random``. Hypothesis supplies the seed (so the CI
     examples are fixed by the derandomized profile); drawing the structure through hypothesis'
@@ -378,6 +393,23 @@ class _Builder:
         if name == "exp_tanh":
             t = self.unary("tanh", v)
             return self.emit(f"ops.exp({t.name})", "f", L, np.exp(t.ref), np.exp(t.ref) * t.err, transc=True)
+        if name in ("erf", "erfc", "atan", "asinh"):
+            # |f'| <= 2/sqrt(pi) for erf and erfc, <= 1 for atan and asinh.
+            f = {"erf": np.vectorize(math.erf), "erfc": np.vectorize(math.erfc), "atan": np.arctan,
+                 "asinh": np.arcsinh}[name]
+            return self.emit(f"ops.{name}({v.name})", "f", L, f(x), 1.13 * e, transc=True)
+        if name == "log1p":
+            a = self.emit(f"ops.abs({v.name})", "f", L, np.abs(x), e)
+            return self.emit(f"ops.log1p({a.name})", "f", L, np.log1p(a.ref), a.err, transc=True)
+        if name in ("expm1_tanh", "exp2_tanh", "sinh_tanh", "erfinv_tanh"):
+            t = self.unary("tanh", v)
+            if name == "erfinv_tanh":  # keep erfinv's argument in [-0.5, 0.5]: |f'| <= 1.2
+                t = self.emit(f"ops.mul({t.name}, 0.5)", "f", L, 0.5 * t.ref, 0.5 * t.err)
+            f, slope = {"expm1_tanh": (np.expm1, np.exp(t.ref)), "exp2_tanh": (np.exp2, np.exp2(t.ref)),
+                        "sinh_tanh": (np.sinh, np.cosh(t.ref)),
+                        "erfinv_tanh": (np.vectorize(_erfinv), 1.2)}[name]
+            op = name.split("_")[0]
+            return self.emit(f"ops.{op}({t.name})", "f", L, f(t.ref), slope * t.err, transc=True)
         if name == "exp_negabs":
             a = self.emit(f"ops.neg(ops.abs({v.name}))", "f", L, -np.abs(x), e)
             return self.emit(f"ops.exp({a.name})", "f", L, np.exp(a.ref), np.exp(a.ref) * a.err, transc=True)
@@ -576,7 +608,14 @@ class _Builder:
             red = self.add(self.reduce(name, v, dims, keepdim))
             if mode == "none":
                 return
-            if keepdim:
+            if keepdim and op[2] % 3 == 2:  # squeezed back to the reduced rank, then broadcast
+                kept = [i for i in range(rk) if i not in dims]
+                sq = self.add(self.emit(f"ops.squeeze({red.name}, {dims})", "f",
+                                        tuple(red.labels[i] for i in kept), np.squeeze(red.ref, tuple(dims)),
+                                        np.squeeze(red.err, tuple(dims))))
+                labels = tuple(v.labels[i] if i in kept else "b" for i in range(rk))
+                red = self.add(self.broadcast(sq, rk, kept, labels))
+            elif keepdim:
                 if mode == "bid" or op[2] % 2:
                     red = self.add(self.broadcast(red, rk, list(range(rk)), red.labels))
             else:

@@ -186,7 +186,7 @@ def test_dtypes_and_scalar_inputs():
         i = fd.define_tensor([-1], dtype=DataType.Int32)
         s = fd.define_scalar(dtype=DataType.Double)
         a = fd.ops.mul(h, s)  # Half
-        b = fd.ops.div(i, 2)  # Int32 / int -> Float
+        b = fd.ops.truediv(i, 2)  # Int32 / int -> Float (div would truncate)
         c = fd.ops.gt(fd.ops.cast(a, DataType.Float), b)
         d = fd.ops.where(c, i, fd.ops.neg(i))
         e = fd.ops.max(fd.ops.cast(h, DataType.Double), dims=[0])

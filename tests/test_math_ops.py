@@ -29,6 +29,8 @@ def _erfinv_ref(y: float) -> float:
         return math.nan
     if abs(y) == 1:
         return math.copysign(math.inf, y)
+    if y == 0:
+        return y
     lo, hi = -6.0, 6.0
     for _ in range(200):
         mid = (lo + hi) / 2
@@ -349,3 +351,25 @@ def test_gpu_matches_the_interpreter(dtype: Any) -> None:
         if not np.all(same):
             mismatches.append(f"{name}: gpu {gpu[~same][:3]} cpu {cpu[~same][:3]}")
     assert not mismatches, "\n".join(mismatches)
+
+
+def test_compositions_clamp_lerp_addcmul_threshold() -> None:
+    rng = np.random.default_rng(3)
+    x, y, w = (rng.uniform(-3, 3, 97).astype(np.float32) for _ in range(3))
+    x[:2] = [np.nan, np.inf]
+    with FusionDefinition() as fd:
+        tx, ty, tw = (fd.define_tensor([-1]) for _ in range(3))
+        fd.add_output(fd.ops.clamp(tx, -1.0, 2.0))
+        fd.add_output(fd.ops.lerp(tx, ty, tw))
+        fd.add_output(fd.ops.lerp(tx, ty, 0.75))
+        fd.add_output(fd.ops.addcmul(tx, ty, tw, 0.5))
+        fd.add_output(fd.ops.threshold(tx, 0.5, -7.0))
+    clamp, lerp, lerp_c, addcmul, thr = fd.execute([x, y, w])
+    x64, y64, w64 = x.astype(F), y.astype(F), w.astype(F)
+    np.testing.assert_array_equal(clamp, np.clip(x, -1, 2))
+    with np.errstate(invalid="ignore"):  # torch.lerp's two formulas, by |weight|
+        want = np.where(np.abs(w64) < 0.5, x64 + w64 * (y64 - x64), y64 - (y64 - x64) * (1 - w64))
+    np.testing.assert_allclose(lerp, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+    np.testing.assert_allclose(lerp_c, y64 - (y64 - x64) * 0.25, rtol=1e-5, atol=1e-5, equal_nan=True)
+    np.testing.assert_allclose(addcmul, x64 + 0.5 * y64 * w64, rtol=1e-5, atol=1e-5, equal_nan=True)
+    np.testing.assert_array_equal(thr, np.where(x > 0.5, x, -7.0).astype(np.float32))

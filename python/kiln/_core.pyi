@@ -38,6 +38,12 @@ class Fusion:
         """A bool constant scalar."""
     def unary(self, op: str, x: Operand) -> int:
         """Element-wise unary op by name."""
+    def unary_value(self, op: str, x: Operand) -> Operand:
+        """Element-wise unary op on any operand: (is_tensor, id) of the result."""
+    def binary_value(self, op: str, a: Operand, b: Operand) -> Operand:
+        """Element-wise binary op on any operands: (is_tensor, id) of the result."""
+    def axis_size(self, t: int, dim: int) -> int:
+        """The size of axis ``dim`` of tensor ``t`` as a scalar id."""
     def binary(self, op: str, a: Operand, b: Operand) -> int:
         """Element-wise binary op by name."""
     def where_(self, c: Operand, a: Operand, b: Operand) -> int:
@@ -50,6 +56,8 @@ class Fusion:
         """nvFuser-style broadcast_in_dim."""
     def permute(self, x: int, dims: List[int]) -> int:
         """Permute axes."""
+    def squeeze(self, x: int, dims: List[int]) -> int:
+        """Drop size-one axes."""
     def index_select(self, x: int, index: int, dim: int) -> int:
         """index_select along dim."""
     def full(self, shape: List[int], value: Operand, dtype: str) -> int:

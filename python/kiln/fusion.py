@@ -240,18 +240,22 @@ class Ops:
     def __init__(self, fd: FusionDefinition) -> None:
         self._fd = fd
 
-    def _unary(self, op: str, x: Operand) -> Tensor:
-        fd = self._fd
-        return Tensor(fd, fd._core.unary(op, fd._operand(x, op)))
+    def _result(self, r: Tuple[bool, int]) -> Any:
+        return Tensor(self._fd, r[1]) if r[0] else Scalar(self._fd, r[1])
 
-    def _binary(self, op: str, a: Operand, b: Operand) -> Tensor:
+    def _unary(self, op: str, x: Operand) -> Any:
         fd = self._fd
-        return Tensor(fd, fd._core.binary(op, fd._operand(a, op), fd._operand(b, op)))
+        return self._result(fd._core.unary_value(op, fd._operand(x, op)))
+
+    def _binary(self, op: str, a: Operand, b: Operand) -> Any:
+        fd = self._fd
+        return self._result(fd._core.binary_value(op, fd._operand(a, op), fd._operand(b, op)))
 
     if TYPE_CHECKING:
         # The element-wise ops (``fd.ops.exp(x)``, ``fd.ops.add(a, b)``) are generated from
-        # the op table below the class; this tells type checkers they return Tensors.
-        def __getattr__(self, name: str) -> Callable[..., Tensor]: ...
+        # the op table below the class. On tensors they return a Tensor; on scalars alone a
+        # folded constant or integer Scalar, or a 0-d Tensor.
+        def __getattr__(self, name: str) -> Callable[..., Any]: ...
 
     # others
     def where(self, cond: Operand, a: Operand, b: Operand) -> Tensor:
@@ -259,6 +263,38 @@ class Ops:
         fd = self._fd
         return Tensor(fd, fd._core.where_(fd._operand(cond, "where"), fd._operand(a, "where"),
                                           fd._operand(b, "where")))
+
+    def clamp(self, x: Operand, min: Operand, max: Operand) -> Tensor:  # noqa: A002 - torch's names
+        """``x`` limited to ``[min, max]`` (NaN stays NaN, as torch.clamp)."""
+        return self.minimum(self.maximum(x, min), max)
+
+    def lerp(self, start: Operand, end: Operand, weight: Operand) -> Tensor:
+        """``start + weight * (end - start)``, computed from the nearer end (torch.lerp)."""
+        diff = self.sub(end, start)
+        if isinstance(weight, (int, float)):  # a constant picks its formula here
+            if abs(weight) < 0.5:
+                return self.add(start, self.mul(diff, weight))
+            return self.sub(end, self.mul(diff, 1.0 - weight))
+        near_start = self.add(start, self.mul(weight, diff))
+        near_end = self.sub(end, self.mul(diff, self.sub(1.0, weight)))
+        return self.where(self.lt(self.abs(weight), 0.5), near_start, near_end)
+
+    def addcmul(self, x: Operand, a: Operand, b: Operand, value: Operand = 1.0) -> Tensor:
+        """``x + value * a * b`` (torch.addcmul)."""
+        return self.add(x, self.mul(self.mul(a, b), value))
+
+    def threshold(self, x: Operand, threshold: Operand, value: Operand) -> Tensor:
+        """``x`` where ``x > threshold``, else ``value`` (torch.nn.functional.threshold)."""
+        return self.where(self.gt(x, threshold), x, value)
+
+    def size(self, x: Tensor, dim: int) -> Scalar:
+        """The size of axis ``dim`` of ``x`` as a Scalar (usable in shapes and arithmetic)."""
+        fd = self._fd
+        return Scalar(fd, fd._core.axis_size(fd._tensor(x, "size"), int(dim)))
+
+    def shape(self, x: Tensor) -> List[Scalar]:
+        """The sizes of ``x``'s axes as Scalars (nvFuser's ``t.shape()``)."""
+        return [self.size(x, d) for d in range(x.ndim)]
 
     def cast(self, x: Operand, dtype: DataType) -> Tensor:
         """Convert ``x`` to ``dtype``."""
@@ -289,6 +325,58 @@ class Ops:
         """Min over ``dims``."""
         return self._reduce("min", x, dims, keepdim, None)
 
+    def prod(self, x: Tensor, dims: Sequence[int], keepdim: bool = False,
+             dtype: Optional[DataType] = None) -> Tensor:
+        """Product over ``dims``."""
+        return self._reduce("prod", x, dims, keepdim, dtype)
+
+    def var_mean(self, x: Tensor, dims: Sequence[int], correction: int = 1,
+                 keepdim: bool = False) -> Tuple[Tensor, Tensor]:
+        """``(var, mean)`` over ``dims``, dividing the squared deviations by ``N - correction``.
+
+        Computed in double, two passes over the data in one fusion (the deviations from an
+        accurate mean): stable where float32 sums would cancel (a mean of 1e4 with a
+        standard deviation of 1e-2), and rounded once to ``x``'s type."""
+        if isinstance(dims, int):
+            dims = [dims]
+        rank = x.ndim
+        axes = sorted({d + rank if d < 0 else d for d in dims})
+        if x.dtype.value not in ("Float", "Double", "Half", "BFloat16"):
+            raise KilnTypeError(f"var_mean: {x.name} has dtype {x.dtype.name}; expected a floating type")
+        n: Any = 1
+        for d in axes:
+            if not 0 <= d < rank:
+                raise KilnError(f"var_mean: axis {d} is out of range for {x.name} of rank {rank}")
+            n = self.mul(n, self.size(x, d))
+        # The LayerNorm shape the normalization schedule runs as one kernel: the reduced
+        # mean, broadcast back for the deviations.
+        xd = self.cast(x, DataType.Double)
+        kept = [d for d in range(rank) if d not in axes]
+        mean = self.div(self.sum(xd, axes), n)
+        mean_b = self.broadcast_in_dim(mean, [-1] * rank, kept)
+        dev = self.sub(xd, mean_b)
+        var = self.div(self.sum(self.mul(dev, dev), axes), self.sub(n, int(correction)))
+        if keepdim:
+            var, mean = self.broadcast_in_dim(var, [-1] * rank, kept), mean_b
+        return self.cast(var, x.dtype), self.cast(mean, x.dtype)
+
+    def var(self, x: Tensor, dims: Sequence[int], correction: int = 1, keepdim: bool = False) -> Tensor:
+        """Variance over ``dims`` (see ``var_mean``)."""
+        return self.var_mean(x, dims, correction, keepdim)[0]
+
+    def welford(self, x: Tensor, dims: Sequence[int]) -> Tuple[Tensor, Tensor, Tensor]:
+        """``(mean, var_sum, n)`` over ``dims`` (nvFuser's welford): ``var_sum`` is the sum of
+        squared deviations, ``n`` the Int count, broadcast to the mean's shape."""
+        var, mean = self.var_mean(x, dims, correction=0)
+        if isinstance(dims, int):
+            dims = [dims]
+        n: Any = 1
+        for d in dims:
+            n = self.mul(n, self.size(x, d))
+        var_sum = self.mul(var, self.cast(n, x.dtype))
+        count = self.full([self.size(mean, d) for d in range(mean.ndim)], n, DataType.Int)
+        return mean, var_sum, count
+
     def broadcast_in_dim(self, x: Tensor, shape: Sequence[int], broadcast_dims: Sequence[int]) -> Tensor:
         """Place input axis ``i`` at output axis ``broadcast_dims[i]``; other axes are broadcasts."""
         fd = self._fd
@@ -300,6 +388,29 @@ class Ops:
         """Output axis ``i`` is input axis ``dims[i]``."""
         fd = self._fd
         return Tensor(fd, fd._core.permute(fd._tensor(x, "permute"), [int(d) for d in dims]))
+
+    def squeeze(self, x: Tensor, dims: Sequence[int]) -> Tensor:
+        """``x`` without its axes ``dims``, each of size one."""
+        fd = self._fd
+        if isinstance(dims, int):
+            dims = [dims]
+        return Tensor(fd, fd._core.squeeze(fd._tensor(x, "squeeze"), [int(d) for d in dims]))
+
+    def broadcast(self, x: Tensor, is_broadcast_dim: Sequence[bool]) -> Tensor:
+        """``x`` with new size-one axes where ``is_broadcast_dim`` is true (nvFuser's broadcast)."""
+        flags = [bool(b) for b in is_broadcast_dim]
+        kept = [i for i, b in enumerate(flags) if not b]
+        if len(kept) != x.ndim:
+            raise KilnError(f"broadcast: {x.name} has rank {x.ndim} but is_broadcast_dim {flags} keeps "
+                            f"{len(kept)} axes; expected one False entry per axis")
+        return self.broadcast_in_dim(x, [-1] * len(flags), kept)
+
+    def expand(self, x: Tensor, shape: Sequence[int]) -> Tensor:
+        """``x`` with its size-one axes expanded to ``shape`` (``-1`` keeps an axis's size)."""
+        if len(shape) != x.ndim:
+            raise KilnError(f"expand: {x.name} has rank {x.ndim} but shape {list(shape)} has {len(shape)} "
+                            f"entries; expected one per axis")
+        return self.broadcast_in_dim(x, shape, list(range(x.ndim)))
 
     def index_select(self, x: Tensor, index: Tensor, dim: int) -> Tensor:
         """Rows of ``x`` along ``dim`` at positions ``index`` (1-D, integer)."""
@@ -324,15 +435,15 @@ class Ops:
         return Tensor(fd, fd._core.full(dims, fd._operand(value, "full"), _check_dtype(dtype, "full")))
 
 
-def _elementwise_method(op: _core.ElementwiseOp) -> Callable[..., Tensor]:
+def _elementwise_method(op: _core.ElementwiseOp) -> Callable[..., Any]:
     """An ``fd.ops`` method for one entry of the op table."""
     name = op.name
     if op.arity == 1:
-        def unary(self: Ops, x: Operand) -> Tensor:
+        def unary(self: Ops, x: Operand) -> Any:
             return self._unary(name, x)
-        method: Callable[..., Tensor] = unary
+        method: Callable[..., Any] = unary
     else:
-        def binary(self: Ops, a: Operand, b: Operand) -> Tensor:
+        def binary(self: Ops, a: Operand, b: Operand) -> Any:
             return self._binary(name, a, b)
         method = binary
     method.__name__ = name

@@ -593,9 +593,12 @@ impl Gen<'_> {
                 self.operand(e, ix, 1, out_dt),
                 self.operand(e, ix, 2, out_dt)
             ),
-            Op::Cast(_) | Op::Set | Op::Broadcast { .. } | Op::Permute { .. } | Op::IndexSelect { .. } => {
-                self.operand(e, ix, 0, out_dt)
-            }
+            Op::Cast(_)
+            | Op::Set
+            | Op::Broadcast { .. }
+            | Op::Squeeze { .. }
+            | Op::Permute { .. }
+            | Op::IndexSelect { .. } => self.operand(e, ix, 0, out_dt),
             Op::Full { value } => format!("kiln::cast<{out_ty}>({})", self.c(*value)),
             Op::Reduction { op, init } => return self.reduction(e, ix, *op, *init, depth, &pre),
         };
@@ -708,6 +711,7 @@ fn functor(op: ReductionOp) -> &'static str {
     match op {
         ReductionOp::Sum => "kiln::Sum()",
         ReductionOp::Max => "kiln::Max()",
+        ReductionOp::Prod => "kiln::Prod()",
         ReductionOp::Min => "kiln::Min()",
     }
 }

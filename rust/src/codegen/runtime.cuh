@@ -23,7 +23,7 @@
 //   Array<T, N>, loadVec, storeVec     vectorized global/shared accesses
 //   loadVecStreaming, loadVecEvictLast loadVec with L1 / L2 cache hints (read-only inputs)
 //   loadVolatile, storeVolatile        bitwise volatile accesses for any T of 1/2/4/8 bytes
-//   Sum, Max, Min                      reduction functors (with identity<T>())
+//   Sum, Prod, Max, Min                reduction functors (with identity<T>())
 //   threadIndex/threadCount/blockIndex/blockCount<X,Y,Z>   linearisation helpers
 //   warpReduce, warpAllReduce, blockReduce, blockAllReduce  block reductions
 //   gridReduce, gridReduceSerial                           grid reductions (semaphores)
@@ -847,6 +847,16 @@ struct Sum {
   template <typename T>
   static KILN_DEVICE T identity() {
     return cast<T>(0);
+  }
+};
+struct Prod {
+  template <typename T>
+  KILN_DEVICE T operator()(T a, T b) const {
+    return mul(a, b);
+  }
+  template <typename T>
+  static KILN_DEVICE T identity() {
+    return cast<T>(1);
   }
 };
 struct Max {

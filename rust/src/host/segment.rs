@@ -103,6 +103,29 @@ pub fn segment_of(f: &Fusion, group: &[ExprId], order: &[ExprId]) -> Result<Segm
     for &e in group {
         reads.extend(f.exprs[e].input_tvs());
     }
+    // A size the group reads as a value (`cast(size(x, 0))`, a `full` of x's shape) but no
+    // tensor it reads carries: the fusion input that defines it comes along for its sizes.
+    let mut syms = FxHashSet::default();
+    for &e in group {
+        let ex = &f.exprs[e];
+        for o in &ex.inputs {
+            if let Operand::Scalar(v) = *o {
+                crate::lower::predicate::symbols(&f.scalars, v, &mut syms);
+            }
+        }
+        for &id in &f.tvs[ex.output].logical {
+            crate::lower::predicate::symbols(&f.scalars, f.ids[id].extent, &mut syms);
+        }
+    }
+    for s in syms {
+        let Symbol::Extent(n) = s else { continue };
+        let carried = reads
+            .iter()
+            .any(|&t| f.no_reduction_logical(t).iter().any(|&id| f.scalars.get(f.ids[id].extent) == Val::Symbol(s)));
+        if let (false, Some(&(src, _))) = (carried, f.extent_sources.get(n as usize)) {
+            reads.insert(src);
+        }
+    }
     let mut inputs: Vec<TvId> = f.inputs.iter().filter_map(|o| o.tensor()).filter(|t| reads.contains(t)).collect();
     let mut crossing_in: Vec<TvId> =
         reads.iter().copied().filter(|&t| f.tvs[t].definition.is_some_and(|d| !in_seg.contains(&d))).collect();

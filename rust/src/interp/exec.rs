@@ -1112,6 +1112,7 @@ impl Exec<'_, '_> {
                     Op::Cast(dt) => take(0)?.convert(*dt),
                     Op::Set
                     | Op::Broadcast { .. }
+                    | Op::Squeeze { .. }
                     | Op::Permute { .. }
                     | Op::IndexSelect { .. }
                     | Op::Reduction { .. } => take(0)?.convert(out_dt),

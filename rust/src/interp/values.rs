@@ -330,6 +330,7 @@ pub fn combine(op: ReductionOp, a: Col, b: Col, dt: DataType) -> Result<Col> {
     let bop = match op {
         ReductionOp::Sum => BinaryOp::Add,
         ReductionOp::Max => BinaryOp::Maximum,
+        ReductionOp::Prod => BinaryOp::Mul,
         ReductionOp::Min => BinaryOp::Minimum,
     };
     arith(bop, a, b, dt)

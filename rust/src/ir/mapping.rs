@@ -22,6 +22,10 @@ pub fn logical_pairs(f: &Fusion, e: ExprId, input_pos: usize) -> Vec<(IterDomain
             let kept = cdom.iter().zip(is_new).filter(|(_, &n)| !n).map(|(&c, _)| c);
             pdom.iter().copied().zip(kept).collect()
         }
+        Op::Squeeze { removed } => {
+            let kept = pdom.iter().zip(removed).filter(|(_, &r)| !r).map(|(&p, _)| p);
+            kept.zip(cdom.iter().copied()).collect()
+        }
         Op::Permute { perm } => perm.iter().enumerate().map(|(i, &src)| (pdom[src], cdom[i])).collect(),
         Op::IndexSelect { dim } => {
             if input_pos == 0 {

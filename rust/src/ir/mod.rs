@@ -141,6 +141,7 @@ pub enum ReductionOp {
     Sum,
     Max,
     Min,
+    Prod,
 }
 
 /// What a tensor expression computes.
@@ -161,6 +162,10 @@ pub enum Op {
         is_new: Vec<bool>,
     },
     /// `output.logical[i]` comes from `input.logical[perm[i]]`.
+    /// Drops the input's size-one axes where `removed[i]` (nvFuser's `squeeze`).
+    Squeeze {
+        removed: Vec<bool>,
+    },
     Permute {
         perm: Vec<usize>,
     },

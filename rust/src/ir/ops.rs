@@ -5,6 +5,7 @@ use smallvec::{smallvec, SmallVec};
 
 use crate::error::Result;
 use crate::ir::dtype::{promote, Category, PromotionOperand};
+use crate::ir::scalar::{ScalarOp, Scalars, Val};
 use crate::ir::{
     BinaryClass, BinaryOp, DataType, Fusion, IterDomainId, IterType, MemoryType, Op, Operand, ReductionOp, Symbol,
     TvId, UnaryClass, UnaryOp, ValId,
@@ -109,6 +110,55 @@ impl Fusion {
         }
     }
 
+    /// `t`, a 0-d tensor computed from scalars alone (`1 - beta`), recomputed with `rank`
+    /// size-one axes: like `full`, it then fuses into the kernel that reads it instead of
+    /// being a kernel of its own. None when `t` reads a tensor (a reduction's result).
+    fn rerank_scalar_math(&mut self, t: TvId, rank: usize) -> Option<TvId> {
+        if !self.is_scalar_math(t) {
+            return None;
+        }
+        let e = self.tvs[t].definition?;
+        let (op, inputs) = (self.exprs[e].op.clone(), self.exprs[e].inputs.clone());
+        let mut new_inputs: SmallVec<[Operand; 3]> = SmallVec::new();
+        for o in inputs {
+            new_inputs.push(match o {
+                Operand::Scalar(_) => o,
+                Operand::Tensor(i) => Operand::Tensor(self.rerank_scalar_math(i, rank)?),
+            });
+        }
+        let one = self.scalars.int(1);
+        let logical = (0..rank).map(|_| self.new_id(one, IterType::Broadcast)).collect();
+        let out = self.new_tv(self.tvs[t].dtype, MemoryType::Local, logical);
+        self.add_expr(op, new_inputs, out);
+        Some(out)
+    }
+
+    /// True for a 0-d tensor computed by element-wise ops from scalars alone.
+    fn is_scalar_math(&self, t: TvId) -> bool {
+        let Some(e) = self.tvs[t].definition else { return false };
+        let ex = &self.exprs[e];
+        matches!(ex.op, Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast(_) | Op::Full { .. })
+            && self.no_reduction_logical(t).is_empty()
+            && self.tvs[t].logical.is_empty()
+            && ex.inputs.iter().all(|o| o.tensor().is_none_or(|i| self.is_scalar_math(i)))
+    }
+
+    /// Operands as promotion sees them: a 0-d tensor beside ranked tensors ranks with the
+    /// scalars (PyTorch: dimensioned tensors take precedence over zero-dim ones).
+    fn promotion_operands(&self, operands: &[Operand]) -> SmallVec<[PromotionOperand; 3]> {
+        let ranked = operands.iter().filter_map(|o| o.tensor()).any(|t| !self.no_reduction_logical(t).is_empty());
+        operands
+            .iter()
+            .map(|&o| {
+                let mut p = self.operand_dtype(o);
+                if let Operand::Tensor(t) = o {
+                    p.is_tensor = !ranked || !self.no_reduction_logical(t).is_empty();
+                }
+                p
+            })
+            .collect()
+    }
+
     fn describe(&self, o: Operand) -> String {
         match o {
             Operand::Tensor(t) => self.tv_name(t),
@@ -120,7 +170,8 @@ impl Fusion {
     fn pointwise_domain(&mut self, op_name: &str, operands: &[Operand]) -> Result<Vec<IterDomainId>> {
         let tensors: Vec<TvId> = operands.iter().filter_map(|o| o.tensor()).collect();
         let Some(&first) = tensors.first() else {
-            bail!("{op_name}: at least one operand must be a tensor; got only scalars");
+            // Scalars only: a 0-d tensor.
+            return Ok(Vec::new());
         };
         let doms: Vec<Vec<IterDomainId>> = tensors.iter().map(|&t| self.no_reduction_logical(t)).collect();
         let rank = doms[0].len();
@@ -176,7 +227,28 @@ impl Fusion {
         Ok(out)
     }
 
-    fn pointwise(&mut self, op_name: &str, op: Op, operands: SmallVec<[Operand; 3]>, dtype: DataType) -> Result<TvId> {
+    fn pointwise(
+        &mut self,
+        op_name: &str,
+        op: Op,
+        mut operands: SmallVec<[Operand; 3]>,
+        dtype: DataType,
+    ) -> Result<TvId> {
+        // A 0-d tensor among ranked ones broadcasts to their rank, as in PyTorch.
+        let rank = operands.iter().filter_map(|o| o.tensor()).map(|t| self.no_reduction_logical(t).len()).max();
+        if let Some(rank @ 1..) = rank {
+            for o in operands.iter_mut() {
+                if let Operand::Tensor(t) = *o {
+                    if self.no_reduction_logical(t).is_empty() {
+                        let b = match self.rerank_scalar_math(t, rank) {
+                            Some(b) => b,
+                            None => self.broadcast(t, vec![true; rank])?,
+                        };
+                        *o = Operand::Tensor(b);
+                    }
+                }
+            }
+        }
         let logical = self.pointwise_domain(op_name, &operands)?;
         let out = self.new_tv(dtype, MemoryType::Local, logical);
         self.add_expr(op, operands, out);
@@ -209,7 +281,7 @@ impl Fusion {
 
     /// An element-wise binary op.
     pub fn binary(&mut self, op: BinaryOp, a: Operand, b: Operand) -> Result<TvId> {
-        let promoted = promote(&[self.operand_dtype(a), self.operand_dtype(b)]);
+        let promoted = promote(&self.promotion_operands(&[a, b]));
         let out_dt = match op.class() {
             BinaryClass::Compare | BinaryClass::Logical => DataType::Bool,
             BinaryClass::Float if !promoted.is_float() => DataType::Float,
@@ -234,13 +306,62 @@ impl Fusion {
         self.pointwise(op.name(), Op::Binary(op), smallvec![a, b], out_dt)
     }
 
+    /// A unary op on any operand: a constant scalar folds to a constant, another scalar
+    /// gives a 0-d tensor, a tensor the op's tensor.
+    pub fn unary_value(&mut self, op: UnaryOp, x: Operand) -> Result<Operand> {
+        if let Some(v) = self.fold(|sc, vals| fold_unary(op, sc, vals[0]), &[x]) {
+            return Ok(Operand::Scalar(v));
+        }
+        Ok(Operand::Tensor(self.unary(op, x)?))
+    }
+
+    /// A binary op on any operands: constants fold, integer index arithmetic on scalars
+    /// (`size(t, 0) * 2`) stays a scalar usable in shapes, other scalar-only math gives a
+    /// 0-d tensor.
+    pub fn binary_value(&mut self, op: BinaryOp, a: Operand, b: Operand) -> Result<Operand> {
+        if let Some(v) = self.fold(|sc, vals| fold_binary(op, sc, vals[0], vals[1]), &[a, b]) {
+            return Ok(Operand::Scalar(v));
+        }
+        if let (Operand::Scalar(x), Operand::Scalar(y)) = (a, b) {
+            let ints = [x, y].iter().all(|&v| self.scalars.dtype(v, &self.scalar_input_dtypes) == DataType::Int);
+            let index_op = match op {
+                BinaryOp::Add => Some(ScalarOp::Add),
+                BinaryOp::Sub => Some(ScalarOp::Sub),
+                BinaryOp::Mul => Some(ScalarOp::Mul),
+                BinaryOp::Maximum => Some(ScalarOp::Max),
+                BinaryOp::Minimum => Some(ScalarOp::Min),
+                _ => None,
+            };
+            if let (true, Some(sop)) = (ints, index_op) {
+                return Ok(Operand::Scalar(self.scalars.binary(sop, x, y)));
+            }
+        }
+        Ok(Operand::Tensor(self.binary(op, a, b)?))
+    }
+
+    /// `f` over the constant values of `operands`, when all are constant scalars.
+    fn fold(&mut self, f: impl FnOnce(&mut Scalars, &[Val]) -> Option<ValId>, operands: &[Operand]) -> Option<ValId> {
+        let vals: Option<SmallVec<[Val; 2]>> = operands
+            .iter()
+            .map(|o| match o {
+                Operand::Scalar(v) => match self.scalars.get(*v) {
+                    c @ (Val::Int(_) | Val::Float(_) | Val::Bool(_)) => Some(c),
+                    _ => None,
+                },
+                Operand::Tensor(_) => None,
+            })
+            .collect();
+        f(&mut self.scalars, &vals?)
+    }
+
     /// `where(cond, a, b)`.
     pub fn where_(&mut self, cond: Operand, a: Operand, b: Operand) -> Result<TvId> {
         let cd = self.operand_dtype(cond).dtype;
         if cd != DataType::Bool {
             bail_type!("where: condition {} has dtype {cd}; expected Bool", self.describe(cond));
         }
-        let (pa, pb) = (self.operand_dtype(a), self.operand_dtype(b));
+        let ps = self.promotion_operands(&[a, b]);
+        let (pa, pb) = (ps[0], ps[1]);
         let out_dt = if pa.is_tensor || pb.is_tensor {
             promote(&[pa, pb])
         } else {
@@ -305,12 +426,12 @@ impl Fusion {
         let dims = self.normalize_dims(name, x, dims, inp.len())?;
         let in_dt = self.tvs[x].dtype;
         let out_dt = dtype.unwrap_or(match op {
-            ReductionOp::Sum if !in_dt.is_float() => DataType::Int,
+            ReductionOp::Sum | ReductionOp::Prod if !in_dt.is_float() => DataType::Int,
             _ => in_dt,
         });
-        // A half or bfloat16 sum accumulates in float and rounds once at the end (as
-        // PyTorch does): rounding every partial sum loses digits fast.
-        if op == ReductionOp::Sum && matches!(out_dt, DataType::Half | DataType::BFloat16) {
+        // A half or bfloat16 sum (or product) accumulates in float and rounds once at the
+        // end (as PyTorch does): rounding every partial result loses digits fast.
+        if matches!(op, ReductionOp::Sum | ReductionOp::Prod) && matches!(out_dt, DataType::Half | DataType::BFloat16) {
             let wide = self.cast(Operand::Tensor(x), DataType::Float)?;
             let r = self.reduction(op, wide, &dims.iter().map(|&d| d as i64).collect::<Vec<_>>(), keepdim, None)?;
             return self.cast(Operand::Tensor(r), out_dt);
@@ -326,6 +447,8 @@ impl Fusion {
             (ReductionOp::Min, _) if out_dt == DataType::Bool => self.scalars.boolean(true),
             (ReductionOp::Sum, true) => self.scalars.float(0.0),
             (ReductionOp::Sum, false) => self.scalars.int(0),
+            (ReductionOp::Prod, true) => self.scalars.float(1.0),
+            (ReductionOp::Prod, false) => self.scalars.int(1),
             (ReductionOp::Max, true) => self.scalars.float(f64::NEG_INFINITY),
             (ReductionOp::Max, false) => {
                 self.scalars.int(if out_dt == DataType::Int32 { i32::MIN as i64 } else { i64::MIN })
@@ -467,6 +590,34 @@ impl Fusion {
         Ok(out)
     }
 
+    /// `x` without its axes `dims`, each of which must have size one.
+    pub fn squeeze(&mut self, x: TvId, dims: &[i64]) -> Result<TvId> {
+        let inp = self.no_reduction_logical(x);
+        let mut removed = vec![false; inp.len()];
+        for d in self.normalize_dims("squeeze", x, dims, inp.len())? {
+            let id = &self.ids[inp[d]];
+            if id.iter_type != IterType::Broadcast && self.scalars.as_int(id.extent) != Some(1) {
+                bail!(
+                    "squeeze: axis {d} of {} has size {}; only size-one axes can be squeezed",
+                    self.tv_name(x),
+                    self.scalars.render(id.extent)
+                );
+            }
+            removed[d] = true;
+        }
+        let mut logical = Vec::new();
+        for (&id, &r) in inp.iter().zip(&removed) {
+            if !r {
+                let src = self.ids[id].clone();
+                logical.push(self.new_id(src.extent, src.iter_type));
+            }
+        }
+        let dt = self.tvs[x].dtype;
+        let out = self.new_tv(dt, MemoryType::Local, logical);
+        self.add_expr(Op::Squeeze { removed }, smallvec![Operand::Tensor(x)], out);
+        Ok(out)
+    }
+
     /// Select slices of `x` along `dim` at the positions in the 1-D integer `index`.
     pub fn index_select(&mut self, x: TvId, index: TvId, dim: i64) -> Result<TvId> {
         let inp = self.no_reduction_logical(x);
@@ -525,6 +676,116 @@ pub fn reduction_name(op: ReductionOp) -> &'static str {
     match op {
         ReductionOp::Sum => "sum",
         ReductionOp::Max => "max",
+        ReductionOp::Prod => "prod",
         ReductionOp::Min => "min",
     }
+}
+
+/// A constant as the op table's forms see it.
+#[derive(Clone, Copy)]
+enum Num {
+    B(bool),
+    I(i64),
+    F(f64),
+}
+
+fn num(v: Val) -> Option<Num> {
+    Some(match v {
+        Val::Bool(b) => Num::B(b),
+        Val::Int(i) => Num::I(i),
+        Val::Float(bits) => Num::F(f64::from_bits(bits)),
+        _ => return None,
+    })
+}
+
+fn as_f64(n: Num) -> f64 {
+    match n {
+        Num::B(b) => f64::from(u8::from(b)),
+        Num::I(i) => i as f64,
+        Num::F(x) => x,
+    }
+}
+
+fn as_i64(n: Num) -> i64 {
+    match n {
+        Num::B(b) => i64::from(b),
+        Num::I(i) => i,
+        Num::F(x) => x as i64,
+    }
+}
+
+fn as_bool(n: Num) -> bool {
+    match n {
+        Num::B(b) => b,
+        Num::I(i) => i != 0,
+        Num::F(x) => x != 0.0,
+    }
+}
+
+/// The constant `n` converted to `dt`'s category, interned.
+fn constant(sc: &mut Scalars, n: Num, dt: DataType) -> ValId {
+    match dt.category() {
+        Category::Bool => sc.boolean(as_bool(n)),
+        Category::Integer => sc.int(as_i64(n)),
+        Category::Floating => sc.float(as_f64(n)),
+    }
+}
+
+/// The category scalars of these constants promote to (Python's number tower).
+fn promoted(ns: &[Num]) -> DataType {
+    if ns.iter().any(|n| matches!(n, Num::F(_))) {
+        DataType::Double
+    } else if ns.iter().any(|n| matches!(n, Num::I(_))) {
+        DataType::Int
+    } else {
+        DataType::Bool
+    }
+}
+
+/// `op` of a constant, computed in double / int64 / bool as the operand promotes; None
+/// when the op has no form there (the tensor path then reports it).
+fn fold_unary(op: UnaryOp, sc: &mut Scalars, v: Val) -> Option<ValId> {
+    let n = num(v)?;
+    let dt = promoted(&[n]);
+    let cd = match op.class() {
+        UnaryClass::Float => DataType::Double,
+        UnaryClass::Logical => DataType::Bool,
+        _ => dt,
+    };
+    let r = match cd.category() {
+        Category::Bool => Num::B(op.eval_bool(as_bool(n))?),
+        Category::Integer => Num::I(op.eval_int(as_i64(n))?),
+        Category::Floating => Num::F(op.eval_f64(as_f64(n))?),
+    };
+    let out = match op.class() {
+        UnaryClass::Predicate | UnaryClass::Logical => DataType::Bool,
+        _ => cd,
+    };
+    Some(constant(sc, r, out))
+}
+
+/// `op` of two constants (see [`fold_unary`]).
+fn fold_binary(op: BinaryOp, sc: &mut Scalars, a: Val, b: Val) -> Option<ValId> {
+    let (x, y) = (num(a)?, num(b)?);
+    let p = promoted(&[x, y]);
+    let cd = match op.class() {
+        BinaryClass::Float if !p.is_float() => DataType::Double,
+        BinaryClass::Logical => DataType::Bool,
+        _ => p,
+    };
+    if op.is_comparison() {
+        let r = match cd.category() {
+            Category::Bool => op.compare(as_bool(x), as_bool(y))?,
+            Category::Integer => op.compare(as_i64(x), as_i64(y))?,
+            Category::Floating => op.compare(as_f64(x), as_f64(y))?,
+        };
+        return Some(sc.boolean(r));
+    }
+    let r = match cd.category() {
+        Category::Bool => Num::B(op.eval_bool(as_bool(x), as_bool(y))?),
+        Category::Integer => Num::I(op.eval_int(as_i64(x), as_i64(y))?),
+        Category::Floating => Num::F(op.eval_f64(as_f64(x), as_f64(y))?),
+    };
+    let out = if op.class() == BinaryClass::Logical { DataType::Bool } else { cd };
+    Some(constant(sc, r, out))
 }

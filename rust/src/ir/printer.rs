@@ -58,6 +58,7 @@ impl Fusion {
             }
             Op::Broadcast { is_new } => format!("broadcast({}, is_new = {:?})", args[0], is_new),
             Op::Permute { perm } => format!("permute({}, dims = {:?})", args[0], perm),
+            Op::Squeeze { removed } => format!("squeeze({}, removed = {:?})", args[0], removed),
             Op::IndexSelect { dim } => format!("index_select({}, dim = {dim}, index = {})", args[0], args[1]),
             Op::Set => format!("set({})", args[0]),
             Op::Full { value } => format!("full(value = {})", self.scalars.render(*value)),
@@ -80,6 +81,7 @@ impl Fusion {
             Op::Reduction { op, .. } => format!("reduce_{}", reduction_name(*op)),
             Op::Broadcast { .. } => "broadcast".into(),
             Op::Permute { perm } => format!("permute{perm:?}"),
+            Op::Squeeze { .. } => "squeeze".into(),
             Op::IndexSelect { dim } => format!("index_select<dim={dim}>"),
             Op::Set => "set".into(),
             Op::Full { value } => format!("full<{}>", self.scalars.render(*value)),

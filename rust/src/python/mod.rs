@@ -57,6 +57,13 @@ fn parse_enum<T>(what: &str, name: &str, f: impl Fn(&str) -> Option<T>) -> crate
 /// An operand as Python passes it: (is_tensor, id).
 type PyOperand = (bool, u32);
 
+fn py_operand(o: Operand) -> PyOperand {
+    match o {
+        Operand::Tensor(t) => (true, t.as_u32()),
+        Operand::Scalar(v) => (false, v.as_u32()),
+    }
+}
+
 /// The fusion arena, owned by a Python `FusionDefinition`.
 #[pyclass(name = "Fusion", module = "kiln._core")]
 pub struct PyFusion {
@@ -139,6 +146,44 @@ impl PyFusion {
         })
     }
 
+    /// Element-wise unary op by name on any operand: (is_tensor, id) of the result (a
+    /// constant folds to a scalar).
+    fn unary_value(&mut self, py: Python<'_>, op: &str, x: PyOperand) -> PyResult<PyOperand> {
+        guarded(py, || {
+            let u = parse_enum("unary op", op, UnaryOp::from_name)?;
+            let x = self.operand(x)?;
+            Ok(py_operand(self.inner.get_mut().unary_value(u, x)?))
+        })
+    }
+
+    /// Element-wise binary op by name on any operands: (is_tensor, id) of the result
+    /// (constants fold, integer scalar arithmetic stays a scalar).
+    fn binary_value(&mut self, py: Python<'_>, op: &str, a: PyOperand, b: PyOperand) -> PyResult<PyOperand> {
+        guarded(py, || {
+            let o = parse_enum("binary op", op, BinaryOp::from_name)?;
+            let (a, b) = (self.operand(a)?, self.operand(b)?);
+            Ok(py_operand(self.inner.get_mut().binary_value(o, a, b)?))
+        })
+    }
+
+    /// The size of axis `dim` of tensor `t` (reduced axes not counted) as a scalar id.
+    fn axis_size(&self, py: Python<'_>, t: u32, dim: i64) -> PyResult<u32> {
+        guarded(py, || {
+            let f = self.inner.get();
+            let tv = self.tv(t)?;
+            let axes = f.no_reduction_logical(tv);
+            let rank = axes.len() as i64;
+            let d = if dim < 0 { dim + rank } else { dim };
+            if !(0..rank).contains(&d) {
+                return Err(crate::error::KilnError::value(format!(
+                    "size: axis {dim} is out of range for {} of rank {rank}",
+                    f.tv_name(tv)
+                )));
+            }
+            Ok(f.ids[axes[d as usize]].extent.as_u32())
+        })
+    }
+
     /// Element-wise binary op by name.
     fn binary(&mut self, py: Python<'_>, op: &str, a: PyOperand, b: PyOperand) -> PyResult<u32> {
         guarded(py, || {
@@ -177,7 +222,9 @@ impl PyFusion {
     ) -> PyResult<u32> {
         guarded(py, || {
             let r = parse_enum("reduction", op, |n| {
-                [ReductionOp::Sum, ReductionOp::Max, ReductionOp::Min].into_iter().find(|&r| reduction_name(r) == n)
+                [ReductionOp::Sum, ReductionOp::Max, ReductionOp::Min, ReductionOp::Prod]
+                    .into_iter()
+                    .find(|&r| reduction_name(r) == n)
             })?;
             let dt = dtype.map(Fusion::parse_dtype).transpose()?;
             let x = self.tv(x)?;
@@ -198,6 +245,14 @@ impl PyFusion {
         guarded(py, || {
             let x = self.tv(x)?;
             Ok(self.inner.get_mut().permute(x, &dims)?.as_u32())
+        })
+    }
+
+    /// Drop size-one axes.
+    fn squeeze(&mut self, py: Python<'_>, x: u32, dims: Vec<i64>) -> PyResult<u32> {
+        guarded(py, || {
+            let x = self.tv(x)?;
+            Ok(self.inner.get_mut().squeeze(x, &dims)?.as_u32())
         })
     }
 

@@ -431,7 +431,7 @@ pub(crate) fn replay(f: &mut Fusion, op: Op, operands: &[Operand]) -> Result<TvI
         Op::Broadcast { is_new } => f.broadcast(tensor(0)?, is_new)?,
         Op::Set => f.set(tensor(0)?)?,
         Op::IndexSelect { dim } => f.index_select(tensor(0)?, tensor(1)?, dim as i64)?,
-        Op::Reduction { .. } | Op::Permute { .. } | Op::Full { .. } => {
+        Op::Reduction { .. } | Op::Permute { .. } | Op::Squeeze { .. } | Op::Full { .. } => {
             crate::bail_internal!("replay: {op:?} is not replayed")
         }
     })

@@ -1,0 +1,106 @@
+"""squeeze, broadcast (nvFuser's is_broadcast_dim form) and expand, automatically scheduled
+on the CPU interpreter against NumPy, with their errors; ``-m gpu`` runs them on the GPU."""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+import numpy as np
+import pytest
+from gpu_util import cupy_or_skip
+from kiln import DataType, FusionDefinition, KilnError
+
+
+def _squeeze_after_keepdim_sum() -> FusionDefinition:
+    # mean over the last axis with keepdim, squeezed back: x.sum(-1, keepdim=True).squeeze(-1)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1])
+        s = fd.ops.sum(x, [2], keepdim=True)
+        fd.add_output(fd.ops.mul(fd.ops.squeeze(s, [2]), 0.5))
+    return fd
+
+
+def _squeeze_input_then_bias() -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 1, -1, 1])
+        b = fd.define_tensor([-1])
+        y = fd.ops.squeeze(x, [1, -1])
+        fd.add_output(fd.ops.add(fd.ops.tanh(y), fd.ops.broadcast(b, [True, False])))
+    return fd
+
+
+def _expand_column() -> FusionDefinition:
+    with FusionDefinition() as fd:
+        b = fd.define_tensor([-1])
+        col = fd.ops.broadcast(b, [False, True])
+        fd.add_output(fd.ops.sub(fd.ops.expand(col, [-1, 6]), 1.0))
+    return fd
+
+
+def _inputs(name: str, xp: Any) -> List[Any]:
+    rng = np.random.default_rng(0)
+    if name == "keepdim":
+        return [xp.asarray(rng.normal(size=(3, 5, 7)).astype(np.float32))]
+    if name == "input":
+        return [xp.asarray(rng.normal(size=(4, 1, 9, 1)).astype(np.float32)),
+                xp.asarray(rng.normal(size=9).astype(np.float32))]
+    return [xp.asarray(rng.normal(size=5).astype(np.float32))]
+
+
+def _want(name: str, a: List[np.ndarray]) -> np.ndarray:
+    if name == "keepdim":
+        return 0.5 * a[0].astype(np.float64).sum(-1)
+    if name == "input":
+        return np.tanh(a[0][:, 0, :, 0].astype(np.float64)) + a[1]
+    return np.broadcast_to(a[0][:, None], (5, 6)) - 1.0
+
+
+CASES = {"keepdim": _squeeze_after_keepdim_sum, "input": _squeeze_input_then_bias, "expand": _expand_column}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_shape_ops_match_numpy(name: str) -> None:
+    fd = CASES[name]()
+    a = _inputs(name, np)
+    (got,) = fd.execute(a)
+    want = _want(name, a)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_shape_ops_on_gpu(name: str) -> None:
+    cp = cupy_or_skip()
+    fd = CASES[name]()
+    a = _inputs(name, cp)
+    (got,) = fd.execute(a)
+    want = _want(name, [cp.asnumpy(x) for x in a])
+    np.testing.assert_allclose(cp.asnumpy(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_squeeze_of_a_sized_axis_is_an_error() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 3])
+        with pytest.raises(KilnError, match="squeeze: axis 1 of T0 has size 3; only size-one axes"):
+            fd.ops.squeeze(x, [1])
+        with pytest.raises(KilnError, match="squeeze: axis 0 of T0 has size i0; only size-one axes"):
+            fd.ops.squeeze(x, [0])
+        fd.add_output(x)
+
+
+def test_broadcast_and_expand_check_their_ranks() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], DataType.Float)
+        with pytest.raises(KilnError, match="broadcast: T0 has rank 2 .* keeps 1 axes"):
+            fd.ops.broadcast(x, [True, False])
+        with pytest.raises(KilnError, match="expand: T0 has rank 2 but shape"):
+            fd.ops.expand(x, [4])
+        fd.add_output(x)
+
+
+def test_squeeze_input_with_wrong_size_is_refused_before_running() -> None:
+    fd = _squeeze_input_then_bias()
+    bad = [np.ones((4, 2, 9, 1), np.float32), np.ones(9, np.float32)]
+    with pytest.raises(KilnError, match="input 0 .*axis 1"):
+        fd.execute(bad)

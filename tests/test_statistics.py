@@ -1,0 +1,117 @@
+"""var, var_mean, welford and prod against NumPy float64: numerically stable statistics
+(a float32 input with mean 1e4 and standard deviation 1e-2), corrections, keepdim, several
+axes, full reductions; ``-m gpu`` checks the GPU against the interpreter."""
+
+from __future__ import annotations
+
+from typing import Any, List, Sequence
+
+import numpy as np
+import pytest
+from gpu_util import cupy_or_skip
+from kiln import DataType, FusionDefinition, KilnError
+
+
+def _var_mean_fd(rank: int, dims: Sequence[int], correction: int, keepdim: bool,
+                 dtype: DataType = DataType.Float) -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1] * rank, dtype)
+        var, mean = fd.ops.var_mean(x, dims, correction=correction, keepdim=keepdim)
+        fd.add_output(var)
+        fd.add_output(mean)
+    return fd
+
+
+def test_var_mean_is_stable_for_a_large_mean_in_float32() -> None:
+    rng = np.random.default_rng(0)
+    x = (1e4 + 1e-2 * rng.normal(size=(16, 4096))).astype(np.float32)
+    var, mean = _var_mean_fd(2, [1], 1, False).execute([x])
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(var, x64.var(axis=1, ddof=1), rtol=1e-5)
+    np.testing.assert_allclose(mean, x64.mean(axis=1), rtol=1e-7)
+    assert len(_var_mean_fd(2, [1], 1, False).lower([x]).kernels) == 1
+
+
+@pytest.mark.parametrize(("shape", "dims", "correction", "keepdim"), [
+    ((6, 33), [1], 1, False), ((6, 33), [0], 0, True), ((4, 5, 7), [0, 2], 1, False),
+    ((4, 5, 7), [-1], 2, True), ((3, 8), [0, 1], 0, False), ((2, 3, 4, 5), [0, 2, 3], 1, False),
+])
+def test_var_mean_matches_numpy(shape: Any, dims: List[int], correction: int, keepdim: bool) -> None:
+    x = np.random.default_rng(len(shape)).normal(2.0, 3.0, size=shape).astype(np.float32)
+    var, mean = _var_mean_fd(len(shape), dims, correction, keepdim).execute([x])
+    ax = tuple(d % len(shape) for d in dims)
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(var, x64.var(axis=ax, ddof=correction, keepdims=keepdim), rtol=1e-5)
+    np.testing.assert_allclose(mean, x64.mean(axis=ax, keepdims=keepdim), rtol=1e-5, atol=1e-6)
+
+
+def test_var_of_half_rounds_once() -> None:
+    x = np.random.default_rng(5).normal(size=(8, 300)).astype(np.float16)
+    with FusionDefinition() as fd:
+        t = fd.define_tensor([-1, -1], DataType.Half)
+        fd.add_output(fd.ops.var(t, [1]))
+    (got,) = fd.execute([x])
+    assert got.dtype == np.float16
+    want = x.astype(np.float64).var(axis=1, ddof=1).astype(np.float16)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_welford_gives_mean_var_sum_and_count() -> None:
+    x = np.random.default_rng(6).normal(size=(5, 40)).astype(np.float32)
+    with FusionDefinition() as fd:
+        t = fd.define_tensor([-1, -1])
+        for out in fd.ops.welford(t, [1]):
+            fd.add_output(out)
+    avg, var_sum, n = fd.execute([x])
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(avg, x64.mean(1), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(var_sum, ((x64 - x64.mean(1, keepdims=True)) ** 2).sum(1), rtol=1e-5)
+    np.testing.assert_array_equal(n, np.full(5, 40))
+    assert n.dtype == np.int64
+
+
+def test_var_mean_refuses_integers() -> None:
+    with FusionDefinition() as fd:
+        t = fd.define_tensor([-1], DataType.Int)
+        with pytest.raises(KilnError, match="var_mean: T0 has dtype Int; expected a floating type"):
+            fd.ops.var_mean(t, [0])
+        fd.add_output(t)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64, np.int32], ids=str)
+def test_prod_matches_numpy(dtype: Any) -> None:
+    rng = np.random.default_rng(7)
+    x = (rng.uniform(0.5, 1.5, size=(9, 13)) if np.dtype(dtype).kind == "f"
+         else rng.integers(-3, 4, size=(9, 13))).astype(dtype)
+    dt = {np.dtype(np.float32): DataType.Float, np.dtype(np.float64): DataType.Double,
+          np.dtype(np.int64): DataType.Int, np.dtype(np.int32): DataType.Int32}[np.dtype(dtype)]
+    with FusionDefinition() as fd:
+        t = fd.define_tensor([-1, -1], dt)
+        fd.add_output(fd.ops.prod(t, [1]))
+        fd.add_output(fd.ops.prod(t, [0, 1]))
+    rows, total = fd.execute([x])
+    if np.dtype(dtype).kind == "f":
+        np.testing.assert_allclose(rows, x.astype(np.float64).prod(1), rtol=1e-5)
+        np.testing.assert_allclose(total, x.astype(np.float64).prod(), rtol=1e-4)
+    else:
+        assert rows.dtype == np.int64  # integer products widen to Int, as torch.prod
+        np.testing.assert_array_equal(rows, x.astype(np.int64).prod(1))
+        np.testing.assert_array_equal(total, x.astype(np.int64).prod())
+
+
+@pytest.mark.gpu
+def test_statistics_on_gpu() -> None:
+    cp = cupy_or_skip()
+    rng = np.random.default_rng(8)
+    x = (1e4 + 1e-2 * rng.normal(size=(1024, 2048))).astype(np.float32)
+    fd = _var_mean_fd(2, [1], 1, False)
+    var, mean = (cp.asnumpy(o) for o in fd.execute([cp.asarray(x)]))
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(var, x64.var(axis=1, ddof=1), rtol=1e-5)
+    np.testing.assert_allclose(mean, x64.mean(axis=1), rtol=1e-7)
+    y = rng.uniform(0.9, 1.1, size=(256, 300)).astype(np.float32)
+    with FusionDefinition() as fd:
+        t = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.prod(t, [1]))
+    (rows,) = fd.execute([cp.asarray(y)])
+    np.testing.assert_allclose(cp.asnumpy(rows), y.astype(np.float64).prod(1), rtol=1e-4)
