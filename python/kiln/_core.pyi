@@ -62,6 +62,11 @@ class Fusion:
         """index_select along dim."""
     def full(self, shape: List[int], value: Operand, dtype: str) -> int:
         """A filled tensor; `shape` holds scalar ids of the extents."""
+    def iota(self, length: int, start: Operand, step: Operand, dtype: str) -> int:
+        """``length`` (a scalar id) elements ``start + i * step``."""
+    def random(self, dist: str, shape: List[int], a: Operand, b: Operand, seed: Operand, offset: Operand,
+               dtype: str) -> int:
+        """Random numbers (``dist`` "uniform" or "normal"); ``shape`` holds scalar ids."""
     def add_output(self, t: int) -> None:
         """Mark a tensor as output."""
     def tv_dtype(self, t: int) -> str:

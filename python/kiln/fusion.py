@@ -422,17 +422,58 @@ class Ops:
              dtype: DataType) -> Tensor:
         """A tensor of ``shape`` filled with ``value``."""
         fd = self._fd
+        dims = self._shape(shape, "full")
+        return Tensor(fd, fd._core.full(dims, fd._operand(value, "full"), _check_dtype(dtype, "full")))
+
+    def _shape(self, shape: Sequence[Union[int, Scalar]], what: str) -> List[int]:
+        fd = self._fd
         dims: List[int] = []
         for s in shape:
             if isinstance(s, Scalar):
                 dims.append(s._id)
             elif isinstance(s, int) and not isinstance(s, bool):
                 if s < 0:
-                    raise KilnError(f"full: size {s} is negative; expected a size >= 0 or a Scalar")
+                    raise KilnError(f"{what}: size {s} is negative; expected a size >= 0 or a Scalar")
                 dims.append(fd._const(s)._id)
             else:
-                raise KilnTypeError(f"full: shape entries must be ints or Scalars, got {s!r}")
-        return Tensor(fd, fd._core.full(dims, fd._operand(value, "full"), _check_dtype(dtype, "full")))
+                raise KilnTypeError(f"{what}: shape entries must be ints or Scalars, got {s!r}")
+        return dims
+
+    def iota(self, length: Union[int, Scalar], start: Operand = 0, step: Operand = 1,
+             dtype: DataType = DataType.Int) -> Tensor:
+        """``[start, start + step, ...]``: ``length`` elements (nvFuser's iota)."""
+        fd = self._fd
+        (n,) = self._shape([length], "iota")
+        return Tensor(fd, fd._core.iota(n, fd._operand(start, "iota"), fd._operand(step, "iota"),
+                                        _check_dtype(dtype, "iota")))
+
+    def _random(self, dist: str, a: Operand, b: Operand, shape: Sequence[Union[int, Scalar]],
+                dtype: DataType, rng_seed: Operand, rng_offset: Operand) -> Tensor:
+        fd = self._fd
+        dims = self._shape(shape, dist)
+        return Tensor(fd, fd._core.random(dist, dims, fd._operand(a, dist), fd._operand(b, dist),
+                                          fd._operand(rng_seed, dist), fd._operand(rng_offset, dist),
+                                          _check_dtype(dtype, dist)))
+
+    def uniform(self, minval: Operand, maxval: Operand, shape: Sequence[Union[int, Scalar]],
+                dtype: DataType = DataType.Float, rng_seed: Operand = 0, rng_offset: Operand = 0) -> Tensor:
+        """Uniform random numbers in ``[minval, maxval)``, reproducible from ``rng_seed`` and
+        ``rng_offset`` (Int scalars) whatever the schedule (Philox 4x32-10)."""
+        return self._random("uniform", minval, maxval, shape, dtype, rng_seed, rng_offset)
+
+    def normal(self, mean: Operand, std: Operand, shape: Sequence[Union[int, Scalar]],
+               dtype: DataType = DataType.Float, rng_seed: Operand = 0, rng_offset: Operand = 0) -> Tensor:
+        """Normal random numbers (Box-Muller on Philox 4x32-10 uniforms), reproducible from
+        ``rng_seed`` and ``rng_offset``."""
+        return self._random("normal", mean, std, shape, dtype, rng_seed, rng_offset)
+
+    def rand_like(self, x: Tensor, rng_seed: Operand = 0, rng_offset: Operand = 0) -> Tensor:
+        """Uniform numbers in ``[0, 1)`` of ``x``'s shape and dtype."""
+        return self.uniform(0.0, 1.0, self.shape(x), x.dtype, rng_seed, rng_offset)
+
+    def randn_like(self, x: Tensor, rng_seed: Operand = 0, rng_offset: Operand = 0) -> Tensor:
+        """Standard normal numbers of ``x``'s shape and dtype."""
+        return self.normal(0.0, 1.0, self.shape(x), x.dtype, rng_seed, rng_offset)
 
 
 def _elementwise_method(op: _core.ElementwiseOp) -> Callable[..., Any]:

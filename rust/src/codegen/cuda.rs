@@ -95,11 +95,7 @@ fn node_vals(n: &Node, f: &Fusion, acc: &mut Vec<ValId>) {
                     acc.push(*v);
                 }
             }
-            match &f.exprs[*expr].op {
-                Op::Reduction { init, .. } => acc.push(*init),
-                Op::Full { value } => acc.push(*value),
-                _ => {}
-            }
+            acc.extend(f.exprs[*expr].op.scalars());
         }
         Node::AccumulatorInit(a) | Node::ReduceAccumulator { acc: a, .. } => {
             if let Op::Reduction { init, .. } = f.exprs[a.expr].op {
@@ -129,6 +125,7 @@ fn push_index(ix: Option<&AccessIndex>, acc: &mut Vec<ValId>) {
         acc.extend(ix.inputs.iter().flatten().copied());
         acc.push(ix.predicate);
         acc.push(ix.write_predicate);
+        acc.extend(ix.element);
         for g in &ix.gathers {
             acc.push(g.at);
             acc.push(g.extent);
@@ -600,6 +597,33 @@ impl Gen<'_> {
             | Op::Permute { .. }
             | Op::IndexSelect { .. } => self.operand(e, ix, 0, out_dt),
             Op::Full { value } => format!("kiln::cast<{out_ty}>({})", self.c(*value)),
+            Op::Iota { start, step } => {
+                let Some(pos) = ix.element else { bail!("{}: iota without an element position", f.tv_name(out_tv)) };
+                let cd = out_dt.compute_dtype().c_type();
+                format!(
+                    "kiln::cast<{out_ty}>(kiln::iotaValue<{cd}>(kiln::cast<{cd}>({}), kiln::cast<{cd}>({}), (int64_t)({})))",
+                    self.c(*start),
+                    self.c(*step),
+                    self.c(pos)
+                )
+            }
+            Op::Random { dist, a, b, seed, offset } => {
+                let Some(pos) = ix.element else { bail!("{}: random without an element position", f.tv_name(out_tv)) };
+                let (fun, cd) = if out_dt.compute_dtype() == DataType::Double {
+                    ("kiln::randomDouble", "double")
+                } else {
+                    ("kiln::randomFloat", "float")
+                };
+                format!(
+                    "kiln::cast<{out_ty}>({fun}({}, (int64_t)({}), (int64_t)({}), (int64_t)({}), kiln::cast<{cd}>({}), kiln::cast<{cd}>({})))",
+                    i32::from(*dist == crate::ir::RandomDist::Normal),
+                    self.c(*seed),
+                    self.c(*offset),
+                    self.c(pos),
+                    self.c(*a),
+                    self.c(*b)
+                )
+            }
             Op::Reduction { op, init } => return self.reduction(e, ix, *op, *init, depth, &pre),
         };
         let _ = writeln!(self.out, "{pad}if ({pred}) {{ {pre}{out} = {value}; }}");

@@ -18,6 +18,7 @@
 //         signbit isnan isinf isfinite isposinf isneginf truediv fmod remainder bitwise_*
 //         logical_* gcd (the element-wise ops of rust/src/ir/op_table.rs that are not a
 //         CUDA math-library call; codegen calls those, erf and the like, directly)
+//   iotaValue, philox, randomFloat, randomDouble   iota and counter-based random numbers
 //   cast<To>(From)                     every pair of {bool, int, int64_t, __half,
 //                                      __nv_bfloat16, float, double}
 //   Array<T, N>, loadVec, storeVec     vectorized global/shared accesses
@@ -487,6 +488,61 @@ KILN_DEVICE bool logical_not(bool a) { return !a; }
 KILN_DEVICE bool logical_and(bool a, bool b) { return a && b; }
 KILN_DEVICE bool logical_or(bool a, bool b) { return a || b; }
 KILN_DEVICE bool logical_xor(bool a, bool b) { return a != b; }
+
+// iota: start + i * step, fused (one rounding) for floats as the interpreter computes it.
+template <typename T>
+KILN_DEVICE T iotaValue(T start, T step, int64_t i) {
+  return (T)(start + (T)i * step);
+}
+template <>
+KILN_DEVICE float iotaValue<float>(float start, float step, int64_t i) {
+  return fmaf((float)i, step, start);
+}
+template <>
+KILN_DEVICE double iotaValue<double>(double start, double step, int64_t i) {
+  return ::fma((double)i, step, start);
+}
+
+// Random numbers (rust/src/ir/random.rs is the reference): the element at row-major
+// position i is drawn from Philox 4x32-10 with counter (i, offset) and key seed.
+struct PhiloxBlock {
+  uint32_t x, y, z, w;
+};
+KILN_DEVICE PhiloxBlock philox(uint64_t seed, uint64_t offset, uint64_t index) {
+  uint32_t c0 = (uint32_t)index, c1 = (uint32_t)(index >> 32), c2 = (uint32_t)offset,
+           c3 = (uint32_t)(offset >> 32);
+  uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+#pragma unroll
+  for (int r = 0; r < 10; ++r) {
+    const uint32_t hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+    const uint32_t hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+    c0 = hi1 ^ c1 ^ k0;
+    c1 = lo1;
+    c2 = hi0 ^ c3 ^ k1;
+    c3 = lo0;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return PhiloxBlock{c0, c1, c2, c3};
+}
+// dist: 0 uniform in [a, b), 1 normal with mean a and standard deviation b.
+KILN_DEVICE float randomFloat(int dist, int64_t seed, int64_t offset, int64_t index, float a, float b) {
+  const PhiloxBlock r = philox((uint64_t)seed, (uint64_t)offset, (uint64_t)index);
+  const float scale = 1.0f / 16777216.0f;
+  if (dist == 0) return fmaf((float)(r.x >> 8) * scale, b - a, a);
+  const float u1 = (float)((r.x >> 8) + 1) * scale, u2 = (float)(r.y >> 8) * scale;
+  const float z = sqrtf(-2.0f * logf(u1)) * cosf(6.28318530717958647692f * u2);
+  return fmaf(z, b, a);
+}
+KILN_DEVICE double randomDouble(int dist, int64_t seed, int64_t offset, int64_t index, double a, double b) {
+  const PhiloxBlock r = philox((uint64_t)seed, (uint64_t)offset, (uint64_t)index);
+  const double scale = 1.0 / 9007199254740992.0;
+  const uint64_t b0 = ((uint64_t)r.x << 21) | (r.y >> 11), b1 = ((uint64_t)r.z << 21) | (r.w >> 11);
+  if (dist == 0) return ::fma((double)b0 * scale, b - a, a);
+  const double u1 = (double)(b0 + 1) * scale, u2 = (double)b1 * scale;
+  const double z = ::sqrt(-2.0 * ::log(u1)) * ::cos(6.28318530717958647692 * u2);
+  return ::fma(z, b, a);
+}
 
 // Comparisons (half/bf16 compared in float) and select.
 KILN_DEVICE float cmpValue(__half a) { return __half2float(a); }

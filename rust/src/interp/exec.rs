@@ -81,6 +81,8 @@ struct Access {
     gathers: Vec<(u32, TvId, u32, TvId, ValId)>,
     /// Thread/block parallel types of the reduced enclosing loops (reductions only).
     reduced: Vec<ParallelType>,
+    /// The written element's logical position (iota, random numbers).
+    element: Option<u32>,
 }
 
 /// The loop nest, compiled once per run.
@@ -138,6 +140,7 @@ fn compile(k: &Kernel, body: &[Node], stack: &mut Vec<(ParallelType, bool)>) -> 
                     wpred: pred,
                     gathers: Vec::new(),
                     reduced: Vec::new(),
+                    element: None,
                 }))
             }
             Node::Expr { expr, index } => {
@@ -226,7 +229,11 @@ fn compile_access(k: &Kernel, kind: AccessKind, ix: &crate::kernel::AccessIndex)
     // The dims codegen reduces over (a shared loop may be promoted to another tensor's
     // iteration id, so they come from the output's own axes).
     let reduced = crate::analysis::parallel::reduced_dims(f, &k.loops, e.output);
-    Ok(Access { kind, out_tv: e.output, prog, out, inputs, pred, wpred, gathers, reduced })
+    let element = match ix.element {
+        Some(v) => Some(prog.add(&f.scalars, v)?),
+        None => None,
+    };
+    Ok(Access { kind, out_tv: e.output, prog, out, inputs, pred, wpred, gathers, reduced, element })
 }
 
 /// Where a tensor's memory lives.
@@ -1118,6 +1125,15 @@ impl Exec<'_, '_> {
                     | Op::Reduction { .. } => take(0)?.convert(out_dt),
                     Op::Full { value } => {
                         Col::splat(ctx.value(*value)?, ctx.scalar_dtype(*value), active.len()).convert(out_dt)
+                    }
+                    Op::Iota { .. } | Op::Random { .. } => {
+                        let Some(slot) = a.element else {
+                            bail_internal!("interpreter: {} has no element position", f.tv_name(e.output))
+                        };
+                        let pos = ev.eval(slot, &mk_env(&uniform, ctx, &active, &gathered, &mem.done))?.clone();
+                        let pos: Vec<i64> = (0..active.len()).map(|l| pos.at(l)).collect();
+                        let scalar = |v: ValId| ctx.value(v);
+                        values::positional(&e.op, &pos, scalar, out_dt)?
                     }
                 }
             }

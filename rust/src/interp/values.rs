@@ -311,6 +311,55 @@ pub fn compare(op: BinaryOp, a: Col, b: Col) -> Result<Col> {
     }
 }
 
+/// The values of a position-dependent source op (iota, random numbers) at the logical
+/// positions `pos`, in dtype `dt` (computed in its compute dtype, as codegen does).
+pub fn positional(
+    op: &crate::ir::Op,
+    pos: &[i64],
+    scalar: impl Fn(crate::ir::ValId) -> Result<ScalarValue>,
+    dt: DataType,
+) -> Result<Col> {
+    use crate::ir::random::{block, draw_f32, draw_f64};
+    use crate::ir::Op;
+    let cd = dt.compute_dtype();
+    let f64_of = |v: ScalarValue| match v {
+        ScalarValue::Bool(b) => f64::from(u8::from(b)),
+        ScalarValue::Int(i) => i as f64,
+        ScalarValue::Float(x) => x,
+    };
+    let col = match *op {
+        Op::Iota { start, step } => {
+            let (s0, st) = (scalar(start)?, scalar(step)?);
+            match cd {
+                DataType::Float => {
+                    let (s0, st) = (f64_of(s0) as f32, f64_of(st) as f32);
+                    Col::F32(pos.iter().map(|&i| (i as f32).mul_add(st, s0)).collect())
+                }
+                DataType::Double => {
+                    let (s0, st) = (f64_of(s0), f64_of(st));
+                    Col::F64(pos.iter().map(|&i| (i as f64).mul_add(st, s0)).collect())
+                }
+                _ => {
+                    let (s0, st) = (s0.as_i64(), st.as_i64());
+                    Col::I(pos.iter().map(|&i| s0.wrapping_add(i.wrapping_mul(st))).collect())
+                }
+            }
+        }
+        Op::Random { dist, a, b, seed, offset } => {
+            let (a, b) = (f64_of(scalar(a)?), f64_of(scalar(b)?));
+            let (seed, offset) = (scalar(seed)?.as_i64(), scalar(offset)?.as_i64());
+            if cd == DataType::Double {
+                Col::F64(pos.iter().map(|&i| draw_f64(dist, a, b, block(seed, offset, i))).collect())
+            } else {
+                let (a, b) = (a as f32, b as f32);
+                Col::F32(pos.iter().map(|&i| draw_f32(dist, a, b, block(seed, offset, i))).collect())
+            }
+        }
+        _ => bail_internal!("interpreter: {op:?} does not depend on positions"),
+    };
+    Ok(col.convert(dt))
+}
+
 /// `where(c, a, b)` on columns converted to the output dtype.
 pub fn select(c: &Col, a: Col, b: Col) -> Result<Col> {
     let Col::B(c) = c else {

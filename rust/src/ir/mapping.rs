@@ -45,7 +45,7 @@ pub fn logical_pairs(f: &Fusion, e: ExprId, input_pos: usize) -> Vec<(IterDomain
                 pdom.iter().copied().zip(cdom.iter().copied()).collect()
             }
         }
-        Op::Full { .. } => Vec::new(),
+        Op::Full { .. } | Op::Iota { .. } | Op::Random { .. } => Vec::new(),
     }
 }
 

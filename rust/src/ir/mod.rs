@@ -6,6 +6,7 @@ pub mod mapping;
 pub mod op_table;
 pub mod ops;
 pub mod printer;
+pub mod random;
 pub mod scalar;
 
 use cranelift_entity::{entity_impl, PrimaryMap};
@@ -161,11 +162,11 @@ pub enum Op {
     Broadcast {
         is_new: Vec<bool>,
     },
-    /// `output.logical[i]` comes from `input.logical[perm[i]]`.
     /// Drops the input's size-one axes where `removed[i]` (nvFuser's `squeeze`).
     Squeeze {
         removed: Vec<bool>,
     },
+    /// `output.logical[i]` comes from `input.logical[perm[i]]`.
     Permute {
         perm: Vec<usize>,
     },
@@ -179,6 +180,29 @@ pub enum Op {
     Full {
         value: ValId,
     },
+    /// `start + i * step` at position `i` of the output's one axis.
+    Iota {
+        start: ValId,
+        step: ValId,
+    },
+    /// Counter-based random numbers (Philox 4x32-10): the element at row-major position
+    /// `i` of the output is drawn from counter `(i, offset)` under key `seed`, so it does
+    /// not depend on the schedule. Uniform in `[a, b)`, or normal with mean `a` and
+    /// standard deviation `b`.
+    Random {
+        dist: RandomDist,
+        a: ValId,
+        b: ValId,
+        seed: ValId,
+        offset: ValId,
+    },
+}
+
+/// The distribution of [`Op::Random`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RandomDist {
+    Uniform,
+    Normal,
 }
 
 impl Op {
@@ -195,6 +219,28 @@ impl Op {
     /// True for an op that reads one operand at data-dependent positions.
     pub fn is_gather(&self) -> bool {
         self.indexed_input().is_some()
+    }
+
+    /// True for an op that reads no tensor and makes its output from scalars.
+    pub fn is_source(&self) -> bool {
+        matches!(self, Op::Full { .. } | Op::Iota { .. } | Op::Random { .. })
+    }
+
+    /// True for an op whose value depends on the position of the element it writes
+    /// (`AccessIndex::element` carries it).
+    pub fn reads_position(&self) -> bool {
+        matches!(self, Op::Iota { .. } | Op::Random { .. })
+    }
+
+    /// The scalars the op reads besides its operands.
+    pub fn scalars(&self) -> SmallVec<[ValId; 4]> {
+        match *self {
+            Op::Reduction { init, .. } => smallvec::smallvec![init],
+            Op::Full { value } => smallvec::smallvec![value],
+            Op::Iota { start, step } => smallvec::smallvec![start, step],
+            Op::Random { a, b, seed, offset, .. } => smallvec::smallvec![a, b, seed, offset],
+            _ => SmallVec::new(),
+        }
     }
 }
 

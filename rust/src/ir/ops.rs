@@ -7,8 +7,8 @@ use crate::error::Result;
 use crate::ir::dtype::{promote, Category, PromotionOperand};
 use crate::ir::scalar::{ScalarOp, Scalars, Val};
 use crate::ir::{
-    BinaryClass, BinaryOp, DataType, Fusion, IterDomainId, IterType, MemoryType, Op, Operand, ReductionOp, Symbol,
-    TvId, UnaryClass, UnaryOp, ValId,
+    BinaryClass, BinaryOp, DataType, Fusion, IterDomainId, IterType, MemoryType, Op, Operand, RandomDist, ReductionOp,
+    Symbol, TvId, UnaryClass, UnaryOp, ValId,
 };
 use crate::{bail, bail_type};
 
@@ -646,6 +646,56 @@ impl Fusion {
         let Operand::Scalar(v) = value else {
             bail_type!("full: the fill value must be a scalar, got {}", self.describe(value));
         };
+        self.source("full", shape, Op::Full { value: v }, dtype)
+    }
+
+    /// `[start, start + step, ...]`, `length` elements of `dtype` (nvFuser's `iota`).
+    pub fn iota(&mut self, length: ValId, start: Operand, step: Operand, dtype: DataType) -> Result<TvId> {
+        let (Operand::Scalar(start), Operand::Scalar(step)) = (start, step) else {
+            bail_type!("iota: start and step must be scalars");
+        };
+        if dtype == DataType::Bool {
+            bail_type!("iota: dtype Bool has no arithmetic sequence; expected an integer or floating type");
+        }
+        self.source("iota", &[length], Op::Iota { start, step }, dtype)
+    }
+
+    /// Random numbers of `shape`: uniform in `[a, b)` or normal with mean `a` and
+    /// standard deviation `b`, reproducible from `seed` and `offset`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn random(
+        &mut self,
+        dist: RandomDist,
+        shape: &[ValId],
+        a: Operand,
+        b: Operand,
+        seed: Operand,
+        offset: Operand,
+        dtype: DataType,
+    ) -> Result<TvId> {
+        let name = match dist {
+            RandomDist::Uniform => "uniform",
+            RandomDist::Normal => "normal",
+        };
+        let (Operand::Scalar(a), Operand::Scalar(b), Operand::Scalar(seed), Operand::Scalar(offset)) =
+            (a, b, seed, offset)
+        else {
+            bail_type!("{name}: the distribution's parameters, rng_seed and rng_offset must be scalars");
+        };
+        if !dtype.is_float() {
+            bail_type!("{name}: dtype {dtype} is not a floating type");
+        }
+        for (what, v) in [("rng_seed", seed), ("rng_offset", offset)] {
+            let dt = self.scalars.dtype(v, &self.scalar_input_dtypes);
+            if !dt.is_integer() {
+                bail_type!("{name}: {what} has dtype {dt}; expected Int");
+            }
+        }
+        self.source(name, shape, Op::Random { dist, a, b, seed, offset }, dtype)
+    }
+
+    /// A tensor of `shape` made by the source op `op` (no tensor operands).
+    pub(crate) fn source(&mut self, name: &str, shape: &[ValId], op: Op, dtype: DataType) -> Result<TvId> {
         let mut logical = Vec::with_capacity(shape.len());
         let mut count = Some(1i64);
         for &e in shape {
@@ -655,18 +705,18 @@ impl Fusion {
         }
         if count.is_none() {
             let dims: Vec<String> = shape.iter().map(|&e| self.scalars.render(e)).collect();
-            bail!("full: shape [{}] has more than 2^63 elements", dims.join(", "));
+            bail!("{name}: shape [{}] has more than 2^63 elements", dims.join(", "));
         }
         for (axis, &e) in shape.iter().enumerate() {
             let it = match self.scalars.as_int(e) {
                 Some(1) => IterType::Broadcast,
-                Some(n) if n < 0 => bail!("full: axis {axis} has size {n}; expected a size >= 0"),
+                Some(n) if n < 0 => bail!("{name}: axis {axis} has size {n}; expected a size >= 0"),
                 _ => IterType::Iteration,
             };
             logical.push(self.new_id(e, it));
         }
         let out = self.new_tv(dtype, MemoryType::Local, logical);
-        self.add_expr(Op::Full { value: v }, smallvec![], out);
+        self.add_expr(op, smallvec![], out);
         Ok(out)
     }
 }

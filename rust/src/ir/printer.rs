@@ -62,6 +62,17 @@ impl Fusion {
             Op::IndexSelect { dim } => format!("index_select({}, dim = {dim}, index = {})", args[0], args[1]),
             Op::Set => format!("set({})", args[0]),
             Op::Full { value } => format!("full(value = {})", self.scalars.render(*value)),
+            Op::Iota { start, step } => {
+                format!("iota(start = {}, step = {})", self.scalars.render(*start), self.scalars.render(*step))
+            }
+            Op::Random { dist, a, b, seed, offset } => format!(
+                "{}({}, {}, seed = {}, offset = {})",
+                if *dist == crate::ir::RandomDist::Uniform { "uniform" } else { "normal" },
+                self.scalars.render(*a),
+                self.scalars.render(*b),
+                self.scalars.render(*seed),
+                self.scalars.render(*offset)
+            ),
         };
         format!("{out}\n   = {rhs}")
     }
@@ -85,6 +96,8 @@ impl Fusion {
             Op::IndexSelect { dim } => format!("index_select<dim={dim}>"),
             Op::Set => "set".into(),
             Op::Full { value } => format!("full<{}>", self.scalars.render(*value)),
+            Op::Iota { .. } => "iota".into(),
+            Op::Random { dist, .. } => format!("{dist:?}").to_lowercase(),
         };
         format!("{} = {op}({})", self.tv_name(e.output), args.join(", "))
     }

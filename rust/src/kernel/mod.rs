@@ -118,6 +118,9 @@ pub struct AccessIndex {
     pub write_predicate: ValId,
     /// Index-tensor reads this access depends on, in evaluation order.
     pub gathers: Vec<Gather>,
+    /// Row-major position of the written element in its tensor's logical shape, for ops
+    /// whose value depends on it (`Op::reads_position`: iota, random numbers).
+    pub element: Option<ValId>,
 }
 
 /// What an `Allocate` reserves memory for.

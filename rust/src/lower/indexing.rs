@@ -441,7 +441,26 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
             }
         }
     }
-    Ok(AccessIndex { out, inputs, predicate: pred, write_predicate: write_pred, gathers })
+    let element = if f.exprs[e].op.reads_position() {
+        // Schedule-independent: from the logical indices, not the loops or the layout.
+        let mut lin = f.scalars.int(0);
+        for id in f.no_reduction_logical(c) {
+            let i = if f.ids[id].iter_type == IterType::Broadcast {
+                f.scalars.int(0)
+            } else {
+                match cidx.get(&id) {
+                    Some(&i) => i,
+                    None => bail_internal!("{}: no index for its logical axis {}", f.tv_name(c), f.id_label(id)),
+                }
+            };
+            let scaled = f.scalars.binary(ScalarOp::Mul, lin, f.ids[id].extent);
+            lin = f.scalars.binary(ScalarOp::Add, scaled, i);
+        }
+        Some(lin)
+    } else {
+        None
+    };
+    Ok(AccessIndex { out, inputs, predicate: pred, write_predicate: write_pred, gathers, element })
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -524,5 +543,12 @@ fn index_init(f: &mut Fusion, ctx: &mut Ctx, tv: TvId, stack: &[Enclosing]) -> R
             }
         }
     }
-    Ok(AccessIndex { out, inputs: Vec::new(), predicate: pred, write_predicate: pred, gathers: Vec::new() })
+    Ok(AccessIndex {
+        out,
+        inputs: Vec::new(),
+        predicate: pred,
+        write_predicate: pred,
+        gathers: Vec::new(),
+        element: None,
+    })
 }

@@ -68,6 +68,7 @@ pub fn run(f: &Fusion, lg: &LoopGraph, body: &mut Vec<Node>) -> Result<()> {
                 predicate: index.write_predicate,
                 write_predicate: index.write_predicate,
                 gathers: Vec::new(),
+                element: None,
             };
             before.push(Node::AccumulatorInit(acc.clone()));
             after.push(Node::ReduceAccumulator { acc, index, complete: h.complete });

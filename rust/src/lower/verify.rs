@@ -117,6 +117,9 @@ impl Verifier<'_> {
                 self.in_scope(ix.out, "an output offset")?;
                 self.in_scope(ix.predicate, "a predicate")?;
                 self.in_scope(ix.write_predicate, "a write predicate")?;
+                if let Some(v) = ix.element {
+                    self.in_scope(v, "an element position")?;
+                }
                 for &v in ix.inputs.iter().flatten() {
                     self.in_scope(v, "an operand offset")?;
                 }

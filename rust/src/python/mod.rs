@@ -273,6 +273,41 @@ impl PyFusion {
         })
     }
 
+    /// `length` (a scalar id) elements `start + i * step`.
+    fn iota(&mut self, py: Python<'_>, length: u32, start: PyOperand, step: PyOperand, dtype: &str) -> PyResult<u32> {
+        guarded(py, || {
+            let (length, start, step) = (self.val(length)?, self.operand(start)?, self.operand(step)?);
+            Ok(self.inner.get_mut().iota(length, start, step, Fusion::parse_dtype(dtype)?)?.as_u32())
+        })
+    }
+
+    /// Random numbers (`dist` "uniform" or "normal"); `shape` holds scalar ids.
+    #[allow(clippy::too_many_arguments)]
+    fn random(
+        &mut self,
+        py: Python<'_>,
+        dist: &str,
+        shape: Vec<u32>,
+        a: PyOperand,
+        b: PyOperand,
+        seed: PyOperand,
+        offset: PyOperand,
+        dtype: &str,
+    ) -> PyResult<u32> {
+        guarded(py, || {
+            let dist = match dist {
+                "uniform" => crate::ir::RandomDist::Uniform,
+                "normal" => crate::ir::RandomDist::Normal,
+                other => return Err(crate::error::KilnError::value(format!("unknown distribution {other:?}"))),
+            };
+            let shape = shape.into_iter().map(|v| self.val(v)).collect::<crate::Result<Vec<_>>>()?;
+            let (a, b) = (self.operand(a)?, self.operand(b)?);
+            let (seed, offset) = (self.operand(seed)?, self.operand(offset)?);
+            let dt = Fusion::parse_dtype(dtype)?;
+            Ok(self.inner.get_mut().random(dist, &shape, a, b, seed, offset, dt)?.as_u32())
+        })
+    }
+
     /// Mark a tensor as output.
     fn add_output(&mut self, py: Python<'_>, t: u32) -> PyResult<()> {
         guarded(py, || {

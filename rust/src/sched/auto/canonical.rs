@@ -431,7 +431,12 @@ pub(crate) fn replay(f: &mut Fusion, op: Op, operands: &[Operand]) -> Result<TvI
         Op::Broadcast { is_new } => f.broadcast(tensor(0)?, is_new)?,
         Op::Set => f.set(tensor(0)?)?,
         Op::IndexSelect { dim } => f.index_select(tensor(0)?, tensor(1)?, dim as i64)?,
-        Op::Reduction { .. } | Op::Permute { .. } | Op::Squeeze { .. } | Op::Full { .. } => {
+        Op::Reduction { .. }
+        | Op::Permute { .. }
+        | Op::Squeeze { .. }
+        | Op::Full { .. }
+        | Op::Iota { .. }
+        | Op::Random { .. } => {
             crate::bail_internal!("replay: {op:?} is not replayed")
         }
     })
@@ -441,9 +446,10 @@ pub(crate) fn replay(f: &mut Fusion, op: Op, operands: &[Operand]) -> Result<TvI
 pub(crate) fn recompute(f: &mut Fusion, t: TvId) -> Result<TvId> {
     let Some(d) = f.tvs[t].definition else { crate::bail_internal!("recompute: {} is an input", f.tv_name(t)) };
     let (op, operands) = (f.exprs[d].op.clone(), f.exprs[d].inputs.clone());
-    if let Op::Full { value } = op {
+    if op.is_source() {
+        // Deterministic by element position (random numbers too): a copy has the same values.
         let shape: Vec<_> = f.tvs[t].logical.iter().map(|&id| f.ids[id].extent).collect();
-        return f.full(&shape, Operand::Scalar(value), f.tvs[t].dtype);
+        return f.source("recompute", &shape, op, f.tvs[t].dtype);
     }
     replay(f, op, &operands)
 }

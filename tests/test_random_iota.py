@@ -1,0 +1,160 @@
+"""iota and counter-based random numbers: values against an independent Python Philox
+4x32-10, schedule independence (automatic schedule vs the fusion as written), seeds and
+offsets, the distributions' statistics, a dropout; ``-m gpu``: the GPU gives the same bits."""
+
+from __future__ import annotations
+
+from typing import Any, List, Tuple
+
+import numpy as np
+import pytest
+from gpu_util import cupy_or_skip
+from kiln import DataType, FusionDefinition, KilnError
+
+M32 = 0xFFFFFFFF
+
+
+def _philox(counter: List[int], key: List[int]) -> List[int]:
+    c, k = list(counter), list(key)
+    for _ in range(10):
+        p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+        c = [((p1 >> 32) ^ c[1] ^ k[0]) & M32, p1 & M32, ((p0 >> 32) ^ c[3] ^ k[1]) & M32, p0 & M32]
+        k = [(k[0] + 0x9E3779B9) & M32, (k[1] + 0xBB67AE85) & M32]
+    return c
+
+
+def _uniform_ref(seed: int, offset: int, n: int, lo: float, hi: float) -> np.ndarray:
+    """float32 uniforms: top 24 bits of word 0, then fma(u, hi - lo, lo) (exact in float64)."""
+    out = np.empty(n, np.float32)
+    span = np.float32(hi) - np.float32(lo)
+    for i in range(n):
+        r = _philox([i & M32, i >> 32, offset & M32, offset >> 32], [seed & M32, seed >> 32])
+        u = (r[0] >> 8) / 16777216.0
+        out[i] = np.float32(u * np.float64(span) + np.float64(np.float32(lo)))  # one rounding: fma
+    return out
+
+
+def test_philox_reference_known_answer() -> None:
+    assert _philox([0, 0, 0, 0], [0, 0]) == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+
+
+def _uniform_fd(shape: List[int], lo: float, hi: float) -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1] * len(shape))
+        seed = fd.define_scalar(dtype=DataType.Int)
+        offset = fd.define_scalar(dtype=DataType.Int)
+        u = fd.ops.uniform(lo, hi, fd.ops.shape(x), DataType.Float, seed, offset)
+        fd.add_output(fd.ops.add(u, fd.ops.mul(x, 0.0)))
+    return fd
+
+
+@pytest.mark.parametrize("shape", [[37], [5, 11], [2, 3, 17]])
+def test_uniform_bits_match_the_reference(shape: List[int]) -> None:
+    fd = _uniform_fd(shape, -2.0, 3.0)
+    x = np.zeros(shape, np.float32)
+    (got,) = fd.execute([x, 1234567, 9])
+    want = _uniform_ref(1234567, 9, int(np.prod(shape)), -2.0, 3.0).reshape(shape)
+    np.testing.assert_array_equal(got, want)
+    (as_written,) = fd.execute([x, 1234567, 9], as_written=True)
+    np.testing.assert_array_equal(got, as_written)  # the schedule does not change the values
+
+
+def test_seed_and_offset_select_the_stream() -> None:
+    fd = _uniform_fd([4096], 0.0, 1.0)
+    x = np.zeros(4096, np.float32)
+    a, b, c, d = (fd.execute([x, s, o])[0] for s, o in [(1, 0), (1, 0), (2, 0), (1, 1)])
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).mean() > 0.99 and (a != d).mean() > 0.99
+    assert 0.0 <= a.min() and a.max() < 1.0
+    assert abs(a.mean() - 0.5) < 0.02 and abs(a.var() - 1 / 12) < 0.01
+
+
+@pytest.mark.parametrize("dtype", [DataType.Float, DataType.Double, DataType.Half])
+def test_normal_statistics(dtype: DataType) -> None:
+    with FusionDefinition() as fd:
+        fd.add_output(fd.ops.normal(3.0, 0.5, [200, 100], dtype, rng_seed=7, rng_offset=0))
+    (z,) = fd.execute([])
+    z64 = z.astype(np.float64)
+    assert np.isfinite(z64).all()
+    assert abs(z64.mean() - 3.0) < 0.01 and abs(z64.std() - 0.5) < 0.01
+    # within one, two and three standard deviations: 68.3%, 95.4%, 99.7%
+    for k, frac in [(1, 0.683), (2, 0.954), (3, 0.997)]:
+        assert abs((np.abs(z64 - 3.0) < k * 0.5).mean() - frac) < 0.01
+
+
+def _dropout_fd(p: float) -> FusionDefinition:
+    # dropout + residual + LayerNorm statistics, as a transformer block writes it
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        res = fd.define_tensor([-1, -1])
+        seed = fd.define_scalar(dtype=DataType.Int)
+        keep = fd.ops.ge(fd.ops.rand_like(x, seed, 0), p)
+        h = fd.ops.add(fd.ops.where(keep, fd.ops.mul(x, 1.0 / (1.0 - p)), 0.0), res)
+        var, mean = fd.ops.var_mean(h, [1], correction=0, keepdim=True)
+        y = fd.ops.mul(fd.ops.sub(h, mean), fd.ops.rsqrt(fd.ops.add(var, 1e-5)))
+        fd.add_output(y)
+        fd.add_output(keep)
+    return fd
+
+
+def _dropout_inputs(xp: Any) -> Tuple[Any, Any]:
+    rng = np.random.default_rng(0)
+    return (xp.asarray(rng.normal(size=(64, 512)).astype(np.float32)),
+            xp.asarray(rng.normal(size=(64, 512)).astype(np.float32)))
+
+
+def test_dropout_residual_layernorm() -> None:
+    p = 0.1
+    fd = _dropout_fd(p)
+    x, res = _dropout_inputs(np)
+    y, keep = fd.execute([x, res, 2024])
+    assert abs(keep.mean() - (1 - p)) < 0.005  # 32768 draws: 5 standard deviations is 0.0083
+    h = np.where(keep, x.astype(np.float64) / (1 - p), 0.0) + res
+    want = (h - h.mean(1, keepdims=True)) / np.sqrt(h.var(1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)
+
+
+def test_iota_matches_arange() -> None:
+    with FusionDefinition() as fd:
+        n = fd.define_scalar(dtype=DataType.Int)
+        fd.add_output(fd.ops.iota(n, 3, -2, DataType.Int))
+        fd.add_output(fd.ops.iota(n, 0.25, 0.1, DataType.Float))
+        fd.add_output(fd.ops.iota(7, 1.0, 0.5, DataType.Double))
+    ints, floats, doubles = fd.execute([33])
+    np.testing.assert_array_equal(ints, 3 - 2 * np.arange(33))
+    np.testing.assert_array_equal(floats, (0.25 + np.arange(33) * np.float64(np.float32(0.1))).astype(np.float32))
+    np.testing.assert_array_equal(doubles, 1.0 + 0.5 * np.arange(7))
+
+
+def test_random_and_iota_refuse_bad_types() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1])
+        with pytest.raises(KilnError, match="uniform: dtype int64 is not a floating type"):
+            fd.ops.uniform(0.0, 1.0, [4], DataType.Int)
+        with pytest.raises(KilnError, match="normal: rng_seed has dtype double; expected Int"):
+            fd.ops.normal(0.0, 1.0, [4], DataType.Float, rng_seed=1.5)
+        with pytest.raises(KilnError, match="iota: dtype Bool"):
+            fd.ops.iota(4, 0, 1, DataType.Bool)
+        fd.add_output(x)
+
+
+@pytest.mark.gpu
+def test_gpu_gives_the_interpreters_bits() -> None:
+    cp = cupy_or_skip()
+    fd = _dropout_fd(0.25)
+    x, res = _dropout_inputs(np)
+    y_cpu, keep_cpu = fd.execute([x, res, 99])
+    y_gpu, keep_gpu = fd.execute([cp.asarray(x), cp.asarray(res), 99])
+    np.testing.assert_array_equal(cp.asnumpy(keep_gpu), keep_cpu)  # the mask bit for bit
+    np.testing.assert_allclose(cp.asnumpy(y_gpu), y_cpu, rtol=1e-5, atol=1e-5)
+    fd2 = _uniform_fd([3, 1000], -1.0, 1.0)
+    (u_gpu,) = fd2.execute([cp.zeros((3, 1000), cp.float32), 5, 6])
+    (u_cpu,) = fd2.execute([np.zeros((3, 1000), np.float32), 5, 6])
+    np.testing.assert_array_equal(cp.asnumpy(u_gpu), u_cpu)
+    with FusionDefinition() as fd3:
+        fd3.add_output(fd3.ops.normal(0.0, 1.0, [4096], DataType.Float, rng_seed=3, rng_offset=1))
+        fd3.add_output(fd3.ops.iota(4096, 0.5, 0.25, DataType.Float))
+    n_cpu, i_cpu = fd3.execute([])
+    n_gpu, i_gpu = (cp.asnumpy(o) for o in fd3.execute([], device="cuda"))
+    np.testing.assert_allclose(n_gpu, n_cpu, rtol=2e-6, atol=2e-6)  # logf/cosf: a few ulp
+    np.testing.assert_array_equal(i_gpu, i_cpu)
