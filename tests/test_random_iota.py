@@ -122,7 +122,8 @@ def test_iota_matches_arange() -> None:
         fd.add_output(fd.ops.iota(7, 1.0, 0.5, DataType.Double))
     ints, floats, doubles = fd.execute([33])
     np.testing.assert_array_equal(ints, 3 - 2 * np.arange(33))
-    np.testing.assert_array_equal(floats, (0.25 + np.arange(33) * np.float64(np.float32(0.1))).astype(np.float32))
+    step = np.float64(np.float32(0.1))
+    np.testing.assert_array_equal(floats, (0.25 + np.arange(33) * step).astype(np.float32))
     np.testing.assert_array_equal(doubles, 1.0 + 0.5 * np.arange(7))
 
 
