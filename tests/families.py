@@ -270,6 +270,56 @@ def layernorm(sizes: Sizes) -> Family:
 
 
 @family(NORM_CPU, NORM_GPU, NORM_BENCH)
+def layernorm_var_mean(sizes: Sizes) -> Family:
+    """nn.LayerNorm written with ``var_mean(x, [1], correction=0, keepdim=True)`` (Welford's
+    statistics, computed in double) and an affine transform."""
+    with FusionDefinition() as fd:
+        x = _tensor(fd, 2)
+        w = _tensor(fd, 1)
+        b = _tensor(fd, 1)
+        var, mean = fd.ops.var_mean(x, [1], correction=0, keepdim=True)
+        xn = fd.ops.mul(fd.ops.sub(x, mean), fd.ops.rsqrt(fd.ops.add(var, LN_EPS)))
+        y = fd.ops.add(fd.ops.mul(xn, fd.ops.broadcast(w, [True, False])), fd.ops.broadcast(b, [True, False]))
+        fd.add_output(y)
+
+    def ref(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> List[np.ndarray]:
+        return [_ln_ref(x)[0] * w + b]
+    make = _layernorm_inputs("layernorm_var_mean", DataType.Float)
+    return Family("layernorm_var_mean", sizes, fd, make, ref, rtol=1e-4, atol=1e-4)
+
+
+@family(NORM_CPU, NORM_GPU, NORM_BENCH)
+def dropout_residual_layernorm(sizes: Sizes) -> Family:
+    """A transformer block's ``LayerNorm(dropout(x) + residual)``: the mask from
+    ``rand_like(x, seed, offset) >= p`` (Philox, the same bits on the CPU and the GPU),
+    statistics from ``var_mean``; outputs y and the mask."""
+    p = 0.1
+    with FusionDefinition() as fd:
+        x = _tensor(fd, 2)
+        res = _tensor(fd, 2)
+        seed = fd.define_scalar(dtype=DataType.Int)
+        keep = fd.ops.ge(fd.ops.rand_like(x, seed, 7), p)
+        h = fd.ops.add(fd.ops.where(keep, fd.ops.mul(x, 1.0 / (1.0 - p)), 0.0), res)
+        var, mean = fd.ops.var_mean(h, [1], correction=0, keepdim=True)
+        fd.add_output(fd.ops.mul(fd.ops.sub(h, mean), fd.ops.rsqrt(fd.ops.add(var, LN_EPS))))
+        fd.add_output(keep)
+
+    def make(sizes: Sizes, seed: int = 0) -> List[Any]:
+        rng = _rng("dropout_residual_layernorm", sizes, seed)
+        return [_randn(rng, sizes), _randn(rng, sizes), 1234 + seed]
+
+    def ref(x: np.ndarray, res: np.ndarray, s: Any) -> List[np.ndarray]:
+        # The mask is reproduced by the interpreter (same Philox stream): use its bits.
+        with FusionDefinition() as mfd:
+            t = mfd.define_tensor([-1, -1])
+            mfd.add_output(mfd.ops.ge(mfd.ops.rand_like(t, mfd.define_scalar(int(s), DataType.Int), 7), p))
+        (keep,) = mfd.execute([np.zeros(x.shape, np.float32)])
+        h = np.where(keep, x / (1.0 - p), 0.0) + res
+        return [_ln_ref(h)[0], keep]
+    return Family("dropout_residual_layernorm", sizes, fd, make, ref, rtol=1e-4, atol=1e-4)
+
+
+@family(NORM_CPU, NORM_GPU, NORM_BENCH)
 def layernorm_div_after_broadcast(sizes: Sizes) -> Family:
     """LayerNorm with the division by N after the broadcast: ``bcast(sum(x, [1])) / N``."""
     _, n = sizes
@@ -1224,6 +1274,27 @@ def intermediate_outputs(sizes: Sizes) -> Family:
         t = x + b
         return [t, _gelu_tanh(t)]
     return Family("intermediate_outputs", sizes, fd, make, ref, rtol=1e-5, atol=1e-6)
+
+
+@family(PW_CPU, PW_GPU, (16384, 3072))
+def bert_gelu_erf(sizes: Sizes) -> Family:
+    """BERT's exact GELU on the bias-added intermediate: ``0.5 * h * (1 + erf(h / sqrt(2)))``."""
+    with FusionDefinition() as fd:
+        x = _tensor(fd, 2)
+        b = _tensor(fd, 1)
+        h = fd.ops.add(x, fd.ops.broadcast(b, [True, False]))
+        erf = fd.ops.erf(fd.ops.mul(h, 0.7071067811865476))
+        fd.add_output(fd.ops.mul(fd.ops.mul(h, 0.5), fd.ops.add(erf, 1.0)))
+
+    def make(sizes: Sizes, seed: int = 0) -> List[Any]:
+        rng = _rng("bert_gelu_erf", sizes, seed)
+        return [_randn(rng, sizes), _randn(rng, (sizes[1],))]
+
+    def ref(x: np.ndarray, b: np.ndarray) -> List[np.ndarray]:
+        h = x + b
+        erf = np.vectorize(math.erf, otypes=[np.float64])
+        return [0.5 * h * (1 + erf(h / math.sqrt(2)))]
+    return Family("bert_gelu_erf", sizes, fd, make, ref, rtol=1e-5, atol=1e-6)
 
 
 @family(PW_CPU, PW_GPU, (16384, 4096))

@@ -119,9 +119,11 @@ pub fn segment_of(f: &Fusion, group: &[ExprId], order: &[ExprId]) -> Result<Segm
     }
     for s in syms {
         let Symbol::Extent(n) = s else { continue };
-        let carried = reads
-            .iter()
-            .any(|&t| f.no_reduction_logical(t).iter().any(|&id| f.scalars.get(f.ids[id].extent) == Val::Symbol(s)));
+        // Only a tensor the segment receives carries a size into it.
+        let carried = reads.iter().any(|&t| {
+            f.tvs[t].definition.is_none_or(|d| !in_seg.contains(&d))
+                && f.no_reduction_logical(t).iter().any(|&id| f.scalars.get(f.ids[id].extent) == Val::Symbol(s))
+        });
         if let (false, Some(&(src, _))) = (carried, f.extent_sources.get(n as usize)) {
             reads.insert(src);
         }
