@@ -155,8 +155,8 @@ def test_normalization_schedule_matches_numpy_in_the_interpreter(build, m, n):
     fd, ref = build()
     inputs = norm_inputs(build, m, n, np)
     low = _auto_lowered(fd, inputs)
-    assert "normalization" in repr(fd._core.auto_scheduled([list(np.shape(a)) for a in inputs
-                                                             if not isinstance(a, float)])[1])
+    assert "normalization" in fd._core.auto_scheduled([list(np.shape(a)) for a in inputs
+                                                       if not isinstance(a, float)]).heuristic
     (out,) = run_on_cpu(low, inputs, _core.execute_cpu)
     want = ref(*[a.astype(np.float64) if isinstance(a, np.ndarray) else a for a in inputs])[0]
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
@@ -184,7 +184,7 @@ def test_rows_too_long_for_registers_run_as_loops():
     # One kernel, each pass (max, exp + sum, divide) a loop over the row: the row never
     # has to fit in registers.
     assert len(low.kernels) == 1
-    assert fd._core.auto_program([[2, 300_000]])[1] == "looped_normalization"
+    assert fd._core.auto_program([[2, 300_000]]).heuristic == "looped_normalization"
     (out,) = run_on_cpu(low, [x], _core.execute_cpu)
     np.testing.assert_allclose(out, ref(x.astype(np.float64))[0], rtol=1e-4, atol=1e-9)
 
@@ -192,14 +192,13 @@ def test_rows_too_long_for_registers_run_as_loops():
 @pytest.mark.parametrize("build", [bias_tanh, row_scale], ids=lambda b: b.__name__)
 def test_broadcast_operands_get_the_2d_pointwise_schedule(build):
     fd, _ = build()
-    _, kind, params, _ = fd._core.auto_program([[300, 1000], [1000 if build is bias_tanh else 300]])
-    assert kind == "pointwise" and params[3] == 2, params
+    auto = fd._core.auto_program([[300, 1000], [1000 if build is bias_tanh else 300]])
+    assert auto.heuristic == "pointwise" and auto.params[3] == 2, auto.params
     # No per-element integer division to find the broadcast operand's element.
     src = _auto_lowered(fd, make_inputs(build, 300, 1000, np)).kernels[0].cuda_source
     assert "% i" not in src
     # Rows narrower than a warp of vectors keep the flat schedule.
-    _, _, params, _ = fd._core.auto_program([[300, 5], [5 if build is bias_tanh else 300]])
-    assert params[-1] == 1
+    assert fd._core.auto_program([[300, 5], [5 if build is bias_tanh else 300]]).params[-1] == 1
 
 
 @pytest.mark.parametrize(
@@ -224,8 +223,7 @@ def test_reductions_over_axes_between_kept_ones_match_numpy_in_the_interpreter(s
         s = fd.ops.sum(fd.ops.mul(x, 2.0), dims=dims)
         fd.add_output(fd.ops.add(s, 1.0))
     a = np.random.default_rng(len(dims) + sum(shape)).standard_normal(shape).astype(np.float32)
-    _, got_kind, _, _ = fd._core.auto_program([list(shape)])
-    assert got_kind == kind
+    assert fd._core.auto_program([list(shape)]).heuristic == kind
     (out,) = run_on_cpu(_auto_lowered(fd, [a]), [a], _core.execute_cpu)
     want = (a.astype(np.float64) * 2.0).sum(axis=tuple(dims)) + 1.0
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
@@ -279,8 +277,8 @@ def test_ops_beside_a_reduction_share_its_kernel_in_the_interpreter(name, m, n):
 
     fd, ref, kind, bias = _beside(name)
     ins = _beside_inputs(bias, m, n, np)
-    program, got_kind, _, _ = fd._core.auto_program([list(a.shape) for a in ins])
-    assert got_kind == kind and len(program.kernels()) == 1
+    auto = fd._core.auto_program([list(a.shape) for a in ins])
+    assert auto.heuristic == kind and len(auto.program.kernels()) == 1
     outs = run_on_cpu(_auto_lowered(fd, ins), ins, _core.execute_cpu)
     wants = ref(*[a.astype(np.float64) for a in ins], *([None] if not bias else []))
     for got, want in zip(outs, wants):
@@ -344,8 +342,8 @@ def test_ops_after_a_transpose_share_its_kernel_in_the_interpreter(name):
     fd, shapes, want = _epilogue(name)
     rng = np.random.default_rng(len(name))
     ins = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-    program, kind, _, _ = fd._core.auto_program([list(s) for s in shapes])
-    assert kind == "transpose" and len(program.kernels()) == 1
+    auto = fd._core.auto_program([list(s) for s in shapes])
+    assert auto.heuristic == "transpose" and len(auto.program.kernels()) == 1
     (out,) = run_on_cpu(_auto_lowered(fd, ins), ins, _core.execute_cpu)
     np.testing.assert_allclose(out, want(*ins), rtol=1e-6, atol=1e-6)
 
@@ -411,7 +409,7 @@ def test_every_permute_that_moves_the_last_axis_is_a_tiled_transpose_in_the_inte
         x = fd.define_tensor([-1] * len(shape))
         fd.add_output(fd.ops.permute(x, list(perm)))
     a = np.random.default_rng(len(perm)).standard_normal(shape).astype(np.float32)
-    assert fd._core.auto_program([list(shape)])[1] == "transpose"
+    assert fd._core.auto_program([list(shape)]).heuristic == "transpose"
     (out,) = run_on_cpu(_auto_lowered(fd, [a]), [a], _core.execute_cpu)
     np.testing.assert_array_equal(out, np.transpose(a, perm))
 
@@ -425,8 +423,7 @@ def test_batched_transposes_match_numpy_in_the_interpreter(shape):
 
     fd = _batched_transpose(len(shape))
     a = np.random.default_rng(len(shape)).standard_normal(shape).astype(np.float32)
-    _, kind, _, _ = fd._core.auto_program([list(shape)])
-    assert kind == "transpose"
+    assert fd._core.auto_program([list(shape)]).heuristic == "transpose"
     low = _auto_lowered(fd, [a])
     (k,) = low.kernels
     assert k.launch["grid"][2] == " * ".join(f"i{i}" for i in range(len(shape) - 2))
@@ -442,8 +439,7 @@ def test_a_transpose_past_grid_dim_y_is_a_strided_copy():
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, -1])
         fd.add_output(fd.ops.permute(x, [1, 0]))
-    _, kind, _ = fd._core.auto_scheduled([[2, 64 * 65537]])
-    assert kind == "strided_permute"
+    assert fd._core.auto_scheduled([[2, 64 * 65537]]).heuristic == "strided_permute"
 
 
 def test_a_batch_of_transposes_past_grid_dim_z_is_a_strided_copy():
@@ -517,8 +513,9 @@ def test_permutes_that_keep_the_last_axis_are_pointwise_in_the_interpreter(shape
 
     fd = _permute_chain(shape, perm, bias)
     ins = _permute_inputs(shape, bias, np)
-    _, kind, params, _ = fd._core.auto_program([list(a.shape) for a in ins])
-    assert kind == "pointwise"
+    auto = fd._core.auto_program([list(a.shape) for a in ins])
+    assert auto.heuristic == "pointwise"
+    params = auto.params
     assert params[0] == (4 if shape[-1] % 4 == 0 else 1), params  # vectors stay within a row
     (out,) = run_on_cpu(_auto_lowered(fd, ins), ins, _core.execute_cpu)
     np.testing.assert_allclose(out, _permute_reference(ins, perm), rtol=1e-6, atol=1e-6)
@@ -820,10 +817,11 @@ def _assert_equal_heuristics_mean_equal_kernels(fd: FusionDefinition, all_sizes:
     by_heuristic: dict = {}
     for sizes in all_sizes:
         try:
-            program, kind, params, _ = fd._core.auto_program(sizes, True)
+            auto = fd._core.auto_program(sizes, True)
         except KilnError:
             continue
-        cuda = tuple(k.cuda(False)[0] for k in program.kernels())
+        kind, params = auto.heuristic, auto.params
+        cuda = tuple(k.cuda(False).source for k in auto.program.kernels())
         seen = by_heuristic.setdefault((kind, tuple(params)), (sizes, cuda))
         assert seen[1] == cuda, f"{kind}{params}: {seen[0]} and {sizes} share a heuristic, not a kernel"
 

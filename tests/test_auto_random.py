@@ -873,7 +873,7 @@ def _scheduler(prog: Program) -> str:
 
         arrays = [x for x in prog.inputs if hasattr(x, "shape")]
         aligned = all(data_ptr(x) % 16 == 0 for x in arrays)
-        return str(prog.fd._core.auto_program([list(x.shape) for x in arrays], aligned)[1])
+        return str(prog.fd._core.auto_program([list(x.shape) for x in arrays], aligned).heuristic)
     except Exception:  # noqa: BLE001
         return "?"
 

@@ -48,14 +48,14 @@ def test_parameter_order_inputs_outputs_buffers_then_scalars():
 def test_launch_plan_is_evaluated_in_rust():
     sc = scenarios.h_grid_column_sum()
     k = sc.fd.lower(sc.make_inputs(np)).kernels[0]
-    outs, bufs, args, grid, block, smem, index32 = k._core.plan([[61, 300]], [[300, 1]], [])
-    assert outs == [([300], [0], "Float")]
-    assert grid == [16, 3, 1] and block == [128, 4, 1]
-    assert smem == 128 * 4 * 8  # block-reduction workspace: one 8-byte slot per thread
-    assert bufs[0][:2] == ("T1_work", 3 * 16 * 128) and bufs[1][:2] == ("T1_sync", 3)
-    assert args == [61, 300]
-    assert index32, "small sizes take the 32-bit index variant"
-    assert k._core.plan([[40_000_000, 300]], [[300, 1]], [])[6] is False
+    plan = k._core.plan([[61, 300]], [[300, 1]], [])
+    assert [(o.sizes, o.layout, o.dtype) for o in plan.outputs] == [([300], [0], "Float")]
+    assert plan.grid == (16, 3, 1) and plan.block == (128, 4, 1)
+    assert plan.smem_bytes == 128 * 4 * 8  # block-reduction workspace: one 8-byte slot per thread
+    assert [(b.name, b.elements) for b in plan.buffers] == [("T1_work", 3 * 16 * 128), ("T1_sync", 3)]
+    assert plan.scalar_args == [61, 300]
+    assert plan.index32, "small sizes take the 32-bit index variant"
+    assert k._core.plan([[40_000_000, 300]], [[300, 1]], []).index32 is False
     assert k.launch == {"grid": ("ceilDiv(i0, 4)", "ceilDiv(i1, 128)", "1"), "block": ("128", "4", "1"),
                         "smem_bytes": "4096"}
 

@@ -48,7 +48,7 @@ def test_executor_allocates_buffers_or_takes_them():
     (own,) = ex.run([x])  # executor allocates work buffer and zeroed semaphore
     np.testing.assert_allclose(cp.asnumpy(own), ref, rtol=1e-5, atol=1e-4)
     plan = ex.plan([x], [])
-    bufs = [cp.zeros(n, dtype=cp.float32 if d == "Float" else cp.int64) for _, n, d, _, _ in plan[1]]
+    bufs = [cp.zeros(b.elements, dtype=cp.float32 if b.dtype == "Float" else cp.int64) for b in plan.buffers]
     (given,) = ex.run([x], buffers=bufs)
     np.testing.assert_allclose(cp.asnumpy(given), ref, rtol=1e-5, atol=1e-4)
     assert int(bufs[1].sum()) == 0, "the semaphore is back to zero after the launch"

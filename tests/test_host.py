@@ -74,8 +74,8 @@ def test_three_segment_chain_deallocates_after_last_use_and_peak():
     x = np.zeros((8, 300), np.float32)
     low = fd.lower([x])
     assert len(low.kernels) == 3
-    ops = [(op, k, names, outs) for op, k, names, outs, _ in low.program.instructions()]
-    flat = [(op, names[0] if op != "LaunchKernel" else k) for op, k, names, _ in ops]
+    instrs = low.program.instructions()
+    flat = [(i.op, i.buffer if i.kernel is None else i.kernel) for i in instrs]
     assert flat == [
         ("Allocate", "T1"), ("LaunchKernel", 0),
         ("Allocate", "T2"), ("LaunchKernel", 1),
@@ -83,11 +83,11 @@ def test_three_segment_chain_deallocates_after_last_use_and_peak():
         ("Deallocate", "T1"), ("Deallocate", "T2"),
     ]
     # Each Deallocate follows the last launch that reads the buffer.
-    for i, (op, name) in enumerate(flat):
+    for n, (op, name) in enumerate(flat):
         if op == "Deallocate":
-            last = max(j for j, (o, k, names, outs) in enumerate(ops)
-                       if o == "LaunchKernel" and (name in names or name in outs))
-            assert i > last and all(o == "Deallocate" for o, _ in flat[last + 1:i])
+            last = max(j for j, i in enumerate(instrs)
+                       if i.op == "LaunchKernel" and (name in i.inputs or name in i.outputs))
+            assert n > last and all(o == "Deallocate" for o, _ in flat[last + 1:n])
     plan = low.plan([x])
     n = 8 * 300 * 4
     row = 8 * 4
@@ -250,8 +250,8 @@ def test_wrong_intermediates_raise():
     x = sc.make_inputs(cp)[0]
     ex = KernelExecutor(sc.fd.lower([x]).kernels[0])
     plan = ex.plan([x], [])
-    work = cp.empty(plan[1][0][1], dtype=cp.float32)
-    sync = cp.zeros(plan[1][1][1], dtype=cp.int64)
+    work = cp.empty(plan.buffers[0].elements, dtype=cp.float32)
+    sync = cp.zeros(plan.buffers[1].elements, dtype=cp.int64)
     with pytest.raises(KilnError, match="global buffer T1_work: 3 elements"):
         ex.run([x], buffers=[work[:3], sync])
     with pytest.raises(KilnTypeError, match="global buffer T1_sync: dtype float32"):

@@ -207,7 +207,7 @@ def schedule(c: Case, fd: FusionDefinition, inputs, full_tensors, outs) -> None:
         # A Local tensor parallelized on an axis right of its inline position is read by
         # consumers whose threads may differ (an unscheduled permute, a reduction): keep it
         # in Global memory. Lowering accepts the Local version silently (lowering issue 4).
-        pos = fd._core.tv_memory(t._id)[1]
+        pos = fd._core.tv_memory(t._id).inline_position
         if any(ax >= pos for ax, _ in c.parallel):
             t.set_memory_type(MemoryType.Global)
 

@@ -8,15 +8,6 @@ from typing import Any, Dict, List, Optional, Tuple, Union, final
 Operand = Tuple[bool, int]
 # A runtime scalar argument.
 ScalarArg = Union[bool, int, float]
-# (host program, heuristic kind, heuristic values, contiguity of each input as laid out).
-AutoProgram = Tuple["HostProgram", str, List[int], List[List[Optional[bool]]]]
-# (name, dtype, sizes, layout, elements, bytes, zero_init, resets_to_zero, place, offset_or_index).
-BufferAlloc = Tuple[str, str, List[int], List[int], int, int, bool, bool, str, int]
-# (kernel, arg buffer ids, memset buffer ids, scalar args [(value, dtype)], grid, block, smem,
-# 32-bit indexing).
-Launch = Tuple[
-    int, List[int], List[int], List[Tuple[Any, str]], Tuple[int, int, int], Tuple[int, int, int], int, bool
-]
 
 DTYPES: List[str]
 # kiln dtype name -> NumPy / torch dtype name (``"Float"`` -> ``"float32"``).
@@ -79,22 +70,20 @@ class Fusion:
         """Loop domain ids of a tensor."""
     def tv_logical(self, t: int) -> List[int]:
         """Logical domain ids of a tensor."""
-    def tv_memory(self, t: int) -> Tuple[str, int]:
-        """Memory type name and inline position of a tensor."""
-    def id_info(self, i: int) -> Tuple[str, str, str, str]:
-        """(extent text, iter type, parallel type, label) of an id."""
+    def tv_memory(self, t: int) -> TensorMemory:
+        """Memory type and inline position of a tensor."""
+    def id_info(self, i: int) -> IterDomainInfo:
+        """Extent, iter type, parallel type and label of an id."""
     def math(self) -> str:
         """The math dump."""
     def transforms(self, t: int) -> str:
         """The transform dump of one tensor."""
     def tv_label(self, t: int) -> str:
         """Label of a tensor (`T3_l_float[...]`)."""
-    def input_specs(self) -> List[Tuple[str, str, str, List[int]]]:
-        """Each input as (kind, name, dtype, shape) with kind "tensor" or "scalar"."""
-    def check_inputs(
-        self, args: List[Tuple[str, str, List[int], List[int], Optional[ScalarArg]]], any_layout: bool = ...
-    ) -> None:
-        """Check runtime arguments against the definition, the input contract of every path:"""
+    def input_specs(self) -> List[InputSpec]:
+        """Each input's kind, name, dtype and shape, in order."""
+    def check_inputs(self, args: List[RuntimeArg], any_layout: bool = ...) -> None:
+        """Check runtime arguments against the definition, the input contract of every path."""
     @property
     def version(self) -> int:
         """Mutation counter (changes whenever the definition or schedule changes)."""
@@ -125,7 +114,7 @@ class Fusion:
         """Inline at a position."""
     def set_allocation_domain(self, t: int, ids: List[int], contiguity: List[Optional[bool]]) -> None:
         """Set the allocation domain from id numbers."""
-    def auto_scheduled(self, sizes: List[List[int]]) -> Tuple[Fusion, str, List[int]]:
+    def auto_scheduled(self, sizes: List[List[int]]) -> AutoSchedule:
         """A copy of the fusion scheduled automatically for inputs of `sizes`, with the"""
     def auto_program(
         self,
@@ -158,28 +147,18 @@ class Kernel:
         """Kernel IR as text."""
     def pass_dumps(self) -> List[Tuple[str, str]]:
         """Kernel IR after the passes lowering was asked to dump: (pass, text) in pass order."""
-    def cuda(self, index32: bool = ...) -> Tuple[str, str, List[Tuple[str, str, int, int, str]]]:
-        """CUDA source (runtime header + kernel) and its parameters as (name, kind, index, dtype)."""
-    def plan(
-        self, sizes: List[List[int]], strides: List[List[int]], scalars: List[ScalarArg]
-    ) -> Tuple[
-        List[Tuple[List[int], List[int], str]],
-        List[Tuple[str, int, str, bool, bool]],
-        List[Any],
-        Tuple[int, int, int],
-        Tuple[int, int, int],
-        int,
-        bool,
-    ]:
-        """Concrete launch plan for input sizes/strides (elements) and scalar inputs:"""
-    def launch(self) -> Tuple[List[str], List[str], str]:
-        """Launch configuration as expressions: (grid, block, dynamic shared memory bytes)."""
+    def cuda(self, index32: bool = ...) -> CudaSource:
+        """CUDA source (runtime header + kernel), kernel name and parameters."""
+    def plan(self, sizes: List[List[int]], strides: List[List[int]], scalars: List[ScalarArg]) -> KernelPlan:
+        """Concrete launch plan for input sizes/strides (elements) and scalar inputs."""
+    def launch(self) -> LaunchConfig:
+        """Launch configuration as expressions of the input sizes."""
     def allocations_text(self) -> str:
         """The allocation table as text."""
     def allocations(self) -> List[Allocation]:
         """The allocation record of every tensor the kernel allocates, in tensor order."""
-    def gathers(self) -> List[Tuple[int, str, str]]:
-        """The kernel's gathers: (site id, index tensor, selected-from tensor)."""
+    def gathers(self) -> List[Gather]:
+        """The kernel's gathers (`index_select` sites)."""
     def global_allocations(self) -> List[GlobalBuffer]:
         """The Global buffers the kernel needs besides its inputs and outputs (KernelSummary)."""
 
@@ -220,6 +199,296 @@ class GlobalBuffer:
     @property
     def resets_to_zero(self) -> bool: ...
 
+@final
+class TensorMemory:
+    """Where a tensor lives and how far it is inlined into its consumers' loops."""
+    @property
+    def memory_type(self) -> str:
+        """Memory type name (`Local`, `Shared`, `Global`)."""
+    @property
+    def inline_position(self) -> int:
+        """How many outer loop axes the tensor shares with its consumers."""
+
+@final
+class IterDomainInfo:
+    """One iter domain of a fusion."""
+    @property
+    def extent(self) -> str:
+        """The symbolic extent as text (`ceilDiv(i1, 128)`)."""
+    @property
+    def iter_type(self) -> str:
+        """`Iteration`, `Reduction` or `Broadcast`."""
+    @property
+    def parallel_type(self) -> str:
+        """The parallel type name the axis is mapped to (`Serial` when none)."""
+    @property
+    def label(self) -> str:
+        """The id as the dumps print it."""
+
+@final
+class InputSpec:
+    """One input of a fusion definition."""
+    @property
+    def kind(self) -> str:
+        """`tensor` or `scalar`."""
+    @property
+    def name(self) -> str:
+        """The tensor's name (`T0`) or the scalar's (`s0`)."""
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> List[int]:
+        """Per axis: -1 symbolic, 1 broadcast, n static (empty for a scalar)."""
+
+@final
+class RuntimeArg:
+    """One runtime argument as `Fusion.check_inputs` takes it."""
+    def __init__(
+        self,
+        kind: str,
+        text: str = ...,
+        sizes: List[int] = ...,
+        strides: List[int] = ...,
+        scalar: Optional[ScalarArg] = ...,
+    ) -> None: ...
+    @property
+    def kind(self) -> str:
+        """`tensor`, `scalar`, `bigint` (an int beyond 64 bits) or `other` (anything else)."""
+    @property
+    def text(self) -> str:
+        """A tensor's dtype name, a bigint's digits or another argument's type name (empty for a scalar)."""
+    @property
+    def sizes(self) -> List[int]:
+        """A tensor's sizes (empty otherwise)."""
+    @property
+    def strides(self) -> List[int]:
+        """A tensor's element strides (empty otherwise)."""
+    @property
+    def scalar(self) -> Optional[ScalarArg]:
+        """A scalar's value (None otherwise)."""
+
+@final
+class AutoSchedule:
+    """`Fusion.auto_scheduled`'s result: the scheduled copy and its heuristic."""
+    @property
+    def fusion(self) -> Fusion:
+        """A copy of the fusion with the automatic schedule applied."""
+    @property
+    def heuristic(self) -> str:
+        """The heuristic's kind (`pointwise`, `normalization`, ...)."""
+    @property
+    def params(self) -> List[int]:
+        """The heuristic's parameters (what kernels may depend on besides the kind)."""
+
+@final
+class AutoProgram:
+    """`Fusion.auto_program`'s result: the program, its heuristic and the input layout."""
+    @property
+    def program(self) -> HostProgram: ...
+    @property
+    def heuristic(self) -> str:
+        """The heuristic's kind (`pointwise`, `normalization`, ...)."""
+    @property
+    def params(self) -> List[int]:
+        """The heuristic's parameters (what kernels may depend on besides the kind)."""
+    @property
+    def contiguity(self) -> List[List[Optional[bool]]]:
+        """The contiguity each tensor input was compiled for, in input order."""
+
+@final
+class KernelParam:
+    """One parameter of a generated kernel, in parameter order."""
+    @property
+    def name(self) -> str: ...
+    @property
+    def kind(self) -> str:
+        """`input`, `output`, `buffer`, `scalar`, `extent` or `stride`."""
+    @property
+    def number(self) -> int:
+        """Input, output or buffer number, scalar `s{n}` or extent `i{n}` number, or a stride's tensor id."""
+    @property
+    def axis(self) -> int:
+        """A stride's axis (0 for the other kinds)."""
+    @property
+    def dtype(self) -> str: ...
+
+@final
+class CudaSource:
+    """A kernel's generated CUDA."""
+    @property
+    def source(self) -> str:
+        """The translation unit: runtime header + kernel."""
+    @property
+    def name(self) -> str:
+        """Name of the `__global__` function."""
+    @property
+    def params(self) -> List[KernelParam]: ...
+
+@final
+class LaunchConfig:
+    """A kernel's launch configuration as expressions of the input sizes."""
+    @property
+    def grid(self) -> List[str]: ...
+    @property
+    def block(self) -> List[str]: ...
+    @property
+    def smem_bytes(self) -> str:
+        """Dynamic shared memory bytes."""
+
+@final
+class Gather:
+    """One `index_select` site of a kernel."""
+    @property
+    def site(self) -> int:
+        """The site id an out-of-range index is reported under."""
+    @property
+    def index(self) -> str:
+        """The index tensor."""
+    @property
+    def table(self) -> str:
+        """The tensor selected from."""
+
+@final
+class OutputPlan:
+    """How to allocate one output of a kernel launch."""
+    @property
+    def sizes(self) -> List[int]:
+        """Logical sizes."""
+    @property
+    def layout(self) -> List[int]:
+        """Storage order: `layout[k]` is the logical axis stored k-th (outermost first)."""
+    @property
+    def dtype(self) -> str: ...
+
+@final
+class GlobalBufferPlan:
+    """A Global buffer of a kernel launch, sized for concrete inputs."""
+    @property
+    def name(self) -> str: ...
+    @property
+    def elements(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def zero_init(self) -> bool: ...
+    @property
+    def resets_to_zero(self) -> bool: ...
+
+@final
+class KernelPlan:
+    """One kernel's launch plan for concrete inputs (`Kernel.plan`)."""
+    @property
+    def outputs(self) -> List[OutputPlan]: ...
+    @property
+    def buffers(self) -> List[GlobalBufferPlan]:
+        """The Global buffers in parameter order."""
+    @property
+    def scalar_args(self) -> List[Any]:
+        """Values of the scalar parameters in parameter order (after the tensor parameters)."""
+    @property
+    def grid(self) -> Tuple[int, int, int]: ...
+    @property
+    def block(self) -> Tuple[int, int, int]: ...
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory bytes."""
+    @property
+    def index32(self) -> bool:
+        """Every offset fits in 32 bits: the 32-bit index variant of the kernel is safe."""
+
+@final
+class Instruction:
+    """One instruction of a host program."""
+    @property
+    def op(self) -> str:
+        """`Allocate`, `Deallocate` or `LaunchKernel`."""
+    @property
+    def kernel(self) -> Optional[int]:
+        """The kernel a LaunchKernel launches (None otherwise)."""
+    @property
+    def buffer(self) -> Optional[str]:
+        """The buffer an Allocate or Deallocate names (None for a LaunchKernel)."""
+    @property
+    def inputs(self) -> List[str]:
+        """A LaunchKernel's input buffers (empty otherwise)."""
+    @property
+    def outputs(self) -> List[str]:
+        """A LaunchKernel's output buffers (empty otherwise)."""
+    @property
+    def intermediates(self) -> List[str]:
+        """A LaunchKernel's intermediate (work) buffers (empty otherwise)."""
+
+@final
+class BufferAlloc:
+    """One buffer of a host program's concrete plan."""
+    @property
+    def name(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def sizes(self) -> List[int]:
+        """Logical sizes (outputs and intermediates) or `[elements]` (kernel buffers)."""
+    @property
+    def layout(self) -> List[int]:
+        """Storage order of `sizes` (`layout[k]` is the axis stored k-th)."""
+    @property
+    def elements(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def zero_init(self) -> bool: ...
+    @property
+    def resets_to_zero(self) -> bool: ...
+    @property
+    def place(self) -> str:
+        """`input`, `output`, `arena`, `zero_pool` or `error` (an error word)."""
+    @property
+    def offset(self) -> int:
+        """Byte offset in the arena or zeroed pool; input, output or error word number."""
+
+@final
+class KernelLaunch:
+    """One kernel launch of a host program's concrete plan."""
+    @property
+    def kernel(self) -> int:
+        """The kernel (index into `HostProgram.kernels()`)."""
+    @property
+    def args(self) -> List[int]:
+        """Buffer ids (indices into `HostPlan.buffers`) in kernel parameter order."""
+    @property
+    def memsets(self) -> List[int]:
+        """Buffer ids to zero right before the launch (`zero_init` without `resets_to_zero`)."""
+    @property
+    def scalars(self) -> List[Tuple[Any, str]]:
+        """(value, dtype) of every scalar parameter, in parameter order."""
+    @property
+    def grid(self) -> Tuple[int, int, int]: ...
+    @property
+    def block(self) -> Tuple[int, int, int]: ...
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory bytes."""
+    @property
+    def index32(self) -> bool:
+        """The launch uses the kernel's 32-bit index variant."""
+
+@final
+class HostPlan:
+    """A host program evaluated for concrete inputs (`HostProgram.plan`)."""
+    @property
+    def buffers(self) -> List[BufferAlloc]: ...
+    @property
+    def launches(self) -> List[KernelLaunch]: ...
+    @property
+    def peak_bytes(self) -> int:
+        """Largest total of simultaneously live buffers (bytes, unaligned), outputs included."""
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes of the workspace arena."""
+    @property
+    def zero_pool_bytes(self) -> int:
+        """Bytes of the zeroed pool."""
+
 class HostProgram:
     def text(self) -> str:
         """The program as text."""
@@ -227,8 +496,8 @@ class HostProgram:
         """How the automatic segmenter grouped the fusion (empty for the user's segments)."""
     def kernels(self) -> List[Kernel]:
         """The kernels, one per segment, in launch order."""
-    def instructions(self) -> List[Tuple[str, int, List[str], List[str], List[str]]]:
-        """Instructions as (op, kernel or -1, buffers, outputs, intermediates): Allocate and"""
+    def instructions(self) -> List[Instruction]:
+        """The program's instructions, in order."""
     def input_names(self) -> List[str]:
         """Names of the fusion's tensor inputs, in order."""
     def output_names(self) -> List[str]:
@@ -236,10 +505,8 @@ class HostProgram:
     @property
     def plan_misses(self) -> int:
         """Number of plans evaluated so far (misses of the per-signature cache)."""
-    def plan(
-        self, sizes: List[List[int]], strides: List[List[int]], scalars: List[ScalarArg]
-    ) -> Tuple[List[BufferAlloc], List[Launch], int, int, int]:
-        """Concrete plan for input sizes/strides (elements) and scalar inputs:"""
+    def plan(self, sizes: List[List[int]], strides: List[List[int]], scalars: List[ScalarArg]) -> HostPlan:
+        """Concrete plan for input sizes/strides (elements) and scalar inputs; cached per signature."""
 
 class PreparedLaunch:
     def __init__(

@@ -103,7 +103,7 @@ def lowered_for(fd: Any, inputs: Sequence[Any]) -> Any:
     sizes = [list(x.shape) for x in tensors]
     # Inputs without declared contiguity get kernels for their arrays' layout (slices,
     # transposes, expanded arrays read through runtime strides).
-    strides = [_arg(x)[3] for x in tensors]
+    strides = [_arg(x).strides for x in tensors]
     # Inputs at 16-byte aligned addresses (any fresh allocation) get kernels whose vector
     # accesses need no address checks; others (views at an odd offset) get checked ones.
     aligned = all(data_ptr(x) % 16 == 0 for x in tensors)
@@ -121,11 +121,12 @@ def lowered_for(fd: Any, inputs: Sequence[Any]) -> Any:
     if hit is not None:
         return hit
     configure_lowering()
-    program, kind, params, layout = fd._core.auto_program(sizes, aligned, device, scalars, strides)
+    auto = fd._core.auto_program(sizes, aligned, device, scalars, strides)
+    program = auto.program
     if dump_enabled("segments"):
         print(program.segmentation())
-    contiguity = tuple(tuple(c) for c in layout)
-    hkey = (kind, tuple(params), contiguity, aligned, device, tuple(scalars))
+    contiguity = tuple(tuple(c) for c in auto.contiguity)
+    hkey = (auto.heuristic, tuple(auto.params), contiguity, aligned, device, tuple(scalars))
     low = c.by_heuristic.get(hkey)
     if low is None:
         low = c.by_heuristic[hkey] = LoweredFusion([LoweredKernel(k) for k in program.kernels()], program)

@@ -42,6 +42,7 @@ from typing import Any, Callable, DefaultDict, Dict, List, NamedTuple, Optional,
 import numpy as np
 
 from ._core import DTYPE_NUMPY_NAMES as _ITEMSIZE_NAMES
+from ._core import HostPlan
 from ._env import launcher_choice
 from ._errors import KilnError, KilnTypeError
 
@@ -50,7 +51,7 @@ Launcher = Callable[[Sequence[Any], "HostEvaluator"], List[Any]]
 
 
 class PlannedBuffer(NamedTuple):
-    """One buffer of a concrete plan."""
+    """One buffer of a concrete plan (``kiln._core.BufferAlloc`` as a tuple the recipe reads)."""
 
     name: str
     dtype: str
@@ -60,12 +61,12 @@ class PlannedBuffer(NamedTuple):
     nbytes: int
     zero_init: bool
     resets_to_zero: bool
-    place: str  # "input", "output", "arena", "zero_pool"
-    offset: int  # byte offset (arena / zero_pool) or input/output index
+    place: str  # "input", "output", "arena", "zero_pool", "error"
+    offset: int  # byte offset (arena / zero_pool) or input/output/error word index
 
 
 class PlannedLaunch(NamedTuple):
-    """One kernel launch of a concrete plan."""
+    """One kernel launch of a concrete plan (``kiln._core.KernelLaunch`` as a tuple)."""
 
     kernel: int
     args: Tuple[int, ...]  # buffer ids in parameter order
@@ -78,17 +79,19 @@ class PlannedLaunch(NamedTuple):
 
 
 class ProgramPlan:
-    """A host program evaluated for concrete input sizes (see ``HostProgram.plan``)."""
+    """A host program evaluated for concrete input sizes (see ``HostProgram.plan``), read
+    out of the core's ``HostPlan`` once per signature into plain tuples."""
 
-    def __init__(self, raw: Tuple) -> None:
-        bufs, launches, peak, arena, pool = raw
-        self.buffers = [PlannedBuffer(n, d, tuple(s), tuple(lay), e, b, z, r, p, o)
-                        for (n, d, s, lay, e, b, z, r, p, o) in bufs]
-        self.launches = [PlannedLaunch(k, tuple(a), tuple(m), tuple(sc), tuple(g), tuple(bl), sm, i32)
-                         for (k, a, m, sc, g, bl, sm, i32) in launches]
-        self.peak_bytes: int = peak
-        self.arena_bytes: int = arena
-        self.zero_pool_bytes: int = pool
+    def __init__(self, raw: HostPlan) -> None:
+        self.buffers = [PlannedBuffer(b.name, b.dtype, tuple(b.sizes), tuple(b.layout), b.elements, b.nbytes,
+                                      b.zero_init, b.resets_to_zero, b.place, b.offset)
+                        for b in raw.buffers]
+        self.launches = [PlannedLaunch(la.kernel, tuple(la.args), tuple(la.memsets), tuple(la.scalars),
+                                       la.grid, la.block, la.smem_bytes, la.index32)
+                         for la in raw.launches]
+        self.peak_bytes: int = raw.peak_bytes
+        self.arena_bytes: int = raw.arena_bytes
+        self.zero_pool_bytes: int = raw.zero_pool_bytes
 
     def buffer(self, name: str) -> PlannedBuffer:
         """The planned buffer called ``name``."""
@@ -426,7 +429,7 @@ class HostEvaluator:
                 continue
             words[:] = 0
             k = self._error_kernels.get(slot, 0)
-            gathers = {g: (ix, table) for g, ix, table in self.lowered.kernels[k]._core.gathers()}
+            gathers = {g.site: (g.index, g.table) for g in self.lowered.kernels[k]._core.gathers()}
             ix, table = gathers.get(site - 1, ("the index tensor", "the table"))
             raise KilnError(f"index_select in kernel {k} of an earlier call of this fusion: "
                             f"the index tensor {ix} "
@@ -559,21 +562,22 @@ class HostEvaluator:
         """The non-pointer arguments of ``la`` as (value, dtype, input position): sizes and
         strides are constants (NumPy scalars, position -1); a scalar input is passed per
         call (value None, its position in ``inputs``), after checking its kind."""
-        params = [p for p in self.lowered.kernels[la.kernel].params if p[1] in ("scalar", "extent", "stride")]
+        kernel_params = self.lowered.kernels[la.kernel].params
+        params = [p for p in kernel_params if p.kind in ("scalar", "extent", "stride")]
         out = []
         for p, (v, d) in zip(params, la.scalars):
-            if p[1] != "scalar":
+            if p.kind != "scalar":
                 out.append((np_scalar(v, d), d, -1))
                 continue
-            pos = scalar_pos[p[2]]
+            pos = scalar_pos[p.number]
             x = inputs[pos]
             if isinstance(x, float) and d in ("Int", "Int32", "Bool"):
                 # NumPy would truncate it; the CPU interpreter refuses it: so do we.
-                raise KilnTypeError(f"input {pos} (s{p[2]}): got float {x} for a {d} scalar")
+                raise KilnTypeError(f"input {pos} (s{p.number}): got float {x} for a {d} scalar")
             try:  # a value out of the parameter's range: refused now, naming the input
                 np_scalar(x, d)
             except (OverflowError, ValueError) as e:
-                raise KilnError(f"input {pos} (s{p[2]}): {x} does not fit a {d} scalar: {e}") from e
+                raise KilnError(f"input {pos} (s{p.number}): {x} does not fit a {d} scalar: {e}") from e
             out.append((None, d, pos))
         return tuple(out)
 
@@ -747,12 +751,12 @@ def run_on_cpu(lowered: Any, inputs: Sequence[Any],
     env: Dict[str, Any] = {}
     for name, x in zip(lowered.program.input_names(), arrays):
         env[name] = x
-    for op, k, names, outs, _inter in lowered.program.instructions():
-        if op == "Deallocate":
-            env.pop(names[0], None)
-        if op != "LaunchKernel":
+    for ins in lowered.program.instructions():
+        if ins.op == "Deallocate" and ins.buffer is not None:
+            env.pop(ins.buffer, None)
+        if ins.kernel is None:  # Allocate / Deallocate
             continue
-        results = launcher(lowered.kernels[k]._core, [env[n] for n in names] + scalars)
-        for n, v in zip(outs, results):
+        results = launcher(lowered.kernels[ins.kernel]._core, [env[n] for n in ins.inputs] + scalars)
+        for n, v in zip(ins.outputs, results):
             env[n] = v
     return [env[n] for n in lowered.program.output_names()]

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ._core import RuntimeArg
 from ._env import dump_after, dump_enabled, verify_passes
 from ._errors import KilnError, KilnTypeError
 from .enums import DataType, MemoryType
+
+if TYPE_CHECKING:
+    from ._core import CudaSource
 
 _RUNTIME_END = "#endif  // KILN_RUNTIME_CUH"
 
@@ -33,6 +37,16 @@ class AllocationInfo:
     position: int
     zero_init: bool
     resets_to_zero: bool
+
+
+class ParamInfo(NamedTuple):
+    """One kernel parameter, in parameter order (a tuple: ``p[1]`` is its kind)."""
+
+    name: str
+    kind: str  # "input", "output", "buffer", "scalar", "extent" or "stride"
+    number: int  # input/output/buffer number, scalar s{n} or extent i{n} number, a stride's tensor id
+    axis: int  # a stride's axis (0 otherwise)
+    dtype: str  # kiln dtype name
 
 
 @dataclass(frozen=True)
@@ -79,44 +93,49 @@ class LoweredKernel:
                          resets_to_zero=b.resets_to_zero)
             for b in core.global_allocations()
         ]
-        self._cuda: dict = {}
+        self._cuda: Dict[bool, CudaSource] = {}
+        self._params: Optional[List[ParamInfo]] = None
         if _RECORDING:
             _GENERATED.append(self)
 
-    def _codegen(self, index32: bool = False) -> Tuple[str, str, list]:
+    def _codegen(self, index32: bool = False) -> CudaSource:
         hit = self._cuda.get(index32)
         if hit is None:
             hit = self._cuda[index32] = self._core.cuda(index32)
 
             if dump_enabled("cuda"):
-                print(f"// {hit[1]}, {32 if index32 else 64}-bit indexing (runtime header left out)")
-                print(kernel_part(hit[0]))
+                print(f"// {hit.name}, {32 if index32 else 64}-bit indexing (runtime header left out)")
+                print(kernel_part(hit.source))
         return hit
 
     def cuda_source_for(self, index32: bool) -> str:
         """The CUDA source with 32-bit (``True``) or 64-bit index arithmetic."""
-        return self._codegen(index32)[0]
+        return self._codegen(index32).source
 
     @property
     def launch(self) -> dict:
         """Launch configuration as expressions of input sizes: grid, block, shared memory bytes."""
-        grid, block, smem = self._core.launch()
-        return {"grid": tuple(grid), "block": tuple(block), "smem_bytes": smem}
+        la = self._core.launch()
+        return {"grid": tuple(la.grid), "block": tuple(la.block), "smem_bytes": la.smem_bytes}
 
     @property
     def cuda_source(self) -> str:
         """The CUDA C++ translation unit (runtime header + kernel), 64-bit indexing."""
-        return self._codegen()[0]
+        return self._codegen().source
 
     @property
     def kernel_name(self) -> str:
         """Name of the ``__global__`` function in :attr:`cuda_source`."""
-        return self._codegen()[1]
+        return self._codegen().name
 
     @property
-    def params(self) -> list:
-        """Kernel parameters in order: (name, kind, index, axis, dtype)."""
-        return self._codegen()[2]
+    def params(self) -> List[ParamInfo]:
+        """Kernel parameters in order: (name, kind, number, axis, dtype); both index variants
+        take the same parameters."""
+        if self._params is None:
+            params = self._codegen().params
+            self._params = [ParamInfo(p.name, p.kind, p.number, p.axis, p.dtype) for p in params]
+        return self._params
 
     def allocation(self, tensor: str) -> AllocationInfo:
         """The AllocationInfo of tensor ``tensor`` (e.g. ``"T3"``)."""
@@ -197,22 +216,22 @@ class LoweredFusion:
         return self.host_program if self.program is not None else repr(self.kernels)
 
 
-def _arg(x: Any) -> Tuple[str, str, List[int], List[int], Any]:
+def _arg(x: Any) -> RuntimeArg:
     """One runtime argument as the core's input contract takes it."""
     if isinstance(x, (bool, int, float)):
         if isinstance(x, int) and not isinstance(x, bool) and not -(2**63) <= x < 2**63:
-            return ("bigint", str(x), [], [], None)
-        return ("scalar", "", [], [], x)
+            return RuntimeArg("bigint", str(x))
+        return RuntimeArg("scalar", scalar=x)
     shape = getattr(x, "shape", None)
     if shape is None or not hasattr(x, "dtype"):
-        return ("other", type(x).__name__, [], [], None)
+        return RuntimeArg("other", type(x).__name__)
     name = str(x.dtype).replace("torch.", "")
     if callable(getattr(x, "stride", None)) and type(x).__module__.startswith("torch"):
         strides = [int(s) for s in x.stride()]
     else:
         item = int(getattr(x, "itemsize", 0) or x.dtype.itemsize)
         strides = [int(s) // item for s in x.strides]
-    return ("tensor", name, [int(s) for s in shape], strides, None)
+    return RuntimeArg("tensor", name, [int(s) for s in shape], strides)
 
 
 def plain_numbers(fd: Any, inputs: Any) -> Any:
@@ -220,7 +239,7 @@ def plain_numbers(fd: Any, inputs: Any) -> Any:
     0-d array for a tensor input, the Python number for a scalar input."""
     if not isinstance(inputs, (list, tuple)) or not any(isinstance(x, np.generic) for x in inputs):
         return inputs
-    kinds = [spec[0] for spec in fd._core.input_specs()]
+    kinds = [spec.kind for spec in fd._core.input_specs()]
     return [(np.asarray(x) if i < len(kinds) and kinds[i] == "tensor" else x.item())
             if isinstance(x, np.generic) else x for i, x in enumerate(inputs)]
 

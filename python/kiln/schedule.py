@@ -8,6 +8,7 @@ from ._errors import KilnError, KilnTypeError
 from .enums import MemoryType, ParallelType
 
 if TYPE_CHECKING:
+    from ._core import IterDomainInfo
     from .fusion import FusionDefinition, Tensor
 
 
@@ -20,18 +21,18 @@ class IterDomain:
         self._tensor = tensor
         self._id = id_
 
-    def _info(self) -> tuple:
+    def _info(self) -> IterDomainInfo:
         return self._tensor._fd._core.id_info(self._id)
 
     @property
     def extent(self) -> str:
         """The symbolic extent as text (e.g. ``ceilDiv(i1, 128)``)."""
-        return self._info()[0]
+        return self._info().extent
 
     @property
     def iter_type(self) -> str:
         """``Iteration``, ``Reduction`` or ``Broadcast``."""
-        return self._info()[1]
+        return self._info().iter_type
 
     @property
     def is_reduction(self) -> bool:
@@ -46,7 +47,7 @@ class IterDomain:
     @property
     def parallel_type(self) -> ParallelType:
         """The parallel type this axis is mapped to."""
-        return ParallelType(self._info()[2])
+        return ParallelType(self._info().parallel_type)
 
     def parallelize(self, pt: ParallelType) -> None:
         """Map this loop axis onto ``pt``."""
@@ -55,11 +56,12 @@ class IterDomain:
         t = self._tensor
         loop = t._fd._core.tv_loop(t._id)
         if self._id not in loop:
-            raise KilnError(f"{t.name}: {self._info()[3]} is no longer a loop axis (it was split or merged)")
+            label = self._info().label
+            raise KilnError(f"{t.name}: {label} is no longer a loop axis (it was split or merged)")
         t._fd._core.parallelize(t._id, loop.index(self._id), pt.value)
 
     def __repr__(self) -> str:
-        return self._info()[3]
+        return self._info().label
 
     def __eq__(self, other: object) -> bool:
         same_fusion = isinstance(other, IterDomain) and other._tensor._fd is self._tensor._fd
@@ -108,12 +110,12 @@ class ScheduleMixin:
     @property
     def memory_type(self) -> MemoryType:
         """Where the tensor lives."""
-        return MemoryType(self._fd._core.tv_memory(self._id)[0])
+        return MemoryType(self._fd._core.tv_memory(self._id).memory_type)
 
     @property
     def inline_position(self) -> int:
         """How many outer loop axes the tensor shares with its consumers."""
-        return int(self._fd._core.tv_memory(self._id)[1])
+        return int(self._fd._core.tv_memory(self._id).inline_position)
 
     def split(self, axis: int, factor: int, inner_split: bool = True) -> None:
         """Split loop axis ``axis`` into (ceilDiv(extent, factor), factor)."""

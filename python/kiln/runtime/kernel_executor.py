@@ -8,13 +8,16 @@ kernel's: inputs, outputs, global buffers, then scalars.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .._core import DTYPE_NUMPY_NAMES
 from .._errors import KilnError, KilnTypeError
 from . import executor
+
+if TYPE_CHECKING:
+    from .._core import KernelPlan
 
 
 def np_dtype(name: str) -> Any:
@@ -48,11 +51,11 @@ class KernelExecutor:
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel  # kiln.lowering.LoweredKernel
         self._compiled: Dict[Tuple[bool, int], Any] = {}
-        self._plans: Dict[Tuple, Tuple] = {}
-        params = [p for p in kernel.params if p[1] in ("scalar", "extent", "stride")]
+        self._plans: Dict[Tuple, KernelPlan] = {}
+        params = [p for p in kernel.params if p.kind in ("scalar", "extent", "stride")]
         # Sizes and strides take the kernel's index type; scalar inputs keep their dtype.
         self._scalar_dtypes = {
-            idx32: [("Int32" if idx32 and p[1] != "scalar" else p[4]) for p in params]
+            idx32: [("Int32" if idx32 and p.kind != "scalar" else p.dtype) for p in params]
             for idx32 in (False, True)
         }
         self.launches = 0
@@ -67,7 +70,7 @@ class KernelExecutor:
             self._compiled[(index32, threads)] = hit
         return hit
 
-    def plan(self, arrays: Sequence[Any], scalars: Sequence[Any]) -> Tuple:
+    def plan(self, arrays: Sequence[Any], scalars: Sequence[Any]) -> KernelPlan:
         """The launch plan for these inputs; cached per (dtype, shape, strides, scalars)."""
         key = tuple((a.dtype.str, a.shape, a.strides) for a in arrays) + tuple(scalars)
         hit = self._plans.get(key)
@@ -83,32 +86,37 @@ class KernelExecutor:
         """Launch on CuPy ``arrays``; returns the outputs (CuPy, logical order)."""
         import cupy as cp  # noqa: PLC0415
 
-        outs_plan, bufs_plan, scalar_args, grid, block, smem, index32 = self.plan(arrays, scalars)
+        plan = self.plan(arrays, scalars)
+        grid, block = plan.grid, plan.block
         outputs = []
-        for sizes, layout, dtype in outs_plan:
-            stored = cp.empty([sizes[a] for a in layout], dtype=np_dtype(dtype))
+        for o in plan.outputs:
+            layout = o.layout
+            stored = cp.empty([o.sizes[a] for a in layout], dtype=np_dtype(o.dtype))
             inverse = [layout.index(a) for a in range(len(layout))]
             outputs.append(stored.transpose(inverse) if layout != sorted(layout) else stored)
+        bufs_plan = plan.buffers
         if buffers is None:
             bufs = []
-            for _name, n, dtype, zero_init, _resets in bufs_plan:
-                alloc = cp.zeros if zero_init else cp.empty
-                bufs.append(alloc(max(n, 1), dtype=np_dtype(dtype)))
+            for bp in bufs_plan:
+                alloc = cp.zeros if bp.zero_init else cp.empty
+                bufs.append(alloc(max(bp.elements, 1), dtype=np_dtype(bp.dtype)))
         else:
             bufs = list(buffers)
             if len(bufs) != len(bufs_plan):
                 raise KilnError(f"the kernel needs {len(bufs_plan)} global buffers "
-                                f"({[b[0] for b in bufs_plan]}) but {len(bufs)} were passed")
-            for b, (name, n, dtype, _z, _r) in zip(bufs, bufs_plan):
-                if np.dtype(b.dtype) != np.dtype(np_dtype(dtype)):
-                    raise KilnTypeError(f"global buffer {name}: dtype {b.dtype} but the kernel needs {dtype}")
-                if b.size < n:
-                    raise KilnError(f"global buffer {name}: {b.size} elements but the kernel needs {n}")
+                                f"({[bp.name for bp in bufs_plan]}) but {len(bufs)} were passed")
+            for b, bp in zip(bufs, bufs_plan):
+                if np.dtype(b.dtype) != np.dtype(np_dtype(bp.dtype)):
+                    raise KilnTypeError(f"global buffer {bp.name}: dtype {b.dtype} but the kernel needs "
+                                        f"{bp.dtype}")
+                if b.size < bp.elements:
+                    raise KilnError(f"global buffer {bp.name}: {b.size} elements but the kernel needs "
+                                    f"{bp.elements}")
         if min(grid) == 0 or min(block) == 0:
             return outputs  # empty tensors: nothing to compute
         args: List[Any] = [*arrays, *outputs, *bufs]
-        args += [np_scalar(v, d) for v, d in zip(scalar_args, self._scalar_dtypes[index32])]
+        args += [np_scalar(v, d) for v, d in zip(plan.scalar_args, self._scalar_dtypes[plan.index32])]
         threads = int(block[0]) * int(block[1]) * int(block[2])
-        executor.launch(self.compiled(index32, threads), tuple(grid), tuple(block), int(smem), args)
+        executor.launch(self.compiled(plan.index32, threads), grid, block, int(plan.smem_bytes), args)
         self.launches += 1
         return outputs

@@ -359,25 +359,31 @@ impl PyFusion {
         guarded(py, || Ok(self.inner.get().tvs[self.tv(t)?].logical.iter().map(|i| i.as_u32()).collect()))
     }
 
-    /// Memory type name and inline position of a tensor.
-    fn tv_memory(&self, py: Python<'_>, t: u32) -> PyResult<(&'static str, usize)> {
+    /// Memory type and inline position of a tensor.
+    fn tv_memory(&self, py: Python<'_>, t: u32) -> PyResult<PyTensorMemory> {
         guarded(py, || {
             let tv = &self.inner.get().tvs[self.tv(t)?];
-            Ok((tv.memory.enum_name(), tv.inline_pos))
+            Ok(PyTensorMemory { memory_type: tv.memory.enum_name(), inline_position: tv.inline_pos })
         })
     }
 
-    /// (extent text, iter type, parallel type, label) of an id.
-    fn id_info(&self, py: Python<'_>, i: u32) -> PyResult<(String, &'static str, &'static str, String)> {
+    /// Extent, iter type, parallel type and label of an id.
+    fn id_info(&self, py: Python<'_>, i: u32) -> PyResult<PyIterDomainInfo> {
         guarded(py, || {
             let id = self.id(i)?;
-            let d = &self.inner.get().ids[id];
-            let it = match d.iter_type {
+            let f = self.inner.get();
+            let d = &f.ids[id];
+            let iter_type = match d.iter_type {
                 IterType::Iteration => "Iteration",
                 IterType::Reduction => "Reduction",
                 IterType::Broadcast => "Broadcast",
             };
-            Ok((self.inner.get().scalars.render(d.extent), it, d.parallel.enum_name(), self.inner.get().id_label(id)))
+            Ok(PyIterDomainInfo {
+                extent: f.scalars.render(d.extent),
+                iter_type,
+                parallel_type: d.parallel.enum_name(),
+                label: f.id_label(id),
+            })
         })
     }
 
@@ -396,8 +402,8 @@ impl PyFusion {
         guarded(py, || Ok(self.inner.get().tv_label(self.tv(t)?)))
     }
 
-    /// Each input as (kind, name, dtype, shape) with kind "tensor" or "scalar".
-    fn input_specs(&self) -> Vec<(&'static str, String, &'static str, Vec<i64>)> {
+    /// Each input's kind, name, dtype and shape, in order.
+    fn input_specs(&self) -> Vec<PyInputSpec> {
         let f = self.inner.get();
         f.inputs
             .iter()
@@ -415,40 +421,39 @@ impl PyFusion {
                             }
                         })
                         .collect();
-                    ("tensor", f.tv_name(t), f.tvs[t].dtype.enum_name(), shape)
+                    PyInputSpec { kind: "tensor", name: f.tv_name(t), dtype: f.tvs[t].dtype.enum_name(), shape }
                 }
-                Operand::Scalar(v) => {
-                    ("scalar", f.scalars.render(v), f.scalars.dtype(v, &f.scalar_input_dtypes).enum_name(), Vec::new())
-                }
+                Operand::Scalar(v) => PyInputSpec {
+                    kind: "scalar",
+                    name: f.scalars.render(v),
+                    dtype: f.scalars.dtype(v, &f.scalar_input_dtypes).enum_name(),
+                    shape: Vec::new(),
+                },
             })
             .collect()
     }
 
-    /// Check runtime arguments against the definition, the input contract of every path:
-    /// each is `(kind, text, sizes, strides, scalar)` with kind `tensor` (text: dtype name),
-    /// `scalar`, `bigint` (text: the integer) or `other` (text: its type name).
-    /// `any_layout`: kernels will be compiled for the arrays' strides (the automatic path).
-    #[allow(clippy::type_complexity)]
+    /// Check runtime arguments (see `RuntimeArg`) against the definition, the input contract
+    /// of every path. `any_layout`: kernels will be compiled for the arrays' strides (the
+    /// automatic path).
     #[pyo3(signature = (args, any_layout = false))]
-    fn check_inputs(
-        &self,
-        py: Python<'_>,
-        args: Vec<(String, String, Vec<i64>, Vec<i64>, Option<PyScalarArg>)>,
-        any_layout: bool,
-    ) -> PyResult<()> {
+    fn check_inputs(&self, py: Python<'_>, args: Vec<Bound<'_, PyRuntimeArg>>, any_layout: bool) -> PyResult<()> {
         use crate::host::bind::{bind_args_for, Arg};
         use crate::host::eval::InputDesc;
         guarded(py, || {
             let args: Vec<Arg> = args
-                .into_iter()
-                .map(|(kind, text, sizes, strides, scalar)| match (kind.as_str(), scalar) {
-                    ("tensor", _) => Arg::Tensor {
-                        dtype: DataType::from_numpy_name(&text).map(Some).ok_or(text),
-                        desc: InputDesc { sizes, strides },
-                    },
-                    ("scalar", Some(s)) => Arg::Scalar(s.to_arg()),
-                    ("bigint", _) => Arg::BigInt(text),
-                    _ => Arg::Other(text),
+                .iter()
+                .map(|a| {
+                    let a = a.get();
+                    match (a.kind.as_str(), &a.scalar) {
+                        ("tensor", _) => Arg::Tensor {
+                            dtype: DataType::from_numpy_name(&a.text).map(Some).ok_or_else(|| a.text.clone()),
+                            desc: InputDesc { sizes: a.sizes.clone(), strides: a.strides.clone() },
+                        },
+                        ("scalar", Some(s)) => Arg::Scalar(s.to_arg()),
+                        ("bigint", _) => Arg::BigInt(a.text.clone()),
+                        _ => Arg::Other(a.text.clone()),
+                    }
                 })
                 .collect();
             bind_args_for(self.inner.get(), &args, any_layout).map(|_| ())
@@ -561,17 +566,19 @@ impl PyFusion {
     }
 
     /// A copy of the fusion scheduled automatically for inputs of `sizes`, with the
-    /// heuristic's (kind, params).
-    fn auto_scheduled(&self, py: Python<'_>, sizes: Vec<Vec<i64>>) -> PyResult<(PyFusion, &'static str, Vec<i64>)> {
-        guarded(py, || {
+    /// heuristic that scheduled it.
+    fn auto_scheduled(&self, py: Python<'_>, sizes: Vec<Vec<i64>>) -> PyResult<PyAutoSchedule> {
+        let (f, heuristic, params) = guarded(py, || {
             let mut f = self.inner.get().clone();
             let h = crate::sched::auto::schedule(&mut f, &sizes)?;
-            Ok((PyFusion { inner: versioned::Versioned::new(f) }, h.kind(), h.values()))
-        })
+            Ok((f, h.kind(), h.values()))
+        })?;
+        let fusion = Py::new(py, PyFusion { inner: versioned::Versioned::new(f) })?;
+        Ok(PyAutoSchedule { fusion, heuristic, params })
     }
 
     /// The host program the automatic schedulers (and, failing them, the segmenter) pick
-    /// for inputs of `sizes`, with the heuristic's (kind, params); `aligned_bases`: every
+    /// for inputs of `sizes`, with its heuristic and input layout; `aligned_bases`: every
     /// tensor input starts at a 16-byte aligned address.
     /// `device`: (SM count, max threads per block, Shared bytes per block, registers per
     /// block, compute capability) of the target; None for the default (H100/H200 class).
@@ -588,8 +595,8 @@ impl PyFusion {
         device: Option<(i64, i64, i64, i64, i64)>,
         scalars: Vec<Option<i64>>,
         strides: Vec<Vec<i64>>,
-    ) -> PyResult<AutoProgram> {
-        guarded(py, || {
+    ) -> PyResult<PyAutoProgram> {
+        let (program, heuristic, params, contiguity) = guarded(py, || {
             let device = match device {
                 Some((sm_count, max_threads_per_block, shared_per_block, registers_per_block, arch)) => {
                     crate::sched::auto::DeviceProps {
@@ -614,7 +621,8 @@ impl PyFusion {
                 h.values(),
                 layout,
             ))
-        })
+        })?;
+        Ok(PyAutoProgram { program: Py::new(py, program)?, heuristic, params, contiguity })
     }
 
     /// Positions of the runtime scalar inputs that some tensor shape reads.
@@ -701,6 +709,234 @@ pub struct PyGlobalBuffer {
     resets_to_zero: bool,
 }
 
+/// Where a tensor lives and how far it is inlined into its consumers' loops.
+#[pyclass(name = "TensorMemory", module = "kiln._core", frozen, get_all)]
+pub struct PyTensorMemory {
+    /// Memory type name (`Local`, `Shared`, `Global`).
+    memory_type: &'static str,
+    /// How many outer loop axes the tensor shares with its consumers.
+    inline_position: usize,
+}
+
+/// One iter domain of a fusion.
+#[pyclass(name = "IterDomainInfo", module = "kiln._core", frozen, get_all)]
+pub struct PyIterDomainInfo {
+    /// The symbolic extent as text (`ceilDiv(i1, 128)`).
+    extent: String,
+    /// `Iteration`, `Reduction` or `Broadcast`.
+    iter_type: &'static str,
+    /// The parallel type name the axis is mapped to (`Serial` when none).
+    parallel_type: &'static str,
+    /// The id as the dumps print it.
+    label: String,
+}
+
+/// One input of a fusion definition.
+#[pyclass(name = "InputSpec", module = "kiln._core", frozen, get_all)]
+pub struct PyInputSpec {
+    /// `tensor` or `scalar`.
+    kind: &'static str,
+    /// The tensor's name (`T0`) or the scalar's (`s0`).
+    name: String,
+    dtype: &'static str,
+    /// Per axis: -1 symbolic, 1 broadcast, n static (empty for a scalar).
+    shape: Vec<i64>,
+}
+
+/// One runtime argument as `Fusion.check_inputs` takes it.
+#[pyclass(name = "RuntimeArg", module = "kiln._core", frozen, get_all)]
+pub struct PyRuntimeArg {
+    /// `tensor`, `scalar`, `bigint` (an int beyond 64 bits) or `other` (anything else).
+    kind: String,
+    /// A tensor's dtype name, a bigint's digits or another argument's type name (empty for a scalar).
+    text: String,
+    /// A tensor's sizes (empty otherwise).
+    sizes: Vec<i64>,
+    /// A tensor's element strides (empty otherwise).
+    strides: Vec<i64>,
+    /// A scalar's value (None otherwise).
+    scalar: Option<PyScalarArg>,
+}
+
+#[pymethods]
+impl PyRuntimeArg {
+    #[new]
+    #[pyo3(signature = (kind, text = String::new(), sizes = Vec::new(), strides = Vec::new(), scalar = None))]
+    fn new(kind: String, text: String, sizes: Vec<i64>, strides: Vec<i64>, scalar: Option<PyScalarArg>) -> Self {
+        Self { kind, text, sizes, strides, scalar }
+    }
+}
+
+/// `Fusion.auto_scheduled`'s result: the scheduled copy and its heuristic.
+#[pyclass(name = "AutoSchedule", module = "kiln._core", frozen, get_all)]
+pub struct PyAutoSchedule {
+    /// A copy of the fusion with the automatic schedule applied.
+    fusion: Py<PyFusion>,
+    /// The heuristic's kind (`pointwise`, `normalization`, ...).
+    heuristic: &'static str,
+    /// The heuristic's parameters (what kernels may depend on besides the kind).
+    params: Vec<i64>,
+}
+
+/// `Fusion.auto_program`'s result: the program, its heuristic and the input layout.
+#[pyclass(name = "AutoProgram", module = "kiln._core", frozen, get_all)]
+pub struct PyAutoProgram {
+    program: Py<PyHostProgram>,
+    /// The heuristic's kind (`pointwise`, `normalization`, ...).
+    heuristic: &'static str,
+    /// The heuristic's parameters (what kernels may depend on besides the kind).
+    params: Vec<i64>,
+    /// The contiguity each tensor input was compiled for, in input order.
+    contiguity: Vec<Vec<Option<bool>>>,
+}
+
+/// One parameter of a generated kernel, in parameter order.
+#[pyclass(name = "KernelParam", module = "kiln._core", frozen, get_all)]
+pub struct PyKernelParam {
+    name: String,
+    /// `input`, `output`, `buffer`, `scalar`, `extent` or `stride`.
+    kind: &'static str,
+    /// Input, output or buffer number, scalar `s{n}` or extent `i{n}` number, or a stride's tensor id.
+    number: i64,
+    /// A stride's axis (0 for the other kinds).
+    axis: i64,
+    dtype: &'static str,
+}
+
+/// A kernel's generated CUDA.
+#[pyclass(name = "CudaSource", module = "kiln._core", frozen, get_all)]
+pub struct PyCudaSource {
+    /// The translation unit: runtime header + kernel.
+    source: String,
+    /// Name of the `__global__` function.
+    name: String,
+    params: Vec<Py<PyKernelParam>>,
+}
+
+/// A kernel's launch configuration as expressions of the input sizes.
+#[pyclass(name = "LaunchConfig", module = "kiln._core", frozen, get_all)]
+pub struct PyLaunchConfig {
+    grid: Vec<String>,
+    block: Vec<String>,
+    /// Dynamic shared memory bytes.
+    smem_bytes: String,
+}
+
+/// One `index_select` site of a kernel.
+#[pyclass(name = "Gather", module = "kiln._core", frozen, get_all)]
+pub struct PyGather {
+    /// The site id an out-of-range index is reported under.
+    site: u32,
+    /// The index tensor.
+    index: String,
+    /// The tensor selected from.
+    table: String,
+}
+
+/// How to allocate one output of a kernel launch.
+#[pyclass(name = "OutputPlan", module = "kiln._core", frozen, get_all)]
+pub struct PyOutputPlan {
+    /// Logical sizes.
+    sizes: Vec<i64>,
+    /// Storage order: `layout[k]` is the logical axis stored k-th (outermost first).
+    layout: Vec<usize>,
+    dtype: &'static str,
+}
+
+/// A Global buffer of a kernel launch, sized for concrete inputs.
+#[pyclass(name = "GlobalBufferPlan", module = "kiln._core", frozen, get_all)]
+pub struct PyGlobalBufferPlan {
+    name: String,
+    elements: i64,
+    dtype: &'static str,
+    zero_init: bool,
+    resets_to_zero: bool,
+}
+
+/// One kernel's launch plan for concrete inputs (`Kernel.plan`).
+#[pyclass(name = "KernelPlan", module = "kiln._core", frozen, get_all)]
+pub struct PyKernelPlan {
+    outputs: Vec<Py<PyOutputPlan>>,
+    /// The Global buffers in parameter order.
+    buffers: Vec<Py<PyGlobalBufferPlan>>,
+    /// Values of the scalar parameters in parameter order (after the tensor parameters).
+    scalar_args: Vec<PyObject>,
+    grid: (i64, i64, i64),
+    block: (i64, i64, i64),
+    /// Dynamic shared memory bytes.
+    smem_bytes: i64,
+    /// Every offset fits in 32 bits: the 32-bit index variant of the kernel is safe.
+    index32: bool,
+}
+
+/// One instruction of a host program.
+#[pyclass(name = "Instruction", module = "kiln._core", frozen, get_all)]
+pub struct PyInstruction {
+    /// `Allocate`, `Deallocate` or `LaunchKernel`.
+    op: &'static str,
+    /// The kernel a LaunchKernel launches (None otherwise).
+    kernel: Option<usize>,
+    /// The buffer an Allocate or Deallocate names (None for a LaunchKernel).
+    buffer: Option<String>,
+    /// A LaunchKernel's input buffers (empty otherwise).
+    inputs: Vec<String>,
+    /// A LaunchKernel's output buffers (empty otherwise).
+    outputs: Vec<String>,
+    /// A LaunchKernel's intermediate (work) buffers (empty otherwise).
+    intermediates: Vec<String>,
+}
+
+/// One buffer of a host program's concrete plan.
+#[pyclass(name = "BufferAlloc", module = "kiln._core", frozen, get_all)]
+pub struct PyBufferAlloc {
+    name: String,
+    dtype: &'static str,
+    /// Logical sizes (outputs and intermediates) or `[elements]` (kernel buffers).
+    sizes: Vec<i64>,
+    /// Storage order of `sizes` (`layout[k]` is the axis stored k-th).
+    layout: Vec<usize>,
+    elements: i64,
+    nbytes: i64,
+    zero_init: bool,
+    resets_to_zero: bool,
+    /// `input`, `output`, `arena`, `zero_pool` or `error` (an error word).
+    place: &'static str,
+    /// Byte offset in the arena or zeroed pool; input, output or error word number.
+    offset: i64,
+}
+
+/// One kernel launch of a host program's concrete plan.
+#[pyclass(name = "KernelLaunch", module = "kiln._core", frozen, get_all)]
+pub struct PyKernelLaunch {
+    /// The kernel (index into `HostProgram.kernels()`).
+    kernel: usize,
+    /// Buffer ids (indices into `HostPlan.buffers`) in kernel parameter order.
+    args: Vec<usize>,
+    /// Buffer ids to zero right before the launch (`zero_init` without `resets_to_zero`).
+    memsets: Vec<usize>,
+    /// (value, dtype) of every scalar parameter, in parameter order.
+    scalars: Vec<(PyObject, &'static str)>,
+    grid: (i64, i64, i64),
+    block: (i64, i64, i64),
+    /// Dynamic shared memory bytes.
+    smem_bytes: i64,
+    /// The launch uses the kernel's 32-bit index variant.
+    index32: bool,
+}
+
+/// A host program evaluated for concrete inputs (`HostProgram.plan`).
+#[pyclass(name = "HostPlan", module = "kiln._core", frozen, get_all)]
+pub struct PyHostPlan {
+    buffers: Vec<Py<PyBufferAlloc>>,
+    launches: Vec<Py<PyKernelLaunch>>,
+    /// Largest total of simultaneously live buffers (bytes, unaligned), outputs included.
+    peak_bytes: i64,
+    /// Bytes of the workspace arena.
+    arena_bytes: i64,
+    /// Bytes of the zeroed pool.
+    zero_pool_bytes: i64,
+}
+
 /// A lowered kernel: kernel IR text, allocation records, global buffers.
 #[pyclass(name = "Kernel", module = "kiln._core", frozen)]
 pub struct PyKernel {
@@ -725,10 +961,6 @@ impl PyKernel {
     }
 }
 
-/// `auto_program`'s result: the program, its heuristic (kind, params) and the contiguity
-/// each tensor input was compiled for.
-type AutoProgram = (PyHostProgram, &'static str, Vec<i64>, Vec<Vec<Option<bool>>>);
-
 /// A scalar argument as Python passes it.
 #[derive(FromPyObject)]
 enum PyScalarArg {
@@ -749,22 +981,17 @@ impl PyKernel {
         self.inner.pass_dumps.clone()
     }
 
-    /// CUDA source (runtime header + kernel) and its parameters as (name, kind, index, dtype).
-    #[allow(clippy::type_complexity)]
+    /// CUDA source (runtime header + kernel), kernel name and parameters.
     #[pyo3(signature = (index32=false))]
-    fn cuda(
-        &self,
-        py: Python<'_>,
-        index32: bool,
-    ) -> PyResult<(String, String, Vec<(String, &'static str, i64, i64, &'static str)>)> {
-        guarded(py, || {
+    fn cuda(&self, py: Python<'_>, index32: bool) -> PyResult<PyCudaSource> {
+        let (source, name, params) = guarded(py, || {
             let k = self.cuda_kernel(index32)?;
-            let params = k
+            let params: Vec<PyKernelParam> = k
                 .params
                 .iter()
                 .map(|(name, kind, dt)| {
                     use crate::codegen::ParamKind as P;
-                    let (kname, a, b) = match kind {
+                    let (kname, number, axis) = match kind {
                         P::Input(i) => ("input", *i as i64, 0),
                         P::Output(i) => ("output", *i as i64, 0),
                         P::Buffer(i) => ("buffer", *i as i64, 0),
@@ -772,32 +999,23 @@ impl PyKernel {
                         P::Extent(n) => ("extent", *n as i64, 0),
                         P::Stride(t, a) => ("stride", t.as_u32() as i64, *a as i64),
                     };
-                    (name.clone(), kname, a, b, dt.enum_name())
+                    PyKernelParam { name: name.clone(), kind: kname, number, axis, dtype: dt.enum_name() }
                 })
                 .collect();
             Ok((k.source(), k.name.clone(), params))
-        })
+        })?;
+        let params = params.into_iter().map(|p| Py::new(py, p)).collect::<PyResult<Vec<_>>>()?;
+        Ok(PyCudaSource { source, name, params })
     }
 
-    /// Concrete launch plan for input sizes/strides (elements) and scalar inputs:
-    /// (outputs [(sizes, layout, dtype)], buffers [(name, elements, dtype, zero_init, resets_to_zero)],
-    /// scalar args, grid, block, smem bytes).
-    #[allow(clippy::type_complexity)]
+    /// Concrete launch plan for input sizes/strides (elements) and scalar inputs.
     fn plan(
         &self,
         py: Python<'_>,
         sizes: Vec<Vec<i64>>,
         strides: Vec<Vec<i64>>,
         scalars: Vec<PyScalarArg>,
-    ) -> PyResult<(
-        Vec<(Vec<i64>, Vec<usize>, &'static str)>,
-        Vec<(String, i64, &'static str, bool, bool)>,
-        Vec<PyObject>,
-        [i64; 3],
-        [i64; 3],
-        i64,
-        bool,
-    )> {
+    ) -> PyResult<PyKernelPlan> {
         use crate::host::eval::{plan, InputDesc, ScalarArg};
         let p = guarded(py, || {
             // Both index variants take the same parameters; the 64-bit one names them.
@@ -807,30 +1025,45 @@ impl PyKernel {
             let sc: Vec<ScalarArg> = scalars.iter().map(PyScalarArg::to_arg).collect();
             plan(&self.inner, k, &inputs, &sc)
         })?;
-        let args = p.scalar_args.iter().map(|a| scalar_to_py(py, a)).collect::<PyResult<Vec<_>>>()?;
-        Ok((
-            p.outputs.into_iter().map(|o| (o.sizes, o.layout, o.dtype.enum_name())).collect(),
-            p.buffers
-                .into_iter()
-                .map(|b| (b.name, b.elements, b.dtype.enum_name(), b.zero_init, b.resets_to_zero))
-                .collect(),
-            args,
-            p.grid,
-            p.block,
-            p.smem_bytes,
-            p.index32,
-        ))
+        let outputs = p
+            .outputs
+            .into_iter()
+            .map(|o| Py::new(py, PyOutputPlan { sizes: o.sizes, layout: o.layout, dtype: o.dtype.enum_name() }))
+            .collect::<PyResult<Vec<_>>>()?;
+        let buffers = p
+            .buffers
+            .into_iter()
+            .map(|b| {
+                let b = PyGlobalBufferPlan {
+                    name: b.name,
+                    elements: b.elements,
+                    dtype: b.dtype.enum_name(),
+                    zero_init: b.zero_init,
+                    resets_to_zero: b.resets_to_zero,
+                };
+                Py::new(py, b)
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok(PyKernelPlan {
+            outputs,
+            buffers,
+            scalar_args: p.scalar_args.iter().map(|a| scalar_to_py(py, a)).collect::<PyResult<Vec<_>>>()?,
+            grid: dims(p.grid),
+            block: dims(p.block),
+            smem_bytes: p.smem_bytes,
+            index32: p.index32,
+        })
     }
 
-    /// Launch configuration as expressions: (grid, block, dynamic shared memory bytes).
-    fn launch(&self) -> (Vec<String>, Vec<String>, String) {
+    /// Launch configuration as expressions of the input sizes.
+    fn launch(&self) -> PyLaunchConfig {
         let sc = &self.inner.fusion.scalars;
         let l = &self.inner.launch;
-        (
-            l.grid.iter().map(|&v| sc.render(v)).collect(),
-            l.block.iter().map(|&v| sc.render(v)).collect(),
-            sc.render(l.smem_bytes),
-        )
+        PyLaunchConfig {
+            grid: l.grid.iter().map(|&v| sc.render(v)).collect(),
+            block: l.block.iter().map(|&v| sc.render(v)).collect(),
+            smem_bytes: sc.render(l.smem_bytes),
+        }
     }
 
     /// The allocation table as text.
@@ -858,10 +1091,14 @@ impl PyKernel {
             .collect()
     }
 
-    /// The kernel's gathers: (site id, index tensor, selected-from tensor).
-    fn gathers(&self) -> Vec<(u32, String, String)> {
+    /// The kernel's gathers (`index_select` sites).
+    fn gathers(&self) -> Vec<PyGather> {
         let f = &self.inner.fusion;
-        self.inner.gathers().into_iter().map(|(id, ix, table)| (id, f.tv_name(ix), f.tv_name(table))).collect()
+        self.inner
+            .gathers()
+            .into_iter()
+            .map(|(site, ix, table)| PyGather { site, index: f.tv_name(ix), table: f.tv_name(table) })
+            .collect()
     }
 
     /// The Global buffers the kernel needs besides its inputs and outputs (KernelSummary).
@@ -888,14 +1125,6 @@ pub struct PyHostProgram {
     inner: crate::host::ir::HostProgram,
     cache: crate::host::plan::PlanCache,
 }
-
-/// One buffer of a concrete plan as Python sees it:
-/// (name, dtype, sizes, layout, elements, bytes, zero_init, resets_to_zero, place, offset_or_index).
-type PyBufferAlloc = (String, &'static str, Vec<i64>, Vec<usize>, i64, i64, bool, bool, &'static str, i64);
-
-/// One launch: (kernel, arg buffer ids, memset buffer ids, scalar args [(value, dtype)], grid, block, smem,
-/// 32-bit indexing).
-type PyLaunch = (usize, Vec<usize>, Vec<usize>, Vec<(PyObject, &'static str)>, [i64; 3], [i64; 3], i64, bool);
 
 #[pymethods]
 impl PyHostProgram {
@@ -925,21 +1154,33 @@ impl PyHostProgram {
             .collect()
     }
 
-    /// Instructions as (op, kernel or -1, buffers, outputs, intermediates): Allocate and
-    /// Deallocate name one buffer; LaunchKernel lists inputs, outputs and intermediates.
-    #[allow(clippy::type_complexity)]
-    fn instructions(&self) -> Vec<(&'static str, i64, Vec<String>, Vec<String>, Vec<String>)> {
+    /// The program's instructions, in order.
+    fn instructions(&self) -> Vec<PyInstruction> {
         use crate::host::ir::HostInstr as I;
-        let names = |bs: &[usize]| -> Vec<String> { bs.iter().map(|b| self.inner.buffers[*b].name.clone()).collect() };
+        let name = |b: usize| self.inner.buffers[b].name.clone();
+        let names = |bs: &[usize]| -> Vec<String> { bs.iter().map(|&b| name(b)).collect() };
+        let buffer_op = |op, b| PyInstruction {
+            op,
+            kernel: None,
+            buffer: Some(name(b)),
+            inputs: Vec::new(),
+            outputs: Vec::new(),
+            intermediates: Vec::new(),
+        };
         self.inner
             .instrs
             .iter()
             .map(|i| match i {
-                I::Allocate(b) => ("Allocate", -1, names(&[*b]), vec![], vec![]),
-                I::Deallocate(b) => ("Deallocate", -1, names(&[*b]), vec![], vec![]),
-                I::LaunchKernel { kernel, inputs, outputs, intermediates } => {
-                    ("LaunchKernel", *kernel as i64, names(inputs), names(outputs), names(intermediates))
-                }
+                I::Allocate(b) => buffer_op("Allocate", *b),
+                I::Deallocate(b) => buffer_op("Deallocate", *b),
+                I::LaunchKernel { kernel, inputs, outputs, intermediates } => PyInstruction {
+                    op: "LaunchKernel",
+                    kernel: Some(*kernel),
+                    buffer: None,
+                    inputs: names(inputs),
+                    outputs: names(outputs),
+                    intermediates: names(intermediates),
+                },
             })
             .collect()
     }
@@ -962,16 +1203,14 @@ impl PyHostProgram {
         self.cache.misses.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Concrete plan for input sizes/strides (elements) and scalar inputs:
-    /// (buffers, launches, peak_bytes, arena_bytes, zero_pool_bytes); cached per signature.
-    #[allow(clippy::type_complexity)]
+    /// Concrete plan for input sizes/strides (elements) and scalar inputs; cached per signature.
     fn plan(
         &self,
         py: Python<'_>,
         sizes: Vec<Vec<i64>>,
         strides: Vec<Vec<i64>>,
         scalars: Vec<PyScalarArg>,
-    ) -> PyResult<(Vec<PyBufferAlloc>, Vec<PyLaunch>, i64, i64, i64)> {
+    ) -> PyResult<PyHostPlan> {
         use crate::host::eval::{InputDesc, ScalarArg};
         use crate::host::plan::Place;
         let p = guarded(py, || {
@@ -987,48 +1226,64 @@ impl PyHostProgram {
             .buffers
             .iter()
             .map(|b| {
-                let (kind, v) = match b.place {
+                let (place, offset) = match b.place {
                     Place::Input(n) => ("input", n as i64),
                     Place::Output(n) => ("output", n as i64),
                     Place::Arena(o) => ("arena", o),
                     Place::ZeroPool(o) => ("zero_pool", o),
                     Place::ErrorWord(n) => ("error", n as i64),
                 };
-                (
-                    b.name.clone(),
-                    b.dtype.enum_name(),
-                    b.sizes.clone(),
-                    b.layout.clone(),
-                    b.elements,
-                    b.bytes,
-                    b.zero_init,
-                    b.resets_to_zero,
-                    kind,
-                    v,
-                )
+                let b = PyBufferAlloc {
+                    name: b.name.clone(),
+                    dtype: b.dtype.enum_name(),
+                    sizes: b.sizes.clone(),
+                    layout: b.layout.clone(),
+                    elements: b.elements,
+                    nbytes: b.bytes,
+                    zero_init: b.zero_init,
+                    resets_to_zero: b.resets_to_zero,
+                    place,
+                    offset,
+                };
+                Py::new(py, b)
             })
-            .collect();
-        let mut launches = Vec::with_capacity(p.launches.len());
-        for l in &p.launches {
-            let args = l
-                .launch
-                .scalar_args
-                .iter()
-                .map(|(a, d)| Ok((scalar_to_py(py, a)?, d.enum_name())))
-                .collect::<PyResult<Vec<_>>>()?;
-            launches.push((
-                l.kernel,
-                l.args.clone(),
-                l.memsets.clone(),
-                args,
-                l.launch.grid,
-                l.launch.block,
-                l.launch.smem_bytes,
-                l.launch.index32,
-            ));
-        }
-        Ok((buffers, launches, p.peak_bytes, p.arena_bytes, p.zero_pool_bytes))
+            .collect::<PyResult<Vec<_>>>()?;
+        let launches = p
+            .launches
+            .iter()
+            .map(|l| {
+                let scalars = l
+                    .launch
+                    .scalar_args
+                    .iter()
+                    .map(|(a, d)| Ok((scalar_to_py(py, a)?, d.enum_name())))
+                    .collect::<PyResult<Vec<_>>>()?;
+                let l = PyKernelLaunch {
+                    kernel: l.kernel,
+                    args: l.args.clone(),
+                    memsets: l.memsets.clone(),
+                    scalars,
+                    grid: dims(l.launch.grid),
+                    block: dims(l.launch.block),
+                    smem_bytes: l.launch.smem_bytes,
+                    index32: l.launch.index32,
+                };
+                Py::new(py, l)
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok(PyHostPlan {
+            buffers,
+            launches,
+            peak_bytes: p.peak_bytes,
+            arena_bytes: p.arena_bytes,
+            zero_pool_bytes: p.zero_pool_bytes,
+        })
     }
+}
+
+/// Grid or block dimensions as Python's `(x, y, z)`.
+fn dims([x, y, z]: [i64; 3]) -> (i64, i64, i64) {
+    (x, y, z)
 }
 
 fn scalar_to_py(py: Python<'_>, a: &crate::host::eval::ScalarArg) -> PyResult<PyObject> {
@@ -1038,6 +1293,16 @@ fn scalar_to_py(py: Python<'_>, a: &crate::host::eval::ScalarArg) -> PyResult<Py
         ScalarArg::Float(x) => x.into_pyobject(py)?.into_any().unbind(),
         ScalarArg::Bool(b) => b.into_pyobject(py)?.to_owned().into_any().unbind(),
     })
+}
+
+impl<'py> IntoPyObject<'py> for &PyScalarArg {
+    type Target = PyAny;
+    type Output = Bound<'py, PyAny>;
+    type Error = PyErr;
+
+    fn into_pyobject(self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        Ok(scalar_to_py(py, &self.to_arg())?.into_bound(py))
+    }
 }
 
 impl PyScalarArg {
@@ -1090,6 +1355,23 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyHostProgram>()?;
     m.add_class::<PyAllocation>()?;
     m.add_class::<PyGlobalBuffer>()?;
+    m.add_class::<PyTensorMemory>()?;
+    m.add_class::<PyIterDomainInfo>()?;
+    m.add_class::<PyInputSpec>()?;
+    m.add_class::<PyRuntimeArg>()?;
+    m.add_class::<PyAutoSchedule>()?;
+    m.add_class::<PyAutoProgram>()?;
+    m.add_class::<PyKernelParam>()?;
+    m.add_class::<PyCudaSource>()?;
+    m.add_class::<PyLaunchConfig>()?;
+    m.add_class::<PyGather>()?;
+    m.add_class::<PyOutputPlan>()?;
+    m.add_class::<PyGlobalBufferPlan>()?;
+    m.add_class::<PyKernelPlan>()?;
+    m.add_class::<PyInstruction>()?;
+    m.add_class::<PyBufferAlloc>()?;
+    m.add_class::<PyKernelLaunch>()?;
+    m.add_class::<PyHostPlan>()?;
     m.add_function(wrap_pyfunction!(set_lower_options, m)?)?;
     m.add_function(wrap_pyfunction!(lower_passes, m)?)?;
     m.add_class::<PyElementwiseOp>()?;
