@@ -25,7 +25,7 @@ def _kind(x: Any) -> str:
 
 def execute(fd: Any, inputs: Sequence[Any], device: Optional[str], as_written: bool = False) -> List[Any]:
     """Run ``fd`` on ``inputs``; ``device`` is ``"cpu"``, ``"cuda"`` or None (from the inputs)."""
-    check_inputs(fd, inputs)
+    args = check_inputs(fd, inputs)
     kinds = {_kind(x) for x in inputs if _kind(x) != "scalar"}
     if device is None:
         device = "cpu" if kinds <= {"numpy"} else "cuda"
@@ -44,7 +44,7 @@ def execute(fd: Any, inputs: Sequence[Any], device: Optional[str], as_written: b
                         "it runs on the CPU only (device='cpu' or NumPy inputs)")
     # Every path runs the program the GPU would run for these inputs (so the interpreter
     # checks the automatic schedules), unless the caller asks for the fusion as written.
-    low = fd._lowered() if (fd._core.manually_scheduled or as_written) else lowered_for(fd, inputs)
+    low = fd._lowered() if (fd._core.manually_scheduled or as_written) else lowered_for(fd, inputs, args)
     if dump_enabled("host_ir"):
         print(low.host_program)
     if device == "cpu":
@@ -88,10 +88,11 @@ def _remember(fd: Any, inputs: Sequence[Any], ev: Any) -> None:
     compiled(fd).launchers[key] = (launcher, ev)
 
 
-def lowered_for(fd: Any, inputs: Sequence[Any]) -> Any:
+def lowered_for(fd: Any, inputs: Sequence[Any], args: Optional[Sequence[Any]] = None) -> Any:
     """The host program the automatic schedulers and the segmenter pick for inputs like
     ``inputs`` on the device they live on (the default target for NumPy inputs): cached per
-    sizes, and per heuristic, so that sizes leading to the same schedule share a lowering."""
+    sizes, and per heuristic, so that sizes leading to the same schedule share a lowering.
+    ``args``: the inputs as ``check_inputs`` read them (read again when not given)."""
     from .lowering import (  # noqa: PLC0415
         LoweredFusion,
         LoweredKernel,
@@ -99,11 +100,14 @@ def lowered_for(fd: Any, inputs: Sequence[Any]) -> Any:
         configure_lowering,
     )
 
+    if args is None:
+        args = [_arg(x) for x in inputs]
     tensors = [x for x in inputs if _kind(x) != "scalar"]
-    sizes = [list(x.shape) for x in tensors]
+    read = [a for a in args if a.kind == "tensor"]
+    sizes = [list(a.sizes) for a in read]
     # Inputs without declared contiguity get kernels for their arrays' layout (slices,
     # transposes, expanded arrays read through runtime strides).
-    strides = [_arg(x).strides for x in tensors]
+    strides = [list(a.strides) for a in read]
     # Inputs at 16-byte aligned addresses (any fresh allocation) get kernels whose vector
     # accesses need no address checks; others (views at an odd offset) get checked ones.
     aligned = all(data_ptr(x) % 16 == 0 for x in tensors)

@@ -155,13 +155,13 @@ class FusionDefinition:
     def lower(self, inputs: Sequence[Any]) -> LoweredFusion:
         """The host program and kernels ``execute`` runs for inputs like ``inputs``."""
         inputs = plain_numbers(self, inputs)
-        check_inputs(self, inputs)
+        args = check_inputs(self, inputs)
         if self._core.manually_scheduled:
             low = self._lower_program()
         else:
             from .execute import lowered_for  # noqa: PLC0415
 
-            low = lowered_for(self, inputs)
+            low = lowered_for(self, inputs, args)
         for kernel in low.kernels:
             for name, text in kernel.pass_dumps:
                 print(f"// kernel IR after {name}\n{text}")

@@ -244,13 +244,16 @@ def plain_numbers(fd: Any, inputs: Any) -> Any:
             if isinstance(x, np.generic) else x for i, x in enumerate(inputs)]
 
 
-def check_inputs(fd: Any, inputs: Sequence[Any], any_layout: Optional[bool] = None) -> None:
+def check_inputs(fd: Any, inputs: Sequence[Any], any_layout: Optional[bool] = None) -> List[RuntimeArg]:
     """Validate arrays and numbers against the fusion's inputs (the core's one contract:
     count, kind, dtype, rank, sizes, sizes the definition makes equal, strides, scalars).
     ``any_layout`` (default: the fusion is scheduled automatically): inputs without
-    declared contiguity may have any strides, kernels being compiled for them."""
+    declared contiguity may have any strides, kernels being compiled for them. Returns the
+    inputs as the core read them (kind, dtype, sizes, strides), for the plan that follows."""
     if not isinstance(inputs, (list, tuple)):
         raise KilnTypeError(f"inputs must be a list of arrays, got {type(inputs).__name__}")
     if any_layout is None:
         any_layout = not fd._core.manually_scheduled
-    fd._core.check_inputs([_arg(x) for x in inputs], any_layout)
+    args = [_arg(x) for x in inputs]
+    fd._core.check_inputs(args, any_layout)
+    return args
