@@ -60,6 +60,10 @@ class Fusion:
         """Random numbers (``dist`` "uniform" or "normal"); ``shape`` holds scalar ids."""
     def add_output(self, t: int) -> None:
         """Mark a tensor as output."""
+    def add_output_alias(self, t: int, inp: int) -> None:
+        """Mark ``t`` as an output written into input ``inp``'s buffer."""
+    def aliases(self) -> List[Tuple[int, int]]:
+        """In-place outputs: (output position, input position) pairs."""
     def tv_dtype(self, t: int) -> str:
         """Dtype name of a tensor."""
     def scalar_dtype(self, v: int) -> str:

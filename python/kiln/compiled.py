@@ -13,7 +13,8 @@ from typing import Any, Dict, Hashable, List, Optional, Tuple
 class CompiledFusion:
     """The lowerings and launchers of one fusion version, by input signature and heuristic."""
 
-    __slots__ = ("version", "as_scheduled", "by_inputs", "by_heuristic", "launchers", "shape_scalars")
+    __slots__ = ("version", "as_scheduled", "by_inputs", "by_heuristic", "launchers", "shape_scalars",
+                 "aliases")
 
     def __init__(self, version: int) -> None:
         self.version = version
@@ -27,6 +28,8 @@ class CompiledFusion:
         self.launchers: Dict[Hashable, Tuple[Any, Any]] = {}
         # Positions of the scalar inputs that tensor shapes read.
         self.shape_scalars: Optional[List[int]] = None
+        # In-place outputs: (output position, input position).
+        self.aliases: Optional[List[Tuple[int, ...]]] = None
 
     def lowerings(self) -> List[Any]:
         """Every distinct lowering this version holds."""

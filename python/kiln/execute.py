@@ -68,11 +68,39 @@ def execute(fd: Any, inputs: Sequence[Any], device: Optional[str], as_written: b
         if not hasattr(_core, "execute_cpu"):
             raise KilnError("this build of kiln has no CPU interpreter (kiln._core.execute_cpu); "
                             "run on a GPU with CuPy arrays or torch CUDA tensors")
-        return run_on_cpu(low, inputs, _core.execute_cpu)
+        return in_place(fd, inputs, run_on_cpu(low, inputs, _core.execute_cpu))
     ev = low.evaluator()
     outs = ev.run(inputs)
     _remember(fd, inputs, ev)
-    return outs
+    return in_place(fd, inputs, outs)
+
+
+def in_place(fd: Any, inputs: Sequence[Any], outs: List[Any]) -> List[Any]:
+    """Copy the in-place outputs (``add_output(t, alias_input=x)``) into their inputs' arrays,
+    on the inputs' stream, and return the other outputs."""
+    c = compiled(fd)
+    if c.aliases is None:
+        c.aliases = [tuple(p) for p in fd._core.aliases()]
+    if not c.aliases:
+        return outs
+    for o, i in c.aliases:
+        dst, src = inputs[i], outs[o]
+        if tuple(dst.shape) != tuple(src.shape):
+            raise KilnError(f"input {i}: has shape {tuple(dst.shape)} but the output written into it "
+                            f"in place has shape {tuple(src.shape)}")
+    for o, i in c.aliases:
+        dst, src = inputs[i], outs[o]
+        kind = _kind(dst)
+        if kind == "numpy":
+            import numpy as np  # noqa: PLC0415
+
+            np.copyto(dst, src)
+        elif kind == "torch":
+            dst.copy_(src)
+        else:
+            dst[...] = src
+    dropped = {o for o, _ in c.aliases}
+    return [x for k, x in enumerate(outs) if k not in dropped]
 
 
 def _remember(fd: Any, inputs: Sequence[Any], ev: Any) -> None:
@@ -85,7 +113,20 @@ def _remember(fd: Any, inputs: Sequence[Any], ev: Any) -> None:
         return
     if launcher is None:
         return
-    compiled(fd).launchers[key] = (launcher, ev)
+    c = compiled(fd)
+    if c.aliases is None:
+        c.aliases = [tuple(p) for p in fd._core.aliases()]
+    if c.aliases:
+        c.launchers[key] = (_in_place_launcher(fd, launcher), ev)
+    else:
+        c.launchers[key] = (launcher, ev)
+
+
+def _in_place_launcher(fd: Any, run: Any) -> Any:
+    """``run`` followed by the in-place copies of ``fd``'s aliased outputs."""
+    def launcher(inputs: Sequence[Any], ev: Any) -> List[Any]:
+        return in_place(fd, inputs, run(inputs, ev))
+    return launcher
 
 
 def lowered_for(fd: Any, inputs: Sequence[Any], args: Optional[Sequence[Any]] = None) -> Any:

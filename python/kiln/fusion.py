@@ -142,9 +142,14 @@ class FusionDefinition:
             return Scalar(self, self._core.const_float(value))
         raise KilnTypeError(f"expected a Tensor, Scalar, int, float or bool, got {value!r}")
 
-    def add_output(self, t: Tensor) -> None:
-        """Mark ``t`` as an output of the fusion."""
-        self._core.add_output(self._tensor(t, "add_output"))
+    def add_output(self, t: Tensor, alias_input: Optional[Tensor] = None) -> None:
+        """Mark ``t`` as an output of the fusion; with ``alias_input``, ``t`` is written into
+        that input's array instead of being returned (an in-place update)."""
+        if alias_input is None:
+            self._core.add_output(self._tensor(t, "add_output"))
+        else:
+            out, inp = self._tensor(t, "add_output"), self._tensor(alias_input, "add_output")
+            self._core.add_output_alias(out, inp)
 
     def segment_after(self, t: Tensor) -> None:
         """Split the fusion after ``t``'s definition: what depends on ``t`` runs in a later

@@ -132,6 +132,14 @@ impl HostProgram {
                 }
             }
         }
+        for &(out, inp) in &self.fusion.aliases {
+            let _ = writeln!(
+                s,
+                "  CopyInPlace {} -> input {} (after the launches; not returned)",
+                self.fusion.tv_name(out),
+                self.fusion.tv_name(inp)
+            );
+        }
         s
     }
 }

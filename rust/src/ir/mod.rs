@@ -297,6 +297,10 @@ pub struct Fusion {
     /// vector access then needs only its offset checked, or nothing when the offset is a
     /// known multiple of the vector width.
     pub aligned_bases: bool,
+    /// In-place outputs (`fd.add_output(out, alias_input=inp)`): (output, the input whose
+    /// buffer receives it). The output is computed like any other, then copied into the
+    /// input's buffer after every launch, so no kernel reads an input it overwrites.
+    pub aliases: Vec<(TvId, TvId)>,
 }
 
 impl Fusion {

@@ -82,6 +82,46 @@ impl Fusion {
         v
     }
 
+    /// Mark `out` as an output written into input `inp`'s buffer (in place).
+    pub fn add_output_alias(&mut self, out: TvId, inp: TvId) -> Result<()> {
+        let (on, iname) = (self.tv_name(out), self.tv_name(inp));
+        if !self.is_input(inp) {
+            bail!("add_output: alias_input {iname} is not a fusion input; only an input's buffer can be reused");
+        }
+        if let Some(&(other, _)) = self.aliases.iter().find(|(_, i)| *i == inp) {
+            bail!(
+                "add_output: {on} and {} both alias input {iname}; an input's buffer can take one output",
+                self.tv_name(other)
+            );
+        }
+        if out == inp {
+            bail!("add_output: {on} aliasing itself does nothing; pass it without alias_input for a copy");
+        }
+        let (od, id) = (self.tvs[out].dtype, self.tvs[inp].dtype);
+        if od != id {
+            bail_type!("add_output: {on} has dtype {od} but alias_input {iname} has dtype {id}; cast it first");
+        }
+        let (olog, ilog) = (self.no_reduction_logical(out), self.no_reduction_logical(inp));
+        if olog.len() != ilog.len() {
+            bail!("add_output: {on} has rank {} but alias_input {iname} has rank {}", olog.len(), ilog.len());
+        }
+        for (axis, (&o, &i)) in olog.iter().zip(&ilog).enumerate() {
+            let (oe, ie) = (self.ids[o].extent, self.ids[i].extent);
+            let (on_, ie_) = (self.scalars.as_int(oe), self.scalars.as_int(ie));
+            if oe != ie && on_.is_some() && ie_.is_some() && on_ != ie_ {
+                bail!(
+                    "add_output: axis {axis} of {on} has size {} but alias_input {iname} has size {}",
+                    self.scalars.render(oe),
+                    self.scalars.render(ie)
+                );
+            }
+        }
+        self.add_output(out)?;
+        let stored = *self.outputs.last().expect("add_output pushed it");
+        self.aliases.push((stored, inp));
+        Ok(())
+    }
+
     /// Mark a tensor as a fusion output.
     pub fn add_output(&mut self, tv: TvId) -> Result<()> {
         let copies_it = |f: &Fusion, o: TvId| {

@@ -308,6 +308,27 @@ impl PyFusion {
         })
     }
 
+    /// Mark `t` as an output written into input `inp`'s buffer.
+    fn add_output_alias(&mut self, py: Python<'_>, t: u32, inp: u32) -> PyResult<()> {
+        guarded(py, || {
+            let (t, inp) = (self.tv(t)?, self.tv(inp)?);
+            self.inner.get_mut().add_output_alias(t, inp)
+        })
+    }
+
+    /// In-place outputs: (output position, input position) pairs.
+    fn aliases(&self) -> Vec<(usize, usize)> {
+        let f = self.inner.get();
+        f.aliases
+            .iter()
+            .filter_map(|&(o, i)| {
+                let op = f.outputs.iter().position(|&x| x == o)?;
+                let ip = f.inputs.iter().position(|&x| x == Operand::Tensor(i))?;
+                Some((op, ip))
+            })
+            .collect()
+    }
+
     /// Mark a tensor as output.
     fn add_output(&mut self, py: Python<'_>, t: u32) -> PyResult<()> {
         guarded(py, || {
