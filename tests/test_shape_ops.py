@@ -104,3 +104,57 @@ def test_squeeze_input_with_wrong_size_is_refused_before_running() -> None:
     bad = [np.ones((4, 2, 9, 1), np.float32), np.ones(9, np.float32)]
     with pytest.raises(KilnError, match="input 0 .*axis 1"):
         fd.execute(bad)
+
+
+@pytest.mark.parametrize(("shape", "start", "end", "strides"), [
+    ((6, 8), [1, 0], [None, 7], [2, 3]),
+    ((5, 9), [0, 4], [5, 100], [1, 1]),  # an end past the size is clamped
+    ((4, 10), [2, 3], [3, 3], [1, 1]),  # an empty slice
+    ((3, 4, 7), [0, 1, 2], [3, 4, 7], [1, 2, 4]),
+])
+def test_slice_matches_numpy(shape: Any, start: List[int], end: List[Any], strides: List[int]) -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1] * len(shape))
+        fd.add_output(fd.ops.mul(fd.ops.slice(x, start, end, strides), 2.0))
+    a = np.random.default_rng(1).normal(size=shape).astype(np.float32)
+    (got,) = fd.execute([a])
+    want = 2.0 * a[tuple(slice(s, e, st) for s, e, st in zip(start, end, strides))]
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got, want.astype(np.float32))
+
+
+def test_select_drops_the_axis() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1])
+        i = fd.define_scalar(dtype=DataType.Int)
+        fd.add_output(fd.ops.select(x, 1, i))
+        fd.add_output(fd.ops.select(x, -1, 0))
+    a = np.random.default_rng(2).normal(size=(2, 5, 3)).astype(np.float32)
+    mid, last = fd.execute([a, 3])
+    np.testing.assert_array_equal(mid, a[:, 3, :])
+    np.testing.assert_array_equal(last, a[:, :, 0])
+
+
+def test_slice_refusals() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        with pytest.raises(KilnError, match="slice: T0 has rank 2"):
+            fd.ops.slice(x, [0], [1])
+        with pytest.raises(KilnError, match="slice: axis 1 has stride 0"):
+            fd.ops.slice(x, [0, 0], [1, 1], [1, 0])
+        with pytest.raises(KilnError, match="slice: axis 0 has start -1"):
+            fd.ops.slice(x, [-1, 0], [1, 1])
+        fd.add_output(x)
+
+
+@pytest.mark.gpu
+def test_slice_and_select_on_gpu() -> None:
+    cp = cupy_or_skip()
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.slice(x, [1, 2], [None, 1000], [3, 2]))
+        fd.add_output(fd.ops.select(x, 0, 5))
+    a = np.random.default_rng(3).normal(size=(64, 999)).astype(np.float32)
+    s, row = (cp.asnumpy(o) for o in fd.execute([cp.asarray(a)]))
+    np.testing.assert_array_equal(s, a[1::3, 2:1000:2])
+    np.testing.assert_array_equal(row, a[5])

@@ -410,6 +410,37 @@ class Ops:
                             f"{len(kept)} axes; expected one False entry per axis")
         return self.broadcast_in_dim(x, [-1] * len(flags), kept)
 
+    def slice(self, x: Tensor, start_indices: Sequence[Union[int, Scalar]],
+              end_indices: Sequence[Union[int, Scalar, None]],
+              strides: Optional[Sequence[int]] = None) -> Tensor:
+        """``x[start:end:stride]`` on every axis (nvFuser's slice; ends past the size are
+        clamped, as in Python). Each sliced axis is read as a gather of its positions."""
+        rank = x.ndim
+        strides = [1] * rank if strides is None else list(strides)
+        if not len(start_indices) == len(end_indices) == len(strides) == rank:
+            raise KilnError(f"slice: {x.name} has rank {rank}; start_indices, end_indices and strides "
+                            f"need one entry per axis")
+        out = x
+        for a, (lo, hi, st) in enumerate(zip(start_indices, end_indices, strides)):
+            if not isinstance(st, int) or isinstance(st, bool) or st < 1:
+                raise KilnError(f"slice: axis {a} has stride {st!r}; expected an int >= 1")
+            for v, what in ((lo, "start"), (hi, "end")):
+                if isinstance(v, int) and not isinstance(v, bool) and v < 0:
+                    raise KilnError(f"slice: axis {a} has {what} {v}; expected an index >= 0")
+            size = x.shape[a]
+            if lo == 0 and st == 1 and (hi is None or (isinstance(hi, int) and size >= 0 and hi >= size)):
+                continue
+            end: Any = self.size(x, a) if hi is None else self.minimum(hi, self.size(x, a))
+            begin: Any = self.minimum(lo, end)
+            length = self.div(self.add(self.sub(end, begin), st - 1), st)
+            out = self.index_select(out, self.iota(length, begin, st, DataType.Int), a)
+        return out
+
+    def select(self, x: Tensor, dim: int, index: Union[int, Scalar]) -> Tensor:
+        """``x`` at position ``index`` of axis ``dim``, that axis removed (nvFuser's select)."""
+        picked = self.index_select(x, self.iota(1, index, 1, DataType.Int), dim)
+        return self.squeeze(picked, [dim])
+
     def expand(self, x: Tensor, shape: Sequence[int]) -> Tensor:
         """``x`` with its size-one axes expanded to ``shape`` (``-1`` keeps an axis's size)."""
         if len(shape) != x.ndim:

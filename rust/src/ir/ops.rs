@@ -368,6 +368,8 @@ impl Fusion {
                 BinaryOp::Add => Some(ScalarOp::Add),
                 BinaryOp::Sub => Some(ScalarOp::Sub),
                 BinaryOp::Mul => Some(ScalarOp::Mul),
+                // Truncating, as `div` of integers (shape arithmetic divides sizes >= 0).
+                BinaryOp::Div => Some(ScalarOp::Div),
                 BinaryOp::Maximum => Some(ScalarOp::Max),
                 BinaryOp::Minimum => Some(ScalarOp::Min),
                 _ => None,
