@@ -4,7 +4,6 @@ scalars), 0-d tensors broadcasting against ranked ones, and tensor sizes as valu
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 import pytest
@@ -109,7 +108,3 @@ def test_scalar_ops_without_a_form_are_refused() -> None:
         with pytest.raises(KilnError, match="bitwise_not: .* is not defined"):
             fd.ops.bitwise_not(1.5)
         fd.add_output(x)
-
-
-def _np(x: Any) -> np.ndarray:
-    return np.asarray(x)

@@ -348,11 +348,7 @@ class Ops:
         axes = sorted({d + rank if d < 0 else d for d in dims})
         if x.dtype.value not in ("Float", "Double", "Half", "BFloat16"):
             raise KilnTypeError(f"var_mean: {x.name} has dtype {x.dtype.name}; expected a floating type")
-        n: Any = 1
-        for d in axes:
-            if not 0 <= d < rank:
-                raise KilnError(f"var_mean: axis {d} is out of range for {x.name} of rank {rank}")
-            n = self.mul(n, self.size(x, d))
+        n = self._count(x, axes, "var_mean")
         # The LayerNorm shape the normalization schedule runs as one kernel: the reduced
         # mean, broadcast back for the deviations.
         xd = self.cast(x, DataType.Double)
@@ -365,6 +361,15 @@ class Ops:
             var, mean = self.broadcast_in_dim(var, [-1] * rank, kept), mean_b
         return self.cast(var, x.dtype), self.cast(mean, x.dtype)
 
+    def _count(self, x: Tensor, axes: Sequence[int], what: str) -> Any:
+        """The number of elements of ``x`` over ``axes``, an Int Scalar."""
+        n: Any = 1
+        for d in axes:
+            if not -x.ndim <= d < x.ndim:
+                raise KilnError(f"{what}: axis {d} is out of range for {x.name} of rank {x.ndim}")
+            n = self.mul(n, self.size(x, d))
+        return n
+
     def var(self, x: Tensor, dims: Sequence[int], correction: int = 1, keepdim: bool = False) -> Tensor:
         """Variance over ``dims`` (see ``var_mean``)."""
         return self.var_mean(x, dims, correction, keepdim)[0]
@@ -373,11 +378,7 @@ class Ops:
         """``(mean, var_sum, n)`` over ``dims`` (nvFuser's welford): ``var_sum`` is the sum of
         squared deviations, ``n`` the Int count, broadcast to the mean's shape."""
         var, mean = self.var_mean(x, dims, correction=0)
-        if isinstance(dims, int):
-            dims = [dims]
-        n: Any = 1
-        for d in dims:
-            n = self.mul(n, self.size(x, d))
+        n = self._count(x, [dims] if isinstance(dims, int) else dims, "welford")
         var_sum = self.mul(var, self.cast(n, x.dtype))
         count = self.full([self.size(mean, d) for d in range(mean.ndim)], n, DataType.Int)
         return mean, var_sum, count
