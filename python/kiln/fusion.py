@@ -411,36 +411,120 @@ class Ops:
                             f"{len(kept)} axes; expected one False entry per axis")
         return self.broadcast_in_dim(x, [-1] * len(flags), kept)
 
+    def _index_value(self, v: Union[int, Scalar], what: str) -> int:
+        """The scalar id of a position or size given as an int or an Int Scalar."""
+        if isinstance(v, Scalar):
+            return v._id
+        if isinstance(v, int) and not isinstance(v, bool):
+            return self._fd._const(v)._id
+        raise KilnTypeError(f"{what}: expected an int or an Int Scalar, got {v!r}")
+
     def slice(self, x: Tensor, start_indices: Sequence[Union[int, Scalar]],
               end_indices: Sequence[Union[int, Scalar, None]],
               strides: Optional[Sequence[int]] = None) -> Tensor:
         """``x[start:end:stride]`` on every axis (nvFuser's slice; ends past the size are
-        clamped, as in Python). Each sliced axis is read as a gather of its positions."""
+        clamped, as in Python)."""
+        fd = self._fd
         rank = x.ndim
-        strides = [1] * rank if strides is None else list(strides)
-        if not len(start_indices) == len(end_indices) == len(strides) == rank:
+        steps = [1] * rank if strides is None else list(strides)
+        if not len(start_indices) == len(end_indices) == len(steps) == rank:
             raise KilnError(f"slice: {x.name} has rank {rank}; start_indices, end_indices and strides "
                             f"need one entry per axis")
-        out = x
-        for a, (lo, hi, st) in enumerate(zip(start_indices, end_indices, strides)):
+        for a, (lo, hi, st) in enumerate(zip(start_indices, end_indices, steps)):
             if not isinstance(st, int) or isinstance(st, bool) or st < 1:
                 raise KilnError(f"slice: axis {a} has stride {st!r}; expected an int >= 1")
             for v, what in ((lo, "start"), (hi, "end")):
                 if isinstance(v, int) and not isinstance(v, bool) and v < 0:
                     raise KilnError(f"slice: axis {a} has {what} {v}; expected an index >= 0")
-            size = x.shape[a]
-            if lo == 0 and st == 1 and (hi is None or (isinstance(hi, int) and size >= 0 and hi >= size)):
-                continue
-            end: Any = self.size(x, a) if hi is None else self.minimum(hi, self.size(x, a))
-            begin: Any = self.minimum(lo, end)
-            length = self.div(self.add(self.sub(end, begin), st - 1), st)
-            out = self.index_select(out, self.iota(length, begin, st, DataType.Int), a)
-        return out
+        start = [self._index_value(v, "slice") for v in start_indices]
+        end = [None if v is None else self._index_value(v, "slice") for v in end_indices]
+        return Tensor(fd, fd._core.slice(fd._tensor(x, "slice"), start, end, [int(s) for s in steps]))
 
     def select(self, x: Tensor, dim: int, index: Union[int, Scalar]) -> Tensor:
         """``x`` at position ``index`` of axis ``dim``, that axis removed (nvFuser's select)."""
-        picked = self.index_select(x, self.iota(1, index, 1, DataType.Int), dim)
-        return self.squeeze(picked, [dim])
+        fd = self._fd
+        if isinstance(index, int) and not isinstance(index, bool) and index < 0:
+            raise KilnError(f"select: index {index} is negative; expected an index >= 0")
+        return Tensor(fd, fd._core.select(fd._tensor(x, "select"), int(dim), self._index_value(index, "select")))
+
+    def reshape(self, x: Tensor, new_shape: Sequence[Union[int, Scalar]]) -> Tensor:
+        """``x``'s elements in row-major order in the shape ``new_shape`` (one entry may be
+        ``-1``: inferred from the others; Scalars give runtime sizes)."""
+        fd = self._fd
+        shape: List[Optional[int]] = []
+        for s in new_shape:
+            if isinstance(s, int) and not isinstance(s, bool) and s == -1:
+                shape.append(None)
+            elif isinstance(s, int) and not isinstance(s, bool) and s < -1:
+                raise KilnError(f"reshape: size {s} is negative; expected a size >= 0, -1 or a Scalar")
+            else:
+                shape.append(self._index_value(s, "reshape"))
+        return Tensor(fd, fd._core.reshape(fd._tensor(x, "reshape"), shape))
+
+    def view(self, x: Tensor, new_shape: Sequence[Union[int, Scalar]]) -> Tensor:
+        """The same as :meth:`reshape` (kiln's tensors have no storage to share)."""
+        return self.reshape(x, new_shape)
+
+    def pad(self, x: Tensor, pad_widths: Sequence[Union[int, Scalar]],
+            value: Optional[Operand] = None) -> Tensor:
+        """``x`` padded as ``torch.nn.functional.pad``: pairs ``(before, after)`` from the last
+        axis backwards; negative widths crop; new positions hold ``value`` (default 0)."""
+        fd = self._fd
+        widths = list(pad_widths)
+        if len(widths) % 2 or len(widths) > 2 * x.ndim:
+            raise KilnError(f"pad: {x.name} has rank {x.ndim}; pad_widths needs an even number of "
+                            f"entries, at most {2 * x.ndim}, got {len(widths)}")
+        zero = self._index_value(0, "pad")
+        pairs = [(zero, zero)] * x.ndim
+        for k in range(len(widths) // 2):
+            pairs[x.ndim - 1 - k] = (self._index_value(widths[2 * k], "pad"),
+                                     self._index_value(widths[2 * k + 1], "pad"))
+        fill = fd._operand(0 if value is None else value, "pad")
+        return Tensor(fd, fd._core.pad(fd._tensor(x, "pad"), pairs, fill))
+
+    def cat(self, tensors: Sequence[Tensor], dim: int) -> Tensor:
+        """``tensors`` joined along ``dim`` (one dtype; the other axes of one size)."""
+        fd = self._fd
+        ids = [fd._tensor(t, "cat") for t in tensors]
+        return Tensor(fd, fd._core.cat(ids, int(dim)))
+
+    def triu(self, x: Tensor, diagonal: int = 0) -> Tensor:
+        """``x`` on and above ``diagonal`` of its last two axes, 0 below (torch.triu)."""
+        fd = self._fd
+        return Tensor(fd, fd._core.triu(fd._tensor(x, "triu"), int(diagonal)))
+
+    def take_along_axis(self, x: Tensor, index: Tensor, dim: int) -> Tensor:
+        """``out[..., i, ...] = x[..., index[..., i, ...], ...]`` along ``dim``; ``index`` has
+        ``x``'s rank and, off ``dim``, its sizes (or size one) (nvFuser's take_along_axis)."""
+        fd = self._fd
+        return Tensor(fd, fd._core.take_along_axis(fd._tensor(x, "take_along_axis"),
+                                                   fd._tensor(index, "take_along_axis"), int(dim)))
+
+    def gather(self, x: Tensor, index: Tensor, dim: int) -> Tensor:
+        """``torch.gather``: ``index`` has ``x``'s rank, and off ``dim`` sizes no larger than
+        ``x``'s; the output has ``index``'s shape."""
+        rank = x.ndim
+        if index.ndim != rank:
+            raise KilnError(f"gather: index {index.name} has rank {index.ndim} but {x.name} has rank "
+                            f"{rank}; expected the same rank")
+        d = dim + rank if dim < 0 else dim
+        if not 0 <= d < rank:
+            raise KilnError(f"gather: dim {dim} is out of range for {x.name} of rank {rank}")
+        # Off `dim`, x is cut to the index's static sizes where they are smaller; symbolic
+        # sizes must agree when the fusion runs (a KilnError names the axes otherwise).
+        ends: List[Union[int, Scalar, None]] = [None] * rank
+        cut = False
+        for a in range(rank):
+            xs, js = x.shape[a], index.shape[a]
+            if a == d or js == 1 or js == -1 or xs == js:
+                continue
+            if xs != -1 and js > xs:
+                raise KilnError(f"gather: axis {a} of index {index.name} has size {js} but {x.name} has "
+                                f"{xs}; off dim {d} the index may not be larger")
+            ends[a] = js
+            cut = True
+        table = self.slice(x, [0] * rank, ends) if cut else x
+        return self.take_along_axis(table, index, d)
 
     def expand(self, x: Tensor, shape: Sequence[int]) -> Tensor:
         """``x`` with its size-one axes expanded to ``shape`` (``-1`` keeps an axis's size)."""

@@ -8,7 +8,7 @@
 
 use crate::analysis::id_graph::IdGraph;
 use crate::analysis::loop_graph::LoopGraph;
-use crate::ir::{ExprId, Fusion, IterType, MemoryType, ParallelType, TvId};
+use crate::ir::{ExprId, Fusion, IterDomainId, IterType, MemoryType, ParallelType, TvId};
 
 /// True when memory of type `mem` is private per `pt` index.
 pub fn is_partitioned_across(mem: MemoryType, pt: ParallelType) -> bool {
@@ -179,11 +179,13 @@ pub fn cross_reads(f: &Fusion, lg: &LoopGraph, exact: &IdGraph, p: TvId, e: Expr
     // The table of a gather is read along its selected axis at positions the index data
     // picks: an axis of the table computed from that one is read by whichever thread the
     // index names, whatever the loops map.
-    let gathered = match (&f.exprs[e].op, f.exprs[e].inputs.first()) {
+    // A remap reads every axis of its input at computed positions.
+    let gathered: Vec<IterDomainId> = match (&f.exprs[e].op, f.exprs[e].inputs.first()) {
         (crate::ir::Op::IndexSelect { dim }, Some(&crate::ir::Operand::Tensor(t))) if t == p => {
-            f.no_reduction_logical(p).get(*dim).copied()
+            f.no_reduction_logical(p).get(*dim).copied().into_iter().collect()
         }
-        _ => None,
+        (crate::ir::Op::Remap { .. }, Some(&crate::ir::Operand::Tensor(t))) if t == p => f.no_reduction_logical(p),
+        _ => Vec::new(),
     };
     // Along the dimensions a grid reduction combines, one thread holds each result, and the
     // consumer runs there (`grid_waits`) unless it spreads over that dimension itself.
@@ -199,7 +201,7 @@ pub fn cross_reads(f: &Fusion, lg: &LoopGraph, exact: &IdGraph, p: TvId, e: Expr
         }
         let crosses = match pa {
             Some(a) if a < pt_.inline_pos => false,
-            Some(a) if gathered.is_some_and(|sel| derives_from(f, pt_.loop_domain[a], sel)) => true,
+            Some(a) if gathered.iter().any(|&sel| derives_from(f, pt_.loop_domain[a], sel)) => true,
             Some(a) => match ca {
                 // Shared and Global memory are addressed by element: an axis merged from a
                 // broadcast and an iteration axis stores the broadcast's copies at their

@@ -247,6 +247,8 @@ impl Gen<'_> {
                 Symbol::LoopIndex(n) => format!("idx{n}"),
                 Symbol::Gathered(n) => format!("g{n}"),
                 Symbol::GridDone(t) => format!("kiln_done_{}", self.f.tv_name(t)),
+                // Indexing substitutes every remap position; one left over fails to compile.
+                Symbol::OutAxis(k) => format!("kiln_unbound_remap_position_{k}"),
                 Symbol::ParallelIndex(p) => {
                     format!("((kiln_index_t){})", crate::ir::scalar::parallel_index_name(p))
                 }
@@ -596,7 +598,16 @@ impl Gen<'_> {
             | Op::Squeeze { .. }
             | Op::Permute { .. }
             | Op::IndexSelect { .. } => self.operand(e, ix, 0, out_dt),
+            Op::Remap { .. } => match ix.element {
+                // Outside its guard a remap reads nothing and gives 0.
+                Some(g) => format!("(({}) ? {} : kiln::cast<{out_ty}>(0))", self.c(g), self.operand(e, ix, 0, out_dt)),
+                None => self.operand(e, ix, 0, out_dt),
+            },
             Op::Full { value } => format!("kiln::cast<{out_ty}>({})", self.c(*value)),
+            Op::Mask { .. } => {
+                let Some(v) = ix.element else { bail!("{}: mask without its condition", f.tv_name(out_tv)) };
+                format!("kiln::cast<{out_ty}>((bool)({}))", self.c(v))
+            }
             Op::Iota { start, step } => {
                 let Some(pos) = ix.element else { bail!("{}: iota without an element position", f.tv_name(out_tv)) };
                 let cd = out_dt.compute_dtype().c_type();

@@ -327,6 +327,20 @@ fn check_tensor_sizes(f: &Fusion, b: &Bindings) -> Result<()> {
             })?;
         }
     }
+    // Sizes the definition needs equal (reshape's element counts, cat's kept axes).
+    for c in &f.size_checks {
+        if b.eval(&f.scalars, c.holds) == Ok(0) {
+            let shown: Vec<String> = c
+                .values
+                .iter()
+                .map(|&v| {
+                    let val = b.eval(&f.scalars, v).map(|x| x.to_string()).unwrap_or_else(|_| "?".into());
+                    format!("{} = {val}", f.scalars.render(v))
+                })
+                .collect();
+            bail!("{} ({} for these inputs)", c.what, shown.join(", "));
+        }
+    }
     // An index into an empty axis selects nothing that exists.
     for e in f.exprs.values() {
         let (Op::IndexSelect { dim }, Some(Operand::Tensor(table))) = (&e.op, e.inputs.first()) else { continue };

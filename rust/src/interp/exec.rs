@@ -1071,6 +1071,27 @@ impl Exec<'_, '_> {
                         continue;
                     }
                     cols.push(Some(match (op, off) {
+                        (Operand::Tensor(tv), Some(off)) if matches!(e.op, Op::Remap { .. }) && a.element.is_some() => {
+                            // A guarded remap reads only where its guard holds; 0 elsewhere.
+                            let env = mk_env(&uniform, ctx, &active, &gathered, &mem.done);
+                            let guard = ev.eval(a.element.expect("checked"), &env)?.clone();
+                            let offs = ev.eval(*off, &env)?.clone();
+                            let keep: Vec<usize> = (0..active.len()).filter(|&l| guard.at(l) != 0).collect();
+                            let lanes: Vec<u32> = keep.iter().map(|&l| active[l]).collect();
+                            let sub = Reg::V(keep.iter().map(|&l| offs.at(l)).collect());
+                            let (col, pz) = mem.read_lenient(ctx, kname, *tv, &lanes, &sub, true)?;
+                            let dt = f.tvs[*tv].dtype;
+                            let mut full = Col::splat(ScalarValue::Int(0), dt, active.len());
+                            full.place(&keep, &col)?;
+                            if let Some(pz) = pz {
+                                let mut all = vec![false; active.len()];
+                                for (&l, &p) in keep.iter().zip(&pz.lanes) {
+                                    all[l] = p;
+                                }
+                                poison = Poison::join(poison.take(), Some(Poison { lanes: all, what: pz.what }));
+                            }
+                            full
+                        }
                         (Operand::Tensor(tv), Some(off)) => {
                             let offs = ev.eval(*off, &mk_env(&uniform, ctx, &active, &gathered, &mem.done))?.clone();
                             let (col, pz) = mem.read_lenient(ctx, kname, *tv, &active, &offs, true)?;
@@ -1122,9 +1143,17 @@ impl Exec<'_, '_> {
                     | Op::Squeeze { .. }
                     | Op::Permute { .. }
                     | Op::IndexSelect { .. }
+                    | Op::Remap { .. }
                     | Op::Reduction { .. } => take(0)?.convert(out_dt),
                     Op::Full { value } => {
                         Col::splat(ctx.value(*value)?, ctx.scalar_dtype(*value), active.len()).convert(out_dt)
+                    }
+                    Op::Mask { .. } => {
+                        let Some(slot) = a.element else {
+                            bail_internal!("interpreter: {} has no mask condition", f.tv_name(e.output))
+                        };
+                        let v = ev.eval(slot, &mk_env(&uniform, ctx, &active, &gathered, &mem.done))?.clone();
+                        Col::B((0..active.len()).map(|l| v.at(l) != 0).collect()).convert(out_dt)
                     }
                     Op::Iota { .. } | Op::Random { .. } => {
                         let Some(slot) = a.element else {

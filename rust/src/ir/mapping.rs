@@ -45,7 +45,8 @@ pub fn logical_pairs(f: &Fusion, e: ExprId, input_pos: usize) -> Vec<(IterDomain
                 pdom.iter().copied().zip(cdom.iter().copied()).collect()
             }
         }
-        Op::Full { .. } | Op::Iota { .. } | Op::Random { .. } => Vec::new(),
+        // A remap's input is read at computed positions: no axis maps.
+        Op::Full { .. } | Op::Iota { .. } | Op::Random { .. } | Op::Mask { .. } | Op::Remap { .. } => Vec::new(),
     }
 }
 

@@ -8,6 +8,7 @@ pub mod ops;
 pub mod printer;
 pub mod random;
 pub mod scalar;
+pub mod shape_ops;
 
 use cranelift_entity::{entity_impl, PrimaryMap};
 use smallvec::SmallVec;
@@ -174,8 +175,24 @@ pub enum Op {
     IndexSelect {
         dim: usize,
     },
+    /// Reads the input at positions computed from the output's logical positions: input
+    /// axis `j` at `index[j]`, an expression of `Symbol::OutAxis(k)` (the position along
+    /// output axis `k`), where `valid` holds; elsewhere it reads nothing and its value is
+    /// unspecified (0 in the kernels), so every builder masks those positions. slice, pad,
+    /// cat and reshape are remaps; `name` says which one the user wrote. No input axis maps
+    /// to an output axis, so the input is read whole from memory, like a gather's table.
+    Remap {
+        name: &'static str,
+        index: Vec<ValId>,
+        valid: Option<ValId>,
+    },
     /// A copy (`set`), used by caches.
     Set,
+    /// Bool: true where `valid`, an expression of the output's positions
+    /// (`Symbol::OutAxis(k)`), holds. Pad, cat and triu choose by it.
+    Mask {
+        valid: ValId,
+    },
     /// A tensor filled with a scalar.
     Full {
         value: ValId,
@@ -206,9 +223,10 @@ pub enum RandomDist {
 }
 
 impl Op {
-    /// The operand read at positions that another operand holds (a gather's table).
+    /// The operand read at positions that another operand holds (a gather's table) or that
+    /// the op computes (a remap's input).
     pub fn indexed_input(&self) -> Option<usize> {
-        matches!(self, Op::IndexSelect { .. }).then_some(0)
+        matches!(self, Op::IndexSelect { .. } | Op::Remap { .. }).then_some(0)
     }
 
     /// The operand holding positions into [`Op::indexed_input`] (a gather's index tensor).
@@ -223,7 +241,7 @@ impl Op {
 
     /// True for an op that reads no tensor and makes its output from scalars.
     pub fn is_source(&self) -> bool {
-        matches!(self, Op::Full { .. } | Op::Iota { .. } | Op::Random { .. })
+        matches!(self, Op::Full { .. } | Op::Iota { .. } | Op::Random { .. } | Op::Mask { .. })
     }
 
     /// True for an op whose value depends on the position of the element it writes
@@ -301,6 +319,9 @@ pub struct Fusion {
     /// buffer receives it). The output is computed like any other, then copied into the
     /// input's buffer after every launch, so no kernel reads an input it overwrites.
     pub aliases: Vec<(TvId, TvId)>,
+    /// Sizes the definition needs equal at run time (reshape's element counts, cat's kept
+    /// axes), checked when the inputs are bound.
+    pub size_checks: Vec<shape_ops::SizeCheck>,
 }
 
 impl Fusion {

@@ -430,7 +430,7 @@ impl Fusion {
     }
 
     /// Normalize reduction/permute dims against a rank; names the tensor on error.
-    fn normalize_dims(&self, op_name: &str, tv: TvId, dims: &[i64], rank: usize) -> Result<Vec<usize>> {
+    pub(crate) fn normalize_dims(&self, op_name: &str, tv: TvId, dims: &[i64], rank: usize) -> Result<Vec<usize>> {
         let mut out = Vec::with_capacity(dims.len());
         for &d in dims {
             let n = rank as i64;
@@ -662,7 +662,6 @@ impl Fusion {
 
     /// Select slices of `x` along `dim` at the positions in the 1-D integer `index`.
     pub fn index_select(&mut self, x: TvId, index: TvId, dim: i64) -> Result<TvId> {
-        let inp = self.no_reduction_logical(x);
         let idx = self.no_reduction_logical(index);
         let idt = self.tvs[index].dtype;
         if !idt.is_integer() {
@@ -671,10 +670,54 @@ impl Fusion {
         if idx.len() != 1 {
             bail!("index_select: index {} has rank {}; expected rank 1", self.tv_name(index), idx.len());
         }
-        let dim = self.normalize_dims("index_select", x, &[dim], inp.len())?[0];
+        self.gather_along(x, index, dim, "index_select")
+    }
+
+    /// `out[..., i, ...] = x[..., index[..., i, ...], ...]` along `dim`: `index` has `x`'s
+    /// rank and, off `dim`, `x`'s sizes or size one (nvFuser's take_along_axis).
+    pub fn take_along_axis(&mut self, x: TvId, index: TvId, dim: i64) -> Result<TvId> {
+        let inp = self.no_reduction_logical(x);
+        let idx = self.no_reduction_logical(index);
+        let idt = self.tvs[index].dtype;
+        if !idt.is_integer() {
+            bail_type!("take_along_axis: index {} has dtype {idt}; expected Int or Int32", self.tv_name(index));
+        }
+        if idx.len() != inp.len() {
+            bail!(
+                "take_along_axis: index {} has rank {} but {} has rank {}; expected the same rank",
+                self.tv_name(index),
+                idx.len(),
+                self.tv_name(x),
+                inp.len()
+            );
+        }
+        let d = self.normalize_dims("take_along_axis", x, &[dim], inp.len())?[0];
+        for (a, (&i, &t)) in idx.iter().zip(&inp).enumerate() {
+            let (ie, te) = (self.ids[i].extent, self.ids[t].extent);
+            if a == d || self.ids[i].iter_type == IterType::Broadcast {
+                continue;
+            }
+            if let (Some(u), Some(v)) = (self.scalars.as_int(ie), self.scalars.as_int(te)) {
+                if u != v {
+                    bail!(
+                        "take_along_axis: axis {a} of index {} has size {u} but axis {a} of {} has {v}; off axis {d} they must agree (or the index has size one)",
+                        self.tv_name(index),
+                        self.tv_name(x)
+                    );
+                }
+            }
+        }
+        self.gather_along(x, index, dim, "take_along_axis")
+    }
+
+    fn gather_along(&mut self, x: TvId, index: TvId, dim: i64, what: &str) -> Result<TvId> {
+        let inp = self.no_reduction_logical(x);
+        let idx = self.no_reduction_logical(index);
+        let dim = self.normalize_dims(what, x, &[dim], inp.len())?[0];
+        let sel = if idx.len() == 1 { idx[0] } else { idx[dim] };
         let mut logical = Vec::with_capacity(inp.len());
         for (axis, &id) in inp.iter().enumerate() {
-            let src = if axis == dim { self.ids[idx[0]].clone() } else { self.ids[id].clone() };
+            let src = if axis == dim { self.ids[sel].clone() } else { self.ids[id].clone() };
             logical.push(self.new_id(src.extent, src.iter_type));
         }
         let dt = self.tvs[x].dtype;

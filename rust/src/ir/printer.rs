@@ -61,7 +61,13 @@ impl Fusion {
             Op::Squeeze { removed } => format!("squeeze({}, removed = {:?})", args[0], removed),
             Op::IndexSelect { dim } => format!("index_select({}, dim = {dim}, index = {})", args[0], args[1]),
             Op::Set => format!("set({})", args[0]),
+            Op::Remap { name, index, valid } => {
+                let at: Vec<String> = index.iter().map(|&v| self.scalars.render(v)).collect();
+                let guard = valid.map(|v| format!(" where {}, else 0", self.scalars.render(v))).unwrap_or_default();
+                format!("{name}({}) = {}[{}]{guard}", args[0], args[0], at.join(", "))
+            }
             Op::Full { value } => format!("full(value = {})", self.scalars.render(*value)),
+            Op::Mask { valid } => format!("mask({})", self.scalars.render(*valid)),
             Op::Iota { start, step } => {
                 format!("iota(start = {}, step = {})", self.scalars.render(*start), self.scalars.render(*step))
             }
@@ -95,7 +101,9 @@ impl Fusion {
             Op::Squeeze { .. } => "squeeze".into(),
             Op::IndexSelect { dim } => format!("index_select<dim={dim}>"),
             Op::Set => "set".into(),
+            Op::Remap { name, .. } => (*name).into(),
             Op::Full { value } => format!("full<{}>", self.scalars.render(*value)),
+            Op::Mask { .. } => "mask".into(),
             Op::Iota { .. } => "iota".into(),
             Op::Random { dist, .. } => format!("{dist:?}").to_lowercase(),
         };

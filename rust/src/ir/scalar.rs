@@ -36,6 +36,9 @@ pub enum Symbol {
     /// tensor (the last block to arrive, index 0 of the reduced thread dimensions), printed
     /// `done(T{n})`. Ops on that result in the same kernel run there.
     GridDone(TvId),
+    /// The position along output axis `k` of the remap whose expressions hold it, printed
+    /// `o{k}`; indexing replaces it by the output's index, so no kernel contains it.
+    OutAxis(u32),
 }
 
 /// Integer binary operators of the scalar DAG.
@@ -695,6 +698,7 @@ pub fn render_symbol(s: Symbol, out: &mut String) {
         Symbol::ParallelDim(p) => write!(out, "{}", parallel_dim_name(p)),
         Symbol::Gathered(n) => write!(out, "g{n}"),
         Symbol::GridDone(tv) => write!(out, "done(T{})", tv.as_u32()),
+        Symbol::OutAxis(k) => write!(out, "o{k}"),
     };
 }
 

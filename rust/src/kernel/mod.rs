@@ -119,7 +119,8 @@ pub struct AccessIndex {
     /// Index-tensor reads this access depends on, in evaluation order.
     pub gathers: Vec<Gather>,
     /// Row-major position of the written element in its tensor's logical shape, for ops
-    /// whose value depends on it (`Op::reads_position`: iota, random numbers).
+    /// whose value depends on it (`Op::reads_position`: iota, random numbers); for a
+    /// guarded remap, whether the written element reads its input (else it is 0).
     pub element: Option<ValId>,
 }
 

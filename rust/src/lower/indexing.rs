@@ -372,6 +372,7 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
     let out = offset(f, ctx, c, &cidx, &groups)?;
     let mut inputs = Vec::new();
     let mut gathers = Vec::new();
+    let mut guard = None;
     let operands = f.exprs[e].inputs.clone();
     for (pos, op) in operands.iter().enumerate() {
         let Operand::Tensor(p) = *op else {
@@ -395,6 +396,16 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
             gathers.push(Gather { id, index_tv: idx_tv, at, table: p, extent: f.ids[sel].extent });
             let g = f.scalars.symbol(Symbol::Gathered(id));
             pidx.insert(sel, g);
+        }
+        if let (Op::Remap { index, valid, .. }, 0) = (f.exprs[e].op.clone(), pos) {
+            // The input's positions are the remap's expressions at the output's indices.
+            let at = remap_positions(f, c, &cidx, &index, valid)?;
+            for (&pid, &v) in f.no_reduction_logical(p).iter().zip(&at.0) {
+                if f.ids[pid].iter_type == IterType::Iteration {
+                    pidx.insert(pid, v);
+                }
+            }
+            guard = at.1;
         }
         bind_enclosing(f, ctx, p, stack, &mut pidx);
         forward(f, p, &mut pidx);
@@ -441,6 +452,9 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
             }
         }
     }
+    if let Op::Mask { valid } = f.exprs[e].op {
+        guard = remap_positions(f, c, &cidx, &[], Some(valid))?.1;
+    }
     let element = if f.exprs[e].op.reads_position() {
         // Schedule-independent: from the logical indices, not the loops or the layout.
         let mut lin = f.scalars.int(0);
@@ -458,9 +472,40 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
         }
         Some(lin)
     } else {
-        None
+        guard
     };
     Ok(AccessIndex { out, inputs, predicate: pred, write_predicate: write_pred, gathers, element })
+}
+
+/// A remap's input positions (`index`) and guard (`valid`) with each output position
+/// `Symbol::OutAxis(k)` replaced by the consumer `c`'s index along its logical axis `k`.
+fn remap_positions(
+    f: &mut Fusion,
+    c: TvId,
+    cidx: &FxHashMap<IterDomainId, ValId>,
+    index: &[ValId],
+    valid: Option<ValId>,
+) -> Result<(Vec<ValId>, Option<ValId>)> {
+    let mut at: Vec<ValId> = index.to_vec();
+    let mut guard = valid;
+    for (k, id) in f.no_reduction_logical(c).into_iter().enumerate() {
+        let i = if f.ids[id].iter_type == IterType::Broadcast {
+            f.scalars.int(0)
+        } else {
+            match cidx.get(&id) {
+                Some(&i) => i,
+                None => bail_internal!("{}: no index for its logical axis {}", f.tv_name(c), f.id_label(id)),
+            }
+        };
+        let sym = Symbol::OutAxis(k as u32);
+        for v in at.iter_mut() {
+            *v = f.scalars.substitute(*v, sym, i);
+        }
+        if let Some(g) = guard.as_mut() {
+            *g = f.scalars.substitute(*g, sym, i);
+        }
+    }
+    Ok((at, guard))
 }
 
 #[allow(clippy::too_many_arguments)]

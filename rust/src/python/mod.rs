@@ -264,6 +264,67 @@ impl PyFusion {
         })
     }
 
+    /// `x` in a new shape (scalar ids; `None` is the inferred size).
+    fn reshape(&mut self, py: Python<'_>, x: u32, shape: Vec<Option<u32>>) -> PyResult<u32> {
+        guarded(py, || {
+            let x = self.tv(x)?;
+            let shape = shape.into_iter().map(|s| s.map(|v| self.val(v)).transpose()).collect::<crate::Result<Vec<_>>>()?;
+            Ok(self.inner.get_mut().reshape(x, &shape)?.as_u32())
+        })
+    }
+
+    /// `x[start:end:step]` per axis (scalar ids; an end of `None` is the size).
+    fn slice(&mut self, py: Python<'_>, x: u32, start: Vec<u32>, end: Vec<Option<u32>>, step: Vec<i64>) -> PyResult<u32> {
+        guarded(py, || {
+            let x = self.tv(x)?;
+            let start = start.into_iter().map(|v| self.val(v)).collect::<crate::Result<Vec<_>>>()?;
+            let end = end.into_iter().map(|e| e.map(|v| self.val(v)).transpose()).collect::<crate::Result<Vec<_>>>()?;
+            Ok(self.inner.get_mut().slice(x, &start, &end, &step)?.as_u32())
+        })
+    }
+
+    /// `x` padded by (before, after) scalar ids per axis, with `value`.
+    fn pad(&mut self, py: Python<'_>, x: u32, widths: Vec<(u32, u32)>, value: PyOperand) -> PyResult<u32> {
+        guarded(py, || {
+            let x = self.tv(x)?;
+            let widths = widths.into_iter().map(|(a, b)| Ok((self.val(a)?, self.val(b)?))).collect::<crate::Result<Vec<_>>>()?;
+            let value = self.operand(value)?;
+            Ok(self.inner.get_mut().pad(x, &widths, value)?.as_u32())
+        })
+    }
+
+    /// `x` at `index` (a scalar id) of axis `dim`, that axis removed.
+    fn select(&mut self, py: Python<'_>, x: u32, dim: i64, index: u32) -> PyResult<u32> {
+        guarded(py, || {
+            let (x, i) = (self.tv(x)?, self.val(index)?);
+            Ok(self.inner.get_mut().select(x, dim, i)?.as_u32())
+        })
+    }
+
+    /// `xs` joined along `dim`.
+    fn cat(&mut self, py: Python<'_>, xs: Vec<u32>, dim: i64) -> PyResult<u32> {
+        guarded(py, || {
+            let xs = xs.into_iter().map(|x| self.tv(x)).collect::<crate::Result<Vec<_>>>()?;
+            Ok(self.inner.get_mut().cat(&xs, dim)?.as_u32())
+        })
+    }
+
+    /// The upper triangle of the last two axes.
+    fn triu(&mut self, py: Python<'_>, x: u32, diagonal: i64) -> PyResult<u32> {
+        guarded(py, || {
+            let x = self.tv(x)?;
+            Ok(self.inner.get_mut().triu(x, diagonal)?.as_u32())
+        })
+    }
+
+    /// `x` read along `dim` at the positions of `index`, which has `x`'s rank.
+    fn take_along_axis(&mut self, py: Python<'_>, x: u32, index: u32, dim: i64) -> PyResult<u32> {
+        guarded(py, || {
+            let (x, i) = (self.tv(x)?, self.tv(index)?);
+            Ok(self.inner.get_mut().take_along_axis(x, i, dim)?.as_u32())
+        })
+    }
+
     /// A filled tensor; `shape` holds scalar ids of the extents.
     fn full(&mut self, py: Python<'_>, shape: Vec<u32>, value: PyOperand, dtype: &str) -> PyResult<u32> {
         guarded(py, || {

@@ -347,12 +347,17 @@ pub fn patch_indexed_producer(f: &Fusion, tv: TvId, ids: &[IterDomainId]) -> Res
     let mut indexed: Vec<IterDomainId> = Vec::new();
     for &u in &f.tvs[tv].uses {
         let e = &f.exprs[u];
-        if let Op::IndexSelect { dim } = e.op {
-            if e.inputs[0] != Operand::Tensor(tv) {
-                continue;
-            }
-            let id = f.no_reduction_logical(tv)[dim];
-            if !ids.contains(&id) && !indexed.contains(&id) {
+        if e.inputs[0] != Operand::Tensor(tv) {
+            continue;
+        }
+        let read: Vec<IterDomainId> = match e.op {
+            Op::IndexSelect { dim } => vec![f.no_reduction_logical(tv)[dim]],
+            // A remap reads every axis at computed positions.
+            Op::Remap { .. } => f.no_reduction_logical(tv),
+            _ => continue,
+        };
+        for id in read {
+            if !ids.contains(&id) && !indexed.contains(&id) && f.ids[id].iter_type != IterType::Broadcast {
                 indexed.push(id);
             }
         }

@@ -130,7 +130,7 @@ pub fn run(
         allocations.insert(tv, info);
     }
     // Gathers report indices outside their table through the kernel's error word.
-    if order.iter().any(|&e| f.exprs[e].op.is_gather()) {
+    if order.iter().any(|&e| f.exprs[e].op.index_input().is_some()) {
         let four = f.scalars.int(4);
         summary.global_allocations.push(GlobalBuffer {
             name: crate::kernel::INDEX_ERROR.to_string(),

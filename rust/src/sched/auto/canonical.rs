@@ -79,6 +79,80 @@ pub fn sink_broadcasts(f: &mut Fusion) -> Result<()> {
     }
 }
 
+/// Move every remap (slice, pad, cat, reshape) to the fusion inputs and reductions it reads
+/// through element-wise ops, broadcasts, squeezes, permutes, masks and fills:
+/// `slice(neg(x))` becomes `neg(slice(x))`, which reads `x` in the consumer's kernel instead
+/// of a Global copy of `neg(x)`. The moved ops run at the remapped positions (recomputed
+/// where something else reads them too); where a remap's guard fails, its value was
+/// unspecified before and stays so.
+pub fn sink_remaps(f: &mut Fusion) -> Result<()> {
+    'again: loop {
+        for e in f.topo_exprs() {
+            let Op::Remap { name, index, valid } = f.exprs[e].op.clone() else { continue };
+            let Some(x) = f.exprs[e].inputs[0].tensor() else { continue };
+            let Some(d) = f.tvs[x].definition else { continue };
+            let out = f.exprs[e].output;
+            let extents: Vec<_> = f.no_reduction_logical(out).iter().map(|&id| f.ids[id].extent).collect();
+            let xl = f.no_reduction_logical(x);
+            let op = f.exprs[d].op.clone();
+            let operands = f.exprs[d].inputs.clone();
+            let moved = match op {
+                Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast(_) | Op::Set if !xl.is_empty() => {
+                    let mut moved_operands = Vec::with_capacity(operands.len());
+                    for o in operands {
+                        moved_operands.push(match o {
+                            Operand::Tensor(t) if !f.no_reduction_logical(t).is_empty() => {
+                                // A size-one axis broadcast against the operand's result is
+                                // read at 0 whatever the position.
+                                let tl = f.no_reduction_logical(t);
+                                let zero = f.scalars.int(0);
+                                let at: Vec<_> = tl
+                                    .iter()
+                                    .zip(&index)
+                                    .map(|(&id, &v)| if f.ids[id].iter_type == IterType::Broadcast { zero } else { v })
+                                    .collect();
+                                Operand::Tensor(f.remap(t, name, &extents, at, valid)?)
+                            }
+                            o => o,
+                        });
+                    }
+                    replay(f, op, &moved_operands)?
+                }
+                Op::Broadcast { is_new } => {
+                    let y = operands[0].tensor().expect("broadcast reads a tensor");
+                    let at: Vec<_> = index.iter().zip(&is_new).filter(|(_, &n)| !n).map(|(&v, _)| v).collect();
+                    f.remap(y, name, &extents, at, valid)?
+                }
+                Op::Squeeze { removed } => {
+                    let y = operands[0].tensor().expect("squeeze reads a tensor");
+                    let zero = f.scalars.int(0);
+                    let mut kept = index.iter().copied();
+                    let at: Vec<_> = removed.iter().map(|&r| if r { zero } else { kept.next().unwrap_or(zero) }).collect();
+                    f.remap(y, name, &extents, at, valid)?
+                }
+                Op::Permute { perm } => {
+                    let y = operands[0].tensor().expect("permute reads a tensor");
+                    let mut at = index.clone();
+                    for (i, &src) in perm.iter().enumerate() {
+                        at[src] = index[i];
+                    }
+                    f.remap(y, name, &extents, at, valid)?
+                }
+                Op::Full { value } => f.full(&extents, Operand::Scalar(value), f.tvs[x].dtype)?,
+                Op::Mask { valid: m } => {
+                    let at = f.compose(m, &index);
+                    f.mask(&extents, at)?
+                }
+                _ => continue,
+            };
+            replace_tensor(f, out, moved);
+            f.tvs[x].uses.retain(|&u| u != e);
+            continue 'again;
+        }
+        return Ok(());
+    }
+}
+
 /// Merge a reduction of a reduction's result into one reduction of the inner input over
 /// the axes of both, where the combiner and dtype agree and nothing else (no output, no
 /// other op) reads the inner result; semantics are unchanged up to reassociation.
@@ -430,8 +504,13 @@ pub(crate) fn replay(f: &mut Fusion, op: Op, operands: &[Operand]) -> Result<TvI
         Op::Cast(dt) => f.cast(operands[0], dt)?,
         Op::Broadcast { is_new } => f.broadcast(tensor(0)?, is_new)?,
         Op::Set => f.set(tensor(0)?)?,
-        Op::IndexSelect { dim } => f.index_select(tensor(0)?, tensor(1)?, dim as i64)?,
-        Op::Reduction { .. }
+        Op::IndexSelect { dim } if f.no_reduction_logical(tensor(1)?).len() == 1 => {
+            f.index_select(tensor(0)?, tensor(1)?, dim as i64)?
+        }
+        Op::IndexSelect { dim } => f.take_along_axis(tensor(0)?, tensor(1)?, dim as i64)?,
+        Op::Remap { .. }
+        | Op::Mask { .. }
+        | Op::Reduction { .. }
         | Op::Permute { .. }
         | Op::Squeeze { .. }
         | Op::Full { .. }

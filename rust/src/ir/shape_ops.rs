@@ -1,0 +1,434 @@
+//! Shape ops built on [`Op::Remap`]: reshape, slice, pad and cat read their input at
+//! positions computed from the output's positions, so one remap (a chain of them composes
+//! into one) reads a fusion input directly, in the kernel of its consumers. Pad and cat
+//! choose between their sources with masks of `iota` positions, which fuse like any
+//! element-wise operand. triu and take_along_axis are here too: they select by position.
+
+use smallvec::smallvec;
+
+use crate::error::Result;
+use crate::ir::scalar::ScalarOp;
+use crate::ir::{DataType, Fusion, IterType, MemoryType, Op, Operand, Symbol, TvId, ValId};
+use crate::{bail, bail_type};
+
+/// A runtime condition on sizes and scalars that the definition needs (reshape's element
+/// counts, cat's kept axes, select's index); `host::bind` checks each before anything runs.
+#[derive(Clone, Debug)]
+pub struct SizeCheck {
+    /// Must evaluate to true (nonzero).
+    pub holds: ValId,
+    /// The values the message shows when it fails.
+    pub values: Vec<ValId>,
+    /// What must hold, naming the tensors and axes (`"reshape of T0 ..."`).
+    pub what: String,
+}
+
+/// Offset that moves a remap's own output symbols out of the way while composing.
+const SHIFT: u32 = 1 << 20;
+
+impl Fusion {
+    /// `x` read at `index[j]` along input axis `j` (expressions of `Symbol::OutAxis(k)`)
+    /// where `valid` holds, 0 elsewhere; the output has `extents`. A remap of a remap reads
+    /// the first one's input through both maps.
+    pub fn remap(
+        &mut self,
+        x: TvId,
+        name: &'static str,
+        extents: &[ValId],
+        index: Vec<ValId>,
+        valid: Option<ValId>,
+    ) -> Result<TvId> {
+        let rank = self.no_reduction_logical(x).len();
+        if index.len() != rank {
+            crate::bail_internal!("{name}: {} positions for {} axes of {}", index.len(), rank, self.tv_name(x));
+        }
+        let (mut src, mut index, mut valid) = (x, index, valid);
+        if let Some(d) = self.tvs[x].definition {
+            if let (Op::Remap { index: inner, valid: inner_valid, .. }, Some(y)) =
+                (self.exprs[d].op.clone(), self.exprs[d].inputs[0].tensor())
+            {
+                let composed: Vec<ValId> = inner.iter().map(|&v| self.compose(v, &index)).collect();
+                if let Some(iv) = inner_valid {
+                    let iv = self.compose(iv, &index);
+                    valid = Some(match valid {
+                        Some(v) => self.scalars.binary(ScalarOp::And, v, iv),
+                        None => iv,
+                    });
+                }
+                (src, index) = (y, composed);
+            }
+        }
+        let mut logical = Vec::with_capacity(extents.len());
+        for &e in extents {
+            let it = if self.scalars.as_int(e) == Some(1) { IterType::Broadcast } else { IterType::Iteration };
+            logical.push(self.new_id(e, it));
+        }
+        let dt = self.tvs[src].dtype;
+        let out = self.new_tv(dt, MemoryType::Local, logical);
+        if valid.is_some_and(|v| self.scalars.as_int(v) == Some(1)) {
+            valid = None;
+        }
+        self.add_expr(Op::Remap { name, index, valid }, smallvec![Operand::Tensor(src)], out);
+        Ok(out)
+    }
+
+    /// `v` (an expression of a remap's output positions) at the positions `outer` gives
+    /// for them.
+    pub(crate) fn compose(&mut self, v: ValId, outer: &[ValId]) -> ValId {
+        let mut r = v;
+        for k in 0..outer.len() as u32 {
+            let tmp = self.scalars.symbol(Symbol::OutAxis(k + SHIFT));
+            r = self.scalars.substitute(r, Symbol::OutAxis(k), tmp);
+        }
+        for (k, &by) in outer.iter().enumerate() {
+            r = self.scalars.substitute(r, Symbol::OutAxis(k as u32 + SHIFT), by);
+        }
+        r
+    }
+
+    /// Check `a == b` when the inputs are bound.
+    fn require_equal(&mut self, a: ValId, b: ValId, what: String) {
+        let holds = self.scalars.binary(ScalarOp::Eq, a, b);
+        self.size_checks.push(SizeCheck { holds, values: vec![a, b], what });
+    }
+
+    /// `x` at position `index` of axis `dim`, that axis removed (nvFuser's select).
+    pub fn select(&mut self, x: TvId, dim: i64, index: ValId) -> Result<TvId> {
+        let ins = self.extents_of(x);
+        let rank = ins.len();
+        let d = self.normalize_dims("select", x, &[dim], rank)?[0];
+        if !self.scalars.dtype(index, &self.scalar_input_dtypes).is_integer() {
+            bail_type!("select: the index {} is not an integer", self.scalars.render(index));
+        }
+        let zero = self.scalars.int(0);
+        let low = self.scalars.binary(ScalarOp::Le, zero, index);
+        let high = self.scalars.lt(index, ins[d]);
+        let holds = self.scalars.binary(ScalarOp::And, low, high);
+        match self.scalars.as_int(holds) {
+            Some(0) => bail!(
+                "select: index {} is out of range for axis {d} of {} (size {})",
+                self.scalars.render(index),
+                self.tv_name(x),
+                self.scalars.render(ins[d])
+            ),
+            Some(_) => {}
+            None => {
+                let what = format!("select: the index must lie in [0, size) of axis {d} of {}", self.tv_name(x));
+                self.size_checks.push(SizeCheck { holds, values: vec![index, ins[d]], what });
+            }
+        }
+        let mut extents = Vec::with_capacity(rank - 1);
+        let mut at = Vec::with_capacity(rank);
+        for a in 0..rank {
+            if a == d {
+                at.push(index);
+            } else {
+                at.push(self.out_axis(extents.len()));
+                extents.push(ins[a]);
+            }
+        }
+        self.remap(x, "select", &extents, at, None)
+    }
+
+    fn out_axis(&mut self, k: usize) -> ValId {
+        self.scalars.symbol(Symbol::OutAxis(k as u32))
+    }
+
+    /// Extents of `x`'s axes (without reduced ones).
+    fn extents_of(&self, x: TvId) -> Vec<ValId> {
+        self.no_reduction_logical(x).iter().map(|&id| self.ids[id].extent).collect()
+    }
+
+    /// `x` with the same elements in row-major order and the shape `shape` (`None`: the
+    /// one size inferred from the others).
+    pub fn reshape(&mut self, x: TvId, shape: &[Option<ValId>]) -> Result<TvId> {
+        let ins = self.extents_of(x);
+        let inferred: Vec<usize> = (0..shape.len()).filter(|&k| shape[k].is_none()).collect();
+        if inferred.len() > 1 {
+            bail!("reshape of {}: only one size may be -1, got {} of them", self.tv_name(x), inferred.len());
+        }
+        let mut outs: Vec<ValId> = Vec::with_capacity(shape.len());
+        if let Some(&k) = inferred.first() {
+            // numel / (the known sizes), with the factors both sides share cancelled, so
+            // `[B, S, H*D] -> [B, S, -1, D]` infers `H*D / D` rather than a quotient of
+            // two products.
+            let mut num: Vec<ValId> = ins.clone();
+            let mut den: Vec<ValId> = Vec::new();
+            for s in shape.iter().flatten() {
+                match num.iter().position(|n| n == s) {
+                    Some(p) => {
+                        num.remove(p);
+                    }
+                    None => den.push(*s),
+                }
+            }
+            let (n, d) = (self.scalars.product(num), self.scalars.product(den));
+            let size = self.scalars.div(n, d);
+            for (j, s) in shape.iter().enumerate() {
+                outs.push(if j == k { size } else { s.expect("only one inferred size") });
+            }
+        } else {
+            outs = shape.iter().map(|s| s.expect("no inferred size")).collect();
+        }
+        let (numel_in, numel_out) = (self.scalars.product(ins.clone()), self.scalars.product(outs.clone()));
+        if let (Some(a), Some(b)) = (self.scalars.as_int(numel_in), self.scalars.as_int(numel_out)) {
+            if a != b {
+                bail!(
+                    "reshape of {}: it has {a} elements but the shape [{}] has {b}",
+                    self.tv_name(x),
+                    outs.iter().map(|&v| self.scalars.render(v)).collect::<Vec<_>>().join(", ")
+                );
+            }
+        } else if numel_in != numel_out {
+            let what = format!(
+                "reshape of {} (shape [{}]) to [{}]: the element counts must agree",
+                self.tv_name(x),
+                ins.iter().map(|&v| self.scalars.render(v)).collect::<Vec<_>>().join(", "),
+                outs.iter().map(|&v| self.scalars.render(v)).collect::<Vec<_>>().join(", ")
+            );
+            self.require_equal(numel_in, numel_out, what);
+        }
+        let index = self.reshape_index(&ins, &outs);
+        self.remap(x, "reshape", &outs, index, None)
+    }
+
+    /// Input positions of a row-major reshape from `ins` to `outs`. Runs of axes whose
+    /// sizes multiply to the same value are mapped run by run (a kept axis is its own
+    /// position, a split axis `o1 * D + o2`), so most reshapes need no division at all.
+    fn reshape_index(&mut self, ins: &[ValId], outs: &[ValId]) -> Vec<ValId> {
+        let mut index: Vec<ValId> = Vec::with_capacity(ins.len());
+        let (mut i, mut j) = (0usize, 0usize);
+        while i < ins.len() || j < outs.len() {
+            let (a, b) = self.next_run(ins, outs, i, j);
+            // Row-major position within the run of output axes, then its digits in the
+            // run of input axes.
+            let mut lin = self.scalars.int(0);
+            for k in j..j + b {
+                let o = self.out_axis(k);
+                let scaled = self.scalars.mul(lin, outs[k]);
+                lin = self.scalars.add(scaled, o);
+            }
+            for m in i..i + a {
+                let inner = self.scalars.product(ins[m + 1..i + a].iter().copied());
+                let q = self.scalars.div(lin, inner);
+                index.push(if m == i { q } else { self.scalars.rem(q, ins[m]) });
+            }
+            (i, j) = (i + a, j + b);
+        }
+        index
+    }
+
+    /// The shortest run of `a` input axes from `i` and `b` output axes from `j` whose
+    /// sizes have equal products (every remaining axis when none is found).
+    fn next_run(&mut self, ins: &[ValId], outs: &[ValId], i: usize, j: usize) -> (usize, usize) {
+        let (ra, rb) = (ins.len() - i, outs.len() - j);
+        for total in 1..=ra + rb {
+            for a in 0..=total.min(ra) {
+                let b = total - a;
+                if b > rb {
+                    continue;
+                }
+                let p = self.scalars.product(ins[i..i + a].iter().copied());
+                let q = self.scalars.product(outs[j..j + b].iter().copied());
+                let equal = p == q || matches!((self.scalars.as_int(p), self.scalars.as_int(q)), (Some(x), Some(y)) if x == y);
+                if equal {
+                    return (a, b);
+                }
+            }
+        }
+        (ra, rb)
+    }
+
+    /// `x[start:end:step]` on every axis; `end` past the size is clamped to it (`None`:
+    /// the size), and `start` past `end` gives an empty axis.
+    pub fn slice(&mut self, x: TvId, start: &[ValId], end: &[Option<ValId>], step: &[i64]) -> Result<TvId> {
+        let ins = self.extents_of(x);
+        let rank = ins.len();
+        if start.len() != rank || end.len() != rank || step.len() != rank {
+            bail!(
+                "slice: {} has rank {rank}; start_indices, end_indices and strides need one entry per axis (got {}, {}, {})",
+                self.tv_name(x),
+                start.len(),
+                end.len(),
+                step.len()
+            );
+        }
+        let mut extents = Vec::with_capacity(rank);
+        let mut index = Vec::with_capacity(rank);
+        for a in 0..rank {
+            if step[a] < 1 {
+                bail!("slice: axis {a} of {} has stride {}; expected an int >= 1", self.tv_name(x), step[a]);
+            }
+            let n = ins[a];
+            let hi = match end[a] {
+                Some(e) => self.scalars.min(e, n),
+                None => n,
+            };
+            let lo = if self.scalars.as_int(start[a]) == Some(0) { start[a] } else { self.scalars.min(start[a], hi) };
+            let st = self.scalars.int(step[a]);
+            let span = self.scalars.sub(hi, lo);
+            extents.push(self.scalars.ceil_div(span, st));
+            let o = self.out_axis(a);
+            let moved = self.scalars.mul(o, st);
+            index.push(self.scalars.add(lo, moved));
+        }
+        let whole = (0..rank).all(|a| extents[a] == ins[a] && step[a] == 1 && self.scalars.as_int(start[a]) == Some(0));
+        if whole {
+            return self.set(x);
+        }
+        self.remap(x, "slice", &extents, index, None)
+    }
+
+    /// `x` widened by `widths[a] = (before, after)` positions on axis `a` (negative widths
+    /// crop), the new positions holding `value`.
+    pub fn pad(&mut self, x: TvId, widths: &[(ValId, ValId)], value: Operand) -> Result<TvId> {
+        let ins = self.extents_of(x);
+        let rank = ins.len();
+        if widths.len() != rank {
+            crate::bail_internal!("pad: {} widths for rank {rank}", widths.len());
+        }
+        let mut extents = Vec::with_capacity(rank);
+        let mut index = Vec::with_capacity(rank);
+        let mut valid = self.scalars.boolean(true);
+        let mut padded = Vec::new();
+        for a in 0..rank {
+            let (lo, hi) = widths[a];
+            let n = ins[a];
+            let grown = self.scalars.add(n, lo);
+            let ext = self.scalars.add(grown, hi);
+            extents.push(ext);
+            let o = self.out_axis(a);
+            index.push(self.scalars.sub(o, lo));
+            if self.scalars.as_int(lo) == Some(0) && self.scalars.as_int(hi) == Some(0) {
+                continue;
+            }
+            if let Some(e) = self.scalars.as_int(ext) {
+                if e < 0 {
+                    bail!("pad: axis {a} of {} would have size {e}; the widths crop more than the axis holds", self.tv_name(x));
+                }
+            }
+            // Inside the input: lo <= o < lo + n.
+            let from = self.scalars.binary(ScalarOp::Le, lo, o);
+            let to = self.scalars.lt(o, grown);
+            let both = self.scalars.binary(ScalarOp::And, from, to);
+            valid = self.scalars.binary(ScalarOp::And, valid, both);
+            padded.push(a);
+        }
+        let read = self.remap(x, "pad", &extents, index, Some(valid))?;
+        if padded.is_empty() {
+            return Ok(read);
+        }
+        // The mask varies along the padded axes only.
+        let mut mask_extents = vec![self.scalars.int(1); rank];
+        for &a in &padded {
+            mask_extents[a] = extents[a];
+        }
+        let mask = self.mask(&mask_extents, valid)?;
+        let dt = self.tvs[x].dtype;
+        let filled = self.where_(Operand::Tensor(mask), Operand::Tensor(read), value)?;
+        if self.tvs[filled].dtype != dt {
+            return self.cast(Operand::Tensor(filled), dt);
+        }
+        Ok(filled)
+    }
+
+    /// A Bool tensor of `extents`, true where `valid` (of its positions) holds.
+    pub fn mask(&mut self, extents: &[ValId], valid: ValId) -> Result<TvId> {
+        self.source("mask", extents, Op::Mask { valid }, DataType::Bool)
+    }
+
+    /// `xs` joined along `dim`; the other axes must have equal sizes.
+    pub fn cat(&mut self, xs: &[TvId], dim: i64) -> Result<TvId> {
+        let Some(&first) = xs.first() else { bail!("cat: expected at least one tensor") };
+        let rank = self.no_reduction_logical(first).len();
+        let dim = self.normalize_dims("cat", first, &[dim], rank)?[0];
+        let dt = self.tvs[first].dtype;
+        let base = self.extents_of(first);
+        for &x in &xs[1..] {
+            let e = self.extents_of(x);
+            if e.len() != rank {
+                bail!("cat: {} has rank {} but {} has rank {rank}; expected one rank", self.tv_name(x), e.len(), self.tv_name(first));
+            }
+            if self.tvs[x].dtype != dt {
+                bail_type!("cat: {} has dtype {} but {} has {dt}; expected one dtype", self.tv_name(x), self.tvs[x].dtype, self.tv_name(first));
+            }
+            for a in (0..rank).filter(|&a| a != dim) {
+                let (p, q) = (base[a], e[a]);
+                match (self.scalars.as_int(p), self.scalars.as_int(q)) {
+                    (Some(u), Some(v)) if u != v => bail!(
+                        "cat: axis {a} of {} has size {v} but axis {a} of {} has {u}; only axis {dim} may differ",
+                        self.tv_name(x),
+                        self.tv_name(first)
+                    ),
+                    _ if p != q => {
+                        let what = format!(
+                            "cat along axis {dim}: axis {a} of {} must have the size of axis {a} of {}",
+                            self.tv_name(x),
+                            self.tv_name(first)
+                        );
+                        self.require_equal(p, q, what);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        if xs.len() == 1 {
+            return self.set(first);
+        }
+        // Offsets of each part along `dim`.
+        let mut offsets = vec![self.scalars.int(0)];
+        for &x in xs {
+            let n = self.extents_of(x)[dim];
+            let last = *offsets.last().expect("non-empty");
+            offsets.push(self.scalars.add(last, n));
+        }
+        let total = offsets[xs.len()];
+        let mut extents = base.clone();
+        extents[dim] = total;
+        let o = self.out_axis(dim);
+        let mut parts = Vec::with_capacity(xs.len());
+        for (i, &x) in xs.iter().enumerate() {
+            let mut index: Vec<ValId> = (0..rank).map(|k| self.out_axis(k)).collect();
+            index[dim] = self.scalars.sub(o, offsets[i]);
+            let from = self.scalars.binary(ScalarOp::Le, offsets[i], o);
+            let to = self.scalars.lt(o, offsets[i + 1]);
+            let valid = self.scalars.binary(ScalarOp::And, from, to);
+            parts.push(self.remap(x, "cat", &extents, index, Some(valid))?);
+        }
+        // Each position takes the part whose range holds it, the last part by default.
+        let mut mask_extents = vec![self.scalars.int(1); rank];
+        mask_extents[dim] = total;
+        let mut out = parts[xs.len() - 1];
+        for i in (0..xs.len() - 1).rev() {
+            let before = self.scalars.lt(o, offsets[i + 1]);
+            let m = self.mask(&mask_extents, before)?;
+            out = self.where_(Operand::Tensor(m), Operand::Tensor(parts[i]), Operand::Tensor(out))?;
+        }
+        Ok(out)
+    }
+
+    /// The elements of `x` on and above diagonal `diagonal` of its last two axes; 0 below.
+    pub fn triu(&mut self, x: TvId, diagonal: i64) -> Result<TvId> {
+        let ext = self.extents_of(x);
+        let rank = ext.len();
+        if rank < 2 {
+            bail!("triu: {} has rank {rank}; expected at least 2", self.tv_name(x));
+        }
+        // col - row >= diagonal, as row + diagonal <= col (no negative intermediate).
+        let mut mask_extents = vec![self.scalars.int(1); rank];
+        mask_extents[rank - 2] = ext[rank - 2];
+        mask_extents[rank - 1] = ext[rank - 1];
+        let (row, col) = (self.out_axis(rank - 2), self.out_axis(rank - 1));
+        let d = self.scalars.int(diagonal);
+        let shifted = self.scalars.add(row, d);
+        let valid = self.scalars.binary(ScalarOp::Le, shifted, col);
+        let keep = self.mask(&mask_extents, valid)?;
+        let zero = self.scalars.int(0);
+        let dt = self.tvs[x].dtype;
+        let kept = self.where_(Operand::Tensor(keep), Operand::Tensor(x), Operand::Scalar(zero))?;
+        if self.tvs[kept].dtype != dt {
+            return self.cast(Operand::Tensor(kept), dt);
+        }
+        Ok(kept)
+    }
+}
