@@ -1451,6 +1451,86 @@ def layernorm_long_rows(sizes: Sizes) -> Family:
                   _layernorm_inputs("layernorm_long_rows", DataType.Float), ref, rtol=1e-3, atol=1e-3)
 
 
+
+@family(((1, 1, 1, 2), (2, 5, 3, 8), (3, 17, 2, 64)), ((1, 1, 1, 2), (2, 129, 4, 64), (4, 512, 32, 128)),
+        (4, 2048, 32, 128))
+def llama_rope(sizes: Sizes) -> Family:
+    """LLaMA attention pre-processing of q: ``q = x.view(B, S, H, D)``; ``q * cos + rotate_half(q)
+    * sin`` with ``rotate_half(q) = cat(-q[..., D/2:], q[..., :D/2])`` and cos/sin [S, D];
+    ``q.transpose(1, 2)`` to [B, H, S, D]. Sizes (B, S, H, D)."""
+    _, _, h, d = sizes
+    with FusionDefinition() as fd:
+        x = _tensor(fd, 3)
+        cos = _tensor(fd, 2)
+        sin = _tensor(fd, 2)
+        q = fd.ops.reshape(x, [fd.ops.size(x, 0), fd.ops.size(x, 1), h, d])
+        x1 = fd.ops.slice(q, [0, 0, 0, 0], [None, None, None, d // 2])
+        x2 = fd.ops.slice(q, [0, 0, 0, d // 2], [None, None, None, d])
+        rot = fd.ops.cat([fd.ops.neg(x2), x1], -1)
+        y = fd.ops.add(fd.ops.mul(q, _bcast(fd, cos, 4, [1, 3])), fd.ops.mul(rot, _bcast(fd, sin, 4, [1, 3])))
+        fd.add_output(fd.ops.permute(y, [0, 2, 1, 3]))
+
+    def make(sizes: Sizes, seed: int = 0) -> List[Any]:
+        b, s, h, d = sizes
+        rng = _rng("llama_rope", sizes, seed)
+        pos = np.arange(s)[:, None] / 10000.0 ** (np.arange(0, d, 2) / d)[None, :]
+        emb = np.concatenate([pos, pos], -1)
+        return [_randn(rng, (b, s, h * d)), np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)]
+
+    def ref(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> List[np.ndarray]:
+        b, s = x.shape[:2]
+        q = x.reshape(b, s, h, d)
+        rot = np.concatenate([-q[..., d // 2:], q[..., :d // 2]], -1)
+        return [(q * cos[None, :, None, :] + rot * sin[None, :, None, :]).transpose(0, 2, 1, 3)]
+    return Family("llama_rope", sizes, fd, make, ref, rtol=1e-5, atol=1e-5)
+
+
+@family(((1, 1, 1, 1), (2, 3, 5, 4), (1, 2, 17, 64)), ((1, 1, 1, 1), (2, 4, 129, 64), (8, 8, 1024, 128)),
+        (8, 8, 2048, 128))
+def llama_repeat_kv(sizes: Sizes) -> Family:
+    """LLaMA's ``repeat_kv`` for grouped-query attention, on k [B, KV, S, D] with 4 query heads
+    per KV head: ``k[:, :, None].expand(B, KV, 4, S, D).reshape(B, KV * 4, S, D)``, then scaled
+    by ``1/sqrt(D)``. Sizes (B, KV, S, D)."""
+    b, kv, s, d = sizes
+    with FusionDefinition() as fd:
+        k = _tensor(fd, 4)
+        e = fd.ops.broadcast_in_dim(k, [b, kv, 4, s, d], [0, 1, 3, 4])
+        r = fd.ops.reshape(e, [fd.ops.size(k, 0), kv * 4, fd.ops.size(k, 2), d])
+        fd.add_output(fd.ops.mul(r, 1.0 / math.sqrt(d)))
+
+    def make(sizes: Sizes, seed: int = 0) -> List[Any]:
+        return [_randn(_rng("llama_repeat_kv", sizes, seed), sizes)]
+
+    def ref(k: np.ndarray) -> List[np.ndarray]:
+        e = np.broadcast_to(k[:, :, None], (b, kv, 4, s, d))
+        return [e.reshape(b, kv * 4, s, d) / math.sqrt(d)]
+    return Family("llama_repeat_kv", sizes, fd, make, ref, rtol=1e-6, atol=1e-7,
+                  min_bytes=lambda ins, outs: 5 * _nbytes(ins[0]))
+
+
+@family(((1, 1, 1), (2, 3, 5), (1, 2, 67)), ((1, 1, 1), (2, 4, 129), (8, 16, 1024)), (8, 16, 1024))
+def causal_softmax_triu(sizes: Sizes) -> Family:
+    """Causal attention probabilities with the mask built in the fusion, as Mistral/LLaMA code
+    builds it: ``mask = triu(full([S, S], finfo.min), 1)``; ``softmax(scores * scale + mask)``
+    on [B, H, S, S]. Sizes (B, H, S)."""
+    _, _, s = sizes
+    with FusionDefinition() as fd:
+        scores = _tensor(fd, 4)
+        mask = fd.ops.triu(fd.ops.full([s, s], F32_MIN, DataType.Float), 1)
+        w = fd.ops.add(fd.ops.mul(scores, 0.125), _bcast(fd, mask, 4, [2, 3]))
+        mx = fd.ops.max(w, dims=[3], keepdim=True)
+        ex = fd.ops.exp(fd.ops.sub(w, mx))
+        fd.add_output(fd.ops.div(ex, fd.ops.sum(ex, dims=[3], keepdim=True)))
+
+    def make(sizes: Sizes, seed: int = 0) -> List[Any]:
+        b, h, s = sizes
+        return [_randn(_rng("causal_softmax_triu", sizes, seed), (b, h, s, s), scale=3.0)]
+
+    def ref(scores: np.ndarray) -> List[np.ndarray]:
+        s = scores.shape[-1]
+        return [_softmax_ref(scores * 0.125 + np.triu(np.full((s, s), F32_MIN), 1))]
+    return Family("causal_softmax_triu", sizes, fd, make, ref, rtol=1e-5, atol=1e-6)
+
 def spec(name: str) -> Spec:
     """The spec of builder ``name``."""
     for s in SPECS:

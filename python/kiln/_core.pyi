@@ -51,6 +51,20 @@ class Fusion:
         """Drop size-one axes."""
     def index_select(self, x: int, index: int, dim: int) -> int:
         """index_select along dim."""
+    def reshape(self, x: int, shape: List[Optional[int]]) -> int:
+        """`x` in a new shape (scalar ids; `None` is the inferred size)."""
+    def slice(self, x: int, start: List[int], end: List[Optional[int]], step: List[int]) -> int:
+        """`x[start:end:step]` per axis (scalar ids; an end of `None` is the size)."""
+    def pad(self, x: int, widths: List[Tuple[int, int]], value: Operand) -> int:
+        """`x` padded by (before, after) scalar ids per axis, with `value`."""
+    def select(self, x: int, dim: int, index: int) -> int:
+        """`x` at `index` (a scalar id) of axis `dim`, that axis removed."""
+    def cat(self, xs: List[int], dim: int) -> int:
+        """`xs` joined along `dim`."""
+    def triu(self, x: int, diagonal: int) -> int:
+        """The upper triangle of the last two axes."""
+    def take_along_axis(self, x: int, index: int, dim: int) -> int:
+        """`x` read along `dim` at the positions of `index`, which has `x`'s rank."""
     def full(self, shape: List[int], value: Operand, dtype: str) -> int:
         """A filled tensor; `shape` holds scalar ids of the extents."""
     def iota(self, length: int, start: Operand, step: Operand, dtype: str) -> int:

@@ -45,7 +45,7 @@ impl Fusion {
         let (mut src, mut index, mut valid) = (x, index, valid);
         if let Some(d) = self.tvs[x].definition {
             if let (Op::Remap { index: inner, valid: inner_valid, .. }, Some(y)) =
-                (self.exprs[d].op.clone(), self.exprs[d].inputs[0].tensor())
+                (self.exprs[d].op.clone(), self.exprs[d].inputs.first().and_then(|o| o.tensor()))
             {
                 let composed: Vec<ValId> = inner.iter().map(|&v| self.compose(v, &index)).collect();
                 if let Some(iv) = inner_valid {
@@ -86,6 +86,20 @@ impl Fusion {
         r
     }
 
+    /// Refuse a position or size that is not an integer scalar.
+    fn integer_scalars(&self, what: &str, vals: impl IntoIterator<Item = ValId>) -> Result<()> {
+        for v in vals {
+            let dt = self.scalars.dtype(v, &self.scalar_input_dtypes);
+            if !dt.is_integer() {
+                bail_type!(
+                    "{what}: {} has dtype {dt}; positions and sizes must be Int scalars",
+                    self.scalars.render(v)
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// Check `a == b` when the inputs are bound.
     fn require_equal(&mut self, a: ValId, b: ValId, what: String) {
         let holds = self.scalars.binary(ScalarOp::Eq, a, b);
@@ -119,12 +133,12 @@ impl Fusion {
         }
         let mut extents = Vec::with_capacity(rank - 1);
         let mut at = Vec::with_capacity(rank);
-        for a in 0..rank {
+        for (a, &n) in ins.iter().enumerate() {
             if a == d {
                 at.push(index);
             } else {
                 at.push(self.out_axis(extents.len()));
-                extents.push(ins[a]);
+                extents.push(n);
             }
         }
         self.remap(x, "select", &extents, at, None)
@@ -142,6 +156,17 @@ impl Fusion {
     /// `x` with the same elements in row-major order and the shape `shape` (`None`: the
     /// one size inferred from the others).
     pub fn reshape(&mut self, x: TvId, shape: &[Option<ValId>]) -> Result<TvId> {
+        self.integer_scalars("reshape", shape.iter().flatten().copied())?;
+        for (k, s) in shape.iter().enumerate() {
+            if let Some(n) = s.and_then(|v| self.scalars.as_int(v)) {
+                if n < 0 {
+                    bail!(
+                        "reshape of {}: size {n} at position {k} is negative; expected a size >= 0 or -1",
+                        self.tv_name(x)
+                    );
+                }
+            }
+        }
         let ins = self.extents_of(x);
         let inferred: Vec<usize> = (0..shape.len()).filter(|&k| shape[k].is_none()).collect();
         if inferred.len() > 1 {
@@ -203,9 +228,9 @@ impl Fusion {
             // Row-major position within the run of output axes, then its digits in the
             // run of input axes.
             let mut lin = self.scalars.int(0);
-            for k in j..j + b {
+            for (k, &m) in outs.iter().enumerate().skip(j).take(b) {
                 let o = self.out_axis(k);
-                let scaled = self.scalars.mul(lin, outs[k]);
+                let scaled = self.scalars.mul(lin, m);
                 lin = self.scalars.add(scaled, o);
             }
             for m in i..i + a {
@@ -230,7 +255,8 @@ impl Fusion {
                 }
                 let p = self.scalars.product(ins[i..i + a].iter().copied());
                 let q = self.scalars.product(outs[j..j + b].iter().copied());
-                let equal = p == q || matches!((self.scalars.as_int(p), self.scalars.as_int(q)), (Some(x), Some(y)) if x == y);
+                let equal =
+                    p == q || matches!((self.scalars.as_int(p), self.scalars.as_int(q)), (Some(x), Some(y)) if x == y);
                 if equal {
                     return (a, b);
                 }
@@ -253,6 +279,7 @@ impl Fusion {
                 step.len()
             );
         }
+        self.integer_scalars("slice", start.iter().chain(end.iter().flatten()).copied())?;
         let mut extents = Vec::with_capacity(rank);
         let mut index = Vec::with_capacity(rank);
         for a in 0..rank {
@@ -260,6 +287,18 @@ impl Fusion {
                 bail!("slice: axis {a} of {} has stride {}; expected an int >= 1", self.tv_name(x), step[a]);
             }
             let n = ins[a];
+            if self.scalars.as_int(start[a]).is_none() {
+                let zero = self.scalars.int(0);
+                let holds = self.scalars.binary(ScalarOp::Le, zero, start[a]);
+                let what = format!("slice of {}: the start of axis {a} must be >= 0", self.tv_name(x));
+                self.size_checks.push(SizeCheck { holds, values: vec![start[a]], what });
+            }
+            if let Some(e) = end[a].filter(|&e| self.scalars.as_int(e).is_none()) {
+                let zero = self.scalars.int(0);
+                let holds = self.scalars.binary(ScalarOp::Le, zero, e);
+                let what = format!("slice of {}: the end of axis {a} must be >= 0", self.tv_name(x));
+                self.size_checks.push(SizeCheck { holds, values: vec![e], what });
+            }
             let hi = match end[a] {
                 Some(e) => self.scalars.min(e, n),
                 None => n,
@@ -287,6 +326,7 @@ impl Fusion {
         if widths.len() != rank {
             crate::bail_internal!("pad: {} widths for rank {rank}", widths.len());
         }
+        self.integer_scalars("pad", widths.iter().flat_map(|&(a, b)| [a, b]))?;
         let mut extents = Vec::with_capacity(rank);
         let mut index = Vec::with_capacity(rank);
         let mut valid = self.scalars.boolean(true);
@@ -304,7 +344,10 @@ impl Fusion {
             }
             if let Some(e) = self.scalars.as_int(ext) {
                 if e < 0 {
-                    bail!("pad: axis {a} of {} would have size {e}; the widths crop more than the axis holds", self.tv_name(x));
+                    bail!(
+                        "pad: axis {a} of {} would have size {e}; the widths crop more than the axis holds",
+                        self.tv_name(x)
+                    );
                 }
             }
             // Inside the input: lo <= o < lo + n.
@@ -347,10 +390,20 @@ impl Fusion {
         for &x in &xs[1..] {
             let e = self.extents_of(x);
             if e.len() != rank {
-                bail!("cat: {} has rank {} but {} has rank {rank}; expected one rank", self.tv_name(x), e.len(), self.tv_name(first));
+                bail!(
+                    "cat: {} has rank {} but {} has rank {rank}; expected one rank",
+                    self.tv_name(x),
+                    e.len(),
+                    self.tv_name(first)
+                );
             }
             if self.tvs[x].dtype != dt {
-                bail_type!("cat: {} has dtype {} but {} has {dt}; expected one dtype", self.tv_name(x), self.tvs[x].dtype, self.tv_name(first));
+                bail_type!(
+                    "cat: {} has dtype {} but {} has {dt}; expected one dtype",
+                    self.tv_name(x),
+                    self.tvs[x].dtype,
+                    self.tv_name(first)
+                );
             }
             for a in (0..rank).filter(|&a| a != dim) {
                 let (p, q) = (base[a], e[a]);

@@ -268,13 +268,21 @@ impl PyFusion {
     fn reshape(&mut self, py: Python<'_>, x: u32, shape: Vec<Option<u32>>) -> PyResult<u32> {
         guarded(py, || {
             let x = self.tv(x)?;
-            let shape = shape.into_iter().map(|s| s.map(|v| self.val(v)).transpose()).collect::<crate::Result<Vec<_>>>()?;
+            let shape =
+                shape.into_iter().map(|s| s.map(|v| self.val(v)).transpose()).collect::<crate::Result<Vec<_>>>()?;
             Ok(self.inner.get_mut().reshape(x, &shape)?.as_u32())
         })
     }
 
     /// `x[start:end:step]` per axis (scalar ids; an end of `None` is the size).
-    fn slice(&mut self, py: Python<'_>, x: u32, start: Vec<u32>, end: Vec<Option<u32>>, step: Vec<i64>) -> PyResult<u32> {
+    fn slice(
+        &mut self,
+        py: Python<'_>,
+        x: u32,
+        start: Vec<u32>,
+        end: Vec<Option<u32>>,
+        step: Vec<i64>,
+    ) -> PyResult<u32> {
         guarded(py, || {
             let x = self.tv(x)?;
             let start = start.into_iter().map(|v| self.val(v)).collect::<crate::Result<Vec<_>>>()?;
@@ -287,7 +295,8 @@ impl PyFusion {
     fn pad(&mut self, py: Python<'_>, x: u32, widths: Vec<(u32, u32)>, value: PyOperand) -> PyResult<u32> {
         guarded(py, || {
             let x = self.tv(x)?;
-            let widths = widths.into_iter().map(|(a, b)| Ok((self.val(a)?, self.val(b)?))).collect::<crate::Result<Vec<_>>>()?;
+            let widths =
+                widths.into_iter().map(|(a, b)| Ok((self.val(a)?, self.val(b)?))).collect::<crate::Result<Vec<_>>>()?;
             let value = self.operand(value)?;
             Ok(self.inner.get_mut().pad(x, &widths, value)?.as_u32())
         })

@@ -53,6 +53,27 @@ pub fn sink_broadcasts(f: &mut Fusion) -> Result<()> {
             let Some(x) = f.exprs[e].inputs[0].tensor() else { continue };
             let Some(d) = f.tvs[x].definition else { continue };
             let op = f.exprs[d].op.clone();
+            // A fill or a position mask is made at the broadcast's rank instead (its new
+            // axes of size one), so it shares the consumer's loops.
+            if let Op::Full { value: fill } | Op::Mask { valid: fill } = op {
+                let old = f.exprs[e].output;
+                let extents: Vec<_> = f.no_reduction_logical(old).iter().map(|&id| f.ids[id].extent).collect();
+                let one = f.scalars.int(1);
+                let extents: Vec<_> = extents.iter().zip(&is_new).map(|(&x, &n)| if n { one } else { x }).collect();
+                let moved = if matches!(op, Op::Full { .. }) {
+                    f.full(&extents, Operand::Scalar(fill), f.tvs[x].dtype)?
+                } else {
+                    // Source axis k is output axis kept[k].
+                    let kept: Vec<_> = (0..is_new.len()).filter(|&a| !is_new[a]).collect();
+                    let at: Vec<_> =
+                        kept.iter().map(|&a| f.scalars.symbol(crate::ir::Symbol::OutAxis(a as u32))).collect();
+                    let v = f.compose(fill, &at);
+                    f.mask(&extents, v)?
+                };
+                replace_tensor(f, old, moved);
+                f.tvs[x].uses.retain(|&u| u != e);
+                continue 'again;
+            }
             if !matches!(op, Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast(_) | Op::Set) {
                 continue;
             }
@@ -127,7 +148,8 @@ pub fn sink_remaps(f: &mut Fusion) -> Result<()> {
                     let y = operands[0].tensor().expect("squeeze reads a tensor");
                     let zero = f.scalars.int(0);
                     let mut kept = index.iter().copied();
-                    let at: Vec<_> = removed.iter().map(|&r| if r { zero } else { kept.next().unwrap_or(zero) }).collect();
+                    let at: Vec<_> =
+                        removed.iter().map(|&r| if r { zero } else { kept.next().unwrap_or(zero) }).collect();
                     f.remap(y, name, &extents, at, valid)?
                 }
                 Op::Permute { perm } => {

@@ -1,0 +1,453 @@
+"""reshape, slice, pad, cat, select, triu, take_along_axis and gather against NumPy float64:
+automatically scheduled and as written in the CPU interpreter, the kernel counts the
+automatic path reaches, every kernel compiled by NVRTC, the errors bad shapes get, and (``-m
+gpu``) the GPU against the same references."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Tuple
+
+import numpy as np
+import pytest
+from gpu_util import cupy_or_skip
+from kiln import DataType, FusionDefinition, KilnError
+from kiln.runtime.nvrtc import compile_cubin, nvrtc_available
+
+Case = Tuple[Callable[[], FusionDefinition], Callable[[np.random.Generator], List[np.ndarray]],
+             Callable[[List[np.ndarray]], List[np.ndarray]], int]
+
+
+def _f32(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def _d(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float64)
+
+
+# --- reshape ---------------------------------------------------------------------------------
+
+def _reshape_split_heads() -> FusionDefinition:
+    # [B, S, H*D] -> [B, S, H, D] with the sizes read from the input, then a transpose.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1])
+        b, s = fd.ops.size(x, 0), fd.ops.size(x, 1)
+        y = fd.ops.reshape(fd.ops.mul(x, 2.0), [b, s, 3, -1])
+        fd.add_output(fd.ops.permute(y, [0, 2, 1, 3]))
+    return fd
+
+
+def _reshape_merge_then_sum() -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1])
+        y = fd.ops.reshape(fd.ops.exp(x), [fd.ops.size(x, 0), -1])
+        fd.add_output(fd.ops.sum(y, [1]))
+    return fd
+
+
+def _reshape_refactor() -> FusionDefinition:
+    # [6, 10] -> [4, 15]: no axis survives, positions go through a division.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([6, 10])
+        fd.add_output(fd.ops.add(fd.ops.reshape(x, [4, 15]), 1.0))
+    return fd
+
+
+def _reshape_of_reduction() -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 12])
+        r = fd.ops.sum(x, [0])
+        fd.add_output(fd.ops.reshape(r, [3, 4]))
+    return fd
+
+
+# --- slice / select --------------------------------------------------------------------------
+
+def _slice_steps() -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.slice(fd.ops.neg(x), [1, 2], [None, 100], [2, 3]))
+    return fd
+
+
+def _slice_runtime_start() -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        k = fd.define_scalar(dtype=DataType.Int)
+        fd.add_output(fd.ops.slice(x, [k, 0], [None, None]))
+    return fd
+
+
+def _select_middle() -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1])
+        fd.add_output(fd.ops.tanh(fd.ops.select(x, 1, 2)))
+    return fd
+
+
+# --- pad / cat -------------------------------------------------------------------------------
+
+def _pad_value() -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.pad(fd.ops.exp(x), [1, 2, 3, 0], -1.5))
+    return fd
+
+
+def _pad_crop() -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.pad(x, [-1, 2]))
+    return fd
+
+
+def _pad_int() -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1], DataType.Int32)
+        fd.add_output(fd.ops.pad(x, [2, 1], 7))
+    return fd
+
+
+def _cat_three() -> FusionDefinition:
+    with FusionDefinition() as fd:
+        a = fd.define_tensor([-1, -1])
+        b = fd.define_tensor([-1, -1])
+        c = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.cat([fd.ops.sin(a), b, fd.ops.mul(c, 3.0)], 1))
+    return fd
+
+
+def _cat_rows_then_sum() -> FusionDefinition:
+    with FusionDefinition() as fd:
+        a = fd.define_tensor([-1, -1])
+        b = fd.define_tensor([-1, -1])
+        y = fd.ops.cat([a, b], 0)
+        fd.add_output(fd.ops.sum(y, [0]))
+    return fd
+
+
+# --- triu / take_along_axis / gather ---------------------------------------------------------
+
+def _triu(diagonal: int) -> Callable[[], FusionDefinition]:
+    def build() -> FusionDefinition:
+        with FusionDefinition() as fd:
+            x = fd.define_tensor([-1, -1, -1])
+            fd.add_output(fd.ops.triu(fd.ops.add(x, 1.0), diagonal))
+        return fd
+    return build
+
+
+def _take_along_axis() -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        i = fd.define_tensor([-1, -1], DataType.Int)
+        fd.add_output(fd.ops.take_along_axis(x, i, 1))
+    return fd
+
+
+def _gather_smaller() -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([5, 7])
+        i = fd.define_tensor([3, 4], DataType.Int)
+        fd.add_output(fd.ops.gather(x, i, 0))
+    return fd
+
+
+# --- the LLaMA attention pre-processing --------------------------------------------------------
+
+def _llama_rope() -> FusionDefinition:
+    # q = x.view(B, S, H, D); q = q * cos + rotate_half(q) * sin; q.transpose(1, 2)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1])
+        cos = fd.define_tensor([-1, -1])
+        sin = fd.define_tensor([-1, -1])
+        b, s = fd.ops.size(x, 0), fd.ops.size(x, 1)
+        q = fd.ops.reshape(x, [b, s, 4, 8])
+        x1 = fd.ops.slice(q, [0, 0, 0, 0], [None, None, None, 4])
+        x2 = fd.ops.slice(q, [0, 0, 0, 4], [None, None, None, 8])
+        rot = fd.ops.cat([fd.ops.neg(x2), x1], -1)
+        c = fd.ops.broadcast_in_dim(cos, [-1, -1, 4, 8], [1, 3])
+        sn = fd.ops.broadcast_in_dim(sin, [-1, -1, 4, 8], [1, 3])
+        y = fd.ops.add(fd.ops.mul(q, c), fd.ops.mul(rot, sn))
+        fd.add_output(fd.ops.permute(y, [0, 2, 1, 3]))
+    return fd
+
+
+def _rope_ref(a: List[np.ndarray]) -> List[np.ndarray]:
+    x, cos, sin = (_d(t) for t in a)
+    q = x.reshape(x.shape[0], x.shape[1], 4, 8)
+    rot = np.concatenate([-q[..., 4:], q[..., :4]], -1)
+    return [(q * cos[None, :, None, :] + rot * sin[None, :, None, :]).transpose(0, 2, 1, 3)]
+
+
+def _index(rng: np.random.Generator, n: int, shape: Tuple[int, ...]) -> np.ndarray:
+    return rng.integers(0, n, size=shape).astype(np.int64)
+
+
+CASES: Dict[str, Case] = {
+    "reshape_split_heads": (_reshape_split_heads, lambda r: [_f32(r, 2, 5, 12)],
+                            lambda a: [(2 * _d(a[0])).reshape(2, 5, 3, 4).transpose(0, 2, 1, 3)], 1),
+    "reshape_merge_then_sum": (_reshape_merge_then_sum, lambda r: [_f32(r, 3, 4, 5)],
+                               lambda a: [np.exp(_d(a[0])).reshape(3, -1).sum(1)], 1),
+    "reshape_refactor": (_reshape_refactor, lambda r: [_f32(r, 6, 10)],
+                         lambda a: [_d(a[0]).reshape(4, 15) + 1.0], 1),
+    "reshape_of_reduction": (_reshape_of_reduction, lambda r: [_f32(r, 9, 12)],
+                             lambda a: [_d(a[0]).sum(0).reshape(3, 4)], 2),
+    "slice_steps": (_slice_steps, lambda r: [_f32(r, 9, 11)], lambda a: [-_d(a[0])[1::2, 2::3]], 1),
+    "select_middle": (_select_middle, lambda r: [_f32(r, 3, 4, 5)], lambda a: [np.tanh(_d(a[0])[:, 2])], 1),
+    "pad_value": (_pad_value, lambda r: [_f32(r, 4, 5)],
+                  lambda a: [np.pad(np.exp(_d(a[0])), ((3, 0), (1, 2)), constant_values=-1.5)], 1),
+    "pad_crop": (_pad_crop, lambda r: [_f32(r, 3, 6)],
+                 lambda a: [np.pad(_d(a[0])[:, 1:], ((0, 0), (0, 2)))], 1),
+    "pad_int": (_pad_int, lambda r: [r.integers(-9, 9, size=6).astype(np.int32)],
+                lambda a: [np.pad(a[0], (2, 1), constant_values=7)], 1),
+    "cat_three": (_cat_three, lambda r: [_f32(r, 4, 3), _f32(r, 4, 5), _f32(r, 4, 2)],
+                  lambda a: [np.concatenate([np.sin(_d(a[0])), _d(a[1]), 3 * _d(a[2])], 1)], 1),
+    "cat_rows_then_sum": (_cat_rows_then_sum, lambda r: [_f32(r, 3, 7), _f32(r, 5, 7)],
+                          lambda a: [np.concatenate([_d(a[0]), _d(a[1])], 0).sum(0)], 1),
+    "triu_0": (_triu(0), lambda r: [_f32(r, 2, 5, 6)], lambda a: [np.triu(_d(a[0]) + 1.0, 0)], 1),
+    "triu_neg": (_triu(-2), lambda r: [_f32(r, 2, 5, 6)], lambda a: [np.triu(_d(a[0]) + 1.0, -2)], 1),
+    "triu_pos": (_triu(3), lambda r: [_f32(r, 2, 5, 6)], lambda a: [np.triu(_d(a[0]) + 1.0, 3)], 1),
+    "take_along_axis": (_take_along_axis, lambda r: [_f32(r, 4, 6), _index(r, 6, (4, 9))],
+                        lambda a: [np.take_along_axis(_d(a[0]), a[1], 1)], 1),
+    "gather_smaller": (_gather_smaller, lambda r: [_f32(r, 5, 7), _index(r, 5, (3, 4))],
+                       lambda a: [np.take_along_axis(_d(a[0])[:, :4], a[1], 0)], 2),
+    "llama_rope": (_llama_rope, lambda r: [_f32(r, 2, 6, 32), _f32(r, 6, 8), _f32(r, 6, 8)], _rope_ref, 1),
+}
+
+
+def _check(got: List[Any], want: List[np.ndarray]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        g = np.asarray(g)
+        assert g.shape == w.shape
+        if w.dtype.kind in "iub":
+            np.testing.assert_array_equal(g, w)
+        else:
+            np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_auto_matches_numpy(name: str) -> None:
+    build, inputs, ref, _ = CASES[name]
+    fd = build()
+    a = inputs(np.random.default_rng(1))
+    _check(fd.execute(a), ref(a))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_as_written_matches_numpy(name: str) -> None:
+    build, inputs, ref, _ = CASES[name]
+    fd = build()
+    a = inputs(np.random.default_rng(2))
+    _check(fd.execute(a, as_written=True), ref(a))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_kernel_count(name: str) -> None:
+    """Remaps read fusion inputs in their consumers' kernel: only a reduction, or a table
+    narrowed before a gather, is a kernel boundary."""
+    build, inputs, _, kernels = CASES[name]
+    low = build().lower(inputs(np.random.default_rng(3)))
+    assert len(low.kernels) == kernels, low.host_program
+
+
+def test_runtime_slice_start() -> None:
+    fd = _slice_runtime_start()
+    x = _f32(np.random.default_rng(4), 7, 3)
+    for k in (0, 3, 7, 9):
+        (got,) = fd.execute([x, k])
+        np.testing.assert_array_equal(got, x[k:])
+
+
+def test_runtime_pad_widths() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1])
+        w = fd.define_scalar(dtype=DataType.Int)
+        fd.add_output(fd.ops.pad(x, [w, 1], 2.0))
+    x = _f32(np.random.default_rng(5), 5)
+    for w in (0, 3):
+        (got,) = fd.execute([x, w])
+        np.testing.assert_array_equal(got, np.pad(x, (w, 1), constant_values=2.0))
+
+
+def test_half_and_bool_keep_their_dtype() -> None:
+    with FusionDefinition() as fd:
+        h = fd.define_tensor([-1], DataType.Half)
+        b = fd.define_tensor([-1], DataType.Bool)
+        fd.add_output(fd.ops.pad(h, [1, 1], 0.5))
+        fd.add_output(fd.ops.cat([b, b], 0))
+    h = np.arange(4).astype(np.float16)
+    b = np.array([True, False, True])
+    got_h, got_b = fd.execute([h, b])
+    assert got_h.dtype == np.float16 and got_b.dtype == np.bool_
+    np.testing.assert_array_equal(got_h, np.pad(h, 1, constant_values=0.5))
+    np.testing.assert_array_equal(got_b, np.concatenate([b, b]))
+
+
+def test_slice_of_reshape_of_slice_composes() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        y = fd.ops.slice(x, [1, 0], [5, None])
+        z = fd.ops.reshape(y, [2, -1])
+        fd.add_output(fd.ops.slice(z, [0, 3], [2, None], [1, 2]))
+    x = _f32(np.random.default_rng(6), 7, 6)
+    (got,) = fd.execute([x])
+    np.testing.assert_array_equal(got, x[1:5].reshape(2, -1)[:, 3::2])
+    assert len(fd.lower([x]).kernels) == 1
+
+
+def test_strided_input_views() -> None:
+    fd = _llama_rope()
+    rng = np.random.default_rng(7)
+    base = _f32(rng, 2, 32, 6).transpose(0, 2, 1)
+    a = [base, _f32(rng, 6, 8), _f32(rng, 6, 8)]
+    _check(fd.execute(a), _rope_ref(a))
+
+
+def test_empty_inputs() -> None:
+    with FusionDefinition() as fd:
+        a = fd.define_tensor([-1, -1])
+        b = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.cat([a, b], 1))
+        fd.add_output(fd.ops.pad(a, [1, 1]))
+    a, b = np.zeros((3, 0), np.float32), _f32(np.random.default_rng(8), 3, 2)
+    got_cat, got_pad = fd.execute([a, b])
+    np.testing.assert_array_equal(got_cat, b)
+    np.testing.assert_array_equal(got_pad, np.zeros((3, 2), np.float32))
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+def test_reshape_count_mismatch_is_refused() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 6])
+        with pytest.raises(KilnError, match="24 elements"):
+            fd.ops.reshape(x, [5, 5])
+        with pytest.raises(KilnError, match="only one size may be -1"):
+            fd.ops.reshape(x, [-1, -1])
+        fd.add_output(x)
+
+
+def test_reshape_runtime_mismatch_names_the_tensor() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.reshape(x, [3, -1]))
+    with pytest.raises(KilnError, match="reshape of T0"):
+        fd.execute([np.zeros((2, 5), np.float32)])
+    with pytest.raises(KilnError, match="reshape of T0"):
+        fd.lower([np.zeros((2, 5), np.float32)])
+    (got,) = fd.execute([np.arange(12, dtype=np.float32).reshape(2, 6)])
+    np.testing.assert_array_equal(got, np.arange(12).reshape(3, 4))
+
+
+def test_cat_errors() -> None:
+    with FusionDefinition() as fd:
+        a = fd.define_tensor([-1, -1])
+        b = fd.define_tensor([-1])
+        c = fd.define_tensor([-1, -1], DataType.Half)
+        with pytest.raises(KilnError, match="rank"):
+            fd.ops.cat([a, b], 0)
+        with pytest.raises(KilnError, match="dtype"):
+            fd.ops.cat([a, c], 0)
+        d = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.cat([a, d], 1))
+    with pytest.raises(KilnError, match="axis 0 of T3 must have the size of axis 0 of T0"):
+        fd.execute([np.zeros((2, 3), np.float32), np.zeros(1, np.float32), np.zeros((1, 1), np.float16),
+                    np.zeros((4, 3), np.float32)])
+
+
+def test_select_out_of_range() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([3, -1])
+        with pytest.raises(KilnError, match="out of range"):
+            fd.ops.select(x, 0, 3)
+        k = fd.define_scalar(dtype=DataType.Int)
+        fd.add_output(fd.ops.select(x, 1, k))
+    x = np.zeros((3, 4), np.float32)
+    with pytest.raises(KilnError, match="select"):
+        fd.execute([x, 4])
+    (got,) = fd.execute([np.arange(12, dtype=np.float32).reshape(3, 4), 2])
+    np.testing.assert_array_equal(got, [2, 6, 10])
+
+
+def test_pad_and_slice_argument_errors() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        with pytest.raises(KilnError, match="even number"):
+            fd.ops.pad(x, [1, 2, 3])
+        with pytest.raises(KilnError, match="stride"):
+            fd.ops.slice(x, [0, 0], [None, None], [1, 0])
+        with pytest.raises(KilnError, match="one entry per axis"):
+            fd.ops.slice(x, [0], [None])
+        with pytest.raises(KilnError, match="rank"):
+            fd.ops.triu(fd.ops.sum(x, [0]))
+        fd.add_output(x)
+
+
+def test_take_along_axis_errors() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 5])
+        with pytest.raises(KilnError, match="rank"):
+            fd.ops.take_along_axis(x, fd.define_tensor([-1], DataType.Int), 0)
+        with pytest.raises(KilnError, match="dtype"):
+            fd.ops.take_along_axis(x, fd.define_tensor([-1, -1]), 0)
+        with pytest.raises(KilnError, match="must agree"):
+            fd.ops.take_along_axis(x, fd.define_tensor([2, 3], DataType.Int), 0)
+        i = fd.define_tensor([-1, 5], DataType.Int)
+        fd.add_output(fd.ops.take_along_axis(x, i, 0))
+    with pytest.raises(KilnError, match="index"):
+        fd.execute([np.zeros((4, 5), np.float32), np.zeros(4, np.int64), np.zeros((4, 5), np.float32),
+                    np.zeros((2, 3), np.int64), np.full((2, 5), 4, np.int64)])
+
+
+# --- NVRTC and the GPU -----------------------------------------------------------------------
+
+@pytest.mark.skipif(not nvrtc_available(), reason="needs the NVRTC wheels (see DEVELOPERS.md)")
+def test_every_kernel_compiles() -> None:
+    for name in sorted(CASES):
+        build, inputs, _, _ = CASES[name]
+        low = build().lower(inputs(np.random.default_rng(9)))
+        for k in low.kernels:
+            compile_cubin(k.cuda_source, k.kernel_name, arch="sm_90")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gpu_matches_numpy(name: str) -> None:
+    cp = cupy_or_skip()
+    build, inputs, ref, _ = CASES[name]
+    fd = build()
+    a = inputs(np.random.default_rng(10))
+    got = fd.execute([cp.asarray(x) for x in a])
+    _check([cp.asnumpy(g) for g in got], ref(a))
+
+
+@pytest.mark.gpu
+def test_gpu_rope_large_matches_the_interpreter() -> None:
+    cp = cupy_or_skip()
+    fd = _llama_rope()
+    rng = np.random.default_rng(11)
+    a = [_f32(rng, 4, 257, 32), _f32(rng, 257, 8), _f32(rng, 257, 8)]
+    (got,) = fd.execute([cp.asarray(x) for x in a])
+    (cpu,) = fd.execute(a)
+    # The GPU contracts q * cos + rot * sin into fused multiply-adds: the last bit may differ.
+    np.testing.assert_allclose(cp.asnumpy(got), cpu, rtol=1e-6, atol=1e-6)
+
+
+def test_runtime_positions_are_checked() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1])
+        k = fd.define_scalar(dtype=DataType.Int)
+        f = fd.define_scalar(dtype=DataType.Double)
+        with pytest.raises(KilnError, match="Int scalars"):
+            fd.ops.slice(x, [f], [None])
+        with pytest.raises(KilnError, match="Int scalars"):
+            fd.ops.pad(x, [f, 0])
+        with pytest.raises(KilnError, match="Int scalars"):
+            fd.ops.reshape(x, [f])
+        fd.add_output(fd.ops.slice(x, [k], [None]))
+    with pytest.raises(KilnError, match="must be >= 0"):
+        fd.execute([np.zeros(4, np.float32), -1, 0.5])
+    (got,) = fd.execute([np.arange(4, dtype=np.float32), 1, 0.5])
+    np.testing.assert_array_equal(got, [1, 2, 3])
