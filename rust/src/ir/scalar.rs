@@ -303,6 +303,8 @@ impl Scalars {
             Val::Int(i) => (i, Some(i)),
             Val::Bool(b) => (b as i64, Some(b as i64)),
             Val::Float(_) => (i64::MIN, None),
+            // A runtime scalar input may be negative; sizes, strides and indices are not.
+            Val::Symbol(Symbol::ScalarInput(_)) => (i64::MIN, None),
             Val::Symbol(s) => (0, self.bounds.get(&s).map(|b| b - 1)),
             Val::Binary(op, a, b) => {
                 let ((al, ah), (bl, bh)) = (self.range(a), self.range(b));
@@ -498,6 +500,13 @@ impl Scalars {
                     }
                 }
             }
+            // a <= b whenever a's largest value is at most b's smallest.
+            Le => {
+                let ((al, ah), (bl, _)) = (self.range(a), self.range(b));
+                if al >= 0 && bl >= 0 && ah.is_some_and(|h| h <= bl) {
+                    return Some(self.boolean(true));
+                }
+            }
             Lt => {
                 if let Val::Symbol(sym) = self.nodes[a] {
                     if self.sym_bounds.get(&sym) == Some(&b) {
@@ -513,6 +522,11 @@ impl Scalars {
                 let ((al, ah), (bl, _)) = (self.range(a), self.range(b));
                 if al >= 0 && ah.is_some_and(|h| h < bl) {
                     return Some(self.boolean(true));
+                }
+                // (A range below `b` never holds.)
+                let bh = self.range(b).1;
+                if bh.is_some_and(|h| al >= h && bl >= 0) {
+                    return Some(self.boolean(false));
                 }
                 // x / y < z  <=>  x < y * z for non-negative x and positive y: no division.
                 if let Val::Binary(Div, x, y) = self.nodes[a] {
