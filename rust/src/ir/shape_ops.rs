@@ -485,3 +485,61 @@ impl Fusion {
         Ok(kept)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn positions(f: &Fusion, t: TvId) -> (Vec<String>, Option<String>) {
+        let d = f.tvs[t].definition.expect("defined");
+        let Op::Remap { index, valid, .. } = &f.exprs[d].op else { panic!("not a remap") };
+        (index.iter().map(|&v| f.scalars.render(v)).collect(), valid.map(|v| f.scalars.render(v)))
+    }
+
+    #[test]
+    fn reshape_maps_runs_of_axes_without_division() {
+        let mut f = Fusion::new();
+        let x = f.define_tensor(&[-1, -1, 256], DataType::Float, None).unwrap();
+        let (b, s) = (f.ids[f.tvs[x].logical[0]].extent, f.ids[f.tvs[x].logical[1]].extent);
+        let (h, d) = (f.scalars.int(4), f.scalars.int(64));
+        let y = f.reshape(x, &[Some(b), Some(s), Some(h), Some(d)]).unwrap();
+        assert_eq!(positions(&f, y).0, ["o0", "o1", "o2 * 64 + o3"]);
+        // Merging back composes into the identity on x.
+        let m = f.scalars.int(256);
+        let z = f.reshape(y, &[Some(b), Some(s), Some(m)]).unwrap();
+        assert_eq!(positions(&f, z).0, ["o0", "o1", "o2"]);
+        assert_eq!(f.exprs[f.tvs[z].definition.unwrap()].inputs[0], Operand::Tensor(x));
+    }
+
+    #[test]
+    fn reshape_infers_a_size_and_refactors_through_division() {
+        let mut f = Fusion::new();
+        let x = f.define_tensor(&[6, 10], DataType::Float, None).unwrap();
+        let four = f.scalars.int(4);
+        let y = f.reshape(x, &[Some(four), None]).unwrap();
+        let ext: Vec<_> = f.tvs[y].logical.iter().map(|&id| f.scalars.render(f.ids[id].extent)).collect();
+        assert_eq!(ext, ["4", "15"]);
+        assert_eq!(positions(&f, y).0, ["(o0 * 15 + o1) / 10", "(o0 * 15 + o1) % 10"]);
+        let five = f.scalars.int(5);
+        assert!(f.reshape(x, &[Some(five), Some(five)]).unwrap_err().to_string().contains("60 elements"));
+    }
+
+    #[test]
+    fn pad_guards_and_slices_compose() {
+        let mut f = Fusion::new();
+        let x = f.define_tensor(&[-1], DataType::Float, None).unwrap();
+        let (two, one) = (f.scalars.int(2), f.scalars.int(1));
+        let s = f.slice(x, &[two], &[None], &[3]).unwrap();
+        assert_eq!(positions(&f, s), (vec!["min(i0, 2) + o0 * 3".to_string()], None));
+        let (nine, o0) = (f.scalars.int(9), f.scalars.symbol(Symbol::OutAxis(0)));
+        let p = f.remap(s, "pad", &[nine], vec![o0], None).unwrap();
+        // A remap of a remap reads the first one's input.
+        assert_eq!(f.exprs[f.tvs[p].definition.unwrap()].inputs[0], Operand::Tensor(x));
+        let half = f.scalars.float(0.5);
+        let padded = f.pad(x, &[(one, two)], Operand::Scalar(half)).unwrap();
+        let d = f.tvs[padded].definition.unwrap();
+        assert!(matches!(f.exprs[d].op, Op::Where));
+        let read = f.exprs[d].inputs[1].tensor().unwrap();
+        assert_eq!(positions(&f, read), (vec!["o0 - 1".to_string()], Some("1 <= o0 && o0 < i0 + 1".to_string())));
+    }
+}

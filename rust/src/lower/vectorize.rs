@@ -43,7 +43,7 @@ fn copy_shape<'l>(f: &Fusion, l: &'l ForLoop) -> Option<(i64, ExprId, &'l Access
     };
     let e = &f.exprs[*expr];
     // A broadcast moves data like a copy: along the vector it reads consecutive elements.
-    let (Op::Set | Op::Broadcast { .. } | Op::IndexSelect { .. }, Some(Operand::Tensor(src))) =
+    let (Op::Set | Op::Broadcast { .. } | Op::IndexSelect { .. } | Op::Remap { .. }, Some(Operand::Tensor(src))) =
         (&e.op, e.inputs.first().copied())
     else {
         return None;
@@ -65,7 +65,25 @@ fn copy_shape<'l>(f: &Fusion, l: &'l ForLoop) -> Option<(i64, ExprId, &'l Access
     if ix.gathers.iter().any(|g| linear_coeff(&f.scalars, g.at, sym) != Some(0)) {
         return None;
     }
+    // A remap's guard joins the vector's first and last predicates: it must hold on an
+    // interval of the vector index, so that holding at both ends means holding throughout.
+    if ix.element.is_some_and(|g| !interval_along(&f.scalars, g, sym)) {
+        return None;
+    }
     Some((n, *expr, ix, src, sym))
+}
+
+/// True when `v` holds on an interval of `sym`'s values: a conjunction of comparisons of
+/// expressions linear in `sym` (or of terms that do not depend on it).
+fn interval_along(sc: &crate::ir::Scalars, v: crate::ir::ValId, sym: Symbol) -> bool {
+    use crate::ir::scalar::ScalarOp;
+    match sc.get(v) {
+        Val::Binary(ScalarOp::And, a, b) => interval_along(sc, a, sym) && interval_along(sc, b, sym),
+        Val::Binary(ScalarOp::Lt | ScalarOp::Le, a, b) => {
+            linear_coeff(sc, a, sym).is_some() && linear_coeff(sc, b, sym).is_some()
+        }
+        _ => linear_coeff(sc, v, sym) == Some(0),
+    }
 }
 
 /// True when `l` is a loop this pass turns into a vector copy.
@@ -82,7 +100,14 @@ fn vector_copy(f: &mut Fusion, l: &ForLoop) -> Option<VectorCopy> {
     let in_off = ix.inputs[0]?;
     let out = sc.substitute(ix.out, sym, zero);
     let input = sc.substitute(in_off, sym, zero);
-    let live = ix.predicate;
+    let live = match ix.element {
+        // A guarded remap copies only where its guard holds on the whole vector; the
+        // element loop does the rest.
+        Some(g) if matches!(f.exprs[expr].op, Op::Remap { .. }) => {
+            sc.binary(crate::ir::scalar::ScalarOp::And, ix.predicate, g)
+        }
+        _ => ix.predicate,
+    };
     let first = sc.substitute(live, sym, zero);
     let last = sc.substitute(live, sym, last);
     let gathers = ix

@@ -513,12 +513,12 @@ impl Fusion {
         Ok(())
     }
 
-    /// The fusion input that `tv`'s definition reads directly (a `cache_after` copy or an
-    /// `index_select` of it), else an error naming `what` was asked.
+    /// The fusion input that `tv`'s definition reads directly (a `cache_after` copy, an
+    /// `index_select` or a remap of it), else an error naming `what` was asked.
     fn direct_input_read(&self, tv: TvId, what: &str) -> Result<TvId> {
         let name = self.tv_name(tv);
         let src = match self.tvs[tv].definition.map(|e| &self.exprs[e]) {
-            Some(e) if matches!(e.op, Op::Set | Op::IndexSelect { .. }) => e.inputs[0].tensor(),
+            Some(e) if matches!(e.op, Op::Set | Op::IndexSelect { .. } | Op::Remap { .. }) => e.inputs[0].tensor(),
             _ => None,
         };
         match src {

@@ -552,6 +552,10 @@ pub(crate) fn recompute(f: &mut Fusion, t: TvId) -> Result<TvId> {
         let shape: Vec<_> = f.tvs[t].logical.iter().map(|&id| f.ids[id].extent).collect();
         return f.source("recompute", &shape, op, f.tvs[t].dtype);
     }
+    if let (Op::Remap { name, index, valid }, Some(x)) = (&op, operands.first().and_then(|o| o.tensor())) {
+        let extents: Vec<_> = f.no_reduction_logical(t).iter().map(|&id| f.ids[id].extent).collect();
+        return f.remap(x, name, &extents, index.clone(), *valid);
+    }
     replay(f, op, &operands)
 }
 

@@ -220,6 +220,28 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
                 }
             }
         }
+        // A remap that moves along its input's last axis with its own (a slice, pad or cat
+        // of rows, a reshape that keeps the last axis) reads consecutive elements: it loads
+        // with vectors where its position and guard allow (`lower::vectorize`).
+        if let (Op::Remap { index, .. }, Some(Operand::Tensor(table))) = (&f.exprs[def].op, f.exprs[def].inputs.first())
+        {
+            let last = crate::ir::Symbol::OutAxis(rank.saturating_sub(1) as u32);
+            let coeff = |v: crate::ir::ValId| crate::lower::predicate::linear_coeff(&f.scalars, v, last);
+            let unit = index
+                .split_last()
+                .is_some_and(|(&p, rest)| coeff(p) == Some(1) && rest.iter().all(|&q| coeff(q) == Some(0)));
+            if unit
+                && f.is_input(*table)
+                && super::dense(f, *table)
+                && full_size(f, t, rank)
+                && !vec_tensors.contains(&t)
+            {
+                vec_tensors.push(t);
+                if v > 1 && super::evict_last_inputs() {
+                    f.set_evict_last(t)?;
+                }
+            }
+        }
     }
     if let Some((rows, cols)) = two_d_extents(f, cx, out, rank, &tensors)? {
         let t2 = (((cols + v - 1) / v + 31) / 32 * 32).clamp(32, 128);
