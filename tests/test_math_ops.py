@@ -373,3 +373,19 @@ def test_compositions_clamp_lerp_addcmul_threshold() -> None:
     np.testing.assert_allclose(lerp_c, y64 - (y64 - x64) * 0.25, rtol=1e-5, atol=1e-5, equal_nan=True)
     np.testing.assert_allclose(addcmul, x64 + 0.5 * y64 * w64, rtol=1e-5, atol=1e-5, equal_nan=True)
     np.testing.assert_array_equal(thr, np.where(x > 0.5, x, -7.0).astype(np.float32))
+
+
+@pytest.mark.parametrize("k", [2.0, 3.0, 4, 2.5])
+def test_small_integer_powers_are_multiplications(k: Any) -> None:
+    """``pow(x, 3.0)`` (GPT-2's GELU) runs as ``x * x * x`` in the automatic schedule: no
+    ``powf`` in the kernel, and at least powf's accuracy against float64."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.pow(fd.ops.add(x, 0.5), k))
+    a = np.random.default_rng(3).uniform(-3, 3, size=(5, 7)).astype(np.float32)
+    (got,) = fd.execute([a])
+    want = (a.astype(np.float64) + 0.5) ** k
+    np.testing.assert_allclose(got, want, rtol=4e-7, atol=1e-6)
+    src = fd.lower([a]).kernels[0].cuda_source
+    body = src[src.index("__global__"):]
+    assert ("kiln::pow(" in body) == (k == 2.5)

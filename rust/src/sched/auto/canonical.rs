@@ -100,6 +100,36 @@ pub fn sink_broadcasts(f: &mut Fusion) -> Result<()> {
     }
 }
 
+/// `pow(x, c)` of a floating `x` by a constant `c` in {2, 3, 4} becomes multiplications
+/// (`x * x * x`): `powf` costs tens of instructions and special cases per element, enough
+/// to make an element-wise kernel compute-bound (GPT-2's `pow(h, 3.0)` in its GELU); the
+/// products are at least as accurate (one to two roundings against powf's 8 ulp).
+pub fn expand_small_powers(f: &mut Fusion) -> Result<()> {
+    for e in f.topo_exprs() {
+        let Op::Binary(crate::ir::BinaryOp::Pow) = f.exprs[e].op else { continue };
+        let (Some(x), Operand::Scalar(c)) = (f.exprs[e].inputs[0].tensor(), f.exprs[e].inputs[1]) else { continue };
+        let k = match f.scalars.get(c) {
+            crate::ir::scalar::Val::Float(b) => f64::from_bits(b),
+            crate::ir::scalar::Val::Int(i) => i as f64,
+            _ => continue,
+        };
+        let out = f.exprs[e].output;
+        if !f.tvs[x].dtype.is_float() || f.tvs[out].dtype != f.tvs[x].dtype || !matches!(k, 2.0 | 3.0 | 4.0) {
+            continue;
+        }
+        let mul = crate::ir::BinaryOp::Mul;
+        let sq = f.binary(mul, Operand::Tensor(x), Operand::Tensor(x))?;
+        let moved = match k as i64 {
+            2 => sq,
+            3 => f.binary(mul, Operand::Tensor(sq), Operand::Tensor(x))?,
+            _ => f.binary(mul, Operand::Tensor(sq), Operand::Tensor(sq))?,
+        };
+        replace_tensor(f, out, moved);
+        f.tvs[x].uses.retain(|&u| u != e);
+    }
+    Ok(())
+}
+
 /// Move every remap (slice, pad, cat, reshape) to the fusion inputs and reductions it reads
 /// through element-wise ops, broadcasts, squeezes, permutes, masks and fills:
 /// `slice(neg(x))` becomes `neg(slice(x))`, which reads `x` in the consumer's kernel instead
