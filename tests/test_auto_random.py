@@ -12,6 +12,17 @@ Each example is classified as one of
 and the run of N examples (env ``KILN_AUTO_EXAMPLES``, default 300) must have no mismatch,
 internal error or memory fault, and at most 2% refusals, each naming a tensor or an op.
 
+Besides element-wise ops, reductions, broadcasts, permutes and gathers, the generator draws the
+shape ops (``slice``, ``pad``, ``cat``, ``reshape``, ``select``, ``triu``, ``take_along_axis``,
+``gather``) on inputs and, two times in three, on computed intermediates (``slice(exp(x))``,
+``reshape`` of a sum, ``cat`` of computed tensors), so the automatic scheduler's passes that move
+remaps through element-wise ops run on them. Each axis they make gets a new label of its size, or
+now and then a label of that size already drawn, so their results combine with other tensors
+(kiln then checks the extents equal when the fusion runs). Their references are NumPy's
+(slicing, ``np.concatenate``, ``reshape``, ``np.triu``, ``np.take_along_axis``, and pad by its
+position formula); they are exact, so the error bounds move with the elements (a pad value
+rounded to the tensor's dtype adds its rounding).
+
 The generator builds each fusion as Python source lines (executed one by one), so every
 example has a runnable repro (``repro(case, outcome)``); ``tests/explore_auto.py`` draws fresh
 examples with plain ``random`` and prints a report of the failures.
@@ -59,14 +70,17 @@ COMPARE = ["gt", "gt", "ge", "lt", "lt", "le", "eq", "ne"]
 REDUCE = ["sum", "max", "min"]
 OP_KINDS = (["unary"] * 4 + ["binary"] * 5 + ["where"] * 2 + ["cast"] * 2 + ["cast_bool"]
             + ["reduce"] * 4 + ["bcast"] * 2 + ["permute"] * 2 + ["index_select"] * 2 + ["idx_math"]
-            + ["full"] + ["output"] * 2)
+            + ["full"] + ["output"] * 2
+            + ["slice"] * 2 + ["pad"] * 2 + ["cat"] * 2 + ["reshape"] * 2 + ["select"] + ["triu"]
+            + ["take"] * 2)
 CATEGORIES = ["ok", "mismatch", "internal", "memfault", "refused"]
 
 _U = {DataType.Float: 2.0 ** -24, DataType.Double: 2.0 ** -53, DataType.Half: 2.0 ** -11,
       DataType.BFloat16: 2.0 ** -8}
 # ops whose result is exactly representable (no rounding)
 _EXACT = {"abs", "neg", "relu", "where", "permute", "broadcast_in_dim", "index_select", "maximum", "minimum",
-          "max", "min", "squeeze"}
+          "max", "min", "squeeze", "slice", "pad", "cat", "reshape", "select", "triu", "take_along_axis",
+          "gather"}
 _NP = {DataType.Float: np.float32, DataType.Double: np.float64, DataType.Half: np.float16,
        DataType.Int: np.int64, DataType.Int32: np.int32, DataType.Bool: np.bool_}
 _MEMFAULT = re.compile(
@@ -78,7 +92,8 @@ _NAMES_SOMETHING = re.compile(
     r"\bT\d+\b|\b(abs|neg|exp|log|sqrt|rsqrt|reciprocal|sin|cos|tanh|sigmoid|relu|add|sub|mul|div|pow|"
     r"erf|erfc|erfinv|atan|asinh|log1p|expm1|exp2|sinh|"
     r"maximum|minimum|eq|ne|lt|le|gt|ge|where|cast|sum|max|min|reduction|broadcast|broadcast_in_dim|"
-    r"permute|transpose|index_select|gather|full|squeeze)\b", re.I)
+    r"permute|transpose|index_select|gather|full|squeeze|slice|pad|cat|reshape|view|select|triu|"
+    r"take_along_axis|remap|mask)\b", re.I)
 
 
 # -- drawing ---------------------------------------------------------------------------------
@@ -179,6 +194,16 @@ def gen_case(d: RandomDraw) -> Case:
         elif kind == "full":
             op = (kind, a, d.choice(["const", "scalar"]), d.choice(["Float", "Float", "Double"]),
                   d.bool(0.7))
+        elif kind in ("slice", "pad", "select", "triu"):
+            op = (kind, a, d.int(0, 2 ** 16))
+        elif kind == "cat":
+            op = (kind, a, b, d.int(0, 2 ** 16), d.choice(["split", "others", "others"]))
+        elif kind == "reshape":
+            op = (kind, a, d.choice(["split", "split", "merge", "flat", "refactor", "refactor"]),
+                  d.int(0, 2 ** 16))
+        elif kind == "take":
+            op = (kind, a, d.int(0, 2 ** 16), d.choice(["take_along_axis", "take_along_axis", "gather"]),
+                  d.choice(["plain", "plain", "cast", "slice"]))
         else:
             op = ("output", a)
         c.ops.append(op)
@@ -228,7 +253,8 @@ class _Builder:
         self.inputs: List[Any] = []
         self.input_code: List[str] = []
         self.n = 0
-        self.lens = {f"L{j}": idx[1] for j, idx in enumerate(case.indices)}
+        self.lens: Dict[str, int] = {f"L{j}": idx[1] for j, idx in enumerate(case.indices)}
+        self.env: Dict[str, Any] = {}
 
     # helpers -------------------------------------------------------------------------------
     def size(self, label: Any) -> int:
@@ -266,10 +292,13 @@ class _Builder:
     def floats(self, pred: Callable[[Val], bool] = lambda v: True) -> List[Val]:
         return [v for v in self.pool if v.kind == "f" and v.dtype in _U and pred(v)]
 
-    @staticmethod
-    def compatible(a: Val, b: Val) -> bool:
+    def compatible(self, a: Val, b: Val) -> bool:
+        """Whether ``a`` and ``b`` combine element-wise, into at most 3 * MAX_ELEMENTS elements
+        (broadcasts on both sides, more common since reshape makes size-one axes, can give an
+        outer product of two long axes)."""
         return len(a.labels) == len(b.labels) and all(
-            x == y or x == "b" or y == "b" for x, y in zip(a.labels, b.labels))
+            x == y or x == "b" or y == "b" for x, y in zip(a.labels, b.labels)) and int(np.prod(
+                [self.size(lab) for lab in self.joined(a.labels, b.labels)])) <= 3 * MAX_ELEMENTS
 
     @staticmethod
     def joined(a: Sequence[Any], b: Sequence[Any]) -> Tuple[Any, ...]:
@@ -283,20 +312,34 @@ class _Builder:
         value = CONSTS[k % len(CONSTS)]
         return repr(value), value
 
+    def fresh(self, size: int, rr: random.Random) -> Any:
+        """The label of an axis of ``size`` a shape op made: now and then one of the labels of
+        that size already drawn (its tensors then combine with the others of that label, and
+        kiln must find the extents equal when the fusion runs), else a new one."""
+        if size >= 2 and rr.random() < 0.5:
+            same = [a for a, n in enumerate(self.c.sizes) if n == size] + sorted(
+                lab for lab, n in self.lens.items() if n == size)
+            if same:
+                return rr.choice(same)
+        label = f"N{len(self.lens)}"
+        self.lens[label] = size
+        return label
+
     # inputs ---------------------------------------------------------------------------------
+    def make(self, code: str) -> Any:
+        """An input array from ``code`` (drawn from the case's ``rng``), appended to the inputs."""
+        name = f"a{len(self.inputs)}"
+        self.input_code.append(f"{name} = {code}")
+        arr = eval(code, self.env)
+        self.inputs.append(arr)
+        return arr
+
     def define_inputs(self) -> None:
         c, r = self.c, len(self.c.sizes)
         rng_src = f"np.random.default_rng({c.seed})"
         self.input_code.append(f"rng = {rng_src}")
-        rng = np.random.default_rng(c.seed)
-        env = {"rng": rng, "np": np}
-
-        def make(code: str) -> Any:
-            name = f"a{len(self.inputs)}"
-            self.input_code.append(f"{name} = {code}")
-            arr = eval(code, env)
-            self.inputs.append(arr)
-            return arr
+        self.env = {"rng": np.random.default_rng(c.seed), "np": np}
+        make = self.make
 
         def shape_src(shape: Sequence[int], labels: Sequence[Any]) -> str:
             dims = [str(s) if (c.static or lab == "b") else "-1" for s, lab in zip(shape, labels)]
@@ -395,8 +438,9 @@ class _Builder:
             return self.emit(f"ops.exp({t.name})", "f", L, np.exp(t.ref), np.exp(t.ref) * t.err, transc=True)
         if name in ("erf", "erfc", "atan", "asinh"):
             # |f'| <= 2/sqrt(pi) for erf and erfc, <= 1 for atan and asinh.
-            f = {"erf": np.vectorize(math.erf), "erfc": np.vectorize(math.erfc), "atan": np.arctan,
-                 "asinh": np.arcsinh}[name]
+            f = {"erf": np.vectorize(math.erf, otypes=[float]),  # (otypes: also on zero-size tensors)
+                 "erfc": np.vectorize(math.erfc, otypes=[float]),
+                 "atan": np.arctan, "asinh": np.arcsinh}[name]
             return self.emit(f"ops.{name}({v.name})", "f", L, f(x), 1.13 * e, transc=True)
         if name == "log1p":
             a = self.emit(f"ops.abs({v.name})", "f", L, np.abs(x), e)
@@ -407,7 +451,7 @@ class _Builder:
                 t = self.emit(f"ops.mul({t.name}, 0.5)", "f", L, 0.5 * t.ref, 0.5 * t.err)
             f, slope = {"expm1_tanh": (np.expm1, np.exp(t.ref)), "exp2_tanh": (np.exp2, np.exp2(t.ref)),
                         "sinh_tanh": (np.sinh, np.cosh(t.ref)),
-                        "erfinv_tanh": (np.vectorize(_erfinv), 1.2)}[name]
+                        "erfinv_tanh": (np.vectorize(_erfinv, otypes=[float]), 1.2)}[name]
             op = name.split("_")[0]
             return self.emit(f"ops.{op}({t.name})", "f", L, f(t.ref), slope * t.err, transc=True)
         if name == "exp_negabs":
@@ -538,6 +582,312 @@ class _Builder:
         return self.emit(f"ops.broadcast_in_dim({v.name}, shape={[-1] * rank}, broadcast_dims={positions})",
                          v.kind, labels, v.ref.reshape(shape), v.err.reshape(shape))
 
+    # shape ops ------------------------------------------------------------------------------
+    def shape_source(self, pick: int, pred: Callable[[Val], bool], ints: bool = False) -> Optional[Val]:
+        """A tensor of the pool for a shape op (``ints``: 1-D index tensors too): a computed one
+        two times in three where there is one, so the remaps sit on intermediates as often as
+        on inputs."""
+        cands = [w for w in self.pool if ((w.kind == "f" and w.dtype in _U)
+                                          or (ints and w.kind == "i" and len(w.labels) == 1)) and pred(w)]
+        computed = [w for w in cands if not w.is_input]
+        if computed and pick % 3:
+            cands = computed
+        return cands[pick // 3 % len(cands)] if cands else None
+
+    def int_scalars(self, pred: Callable[[int], bool]) -> List[Tuple[str, int]]:
+        """The runtime Int scalars (source, value) whose value ``pred`` accepts."""
+        found = [(name, int(value)) for name, value, dt in self.scalars
+                 if dt == DataType.Int and pred(int(value))]
+        if self.size_scalar is not None and pred(self.c.sizes[self.c.size_scalar or 0]):
+            found.append((self.size_scalar, self.c.sizes[self.c.size_scalar or 0]))
+        return found
+
+    def end_form(self, v: Val, a: int, n: int, start: int, rr: random.Random) -> Tuple[str, Optional[int]]:
+        """A slice end for axis ``a`` (size ``n``) of ``v``: source text and value (None: the size)."""
+        form = rr.choice(["none", "int", "int", "past", "size", "size_1", "n0"])
+        if form == "size":
+            return f"ops.size({v.name}, {a})", n
+        if form == "size_1" and n >= 1:
+            return f"ops.sub(ops.size({v.name}, {a}), 1)", n - 1
+        if form == "n0" and self.size_scalar is not None:  # a runtime Int scalar, clamped
+            return self.size_scalar, self.c.sizes[self.c.size_scalar or 0]
+        if form == "past":
+            e = n + rr.choice([1, 3, 1000])
+            return str(e), e
+        if form == "int":
+            e = rr.randint(min(start, n), n)
+            return str(e), e
+        return "None", None
+
+    def slice_op(self, v: Val, rr: random.Random) -> Val:
+        starts, ends, steps, labels, sl = [], [], [], [], []
+        for a, (lab, n) in enumerate(zip(v.labels, v.ref.shape)):
+            whole_axis = lab == "b" or rr.random() < 0.35
+            if whole_axis:
+                start, step = 0, 1
+                end_src, end = ("None", None) if lab == "b" or rr.random() < 0.5 else \
+                    rr.choice([(f"ops.size({v.name}, {a})", n), (str(n), n), (str(n + 2), n + 2)])
+            else:
+                start = max(0, rr.choice([0, 0, 1, 2, n // 2, n - 1, n, n + 1]))
+                start_src = str(start)
+                runtime = self.int_scalars(lambda k: k >= 0)
+                if runtime and rr.random() < 0.2:  # a runtime start (past the end: empty)
+                    start_src, start = rr.choice(runtime)
+                step = rr.choice([1, 1, 1, 2, 3, 5])
+                end_src, end = self.end_form(v, a, n, start, rr)
+            starts.append("0" if whole_axis else start_src)
+            ends.append(end_src)
+            steps.append(step)
+            sl.append(slice(start, end, step))
+            size = len(range(*slice(start, end, step).indices(n)))
+            whole = start == 0 and step == 1 and (end is None or end >= n)
+            labels.append(lab if whole else self.fresh(size, rr))
+        strides = f", {steps}" if any(st != 1 for st in steps) or rr.random() < 0.3 else ""
+        key = tuple(sl)
+        return self.emit(f"ops.slice({v.name}, [{', '.join(starts)}], [{', '.join(ends)}]{strides})", v.kind,
+                         labels, v.ref[key], v.err[key], exact=True)
+
+    def select_op(self, v: Val, rr: random.Random) -> Optional[Val]:
+        dims = [a for a, n in enumerate(v.ref.shape) if n >= 1]
+        if not dims:
+            return None
+        rank = len(v.labels)
+        dim = rr.choice(dims)
+        n = v.ref.shape[dim]
+        index = rr.choice([0, n - 1, rr.randrange(n)])
+        src = f"ops.sub(ops.size({v.name}, {dim}), 1)" if index == n - 1 and rr.random() < 0.3 else str(index)
+        runtime = self.int_scalars(lambda k: 0 <= k < n)
+        if runtime and rr.random() < 0.3:  # a runtime index, checked when the inputs are bound
+            src, index = rr.choice(runtime)
+        dim_src = dim - rank if rr.random() < 0.3 else dim
+        labels = [lab for a, lab in enumerate(v.labels) if a != dim]
+        return self.emit(f"ops.select({v.name}, {dim_src}, {src})", v.kind, labels,
+                         np.take(v.ref, index, axis=dim), np.take(v.err, index, axis=dim), exact=True)
+
+    def pad_op(self, v: Val, rr: random.Random) -> Val:
+        rank = len(v.labels)
+        pairs = [(0, 0)] * rank
+        width_srcs: List[str] = []
+        for j in range(rr.randint(1, rank)):
+            a = rank - 1 - j
+            n = v.ref.shape[a]
+            lo, hi = rr.choice([0, 0, 1, 2, 3, -1, -2]), rr.choice([0, 0, 1, 2, 3, -1, -2])
+            if n + lo + hi < 0 or (n + lo + hi == 0 and rr.random() < 0.7):
+                lo, hi = abs(lo), abs(hi)
+            lo_src = str(lo)
+            runtime = [(src, k) for src, k in self.int_scalars(lambda k: True) if n + k + hi >= 0]
+            if runtime and rr.random() < 0.25:  # a runtime width (negative: crops)
+                lo_src, lo = rr.choice(runtime)
+            pairs[a] = (lo, hi)
+            width_srcs += [lo_src, str(hi)]
+        u = _U.get(v.dtype, 0.0)
+        form = rr.choice(["none", "const", "const", "scalar"] if v.kind == "f" else ["none", "zero"])
+        value: Any = 0.0 if v.kind == "f" else 0  # an index stays integer
+        if form == "none":
+            value_src, value_err = "", 0.0
+        elif form == "zero":
+            value_src, value_err = ", 0", 0.0
+        else:
+            src, value = self.scalar_operand(rr.randrange(12), runtime=form == "scalar")
+            value_src, value_err = f", {src}", u * _rounds(value)
+        labels = [lab if p == (0, 0) else self.fresh(n + p[0] + p[1], rr)
+                  for lab, p, n in zip(v.labels, pairs, v.ref.shape)]
+        ref = _pad_ref(v.ref, pairs, value)
+        err = _pad_ref(v.err, pairs, value_err)
+        return self.emit(f"ops.pad({v.name}, [{', '.join(width_srcs)}]{value_src})", v.kind, labels, ref, err,
+                         exact=True)
+
+    def cat_op(self, v: Val, pick: int, rr: random.Random, mode: str) -> Optional[Val]:
+        rank = len(v.labels)
+        dims = [a for a, lab in enumerate(v.labels) if lab != "b" and v.ref.shape[a] >= 2]
+        if mode == "split" and dims:  # cut v along dim and join the pieces again: v itself
+            dim = rr.choice(dims)
+            n = v.ref.shape[dim]
+            cuts = sorted(rr.sample(range(n + 1), rr.choice([1, 1, 2])))
+            parts = []
+            for lo, hi in zip([0] + cuts, cuts + [n]):
+                ends = ["None"] * rank
+                ends[dim] = str(hi)
+                start = ["0"] * rank
+                start[dim] = str(lo)
+                key = tuple(slice(lo, hi) if a == dim else slice(None) for a in range(rank))
+                labels = tuple(self.fresh(hi - lo, rr) if a == dim else lab for a, lab in enumerate(v.labels))
+                src = f"ops.slice({v.name}, [{', '.join(start)}], [{', '.join(ends)}])"
+                parts.append(self.add(self.emit(src, v.kind, labels, v.ref[key], v.err[key], exact=True)))
+            dim_label = v.labels[dim]
+        else:
+            dim = rr.randrange(rank)
+            same = [w for w in self.pool if w.kind == v.kind and w.dtype == v.dtype and len(w.labels) == rank
+                    and all(x == y for a, (x, y) in enumerate(zip(w.labels, v.labels)) if a != dim)]
+            computed = [w for w in same if not w.is_input]
+            cands = computed if computed and pick % 2 else same
+            parts = [v] + [cands[(pick + 7 * i) % len(cands)] for i in range(rr.choice([1, 1, 2]))]
+            if v.kind == "f" and rr.random() < 0.3:  # a computed part made here
+                w = self.add(self.unary(rr.choice(["neg", "sin", "exp_tanh"]), parts[-1]))
+                if w.dtype == v.dtype:
+                    parts[-1] = w
+            rr.shuffle(parts)
+            dim_label: Any = None
+        total = sum(p.ref.shape[dim] for p in parts)
+        if v.ref.size // max(1, v.ref.shape[dim]) * total > 3 * MAX_ELEMENTS:
+            return None
+        if dim_label is None:
+            dim_label = self.fresh(total, rr)
+        labels = [dim_label if a == dim else lab for a, lab in enumerate(v.labels)]
+        dim_src = dim - rank if rr.random() < 0.3 else dim
+        return self.emit(f"ops.cat([{', '.join(p.name for p in parts)}], {dim_src})", v.kind, labels,
+                         np.concatenate([p.ref for p in parts], axis=dim),
+                         np.concatenate([p.err for p in parts], axis=dim), exact=True)
+
+    def reshape_op(self, v: Val, mode: str, rr: random.Random) -> Val:
+        shape, rank = v.ref.shape, len(v.labels)
+        numel = int(v.ref.size)
+        # entries: (size, label, the source axis it keeps or None)
+        entries: List[Tuple[int, Any, Optional[int]]] = []
+        splittable = [a for a in range(rank) if shape[a] >= 2]
+        if mode == "split" and splittable:
+            a = rr.choice(splittable)
+            n = shape[a]
+            divs = [f for f in range(1, n + 1) if n % f == 0]
+            f = rr.choice([x for x in divs if 1 < x < n] or divs)
+            for k in range(rank):
+                if k == a:
+                    entries += [(f, self.fresh(f, rr), None), (n // f, self.fresh(n // f, rr), None)]
+                else:
+                    entries.append((shape[k], v.labels[k], k))
+        elif mode == "merge" and rank >= 2:
+            a = rr.randrange(rank - 1)
+            for k in range(rank):
+                if k == a:
+                    p, q = shape[a], shape[a + 1]
+                    lab = v.labels[a + 1] if p == 1 else v.labels[a] if q == 1 else self.fresh(p * q, rr)
+                    entries.append((p * q, lab, None))
+                elif k != a + 1:
+                    entries.append((shape[k], v.labels[k], k))
+        elif mode == "refactor" and numel > 1:
+            left = numel
+            for _ in range(rr.randint(1, 3)):
+                divs = [f for f in range(1, min(left, 64) + 1) if left % f == 0]
+                f = rr.choice(divs)
+                entries.append((f, self.fresh(f, rr), None))
+                left //= f
+            entries.append((left, self.fresh(left, rr), None))
+            rr.shuffle(entries)
+        else:
+            entries = [(numel, self.fresh(numel, rr), None)]
+        srcs, labels = [], []
+        for size, lab, kept in entries:
+            if size == 1:  # a literal 1 is a broadcast axis
+                srcs.append("1")
+                labels.append("b")
+                continue
+            if kept is not None and not self.c.static and rr.random() < 0.4:
+                srcs.append(f"ops.size({v.name}, {kept})")
+            else:
+                srcs.append(str(size))
+            labels.append(lab)
+        big = [i for i, (size, _, _) in enumerate(entries) if size > 1]
+        if big and numel > 0 and rr.random() < 0.6:
+            srcs[rr.choice(big)] = "-1"
+        new = [size for size, _, _ in entries]
+        return self.emit(f"ops.reshape({v.name}, [{', '.join(srcs)}])", v.kind, labels, v.ref.reshape(new),
+                         v.err.reshape(new), exact=True)
+
+    def take_op(self, v: Val, rr: random.Random, which: str, form: str) -> Optional[Val]:
+        """``take_along_axis`` (index sizes off ``dim``: ``v``'s, or one) or ``gather`` (torch's:
+        no larger than ``v``'s; the output has the index's shape) with an index input, used as
+        it is, cast to the other integer type or sliced out of a larger one."""
+        shape, rank = v.ref.shape, len(v.labels)
+        dims = [a for a in range(rank) if shape[a] >= 1]
+        if not dims:
+            return None
+        dim = rr.choice(dims)
+        n = shape[dim]
+        m = rr.choice([1, 2, 3, 5, 7, n])
+        idx_shape = []
+        for a in range(rank):
+            if a == dim:
+                idx_shape.append(m)
+            elif shape[a] == 0:
+                idx_shape.append(0)
+            elif which == "gather" and self.c.static and shape[a] > 1 and rr.random() < 0.3:
+                idx_shape.append(rr.randint(1, shape[a]))  # a static index smaller than x
+            else:
+                idx_shape.append(1 if rr.random() < 0.3 else shape[a])
+        if int(np.prod(idx_shape)) > 3 * MAX_ELEMENTS or \
+                (which == "take_along_axis" and int(np.prod(shape)) // n * m > 3 * MAX_ELEMENTS):
+            return None
+        dt = rr.choice(["Int", "Int32"])
+        np_dt = {"Int": "np.int64", "Int32": "np.int32"}[dt]
+        full = list(idx_shape)
+        if form == "slice":
+            full[dim] += 2
+        arr = self.make(f"rng.integers(0, {n}, {tuple(full)}).astype({np_dt})")
+        decl = ["1" if s == 1 else str(s) if self.c.static else "-1" for s in full]
+        name = f"t{self.n}"
+        self.n += 1
+        self.run(f"{name} = fd.define_tensor([{', '.join(decl)}], dtype=D.{dt})")
+        idx = Val(name, "i", tuple(range(rank)), arr.astype(np.int64), np.zeros(arr.shape), DataType(dt),
+                  True)
+        if form == "slice":
+            key = tuple(slice(1, m + 1) if a == dim else slice(None) for a in range(rank))
+            start = ["1" if a == dim else "0" for a in range(rank)]
+            ends = [str(m + 1) if a == dim else "None" for a in range(rank)]
+            idx = self.emit(f"ops.slice({name}, [{', '.join(start)}], [{', '.join(ends)}])", "i", idx.labels,
+                            idx.ref[key], 0, exact=True)
+        elif form == "cast":
+            other = "Int32" if dt == "Int" else "Int"
+            idx = self.emit(f"ops.cast({name}, D.{other})", "i", idx.labels, idx.ref, 0)
+        # a literal 1 is a broadcast axis; a slice of one keeps its size symbolic
+        dim_label = "b" if m == 1 and form != "slice" else self.fresh(m, rr)
+        if which == "take_along_axis":
+            labels = [dim_label if a == dim else lab for a, lab in enumerate(v.labels)]
+            table, terr = v.ref, v.err
+        else:
+            labels = [dim_label if a == dim else lab if s == shape[a] else "b" if s == 1
+                      else self.fresh(s, rr) for a, (lab, s) in enumerate(zip(v.labels, idx_shape))]
+            key = tuple(slice(None) if a == dim else slice(0, s) for a, s in enumerate(idx_shape))
+            table, terr = v.ref[key], v.err[key]
+        dim_src = dim - rank if rr.random() < 0.3 else dim
+        return self.emit(f"ops.{which}({v.name}, {idx.name}, {dim_src})", "f", labels,
+                         np.take_along_axis(table, idx.ref, dim), np.take_along_axis(terr, idx.ref, dim),
+                         exact=True)
+
+    def shape_op(self, op: tuple) -> None:
+        kind, pick = op[0], op[1]
+        if kind == "cat":
+            rr = random.Random(op[3])
+            v = self.shape_source(pick, lambda w: len(w.labels) > 0, ints=True)
+            out = self.cat_op(v, op[2], rr, op[4]) if v is not None else None
+        elif kind == "reshape":
+            rr = random.Random(op[3])
+            v = self.shape_source(pick, lambda w: True)
+            out = self.reshape_op(v, op[2], rr) if v is not None else None
+        elif kind == "take":
+            rr = random.Random(op[2])
+            v = self.shape_source(pick, lambda w: len(w.labels) > 0)
+            out = self.take_op(v, rr, op[3], op[4]) if v is not None else None
+        else:
+            rr = random.Random(op[2])
+            need = 2 if kind == "triu" else 1
+            v = self.shape_source(pick, lambda w: len(w.labels) >= need, ints=kind in ("slice", "pad"))
+            if v is None:
+                return
+            if kind == "slice":
+                out = self.slice_op(v, rr)
+            elif kind == "pad":
+                out = self.pad_op(v, rr)
+            elif kind == "select":
+                out = self.select_op(v, rr)
+            else:
+                diag = rr.choice([0, 0, 1, -1, 2, -2, 5, -5])
+                src = f"ops.triu({v.name}, {diag})" if diag or rr.random() < 0.5 else f"ops.triu({v.name})"
+                out = self.emit(src, "f", v.labels, np.triu(v.ref, diag), np.triu(v.err, diag), exact=True)
+        if out is not None:
+            self.add(out)
+            if pick % 5 == 0 and out.kind == "f":
+                self.output(out)
+
     def output(self, v: Val) -> None:
         if any(o.name == v.name for o in self.outputs):
             return
@@ -599,7 +949,8 @@ class _Builder:
             self.add(self.emit(f"ops.cast({mid.name}, D.{back.name})", "f", v.labels, mid.ref, mid.err))
         elif kind == "reduce":
             name, code, keepdim, mode, comb = op[1], op[3], op[4], op[5], op[6]
-            cands = self.floats(lambda w: w.dtype in (DataType.Float, DataType.Double) and len(w.labels) > 0)
+            cands = self.floats(lambda w: w.dtype in (DataType.Float, DataType.Double) and len(w.labels) > 0
+                                and (w.ref.size > 0 or name == "sum"))  # max of nothing: no identity
             if not cands:
                 return
             v = cands[op[2] % len(cands)]
@@ -656,7 +1007,7 @@ class _Builder:
             self.add(self.emit(f"ops.permute({v.name}, {perm})", "f", tuple(v.labels[p] for p in perm),
                                np.transpose(v.ref, perm), np.transpose(v.err, perm)))
         elif kind == "index_select":
-            idxs = [w for w in self.pool if w.kind == "i" and w.ref.size]
+            idxs = [w for w in self.pool if w.kind == "i" and len(w.labels) == 1 and w.ref.size]
             if not idxs:
                 return
             idx = idxs[op[2] % len(idxs)]
@@ -673,7 +1024,7 @@ class _Builder:
             self.add(self.emit(f"ops.index_select({v.name}, {idx.name}, {dim})", "f", labels,
                                np.take(v.ref, idx.ref, axis=dim), np.take(v.err, idx.ref, axis=dim)))
         elif kind == "idx_math":
-            idxs = [w for w in self.pool if w.kind == "i"]
+            idxs = [w for w in self.pool if w.kind == "i" and len(w.labels) == 1]
             if not idxs:
                 return
             v, mode = idxs[op[1] % len(idxs)], op[2]
@@ -691,6 +1042,8 @@ class _Builder:
                 self.add(self.emit(f"ops.cast({f.name}, D.{other})", "i", v.labels, v.ref, 0))
             else:
                 self.add(self.emit(f"ops.cast({v.name}, D.Float)", "f", v.labels, v.ref.astype(float), 0))
+        elif kind in ("slice", "pad", "cat", "reshape", "select", "triu", "take"):
+            self.shape_op(op)
         elif kind == "full":
             pick, vkind, dt, combine = op[1:]
             v = fl[pick % len(fl)]
@@ -724,6 +1077,25 @@ class _Builder:
 def _rounds(value: float) -> float:
     """|value| when a float32 cannot hold it exactly, else 0."""
     return 0.0 if float(np.float32(value)) == value else abs(float(value))
+
+
+def _pad_ref(x: np.ndarray, pairs: Sequence[Tuple[int, int]], value: float) -> np.ndarray:
+    """``x`` padded by ``(before, after)`` per axis (negative: cropped): output position ``o``
+    holds ``x[o - before]`` where that is inside ``x``, else ``value``."""
+    y = x
+    for a, (lo, hi) in enumerate(pairs):
+        n = y.shape[a]
+        ext = n + lo + hi
+        pos = np.arange(ext) - lo
+        inside = (pos >= 0) & (pos < n)
+        if n == 0:
+            shape = list(y.shape)
+            shape[a] = ext
+            y = np.full(shape, value, dtype=np.result_type(y, np.asarray(value)))
+            continue
+        y = np.take(y, np.clip(pos, 0, n - 1), axis=a)
+        y = np.where(inside.reshape([ext if k == a else 1 for k in range(y.ndim)]), y, value)
+    return y
 
 
 def _embed(src: Sequence[Any], tgt: Sequence[Any]) -> Optional[List[int]]:

@@ -451,3 +451,45 @@ def test_runtime_positions_are_checked() -> None:
         fd.execute([np.zeros(4, np.float32), -1, 0.5])
     (got,) = fd.execute([np.arange(4, dtype=np.float32), 1, 0.5])
     np.testing.assert_array_equal(got, [1, 2, 3])
+
+
+def test_gather_size_one_index_axis_keeps_the_index_shape() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        i = fd.define_tensor([1, -1], DataType.Int)
+        t = fd.ops.gather(x, i, 1)
+        fd.add_output(t)
+    assert t.shape == (1, -1)
+    x = np.arange(24, dtype=np.float32).reshape(4, 6)
+    i = np.array([[0, 5, 2]])
+    (got,) = fd.execute([x, i])
+    np.testing.assert_array_equal(got, np.take_along_axis(x[:1], i, 1))
+
+
+def test_segments_receive_the_inputs_their_sizes_come_from() -> None:
+    # A sliced table of a gather, and a slice of a reduction next to an unrelated output:
+    # the kernel that reads the remapped tensor needs the size of an input it does not read.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1])
+        i = fd.define_tensor([-1], DataType.Int)
+        fd.add_output(fd.ops.index_select(fd.ops.slice(x, [1], [None]), i, 0))
+    x = np.arange(3, dtype=np.float32)
+    (got,) = fd.execute([x, np.array([1, 0], np.int64)])
+    np.testing.assert_array_equal(got, x[1:][[1, 0]])
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        y = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.slice(fd.ops.sum(y, [1]), [1], [None]))
+        fd.add_output(fd.ops.add(x, y))
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    got_s, got_a = fd.execute([a, a])
+    np.testing.assert_array_equal(got_s, a.sum(1)[1:])
+    np.testing.assert_array_equal(got_a, a + a)
+
+
+def test_empty_numpy_arrays_are_contiguous() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1], contiguity=[True, True, True])
+        fd.add_output(fd.ops.exp(x))
+    (got,) = fd.execute([np.zeros((2, 0, 3), np.float32)])
+    assert got.shape == (2, 0, 3)

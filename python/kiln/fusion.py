@@ -445,7 +445,8 @@ class Ops:
         fd = self._fd
         if isinstance(index, int) and not isinstance(index, bool) and index < 0:
             raise KilnError(f"select: index {index} is negative; expected an index >= 0")
-        return Tensor(fd, fd._core.select(fd._tensor(x, "select"), int(dim), self._index_value(index, "select")))
+        at = self._index_value(index, "select")
+        return Tensor(fd, fd._core.select(fd._tensor(x, "select"), int(dim), at))
 
     def reshape(self, x: Tensor, new_shape: Sequence[Union[int, Scalar]]) -> Tensor:
         """``x``'s elements in row-major order in the shape ``new_shape`` (one entry may be
@@ -512,18 +513,28 @@ class Ops:
             raise KilnError(f"gather: dim {dim} is out of range for {x.name} of rank {rank}")
         # Off `dim`, x is cut to the index's static sizes where they are smaller; symbolic
         # sizes must agree when the fusion runs (a KilnError names the axes otherwise).
+        # An index axis of size one reads x's first position there (a broadcast axis of the
+        # output, as the index's).
         ends: List[Union[int, Scalar, None]] = [None] * rank
         cut = False
+        ones: List[int] = []
         for a in range(rank):
             xs, js = x.shape[a], index.shape[a]
-            if a == d or js == 1 or js == -1 or xs == js:
+            if a == d or js == -1 or xs == js:
                 continue
             if xs != -1 and js > xs:
                 raise KilnError(f"gather: axis {a} of index {index.name} has size {js} but {x.name} has "
                                 f"{xs}; off dim {d} the index may not be larger")
-            ends[a] = js
-            cut = True
+            if js == 1:
+                ones.append(a)
+            else:
+                ends[a] = js
+                cut = True
         table = self.slice(x, [0] * rank, ends) if cut else x
+        if ones:
+            for a in reversed(ones):
+                table = self.select(table, a, 0)
+            table = self.broadcast(table, [a in ones for a in range(rank)])
         return self.take_along_axis(table, index, d)
 
     def expand(self, x: Tensor, shape: Sequence[int]) -> Tensor:

@@ -116,6 +116,16 @@ pub fn segment_of(f: &Fusion, group: &[ExprId], order: &[ExprId]) -> Result<Segm
         for &id in &f.tvs[ex.output].logical {
             crate::lower::predicate::symbols(&f.scalars, f.ids[id].extent, &mut syms);
         }
+        // Positions of remaps and masks, and the sizes of what the group receives (a slice
+        // of a slice has the extent `min(i0, 2) - 1`, which only x carries).
+        for v in ex.op.position_exprs() {
+            crate::lower::predicate::symbols(&f.scalars, v, &mut syms);
+        }
+        for t in ex.input_tvs() {
+            for &id in &f.tvs[t].logical {
+                crate::lower::predicate::symbols(&f.scalars, f.ids[id].extent, &mut syms);
+            }
+        }
     }
     for s in syms {
         let Symbol::Extent(n) = s else { continue };

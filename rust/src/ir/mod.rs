@@ -250,6 +250,15 @@ impl Op {
         matches!(self, Op::Iota { .. } | Op::Random { .. })
     }
 
+    /// The expressions of output positions a remap or mask computes with.
+    pub fn position_exprs(&self) -> SmallVec<[ValId; 4]> {
+        match self {
+            Op::Remap { index, valid, .. } => index.iter().copied().chain(*valid).collect(),
+            Op::Mask { valid } => smallvec::smallvec![*valid],
+            _ => SmallVec::new(),
+        }
+    }
+
     /// The scalars the op reads besides its operands.
     pub fn scalars(&self) -> SmallVec<[ValId; 4]> {
         match *self {
