@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import scenarios
+from kiln import DataType, FusionDefinition
 from kiln.cli import build_demo, demo
 from kiln.cli import reference as softmax_reference
 from test_host import _chain_ref, three_segment_chain
@@ -46,3 +47,15 @@ def test_every_gpu_scenario_matches_numpy_in_the_interpreter(build):
     outs = sc.fd.execute(arrays, device="cpu")
     for got, want in zip(outs, sc.reference(arrays)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max())))
+
+
+def test_bfloat16_numpy_inputs_run_twice() -> None:
+    """A NumPy bfloat16 array has no buffer to look at: the second call keys its plan too."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    with FusionDefinition() as fd:
+        a = fd.define_tensor([-1], DataType.BFloat16)
+        fd.add_output(fd.ops.neg(a))
+    x = np.array([1.5, -2.0, 0.25], ml_dtypes.bfloat16)
+    for _ in range(2):
+        (got,) = fd.execute([x])
+        np.testing.assert_array_equal(np.asarray(got).astype(np.float32), [-1.5, 2.0, -0.25])

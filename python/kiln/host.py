@@ -217,7 +217,7 @@ def signature_key(inputs: Sequence[Any]) -> Tuple:
             d = x.data
             return (x.shape, x.strides, x.dtype, d.device_id, d.ptr & 15 == 0)
         return tuple([(x.shape, x.strides, x.dtype, x.data.device_id, x.data.ptr & 15 == 0) for x in inputs])
-    except AttributeError:
+    except (AttributeError, ValueError):  # ValueError: NumPy's `.data` of a bfloat16 array
         pass
     key = []
     for x in inputs:
