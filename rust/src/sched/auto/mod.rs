@@ -67,8 +67,9 @@ pub enum Params {
     /// vectors of `vector`, then a grid reduction; `others` holds `[vector, serial, unroll]`
     /// of each further reduction (of another shape) sharing the grid.
     FullReduction { threads: i64, vector: i64, grid: i64, serial: i64, unroll: i64, others: Vec<i64> },
-    /// One block per row, the row kept in registers: `per_thread` vectors of `vector`.
-    Normalization { vector: i64, per_thread: i64 },
+    /// The row kept in registers, `per_thread` vectors of `vector` per thread: one block
+    /// per row, or one warp per row and `rows_per_block` rows per block (TIDy).
+    Normalization { vector: i64, per_thread: i64, rows_per_block: i64 },
     /// One block per row (`outer` 0: `threads_x` threads of `vector`-wide steps) or per
     /// tile of `threads_x` columns (`outer` 1: `threads_y` thread rows), each pass a loop
     /// over the row that reads its inputs again, `unroll` steps in flight.
@@ -130,7 +131,7 @@ impl Heuristic {
             Params::FullReduction { threads, vector, grid, serial, unroll, others } => {
                 [vec![*threads, *vector, *grid, *serial, *unroll], others.clone()].concat()
             }
-            Params::Normalization { vector, per_thread } => vec![*vector, *per_thread],
+            Params::Normalization { vector, per_thread, rows_per_block } => vec![*vector, *per_thread, *rows_per_block],
             Params::LoopedNormalization { outer, unroll, vector, threads_x, threads_y } => {
                 vec![*outer, *unroll, *vector, *threads_x, *threads_y]
             }

@@ -114,10 +114,23 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     let v = if row % (16 / widest) == 0 { 16 / widest } else { 1 };
     // Vectors per thread: enough that a row fits in at most 512 threads (measured faster
     // on the H200 than 128 threads with longer per-thread loops).
-    let p = ((row / v + 511) / 512).clamp(1, 16);
+    let mut p = ((row / v + 511) / 512).clamp(1, 16);
     if (row / v + p - 1) / p > 1024 {
         bail!("rows of {row} elements are too long for a register-persistent normalization (at most {} here); segment the fusion with segment_after", 16 * 1024 * v);
     }
+    // Rows of 64 to 256 vectors: one warp per row, `rows_per_block` rows per block (TIDy).
+    // Its reductions are warp shuffles with no block barrier, where a block per row waits at
+    // two barriers per reduction for a few microseconds of loads (attention probabilities
+    // over 1024 keys: 131072 rows of 4 KiB).
+    let rows_total: i64 = sizes[..n - k].iter().product();
+    let rows_per_block =
+        if totals.is_empty() && (64..=256).contains(&(row / v)) && rows_total >= 64 * cx.device.sm_count {
+            p = (row / v + 31) / 32;
+            4
+        } else {
+            1
+        };
+    let shift = usize::from(rows_per_block > 1);
     // Every full-rank tensor takes part; narrower inputs (weights) are read in place.
     let mut caches = Vec::new();
     for op in f.inputs.clone() {
@@ -164,6 +177,10 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
             for _ in 1..(n - k) {
                 f.merge(t, 0, 1)?;
             }
+            if rows_per_block > 1 {
+                f.split(t, 0, rows_per_block, true)?; // [rows/R, R]
+                f.parallelize(t, 1, ParallelType::TIDy)?;
+            }
             f.parallelize(t, 0, ParallelType::BIDx)?;
             continue;
         }
@@ -175,12 +192,21 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
         }
         rows_and_row(f, t, k)?;
         f.split(t, 1, v, true)?; // [rows, K/v, v]
-        f.split(t, 1, p, false)?; // [rows, p, ceilDiv(K/v, p), v]
+        if rows_per_block > 1 {
+            // A whole warp per row (its lanes a power of two for the shuffles).
+            f.split(t, 1, 32, true)?; // [rows, ceilDiv(K/v, 32), 32, v]
+        } else {
+            f.split(t, 1, p, false)?; // [rows, p, ceilDiv(K/v, p), v]
+        }
         f.reorder(t, &[(2, 1)])?; // [rows, T, p, v]
+        if rows_per_block > 1 {
+            f.split(t, 0, rows_per_block, true)?; // [rows/R, R, T, p, v]
+            f.parallelize(t, 1, ParallelType::TIDy)?;
+        }
         f.parallelize(t, 0, ParallelType::BIDx)?;
-        f.parallelize(t, 1, ParallelType::TIDx)?;
+        f.parallelize(t, 1 + shift as i64, ParallelType::TIDx)?;
         if v > 1 && (caches.contains(&t) || outs.contains(&t) || weight(f, t)) {
-            f.parallelize(t, 3, ParallelType::Vectorize)?;
+            f.parallelize(t, 3 + shift as i64, ParallelType::Vectorize)?;
         }
     }
     // Totals first: the per-row values they read are inlined into their loops.
@@ -192,13 +218,13 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
             continue;
         }
         let pos = if is_reduction(f, t) || per_row(f, t) {
-            1 // the row's result, shared by every thread of the block
+            1 + shift as i64 // the row's result, shared by every thread of the row
         } else if v > 1 && weight(f, t) {
-            3 // a weight broadcast over rows: its own vector loop, so it loads 16 bytes at once
+            3 + shift as i64 // a weight broadcast over rows: its own vector loop, so it loads 16 bytes at once
         } else if f.consumers(t).len() > 1 {
             // Read on both sides of a reduction (or by two chains): keep it in registers
             // and let each consumer run its own loops over it.
-            2
+            2 + shift as i64
         } else {
             -1
         };
@@ -213,7 +239,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     // needs) is the most a thread holds at once.
     let order = f.topo_exprs();
     let at: FxHashMap<TvId, usize> = order.iter().enumerate().map(|(i, &e)| (f.exprs[e].output, i)).collect();
-    let held: Vec<TvId> = tensors.iter().copied().filter(|&t| f.tvs[t].inline_pos == 2).collect();
+    let held: Vec<TvId> = tensors.iter().copied().filter(|&t| f.tvs[t].inline_pos == 2 + shift).collect();
     let last_use = |t: TvId| f.tvs[t].uses.iter().filter_map(|u| at.get(&f.exprs[*u].output)).max().copied();
     let kept = order
         .iter()
@@ -223,11 +249,11 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
         .max()
         .unwrap_or(0)
         .max(held.len().min(1)) as i64;
-    let threads = (row / v + p - 1) / p;
+    let threads = (row / v + p - 1) / p * rows_per_block;
     // A weight along the row loads its `p` vectors ahead of their use in the last pass: about
     // half a row tensor more (NVRTC for sm_90, softmax * w over rows of 40000: 128 registers
     // at 625 threads where `kept * p * v + 32` said 96, and the block did not launch).
-    let row_weight = tensors.iter().any(|&t| f.tvs[t].inline_pos == 3);
+    let row_weight = tensors.iter().any(|&t| f.tvs[t].inline_pos == 3 + shift);
     let regs = kept.max(1) * p * v + 32 + if row_weight { p * v / 2 } else { 0 };
     if regs > 255 || threads * regs > cx.device.registers_per_block {
         bail!(
@@ -236,5 +262,5 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
             cx.device.registers_per_block
         );
     }
-    Ok(Heuristic::new(Params::Normalization { vector: v, per_thread: p }))
+    Ok(Heuristic::new(Params::Normalization { vector: v, per_thread: p, rows_per_block }))
 }
