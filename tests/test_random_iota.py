@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from gpu_util import cupy_or_skip
 from kiln import DataType, FusionDefinition, KilnError
+from kiln.runtime.nvrtc import compile_cubin, nvrtc_available
 
 M32 = 0xFFFFFFFF
 
@@ -159,3 +160,34 @@ def test_gpu_gives_the_interpreters_bits() -> None:
     n_gpu, i_gpu = (cp.asnumpy(o) for o in fd3.execute([], device="cuda"))
     np.testing.assert_allclose(n_gpu, n_cpu, rtol=2e-6, atol=2e-6)  # logf/cosf: a few ulp
     np.testing.assert_array_equal(i_gpu, i_cpu)
+
+
+@pytest.mark.parametrize("dtype", [DataType.BFloat16, DataType.Half, DataType.Float])
+@pytest.mark.parametrize("bounds", [(0.0, 1.0), (-1.5, 3.7)])
+def test_uniform_stays_below_its_upper_bound(dtype: DataType, bounds: Any) -> None:
+    """Rounding to bfloat16 or half reaches ``maxval`` about once in 256 draws near it;
+    ``[minval, maxval)`` stays half-open, as PyTorch's ``rand`` is."""
+    lo, hi = bounds
+    with FusionDefinition() as fd:
+        fd.add_output(fd.ops.uniform(lo, hi, [1 << 16], dtype=dtype))
+    (got,) = fd.execute([])
+    vals = _as_f64(got)
+    assert vals.max() < np.float32(hi) and vals.min() >= np.float32(lo)
+    assert vals.max() > hi - (hi - lo) / 64  # the clamp did not move the whole top
+
+
+@pytest.mark.skipif(not nvrtc_available(), reason="needs the NVRTC wheels")
+def test_uniform_below_compiles_for_every_float_type() -> None:
+    for dt in (DataType.BFloat16, DataType.Half, DataType.Float, DataType.Double):
+        with FusionDefinition() as fd:
+            fd.add_output(fd.ops.uniform(0.0, 1.0, [64], dtype=dt))
+        for k in fd.lower([]).kernels:
+            compile_cubin(k.cuda_source, k.kernel_name, arch="sm_90")
+
+
+def _as_f64(a: Any) -> np.ndarray:
+    """An output as float64 (bfloat16 given as its uint16 bits where NumPy has no bfloat16)."""
+    a = np.asarray(a)
+    if a.dtype == np.uint16:
+        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return a.astype(np.float64)

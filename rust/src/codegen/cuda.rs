@@ -625,15 +625,25 @@ impl Gen<'_> {
                 } else {
                     ("kiln::randomFloat", "float")
                 };
-                format!(
-                    "kiln::cast<{out_ty}>({fun}({}, (int64_t)({}), (int64_t)({}), (int64_t)({}), kiln::cast<{cd}>({}), kiln::cast<{cd}>({})))",
+                let draw = format!(
+                    "{fun}({}, (int64_t)({}), (int64_t)({}), (int64_t)({}), kiln::cast<{cd}>({}), kiln::cast<{cd}>({}))",
                     i32::from(*dist == crate::ir::RandomDist::Normal),
                     self.c(*seed),
                     self.c(*offset),
                     self.c(pos),
                     self.c(*a),
                     self.c(*b)
-                )
+                );
+                if *dist == crate::ir::RandomDist::Uniform {
+                    // [a, b) stays half-open after rounding to the output type.
+                    format!(
+                        "kiln::uniformBelow<{out_ty}, {cd}>({draw}, kiln::cast<{cd}>({}), kiln::cast<{cd}>({}))",
+                        self.c(*a),
+                        self.c(*b)
+                    )
+                } else {
+                    format!("kiln::cast<{out_ty}>({draw})")
+                }
             }
             Op::Reduction { op, init } => return self.reduction(e, ix, *op, *init, depth, &pre),
         };

@@ -18,7 +18,7 @@
 //         signbit isnan isinf isfinite isposinf isneginf truediv fmod remainder bitwise_*
 //         logical_* gcd (the element-wise ops of rust/src/ir/op_table.rs that are not a
 //         CUDA math-library call; codegen calls those, erf and the like, directly)
-//   iotaValue, philox, randomFloat, randomDouble   iota and counter-based random numbers
+//   iotaValue, philox, randomFloat, randomDouble, uniformBelow   iota and counter-based random numbers
 //   cast<To>(From)                     every pair of {bool, int, int64_t, __half,
 //                                      __nv_bfloat16, float, double}
 //   Array<T, N>, loadVec, storeVec     vectorized global/shared accesses
@@ -682,6 +682,26 @@ struct Cast<__nv_bfloat16, __half> {
 template <typename To, typename From>
 KILN_DEVICE To cast(From x) {
   return detail::Cast<To, From>::apply(x);
+}
+
+// A uniform draw in the output type T, kept below b (rounding to T can reach b): such a
+// draw becomes the largest T below b. `prevValue` steps one value of T towards -inf.
+KILN_DEVICE float prevValue(float x) { return nextafterf(x, __int_as_float(0xff800000)); }
+KILN_DEVICE double prevValue(double x) { return ::nextafter(x, __longlong_as_double((long long)0xfff0000000000000ULL)); }
+KILN_DEVICE unsigned short prevBits16(unsigned short b) {
+  return (b & 0x7fffU) == 0 ? (unsigned short)0x8001U : ((b & 0x8000U) ? (unsigned short)(b + 1) : (unsigned short)(b - 1));
+}
+KILN_DEVICE __half prevValue(__half x) { return __ushort_as_half(prevBits16(__half_as_ushort(x))); }
+KILN_DEVICE __nv_bfloat16 prevValue(__nv_bfloat16 x) {
+  return __ushort_as_bfloat16(prevBits16(__bfloat16_as_ushort(x)));
+}
+template <typename T, typename C>
+KILN_DEVICE T uniformBelow(C v, C a, C b) {
+  T r = cast<T>(v);
+  if (!(a < b) || static_cast<C>(cast<C>(r)) < b) return r;
+  T c = cast<T>(b);
+  if (cast<C>(c) >= b) c = prevValue(c);
+  return c;
 }
 
 // ---------------------------------------------------------------------------------------

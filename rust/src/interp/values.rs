@@ -348,11 +348,20 @@ pub fn positional(
         Op::Random { dist, a, b, seed, offset } => {
             let (a, b) = (f64_of(scalar(a)?), f64_of(scalar(b)?));
             let (seed, offset) = (scalar(seed)?.as_i64(), scalar(offset)?.as_i64());
+            // Bounds in the type the draw computes in, as the GPU compares them.
+            let below = |v: f64, a: f64, b: f64| match dist {
+                crate::ir::RandomDist::Uniform => crate::ir::random::uniform_below(v, a, b, dt),
+                crate::ir::RandomDist::Normal => v,
+            };
             if cd == DataType::Double {
-                Col::F64(pos.iter().map(|&i| draw_f64(dist, a, b, block(seed, offset, i))).collect())
+                Col::F64(pos.iter().map(|&i| below(draw_f64(dist, a, b, block(seed, offset, i)), a, b)).collect())
             } else {
-                let (a, b) = (a as f32, b as f32);
-                Col::F32(pos.iter().map(|&i| draw_f32(dist, a, b, block(seed, offset, i))).collect())
+                let (af, bf) = (a as f32, b as f32);
+                let draw = |i: i64| {
+                    below(f64::from(draw_f32(dist, af, bf, block(seed, offset, i))), f64::from(af), f64::from(bf))
+                        as f32
+                };
+                Col::F32(pos.iter().map(|&i| draw(i)).collect())
             }
         }
         _ => bail_internal!("interpreter: {op:?} does not depend on positions"),

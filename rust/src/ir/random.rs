@@ -82,3 +82,65 @@ mod tests {
         }
     }
 }
+
+/// A uniform draw `v` in `dt`, kept below `b`: rounding `a + u * (b - a)` to the output type
+/// can reach `b` (bfloat16 keeps 8 bits, so about one draw in 256 near `b` would), and
+/// `[a, b)` must stay half-open. Such a draw becomes the largest `dt` value below `b`.
+/// Returns the value as f64 (exact in every floating dtype).
+pub fn uniform_below(v: f64, a: f64, b: f64, dt: crate::ir::DataType) -> f64 {
+    use crate::ir::DataType;
+    use half::{bf16, f16};
+    if !(a < b) {
+        return v;
+    }
+    match dt {
+        DataType::Double => {
+            if v >= b {
+                b.next_down()
+            } else {
+                v
+            }
+        }
+        DataType::Half => {
+            let r = f16::from_f64(v);
+            if f64::from(r) < b {
+                return f64::from(r);
+            }
+            let mut c = f16::from_f64(b);
+            if f64::from(c) >= b {
+                c = f16::from_bits(step_down(c.to_bits()));
+            }
+            f64::from(c)
+        }
+        DataType::BFloat16 => {
+            let r = bf16::from_f64(v);
+            if f64::from(r) < b {
+                return f64::from(r);
+            }
+            let mut c = bf16::from_f64(b);
+            if f64::from(c) >= b {
+                c = bf16::from_bits(step_down(c.to_bits()));
+            }
+            f64::from(c)
+        }
+        _ => {
+            let (r, bf) = (v as f32, b as f32);
+            if f64::from(r) < b {
+                return f64::from(r);
+            }
+            let c = if f64::from(bf) >= b { bf.next_down() } else { bf };
+            f64::from(c)
+        }
+    }
+}
+
+/// The next 16-bit float (half or bfloat16 bits) towards minus infinity.
+fn step_down(bits: u16) -> u16 {
+    if bits & 0x7fff == 0 {
+        0x8001 // below +-0: the negative value of least magnitude
+    } else if bits & 0x8000 == 0 {
+        bits - 1
+    } else {
+        bits + 1
+    }
+}
