@@ -60,29 +60,6 @@ pub fn draw_f64(dist: RandomDist, a: f64, b: f64, r: [u32; 4]) -> f64 {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn philox_matches_the_published_known_answer() {
-        // Random123's kat_vectors: philox4x32_10 of counter 0 and key 0.
-        assert_eq!(philox([0; 4], [0; 2]), [0x6627_e8d5, 0xe169_c58d, 0xbc57_ac4c, 0x9b00_dbd8]);
-        let pi = [0x243f_6a88, 0x85a3_08d3, 0x1319_8a2e, 0x0370_7344];
-        assert_eq!(philox(pi, [0xa409_3822, 0x299f_31d0]), [0xd16c_fe09, 0x94fd_cceb, 0x5001_e420, 0x2412_6ea1]);
-    }
-
-    #[test]
-    fn uniforms_stay_in_range() {
-        for i in 0..1000 {
-            let r = block(7, 3, i);
-            let (x, y) = (draw_f32(RandomDist::Uniform, -1.0, 2.0, r), draw_f64(RandomDist::Uniform, 0.0, 1.0, r));
-            assert!((-1.0..2.0).contains(&x) && (0.0..1.0).contains(&y));
-            assert!(draw_f32(RandomDist::Normal, 0.0, 1.0, r).is_finite());
-        }
-    }
-}
-
 /// A uniform draw `v` in `dt`, kept below `b`: rounding `a + u * (b - a)` to the output type
 /// can reach `b` (bfloat16 keeps 8 bits, so about one draw in 256 near `b` would), and
 /// `[a, b)` must stay half-open. Such a draw becomes the largest `dt` value below `b`.
@@ -90,7 +67,7 @@ mod tests {
 pub fn uniform_below(v: f64, a: f64, b: f64, dt: crate::ir::DataType) -> f64 {
     use crate::ir::DataType;
     use half::{bf16, f16};
-    if !(a < b) {
+    if a.partial_cmp(&b) != Some(std::cmp::Ordering::Less) {
         return v;
     }
     match dt {
@@ -142,5 +119,28 @@ fn step_down(bits: u16) -> u16 {
         bits - 1
     } else {
         bits + 1
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn philox_matches_the_published_known_answer() {
+        // Random123's kat_vectors: philox4x32_10 of counter 0 and key 0.
+        assert_eq!(philox([0; 4], [0; 2]), [0x6627_e8d5, 0xe169_c58d, 0xbc57_ac4c, 0x9b00_dbd8]);
+        let pi = [0x243f_6a88, 0x85a3_08d3, 0x1319_8a2e, 0x0370_7344];
+        assert_eq!(philox(pi, [0xa409_3822, 0x299f_31d0]), [0xd16c_fe09, 0x94fd_cceb, 0x5001_e420, 0x2412_6ea1]);
+    }
+
+    #[test]
+    fn uniforms_stay_in_range() {
+        for i in 0..1000 {
+            let r = block(7, 3, i);
+            let (x, y) = (draw_f32(RandomDist::Uniform, -1.0, 2.0, r), draw_f64(RandomDist::Uniform, 0.0, 1.0, r));
+            assert!((-1.0..2.0).contains(&x) && (0.0..1.0).contains(&y));
+            assert!(draw_f32(RandomDist::Normal, 0.0, 1.0, r).is_finite());
+        }
     }
 }
