@@ -431,13 +431,6 @@ def _no_outputs() -> None:
         fd.ops.neg(x)
 
 
-def _output_twice() -> None:
-    with FusionDefinition() as fd:
-        x = fd.define_tensor(shape=[-1], dtype=F)
-        y = fd.ops.neg(x)
-        fd.add_output(y)
-        fd.add_output(y)
-
 
 def _index_select(idx_dtype: DataType, dim: int) -> Callable[[], None]:
     def run() -> None:
@@ -530,7 +523,6 @@ DEFINITION_CASES = [
                  id="full_static_2_64_elements_uneven"),
     pytest.param(_full_static([-1]), KilnError, (r"-1", r"negative"), id="full_static_negative"),
     pytest.param(_no_outputs, KilnError, (r"no outputs",), id="no_outputs"),
-    pytest.param(_output_twice, KilnError, (tv(1), r"output"), id="add_output_twice"),
     pytest.param(_in_fusion(lambda fd: fd.ops.cast(_t0(fd), "float8")), KilnTypeError,
                  (tv(0), r"DataType"), id="cast_unknown_dtype"),
     pytest.param(_in_fusion(lambda fd: fd.ops.cast(_t0(fd), np.float16)), KilnTypeError,

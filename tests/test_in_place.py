@@ -129,3 +129,22 @@ def test_adamw_in_place_on_gpu() -> None:
         host = [cp.asnumpy(state[0]), host[1], cp.asnumpy(state[2]), cp.asnumpy(state[3])]
         for got, w in zip((host[0], host[2], host[3]), want):
             np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-7)
+
+
+def test_a_tensor_given_as_output_twice_comes_back_as_copies() -> None:
+    """nvFuser returns one tensor twice (and beside an in-place update); kiln returns a
+    fresh array for each."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1])
+        y = fd.ops.relu(x)
+        fd.add_output(y, alias_input=x)
+        fd.add_output(y)
+        fd.add_output(y)
+        fd.add_output(x)
+        fd.add_output(x)
+    a = np.array([-1.0, 2.0, -3.0], np.float32)
+    outs = fd.execute([a])
+    np.testing.assert_array_equal(a, [0.0, 2.0, 0.0])
+    assert len(outs) == 4 and len({id(o) for o in outs}) == 4
+    for o, want in zip(outs, ([0, 2, 0], [0, 2, 0], [-1, 2, -3], [-1, 2, -3])):
+        np.testing.assert_array_equal(o, want)

@@ -493,3 +493,13 @@ def test_empty_numpy_arrays_are_contiguous() -> None:
         fd.add_output(fd.ops.exp(x))
     (got,) = fd.execute([np.zeros((2, 0, 3), np.float32)])
     assert got.shape == (2, 0, 3)
+
+
+def test_index_select_with_a_0d_index_keeps_the_axis() -> None:
+    with FusionDefinition() as fd:
+        t = fd.define_tensor([-1, -1])
+        i = fd.define_tensor([], DataType.Int)
+        fd.add_output(fd.ops.index_select(t, i, 0))
+    x = np.arange(6, dtype=np.float32).reshape(3, 2)
+    (got,) = fd.execute([x, np.array(2)])
+    np.testing.assert_array_equal(got, x[[2]])

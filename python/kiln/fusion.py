@@ -545,8 +545,11 @@ class Ops:
         return self.broadcast_in_dim(x, shape, list(range(x.ndim)))
 
     def index_select(self, x: Tensor, index: Tensor, dim: int) -> Tensor:
-        """Rows of ``x`` along ``dim`` at positions ``index`` (1-D, integer)."""
+        """Rows of ``x`` along ``dim`` at positions ``index`` (1-D, integer; a 0-d index
+        selects one row and keeps the axis, as torch.index_select)."""
         fd = self._fd
+        if isinstance(index, Tensor) and index.ndim == 0:
+            index = self.broadcast_in_dim(index, [1], [])
         return Tensor(fd, fd._core.index_select(fd._tensor(x, "index_select"),
                                                 fd._tensor(index, "index_select"), int(dim)))
 

@@ -129,12 +129,12 @@ impl Fusion {
                 matches!(f.exprs[e].op, Op::Set) && f.exprs[e].inputs.first() == Some(&Operand::Tensor(tv))
             })
         };
-        if self.outputs.contains(&tv) || (self.is_input(tv) && self.outputs.iter().any(|&o| copies_it(self, o))) {
-            bail!("add_output: {} is already an output", self.tv_name(tv));
-        }
-        // An input given back as an output is returned as a fresh copy (outputs are always
-        // new arrays, whatever path runs the fusion).
-        let tv = if self.is_input(tv) { self.set(tv)? } else { tv };
+        // An input given back as an output, or a tensor given as an output again, is
+        // returned as a fresh copy (outputs are always new arrays, whatever path runs the
+        // fusion; nvFuser returns the same tensor twice).
+        let again =
+            self.outputs.contains(&tv) || (self.is_input(tv) && self.outputs.iter().any(|&o| copies_it(self, o)));
+        let tv = if self.is_input(tv) || again { self.set(tv)? } else { tv };
         self.outputs.push(tv);
         // Outputs are handed back to the caller, so they always live in Global memory.
         self.tvs[tv].memory = MemoryType::Global;
