@@ -78,28 +78,8 @@ pub fn uniform_below(v: f64, a: f64, b: f64, dt: crate::ir::DataType) -> f64 {
                 v
             }
         }
-        DataType::Half => {
-            let r = f16::from_f64(v);
-            if f64::from(r) < b {
-                return f64::from(r);
-            }
-            let mut c = f16::from_f64(b);
-            if f64::from(c) >= b {
-                c = f16::from_bits(step_down(c.to_bits()));
-            }
-            f64::from(c)
-        }
-        DataType::BFloat16 => {
-            let r = bf16::from_f64(v);
-            if f64::from(r) < b {
-                return f64::from(r);
-            }
-            let mut c = bf16::from_f64(b);
-            if f64::from(c) >= b {
-                c = bf16::from_bits(step_down(c.to_bits()));
-            }
-            f64::from(c)
-        }
+        DataType::Half => below_16bit(v, b, |x| f16::from_f64(x).to_bits(), |u| f64::from(f16::from_bits(u))),
+        DataType::BFloat16 => below_16bit(v, b, |x| bf16::from_f64(x).to_bits(), |u| f64::from(bf16::from_bits(u))),
         _ => {
             let (r, bf) = (v as f32, b as f32);
             if f64::from(r) < b {
@@ -108,6 +88,21 @@ pub fn uniform_below(v: f64, a: f64, b: f64, dt: crate::ir::DataType) -> f64 {
             let c = if f64::from(bf) >= b { bf.next_down() } else { bf };
             f64::from(c)
         }
+    }
+}
+
+/// `v` rounded to a 16-bit float type (`to_bits` rounds, `value` reads bits back), or the
+/// largest value of that type below `b` where the rounding reaches `b`.
+fn below_16bit(v: f64, b: f64, to_bits: impl Fn(f64) -> u16, value: impl Fn(u16) -> f64) -> f64 {
+    let r = value(to_bits(v));
+    if r < b {
+        return r;
+    }
+    let c = to_bits(b);
+    if value(c) >= b {
+        value(step_down(c))
+    } else {
+        value(c)
     }
 }
 

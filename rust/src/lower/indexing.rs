@@ -458,15 +458,7 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
     let element = if f.exprs[e].op.reads_position() {
         // Schedule-independent: from the logical indices, not the loops or the layout.
         let mut lin = f.scalars.int(0);
-        for id in f.no_reduction_logical(c) {
-            let i = if f.ids[id].iter_type == IterType::Broadcast {
-                f.scalars.int(0)
-            } else {
-                match cidx.get(&id) {
-                    Some(&i) => i,
-                    None => bail_internal!("{}: no index for its logical axis {}", f.tv_name(c), f.id_label(id)),
-                }
-            };
+        for (id, i) in logical_indices(f, c, &cidx)? {
             let scaled = f.scalars.binary(ScalarOp::Mul, lin, f.ids[id].extent);
             lin = f.scalars.binary(ScalarOp::Add, scaled, i);
         }
@@ -475,6 +467,27 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
         guard
     };
     Ok(AccessIndex { out, inputs, predicate: pred, write_predicate: write_pred, gathers, element })
+}
+
+/// The index of each logical axis of `c` (reductions left out, 0 on broadcast axes).
+fn logical_indices(
+    f: &mut Fusion,
+    c: TvId,
+    cidx: &FxHashMap<IterDomainId, ValId>,
+) -> Result<Vec<(IterDomainId, ValId)>> {
+    let mut out = Vec::new();
+    for id in f.no_reduction_logical(c) {
+        let i = if f.ids[id].iter_type == IterType::Broadcast {
+            f.scalars.int(0)
+        } else {
+            match cidx.get(&id) {
+                Some(&i) => i,
+                None => bail_internal!("{}: no index for its logical axis {}", f.tv_name(c), f.id_label(id)),
+            }
+        };
+        out.push((id, i));
+    }
+    Ok(out)
 }
 
 /// A remap's input positions (`index`) and guard (`valid`) with each output position
@@ -488,15 +501,7 @@ fn remap_positions(
 ) -> Result<(Vec<ValId>, Option<ValId>)> {
     let mut at: Vec<ValId> = index.to_vec();
     let mut guard = valid;
-    for (k, id) in f.no_reduction_logical(c).into_iter().enumerate() {
-        let i = if f.ids[id].iter_type == IterType::Broadcast {
-            f.scalars.int(0)
-        } else {
-            match cidx.get(&id) {
-                Some(&i) => i,
-                None => bail_internal!("{}: no index for its logical axis {}", f.tv_name(c), f.id_label(id)),
-            }
-        };
+    for (k, (_, i)) in logical_indices(f, c, cidx)?.into_iter().enumerate() {
         let sym = Symbol::OutAxis(k as u32);
         for v in at.iter_mut() {
             *v = f.scalars.substitute(*v, sym, i);
