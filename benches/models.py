@@ -88,7 +88,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import functools
 import json
 import math
@@ -799,58 +798,12 @@ def cpu_check(workloads: Sequence[Workload]) -> int:
 
 
 # ============================================================================ GPU timing
-_FLUSH: List[Any] = []
-
-
-@functools.cache
-def _reset_persisting_fn() -> Optional[Callable[[], int]]:
-    """libcuda's ``cuCtxResetPersistingL2Cache``, or None where libcuda cannot be loaded."""
-    try:
-        return ctypes.CDLL("libcuda.so.1").cuCtxResetPersistingL2Cache
-    except (OSError, AttributeError):
-        return None
-
-
-def reset_persisting_l2() -> bool:
-    """Return L2 lines held with an evict_last (persisting) priority to normal; False where
-    libcuda cannot be loaded."""
-    fn = _reset_persisting_fn()
-    if fn is None:
-        return False
-    torch.cuda.synchronize()  # the reset acts on the context at once, not in stream order
-    rc = fn()
-    if rc != 0:
-        raise RuntimeError(f"cuCtxResetPersistingL2Cache failed with CUresult {rc}")
-    return True
-
-
-def flush_l2() -> None:
-    """Reset evict_last lines, then read a buffer several times larger than L2, so that the
-    next call finds L2 holding only clean, unrelated lines whatever ran before it."""
-    if not _FLUSH:
-        _FLUSH.append(torch.ones(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda"))
-    reset_persisting_l2()
-    torch.sum(_FLUSH[0])
-
-
-def time_gpu_us(fn: Callable[[], Any], runs: int) -> List[float]:
-    """GPU time of ``fn`` in microseconds, one CUDA event pair per run after ``WARMUP`` calls;
-    L2 flushed and a sleep kernel queued before every timed call."""
-    for _ in range(WARMUP):
-        fn()
-    torch.cuda.synchronize()
-    sleep = getattr(torch.cuda, "_sleep", None)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
-    for start, end in zip(starts, ends):
-        flush_l2()
-        if sleep is not None:
-            sleep(SLEEP_CYCLES)
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) * 1000.0 for s, e in zip(starts, ends)]
+# L2 flush, the per-call event timer and the clock warm-up are benches/gpu_peers.py's, bound
+# by ``import_torch`` (gpu_peers needs torch to import; --cpu-check runs without it).
+reset_persisting_l2: Any = None
+flush_l2: Any = None
+time_gpu_us: Any = None
+warm_up_clocks: Any = None
 
 
 def time_host_us(fn: Callable[[], Any], calls: int) -> List[float]:
@@ -899,21 +852,6 @@ def measure_interleaved(fns: Dict[str, Optional[Callable[[], Any]]], na: Dict[st
             out[n] = {"median_us": statistics.median(t), "min_us": min(t), "runs": len(t), "times_us": t,
                       "error": None}
     return out
-
-
-def warm_up_clocks(seconds: float) -> None:
-    """Keep the GPU busy with copies for ``seconds`` so that its clocks are up before timing."""
-    src = torch.ones(COPY_BYTES // 4, dtype=torch.float32, device="cuda")
-    dst = torch.empty_like(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    busy_ms = 0.0
-    while busy_ms < seconds * 1000.0:
-        start.record()
-        for _ in range(20):
-            dst.copy_(src)
-        end.record()
-        end.synchronize()
-        busy_ms += start.elapsed_time(end)
 
 
 def copy_bandwidth(runs: int) -> Dict[str, Any]:
@@ -1115,13 +1053,18 @@ def run_workload(w: Workload, sizes: Sizes, rounds: int, per_round: int, copy_gb
 # ============================================================================ reporting
 def import_torch() -> bool:
     """Import torch and torch.nn.functional into this module; False when torch is missing."""
-    global torch, F
+    global torch, F, reset_persisting_l2, flush_l2, time_gpu_us, warm_up_clocks
     try:
         import torch as torch_mod  # noqa: PLC0415
         import torch.nn.functional as functional  # noqa: PLC0415
     except ImportError:
         return False
     torch, F = torch_mod, functional
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import gpu_peers  # noqa: PLC0415
+
+    reset_persisting_l2, flush_l2 = gpu_peers.reset_persisting_l2, gpu_peers.flush_l2
+    time_gpu_us, warm_up_clocks = gpu_peers.time_gpu_us, gpu_peers.warm_up_clocks
     return True
 
 
