@@ -335,6 +335,10 @@ class Ops:
         """Product over ``dims``."""
         return self._reduce("prod", x, dims, keepdim, dtype)
 
+    def logsumexp(self, x: Tensor, dims: Sequence[int], keepdim: bool = False) -> Tensor:
+        """``log(sum(exp(x)))`` over ``dims`` (floating point; half and bfloat16 accumulate in float)."""
+        return self._reduce("logsumexp", x, dims, keepdim, None)
+
     def var_mean(self, x: Tensor, dims: Sequence[int], correction: int = 1,
                  keepdim: bool = False) -> Tuple[Tensor, Tensor]:
         """``(var, mean)`` over ``dims``, dividing the squared deviations by ``N - correction``.

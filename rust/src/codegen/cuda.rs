@@ -381,11 +381,16 @@ impl Gen<'_> {
             }
             Node::Vector(v) => self.vector_copy(v, depth)?,
             Node::AccumulatorInit(a) => {
-                let Op::Reduction { init, .. } = self.f.exprs[a.expr].op else {
+                let Op::Reduction { op, init } = self.f.exprs[a.expr].op else {
                     crate::bail_internal!("accumulator of a non-reduction")
                 };
                 let ty = self.f.tvs[self.f.exprs[a.expr].output].dtype.c_type();
-                let _ = writeln!(self.out, "{pad}{ty} kiln_acc{} = kiln::cast<{ty}>({});", a.id, self.c(init));
+                if op == ReductionOp::LogSumExp {
+                    // A running (maximum, sum) pair: one exp per element (see kiln::LseAcc).
+                    let _ = writeln!(self.out, "{pad}kiln::LseAcc<{ty}> kiln_acc{} = kiln::lseEmpty<{ty}>();", a.id);
+                } else {
+                    let _ = writeln!(self.out, "{pad}{ty} kiln_acc{} = kiln::cast<{ty}>({});", a.id, self.c(init));
+                }
             }
             Node::Accumulate { acc, index } => {
                 let Op::Reduction { op, .. } = self.f.exprs[acc.expr].op else {
@@ -410,7 +415,11 @@ impl Gen<'_> {
                 let ty = self.f.tvs[self.f.exprs[acc.expr].output].dtype.c_type();
                 let init_c = format!("kiln::cast<{ty}>({})", self.c(init));
                 let red = crate::analysis::parallel::reduced_dims(self.f, &self.k.loops, self.f.exprs[acc.expr].output);
-                let value = format!("kiln_acc{}", acc.id);
+                let value = if op == ReductionOp::LogSumExp {
+                    format!("kiln::lseFinish(kiln_acc{})", acc.id)
+                } else {
+                    format!("kiln_acc{}", acc.id)
+                };
                 self.parallel_reduce(acc.expr, index, &red, functor(op), &init_c, &value, depth, "", *complete)?;
             }
         }
@@ -758,6 +767,7 @@ fn functor(op: ReductionOp) -> &'static str {
         ReductionOp::Max => "kiln::Max()",
         ReductionOp::Prod => "kiln::Prod()",
         ReductionOp::Min => "kiln::Min()",
+        ReductionOp::LogSumExp => "kiln::LogSumExp()",
     }
 }
 

@@ -956,6 +956,50 @@ struct Min {
   }
 };
 
+// log(sum(exp(x))) in one pass (float and double). A thread accumulates a running maximum
+// m and the sum s of exp(x - m), rescaling s when m grows, so each element costs one exp;
+// threads then merge their partial results as log-sum-exp values (LogSumExp on T).
+template <typename T>
+struct LseAcc {
+  T m, s;
+};
+template <typename T>
+KILN_DEVICE LseAcc<T> lseEmpty() {
+  return LseAcc<T>{numeric<T>::lowest(), T(0)};
+}
+// The log-sum-exp of an accumulator: +-inf where the maximum is (an infinite input, or no
+// finite one), NaN once a NaN was seen.
+template <typename T>
+KILN_DEVICE T lseFinish(LseAcc<T> a) {
+  return (a.m == numeric<T>::highest() || a.m == numeric<T>::lowest()) ? a.m : a.m + log(a.s);
+}
+struct LogSumExp {
+  // Merge two log-sum-exp values.
+  template <typename T>
+  KILN_DEVICE T operator()(T a, T b) const {
+    const T hi = maximum(a, b), lo = minimum(a, b);
+    if (hi == numeric<T>::highest() || hi == numeric<T>::lowest()) return hi;
+    return hi + log(T(1) + exp(lo - hi));
+  }
+  // Add one element to an accumulator.
+  template <typename T>
+  KILN_DEVICE LseAcc<T> operator()(LseAcc<T> a, T x) const {
+    if (x > a.m) {
+      a.s = a.s * exp(a.m - x) + T(1);
+      a.m = x;
+    } else if (isnan_(x)) {
+      a.m = x;  // sticks: no comparison with NaN holds, and the finish propagates it
+    } else if (x != numeric<T>::lowest()) {
+      a.s += exp(x - a.m);
+    }
+    return a;
+  }
+  template <typename T>
+  static KILN_DEVICE T identity() {
+    return numeric<T>::lowest();
+  }
+};
+
 // ---------------------------------------------------------------------------------------
 // Index helpers. X/Y/Z select the dims; linearisation is x fastest.
 

@@ -93,6 +93,9 @@ pub fn auto_program_strided(
     crate::sched::auto::canonical::reduce_through_broadcasts(&mut g)?;
     crate::sched::auto::canonical::merge_nested_reductions(&mut g)?;
     crate::sched::auto::canonical::reuse_partial_reductions(&mut g)?;
+    crate::sched::auto::canonical::squeeze_broadcasts(&mut g)?;
+    crate::sched::auto::canonical::online_logsumexp(&mut g)?;
+    crate::sched::auto::canonical::hoist_row_terms(&mut g)?;
     crate::sched::auto::canonical::broadcast_computed_indices(&mut g)?;
     crate::sched::auto::canonical::sink_broadcasts(&mut g)?;
     crate::sched::auto::canonical::unify_mapped_extents(&mut g);

@@ -390,8 +390,29 @@ pub fn combine(op: ReductionOp, a: Col, b: Col, dt: DataType) -> Result<Col> {
         ReductionOp::Max => BinaryOp::Maximum,
         ReductionOp::Prod => BinaryOp::Mul,
         ReductionOp::Min => BinaryOp::Minimum,
+        ReductionOp::LogSumExp => {
+            return Ok(match (a.convert(dt), b.convert(dt)) {
+                (Col::F32(a), Col::F32(b)) => {
+                    Col::F32(a.iter().zip(&b).map(|(&x, &y)| log_add_exp(x as f64, y as f64) as f32).collect())
+                }
+                (Col::F64(a), Col::F64(b)) => Col::F64(a.iter().zip(&b).map(|(&x, &y)| log_add_exp(x, y)).collect()),
+                (a, _) => bail_internal!("interpreter: logsumexp of a {} column", a.kind()),
+            });
+        }
     };
     arith(bop, a, b, dt)
+}
+
+/// `log(exp(a) + exp(b))` without overflow; infinities and NaN as `torch.logsumexp` gives them.
+fn log_add_exp(a: f64, b: f64) -> f64 {
+    if a.is_nan() || b.is_nan() {
+        return f64::NAN;
+    }
+    let (hi, lo) = if a >= b { (a, b) } else { (b, a) };
+    if hi.is_infinite() {
+        return hi;
+    }
+    hi + (lo - hi).exp().ln_1p()
 }
 
 #[cfg(test)]

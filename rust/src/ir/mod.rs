@@ -144,6 +144,8 @@ pub enum ReductionOp {
     Max,
     Min,
     Prod,
+    /// `log(sum(exp(x)))`, floating point only: one pass with a running maximum.
+    LogSumExp,
 }
 
 /// What a tensor expression computes.

@@ -471,9 +471,18 @@ impl Fusion {
             ReductionOp::Sum | ReductionOp::Prod if !in_dt.is_float() => DataType::Int,
             _ => in_dt,
         });
-        // A half or bfloat16 sum (or product) accumulates in float and rounds once at the
-        // end (as PyTorch does): rounding every partial result loses digits fast.
-        if matches!(op, ReductionOp::Sum | ReductionOp::Prod) && matches!(out_dt, DataType::Half | DataType::BFloat16) {
+        if op == ReductionOp::LogSumExp && !(in_dt.is_float() && out_dt.is_float()) {
+            bail!(
+                "{name}: {}: needs a floating-point tensor and result, got {} -> {}",
+                self.tv_name(x),
+                in_dt.enum_name(),
+                out_dt.enum_name()
+            );
+        }
+        // A half or bfloat16 sum (or product, or log-sum-exp) accumulates in float and rounds
+        // once at the end (as PyTorch does): rounding every partial result loses digits fast.
+        let widened = matches!(op, ReductionOp::Sum | ReductionOp::Prod | ReductionOp::LogSumExp);
+        if widened && matches!(out_dt, DataType::Half | DataType::BFloat16) {
             let wide = self.cast(Operand::Tensor(x), DataType::Float)?;
             let r = self.reduction(op, wide, &dims.iter().map(|&d| d as i64).collect::<Vec<_>>(), keepdim, None)?;
             return self.cast(Operand::Tensor(r), out_dt);
@@ -496,6 +505,7 @@ impl Fusion {
                 self.scalars.int(if out_dt == DataType::Int32 { i32::MIN as i64 } else { i64::MIN })
             }
             (ReductionOp::Min, true) => self.scalars.float(f64::INFINITY),
+            (ReductionOp::LogSumExp, _) => self.scalars.float(f64::NEG_INFINITY),
             (ReductionOp::Min, false) => {
                 self.scalars.int(if out_dt == DataType::Int32 { i32::MAX as i64 } else { i64::MAX })
             }
@@ -813,6 +823,7 @@ pub fn reduction_name(op: ReductionOp) -> &'static str {
         ReductionOp::Max => "max",
         ReductionOp::Prod => "prod",
         ReductionOp::Min => "min",
+        ReductionOp::LogSumExp => "logsumexp",
     }
 }
 

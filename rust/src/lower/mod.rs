@@ -12,18 +12,20 @@
 //! 7. `indexing`   — element offsets of every access, gathers, predicates
 //! 8. `syncs`      — block syncs for Shared memory RAW/WAR hazards
 //! 9. `reduction_hoist` — register accumulators before block/grid reductions
-//! 10. `launch`    — grid/block dims and the dynamic shared memory layout
-//! 11. `unswitch`  — unswitched loops and loop-invariant bounds checks (`If` nodes)
-//! 12. `vectorize` — wide vector copies with their element-loop fallback
+//! 10. `fuse_loops` — sibling loops with the same iterations and no dependence, merged
+//! 11. `launch`    — grid/block dims and the dynamic shared memory layout
+//! 12. `unswitch`  — unswitched loops and loop-invariant bounds checks (`If` nodes)
+//! 13. `vectorize` — wide vector copies with their element-loop fallback
 //!
 //! Codegen and the interpreter both run the kernel IR these passes leave: codegen prints
 //! it and decides nothing, so the interpreter checks every rewrite the GPU runs.
 //!
-//! Steps 4-12 are one list of functions over one [`LowerCtx`]; the verifier
+//! Steps 4-13 are one list of functions over one [`LowerCtx`]; the verifier
 //! (`verify`) runs after each in tests and debug builds. Passes hand results on explicitly
 //! (kernel IR plus side tables); none reaches into another's internals.
 
 pub mod allocation;
+pub mod fuse_loops;
 pub mod indexing;
 pub mod launch;
 pub mod loops;
@@ -97,6 +99,7 @@ pub const PASSES: &[Pass] = &[
         },
     },
     Pass { name: "reduction_hoist", run: |c| reduction_hoist::run(&c.f, &c.lg, &mut c.body) },
+    Pass { name: "fuse_loops", run: |c| fuse_loops::run(&mut c.f, &c.lg, &mut c.body) },
     Pass {
         name: "launch",
         run: |c| {

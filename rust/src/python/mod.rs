@@ -222,7 +222,7 @@ impl PyFusion {
     ) -> PyResult<u32> {
         guarded(py, || {
             let r = parse_enum("reduction", op, |n| {
-                [ReductionOp::Sum, ReductionOp::Max, ReductionOp::Min, ReductionOp::Prod]
+                [ReductionOp::Sum, ReductionOp::Max, ReductionOp::Min, ReductionOp::Prod, ReductionOp::LogSumExp]
                     .into_iter()
                     .find(|&r| reduction_name(r) == n)
             })?;

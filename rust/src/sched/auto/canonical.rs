@@ -18,6 +18,21 @@
 //! - **Partial reductions are reused.** `sum(y, [0, 1])` beside `sum(y, [1])` becomes the
 //!   sum of the row sums: one pass over `y`, and the total a grid reduction of the rows in
 //!   the row reduction's kernel.
+//! - **A sum of `exp(x - max(x))` becomes `exp(logsumexp(x) - max(x))`.** The log-sum-exp
+//!   reduction keeps a running maximum, so it reads `x` beside the max instead of after it:
+//!   where a row is too long to keep on chip, one pass over the row computes both
+//!   (`lower::fuse_loops` merges the sibling loops) instead of a pass for the max and a
+//!   second for the sum (softmax, log-softmax, logsumexp and cross-entropy over a
+//!   vocabulary).
+//! - **Per-row terms leave masked sums.** `sum(where(c, a - broadcast(r), 0))` over the
+//!   axes `r` is constant along becomes `sum(where(c, a, 0)) - r * sum(where(c, 1, 0))`
+//!   (and `+`, and `r - a`) where `r` comes from a reduction: exact in real arithmetic, and
+//!   the sum then no longer waits for `r`, so one pass over the row computes both
+//!   (cross-entropy's `sum(where(onehot, x - max, 0))` beside the max and the log-sum-exp).
+//!   Masked sums only: an unmasked `sum(a - r)` could cancel badly.
+//! - **A squeeze of a broadcast is its source** when it removes exactly the axes the
+//!   broadcast added (`x.max(-1, keepdim=True)` squeezed back): the per-row value is then
+//!   read as such, not through a full-rank tensor a row schedule spreads over threads.
 //! - **Mapped extents share one symbol.** Axes the definition aligns (a running mean `[C]`
 //!   added to a statistic over x's `C` axis) have sizes the input contract checks equal at
 //!   run time (`host::bind`); giving them one extent symbol lets their loops be one loop.
@@ -42,7 +57,8 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use crate::analysis::id_graph::IdGraph;
 use crate::error::Result;
 use crate::ir::mapping::logical_pairs;
-use crate::ir::{ExprId, Fusion, IterType, Op, Operand, TvId};
+use crate::ir::scalar::Val;
+use crate::ir::{BinaryOp, DataType, ExprId, Fusion, IterType, Op, Operand, ReductionOp, TvId, UnaryOp};
 
 /// Rewrite `f` (unscheduled) into canonical form; semantics are unchanged.
 pub fn sink_broadcasts(f: &mut Fusion) -> Result<()> {
@@ -255,6 +271,220 @@ pub fn merge_nested_reductions(f: &mut Fusion) -> Result<()> {
         }
         return Ok(());
     }
+}
+
+/// Replace `sum(exp(x - broadcast(max(x))))` over the same axes by
+/// `exp(logsumexp(x) - max(x))` (float and double; see the module docs). Other readers of
+/// `exp(x - max)` (the softmax's output) keep it.
+pub fn online_logsumexp(f: &mut Fusion) -> Result<()> {
+    'again: loop {
+        for e in f.topo_exprs() {
+            let Some((x, m)) = sum_of_shifted_exp(f, e) else { continue };
+            let s = f.exprs[e].output;
+            let dims: Vec<i64> = reduced_axes(f, e).into_iter().map(|a| a as i64).collect();
+            let lse = f.reduction(ReductionOp::LogSumExp, x, &dims, false, None)?;
+            let diff = f.binary(BinaryOp::Sub, Operand::Tensor(lse), Operand::Tensor(m))?;
+            let sum = f.unary(UnaryOp::Exp, Operand::Tensor(diff))?;
+            replace_tensor(f, s, sum);
+            if let Some(ex) = f.exprs[e].inputs[0].tensor() {
+                f.tvs[ex].uses.retain(|&u| u != e);
+            }
+            drop_dead_uses(f);
+            continue 'again;
+        }
+        return Ok(());
+    }
+}
+
+/// Read the source of a broadcast where a squeeze removes exactly its new axes (see the
+/// module docs).
+pub fn squeeze_broadcasts(f: &mut Fusion) -> Result<()> {
+    let mut changed = false;
+    for e in f.topo_exprs() {
+        let Op::Squeeze { removed } = &f.exprs[e].op else { continue };
+        let Some(b) = f.exprs[e].inputs[0].tensor() else { continue };
+        let Some(d) = f.tvs[b].definition else { continue };
+        let Op::Broadcast { is_new } = &f.exprs[d].op else { continue };
+        let Some(src) = f.exprs[d].inputs[0].tensor() else { continue };
+        let out = f.exprs[e].output;
+        if is_new != removed || f.tvs[src].dtype != f.tvs[out].dtype {
+            continue;
+        }
+        // Reductions keep their reduced axes in the logical domain; the squeeze's result has none.
+        if f.no_reduction_logical(src).len() != f.tvs[out].logical.len() {
+            continue;
+        }
+        replace_tensor(f, out, src);
+        f.tvs[b].uses.retain(|&u| u != e);
+        changed = true;
+    }
+    if changed {
+        drop_dead_uses(f);
+    }
+    Ok(())
+}
+
+/// Take per-row terms out of masked sums (see the module docs).
+pub fn hoist_row_terms(f: &mut Fusion) -> Result<()> {
+    'again: loop {
+        for e in f.topo_exprs() {
+            let Some(m) = masked_row_term(f, e) else { continue };
+            let dims: Vec<i64> = reduced_axes(f, e).into_iter().map(|a| a as i64).collect();
+            let dt = f.tvs[f.exprs[e].output].dtype;
+            let (one, zero) = (Operand::Scalar(f.scalars.float(1.0)), Operand::Scalar(f.scalars.float(0.0)));
+            let (kept, ind) = if m.value_first {
+                (f.where_(m.cond, Operand::Tensor(m.a), m.zero)?, f.where_(m.cond, one, zero)?)
+            } else {
+                (f.where_(m.cond, m.zero, Operand::Tensor(m.a))?, f.where_(m.cond, zero, one)?)
+            };
+            let ind = if f.tvs[ind].dtype == dt { ind } else { f.cast(Operand::Tensor(ind), dt)? };
+            let sum_a = f.reduction(ReductionOp::Sum, kept, &dims, false, Some(dt))?;
+            let count = f.reduction(ReductionOp::Sum, ind, &dims, false, Some(dt))?;
+            let term = f.binary(BinaryOp::Mul, Operand::Tensor(m.r), Operand::Tensor(count))?;
+            let (p, q, op) = match m.shape {
+                RowTerm::Minus => (sum_a, term, BinaryOp::Sub),
+                RowTerm::Plus => (sum_a, term, BinaryOp::Add),
+                RowTerm::From => (term, sum_a, BinaryOp::Sub),
+            };
+            let new = f.binary(op, Operand::Tensor(p), Operand::Tensor(q))?;
+            let old = f.exprs[e].output;
+            replace_tensor(f, old, new);
+            f.tvs[m.masked].uses.retain(|&u| u != e);
+            drop_dead_uses(f);
+            continue 'again;
+        }
+        return Ok(());
+    }
+}
+
+/// Forget the uses by exprs that no output depends on any more (a rewrite left them): the
+/// schedulers count a tensor's readers, and a dead one would keep a tensor from being
+/// inlined into its live readers.
+fn drop_dead_uses(f: &mut Fusion) {
+    let live: FxHashSet<ExprId> = f.topo_exprs().into_iter().collect();
+    let tvs: Vec<TvId> = f.tvs.keys().collect();
+    for t in tvs {
+        f.tvs[t].uses.retain(|u| live.contains(u));
+    }
+}
+
+/// How a per-row term `r` enters the masked value: `a - r`, `a + r` (or `r + a`), `r - a`.
+#[derive(Clone, Copy)]
+enum RowTerm {
+    Minus,
+    Plus,
+    From,
+}
+
+/// A sum of `where(cond, a (op) broadcast(r), zero)` (or with the branches swapped).
+struct MaskedRowTerm {
+    masked: TvId,
+    cond: Operand,
+    zero: Operand,
+    value_first: bool,
+    a: TvId,
+    r: TvId,
+    shape: RowTerm,
+}
+
+fn masked_row_term(f: &Fusion, e: ExprId) -> Option<MaskedRowTerm> {
+    let Op::Reduction { op: ReductionOp::Sum, .. } = f.exprs[e].op else { return None };
+    let dt = f.tvs[f.exprs[e].output].dtype;
+    if !matches!(dt, DataType::Float | DataType::Double) {
+        return None;
+    }
+    let masked = f.exprs[e].inputs[0].tensor()?;
+    let w = f.tvs[masked].definition?;
+    if f.exprs[w].op != Op::Where || f.tvs[masked].dtype != dt {
+        return None;
+    }
+    let ins = &f.exprs[w].inputs;
+    let is_zero = |o: &Operand| {
+        matches!(o, Operand::Scalar(v) if matches!(f.scalars.get(*v), Val::Float(b) if f64::from_bits(b) == 0.0)
+            || f.scalars.as_int(*v) == Some(0))
+    };
+    let (value, zero, value_first) = match (ins[1], ins[2]) {
+        (Operand::Tensor(v), z) if is_zero(&z) => (v, z, true),
+        (z, Operand::Tensor(v)) if is_zero(&z) => (v, z, false),
+        _ => return None,
+    };
+    let d = f.tvs[value].definition?;
+    let Op::Binary(op @ (BinaryOp::Sub | BinaryOp::Add)) = f.exprs[d].op else { return None };
+    let (p, q) = (f.exprs[d].inputs[0].tensor()?, f.exprs[d].inputs[1].tensor()?);
+    let red = reduced_axes(f, e);
+    let rank = f.tvs[f.exprs[e].output].logical.len();
+    // `t` = broadcast(r) adding exactly the reduced axes, r computed from a reduction.
+    let row_term = |t: TvId| -> Option<TvId> {
+        let b = f.tvs[t].definition?;
+        let Op::Broadcast { is_new } = &f.exprs[b].op else { return None };
+        let r = f.exprs[b].inputs[0].tensor()?;
+        let exact = is_new.len() == rank && is_new.iter().enumerate().all(|(a, &new)| new == red.contains(&a));
+        (exact && f.tvs[r].dtype == dt && after_reduction(f, r)).then_some(r)
+    };
+    let (a, r, shape) = if let Some(r) = row_term(q) {
+        (p, r, if op == BinaryOp::Sub { RowTerm::Minus } else { RowTerm::Plus })
+    } else if let Some(r) = row_term(p) {
+        (q, r, if op == BinaryOp::Sub { RowTerm::From } else { RowTerm::Plus })
+    } else {
+        return None;
+    };
+    (f.tvs[a].dtype == dt && f.tvs[value].dtype == dt).then_some(MaskedRowTerm {
+        masked,
+        cond: ins[0],
+        zero,
+        value_first,
+        a,
+        r,
+        shape,
+    })
+}
+
+/// True when `t` is computed from the result of a reduction.
+fn after_reduction(f: &Fusion, t: TvId) -> bool {
+    let mut stack = vec![t];
+    let mut seen: FxHashSet<TvId> = FxHashSet::default();
+    while let Some(t) = stack.pop() {
+        let Some(d) = f.tvs[t].definition else { continue };
+        if !seen.insert(t) {
+            continue;
+        }
+        if matches!(f.exprs[d].op, Op::Reduction { .. }) {
+            return true;
+        }
+        stack.extend(f.exprs[d].inputs.iter().filter_map(|o| o.tensor()));
+    }
+    false
+}
+
+/// `(x, max(x))` when reduction `e` is `sum(exp(x - broadcast(max(x))))`, the max and the sum
+/// over the same axes, the broadcast adding exactly those, all in one float dtype.
+fn sum_of_shifted_exp(f: &Fusion, e: ExprId) -> Option<(TvId, TvId)> {
+    let def = |t: TvId| f.tvs[t].definition;
+    let Op::Reduction { op: ReductionOp::Sum, .. } = f.exprs[e].op else { return None };
+    let dt = f.tvs[f.exprs[e].output].dtype;
+    let ex = f.exprs[e].inputs[0].tensor()?;
+    let d_ex = def(ex)?;
+    let u = match f.exprs[d_ex].op {
+        Op::Unary(UnaryOp::Exp) => f.exprs[d_ex].inputs[0].tensor()?,
+        _ => return None,
+    };
+    let d_u = def(u)?;
+    if f.exprs[d_u].op != Op::Binary(BinaryOp::Sub) {
+        return None;
+    }
+    let (x, b) = (f.exprs[d_u].inputs[0].tensor()?, f.exprs[d_u].inputs[1].tensor()?);
+    let d_b = def(b)?;
+    let Op::Broadcast { is_new } = &f.exprs[d_b].op else { return None };
+    let m = f.exprs[d_b].inputs[0].tensor()?;
+    let d_m = def(m)?;
+    let Op::Reduction { op: ReductionOp::Max, .. } = f.exprs[d_m].op else { return None };
+    let red = reduced_axes(f, e);
+    let same_axes = reduced_axes(f, d_m) == red
+        && is_new.len() == f.tvs[f.exprs[e].output].logical.len()
+        && is_new.iter().enumerate().all(|(a, &new)| new == red.contains(&a));
+    let float = matches!(dt, DataType::Float | DataType::Double);
+    let same_dtype = [ex, u, x, m].iter().all(|&t| f.tvs[t].dtype == dt);
+    (f.exprs[d_m].inputs[0] == Operand::Tensor(x) && same_axes && float && same_dtype).then_some((x, m))
 }
 
 /// Reduce the source of a broadcast instead of the broadcast, where the reduction covers

@@ -31,7 +31,7 @@ fn merge_range(f: &mut Fusion, t: TvId, start: usize, count: usize) -> Result<()
 /// Give every reader of a row tensor its own copy of it, so that each tensor is computed in
 /// the pass that reads it. Reductions and the tensors `shared` accepts (per-row values, one
 /// per block) stay single: every pass reads them.
-fn recompute_per_reader(f: &mut Fusion, shared: &dyn Fn(&Fusion, TvId) -> bool) -> Result<()> {
+pub(super) fn recompute_per_reader(f: &mut Fusion, shared: &dyn Fn(&Fusion, TvId) -> bool) -> Result<()> {
     // Readers first: a copy adds readers to its producers, which come later in this order.
     for e in f.topo_exprs().into_iter().rev() {
         let t = f.exprs[e].output;

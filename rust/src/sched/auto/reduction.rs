@@ -26,12 +26,13 @@ fn merge_range(f: &mut Fusion, t: TvId, start: usize, count: usize) -> Result<()
 
 /// The computed tensors other than `r` that do not depend on `r` (its producers, and
 /// outputs computed from the same inputs beside it: scheduled like its input) and those
-/// that do (ops on its result), each in dependency order.
-fn by_dependence(f: &Fusion, rs: &[TvId]) -> (Vec<TvId>, Vec<TvId>) {
+/// that do (ops on its result), each in dependency order. `late`: tensors scheduled after
+/// both (totals of the rows and what they compute); neither list holds them.
+fn by_dependence(f: &Fusion, rs: &[TvId], late: &[TvId]) -> (Vec<TvId>, Vec<TvId>) {
     let (mut before, mut after) = (Vec::new(), Vec::new());
     for e in f.topo_exprs() {
         let o = f.exprs[e].output;
-        if rs.contains(&o) {
+        if rs.contains(&o) || late.contains(&o) {
             continue;
         }
         if f.exprs[e].input_tvs().any(|t| rs.contains(&t) || after.contains(&t)) {
@@ -41,7 +42,8 @@ fn by_dependence(f: &Fusion, rs: &[TvId]) -> (Vec<TvId>, Vec<TvId>) {
         }
     }
     // A tensor of lower rank than the reduction's input that only ops after the reduction
-    // read (a running statistic's `(1 - momentum) * running_mean`) runs in their space.
+    // (or the totals) read runs in their space: a running statistic's
+    // `(1 - momentum) * running_mean`, cross-entropy's per-row `label != ignore_index`.
     let rank = rs.first().map_or(0, |&r| f.tvs[r].logical.len());
     let reduced = |x: TvId| f.tvs[x].definition.is_some_and(|d| matches!(f.exprs[d].op, Op::Reduction { .. }));
     for i in (0..before.len()).rev() {
@@ -52,7 +54,7 @@ fn by_dependence(f: &Fusion, rs: &[TvId]) -> (Vec<TvId>, Vec<TvId>) {
             && f.no_reduction_logical(t).len() < rank
             && !f.is_output(t)
             && !consumers.is_empty()
-            && consumers.iter().all(|c| after.contains(c))
+            && consumers.iter().all(|c| after.contains(c) || late.contains(c))
         {
             before.remove(i);
             after.push(t);
@@ -119,15 +121,15 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
 
     // Tensors before the reduction (same rank as its input) and after it; totals of the
     // rows and what they compute are placed last.
-    let (before, mut after) = by_dependence(f, &rs);
-    after.retain(|t| !totals.contains(t) && !post.contains(t));
+    let late: Vec<TvId> = totals.iter().chain(&post).copied().collect();
+    let (before, after) = by_dependence(f, &rs, &late);
     if !totals.is_empty() && !inner {
         bail!(
             "{}: a total needs the rows on the blocks (an inner reduction); it needs a kernel of its own",
             f.tv_name(totals[0])
         );
     }
-    if let Some(o) = rs.iter().copied().find(|&o| by_dependence(f, &[o]).1.iter().any(|t| rs.contains(t))) {
+    if let Some(o) = rs.iter().copied().find(|&o| by_dependence(f, &[o], &[]).1.iter().any(|t| rs.contains(t))) {
         bail!("{}: a reduction reads it; reductions of reductions need a kernel each", f.tv_name(o));
     }
     let checked: Vec<TvId> = before.iter().chain(&rs[1..]).copied().collect();
@@ -190,19 +192,39 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
         // 63.3 with sixteen against 62.4 with four).
         let t = ((red_size / v / 2).max(32) as u64).next_power_of_two().min(512) as i64;
         let mut caches = Vec::new();
+        let mut cached = Vec::new();
         for op in f.inputs.clone() {
             let Operand::Tensor(x) = op else { continue };
             if super::full_size_input(f, x, n) && f.tvs[x].uses.iter().all(|&e| !f.exprs[e].op.is_gather()) {
-                let c = f.cache_after(x)?;
-                // Read once: keep the stream out of L1 (measured on the H200, 16384x4096
-                // fp32 row sum: 62.3 us against 62.7 with allocating loads, same run).
-                if v > 1 {
-                    f.set_streaming_load(c)?;
-                }
-                caches.push(c);
+                caches.push(f.cache_after(x)?);
+                cached.push(x);
             }
         }
-        let pre = by_dependence(f, &rs).0;
+        // A tensor read by several ops (an input read by a max, a log-sum-exp and a masked
+        // sum) would be computed in a loop nest of its own and held per thread for the whole
+        // row; each reader gets its own copy instead, computed in its reduction's loop
+        // (`lower::fuse_loops` merges those loops, and the second load hits L1).
+        let pre = by_dependence(f, &rs, &late).0;
+        let several = pre.iter().any(|&t| f.tvs[t].uses.len() > 1 && !f.is_output(t));
+        if several {
+            super::looped::recompute_per_reader(f, &|_: &Fusion, t: TvId| !pre.contains(&t))?;
+            caches = f
+                .topo_exprs()
+                .into_iter()
+                .filter(|&e| {
+                    matches!(f.exprs[e].op, Op::Set)
+                        && f.exprs[e].inputs[0].tensor().is_some_and(|x| cached.contains(&x))
+                })
+                .map(|e| f.exprs[e].output)
+                .collect();
+        } else if v > 1 {
+            // Read once: keep the stream out of L1 (measured on the H200, 16384x4096 fp32
+            // row sum: 62.3 us against 62.7 with allocating loads, same run).
+            for &c in &caches {
+                f.set_streaming_load(c)?;
+            }
+        }
+        let pre = by_dependence(f, &rs, &late).0;
         for &x in pre.iter().chain(&rs) {
             permute(f, x)?;
             merge_range(f, x, 0, n - k)?;
@@ -334,8 +356,8 @@ fn inline_into_after(f: &mut Fusion, rs: &[TvId], after: &[TvId]) -> Result<()> 
 /// reduction (several totals of tensors of different shapes share the grid: the squares of
 /// a weight's and a bias's gradients summed into one norm).
 fn full(f: &mut Fusion, cx: &Ctx, rs: &[TvId]) -> Result<Heuristic> {
-    let (before, after) = by_dependence(f, rs);
-    if let Some(o) = rs.iter().copied().find(|&o| by_dependence(f, &[o]).1.iter().any(|t| rs.contains(t))) {
+    let (before, after) = by_dependence(f, rs, &[]);
+    if let Some(o) = rs.iter().copied().find(|&o| by_dependence(f, &[o], &[]).1.iter().any(|t| rs.contains(t))) {
         bail!("{}: a reduction reads it; reductions of reductions need a kernel each", f.tv_name(o));
     }
     if let Some(&t) = after.iter().find(|&&t| !f.no_reduction_logical(t).is_empty()) {

@@ -1,0 +1,278 @@
+"""One pass over a row for the statistics users compute over long rows.
+
+- ``fd.ops.logsumexp``: a reduction with a running maximum, checked against NumPy in
+  float64, with infinities and NaN as torch gives them.
+- The automatic path rewrites ``sum(exp(x - max(x)))`` into ``exp(logsumexp(x) - max(x))``
+  and takes per-row terms out of masked sums (``sum(where(c, x - max, 0))``), and lowering
+  fuses sibling loops, so that softmax-like fusions over rows too long to keep on chip read
+  the row once for their statistics. The tests count the passes over the row in the CUDA
+  the schedule emits and compare every result with NumPy.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, List, Tuple
+
+import numpy as np
+import pytest
+from gpu_util import cupy_or_skip
+from kiln import DataType, FusionDefinition, KilnError
+from kiln.runtime.nvrtc import compile_cubin, nvrtc_available
+
+LONG = 70001  # columns: past what the register-persistent schedules hold, odd
+
+
+def _lse_ref(x: np.ndarray, axis: Any, keepdims: bool = False) -> np.ndarray:
+    """torch.logsumexp in float64: -inf for all -inf, +inf where one is +inf, NaN with a NaN."""
+    x = x.astype(np.float64)
+    m = np.max(x, axis=axis, keepdims=True)
+    finite = np.where(np.isfinite(m), m, 0.0)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        r = np.log(np.sum(np.exp(x - finite), axis=axis, keepdims=True)) + finite
+    r = np.where(np.isinf(m), m, r)
+    return r if keepdims else np.squeeze(r, axis=axis)
+
+
+def _passes(fd: FusionDefinition, inputs: List[Any]) -> List[int]:
+    """Serial loops directly inside each kernel's block-per-row scope: one per pass over a row."""
+    low = fd.lower(inputs)
+    out = []
+    for k in low.kernels:
+        body = k.cuda_source[k.cuda_source.index("kiln_kernel("):]
+        out.append(len(re.findall(r"^    for \(kiln_index_t idx\d+ = 0;", body, re.M)))
+    return out
+
+
+@pytest.mark.parametrize("as_written", [False, True])
+@pytest.mark.parametrize("shape,dims,keepdim", [((3, 7), [1], False), ((2, 5, 9), [0, 2], True),
+                                                ((4, 1031), [-1], False), ((6, 5), [0], False)])
+def test_logsumexp_matches_numpy(shape: Tuple[int, ...], dims: List[int], keepdim: bool,
+                                 as_written: bool) -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1] * len(shape))
+        fd.add_output(fd.ops.logsumexp(x, dims=dims, keepdim=keepdim))
+    a = (np.random.default_rng(0).standard_normal(shape) * 30).astype(np.float32)
+    (got,) = fd.execute([a], as_written=as_written)
+    want = _lse_ref(a, tuple(d % len(shape) for d in dims), keepdim)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("as_written", [False, True])
+def test_logsumexp_infinities_and_nan(as_written: bool) -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.logsumexp(x, dims=[1]))
+    a = np.random.default_rng(1).standard_normal((6, 33)).astype(np.float32)
+    a[0, :] = -np.inf  # an empty softmax row
+    a[1, 5] = np.inf
+    a[2, 7] = np.nan
+    a[3, [1, 9]] = np.inf
+    a[4, ::2] = -np.inf
+    a[5, 0] = 80.0  # exp overflows float32 without the running maximum
+    (got,) = fd.execute([a], as_written=as_written)
+    want = _lse_ref(a, 1)
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-5, equal_nan=True)
+    assert got[0] == -np.inf and got[1] == np.inf and np.isnan(got[2]) and got[3] == np.inf
+
+
+def test_logsumexp_half_accumulates_in_float() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], dtype=DataType.Half)
+        fd.add_output(fd.ops.logsumexp(x, dims=[1]))
+    a = np.random.default_rng(2).standard_normal((5, 4099)).astype(np.float16)
+    (got,) = fd.execute([a])
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got.astype(np.float64), _lse_ref(a, 1), rtol=2e-3)
+
+
+def test_logsumexp_refuses_integers() -> None:
+    with pytest.raises(KilnError, match="logsumexp.*floating-point"):
+        with FusionDefinition() as fd:
+            x = fd.define_tensor([-1, -1], dtype=DataType.Int)
+            fd.add_output(fd.ops.logsumexp(x, dims=[1]))
+
+
+# ---------------------------------------------------------------------------------- long rows
+def _logsumexp_written_out(keepdim: bool) -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        mx = fd.ops.max(x, dims=[1], keepdim=keepdim)
+        mb = mx if keepdim else fd.ops.broadcast_in_dim(mx, [-1, -1], [0])
+        s = fd.ops.sum(fd.ops.exp(fd.ops.sub(x, mb)), dims=[1])
+        m1 = fd.ops.squeeze(mx, [1]) if keepdim else mx
+        fd.add_output(fd.ops.add(fd.ops.log(s), m1))
+    return fd
+
+
+def _log_softmax() -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        mx = fd.ops.max(x, dims=[1], keepdim=True)
+        xs = fd.ops.sub(x, mx)
+        lse = fd.ops.log(fd.ops.sum(fd.ops.exp(xs), dims=[1], keepdim=True))
+        fd.add_output(fd.ops.sub(xs, lse))
+    return fd
+
+
+def _softmax() -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        mx = fd.ops.broadcast_in_dim(fd.ops.max(x, dims=[1]), [-1, -1], [0])
+        e = fd.ops.exp(fd.ops.sub(x, mx))
+        fd.add_output(fd.ops.div(e, fd.ops.broadcast_in_dim(fd.ops.sum(e, dims=[1]), [-1, -1], [0])))
+    return fd
+
+
+def _cross_entropy_masked_sum() -> FusionDefinition:
+    """The label's log-probability picked by a one-hot mask, as a masked sum of ``x - max``."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        labels = fd.define_tensor([-1], dtype=DataType.Int)
+        cols = fd.define_tensor([-1], dtype=DataType.Int)
+        mx = fd.ops.max(x, dims=[1])
+        xs = fd.ops.sub(x, fd.ops.broadcast_in_dim(mx, [-1, -1], [0]))
+        lse = fd.ops.log(fd.ops.sum(fd.ops.exp(xs), dims=[1]))
+        hot = fd.ops.eq(fd.ops.broadcast_in_dim(cols, [-1, -1], [1]),
+                        fd.ops.broadcast_in_dim(labels, [-1, -1], [0]))
+        picked = fd.ops.sum(fd.ops.where(hot, xs, 0.0), dims=[1])
+        fd.add_output(fd.ops.sub(lse, picked))
+    return fd
+
+
+def _masked_mean_shifted() -> FusionDefinition:
+    """Mean of ``x - max`` over a random mask (many selected elements per row)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        m = fd.define_tensor([-1, -1], dtype=DataType.Bool)
+        mx = fd.ops.broadcast_in_dim(fd.ops.max(x, dims=[1]), [-1, -1], [0])
+        s = fd.ops.sum(fd.ops.where(m, 0.0, fd.ops.sub(mx, x)), dims=[1])
+        fd.add_output(fd.ops.div(s, fd.ops.sum(fd.ops.cast(m, DataType.Float), dims=[1])))
+    return fd
+
+
+def _two_sums() -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.sum(x, dims=[1]))
+        fd.add_output(fd.ops.sum(fd.ops.mul(x, x), dims=[1]))
+    return fd
+
+
+def _centered_variance() -> FusionDefinition:
+    """The second sum reads the first: two passes stay two."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        mean = fd.ops.mul(fd.ops.sum(x, dims=[1]), 1.0 / LONG)
+        xc = fd.ops.sub(x, fd.ops.broadcast_in_dim(mean, [-1, -1], [0]))
+        fd.add_output(fd.ops.sum(fd.ops.mul(xc, xc), dims=[1]))
+    return fd
+
+
+def _rows(rng: np.random.Generator, rows: int = 3) -> np.ndarray:
+    a = (rng.standard_normal((rows, LONG)) * 4).astype(np.float32)
+    a[0, 17] = 60.0  # exp(x) overflows float32 without the maximum
+    return a
+
+
+def _ce_inputs(rng: np.random.Generator) -> List[np.ndarray]:
+    x = _rows(rng, 4)
+    return [x, rng.integers(0, LONG, size=4).astype(np.int64), np.arange(LONG, dtype=np.int64)]
+
+
+def _ce_ref(x: np.ndarray, labels: np.ndarray, cols: np.ndarray) -> List[np.ndarray]:
+    x = x.astype(np.float64)
+    return [_lse_ref(x, 1) - x[np.arange(len(labels)), labels]]
+
+
+def _masked_inputs(rng: np.random.Generator) -> List[np.ndarray]:
+    return [_rows(rng), rng.random((3, LONG)) < 0.3]
+
+
+def _masked_ref(x: np.ndarray, m: np.ndarray) -> List[np.ndarray]:
+    x = x.astype(np.float64)
+    mx = x.max(axis=1, keepdims=True)
+    return [np.where(m, 0.0, mx - x).sum(axis=1) / m.sum(axis=1)]
+
+
+def _d(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float64)
+
+
+Case = Tuple[Callable[[], FusionDefinition], Callable[[np.random.Generator], List[np.ndarray]],
+             Callable[..., List[np.ndarray]], int]
+
+# name: (build, inputs, float64 reference, passes over the row)
+CASES = {
+    "logsumexp_written_out": (lambda: _logsumexp_written_out(False), lambda r: [_rows(r)],
+                              lambda x: [_lse_ref(x, 1)], 1),
+    "logsumexp_keepdim_max": (lambda: _logsumexp_written_out(True), lambda r: [_rows(r)],
+                              lambda x: [_lse_ref(x, 1)], 1),
+    "log_softmax": (_log_softmax, lambda r: [_rows(r)], lambda x: [_d(x) - _lse_ref(x, 1, True)], 2),
+    "softmax": (_softmax, lambda r: [_rows(r)], lambda x: [np.exp(_d(x) - _lse_ref(x, 1, True))], 2),
+    "cross_entropy_masked_sum": (_cross_entropy_masked_sum, _ce_inputs, _ce_ref, 1),
+    "masked_mean_shifted": (_masked_mean_shifted, _masked_inputs, _masked_ref, 1),
+    "two_sums": (_two_sums, lambda r: [_rows(r)], lambda x: [_d(x).sum(1), (_d(x) ** 2).sum(1)], 1),
+    "centered_variance": (_centered_variance, lambda r: [_rows(r)],
+                          lambda x: [((_d(x) - _d(x).mean(1, keepdims=True)) ** 2).sum(1)], 2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_long_rows_match_numpy(name: str) -> None:
+    build, inputs, ref, _ = CASES[name]
+    a = inputs(np.random.default_rng(3))
+    got = build().execute(a)
+    for g, w in zip(got, ref(*a)):
+        np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_long_rows_read_once_per_pass(name: str) -> None:
+    """Statistics that do not read each other share one pass over the row."""
+    build, inputs, _, passes = CASES[name]
+    assert _passes(build(), inputs(np.random.default_rng(4))) == [passes]
+
+
+def test_fully_masked_softmax_row_is_nan_as_in_numpy() -> None:
+    a = _rows(np.random.default_rng(5))
+    a[1, :] = -np.inf
+    (got,) = _softmax().execute([a])
+    assert np.isnan(got[1]).all()
+    np.testing.assert_allclose(got[[0, 2]], np.exp(_d(a[[0, 2]]) - _lse_ref(a[[0, 2]], 1, True)), rtol=2e-5,
+                               atol=1e-7)
+
+
+@pytest.mark.skipif(not nvrtc_available(), reason="NVRTC is not installed")
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_long_row_kernels_compile(name: str) -> None:
+    build, inputs, _, _ = CASES[name]
+    for k in build().lower(inputs(np.random.default_rng(6))).kernels:
+        compile_cubin(k.cuda_source, k.kernel_name, arch="sm_90")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gpu_long_rows_match_numpy(name: str) -> None:
+    cp = cupy_or_skip()
+    build, inputs, ref, _ = CASES[name]
+    a = inputs(np.random.default_rng(7))
+    got = build().execute([cp.asarray(x) for x in a])
+    for g, w in zip(got, ref(*a)):
+        np.testing.assert_allclose(cp.asnumpy(g).astype(np.float64), w, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_logsumexp_infinities_and_nan() -> None:
+    cp = cupy_or_skip()
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.logsumexp(x, dims=[1]))
+    a = np.random.default_rng(8).standard_normal((5, 100003)).astype(np.float32)
+    a[0, :] = -np.inf
+    a[1, 5] = np.inf
+    a[2, 7] = np.nan
+    a[3, 99999] = 85.0
+    (got,) = fd.execute([cp.asarray(a)])
+    np.testing.assert_allclose(cp.asnumpy(got), _lse_ref(a, 1), rtol=2e-6, atol=1e-5, equal_nan=True)
