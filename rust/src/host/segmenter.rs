@@ -94,8 +94,22 @@ pub fn auto_program_strided(
     crate::sched::auto::canonical::merge_nested_reductions(&mut g)?;
     crate::sched::auto::canonical::reuse_partial_reductions(&mut g)?;
     crate::sched::auto::canonical::squeeze_broadcasts(&mut g)?;
-    crate::sched::auto::canonical::online_logsumexp(&mut g)?;
-    crate::sched::auto::canonical::hoist_row_terms(&mut g)?;
+    // Rows longer than a block keeps on chip (sizes unknown here: not long).
+    let long_row = |g: &Fusion, e: crate::ir::ExprId| {
+        let out = g.exprs[e].output;
+        let Ok(sizes) = crate::sched::auto::tensor_sizes(g, &cx, out) else { return false };
+        let row: i64 = g.tvs[out]
+            .logical
+            .iter()
+            .zip(&sizes)
+            .filter(|(&id, _)| g.ids[id].iter_type == crate::ir::IterType::Reduction)
+            .map(|(_, &n)| n)
+            .product();
+        let bytes = g.exprs[e].inputs[0].tensor().map_or(4, |x| g.tvs[x].dtype.size_bytes()) as i64;
+        row.saturating_mul(bytes) > crate::sched::auto::canonical::ROW_ON_CHIP_BYTES
+    };
+    crate::sched::auto::canonical::online_logsumexp(&mut g, &long_row)?;
+    crate::sched::auto::canonical::hoist_row_terms(&mut g, &long_row)?;
     crate::sched::auto::canonical::broadcast_computed_indices(&mut g)?;
     crate::sched::auto::canonical::sink_broadcasts(&mut g)?;
     crate::sched::auto::canonical::unify_mapped_extents(&mut g);

@@ -23,13 +23,15 @@
 //!   where a row is too long to keep on chip, one pass over the row computes both
 //!   (`lower::fuse_loops` merges the sibling loops) instead of a pass for the max and a
 //!   second for the sum (softmax, log-softmax, logsumexp and cross-entropy over a
-//!   vocabulary).
+//!   vocabulary). Only for rows longer than a register-persistent schedule holds
+//!   (`ROW_ON_CHIP_BYTES`): on chip, the row is read once anyway.
 //! - **Per-row terms leave masked sums.** `sum(where(c, a - broadcast(r), 0))` over the
 //!   axes `r` is constant along becomes `sum(where(c, a, 0)) - r * sum(where(c, 1, 0))`
 //!   (and `+`, and `r - a`) where `r` comes from a reduction: exact in real arithmetic, and
 //!   the sum then no longer waits for `r`, so one pass over the row computes both
 //!   (cross-entropy's `sum(where(onehot, x - max, 0))` beside the max and the log-sum-exp).
-//!   Masked sums only: an unmasked `sum(a - r)` could cancel badly.
+//!   Masked sums only: an unmasked `sum(a - r)` could cancel badly. Long rows only, as
+//!   above.
 //! - **A squeeze of a broadcast is its source** when it removes exactly the axes the
 //!   broadcast added (`x.max(-1, keepdim=True)` squeezed back): the per-row value is then
 //!   read as such, not through a full-rank tensor a row schedule spreads over threads.
@@ -274,12 +276,17 @@ pub fn merge_nested_reductions(f: &mut Fusion) -> Result<()> {
 }
 
 /// Replace `sum(exp(x - broadcast(max(x))))` over the same axes by
-/// `exp(logsumexp(x) - max(x))` (float and double; see the module docs). Other readers of
-/// `exp(x - max)` (the softmax's output) keep it.
-pub fn online_logsumexp(f: &mut Fusion) -> Result<()> {
+/// `exp(logsumexp(x) - max(x))` (float and double; see the module docs) where `long_row`
+/// holds for the sum: rows a register-persistent schedule holds are read once anyway, and
+/// there a running maximum costs more arithmetic than the second reduction it saves.
+/// Other readers of `exp(x - max)` (the softmax's output) keep it.
+pub fn online_logsumexp(f: &mut Fusion, long_row: &dyn Fn(&Fusion, ExprId) -> bool) -> Result<()> {
     'again: loop {
         for e in f.topo_exprs() {
             let Some((x, m)) = sum_of_shifted_exp(f, e) else { continue };
+            if !long_row(f, e) {
+                continue;
+            }
             let s = f.exprs[e].output;
             let dims: Vec<i64> = reduced_axes(f, e).into_iter().map(|a| a as i64).collect();
             let lse = f.reduction(ReductionOp::LogSumExp, x, &dims, false, None)?;
@@ -324,11 +331,19 @@ pub fn squeeze_broadcasts(f: &mut Fusion) -> Result<()> {
     Ok(())
 }
 
-/// Take per-row terms out of masked sums (see the module docs).
-pub fn hoist_row_terms(f: &mut Fusion) -> Result<()> {
+/// The longest row, in bytes, that the register-persistent normalization keeps on chip
+/// (16,384 vectors of 16 bytes; `normalization::schedule` refuses longer ones).
+pub const ROW_ON_CHIP_BYTES: i64 = 16 * 1024 * 16;
+
+/// Take per-row terms out of masked sums (see the module docs) where `long_row` holds for
+/// the sum.
+pub fn hoist_row_terms(f: &mut Fusion, long_row: &dyn Fn(&Fusion, ExprId) -> bool) -> Result<()> {
     'again: loop {
         for e in f.topo_exprs() {
             let Some(m) = masked_row_term(f, e) else { continue };
+            if !long_row(f, e) {
+                continue;
+            }
             let dims: Vec<i64> = reduced_axes(f, e).into_iter().map(|a| a as i64).collect();
             let dt = f.tvs[f.exprs[e].output].dtype;
             let (one, zero) = (Operand::Scalar(f.scalars.float(1.0)), Operand::Scalar(f.scalars.float(0.0)));
