@@ -57,22 +57,29 @@ def warm(fn: Callable[[], Any], sync: Callable[[], None]) -> None:
     sync()
 
 
-def per_call_us(paths: Dict[str, Tuple[Callable[[], Any], Callable[[], None]]]) -> Dict[str, float]:
+def per_call_us(paths: Dict[str, Tuple[Callable[[], Any], Callable[[], None]]],
+                ) -> Dict[str, Tuple[float, float]]:
     """Median microseconds per call of each ``name: (fn, sync)`` over REPEATS interleaved
-    rounds of one BATCH of calls each."""
+    rounds of one BATCH of calls each: (host time, the batch's calls alone; wall time, the
+    batch and the sync after it). Host time is the goal's measure; wall time exceeds it
+    where the GPU, not the host, is the bottleneck."""
     for fn, sync in paths.values():
         warm(fn, sync)
     names = list(paths)
-    samples: Dict[str, List[float]] = {n: [] for n in names}
+    host: Dict[str, List[float]] = {n: [] for n in names}
+    wall: Dict[str, List[float]] = {n: [] for n in names}
     for r in range(REPEATS):
         for n in names[r % len(names):] + names[:r % len(names)]:
             fn, sync = paths[n]
             t0 = time.perf_counter()
             for _ in range(BATCH):
                 fn()
+            t1 = time.perf_counter()
             sync()
-            samples[n].append((time.perf_counter() - t0) / BATCH * 1e6)
-    return {n: statistics.median(samples[n]) for n in names}
+            t2 = time.perf_counter()
+            host[n].append((t1 - t0) / BATCH * 1e6)
+            wall[n].append((t2 - t0) / BATCH * 1e6)
+    return {n: (statistics.median(host[n]), statistics.median(wall[n])) for n in names}
 
 
 def _with_launcher(kind: str, fn: Callable[[], Any]) -> Any:
@@ -91,11 +98,12 @@ def _with_launcher(kind: str, fn: Callable[[], Any]) -> Any:
 def _launcher_of(fd: FusionDefinition) -> str:
     """Which launcher the (one) prepared signature of ``fd`` uses, and how it reads the stream."""
     (r,) = fd._lowered().evaluator()._recipes.values()
-    pl = r.fast.__globals__.get("_P0")  # the recipe's first PreparedLaunch, when it has one
+    pl = r.direct.__globals__.get("_P0")  # the recipe's first PreparedLaunch, when it has one
     if r.launcher != "rust" or pl is None:
         return r.launcher
     how = "CuPy's C getter" if pl.stream_getter_used else "Python (get_current_stream)"
-    return f"rust, stream from {how}"
+    graph = ", repeats replay a CUDA graph" if r.graph is not None else ", no CUDA graph"
+    return f"rust, stream from {how}{graph}"
 
 
 def chain3() -> FusionDefinition:
@@ -166,13 +174,12 @@ def main() -> None:
         check(out)
     print(f"kiln default launcher: {_launcher_of(fd)}")
     paths: Paths = {}
-    paths[f"kiln fd.execute ({tag})"] = (lambda: fd.execute([x]), sync)
-    fd_graph = build()
-    for _ in range(3):  # the graph is built at the second call
-        (out,) = _with_env("KILN_CUDA_GRAPHS", "all", lambda: fd_graph.execute([x]))
+    paths[f"kiln fd.execute ({tag}, default)"] = (lambda: fd.execute([x]), sync)
+    fd_plain = build()
+    for _ in range(3):
+        (out,) = _with_env("KILN_CUDA_GRAPHS", "0", lambda: fd_plain.execute([x]))
         check(out)
-    paths["kiln fd.execute (one-node CUDA graph, KILN_CUDA_GRAPHS=all)"] = (
-        lambda: fd_graph.execute([x]), sync)
+    paths["kiln fd.execute (cuLaunchKernel, KILN_CUDA_GRAPHS=0)"] = (lambda: fd_plain.execute([x]), sync)
     ev = fd._lowered().evaluator()
     paths[f"kiln HostEvaluator.run_cached ({tag})"] = (lambda: ev.run_cached([x]), sync)
 
@@ -197,11 +204,11 @@ def main() -> None:
         paths["torch eager (3 ops)"] = (lambda: torch.exp(tx) * 2.0 - 1.5, tsync)
         (tout,) = fd.execute([tx])
         check(tout)
-        paths["kiln fd.execute, torch in/out"] = (lambda: fd.execute([tx]), tsync)
+        paths["kiln fd.execute, torch in/out (default)"] = (lambda: fd.execute([tx]), tsync)
         for _ in range(2):
-            (tout,) = _with_env("KILN_CUDA_GRAPHS", "all", lambda: fd_graph.execute([tx]))
+            (tout,) = _with_env("KILN_CUDA_GRAPHS", "0", lambda: fd_plain.execute([tx]))
             check(tout)
-        paths["kiln fd.execute, torch in/out (one-node CUDA graph)"] = (lambda: fd_graph.execute([tx]), tsync)
+        paths["kiln fd.execute, torch in/out (cuLaunchKernel)"] = (lambda: fd_plain.execute([tx]), tsync)
 
     # Where a cached call's time goes, part by part (each timed alone, in the same rounds).
     r = _recipe(fd)
@@ -211,17 +218,30 @@ def main() -> None:
     paths["  part: recipe lookup (signature key + launcher dict)"] = (
         lambda: c.launchers.get(signature_key([x])), sync)
     paths["  part: launcher dict lookup alone"] = (lambda: c.launchers.get(key), sync)
-    paths["  part: generated _run (allocation + launch)"] = (lambda: r.fast([x], ev), sync)
+    version = fd._core.version
+
+    def dispatch() -> Any:  # what fd.execute does before the launcher: version check, key, lookup
+        cc = fd._compiled
+        if cc is not None and cc.version == fd._core.version:
+            return cc.launchers.get(signature_key([x]))
+        return version
+
+    paths["  part: fd.execute dispatch (version check + signature key + lookup)"] = (dispatch, sync)
+    paths["  part: generated _run, graph replay (allocation + launch)"] = (lambda: r.fast([x], ev), sync)
+    paths["  part: generated _run, cuLaunchKernel (allocation + launch)"] = (lambda: r.direct([x], ev), sync)
     paths["  part: stream read (cupy.cuda.get_current_stream().ptr)"] = (
         lambda: cp.cuda.get_current_stream().ptr, sync)
     paths["  part: output allocation (cupy.ndarray)"] = (lambda: cp.ndarray((N,), cp.float32), sync)
     if torch is not None:
-        paths["  part: output allocation (torch.empty)"] = (
+        paths["  part: output allocation (torch.empty, device object)"] = (
             lambda: torch.empty((N,), dtype=torch.float32, device=tx.device), tsync)
+        paths["  part: output allocation (torch.empty, device index)"] = (
+            lambda: torch.empty((N,), dtype=torch.float32, device=0), tsync)
+        paths["  part: output allocation (input.new_empty)"] = (lambda: tx.new_empty((N,)), tsync)
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         if raw is not None:
             paths["  part: stream read (torch current raw stream)"] = (lambda: raw(0), tsync)
-    pl = r.fast.__globals__.get("_P0")
+    pl = r.direct.__globals__.get("_P0")
     if pl is not None:
         o = cp.empty_like(x)
         o2 = cp.empty_like(x)
@@ -244,27 +264,27 @@ def main() -> None:
             replay_new_output, sync)
     paths["  part: empty Python call"] = (lambda: None, sync)
     rows = per_call_us(paths)
-    rows.setdefault("torch eager (3 ops)", float("nan"))
+    rows.setdefault("torch eager (3 ops)", (float("nan"), float("nan")))
 
-    kiln_us = next(iter(rows.values()))
-    ek_us = rows["CuPy ElementwiseKernel"]
-    best = min(v for k, v in rows.items() if k.startswith("kiln fd.execute (") and "cupy" not in k)
-    ok = best <= 5.0
-    print(f"goal (cached one-kernel fd.execute <= 5 us, CuPy inputs): {'met' if ok else 'NOT met'} "
-          f"(default {kiln_us:.2f} us, best setting {best:.2f} us; ElementwiseKernel {ek_us:.2f} us)")
+    kiln_us = next(iter(rows.values()))[0]
+    ek_us = rows["CuPy ElementwiseKernel"][0]
+    plain_us = rows["kiln fd.execute (cuLaunchKernel, KILN_CUDA_GRAPHS=0)"][0]
+    print(f"goal (cached one-kernel fd.execute <= 5 us of host time, CuPy inputs): "
+          f"{'met' if kiln_us <= 5.0 else 'NOT met'} ({kiln_us:.2f} us; {plain_us:.2f} us with "
+          f"KILN_CUDA_GRAPHS=0; ElementwiseKernel {ek_us:.2f} us)")
     if torch is not None:
-        tbest = min(v for k, v in rows.items() if k.startswith("kiln fd.execute, torch"))
-        print(f"goal (same, torch inputs): {'met' if tbest <= 5.0 else 'NOT met'} ({tbest:.2f} us)")
+        t_us = rows["kiln fd.execute, torch in/out (default)"][0]
+        print(f"goal (same, torch inputs): {'met' if t_us <= 5.0 else 'NOT met'} ({t_us:.2f} us)")
     three = multi_kernel(cp, torch)
     width = max(len(name) for name in list(rows) + list(three)) + 2
     lines: List[str] = [f"host latency, {N} float32 elements, median of {REPEATS} interleaved rounds "
                         f"of {BATCH} calls",
-                        f"{'path':<{width}} {'us/call':>8}"]
-    for name, us in rows.items():
-        lines.append(f"{name:<{width}} {us:>8.2f}")
+                        f"{'path':<{width}} {'host us':>8} {'wall us':>8}"]
+    for name, (us, wall) in rows.items():
+        lines.append(f"{name:<{width}} {us:>8.2f} {wall:>8.2f}")
     lines.append(f"three-kernel host program (exp | row sum | divide), {M}x{K} float32")
-    for name, us in three.items():
-        lines.append(f"{name:<{width}} {us:>8.2f}")
+    for name, (us, wall) in three.items():
+        lines.append(f"{name:<{width}} {us:>8.2f} {wall:>8.2f}")
     print("\n".join(lines))
 
 
@@ -272,7 +292,7 @@ M, K = 32, 256
 PLAIN3 = "kiln fd.execute, 3 kernels, kernel by kernel (KILN_CUDA_GRAPHS=0)"
 
 
-def multi_kernel(cp: Any, torch: Any) -> Dict[str, float]:
+def multi_kernel(cp: Any, torch: Any) -> Dict[str, Tuple[float, float]]:
     """The three-kernel program replayed as a CUDA graph (the default) vs launched kernel by
     kernel (``KILN_CUDA_GRAPHS=0``), plus the raw graph replay and three raw launches."""
     x = cp.asarray(np.random.default_rng(1).standard_normal((M, K)).astype(np.float32))
@@ -306,7 +326,7 @@ def multi_kernel(cp: Any, torch: Any) -> Dict[str, float]:
         paths["kiln fd.execute, 3 kernels, torch, kernel by kernel"] = (lambda: tp.execute([tx]), tsync)
     # The launches alone: one graph replay vs three PreparedLaunch calls, same arguments.
     rp = _recipe(fd_plain)
-    pls = [rp.fast.__globals__[f"_P{k}"] for k in range(3)]
+    pls = [rp.direct.__globals__[f"_P{k}"] for k in range(3)]
     ev = fd_plain._lowered().evaluator()
     base = ev.arena_for(cp.cuda.Device().id).get(rp.arena_bytes)
     out = cp.empty_like(x)
@@ -337,10 +357,10 @@ def multi_kernel(cp: Any, torch: Any) -> Dict[str, float]:
         lambda: graph.launch(stream, *flat), sync)
     rows = per_call_us(paths)
     goal = 2.0 + 0.5 * 3
-    us = rows["kiln fd.execute, 3 kernels, CUDA graph (default)"]
+    us = rows["kiln fd.execute, 3 kernels, CUDA graph (default)"][0]
     met = "met" if us <= goal else "NOT met"
     print(f"goal (cached 3-kernel fd.execute as a graph <= {goal:.1f} us): {met} "
-          f"({us:.2f} us vs {rows[PLAIN3]:.2f} us kernel by kernel)")
+          f"({us:.2f} us vs {rows[PLAIN3][0]:.2f} us kernel by kernel, host time)")
     return rows
 
 

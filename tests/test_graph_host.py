@@ -90,33 +90,29 @@ def test_graphs_off_launches_kernel_by_kernel(graphs, monkeypatch):
     assert graphs.graphs == [] and len(_direct_calls(graphs)) == 9
 
 
-def test_one_kernel_program_is_a_graph_only_with_all(graphs, monkeypatch):
+def test_one_kernel_program_replays_a_graph_with_this_calls_scalars(graphs):
     fd = _scalar_fusion()
     x = FakeArray(1000)
     fd.execute([x, 0.5, -2.0])
-    fd.execute([x, 0.5, -2.0])
-    assert graphs.graphs == []
-    monkeypatch.setenv("KILN_CUDA_GRAPHS", "all")
-    fd2 = _scalar_fusion()
-    fd2.execute([x, 0.5, -2.0])
-    (out,) = fd2.execute([x, 3.0, 1e-3])
+    assert len(_direct_calls(graphs)) == 1
+    (out,) = fd.execute([x, 3.0, 1e-3])
     ((g,),) = [graphs.graphs]
     ((_s, args, (packed,)),) = g.calls
     # The scalar inputs are this call's values, converted as the kernel's parameters.
     assert args[-2:] == (3.0, 1e-3)
     assert struct.pack("<f", 3.0) in packed and struct.pack("<d", 1e-3) in packed
     assert args[:2] == (x.data.ptr, out.data.ptr)
+    assert len(_direct_calls(graphs)) == 1
 
 
 def test_bad_setting_is_refused(graphs, monkeypatch):
     monkeypatch.setenv("KILN_CUDA_GRAPHS", "sometimes")
-    with pytest.raises(KilnError, match="KILN_CUDA_GRAPHS must be 0, 1 or 'all'"):
+    with pytest.raises(KilnError, match="KILN_CUDA_GRAPHS must be 0 or 1"):
         three_segment_chain().execute([FakeArray((8, 300))])
 
 
 def test_zero_init_buffers_are_memset_nodes_of_their_kernel(graphs, monkeypatch):
     plan_without_resets(monkeypatch)
-    monkeypatch.setenv("KILN_CUDA_GRAPHS", "all")
     sc = scenarios.h_grid_column_sum()
     x = FakeArray((61, 300))
     sc.fd.execute([x])

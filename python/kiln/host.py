@@ -29,6 +29,16 @@ from libcuda, everything but the device pointers packed once per recipe) on that
 where libcuda cannot be loaded, or with ``KILN_LAUNCHER=cupy`` (read when a signature is
 first prepared), they go through CuPy's ``Function.__call__``.
 
+CUDA graphs (``KILN_CUDA_GRAPHS``, default on, kiln's launcher only): the first call of a
+signature launches kernel by kernel; from the second on, the whole program (its kernels, and
+the memsets of zero_init buffers as memset nodes right before their kernel) is one
+``kiln._core.GraphLaunch``, built and instantiated at its first launch, whose call updates
+only the nodes whose device pointers or scalar values differ from the last call's
+(``cuGraphExecKernelNodeSetParams``) and launches the graph on the call's stream. New sizes
+or strides are a new signature, with its own recipe and graph. A graph launch costs the
+host less than one ``cuLaunchKernel`` (see ``benches/host_latency.py``), so even one-kernel
+programs are replayed as graphs.
+
 ``run_on_cpu`` walks the same host program with a per-kernel CPU launcher (the
 interpreter's ``kiln._core.execute_cpu(kernel, inputs)``).
 """
@@ -254,17 +264,12 @@ def launcher_kind() -> str:
     return "rust"
 
 
-def graph_min_launches() -> int:
-    """The fewest kernel launches a program needs to be replayed as a CUDA graph
-    (``KILN_CUDA_GRAPHS``: 0 means never)."""
+def graphs_enabled() -> bool:
+    """Whether host programs are replayed as CUDA graphs (``KILN_CUDA_GRAPHS``, default on)."""
     want = cuda_graphs_choice()
-    if want == "off":
-        return 0
-    if want == "multi":
-        return 2
-    if want == "all":
-        return 1
-    raise KilnError(f"KILN_CUDA_GRAPHS must be 0, 1 or 'all', got {want!r}")
+    if want not in ("on", "off"):
+        raise KilnError(f"KILN_CUDA_GRAPHS must be 0 or 1, got {want!r}")
+    return want == "on"
 
 
 def prepare_graph(nodes: Sequence[Tuple[Any, Sequence[int]]]) -> Any:
@@ -580,10 +585,9 @@ class HostEvaluator:
         arena, pool = self.arena_for(dev), self.pool_for(dev)
         r.fast = r.direct = _specialize(r, torch_mode, dev, r.launcher, arena, pool, words)
         r.graph = None
-        least = graph_min_launches()
         # A memset of a buffer its kernel does not take (none today) has no graph node.
         nodes_only = all(b in la[4] for la in r.launches for b, _n in la[6])
-        if r.launcher == "rust" and least and len(r.launches) >= least and nodes_only:
+        if r.launcher == "rust" and r.launches and nodes_only and graphs_enabled():
             r.fast = _specialize(r, torch_mode, dev, r.launcher, arena, pool, words, graph=True)
         return r
 
