@@ -1069,6 +1069,9 @@ impl GraphLaunch {
                 return Err(KilnError::value("this CUDA driver has no CUDA graph API (CUDA 12.0 or later)"));
             };
             py.allow_threads(|| {
+                // Node updates and graph builds need a current context: a thread that has
+                // none yet adopts the device's primary context first (a no-op otherwise).
+                d.adopt_primary_context(self.device);
                 let mut guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
                 let fresh = match guard.as_mut() {
                     None => true,
