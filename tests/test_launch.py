@@ -517,6 +517,8 @@ def fake_gpu(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", cp)
     monkeypatch.setattr(host, "_EXTERNAL", {})
     monkeypatch.setattr(host, "launcher_kind", lambda: "rust")
+    # These tests follow the kernel-by-kernel launcher; test_graph_host.py the graph one.
+    monkeypatch.setenv("KILN_CUDA_GRAPHS", "0")
     made = []
 
     def prepare(fn, grid, block, smem, pointers, scalars, memsets=(), device=-1):

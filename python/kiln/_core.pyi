@@ -569,6 +569,39 @@ class PreparedLaunch:
     def verify(self) -> Optional[List[Tuple[int, int]]]:
         """The kernel's own parameter layout, [(offset, size)] from ``cuFuncGetParamInfo``"""
 
+@final
+class GraphLaunch:
+    """Several prepared launches replayed as one CUDA graph (node parameters updated per call)."""
+    def __init__(self, nodes: List[Tuple[PreparedLaunch, List[int]]]) -> None:
+        """A graph of ``nodes``: (``PreparedLaunch``, argument indices) pairs in launch order."""
+    def launch(self, stream: int, *args: Any) -> None:
+        """Launch the graph on ``stream`` with this call's arguments."""
+    def launch_current(self, *args: Any) -> None:
+        """Launch the graph on CuPy's current stream."""
+    def packed(self, *args: Any) -> List[bytes]:
+        """The parameter buffer of each kernel node for these call arguments (a test hook)."""
+    @property
+    def stream_getter_used(self) -> bool:
+        """Whether ``launch_current`` can read CuPy's current stream itself."""
+    @property
+    def argument_count(self) -> int:
+        """Arguments a call takes."""
+    @property
+    def kernel_count(self) -> int:
+        """Kernel nodes of the graph."""
+    @property
+    def instantiations(self) -> int:
+        """Times the graph was built and instantiated."""
+    @property
+    def node_updates(self) -> int:
+        """Node parameter updates made so far (kernel and memset nodes)."""
+    @property
+    def replays(self) -> int:
+        """Graph launches so far."""
+    @property
+    def memsets(self) -> List[List[Tuple[int, int]]]:
+        """(argument index, bytes) of each memset node, per kernel node."""
+
 def set_lower_options(dump_after: List[str], verify: bool) -> None:
     """Set what every later lowering records: IR dumps after the named passes, and whether the
     kernel-IR verifier runs after every pass."""

@@ -10,6 +10,12 @@ test or a long-running process can change it between calls).
 - ``KILN_CUDA_INCLUDE``: a directory holding ``cuda_fp16.h`` for NVRTC; then ``CUDA_HOME`` and
   ``CUDA_PATH`` are tried after the nvidia-cuda-runtime wheel.
 - ``KILN_LAUNCHER``: ``rust`` (kiln's launcher, the default where libcuda loads) or ``cupy``.
+- ``KILN_CUDA_GRAPHS``: ``0``/``false``/``off``/``no`` launches every kernel of a host program
+  one by one (``cuLaunchKernel``); unset or ``1``, a program is replayed as one CUDA graph
+  (its kernels, and the memsets of zero-initialised buffers, as nodes) from the second call
+  of an input signature on, its node parameters updated when pointers or scalar values
+  change. Read when an input signature is first prepared; graphs need kiln's own launcher
+  (``KILN_LAUNCHER=rust``, the default).
 - ``KILN_L2_EVICT_LAST``: ``0``/``false``/``off``/``no`` turns off the L2 evict_last hint of the
   automatic schedules; read once per process by the Rust core
   (``sched::auto::evict_last_inputs``), so that cached plans never mix the two settings.
@@ -52,6 +58,17 @@ def cuda_include_override() -> Optional[str]:
 def cuda_roots() -> List[str]:
     """``CUDA_HOME`` and ``CUDA_PATH``, where set."""
     return [v for v in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")) if v]
+
+
+def cuda_graphs_choice() -> str:
+    """``KILN_CUDA_GRAPHS`` as ``"off"`` or ``"on"`` (the default); anything else is
+    returned as given, lower-cased, for the caller to refuse."""
+    v = os.environ.get("KILN_CUDA_GRAPHS", "").strip().lower()
+    if v in ("0", "false", "off", "no"):
+        return "off"
+    if v in ("", "1", "true", "on", "yes"):
+        return "on"
+    return v
 
 
 def launcher_choice() -> str:

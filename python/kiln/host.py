@@ -29,6 +29,16 @@ from libcuda, everything but the device pointers packed once per recipe) on that
 where libcuda cannot be loaded, or with ``KILN_LAUNCHER=cupy`` (read when a signature is
 first prepared), they go through CuPy's ``Function.__call__``.
 
+CUDA graphs (``KILN_CUDA_GRAPHS``, default on, kiln's launcher only): the first call of a
+signature launches kernel by kernel; from the second on, the whole program (its kernels, and
+the memsets of zero_init buffers as memset nodes right before their kernel) is one
+``kiln._core.GraphLaunch``, built and instantiated at its first launch, whose call updates
+only the nodes whose device pointers or scalar values differ from the last call's
+(``cuGraphExecKernelNodeSetParams``) and launches the graph on the call's stream. New sizes
+or strides are a new signature, with its own recipe and graph. A graph launch costs the
+host less than one ``cuLaunchKernel`` (see ``benches/host_latency.py``), so even one-kernel
+programs are replayed as graphs.
+
 ``run_on_cpu`` walks the same host program with a per-kernel CPU launcher (the
 interpreter's ``kiln._core.execute_cpu(kernel, inputs)``).
 """
@@ -43,7 +53,7 @@ import numpy as np
 
 from ._core import DTYPE_NUMPY_NAMES as _ITEMSIZE_NAMES
 from ._core import HostPlan
-from ._env import launcher_choice
+from ._env import cuda_graphs_choice, launcher_choice
 from ._errors import KilnError, KilnTypeError
 
 # A recipe's specialised launcher, called as ``launcher(inputs, evaluator)``.
@@ -197,8 +207,8 @@ class ErrorWords:
 
 
 class _Recipe:
-    __slots__ = ("arena", "arena_bytes", "error_kernels", "errors", "fast", "inputs", "launcher", "launches",
-                 "nbufs", "outputs", "plan", "zero", "zero_bytes")
+    __slots__ = ("arena", "arena_bytes", "direct", "error_kernels", "errors", "fast", "graph", "inputs",
+                 "launcher", "launches", "nbufs", "outputs", "plan", "zero", "zero_bytes")
 
 
 _SEQUENCES = (list, tuple)
@@ -252,6 +262,21 @@ def launcher_kind() -> str:
             raise
         return "cupy"
     return "rust"
+
+
+def graphs_enabled() -> bool:
+    """Whether host programs are replayed as CUDA graphs (``KILN_CUDA_GRAPHS``, default on)."""
+    want = cuda_graphs_choice()
+    if want not in ("on", "off"):
+        raise KilnError(f"KILN_CUDA_GRAPHS must be 0 or 1, got {want!r}")
+    return want == "on"
+
+
+def prepare_graph(nodes: Sequence[Tuple[Any, Sequence[int]]]) -> Any:
+    """A ``kiln._core.GraphLaunch`` of ``nodes``: (``PreparedLaunch``, argument indices)."""
+    from . import _core  # noqa: PLC0415
+
+    return _core.GraphLaunch([(pl, list(ix)) for pl, ix in nodes])
 
 
 _STREAM_GETTER: List[Any] = []  # [capsule or None] once looked up
@@ -372,6 +397,9 @@ class HostEvaluator:
                 validate()
             r = self._prepare(inputs)
             self._recipes[self._key(inputs)] = r  # _prepare may have switched to value keys
+            # The first call of a signature launches kernel by kernel; a repeat replays
+            # the graph (built at its first launch), so one-off signatures never build one.
+            return r.direct(inputs, self)
         return r.fast(inputs, self)
 
     def run_cached(self, inputs: Sequence[Any]) -> Optional[List[Any]]:
@@ -554,7 +582,13 @@ class HostEvaluator:
             r.launches.append((fn, la.grid, la.block, la.smem, la.args, scal, memsets))
         r.launcher = launcher_kind()
         words = self.error_words_for(dev, len(r.errors)) if r.errors else None
-        r.fast = _specialize(r, torch_mode, dev, r.launcher, self.arena_for(dev), self.pool_for(dev), words)
+        arena, pool = self.arena_for(dev), self.pool_for(dev)
+        r.fast = r.direct = _specialize(r, torch_mode, dev, r.launcher, arena, pool, words)
+        r.graph = None
+        # A memset of a buffer its kernel does not take (none today) has no graph node.
+        nodes_only = all(b in la[4] for la in r.launches for b, _n in la[6])
+        if r.launcher == "rust" and r.launches and nodes_only and graphs_enabled():
+            r.fast = _specialize(r, torch_mode, dev, r.launcher, arena, pool, words, graph=True)
         return r
 
     def _scalar_args(self, la: PlannedLaunch, inputs: Sequence[Any], scalar_pos: Sequence[int],
@@ -609,12 +643,15 @@ class HostEvaluator:
 
 
 def _specialize(r: _Recipe, torch_mode: bool, device: int, launcher: str, arena: Workspace,
-                pool: ZeroedPool, words: Optional[ErrorWords] = None) -> Launcher:
+                pool: ZeroedPool, words: Optional[ErrorWords] = None, graph: bool = False) -> Launcher:
     """A launcher specialised to one recipe: straight-line Python with every constant
     (shapes, offsets, size/stride arguments, grid/block) bound, so a call does no lookups or
     loops. ``launcher="rust"``: each launch is one call of a ``PreparedLaunch`` with the
     device pointers and the scalar inputs (``inputs[i]``, converted in Rust); ``"cupy"``:
-    CuPy's ``Function.__call__`` with arrays and NumPy scalars (``np_scalar`` per call)."""
+    CuPy's ``Function.__call__`` with arrays and NumPy scalars (``np_scalar`` per call).
+    ``graph`` (``"rust"`` only): every launch and memset of the recipe is one
+    ``GraphLaunch`` call (sets ``r.graph``); the recipe's ``direct`` launcher serves calls
+    that turn the per-launch zeroing off (a test hook)."""
     import cupy as cp  # noqa: PLC0415
 
     from .runtime.kernel_executor import np_scalar  # noqa: PLC0415
@@ -623,6 +660,9 @@ def _specialize(r: _Recipe, torch_mode: bool, device: int, launcher: str, arena:
     ns: Dict[str, Any] = {"_nd": cp.ndarray, "_gs": cp.cuda.get_current_stream, "_nps": np_scalar,
                           "_xs": external_stream}
     lines = ["def _run(inputs, ev):"]
+    if graph and any(memsets for *_, memsets in r.launches):
+        ns["_direct"] = r.direct
+        lines.append("    if not ev.zero_per_launch: return _direct(inputs, ev)")
     if words is not None:
         # An index an earlier call found out of range is reported now (no sync needed:
         # the device wrote it to host memory).
@@ -670,7 +710,9 @@ def _specialize(r: _Recipe, torch_mode: bool, device: int, launcher: str, arena:
         lines.append(f"    zbase = _zpool.get({r.zero_bytes}{stream_arg})")
         for bid, off in r.zero:
             arg[bid] = f"zbase + {off}"
-    if rust and r.launches:
+    if graph:
+        _graph_launch(r, ns, lines, arg, device, explicit_stream=torch_mode)
+    elif rust and r.launches:
         _rust_launches(r, ns, lines, arg, device, explicit_stream=torch_mode)
     else:
         for k, (fn, grid, block, smem, argids, scal, memsets) in enumerate(r.launches):
@@ -739,6 +781,45 @@ def _rust_launches(r: _Recipe, ns: Dict[str, Any], lines: List[str], arg: Dict[i
         # The bound method, so a call is one C-level call with no attribute lookup.
         ns[f"_L{k}"] = pl.launch_current if current else pl.launch
         lines.append(f"    _L{k}({call_args})" if current else f"    _L{k}(s, {call_args})")
+
+
+def _graph_launch(r: _Recipe, ns: Dict[str, Any], lines: List[str], arg: Dict[int, str],
+                  device: int, explicit_stream: bool = False) -> None:
+    """Append one ``GraphLaunch`` call running every launch of ``r`` (memsets included as
+    memset nodes) to the generated ``lines``: its arguments are each device pointer once,
+    then each scalar input once per dtype it is passed as. Sets ``r.graph``."""
+    ptrs: List[int] = []  # buffer ids, in argument order
+    scalars: List[Tuple[int, str]] = []  # (input position, dtype), after the pointers
+    for _fn, _g, _b, _sm, argids, _sc, memsets in r.launches:
+        ptrs += [b for b in argids if b not in ptrs]
+        if any(b not in argids for b, _ in memsets):
+            raise KilnError("a memset of a buffer its kernel does not take cannot be a graph node")
+    for *_, scal, _ms in r.launches:
+        scalars += [(pos, d) for _v, d, pos in scal if pos >= 0 and (pos, d) not in scalars]
+    nodes = []
+    for k, (fn, grid, block, smem, argids, scal, memsets) in enumerate(r.launches):
+        mine = [(argids.index(b), n) for b, n in memsets]
+        pl = prepare_launch(fn, grid, block, smem, len(argids), [d if pos >= 0 else v for v, d, pos in scal],
+                            mine, device)
+        ns[f"_f{k}"] = fn  # keeps the CuPy Function, so its module, alive with the graph
+        index = [ptrs.index(b) for b in argids]
+        index += [len(ptrs) + scalars.index((pos, d)) for _v, d, pos in scal if pos >= 0]
+        nodes.append((pl, index))
+    g = r.graph = prepare_graph(nodes)
+    ns["_graph"] = g
+    call_args = [arg[b] for b in ptrs] + [f"inputs[{pos}]" for pos, _d in scalars]
+    current = g.stream_getter_used and not explicit_stream
+    if current:
+        ns["_G"] = g.launch_current
+        lines.append(f"    _G({', '.join(call_args)})")
+    else:
+        ns["_G"] = g.launch
+        if not explicit_stream:
+            lines.append("    s = _gs().ptr")
+        lines.append(f"    _G(s, {', '.join(call_args)})")
+    zeroed = sum(len(memsets) for *_, memsets in r.launches)
+    if zeroed:
+        lines.append(f"    ev.memsets += {zeroed}")
 
 
 def run_on_cpu(lowered: Any, inputs: Sequence[Any],

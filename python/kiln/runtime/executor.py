@@ -33,6 +33,8 @@ __all__ = [
     "as_cupy",
     "cache_dir",
     "clear_memory_cache",
+    "compile_count",
+    "cubin_for",
     "device_arch",
     "empty_buffer",
     "launch",
@@ -113,10 +115,21 @@ def _cache_key(source: str, options: Tuple[str, ...], arch: str) -> str:
     return h.hexdigest()
 
 
+# NVRTC compiles this process ran (cache misses): what tests and benches read to tell a
+# disk-cache hit from a compile.
+_COMPILES = [0]
+
+
+def compile_count() -> int:
+    """How many NVRTC compiles this process has run (memory and disk cache hits run none)."""
+    return _COMPILES[0]
+
+
 def _compile(
     source: str, options: Tuple[str, ...], arch: str
 ) -> Tuple[bytes, Dict[str, int], Dict[str, int]]:
     """CUBIN bytes, plus registers/spills per kernel when the compile path reports them."""
+    _COMPILES[0] += 1
     if _nvrtc.nvrtc_available():
         res = _nvrtc.compile_cubin(source, "kiln_kernel.cu", arch=arch, extra_options=options)
         return res.cubin, res.registers, res.spills
@@ -141,11 +154,15 @@ def _compile(
     return bytes(binary), {}, {}
 
 
-def _load_module(cp: Any, dev_id: int, source: str, opts: Tuple[str, ...], arch: str) -> _LoadedModule:
-    mkey = (dev_id, source, opts, arch)
-    hit = _MODULE_CACHE.get(mkey)
-    if hit is not None:
-        return hit
+def cubin_for(source: str, arch: str, options: Sequence[str] = ()) -> Tuple[bytes, str]:
+    """The CUBIN of ``source`` for ``arch`` and its cache key: read from the disk cache, else
+    compiled with NVRTC and stored there (no GPU needed)."""
+    cubin, key, _regs, _spills = _cubin(source, tuple(options), arch)
+    return cubin, key
+
+
+def _cubin(source: str, opts: Tuple[str, ...],
+           arch: str) -> Tuple[bytes, str, Dict[str, int], Dict[str, int]]:
     key = _cache_key(source, opts, arch)
     path = cache_dir() / f"{key}.cubin"
     cubin: Optional[bytes] = None
@@ -167,6 +184,15 @@ def _load_module(cp: Any, dev_id: int, source: str, opts: Tuple[str, ...], arch:
             os.replace(tmp, path)  # atomic: concurrent writers leave one whole file
         except OSError:
             pass  # a read-only cache is not an error
+    return cubin, key, regs, spills
+
+
+def _load_module(cp: Any, dev_id: int, source: str, opts: Tuple[str, ...], arch: str) -> _LoadedModule:
+    mkey = (dev_id, source, opts, arch)
+    hit = _MODULE_CACHE.get(mkey)
+    if hit is not None:
+        return hit
+    cubin, key, regs, spills = _cubin(source, opts, arch)
     module = cp.cuda.function.Module()
     module.load(cubin)
     loaded = _LoadedModule(module, key, regs, spills)

@@ -14,7 +14,8 @@
 
 use std::ffi::{c_char, c_int, c_uchar, c_uint, c_void, CStr};
 use std::ptr;
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 use libloading::Library;
 use pyo3::prelude::*;
@@ -29,6 +30,9 @@ type CuResult = c_int;
 type CuFunction = *mut c_void;
 type CuStream = *mut c_void;
 type CuContext = *mut c_void;
+type CuGraph = *mut c_void;
+type CuGraphExec = *mut c_void;
+type CuGraphNode = *mut c_void;
 
 // Prototypes as cuda.h (CUDA 12 and 13) declares them; every name below is unversioned
 // there (no `_v2` remapping), so dlsym of the plain name is the function cuda.h means.
@@ -53,6 +57,64 @@ type CtxSetCurrentFn = unsafe extern "C" fn(CuContext) -> CuResult;
 type DeviceGetFn = unsafe extern "C" fn(*mut c_int, c_int) -> CuResult;
 type PrimaryCtxRetainFn = unsafe extern "C" fn(*mut CuContext, c_int) -> CuResult;
 type FuncGetParamInfoFn = unsafe extern "C" fn(CuFunction, usize, *mut usize, *mut usize) -> CuResult;
+/// `CUDA_KERNEL_NODE_PARAMS_v2` of cuda.h (CUDA 12.0 and later).
+#[repr(C)]
+struct KernelNodeParams {
+    func: CuFunction,
+    grid: [c_uint; 3],
+    block: [c_uint; 3],
+    shared_mem_bytes: c_uint,
+    kernel_params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+    kern: *mut c_void,
+    ctx: CuContext,
+}
+/// `CUDA_MEMSET_NODE_PARAMS` of cuda.h.
+#[repr(C)]
+struct MemsetNodeParams {
+    dst: u64,
+    pitch: usize,
+    value: c_uint,
+    element_size: c_uint,
+    width: usize,
+    height: usize,
+}
+type GraphCreateFn = unsafe extern "C" fn(*mut CuGraph, c_uint) -> CuResult;
+type GraphAddKernelNodeFn =
+    unsafe extern "C" fn(*mut CuGraphNode, CuGraph, *const CuGraphNode, usize, *const KernelNodeParams) -> CuResult;
+type GraphAddMemsetNodeFn = unsafe extern "C" fn(
+    *mut CuGraphNode,
+    CuGraph,
+    *const CuGraphNode,
+    usize,
+    *const MemsetNodeParams,
+    CuContext,
+) -> CuResult;
+type GraphInstantiateFn = unsafe extern "C" fn(*mut CuGraphExec, CuGraph, u64) -> CuResult;
+type GraphExecKernelNodeSetParamsFn =
+    unsafe extern "C" fn(CuGraphExec, CuGraphNode, *const KernelNodeParams) -> CuResult;
+type GraphExecMemsetNodeSetParamsFn =
+    unsafe extern "C" fn(CuGraphExec, CuGraphNode, *const MemsetNodeParams, CuContext) -> CuResult;
+type GraphLaunchFn = unsafe extern "C" fn(CuGraphExec, CuStream) -> CuResult;
+type GraphExecDestroyFn = unsafe extern "C" fn(CuGraphExec) -> CuResult;
+type GraphDestroyFn = unsafe extern "C" fn(CuGraph) -> CuResult;
+
+/// The CUDA graph entry points (drivers of CUDA 12.0 and later). cuda.h maps
+/// `cuGraphAddKernelNode` and `cuGraphExecKernelNodeSetParams` to their `_v2` symbols (the
+/// ones taking `CUDA_KERNEL_NODE_PARAMS_v2`) and `cuGraphInstantiate` to
+/// `cuGraphInstantiateWithFlags`, so those are the names looked up.
+struct GraphApi {
+    create: GraphCreateFn,
+    add_kernel_node: GraphAddKernelNodeFn,
+    add_memset_node: GraphAddMemsetNodeFn,
+    instantiate: GraphInstantiateFn,
+    exec_kernel_node_set_params: GraphExecKernelNodeSetParamsFn,
+    exec_memset_node_set_params: GraphExecMemsetNodeSetParamsFn,
+    launch: GraphLaunchFn,
+    exec_destroy: GraphExecDestroyFn,
+    destroy: GraphDestroyFn,
+}
+
 /// CuPy's `cupy_backends.cuda.stream.get_current_stream_ptr`, exported through Cython's
 /// `__pyx_capi__` under exactly this C signature.
 type StreamGetterFn = unsafe extern "C" fn() -> isize;
@@ -87,6 +149,8 @@ struct Driver {
     get_error_string: Option<GetErrorFn>,
     /// Only in drivers of CUDA 12.4 and later.
     func_get_param_info: Option<FuncGetParamInfoFn>,
+    /// None where the driver lacks any of them (before CUDA 12.0).
+    graph: Option<GraphApi>,
     /// Keeps libcuda mapped, which keeps every function pointer above valid; the driver
     /// lives in a static, so it is never dropped.
     _lib: Library,
@@ -115,7 +179,36 @@ fn load_driver() -> Result<Driver, String> {
             get_error_name: sym::<GetErrorFn>(&lib, b"cuGetErrorName\0").ok(),
             get_error_string: sym::<GetErrorFn>(&lib, b"cuGetErrorString\0").ok(),
             func_get_param_info: sym::<FuncGetParamInfoFn>(&lib, b"cuFuncGetParamInfo\0").ok(),
+            graph: graph_api(&lib).ok(),
             _lib: lib,
+        })
+    }
+}
+
+/// The CUDA graph entry points of `lib`.
+///
+/// # Safety
+/// As [`sym`]: the result must not outlive `lib`.
+unsafe fn graph_api(lib: &Library) -> Result<GraphApi, String> {
+    // SAFETY: each name is the exact symbol cuda.h maps its API name to (see `GraphApi`),
+    // given that symbol's prototype; the caller keeps `lib` loaded.
+    unsafe {
+        Ok(GraphApi {
+            create: sym::<GraphCreateFn>(lib, b"cuGraphCreate\0")?,
+            add_kernel_node: sym::<GraphAddKernelNodeFn>(lib, b"cuGraphAddKernelNode_v2\0")?,
+            add_memset_node: sym::<GraphAddMemsetNodeFn>(lib, b"cuGraphAddMemsetNode\0")?,
+            instantiate: sym::<GraphInstantiateFn>(lib, b"cuGraphInstantiateWithFlags\0")?,
+            exec_kernel_node_set_params: sym::<GraphExecKernelNodeSetParamsFn>(
+                lib,
+                b"cuGraphExecKernelNodeSetParams_v2\0",
+            )?,
+            exec_memset_node_set_params: sym::<GraphExecMemsetNodeSetParamsFn>(
+                lib,
+                b"cuGraphExecMemsetNodeSetParams\0",
+            )?,
+            launch: sym::<GraphLaunchFn>(lib, b"cuGraphLaunch\0")?,
+            exec_destroy: sym::<GraphExecDestroyFn>(lib, b"cuGraphExecDestroy\0")?,
+            destroy: sym::<GraphDestroyFn>(lib, b"cuGraphDestroy\0")?,
         })
     }
 }
@@ -241,6 +334,31 @@ fn write_bytes(words: &mut [u64], off: usize, size: usize, src: &[u8; 8]) {
     let at = off % 8;
     b[at..at + size].copy_from_slice(&src[..size]);
     *w = u64::from_ne_bytes(b);
+}
+
+/// CuPy's current stream, read through `getter` (CuPy's exported C function).
+fn read_current_stream(py: Python<'_>, getter: &Option<(usize, Py<PyCapsule>)>) -> PyResult<usize> {
+    let Some((getter, _)) = getter else {
+        let msg = "this launch was built without CuPy's stream getter; pass the stream";
+        return Err(to_py(py, KilnError::value(msg)));
+    };
+    // SAFETY: the address came from the capsule CuPy exports for
+    // `get_current_stream_ptr`, whose name (checked in `PreparedLaunch::new`) is its exact
+    // C signature `intptr_t (void)`; the capsule is held by the caller's launch object,
+    // and extension modules are never
+    // unloaded. The function touches Python state, so it needs the GIL: `py` proves we
+    // hold it.
+    let s = unsafe {
+        let f = std::mem::transmute::<usize, StreamGetterFn>(*getter);
+        f()
+    };
+    // Cython reports an exception through the return value -1 (`except? -1`).
+    if s == -1 {
+        if let Some(e) = PyErr::take(py) {
+            return Err(e);
+        }
+    }
+    Ok(s as usize)
 }
 
 /// One kernel launch of one recipe, packed once: function handle, dims, dynamic shared
@@ -371,26 +489,7 @@ impl PreparedLaunch {
     }
 
     fn current_stream(&self, py: Python<'_>) -> PyResult<usize> {
-        let Some((getter, _)) = &self.stream_getter else {
-            let msg = "this PreparedLaunch was built without CuPy's stream getter; pass the stream";
-            return Err(to_py(py, KilnError::value(msg)));
-        };
-        // SAFETY: the address came from the capsule CuPy exports for
-        // `get_current_stream_ptr`, whose name (checked in `new`) is its exact C signature
-        // `intptr_t (void)`; the capsule is held by `self`, and extension modules are never
-        // unloaded. The function touches Python state, so it needs the GIL: `py` proves we
-        // hold it.
-        let s = unsafe {
-            let f = std::mem::transmute::<usize, StreamGetterFn>(*getter);
-            f()
-        };
-        // Cython reports an exception through the return value -1 (`except? -1`).
-        if s == -1 {
-            if let Some(e) = PyErr::take(py) {
-                return Err(e);
-            }
-        }
-        Ok(s as usize)
+        read_current_stream(py, &self.stream_getter)
     }
 
     fn launch_on(&self, py: Python<'_>, stream: usize, args: &Bound<'_, PyTuple>) -> PyResult<()> {
@@ -709,9 +808,437 @@ impl PreparedLaunch {
     }
 }
 
+/// One node of a [`GraphLaunch`]: a prepared launch and, per call argument of that launch
+/// (pointers then scalars, as `PreparedLaunch.launch` takes them), the index of the graph
+/// call's argument that fills it.
+struct GraphNode {
+    launch: Py<PreparedLaunch>,
+    args: Vec<usize>,
+    /// (graph argument index, bytes) of each buffer zeroed right before this kernel.
+    memsets: Vec<(usize, usize)>,
+}
+
+/// The driver objects of an instantiated graph plus the parameters its nodes hold now.
+struct GraphState {
+    graph: CuGraph,
+    exec: CuGraphExec,
+    ctx: CuContext,
+    kernels: Vec<CuGraphNode>,
+    /// Per kernel node: its memset nodes.
+    memsets: Vec<Vec<CuGraphNode>>,
+    /// Per kernel node: the parameter buffer it holds.
+    words: Vec<Words>,
+    /// Per kernel node: the address each of its memset nodes clears.
+    memset_ptrs: Vec<SmallVec<[u64; 2]>>,
+}
+
+// SAFETY: the handles are opaque driver objects that the CUDA driver lets any thread use
+// (its API is thread-safe); `GraphLaunch` only touches them with its mutex held.
+unsafe impl Send for GraphState {}
+
+impl GraphState {
+    /// Build and instantiate the graph of `nodes` with the parameters `words` and memset
+    /// addresses `memset_ptrs`: every node depends on the one before (memsets before their
+    /// kernel), the order a stream would run them in.
+    fn build(
+        d: &Driver,
+        g: &GraphApi,
+        device: c_int,
+        nodes: &[GraphNode],
+        words: Vec<Words>,
+        memset_ptrs: Vec<SmallVec<[u64; 2]>>,
+    ) -> crate::Result<Self> {
+        let mut ctx: CuContext = ptr::null_mut();
+        // SAFETY: an out-pointer to a local.
+        let rc = unsafe { (d.ctx_get_current)(&mut ctx) };
+        if rc != CUDA_SUCCESS || ctx.is_null() {
+            d.adopt_primary_context(device);
+            // SAFETY: as above.
+            let rc = unsafe { (d.ctx_get_current)(&mut ctx) };
+            if rc != CUDA_SUCCESS || ctx.is_null() {
+                return Err(KilnError::value("a CUDA graph needs a current CUDA context; none is current"));
+            }
+        }
+        let mut state = GraphState {
+            graph: ptr::null_mut(),
+            exec: ptr::null_mut(),
+            ctx,
+            kernels: Vec::with_capacity(nodes.len()),
+            memsets: Vec::with_capacity(nodes.len()),
+            words,
+            memset_ptrs,
+        };
+        // SAFETY: an out-pointer to the state's field; flags must be 0.
+        let rc = unsafe { (g.create)(&mut state.graph, 0) };
+        if rc != CUDA_SUCCESS {
+            return Err(d.error("cuGraphCreate", rc));
+        }
+        // From here on, `state` owns the graph: an early return drops (destroys) it.
+        let mut last: CuGraphNode = ptr::null_mut();
+        for (k, node) in nodes.iter().enumerate() {
+            let mut mine = Vec::new();
+            for &dst in &state.memset_ptrs[k] {
+                let nbytes = node.memsets[mine.len()].1;
+                let p = memset_params(dst, nbytes);
+                let mut n: CuGraphNode = ptr::null_mut();
+                let deps = usize::from(!last.is_null());
+                // SAFETY: `state.graph` is a live graph; `deps` is 0 or 1 nodes at `&last`,
+                // a node of this graph; the driver copies the parameters before returning.
+                let rc = unsafe { (g.add_memset_node)(&mut n, state.graph, &last, deps, &p, state.ctx) };
+                if rc != CUDA_SUCCESS {
+                    return Err(d.error("cuGraphAddMemsetNode", rc));
+                }
+                mine.push(n);
+                last = n;
+            }
+            state.memsets.push(mine);
+            let pl = node.launch.get();
+            let mut words = state.words[k].clone();
+            let mut params = pl.param_pointers(&mut words);
+            let p = pl.node_params(&mut params);
+            let mut n: CuGraphNode = ptr::null_mut();
+            let deps = usize::from(!last.is_null());
+            // SAFETY: as for the memset node; `p.kernel_params` points at one pointer per
+            // kernel parameter into `words`, alive across the call, which copies them
+            // (the function handle is kept loaded as for `PreparedLaunch::launch_raw`).
+            let rc = unsafe { (g.add_kernel_node)(&mut n, state.graph, &last, deps, &p) };
+            if rc != CUDA_SUCCESS {
+                return Err(d.error("cuGraphAddKernelNode", rc));
+            }
+            state.kernels.push(n);
+            last = n;
+        }
+        // SAFETY: an out-pointer to the state's field and the live graph; flags 0.
+        let rc = unsafe { (g.instantiate)(&mut state.exec, state.graph, 0) };
+        if rc != CUDA_SUCCESS {
+            state.exec = ptr::null_mut();
+            return Err(d.error("cuGraphInstantiateWithFlags", rc));
+        }
+        Ok(state)
+    }
+
+    /// Give every node whose parameters differ from `words` / `memset_ptrs` the new ones;
+    /// returns how many nodes changed.
+    fn update(
+        &mut self,
+        d: &Driver,
+        g: &GraphApi,
+        nodes: &[GraphNode],
+        words: &[Words],
+        memset_ptrs: &[SmallVec<[u64; 2]>],
+    ) -> crate::Result<u64> {
+        let mut changed = 0;
+        for (k, node) in nodes.iter().enumerate() {
+            for (j, &dst) in memset_ptrs[k].iter().enumerate() {
+                if self.memset_ptrs[k][j] == dst {
+                    continue;
+                }
+                let p = memset_params(dst, node.memsets[j].1);
+                // SAFETY: a memset node of the graph `exec` was instantiated from, with
+                // parameters the driver copies; `ctx` is the context it was built in.
+                let rc = unsafe { (g.exec_memset_node_set_params)(self.exec, self.memsets[k][j], &p, self.ctx) };
+                if rc != CUDA_SUCCESS {
+                    return Err(d.error("cuGraphExecMemsetNodeSetParams", rc));
+                }
+                self.memset_ptrs[k][j] = dst;
+                changed += 1;
+            }
+            if self.words[k] == words[k] {
+                continue;
+            }
+            let pl = node.launch.get();
+            let mut w = words[k].clone();
+            let mut params = pl.param_pointers(&mut w);
+            let p = pl.node_params(&mut params);
+            // SAFETY: a kernel node of the graph `exec` was instantiated from, same function;
+            // the parameter pointers point into `w`, alive across the call, which copies them.
+            // Launches already enqueued keep their old parameters (the driver's contract).
+            let rc = unsafe { (g.exec_kernel_node_set_params)(self.exec, self.kernels[k], &p) };
+            if rc != CUDA_SUCCESS {
+                return Err(d.error("cuGraphExecKernelNodeSetParams", rc));
+            }
+            self.words[k] = words[k].clone();
+            changed += 1;
+        }
+        Ok(changed)
+    }
+}
+
+impl Drop for GraphState {
+    fn drop(&mut self) {
+        let Ok(d) = driver() else { return };
+        let Some(g) = &d.graph else { return };
+        // SAFETY: handles this state created and nobody else holds; the driver frees an
+        // executable graph that is still running once it completes. Errors (a context
+        // already torn down at exit) leave nothing to do.
+        unsafe {
+            if !self.exec.is_null() {
+                (g.exec_destroy)(self.exec);
+            }
+            if !self.graph.is_null() {
+                (g.destroy)(self.graph);
+            }
+        }
+    }
+}
+
+/// 1-byte memset node parameters clearing `nbytes` at `dst`.
+fn memset_params(dst: u64, nbytes: usize) -> MemsetNodeParams {
+    MemsetNodeParams { dst, pitch: nbytes, value: 0, element_size: 1, width: nbytes, height: 1 }
+}
+
+impl PreparedLaunch {
+    /// The kernel node parameters of this launch with parameter pointers `params`.
+    fn node_params(&self, params: &mut [*mut c_void]) -> KernelNodeParams {
+        KernelNodeParams {
+            func: self.function as CuFunction,
+            grid: self.grid,
+            block: self.block,
+            shared_mem_bytes: self.smem,
+            kernel_params: params.as_mut_ptr(),
+            extra: ptr::null_mut(),
+            kern: ptr::null_mut(),
+            ctx: ptr::null_mut(),
+        }
+    }
+}
+
+/// Several prepared launches replayed as one CUDA graph: built and instantiated at the
+/// first launch, then each launch updates only the nodes whose arguments (device pointers,
+/// scalar values) differ from the ones the graph holds (`cuGraphExecKernelNodeSetParams`,
+/// `cuGraphExecMemsetNodeSetParams`) and launches the graph on the given stream. The
+/// memsets of each prepared launch are memset nodes right before its kernel.
+#[pyclass(name = "GraphLaunch", module = "kiln._core", frozen)]
+pub struct GraphLaunch {
+    nodes: Vec<GraphNode>,
+    /// The kind of each call argument.
+    kinds: Vec<Slot>,
+    device: c_int,
+    stream_getter: Option<(usize, Py<PyCapsule>)>,
+    state: Mutex<Option<GraphState>>,
+    instantiations: AtomicU64,
+    node_updates: AtomicU64,
+    replays: AtomicU64,
+}
+
+impl GraphLaunch {
+    /// Every node's parameter buffer and memset addresses for the call arguments `args`.
+    #[allow(clippy::type_complexity)]
+    fn fill(
+        &self,
+        py: Python<'_>,
+        args: &Bound<'_, PyTuple>,
+    ) -> PyResult<(SmallVec<[Words; 4]>, SmallVec<[SmallVec<[u64; 2]>; 4]>)> {
+        if args.len() != self.kinds.len() {
+            let msg = format!("this graph takes {} arguments, got {}", self.kinds.len(), args.len());
+            return Err(to_py(py, KilnError::type_error(msg)));
+        }
+        let mut vals: SmallVec<[[u8; 8]; 16]> = SmallVec::with_capacity(args.len());
+        for (i, (a, &kind)) in args.iter().zip(&self.kinds).enumerate() {
+            if kind == Slot::Pointer {
+                match a.extract::<u64>() {
+                    Ok(p) => vals.push(p.to_ne_bytes()),
+                    Err(_) => {
+                        let msg = format!("argument {i}: expected an int device address, got {}", type_name(&a));
+                        return Err(to_py(py, KilnError::type_error(msg)));
+                    }
+                }
+            } else {
+                vals.push(PreparedLaunch::scalar(py, i, &a, kind)?);
+            }
+        }
+        let mut words = SmallVec::with_capacity(self.nodes.len());
+        let mut memsets = SmallVec::with_capacity(self.nodes.len());
+        for node in &self.nodes {
+            let pl = node.launch.get();
+            let mut w = Words::from_slice(&pl.template);
+            for (&(off, slot), &a) in pl.slots.iter().zip(&node.args) {
+                write_bytes(&mut w, off, slot.size(), &vals[a]);
+            }
+            words.push(w);
+            memsets.push(node.memsets.iter().map(|&(a, _)| u64::from_ne_bytes(vals[a])).collect());
+        }
+        Ok((words, memsets))
+    }
+
+    fn launch_on(&self, py: Python<'_>, stream: usize, args: &Bound<'_, PyTuple>) -> PyResult<()> {
+        let (words, memset_ptrs) = self.fill(py, args)?;
+        guarded(py, || {
+            let d = driver()?;
+            let Some(g) = &d.graph else {
+                return Err(KilnError::value("this CUDA driver has no CUDA graph API (CUDA 12.0 or later)"));
+            };
+            py.allow_threads(|| {
+                // Node updates and graph builds need a current context: a thread that has
+                // none yet adopts the device's primary context first (a no-op otherwise).
+                d.adopt_primary_context(self.device);
+                let mut guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                let fresh = match guard.as_mut() {
+                    None => true,
+                    // A node the driver refuses to update (it should not happen: same
+                    // functions, same context) gets a freshly built graph instead.
+                    Some(st) => match st.update(d, g, &self.nodes, &words, &memset_ptrs) {
+                        Ok(n) => {
+                            self.node_updates.fetch_add(n, Ordering::Relaxed);
+                            false
+                        }
+                        Err(_) => true,
+                    },
+                };
+                if fresh {
+                    *guard = None;
+                    let st = GraphState::build(d, g, self.device, &self.nodes, words.to_vec(), memset_ptrs.to_vec())?;
+                    *guard = Some(st);
+                    self.instantiations.fetch_add(1, Ordering::Relaxed);
+                }
+                let Some(st) = guard.as_ref() else { return Err(KilnError::internal("graph state missing")) };
+                // SAFETY: a live executable graph and a stream handle the caller owns (as
+                // for `cuLaunchKernel`); the launch is ordered on `stream`.
+                let rc = d.in_context(self.device, || unsafe { (g.launch)(st.exec, stream as CuStream) });
+                if rc != CUDA_SUCCESS {
+                    return Err(d.error("cuGraphLaunch", rc));
+                }
+                self.replays.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            })
+        })
+    }
+}
+
+#[pymethods]
+impl GraphLaunch {
+    /// A graph of ``nodes``: (``PreparedLaunch``, argument indices) pairs in launch order,
+    /// where entry ``j`` of the indices says which call argument fills the launch's call
+    /// argument ``j`` (pointers then scalars, as ``PreparedLaunch.launch`` takes them); the
+    /// stream getter of the first launch serves ``launch_current``.
+    #[new]
+    fn new(py: Python<'_>, nodes: Vec<(Py<PreparedLaunch>, Vec<usize>)>) -> PyResult<Self> {
+        let mut kinds: Vec<Option<Slot>> = Vec::new();
+        let mut out = Vec::with_capacity(nodes.len());
+        let mut device = -1;
+        let mut stream_getter = None;
+        for (k, (launch, args)) in nodes.into_iter().enumerate() {
+            let pl = launch.get();
+            if args.len() != pl.slots.len() {
+                let msg =
+                    format!("GraphLaunch: node {k} takes {} arguments, got {} indices", pl.slots.len(), args.len());
+                return Err(to_py(py, KilnError::value(msg)));
+            }
+            for (&a, &(_, slot)) in args.iter().zip(&pl.slots) {
+                if a >= kinds.len() {
+                    kinds.resize(a + 1, None);
+                }
+                match kinds[a] {
+                    None => kinds[a] = Some(slot),
+                    Some(s) if s == slot => {}
+                    Some(s) => {
+                        let msg =
+                            format!("GraphLaunch: argument {a} is a {s:?} in one launch and a {slot:?} in another");
+                        return Err(to_py(py, KilnError::value(msg)));
+                    }
+                }
+            }
+            let pointer_args: Vec<usize> =
+                args.iter().zip(&pl.slots).filter(|(_, s)| s.1 == Slot::Pointer).map(|(&a, _)| a).collect();
+            let memsets = pl.memsets.iter().map(|&(p, n)| (pointer_args[p], n)).collect();
+            if k == 0 {
+                device = pl.device;
+                stream_getter = pl.stream_getter.as_ref().map(|(f, c)| (*f, c.clone_ref(py)));
+            }
+            out.push(GraphNode { launch, args, memsets });
+        }
+        if out.is_empty() {
+            return Err(to_py(py, KilnError::value("GraphLaunch: a graph needs at least one launch")));
+        }
+        let Some(kinds) = kinds.into_iter().collect::<Option<Vec<_>>>() else {
+            return Err(to_py(py, KilnError::value("GraphLaunch: an argument index is used by no launch")));
+        };
+        Ok(Self {
+            nodes: out,
+            kinds,
+            device,
+            stream_getter,
+            state: Mutex::new(None),
+            instantiations: AtomicU64::new(0),
+            node_updates: AtomicU64::new(0),
+            replays: AtomicU64::new(0),
+        })
+    }
+
+    /// Launch the graph on ``stream`` with this call's arguments.
+    #[pyo3(signature = (stream, *args))]
+    fn launch(&self, py: Python<'_>, stream: usize, args: &Bound<'_, PyTuple>) -> PyResult<()> {
+        self.launch_on(py, stream, args)
+    }
+
+    /// Launch the graph on CuPy's current stream.
+    #[pyo3(signature = (*args))]
+    fn launch_current(&self, py: Python<'_>, args: &Bound<'_, PyTuple>) -> PyResult<()> {
+        let stream = read_current_stream(py, &self.stream_getter)?;
+        self.launch_on(py, stream, args)
+    }
+
+    /// Whether ``launch_current`` can read CuPy's current stream itself.
+    #[getter]
+    fn stream_getter_used(&self) -> bool {
+        self.stream_getter.is_some()
+    }
+
+    /// Arguments a call takes.
+    #[getter]
+    fn argument_count(&self) -> usize {
+        self.kinds.len()
+    }
+
+    /// Kernel nodes of the graph.
+    #[getter]
+    fn kernel_count(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// Times the graph was built and instantiated.
+    #[getter]
+    fn instantiations(&self) -> u64 {
+        self.instantiations.load(Ordering::Relaxed)
+    }
+
+    /// Node parameter updates made so far (kernel and memset nodes).
+    #[getter]
+    fn node_updates(&self) -> u64 {
+        self.node_updates.load(Ordering::Relaxed)
+    }
+
+    /// Graph launches so far.
+    #[getter]
+    fn replays(&self) -> u64 {
+        self.replays.load(Ordering::Relaxed)
+    }
+
+    /// The parameter buffer of each kernel node for these call arguments (a test hook,
+    /// no driver call).
+    #[pyo3(signature = (*args))]
+    fn packed<'py>(&self, py: Python<'py>, args: &Bound<'py, PyTuple>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let (words, _) = self.fill(py, args)?;
+        Ok(words
+            .iter()
+            .map(|w| {
+                let bytes: Vec<u8> = w.iter().flat_map(|x| x.to_ne_bytes()).collect();
+                PyBytes::new(py, &bytes)
+            })
+            .collect())
+    }
+
+    /// (argument index, bytes) of each memset node, per kernel node.
+    #[getter]
+    fn memsets(&self) -> Vec<Vec<(usize, usize)>> {
+        self.nodes.iter().map(|n| n.memsets.clone()).collect()
+    }
+}
+
 /// Register the launcher on the extension module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PreparedLaunch>()?;
+    m.add_class::<GraphLaunch>()?;
     m.add_function(wrap_pyfunction!(load_cuda_driver, m)?)?;
     Ok(())
 }

@@ -1,0 +1,86 @@
+"""The disk cache of compiled CUBINs serves a second process without an NVRTC compile
+(CPU: NVRTC from the cuda-bindings wheels; the GPU variant loads and runs the kernel)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gpu_util import cupy_or_skip
+
+HERE = Path(__file__).resolve().parent
+
+# A child process: lower a two-kernel fusion for NumPy stand-ins, get each kernel's CUBIN
+# through the executor's caches, print the compiles it ran and the cache keys.
+_CPU_CHILD = """
+import json, sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+from test_host import three_segment_chain
+from kiln.runtime import executor
+low = three_segment_chain().lower([np.zeros((8, 300), np.float32)])
+keys = [executor.cubin_for(k.cuda_source_for(False), "sm_90")[1] for k in low.kernels]
+print(json.dumps({{"compiles": executor.compile_count(), "keys": keys}}))
+"""
+
+# A child process on the GPU: run the fusion and check its values.
+_GPU_CHILD = """
+import json, sys
+import cupy as cp, numpy as np
+sys.path.insert(0, {tests!r})
+from test_host import three_segment_chain
+from kiln.runtime import executor
+x = np.random.default_rng(1).standard_normal((8, 300)).astype(np.float32)
+(y,) = three_segment_chain().execute([cp.asarray(x)])
+e = np.exp(x.astype(np.float64))
+err = float(np.abs(cp.asnumpy(y) - e / e.sum(axis=1, keepdims=True)).max())
+print(json.dumps({{"compiles": executor.compile_count(), "err": err}}))
+"""
+
+
+def _run_child(code: str, cache: Path) -> dict:
+    env = dict(os.environ, KILN_CACHE_DIR=str(cache))
+    out = subprocess.run([sys.executable, "-c", code.format(tests=str(HERE))], env=env, check=True,
+                         capture_output=True, text=True, timeout=600)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _mtimes(cache: Path) -> dict:
+    return {p.name: p.stat().st_mtime_ns for p in cache.glob("*.cubin")}
+
+
+def test_second_process_reads_cubins_from_disk_without_compiling(tmp_path: Path) -> None:
+    from kiln.runtime import nvrtc
+
+    if not nvrtc.nvrtc_available():
+        pytest.skip("NVRTC (cuda-bindings, nvidia-cuda-nvrtc) is not installed")
+    first = _run_child(_CPU_CHILD, tmp_path)
+    assert first["compiles"] == 3 and len(set(first["keys"])) == 3
+    files = _mtimes(tmp_path)
+    assert sorted(files) == sorted(f"{k}.cubin" for k in first["keys"])
+    second = _run_child(_CPU_CHILD, tmp_path)
+    assert second == {"compiles": 0, "keys": first["keys"]}
+    assert _mtimes(tmp_path) == files, "no CUBIN was rewritten"
+    # A cache entry that is not a CUBIN is compiled again, not loaded.
+    victim = tmp_path / f"{first['keys'][1]}.cubin"
+    victim.write_bytes(b"not an ELF file")
+    third = _run_child(_CPU_CHILD, tmp_path)
+    assert third["compiles"] == 1
+    assert victim.read_bytes().startswith(b"\x7fELF")
+
+
+@pytest.mark.gpu
+def test_gpu_second_process_runs_from_the_disk_cache(tmp_path: Path) -> None:
+    cupy_or_skip()
+    first = _run_child(_GPU_CHILD, tmp_path)
+    assert first["compiles"] == 3 and first["err"] < 1e-6
+    files = _mtimes(tmp_path)
+    second = _run_child(_GPU_CHILD, tmp_path)
+    assert second["compiles"] == 0 and second["err"] < 1e-6
+    assert _mtimes(tmp_path) == files
+    np.testing.assert_array_less([first["err"], second["err"]], 1e-6)
