@@ -92,7 +92,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     let (rows, full_rank): (Vec<TvId>, Vec<TvId>) = tensors.iter().partition(|&&t| per_row(f, t));
     normalization::check_aligned(f, cx, r0, &rows, &full_rank)?;
 
-    let widest = f.tvs.values().map(|t| t.dtype.size_bytes()).max().unwrap_or(4) as i64;
+    let widest = normalization::widest_moved(f, n);
     let v = if inner && sizes[n - 1] % (16 / widest) == 0 { 16 / widest } else { 1 };
     let mut cached = Vec::new();
     let mut outs = Vec::new();

@@ -110,7 +110,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     }
     let sizes = tensor_sizes(f, cx, r0)?;
     let row: i64 = sizes[n - k..].iter().product();
-    let widest = f.tvs.values().map(|t| t.dtype.size_bytes()).max().unwrap_or(4) as i64;
+    let widest = widest_moved(f, n);
     let v = if row % (16 / widest) == 0 { 16 / widest } else { 1 };
     // Vectors per thread: enough that a row fits in at most 512 threads (measured faster
     // on the H200 than 128 threads with longer per-thread loops).
@@ -264,4 +264,18 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
         );
     }
     Ok(Heuristic::new(Params::Normalization { vector: v, per_thread: p, rows_per_block }))
+}
+
+/// Bytes per element of the widest tensor a row schedule of rank `n` may move with vectors:
+/// full-size inputs, broadcast inputs (weights among them) and full-rank outputs. Values
+/// in registers do not narrow the vectors: a half softmax computed in float loads and
+/// stores eight halves at once.
+pub(super) fn widest_moved(f: &Fusion, n: usize) -> i64 {
+    let inputs = f.inputs.iter().filter_map(|o| o.tensor()).filter(|&x| {
+        let table = f.tvs[x].uses.iter().any(|&e| f.exprs[e].indexed_tensor() == Some(x));
+        let broadcast = f.tvs[x].uses.iter().any(|&e| matches!(f.exprs[e].op, Op::Broadcast { .. }));
+        !f.tvs[x].uses.is_empty() && !table && (super::full_size_input(f, x, n) || broadcast)
+    });
+    let outputs = f.outputs.iter().copied().filter(|&o| f.tvs[o].logical.len() == n);
+    inputs.chain(outputs).map(|t| f.tvs[t].dtype.size_bytes() as i64).max().unwrap_or(4)
 }
