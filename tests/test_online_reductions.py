@@ -276,3 +276,55 @@ def test_gpu_logsumexp_infinities_and_nan() -> None:
     a[3, 99999] = 85.0
     (got,) = fd.execute([cp.asarray(a)])
     np.testing.assert_allclose(cp.asnumpy(got), _lse_ref(a, 1), rtol=2e-6, atol=1e-5, equal_nan=True)
+
+
+# ------------------------------------------------------------------- variants users write
+def _variant(kind: str, dtype: DataType, keepdim: bool, masked: bool) -> FusionDefinition:
+    """A softmax-family fusion over the last axis as model code writes it: an optional
+    causal-style mask filled with -inf, the max with or without keepdim."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], dtype=dtype)
+        if masked:
+            m = fd.define_tensor([-1, -1], dtype=DataType.Bool)
+            x = fd.ops.where(m, x, float("-inf"))
+        mx = fd.ops.max(x, dims=[1], keepdim=keepdim)
+        mb = mx if keepdim else fd.ops.broadcast_in_dim(mx, [-1, -1], [0])
+        xs = fd.ops.sub(x, mb)
+        s = fd.ops.sum(fd.ops.exp(xs), dims=[1], keepdim=True)
+        if kind == "softmax":
+            fd.add_output(fd.ops.div(fd.ops.exp(xs), s))
+        elif kind == "log_softmax":
+            fd.add_output(fd.ops.sub(xs, fd.ops.log(s)))
+        else:  # logsumexp, [rows]
+            lse = fd.ops.add(fd.ops.log(s), mb)
+            fd.add_output(fd.ops.squeeze(lse, [1]))
+    return fd
+
+
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax", "logsumexp"])
+@pytest.mark.parametrize("dtype", [DataType.Float, DataType.Double])
+@pytest.mark.parametrize("keepdim", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_variants_match_numpy(kind: str, dtype: DataType, keepdim: bool, masked: bool) -> None:
+    rng = np.random.default_rng(11)
+    npd = np.float32 if dtype == DataType.Float else np.float64
+    cols = LONG if dtype == DataType.Float else LONG // 2 + 1  # past the on-chip row either way
+    x = (rng.standard_normal((3, cols)) * 5).astype(npd)
+    ins: List[Any] = [x]
+    xm = x.astype(np.float64)
+    if masked:
+        m = rng.random((3, cols)) < 0.7
+        m[:, 0] = True
+        ins.append(m)
+        xm = np.where(m, xm, -np.inf)
+    lse = _lse_ref(xm, 1, True)
+    want = {"softmax": np.exp(xm - lse), "log_softmax": xm - lse, "logsumexp": lse[:, 0]}[kind]
+    (got,) = _variant(kind, dtype, keepdim, masked).execute(ins)
+    got = np.asarray(got, np.float64)
+    if kind == "log_softmax":  # -inf where masked, on both sides
+        assert np.array_equal(np.isneginf(got), np.isneginf(want))
+        got, want = np.where(np.isneginf(want), 0.0, got), np.where(np.isneginf(want), 0.0, want)
+    # float32: the log-sum-exp (about 12 here) is good to a few ulps, which log-softmax's
+    # values near 0 see as an absolute error.
+    tol = (2e-5, 5e-5) if dtype == DataType.Float else (1e-10, 1e-12)
+    np.testing.assert_allclose(got, want, rtol=tol[0], atol=tol[1])
