@@ -241,6 +241,37 @@ def relu_backward_bias_grad(sizes: Sizes) -> Family:
                   out_tols=[None, (1e-5, 1e-4 * math.sqrt(m))])
 
 
+def cross_entropy_gather(sizes: Sizes) -> Family:
+    """``F.cross_entropy(logits, labels)`` as torch decomposes it (Thunder and nvFuser
+    translate it the same way): ``log_softmax`` then ``nll_loss``, a gather of each row's
+    label entry with ``take_along_axis``, averaged over the rows. Inputs logits [B, V]
+    float and labels [B] int64 (all in range); output the 0-d loss."""
+    b, _ = sizes
+    with FusionDefinition() as fd:
+        x = fams._tensor(fd, 2)
+        labels = fams._tensor(fd, 1, DataType.Int)
+        mx = fd.ops.max(x, dims=[1], keepdim=True)
+        xs = fd.ops.sub(x, mx)
+        logp = fd.ops.sub(xs, fd.ops.log(fd.ops.sum(fd.ops.exp(xs), dims=[1], keepdim=True)))
+        picked = fd.ops.take_along_axis(logp, fd.ops.broadcast_in_dim(labels, [-1, 1], [0]), 1)
+        fd.add_output(fd.ops.neg(fd.ops.mul(fd.ops.sum(picked, dims=[0, 1]), 1.0 / b)))
+
+    def make(sizes: Sizes, seed: int = 0) -> List[Any]:
+        b, v = sizes
+        rng = fams._rng("cross_entropy_gather", sizes, seed)
+        return [fams._randn(rng, (b, v), scale=2.0), rng.integers(0, v, size=b).astype(np.int64)]
+
+    def ref(x: np.ndarray, labels: np.ndarray) -> List[np.ndarray]:
+        m = x.max(axis=1, keepdims=True)
+        logp = x - (np.log(np.exp(x - m).sum(axis=1, keepdims=True)) + m)
+        return [np.asarray(-logp[np.arange(len(labels)), labels].mean())]
+
+    def traffic(ins: Sequence[Any], outs: Sequence[Any]) -> int:
+        return fams._nbytes(ins[0]) + fams._nbytes(ins[1]) + sum(fams._nbytes(o) for o in outs)
+    return Family("cross_entropy_gather", sizes, fd, make, ref, kernels=fams._total_kernels(b), rtol=1e-5,
+                  atol=1e-4, min_bytes=traffic)
+
+
 def layernorm_backward(sizes: Sizes) -> Family:
     """LayerNorm backward (``native_layer_norm_backward``) on [M, N] float from the saved mean and
     rstd [M]: ``xhat = (x - mean) * rstd``, ``g = dy * w``, ``dx = rstd * (g - mean(g, 1) -
@@ -627,6 +658,8 @@ WORKLOADS: List[Workload] = [
              (17, 1031), peer_cross_entropy, outputs=(0,), fix=fix_labels),
     Workload("cross_entropy_128256", "LLaMA-3 loss", fams.cross_entropy, (8192, 128256), (2048, 128256),
              (5, 4099), peer_cross_entropy, outputs=(0,), fix=fix_labels),
+    Workload("cross_entropy_gather_128256", "LLaMA-3 loss (gather)", cross_entropy_gather, (8192, 128256),
+             (2048, 128256), (5, 4099), peer_cross_entropy, fix=fix_labels),
     Workload("batchnorm2d_train", "ResNet BatchNorm2d", fams.batchnorm_nchw_train, (64, 256, 56, 56),
              (16, 256, 56, 56), (2, 3, 5, 7), peer_batchnorm2d, outputs=(0, 3, 4), mutates=(3, 4),
              fix=fix_batchnorm),

@@ -14,7 +14,7 @@ use std::fmt::Write as _;
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use crate::error::{ErrorKind, KilnError, Result};
+use crate::error::{KilnError, Result};
 use crate::host::ir::HostProgram;
 use crate::host::lower::lower_segments;
 use crate::host::segment::{segment_fusion, segment_of, Segment};
@@ -29,6 +29,9 @@ struct Covered {
     heuristic: Heuristic,
 }
 
+/// Groups of exprs in dependency order, and how each is covered.
+type Segmentation = (Vec<Vec<ExprId>>, Vec<Covered>);
+
 /// Whether one group of exprs is covered, and by what.
 fn try_group(f: &Fusion, order: &[ExprId], group: &[ExprId], cx: &Ctx) -> Result<std::result::Result<Covered, String>> {
     let seg = segment_of(f, group, order)?;
@@ -36,16 +39,11 @@ fn try_group(f: &Fusion, order: &[ExprId], group: &[ExprId], cx: &Ctx) -> Result
         return Ok(Err("the group produces nothing".into()));
     }
     let mut sf = segment_fusion(f, &seg);
-    let heuristic = match schedule_fusion(&mut sf, cx)? {
-        Ok(h) => h,
-        Err(refusals) => return Ok(Err(join(&refusals))),
-    };
-    // A schedule that does not lower (or print) is one this scheduler cannot place.
-    let lowered = crate::lower::lower(&sf).and_then(|k| crate::codegen::generate(&k, false).map(|_| ()));
-    match lowered {
-        Ok(()) => Ok(Ok(Covered { fusion: sf, heuristic })),
-        Err(e) if e.kind == ErrorKind::Internal => Err(e),
-        Err(e) => Ok(Err(format!("the {} schedule does not lower: {}", heuristic.kind(), e.message))),
+    // The registry's schedules lower and print (a scheduler whose schedule does not is
+    // skipped for the next one).
+    match schedule_fusion(&mut sf, cx)? {
+        Ok(heuristic) => Ok(Ok(Covered { fusion: sf, heuristic })),
+        Err(refusals) => Ok(Err(join(&refusals))),
     }
 }
 
@@ -93,6 +91,8 @@ pub fn auto_program_strided(
     crate::sched::auto::canonical::reduce_through_broadcasts(&mut g)?;
     crate::sched::auto::canonical::merge_nested_reductions(&mut g)?;
     crate::sched::auto::canonical::reuse_partial_reductions(&mut g)?;
+    crate::sched::auto::canonical::sink_gathers(&mut g)?;
+    crate::sched::auto::canonical::reduce_broadcast_axes(&mut g)?;
     crate::sched::auto::canonical::squeeze_broadcasts(&mut g)?;
     // Rows longer than a block keeps on chip (sizes unknown here: not long).
     let long_row = |g: &Fusion, e: crate::ir::ExprId| {
@@ -146,7 +146,10 @@ pub fn auto_program_strided(
             }
         }
     }
-    let (groups, covered) = merge_groups(&g, &order, &cx, &mut report)?;
+    let (groups, covered) = match rows_then_totals(&g, &order, &cx, &mut report)? {
+        Some(split) => split,
+        None => merge_groups(&g, &order, &cx, &mut report)?,
+    };
     let segs: Vec<Segment> = groups.iter().map(|grp| segment_of(&g, grp, &order)).collect::<Result<_>>()?;
     let mut parts = Vec::new();
     let _ = writeln!(report, "segments: {} kernels", groups.len());
@@ -161,6 +164,40 @@ pub fn auto_program_strided(
     })?;
     program.segmentation = report;
     Ok((program, Heuristic::new(Params::Segmented(parts))))
+}
+
+/// Two kernels, the rows then their totals, where the whole fusion is a row schedule with
+/// totals of its rows that want a kernel of their own (more rows than a grid reduction
+/// serves well): the rows' group as a whole, which greedy pairwise merging may not reach
+/// when its partial groups are not covered. None when there are no totals, or either
+/// group is not covered.
+fn rows_then_totals(f: &Fusion, order: &[ExprId], cx: &Ctx, report: &mut String) -> Result<Option<Segmentation>> {
+    let reds: Vec<ExprId> =
+        order.iter().copied().filter(|&e| matches!(f.exprs[e].op, crate::ir::Op::Reduction { .. })).collect();
+    let (rows, totals) = crate::sched::auto::split_totals(f, &reds);
+    if totals.is_empty() || rows.is_empty() {
+        return Ok(None);
+    }
+    let roots: Vec<TvId> = totals.iter().map(|&e| f.exprs[e].output).collect();
+    let post: FxHashSet<TvId> = crate::sched::auto::downstream(f, &roots).into_iter().chain(roots).collect();
+    let (second, first): (Vec<ExprId>, Vec<ExprId>) =
+        order.iter().copied().partition(|&e| post.contains(&f.exprs[e].output));
+    let a = match try_group(f, order, &first, cx)? {
+        Ok(a) => a,
+        Err(why) => {
+            let _ = writeln!(report, "the rows without their totals: refused ({why})");
+            return Ok(None);
+        }
+    };
+    let b = match try_group(f, order, &second, cx)? {
+        Ok(b) => b,
+        Err(why) => {
+            let _ = writeln!(report, "the totals of the rows: refused ({why})");
+            return Ok(None);
+        }
+    };
+    let _ = writeln!(report, "the rows, then their totals: covered");
+    Ok(Some((vec![first, second], vec![a, b])))
 }
 
 /// `{T3 = sum(T2), T4 = mul(T3, ..)}`-style short listing of a group's results.

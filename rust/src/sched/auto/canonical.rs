@@ -32,6 +32,17 @@
 //!   (cross-entropy's `sum(where(onehot, x - max, 0))` beside the max and the log-sum-exp).
 //!   Masked sums only: an unmasked `sum(a - r)` could cancel badly. Long rows only, as
 //!   above.
+//! - **Gathers read inputs.** `take_along_axis(f(a, b), idx, d)` (and `index_select`) of an
+//!   element-wise `f` becomes `f(take_along_axis(a, idx, d), ...)`, operands that are
+//!   broadcast along `d` (a per-row max or log-sum-exp) read as they are: the gathered
+//!   elements are computed from the inputs where they are picked, instead of the whole
+//!   tensor being computed and stored first (cross-entropy's
+//!   `take_along_axis(log_softmax(x), labels)` reads one logit per row beside the row's
+//!   statistics).
+//! - **Reductions skip size-one broadcast axes.** Reducing an axis of extent one changes
+//!   nothing, so `sum(t, [0, 1])` of a `[B, 1]` tensor is `sum(squeeze(t), [0])`: a total
+//!   over the rows that the row schedule computes in its kernel (the mean of a gathered
+//!   `[B, 1]` log-probability), not a reduction over other axes than the rows'.
 //! - **A squeeze of a broadcast is its source** when it removes exactly the axes the
 //!   broadcast added (`x.max(-1, keepdim=True)` squeezed back): the per-row value is then
 //!   read as such, not through a full-rank tensor a row schedule spreads over threads.
@@ -301,6 +312,113 @@ pub fn online_logsumexp(f: &mut Fusion, long_row: &dyn Fn(&Fusion, ExprId) -> bo
         }
         return Ok(());
     }
+}
+
+/// Move gathers through element-wise ops towards the inputs (see the module docs).
+pub fn sink_gathers(f: &mut Fusion) -> Result<()> {
+    let mut changed = false;
+    'again: loop {
+        'next: for e in f.topo_exprs() {
+            let Op::IndexSelect { dim } = f.exprs[e].op else { continue };
+            let (Some(y), Some(idx)) = (f.exprs[e].inputs[0].tensor(), f.exprs[e].index_tensor()) else { continue };
+            let Some(d) = f.tvs[y].definition else { continue };
+            if !matches!(f.exprs[d].op, Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast(_)) {
+                continue;
+            }
+            let rank = f.tvs[y].logical.len();
+            let bcast = |f: &Fusion, t: TvId, a: usize| f.ids[f.tvs[t].logical[a]].iter_type == IterType::Broadcast;
+            // Each operand: gathered when it is full (no broadcast axis), read as it is when
+            // broadcast along `dim` only; anything else stops the move.
+            let mut plan = Vec::new();
+            for o in f.exprs[d].inputs.clone() {
+                let Operand::Tensor(t) = o else {
+                    plan.push((o, false));
+                    continue;
+                };
+                if f.tvs[t].logical.len() != rank || f.no_reduction_logical(t).len() != rank {
+                    continue 'next;
+                }
+                let along = bcast(f, t, dim);
+                if (0..rank).any(|a| a != dim && bcast(f, t, a)) {
+                    continue 'next;
+                }
+                plan.push((o, !along));
+            }
+            let mut operands: smallvec::SmallVec<[Operand; 3]> = smallvec::SmallVec::new();
+            for (o, gather) in plan {
+                let Operand::Tensor(t) = o else {
+                    operands.push(o);
+                    continue;
+                };
+                if !gather {
+                    operands.push(o);
+                    continue;
+                }
+                let picked = if f.tvs[idx].logical.len() == rank && rank > 1 {
+                    f.take_along_axis(t, idx, dim as i64)?
+                } else {
+                    f.index_select(t, idx, dim as i64)?
+                };
+                operands.push(Operand::Tensor(picked));
+            }
+            let old = f.exprs[e].output;
+            let logical: Vec<_> = f.tvs[old]
+                .logical
+                .clone()
+                .into_iter()
+                .map(|id| f.new_id(f.ids[id].extent, f.ids[id].iter_type))
+                .collect();
+            let new = f.new_tv(f.tvs[y].dtype, crate::ir::MemoryType::Local, logical);
+            f.add_expr(f.exprs[d].op.clone(), operands, new);
+            replace_tensor(f, old, new);
+            f.tvs[y].uses.retain(|&u| u != e);
+            f.tvs[idx].uses.retain(|&u| u != e);
+            changed = true;
+            continue 'again;
+        }
+        break;
+    }
+    if changed {
+        drop_dead_uses(f);
+    }
+    Ok(())
+}
+
+/// Reduce the squeezed tensor where a reduction covers size-one broadcast axes (see the
+/// module docs).
+pub fn reduce_broadcast_axes(f: &mut Fusion) -> Result<()> {
+    let mut changed = false;
+    for e in f.topo_exprs() {
+        let Op::Reduction { op, .. } = f.exprs[e].op else { continue };
+        let Some(t) = f.exprs[e].inputs[0].tensor() else { continue };
+        let out = f.exprs[e].output;
+        let reduced = reduced_axes(f, e);
+        let l = f.tvs[t].logical.clone();
+        if l.len() != f.tvs[out].logical.len() || f.no_reduction_logical(t).len() != l.len() {
+            continue;
+        }
+        let size_one =
+            |a: usize| f.ids[l[a]].iter_type == IterType::Broadcast && f.scalars.as_int(f.ids[l[a]].extent) == Some(1);
+        let drop: Vec<usize> = reduced.iter().copied().filter(|&a| size_one(a)).collect();
+        if drop.is_empty() || f.tvs[t].dtype != f.tvs[out].dtype {
+            continue;
+        }
+        let sq = f.squeeze(t, &drop.iter().map(|&a| a as i64).collect::<Vec<_>>())?;
+        // The remaining reduced axes, numbered among the squeezed tensor's axes.
+        let dims: Vec<i64> = reduced
+            .iter()
+            .filter(|a| !drop.contains(a))
+            .map(|&a| (a - drop.iter().filter(|&&d| d < a).count()) as i64)
+            .collect();
+        let new = if dims.is_empty() { sq } else { f.reduction(op, sq, &dims, false, Some(f.tvs[out].dtype))? };
+        replace_tensor(f, out, new);
+        f.tvs[t].uses.retain(|&u| u != e);
+        changed = true;
+    }
+    if changed {
+        drop_dead_uses(f);
+    }
+    Ok(())
 }
 
 /// Read the source of a broadcast where a squeeze removes exactly its new axes (see the

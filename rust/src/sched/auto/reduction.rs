@@ -46,12 +46,24 @@ fn by_dependence(f: &Fusion, rs: &[TvId], late: &[TvId]) -> (Vec<TvId>, Vec<TvId
     // `(1 - momentum) * running_mean`, cross-entropy's per-row `label != ignore_index`.
     let rank = rs.first().map_or(0, |&r| f.tvs[r].logical.len());
     let reduced = |x: TvId| f.tvs[x].definition.is_some_and(|d| matches!(f.exprs[d].op, Op::Reduction { .. }));
+    // Per-row shaped: a lower rank, or size one (broadcast) at every reduced axis (a value
+    // gathered at a per-row index, `take_along_axis(x, labels[:, None], 1)`).
+    let red_at: Vec<bool> = rs.first().map_or(Vec::new(), |&r| {
+        f.tvs[r].logical.iter().map(|&id| f.ids[id].iter_type == IterType::Reduction).collect()
+    });
+    let per_row = |t: TvId| {
+        let l = f.no_reduction_logical(t);
+        l.len() < rank
+            || (l.len() == rank
+                && red_at.iter().any(|&r| r)
+                && l.iter().zip(&red_at).all(|(&id, &red)| !red || f.ids[id].iter_type == IterType::Broadcast))
+    };
     for i in (0..before.len()).rev() {
         let t = before[i];
         let consumers = f.consumers(t);
         if !reduced(t)
             && f.producers(t).iter().all(|&p| !reduced(p))
-            && f.no_reduction_logical(t).len() < rank
+            && per_row(t)
             && !f.is_output(t)
             && !consumers.is_empty()
             && consumers.iter().all(|c| after.contains(c) || late.contains(c))
@@ -144,9 +156,12 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
         // Consumers of the result must not read unreduced values again (that is a
         // normalization, which needs a persistent schedule or segmentation); kept-rank
         // inputs (a bias per output element) are fine.
+        // A gather's table is read at the picked elements only, not along the row.
+        let table = f.tvs[t].definition.and_then(|d| f.exprs[d].indexed_tensor());
         let reads_before = f
             .producers(t)
             .iter()
+            .filter(|&&p| Some(p) != table)
             .any(|p| (before.contains(p) || f.is_input(*p)) && f.no_reduction_logical(*p).len() == n);
         if reads_before {
             bail!(

@@ -282,8 +282,19 @@ pub fn schedule_fusion(out: &mut Fusion, cx: &Ctx) -> Result<std::result::Result
             Ok(mut h) => {
                 super::settle_inlining(&mut g);
                 h.specialized.extend(specialized);
-                *out = g;
-                return Ok(Ok(h));
+                // A schedule that does not lower (or print) is one this scheduler cannot
+                // place after all: the next one may.
+                match crate::lower::lower(&g).and_then(|k| crate::codegen::generate(&k, false).map(|_| ())) {
+                    Ok(()) => {
+                        *out = g;
+                        return Ok(Ok(h));
+                    }
+                    Err(e) if e.kind == ErrorKind::Internal => return Err(e),
+                    Err(e) => refusals.push(Refusal {
+                        scheduler: s.name(),
+                        reason: format!("the {} schedule does not lower: {}", h.kind(), e.message),
+                    }),
+                }
             }
             Err(e) if e.kind == ErrorKind::Internal => return Err(e),
             Err(e) => refusals.push(Refusal { scheduler: s.name(), reason: e.message }),

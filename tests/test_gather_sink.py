@@ -1,0 +1,168 @@
+"""Gathers of element-wise results read the inputs where they pick.
+
+The automatic path moves ``take_along_axis`` and ``index_select`` through element-wise ops,
+so ``take_along_axis(log_softmax(x), labels)`` (cross-entropy as models write it) computes
+the picked log-probabilities from the picked logits and the rows' statistics instead of
+storing the whole log-softmax first. Every case is checked against NumPy in float64, auto
+and as written; kernel counts where the rewrite is what makes one kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Tuple
+
+import numpy as np
+import pytest
+from gpu_util import cupy_or_skip
+from kiln import DataType, FusionDefinition, KilnError
+
+
+def _lse(x: np.ndarray) -> np.ndarray:
+    m = x.max(axis=1, keepdims=True)
+    return np.log(np.exp(x - m).sum(axis=1, keepdims=True)) + m
+
+
+def _nll_gather(mean: bool, also_logp: bool) -> FusionDefinition:
+    """``F.cross_entropy`` as log_softmax then a gather of the label's entry."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        labels = fd.define_tensor([-1], dtype=DataType.Int)
+        mx = fd.ops.max(x, dims=[1], keepdim=True)
+        xs = fd.ops.sub(x, mx)
+        logp = fd.ops.sub(xs, fd.ops.log(fd.ops.sum(fd.ops.exp(xs), dims=[1], keepdim=True)))
+        picked = fd.ops.take_along_axis(logp, fd.ops.broadcast_in_dim(labels, [-1, 1], [0]), 1)
+        nll = fd.ops.neg(fd.ops.squeeze(picked, [1]))
+        fd.add_output(fd.ops.mul(fd.ops.sum(nll, dims=[0]), 1.0 / 4) if mean else nll)
+        if also_logp:
+            fd.add_output(logp)
+    return fd
+
+
+def _ce_inputs(rows: int, cols: int) -> Callable[[np.random.Generator], List[np.ndarray]]:
+    def make(rng: np.random.Generator) -> List[np.ndarray]:
+        x = (rng.standard_normal((rows, cols)) * 3).astype(np.float32)
+        return [x, rng.integers(0, cols, size=rows).astype(np.int64)]
+    return make
+
+
+def _ce_ref(mean: bool, also_logp: bool) -> Callable[..., List[np.ndarray]]:
+    def ref(x: np.ndarray, labels: np.ndarray) -> List[np.ndarray]:
+        logp = x.astype(np.float64) - _lse(x.astype(np.float64))
+        nll = -logp[np.arange(len(labels)), labels]
+        out = [np.asarray(nll.sum() / 4) if mean else nll]
+        return out + ([logp] if also_logp else [])
+    return ref
+
+
+def _rows_picked() -> FusionDefinition:
+    """index_select of rows of ``exp(x) * w`` (w broadcast over the rows)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        w = fd.define_tensor([-1])
+        idx = fd.define_tensor([-1], dtype=DataType.Int)
+        y = fd.ops.mul(fd.ops.exp(x), fd.ops.broadcast_in_dim(w, [-1, -1], [1]))
+        fd.add_output(fd.ops.index_select(y, idx, 0))
+    return fd
+
+
+def _rows_inputs(rng: np.random.Generator) -> List[np.ndarray]:
+    return [rng.standard_normal((9, 33)).astype(np.float32), rng.standard_normal(33).astype(np.float32),
+            np.array([8, 0, 3, 3, 5], dtype=np.int64)]
+
+
+def _rows_ref(x: np.ndarray, w: np.ndarray, idx: np.ndarray) -> List[np.ndarray]:
+    return [(np.exp(x.astype(np.float64)) * w)[idx]]
+
+
+def _where_picked() -> FusionDefinition:
+    """take_along_axis of ``where(mask, x * 2, -x)`` along the last axis, K picks per row."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        m = fd.define_tensor([-1, -1], dtype=DataType.Bool)
+        idx = fd.define_tensor([-1, -1], dtype=DataType.Int)
+        y = fd.ops.where(m, fd.ops.mul(x, 2.0), fd.ops.neg(x))
+        fd.add_output(fd.ops.take_along_axis(y, idx, 1))
+    return fd
+
+
+def _where_inputs(rng: np.random.Generator) -> List[np.ndarray]:
+    return [rng.standard_normal((6, 40)).astype(np.float32), rng.random((6, 40)) < 0.5,
+            rng.integers(0, 40, size=(6, 3)).astype(np.int64)]
+
+
+def _where_ref(x: np.ndarray, m: np.ndarray, idx: np.ndarray) -> List[np.ndarray]:
+    y = np.where(m, 2 * x.astype(np.float64), -x.astype(np.float64))
+    return [np.take_along_axis(y, idx, 1)]
+
+
+Case = Tuple[Callable[[], FusionDefinition], Callable[[np.random.Generator], List[np.ndarray]],
+             Callable[..., List[np.ndarray]], int]
+
+# name: (build, inputs, float64 reference, kernels where checked; 0: not checked)
+
+CASES = {
+    "cross_entropy_mean_long": (lambda: _nll_gather(True, False), _ce_inputs(4, 70001),
+                                _ce_ref(True, False), 1),
+    "cross_entropy_mean_short": (lambda: _nll_gather(True, False), _ce_inputs(4, 1031),
+                                 _ce_ref(True, False), 0),
+    "nll_per_row_long": (lambda: _nll_gather(False, False), _ce_inputs(3, 70001), _ce_ref(False, False), 1),
+    "nll_and_log_softmax": (lambda: _nll_gather(False, True), _ce_inputs(5, 517), _ce_ref(False, True), 0),
+    "rows_picked": (_rows_picked, _rows_inputs, _rows_ref, 0),
+    "where_picked": (_where_picked, _where_inputs, _where_ref, 0),
+}
+
+
+def _check(got: List[Any], want: List[np.ndarray]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        g = np.asarray(g, np.float64)
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("as_written", [False, True])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_numpy(name: str, as_written: bool) -> None:
+    build, inputs, ref, _ = CASES[name]
+    a = inputs(np.random.default_rng(1))
+    _check(build().execute(a, as_written=as_written), ref(*a))
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c[3]])
+def test_one_kernel(name: str) -> None:
+    """The picked values come from the logits in the kernel that reduces the rows."""
+    build, inputs, _, kernels = CASES[name]
+    low = build().lower(inputs(np.random.default_rng(2)))
+    assert len(low.kernels) == kernels, low.host_program
+
+
+def test_out_of_range_label_is_reported() -> None:
+    fd = _nll_gather(False, False)
+    x, labels = _ce_inputs(3, 50)(np.random.default_rng(3))
+    labels[1] = 50
+    with pytest.raises(KilnError, match="index"):
+        fd.execute([x, labels])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gpu_matches_numpy(name: str) -> None:
+    cp = cupy_or_skip()
+    build, inputs, ref, _ = CASES[name]
+    a = inputs(np.random.default_rng(4))
+    got = build().execute([cp.asarray(x) for x in a])
+    _check([cp.asnumpy(g) for g in got], ref(*a))
+
+
+def test_many_rows_take_two_kernels_one_pass() -> None:
+    """Past four waves of rows the mean over the rows takes a kernel of its own; the rows'
+    kernel reads each row once (one loop over it) for the max, the log-sum-exp and the
+    picked logit."""
+    import re
+
+    fd = _nll_gather(True, False)
+    x = np.zeros((600, 70001), np.float32)  # zeros map lazily: nothing is touched
+    low = fd.lower([x, np.zeros(600, np.int64)])
+    assert len(low.kernels) == 2, low.host_program
+    body = low.kernels[0].cuda_source[low.kernels[0].cuda_source.index("kiln_kernel("):]
+    assert len(re.findall(r"^    for \(kiln_index_t idx\d+ = 0;", body, re.M)) == 1
