@@ -158,3 +158,63 @@ def test_slice_and_select_on_gpu() -> None:
     s, row = (cp.asnumpy(o) for o in fd.execute([cp.asarray(a)]))
     np.testing.assert_array_equal(s, a[1::3, 2:1000:2])
     np.testing.assert_array_equal(row, a[5])
+
+
+# ----------------------------------------------------------------- Scalar sizes in shapes
+def _scalar_sizes_fusion() -> FusionDefinition:
+    """nvFuser's form: output sizes as integer Scalar inputs, and sizes read off a tensor."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1])
+        y = fd.define_tensor([-1, 1])
+        s0 = fd.define_scalar(dtype=DataType.Int)
+        b = fd.ops.broadcast_in_dim(x, shape=[s0, fd.ops.size(x, 0)], broadcast_dims=[1])
+        e = fd.ops.expand(y, [fd.ops.size(b, 0), fd.ops.size(x, 0)])
+        fd.add_output(fd.ops.add(fd.ops.mul(b, 2.0), e))
+        fd.add_output(fd.ops.sum(fd.ops.broadcast_in_dim(x, [fd.define_scalar(6), -1], [1]), dims=[0]))
+    return fd
+
+
+def _scalar_sizes_inputs() -> List[Any]:
+    rng = np.random.default_rng(5)
+    return [rng.standard_normal(7).astype(np.float32), rng.standard_normal((3, 1)).astype(np.float32), 3]
+
+
+def _scalar_sizes_ref(x: np.ndarray, y: np.ndarray, s0: int) -> List[np.ndarray]:
+    x64, y64 = x.astype(np.float64), y.astype(np.float64)
+    return [np.broadcast_to(2 * x64, (s0, len(x))) + np.broadcast_to(y64, (s0, len(x))), 6 * x64]
+
+
+@pytest.mark.parametrize("as_written", [False, True])
+def test_scalar_sizes_in_broadcast_and_expand(as_written: bool) -> None:
+    a = _scalar_sizes_inputs()
+    got = _scalar_sizes_fusion().execute(a, as_written=as_written)
+    for g, w in zip(got, _scalar_sizes_ref(*a)):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
+def test_scalar_size_that_disagrees_with_the_input_is_an_error() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1])
+        s = fd.define_scalar(dtype=DataType.Int)
+        fd.add_output(fd.ops.broadcast_in_dim(x, [2, s], [1]))
+    (out,) = fd.execute([np.ones(4, np.float32), 4])
+    assert out.shape == (2, 4)
+    with pytest.raises(KilnError, match="must be equal"):
+        fd.execute([np.ones(4, np.float32), 5])
+
+
+def test_float_scalar_size_is_refused() -> None:
+    with pytest.raises(KilnError, match="integers"):
+        with FusionDefinition() as fd:
+            x = fd.define_tensor([-1])
+            fd.ops.broadcast_in_dim(x, [fd.define_scalar(2.0), -1], [1])
+
+
+@pytest.mark.gpu
+def test_scalar_sizes_on_gpu() -> None:
+    cp = cupy_or_skip()
+    a = _scalar_sizes_inputs()
+    got = _scalar_sizes_fusion().execute([cp.asarray(v) if isinstance(v, np.ndarray) else v for v in a])
+    for g, w in zip(got, _scalar_sizes_ref(*a)):
+        np.testing.assert_allclose(cp.asnumpy(g), w, rtol=1e-6, atol=1e-6)

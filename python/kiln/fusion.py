@@ -387,12 +387,28 @@ class Ops:
         count = self.full([self.size(mean, d) for d in range(mean.ndim)], n, DataType.Int)
         return mean, var_sum, count
 
-    def broadcast_in_dim(self, x: Tensor, shape: Sequence[int], broadcast_dims: Sequence[int]) -> Tensor:
+    def broadcast_in_dim(self, x: Tensor, shape: Sequence[Union[int, Scalar]],
+                         broadcast_dims: Sequence[int]) -> Tensor:
         """Place input axis ``i`` at output axis ``broadcast_dims[i]``; other axes are broadcasts."""
         fd = self._fd
         t = fd._tensor(x, "broadcast_in_dim")
-        out = fd._core.broadcast_in_dim(t, [int(s) for s in shape], [int(d) for d in broadcast_dims])
-        return Tensor(fd, out)
+        dims = [int(d) for d in broadcast_dims]
+        scalars = [s for s in shape if isinstance(s, Scalar)]
+        if not scalars:
+            return Tensor(fd, fd._core.broadcast_in_dim(t, [int(s) for s in shape], dims))
+        for s in scalars:
+            if s._fd is not fd:
+                raise KilnError("broadcast_in_dim: a shape Scalar belongs to another FusionDefinition")
+            if s.dtype not in (DataType.Int, DataType.Int32):
+                raise KilnTypeError(f"broadcast_in_dim: shape Scalars must be integers, got {s.dtype}")
+        # Scalar sizes (nvFuser's `fd.define_scalar` or `fd.ops.size` entries): broadcast with
+        # those axes as they are, then expand them like the core expands static sizes, by
+        # selecting under an all-true mask of the asked sizes (size one, a broadcast that
+        # asks nothing, on the other axes).
+        out = fd._core.broadcast_in_dim(t, [-1 if isinstance(s, Scalar) else int(s) for s in shape], dims)
+        sizes = [s._id if isinstance(s, Scalar) else fd._const(1)._id for s in shape]
+        mask = fd._core.full(sizes, fd._operand(True, "broadcast_in_dim"), DataType.Bool.value)
+        return Tensor(fd, fd._core.where_((True, mask), (True, out), (True, out)))
 
     def permute(self, x: Tensor, dims: Sequence[int]) -> Tensor:
         """Output axis ``i`` is input axis ``dims[i]``."""
@@ -541,7 +557,7 @@ class Ops:
             table = self.broadcast(table, [a in ones for a in range(rank)])
         return self.take_along_axis(table, index, d)
 
-    def expand(self, x: Tensor, shape: Sequence[int]) -> Tensor:
+    def expand(self, x: Tensor, shape: Sequence[Union[int, Scalar]]) -> Tensor:
         """``x`` with its size-one axes expanded to ``shape`` (``-1`` keeps an axis's size)."""
         if len(shape) != x.ndim:
             raise KilnError(f"expand: {x.name} has rank {x.ndim} but shape {list(shape)} has {len(shape)} "
