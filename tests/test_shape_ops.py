@@ -218,3 +218,41 @@ def test_scalar_sizes_on_gpu() -> None:
     got = _scalar_sizes_fusion().execute([cp.asarray(v) if isinstance(v, np.ndarray) else v for v in a])
     for g, w in zip(got, _scalar_sizes_ref(*a)):
         np.testing.assert_allclose(cp.asnumpy(g), w, rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------- nvFuser's None contiguity: expanded axes
+def _expanded_input_fusion() -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], contiguity=[True, None])
+        y = fd.define_tensor([-1, -1, -1], contiguity=[None, True, True])
+        fd.add_output(fd.ops.add(x, fd.ops.sum(y, dims=[0])))
+    return fd
+
+
+@pytest.mark.parametrize("expanded", [True, False])
+@pytest.mark.parametrize("as_written", [False, True])
+def test_none_contiguity_reads_expanded_arrays(expanded: bool, as_written: bool) -> None:
+    """``None`` on an axis of any size marks an expanded (stride-0) axis, as in nvFuser; the
+    layout then comes from the arrays given, expanded or not."""
+    rng = np.random.default_rng(6)
+    if expanded:
+        x = np.broadcast_to(rng.standard_normal((4, 1)).astype(np.float32), (4, 5))
+        y = np.broadcast_to(rng.standard_normal((1, 4, 5)).astype(np.float32), (3, 4, 5))
+    else:
+        x = rng.standard_normal((4, 5)).astype(np.float32)
+        y = rng.standard_normal((3, 4, 5)).astype(np.float32)
+    (got,) = _expanded_input_fusion().execute([x, y], as_written=as_written)
+    np.testing.assert_allclose(got, x.astype(np.float64) + y.astype(np.float64).sum(0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_none_contiguity_on_gpu() -> None:
+    cp = cupy_or_skip()
+    rng = np.random.default_rng(7)
+    x = np.broadcast_to(rng.standard_normal((4, 1)).astype(np.float32), (4, 5))
+    y = np.broadcast_to(rng.standard_normal((1, 4, 5)).astype(np.float32), (3, 4, 5))
+    xd = cp.broadcast_to(cp.asarray(np.ascontiguousarray(x[:, :1])), (4, 5))
+    yd = cp.broadcast_to(cp.asarray(np.ascontiguousarray(y[:1])), (3, 4, 5))
+    (got,) = _expanded_input_fusion().execute([xd, yd])
+    np.testing.assert_allclose(cp.asnumpy(got), x.astype(np.float64) + y.astype(np.float64).sum(0), rtol=1e-5,
+                               atol=1e-5)

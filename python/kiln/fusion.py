@@ -106,6 +106,11 @@ class FusionDefinition:
                 raise KilnError(f"define_tensor {name}: axis {axis} has size {s}; expected -1 (symbolic), "
                                 f"1 (broadcast) or a size in [0, 2**63)")
         contig = None if contiguity is None else [None if c is None else bool(c) for c in contiguity]
+        if contig is not None and len(contig) == len(shape) and any(
+                c is None and s != 1 for c, s in zip(contig, shape)):
+            # nvFuser marks an expanded axis (stride 0, any size) with None. kiln then takes
+            # the layout from the arrays given, as for a tensor declared without contiguity.
+            contig = None
         return Tensor(self, self._core.define_tensor(list(shape), dt, contig))
 
     def define_scalar(self, value: Optional[Union[int, float, bool]] = None,
