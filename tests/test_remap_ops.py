@@ -317,6 +317,36 @@ def test_empty_inputs() -> None:
     np.testing.assert_array_equal(got_pad, np.zeros((3, 2), np.float32))
 
 
+@pytest.mark.parametrize("as_written", [False, True])
+def test_reshape_of_an_empty_tensor_then_pad(as_written: bool) -> None:
+    """A reshape of a tensor with a zero extent divides by no extent: the padded lanes read
+    nothing (found by tests/explore_auto.py, seed 1234)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1])
+        r = fd.ops.reshape(fd.ops.slice(x, [0, 1, 0], [2, 1, 4]), [0])
+        fd.add_output(fd.ops.pad(r, [1, 2], 2.0))
+        fd.add_output(fd.ops.reshape(x, [-1, 4]))
+    a = _f32(np.random.default_rng(9), 2, 3, 4)
+    got_pad, got_flat = fd.execute([a], as_written=as_written)
+    np.testing.assert_array_equal(got_pad, np.full(3, 2.0, np.float32))
+    np.testing.assert_array_equal(got_flat, a.reshape(-1, 4))
+    (empty,) = fd.execute([np.zeros((2, 0, 4), np.float32)], as_written=as_written)[1:]
+    assert empty.shape == (0, 4)
+
+
+def test_stepped_slice_to_empty_then_reshape_and_pad() -> None:
+    """The program tests/explore_auto.py found (seed 1234): a stepped slice of runtime-sized
+    axes that is empty when it runs, reshaped and padded."""
+    with FusionDefinition() as fd:
+        t0 = fd.define_tensor([-1, -1, -1, -1])
+        t10 = fd.ops.slice(t0, [0, 1, 2, 0], [1, None, 1, None], [3, 3, 1, 1])
+        fd.add_output(fd.ops.pad(fd.ops.reshape(t10, [0]), [0, 3], 2.0))
+    a = _f32(np.random.default_rng(10), 1, 1, 1, 1)
+    for as_written in (False, True):
+        (got,) = fd.execute([a], as_written=as_written)
+        np.testing.assert_array_equal(got, np.full(3, 2.0, np.float32))
+
+
 # --- errors ----------------------------------------------------------------------------------
 
 def test_reshape_count_mismatch_is_refused() -> None:

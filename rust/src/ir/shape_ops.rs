@@ -235,12 +235,30 @@ impl Fusion {
             }
             for m in i..i + a {
                 let inner = self.scalars.product(ins[m + 1..i + a].iter().copied());
+                let inner = self.at_least_one(inner);
                 let q = self.scalars.div(lin, inner);
-                index.push(if m == i { q } else { self.scalars.rem(q, ins[m]) });
+                let digit = if m == i {
+                    q
+                } else {
+                    let e = self.at_least_one(ins[m]);
+                    self.scalars.rem(q, e)
+                };
+                index.push(digit);
             }
             (i, j) = (i + a, j + b);
         }
         index
+    }
+
+    /// `v` where it is at least one, else one: a divisor of position arithmetic. An extent
+    /// is zero only in an empty tensor, where nothing is read, and a zero divisor would
+    /// fault the index arithmetic of lanes that read nothing.
+    fn at_least_one(&mut self, v: ValId) -> ValId {
+        if self.scalars.range(v).0 >= 1 {
+            return v;
+        }
+        let one = self.scalars.int(1);
+        self.scalars.max(v, one)
     }
 
     /// The shortest run of `a` input axes from `i` and `b` output axes from `j` whose
