@@ -924,3 +924,21 @@ def test_ops_on_two_grid_reductions_match_numpy_on_gpu(n):
     for _ in range(50):
         (out,) = fd.execute([xs, ys])
         np.testing.assert_allclose(cp.asnumpy(out), want, rtol=1e-4, atol=1e-5)
+
+
+def test_reduction_reading_a_squeezed_statistic_twice() -> None:
+    """A squeeze read by two ops of a row reduction's schedule is recomputed per reader like
+    any element-wise op (found by tests/explore_auto.py, seed 555: an internal error)."""
+    with FusionDefinition() as fd:
+        t5 = fd.define_tensor([-1, 1, 1, -1])
+        t23 = fd.ops.min(t5, dims=[1], keepdim=False)
+        t24 = fd.ops.max(t23, dims=[2], keepdim=True)
+        t25 = fd.ops.squeeze(t24, [2])
+        t26 = fd.ops.broadcast_in_dim(t25, shape=[-1, -1, -1], broadcast_dims=[0, 1])
+        fd.add_output(fd.ops.add(t23, t26))
+    a = np.random.default_rng(64347).uniform(-1, 1, (3, 1, 1, 13)).astype(np.float32)
+    m = a.astype(np.float64).min(axis=1)
+    want = m + m.max(axis=2, keepdims=True)
+    for as_written in (False, True):
+        (got,) = fd.execute([a], as_written=as_written)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -908,7 +908,7 @@ fn clone_chain(f: &mut Fusion, t: TvId, memo: &mut FxHashMap<TvId, TvId>) -> Res
 }
 
 /// A new tensor computed by `op` from `operands`, as the op's builder makes it (element-wise
-/// ops, broadcasts, copies and gathers; the others are not replayed).
+/// ops, broadcasts, squeezes, copies and gathers; the others are not replayed).
 pub(crate) fn replay(f: &mut Fusion, op: Op, operands: &[Operand]) -> Result<TvId> {
     let tensor =
         |i: usize| operands[i].tensor().ok_or_else(|| crate::error::KilnError::internal("replay: a scalar operand"));
@@ -923,11 +923,14 @@ pub(crate) fn replay(f: &mut Fusion, op: Op, operands: &[Operand]) -> Result<TvI
             f.index_select(tensor(0)?, tensor(1)?, dim as i64)?
         }
         Op::IndexSelect { dim } => f.take_along_axis(tensor(0)?, tensor(1)?, dim as i64)?,
+        Op::Squeeze { removed } => {
+            let dims: Vec<i64> = (0..removed.len()).filter(|&a| removed[a]).map(|a| a as i64).collect();
+            f.squeeze(tensor(0)?, &dims)?
+        }
         Op::Remap { .. }
         | Op::Mask { .. }
         | Op::Reduction { .. }
         | Op::Permute { .. }
-        | Op::Squeeze { .. }
         | Op::Full { .. }
         | Op::Iota { .. }
         | Op::Random { .. } => {
