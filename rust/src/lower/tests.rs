@@ -252,3 +252,61 @@ fn verifier_requires_a_barrier_before_a_serial_loop_overwrites_shared_memory() {
     let e = verify_body(&k, &replace_syncs(&k.body, SyncKind::Raw, &Vec::new)).unwrap_err();
     assert!(e.message.contains("T2") && e.message.contains("(RAW)"), "{}", e.message);
 }
+
+/// Row sums of `x` [R, C] on [BIDx, C/32 serial, 32 TIDx]: `sum(x)` and, with `dependent`,
+/// `sum(x - sum(x))` (which reads the first), else `sum(x * x)` (which does not).
+fn two_row_sums(dependent: bool) -> Fusion {
+    let mut f = Fusion::new();
+    let x = f.define_tensor(&[-1, -1], DataType::Float, None).unwrap();
+    let s1 = f.reduction(ReductionOp::Sum, x, &[1], false, None).unwrap();
+    let y = if dependent {
+        let b = f.broadcast(s1, vec![false, true]).unwrap();
+        f.binary(crate::ir::BinaryOp::Sub, Operand::Tensor(x), Operand::Tensor(b)).unwrap()
+    } else {
+        f.binary(crate::ir::BinaryOp::Mul, Operand::Tensor(x), Operand::Tensor(x)).unwrap()
+    };
+    let s2 = f.reduction(ReductionOp::Sum, y, &[1], false, None).unwrap();
+    f.add_output(s1).unwrap();
+    f.add_output(s2).unwrap();
+    for t in [s1, y, s2] {
+        f.split(t, 1, 32, true).unwrap();
+        f.parallelize(t, 0, ParallelType::BIDx).unwrap();
+        f.parallelize(t, 2, ParallelType::TIDx).unwrap();
+    }
+    if dependent {
+        // The row's sum, broadcast: read by every element of the second pass.
+        let b = f.tvs[y].definition.and_then(|d| f.exprs[d].inputs[1].tensor()).unwrap();
+        f.parallelize(b, 0, ParallelType::BIDx).unwrap();
+        f.inline_at(b, -1).unwrap();
+    }
+    f.inline_at(y, -1).unwrap();
+    f
+}
+
+/// Serial loops (of more than one step) directly inside the kernel's block loops: passes
+/// over a row.
+fn row_passes(k: &Kernel) -> usize {
+    k.body
+        .iter()
+        .filter_map(|n| match n {
+            Node::Loop(b) if b.parallel == ParallelType::BIDx => Some(b),
+            _ => None,
+        })
+        .map(|b| {
+            let pass = |n: &&Node| {
+                matches!(n, Node::Loop(l) if l.parallel == ParallelType::Serial && k.fusion.scalars.as_int(l.extent) != Some(1))
+            };
+            b.body.iter().filter(pass).count()
+        })
+        .sum()
+}
+
+#[test]
+fn sibling_row_loops_fuse_and_dependent_ones_do_not() {
+    let k = lower(&two_row_sums(false)).unwrap();
+    assert_eq!(row_passes(&k), 1, "independent sums of one row share one loop");
+    verify_body(&k, &k.body).unwrap();
+    let k = lower(&two_row_sums(true)).unwrap();
+    assert_eq!(row_passes(&k), 2, "a sum that reads the other's result keeps its own pass");
+    verify_body(&k, &k.body).unwrap();
+}
