@@ -244,7 +244,7 @@ _BESIDE = {
     "column sum + bias": (lambda fd, x, b: [fd.ops.add(fd.ops.sum(x, dims=[0]), b)],
                           lambda x, b: [x.sum(0) + b], "outer_reduction", "k"),
     "row max and row sum": (lambda fd, x, b: [fd.ops.max(x, dims=[1]), fd.ops.sum(x, dims=[1])],
-                            lambda x, b: [x.max(1), x.sum(1)], "normalization", None),
+                            lambda x, b: [x.max(1), x.sum(1)], "inner_reduction", None),
 }
 
 

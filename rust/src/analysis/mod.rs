@@ -2,5 +2,6 @@
 
 pub mod id_graph;
 pub mod loop_graph;
+pub mod narrow;
 pub mod parallel;
 pub mod union_find;

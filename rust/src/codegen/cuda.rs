@@ -14,7 +14,10 @@ use crate::bail;
 use crate::error::Result;
 use crate::ir::op_table::Cuda;
 use crate::ir::scalar::{ScalarOp, Val};
-use crate::ir::{DataType, ExprId, Fusion, MemoryType, Op, Operand, ParallelType, ReductionOp, Symbol, TvId, ValId};
+use crate::ir::{
+    BinaryOp, DataType, ExprId, Fusion, MemoryType, Op, Operand, ParallelType, ReductionOp, Symbol, TvId, UnaryOp,
+    ValId,
+};
 use crate::kernel::{AccessIndex, AllocTarget, IfKind, Kernel, Node, SyncKind, VectorAccess, VectorCopy};
 use crate::lower::predicate::conjuncts;
 
@@ -66,6 +69,9 @@ struct Gen<'a> {
     /// C name of each tensor's buffer.
     names: FxHashMap<TvId, String>,
     scratch: u32,
+    /// Float values that end as half/bfloat16 values: their `exp`, `sigmoid` and division
+    /// use the hardware approximations (see `analysis::narrow`).
+    narrow: FxHashSet<TvId>,
 }
 
 fn collect_symbols(f: &Fusion, v: ValId, seen: &mut FxHashSet<ValId>, out: &mut FxHashSet<Symbol>) {
@@ -191,7 +197,8 @@ pub fn generate(k: &Kernel, index32: bool) -> Result<CudaKernel> {
         params.push((format!("{}_stride{a}", f.tv_name(t)), ParamKind::Stride(t, a), DataType::Int));
     }
 
-    let mut g = Gen { k, f, sc: &f.scalars, out: String::new(), names, scratch: 0 };
+    let narrow = crate::analysis::narrow::ends_narrow(f);
+    let mut g = Gen { k, f, sc: &f.scalars, out: String::new(), names, scratch: 0, narrow };
     let sig: Vec<String> = params
         .iter()
         .map(|(name, kind, dt)| match kind {
@@ -579,7 +586,11 @@ impl Gen<'_> {
         let value = match &ex.op {
             Op::Unary(u) => {
                 let cd = u.compute_dtype(self.operand_dtype(ex.inputs[0]), out_dt);
-                let call = Self::call(u.name(), u.cuda(), cd);
+                let approx = cd == DataType::Float && self.narrow.contains(&out_tv);
+                let call = match u {
+                    UnaryOp::Exp | UnaryOp::Sigmoid if approx => format!("kiln::{}Narrow", u.name()),
+                    _ => Self::call(u.name(), u.cuda(), cd),
+                };
                 format!("kiln::cast<{out_ty}>({call}({}))", self.operand(e, ix, 0, cd))
             }
             Op::Binary(b) => {
@@ -592,7 +603,14 @@ impl Gen<'_> {
                     })
                     .collect();
                 let cd = b.compute_dtype(crate::ir::dtype::promote(&dts), out_dt);
-                let call = Self::call(b.name(), b.cuda(), cd);
+                let call = if matches!(b, BinaryOp::Div | BinaryOp::Truediv)
+                    && cd == DataType::Float
+                    && self.narrow.contains(&out_tv)
+                {
+                    "kiln::divNarrow".to_string()
+                } else {
+                    Self::call(b.name(), b.cuda(), cd)
+                };
                 format!("kiln::cast<{out_ty}>({call}({}, {}))", self.operand(e, ix, 0, cd), self.operand(e, ix, 1, cd))
             }
             Op::Where => format!(

@@ -113,7 +113,7 @@ pub fn auto_program_strided(
     crate::sched::auto::canonical::broadcast_computed_indices(&mut g)?;
     crate::sched::auto::canonical::sink_broadcasts(&mut g)?;
     crate::sched::auto::canonical::unify_mapped_extents(&mut g);
-    let order = g.topo_exprs();
+    let mut order = g.topo_exprs();
     if order.is_empty() {
         return Ok((crate::host::lower::lower_program(&g)?, Heuristic::new(Params::Empty)));
     }
@@ -148,7 +148,36 @@ pub fn auto_program_strided(
     }
     let (groups, covered) = match rows_then_totals(&g, &order, &cx, &mut report)? {
         Some(split) => split,
-        None => merge_groups(&g, &order, &cx, &mut report)?,
+        None => {
+            let split = merge_groups(&g, &order, &cx, &mut report)?;
+            // One kernel per class of reductions (rows, columns), each reader of an
+            // element-wise prologue computing its own copy: kept when its kernels move fewer
+            // bytes than the greedy merge's.
+            let mut r = g.clone();
+            let split_bytes = traffic(&g, &order, &split.0, &cx)?;
+            let mut chosen = None;
+            if crate::sched::auto::canonical::recompute_prologues(&mut r)? {
+                let r_order = r.topo_exprs();
+                if let Some(by_class) = by_reduction_class(&r, &r_order, &cx, &mut report)? {
+                    let bytes = traffic(&r, &r_order, &by_class.0, &cx)?;
+                    if bytes < split_bytes || (bytes == split_bytes && by_class.0.len() < split.0.len()) {
+                        let _ = writeln!(
+                            report,
+                            "one kernel per class of reductions, prologues recomputed: {bytes} bytes moved against {split_bytes}"
+                        );
+                        chosen = Some((r, r_order, by_class));
+                    }
+                }
+            }
+            match chosen {
+                Some((r, r_order, by_class)) => {
+                    g = r;
+                    order = r_order;
+                    by_class
+                }
+                None => split,
+            }
+        }
     };
     let segs: Vec<Segment> = groups.iter().map(|grp| segment_of(&g, grp, &order)).collect::<Result<_>>()?;
     let mut parts = Vec::new();
@@ -164,6 +193,129 @@ pub fn auto_program_strided(
     })?;
     program.segmentation = report;
     Ok((program, Heuristic::new(Params::Segmented(parts))))
+}
+
+/// One group per class of reductions (those reducing the same axes of inputs of the same
+/// rank), each with the exprs that feed its reductions and the ops on their results; in
+/// dependency order. None when there are fewer than two classes, an expr serves two of
+/// them, the classes depend on each other both ways, or a group is not covered.
+fn by_reduction_class(f: &Fusion, order: &[ExprId], cx: &Ctx, report: &mut String) -> Result<Option<Segmentation>> {
+    use crate::ir::{IterType, Op};
+    let key = |e: ExprId| -> (usize, Vec<bool>) {
+        let out = f.exprs[e].output;
+        let rank = f.exprs[e].inputs[0].tensor().map_or(0, |x| f.no_reduction_logical(x).len());
+        (rank, f.tvs[out].logical.iter().map(|&id| f.ids[id].iter_type == IterType::Reduction).collect())
+    };
+    let mut keys: Vec<(usize, Vec<bool>)> = Vec::new();
+    let mut class: FxHashMap<ExprId, usize> = FxHashMap::default();
+    for &e in order {
+        if matches!(f.exprs[e].op, Op::Reduction { .. }) {
+            let k = key(e);
+            let c = keys.iter().position(|x| *x == k).unwrap_or_else(|| {
+                keys.push(k);
+                keys.len() - 1
+            });
+            class.insert(e, c);
+        }
+    }
+    if keys.len() < 2 {
+        return Ok(None);
+    }
+    let def = |t: TvId| f.tvs[t].definition;
+    // The classes of the reductions each expr feeds (its readers', back to front) ...
+    let mut feeds: FxHashMap<ExprId, Vec<usize>> = FxHashMap::default();
+    for &e in order.iter().rev() {
+        let mut cs: Vec<usize> = class.get(&e).map(|&c| vec![c]).unwrap_or_default();
+        for u in &f.tvs[f.exprs[e].output].uses {
+            for &c in feeds.get(u).map(|v| v.as_slice()).unwrap_or(&[]) {
+                if !cs.contains(&c) {
+                    cs.push(c);
+                }
+            }
+        }
+        feeds.insert(e, cs);
+    }
+    // ... and of the reductions it reads the results of (front to back).
+    let mut reads: FxHashMap<ExprId, Vec<usize>> = FxHashMap::default();
+    for &e in order {
+        let mut cs: Vec<usize> = class.get(&e).map(|&c| vec![c]).unwrap_or_default();
+        for p in f.exprs[e].input_tvs().filter_map(def) {
+            for &c in reads.get(&p).map(|v| v.as_slice()).unwrap_or(&[]) {
+                if !cs.contains(&c) {
+                    cs.push(c);
+                }
+            }
+        }
+        reads.insert(e, cs);
+    }
+    let mut groups: Vec<Vec<ExprId>> = vec![Vec::new(); keys.len()];
+    for &e in order {
+        let owner = match (feeds[&e].as_slice(), reads[&e].as_slice()) {
+            ([c], _) => *c,
+            ([], [c]) => *c,
+            ([], []) => 0, // element-wise outputs beside every reduction
+            _ => return Ok(None),
+        };
+        groups[owner].push(e);
+    }
+    // Launch order: a class reading another's results after it.
+    let mut after: Vec<Vec<usize>> = vec![Vec::new(); keys.len()];
+    for (c, grp) in groups.iter().enumerate() {
+        for &e in grp {
+            for p in f.exprs[e].input_tvs().filter_map(def) {
+                let pc = (0..keys.len()).find(|&k| groups[k].contains(&p)).unwrap_or(c);
+                if pc != c && !after[c].contains(&pc) {
+                    after[c].push(pc);
+                }
+            }
+        }
+    }
+    let mut launch: Vec<usize> = Vec::new();
+    while launch.len() < keys.len() {
+        let Some(c) = (0..keys.len()).find(|&c| !launch.contains(&c) && after[c].iter().all(|p| launch.contains(p)))
+        else {
+            return Ok(None);
+        };
+        launch.push(c);
+    }
+    let mut out_groups = Vec::new();
+    let mut covered = Vec::new();
+    for c in launch {
+        let grp = std::mem::take(&mut groups[c]);
+        if grp.is_empty() {
+            continue;
+        }
+        match try_group(f, order, &grp, cx)? {
+            Ok(cov) => covered.push(cov),
+            Err(why) => {
+                let _ = writeln!(report, "one kernel per class of reductions: {} refused ({why})", group_text(f, &grp));
+                return Ok(None);
+            }
+        }
+        out_groups.push(grp);
+    }
+    Ok(Some((out_groups, covered)))
+}
+
+/// Bytes the kernels of `groups` read and write in Global memory: each segment's inputs
+/// and outputs, once per segment.
+fn traffic(f: &Fusion, order: &[ExprId], groups: &[Vec<ExprId>], cx: &Ctx) -> Result<i64> {
+    let mut bytes = 0i64;
+    for grp in groups {
+        let seg = segment_of(f, grp, order)?;
+        for &t in seg.inputs.iter().chain(&seg.outputs) {
+            let sizes = tensor_sizes(f, cx, t).unwrap_or_default();
+            let n: i64 = f.tvs[t]
+                .logical
+                .iter()
+                .zip(&sizes)
+                .filter(|(&id, _)| f.ids[id].iter_type != crate::ir::IterType::Reduction)
+                .map(|(_, &n)| n)
+                .product();
+            bytes = bytes.saturating_add(n.saturating_mul(f.tvs[t].dtype.size_bytes() as i64));
+        }
+    }
+    Ok(bytes)
 }
 
 /// Two kernels, the rows then their totals, where the whole fusion is a row schedule with

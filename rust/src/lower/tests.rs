@@ -310,3 +310,34 @@ fn sibling_row_loops_fuse_and_dependent_ones_do_not() {
     assert_eq!(row_passes(&k), 2, "a sum that reads the other's result keeps its own pass");
     verify_body(&k, &k.body).unwrap();
 }
+
+/// A transpose tile read by an element-wise epilogue (`neg(permute(x))` computed into a Local
+/// tensor that a vectorized store writes) is laid out as the store reads it, rows padded
+/// by one bank: the epilogue's reads walk its rows, not its columns 32 floats apart.
+#[test]
+fn transpose_tile_read_by_an_epilogue_is_padded_like_a_copied_one() {
+    let mut f = Fusion::new();
+    let x = f.define_tensor(&[-1, -1], DataType::Float, None).unwrap();
+    let t = f.permute(x, &[1, 0]).unwrap();
+    let o = f.unary(UnaryOp::Neg, Operand::Tensor(t)).unwrap();
+    f.add_output(o).unwrap();
+    let c = f.cache_before(o).unwrap();
+    f.set_memory_type(t, MemoryType::Shared).unwrap();
+    for (tv, order) in [(o, &[(1, 2)][..]), (c, &[(1, 2)][..]), (t, &[(1, 3), (3, 2)][..])] {
+        f.split(tv, 0, 32, true).unwrap();
+        f.split(tv, 2, 32, true).unwrap();
+        f.reorder(tv, order).unwrap();
+        f.merge(tv, 2, 3).unwrap();
+        f.split(tv, 2, 4, true).unwrap();
+        f.parallelize(tv, 0, ParallelType::BIDy).unwrap();
+        f.parallelize(tv, 1, ParallelType::BIDx).unwrap();
+        f.parallelize(tv, 2, ParallelType::TIDx).unwrap();
+    }
+    f.parallelize(o, 3, ParallelType::Vectorize).unwrap();
+    f.inline_at(t, 2).unwrap();
+    f.inline_at(c, 3).unwrap();
+    let text = lower(&completed(&f)).unwrap().to_text();
+    assert!(text.contains(&format!("ALLOCATE T{} Shared float [32, 33]", t.as_u32())), "{text}");
+    // The epilogue reads a row of the tile: consecutive elements along the store's vector.
+    assert!(text.contains("<- [threadIdx.x / 8 * 33 + (threadIdx.x % 8 * 4 + idx"), "{text}");
+}

@@ -259,7 +259,10 @@ fn originating_merge(f: &Fusion, mut id: IterDomainId) -> Option<(IterDomainId, 
 
 /// Rule 5: a Shared staging buffer of a transpose, read by a vectorized Global store
 /// whose merge is the reverse of the producer's, is allocated as `[inner, outer]` of
-/// the producer's merge rather than as its split halves.
+/// the producer's merge rather than as its split halves. kiln extends the rule to a tile
+/// read by element-wise ops (an epilogue such as SiLU, computed into a Local tensor the
+/// vectorized store then writes): each reader's innermost loop must run along the reversed
+/// merge, so its reads walk the tile's rows as the store's would.
 pub fn patch_transposed_smem(
     f: &Fusion,
     lg: &LoopGraph,
@@ -268,21 +271,32 @@ pub fn patch_transposed_smem(
     ids: &[IterDomainId],
 ) -> Option<Vec<IterDomainId>> {
     let t = &f.tvs[tv];
-    if ids.is_empty() || t.memory != MemoryType::Shared || t.uses.len() != 1 {
+    if ids.is_empty() || t.memory != MemoryType::Shared || t.uses.is_empty() {
         return None;
     }
     if ids.iter().any(|&id| effective_parallel(f, lg, tv, id).is_block()) {
         return None;
     }
-    let use_ = &f.exprs[t.uses[0]];
-    if use_.op != Op::Set {
-        return None;
+    // Each reader and the loop id its reads run along: a Global store's vectorized id, or
+    // the innermost loop of a Local element-wise result.
+    let mut readers = Vec::new();
+    for &u in &t.uses {
+        let use_ = &f.exprs[u];
+        let consumer = use_.output;
+        let c = &f.tvs[consumer];
+        let along = match c.memory {
+            MemoryType::Global if use_.op == Op::Set => {
+                *c.loop_domain.iter().find(|&&id| f.ids[id].parallel == ParallelType::Vectorize)?
+            }
+            MemoryType::Local
+                if matches!(use_.op, Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast(_) | Op::Set) =>
+            {
+                *c.loop_domain.last()?
+            }
+            _ => return None,
+        };
+        readers.push((consumer, along));
     }
-    let consumer = use_.output;
-    if f.tvs[consumer].memory != MemoryType::Global {
-        return None;
-    }
-    let vec_id = *f.tvs[consumer].loop_domain.iter().find(|&&id| f.ids[id].parallel == ParallelType::Vectorize)?;
     let (m_outer, m_inner, m_out) = originating_merge(f, ids[0])?;
     // The allocation ids must be exactly what the merge output was split into.
     let mut set: Vec<IterDomainId> = ids.to_vec();
@@ -313,10 +327,12 @@ pub fn patch_transposed_smem(
         Transform::Merge { outer, inner, out } if exact.same(outer, m_inner) && exact.same(inner, m_outer) => Some(out),
         _ => None,
     })?;
-    let consumer_ids = all_ids(f, consumer);
-    let consumer_merge_out = *consumer_ids.iter().find(|&&id| exact.same(id, reverse_out))?;
-    if !depends_on(f, vec_id, consumer_merge_out) {
-        return None;
+    for (consumer, along) in readers {
+        let consumer_ids = all_ids(f, consumer);
+        let consumer_merge_out = *consumer_ids.iter().find(|&&id| exact.same(id, reverse_out))?;
+        if !depends_on(f, along, consumer_merge_out) {
+            return None;
+        }
     }
     Some(vec![m_inner, m_outer])
 }

@@ -975,3 +975,72 @@ pub fn private_broadcasts(f: &mut Fusion) -> Result<()> {
     }
     Ok(())
 }
+
+/// True when `t` is computed from fusion inputs by element-wise ops, broadcasts, squeezes
+/// and copies alone (nothing reduced, gathered or generated on the way), in at most
+/// `PROLOGUE_EXPRS` exprs: cheap to compute again wherever it is read.
+fn pure_prologue(f: &Fusion, t: TvId) -> bool {
+    let closure = super::computed_closure(f, &[t]);
+    closure.len() <= PROLOGUE_EXPRS
+        && closure.iter().all(|&c| {
+            f.tvs[c].definition.is_some_and(|d| {
+                matches!(
+                    f.exprs[d].op,
+                    Op::Unary(_)
+                        | Op::Binary(_)
+                        | Op::Where
+                        | Op::Cast(_)
+                        | Op::Set
+                        | Op::Broadcast { .. }
+                        | Op::Squeeze { .. }
+                )
+            })
+        })
+}
+
+/// Longest element-wise chain `recompute_prologues` copies for one reader.
+const PROLOGUE_EXPRS: usize = 16;
+
+/// A copy of the element-wise chain that defines `t`, down to the fusion inputs.
+fn clone_prologue(f: &mut Fusion, t: TvId, memo: &mut FxHashMap<TvId, TvId>) -> Result<TvId> {
+    if let Some(&c) = memo.get(&t) {
+        return Ok(c);
+    }
+    let Some(d) = f.tvs[t].definition else { return Ok(t) };
+    let op = f.exprs[d].op.clone();
+    let mut operands = Vec::new();
+    for o in f.exprs[d].inputs.clone() {
+        operands.push(match o {
+            Operand::Tensor(x) => Operand::Tensor(clone_prologue(f, x, memo)?),
+            s => s,
+        });
+    }
+    let c = replay(f, op, &operands)?;
+    memo.insert(t, c);
+    Ok(c)
+}
+
+/// Give every reader of an element-wise tensor computed from the fusion inputs alone its
+/// own copy of that computation (nvFuser's segmenter does the same for its inputs'
+/// casts and broadcasts). A fusion that needs several kernels, such as LayerNorm's backward
+/// (row sums for `dx`, column sums for `dw` and `db`, all of `xhat = (x - mean) * rstd`),
+/// then lets each kernel compute `xhat` from `x` instead of one kernel writing it to Global
+/// memory for the next to read back. The segmenter keeps the copies only where the kernels
+/// move fewer bytes with them. Returns whether anything was copied.
+pub fn recompute_prologues(f: &mut Fusion) -> Result<bool> {
+    let mut changed = false;
+    for e in f.topo_exprs() {
+        let t = f.exprs[e].output;
+        let uses = f.tvs[t].uses.clone();
+        if uses.len() < 2 || !pure_prologue(f, t) {
+            continue;
+        }
+        for &u in &uses[1..] {
+            let mut memo = FxHashMap::default();
+            let c = clone_prologue(f, t, &mut memo)?;
+            f.redirect_use(u, t, c);
+            changed = true;
+        }
+    }
+    Ok(changed)
+}

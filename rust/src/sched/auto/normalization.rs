@@ -31,14 +31,21 @@ fn rows_and_row(f: &mut Fusion, t: TvId, k: usize) -> Result<()> {
 /// That covers softmax and layernorm (the reduction's own input) and RMSNorm
 /// (`x * rsqrt(mean(x * x))`: x, not the reduced `x * x`). Ops beside the reduction that
 /// only share its input (a second output `x * 2`) do not make a normalization. Several
-/// reductions of the same axes (a row's max and sum) are one too: one block per row
-/// computes them all.
+/// reductions of the same axes where one reads another's result (a row's max, then the
+/// sum of `exp(x - max)`) are one too: one block per row computes them all. Independent
+/// sums of the same axes (a weight's and a bias's gradient) are a multi-output reduction,
+/// which the reduction scheduler splits across blocks.
 pub fn is_normalization(f: &Fusion, reductions: &[ExprId]) -> bool {
     let reduced = |e: ExprId| -> Vec<bool> {
         let out = f.exprs[e].output;
         f.tvs[out].logical.iter().map(|&id| f.ids[id].iter_type == IterType::Reduction).collect()
     };
-    if reductions.len() > 1 && reductions.iter().all(|&e| reduced(e) == reduced(reductions[0])) {
+    let chained = || {
+        let outs: Vec<TvId> = reductions.iter().map(|&e| f.exprs[e].output).collect();
+        let after = super::downstream(f, &outs);
+        reductions.iter().any(|&e| after.contains(&f.exprs[e].output))
+    };
+    if reductions.len() > 1 && reductions.iter().all(|&e| reduced(e) == reduced(reductions[0])) && chained() {
         return true;
     }
     let order = f.topo_exprs();
