@@ -146,12 +146,14 @@ def test_gpu_half_softmax_within_half_rounding(cols: int) -> None:
 
 @pytest.mark.gpu
 def test_gpu_bf16_silu_div_within_bf16_rounding() -> None:
-    cp = cupy_or_skip()
+    """On torch tensors: CuPy has no bfloat16 arrays."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
     x = _rows(np.float32, (65, 1031))
     y = np.abs(_rows(np.float32, (65, 1031))) + 0.5
-    # bfloat16 as its bits (uint16): the top half of the float32 bits, truncated.
-    xb, yb = ((a.view(np.uint32) >> 16).astype(np.uint16) for a in (x, y))
-    (got,) = _bf16_silu_div().execute([cp.asarray(xb), cp.asarray(yb)])
-    xf, yf = ((b.astype(np.uint32) << 16).view(np.float32).astype(np.float64) for b in (xb, yb))
+    xt, yt = (torch.from_numpy(a).to(device="cuda", dtype=torch.bfloat16) for a in (x, y))
+    (got,) = _bf16_silu_div().execute([xt, yt])
+    xf, yf = (t.float().cpu().numpy().astype(np.float64) for t in (xt, yt))
     want = xf / (1.0 + np.exp(-xf)) / yf
     np.testing.assert_allclose(fams.output_f64(got), want, rtol=2 ** -7, atol=1e-30)

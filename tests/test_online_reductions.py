@@ -161,13 +161,39 @@ def _two_sums() -> FusionDefinition:
 
 
 def _centered_variance() -> FusionDefinition:
-    """The second sum reads the first: two passes stay two."""
+    """``sum((x - mean)^2)``: accumulated as ``sum(x^2)`` and ``sum(x)`` in double beside the
+    mean, one pass."""
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, -1])
         mean = fd.ops.mul(fd.ops.sum(x, dims=[1]), 1.0 / LONG)
         xc = fd.ops.sub(x, fd.ops.broadcast_in_dim(mean, [-1, -1], [0]))
         fd.add_output(fd.ops.sum(fd.ops.mul(xc, xc), dims=[1]))
     return fd
+
+
+def _batchnorm_variance() -> FusionDefinition:
+    """BatchNorm's statistics over (N, H, W) of NCHW and the normalized output: the input
+    read twice (statistics, then the output)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1, -1])
+        n = 2 * 190 * 190
+        mean = fd.ops.div(fd.ops.sum(x, dims=[0, 2, 3]), float(n))
+        xc = fd.ops.sub(x, fd.ops.broadcast_in_dim(mean, [-1, -1, -1, -1], [1]))
+        var = fd.ops.div(fd.ops.sum(fd.ops.mul(xc, xc), dims=[0, 2, 3]), float(n))
+        rstd = fd.ops.rsqrt(fd.ops.add(var, 1e-5))
+        fd.add_output(fd.ops.mul(xc, fd.ops.broadcast_in_dim(rstd, [-1, -1, -1, -1], [1])))
+        fd.add_output(var)
+    return fd
+
+
+def _nchw(rng: np.random.Generator) -> np.ndarray:
+    return (rng.standard_normal((2, 3, 190, 190)) * 3 + 40.0).astype(np.float32)
+
+
+def _batchnorm_ref(x: np.ndarray) -> List[np.ndarray]:
+    x = _d(x)
+    mean, var = x.mean(axis=(0, 2, 3), keepdims=True), x.var(axis=(0, 2, 3), keepdims=True)
+    return [(x - mean) / np.sqrt(var + 1e-5), var.reshape(-1)]
 
 
 def _rows(rng: np.random.Generator, rows: int = 3) -> np.ndarray:
@@ -215,7 +241,11 @@ CASES = {
     "masked_mean_shifted": (_masked_mean_shifted, _masked_inputs, _masked_ref, 1),
     "two_sums": (_two_sums, lambda r: [_rows(r)], lambda x: [_d(x).sum(1), (_d(x) ** 2).sum(1)], 1),
     "centered_variance": (_centered_variance, lambda r: [_rows(r)],
-                          lambda x: [((_d(x) - _d(x).mean(1, keepdims=True)) ** 2).sum(1)], 2),
+                          lambda x: [((_d(x) - _d(x).mean(1, keepdims=True)) ** 2).sum(1)], 1),
+    # A mean 2500 standard deviations from zero: the double sums keep the variance.
+    "centered_variance_offset": (_centered_variance, lambda r: [(_rows(r) * 0.1 + 1000.0).astype(np.float32)],
+                                 lambda x: [((_d(x) - _d(x).mean(1, keepdims=True)) ** 2).sum(1)], 1),
+    "batchnorm_variance": (_batchnorm_variance, lambda r: [_nchw(r)], _batchnorm_ref, 2),
 }
 
 

@@ -110,6 +110,7 @@ pub fn auto_program_strided(
     };
     crate::sched::auto::canonical::online_logsumexp(&mut g, &long_row)?;
     crate::sched::auto::canonical::hoist_row_terms(&mut g, &long_row)?;
+    crate::sched::auto::canonical::expand_centered_squares(&mut g, &long_row)?;
     crate::sched::auto::canonical::broadcast_computed_indices(&mut g)?;
     crate::sched::auto::canonical::sink_broadcasts(&mut g)?;
     crate::sched::auto::canonical::unify_mapped_extents(&mut g);

@@ -16,8 +16,8 @@ use rustc_hash::FxHashSet;
 use crate::analysis::loop_graph::LoopGraph;
 use crate::error::Result;
 use crate::ir::scalar::{ScalarOp, Val};
-use crate::ir::{Fusion, IterType, MemoryType, Op, ParallelType, Scalars, Symbol, ValId};
-use crate::kernel::{ForLoop, IfKind, IfThenElse, Node};
+use crate::ir::{Fusion, IterType, MemoryType, Op, ParallelType, Scalars, Symbol, TvId, ValId};
+use crate::kernel::{AllocTarget, Allocate, ForLoop, IfKind, IfThenElse, Node};
 use crate::lower::predicate::{and_all, assume, conjuncts, mentions, mentions_per_statement, monotone, without};
 
 /// Rewrite the loops of `body` that can be unswitched or have invariant bounds checks.
@@ -110,14 +110,19 @@ fn invariant_bounds(f: &mut Fusion, lg: &LoopGraph, l: &ForLoop, assumed: &[ValI
     if !only_local_statements(f, lg, &l.body) {
         return None;
     }
+    // Statements that only fill a Local tensor allocated inside the loop need not share
+    // the check: skipping the whole loop skips their readers too (the row statistics a
+    // column-sum loop loads for each row, unchecked, beside the checked column reads).
+    let mut private = FxHashSet::default();
+    local_allocations(&l.body, &mut private);
+    let mut preds = Vec::new();
+    statement_predicates(f, &l.body, &private, &mut preds);
     let sc = &mut f.scalars;
     let mut loops: Vec<(Symbol, ValId)> = Vec::new();
     if let Val::Symbol(s) = sc.get(l.index) {
         loops.push((s, l.extent));
     }
     collect(sc, &l.body, &mut loops, &mut Vec::new());
-    let mut preds = Vec::new();
-    statement_predicates(&l.body, &mut preds);
     let inner: FxHashSet<Symbol> = loops.iter().map(|&(s, _)| s).collect();
     let mut common: Option<Vec<ValId>> = None;
     for p in preds {
@@ -164,15 +169,29 @@ fn only_local_statements(f: &Fusion, lg: &LoopGraph, body: &[Node]) -> bool {
     })
 }
 
-/// The predicates of the statements in `body` (what each checks before it runs).
-fn statement_predicates(body: &[Node], out: &mut Vec<ValId>) {
+/// The predicates of the statements in `body` (what each checks before it runs), but for
+/// those that write a tensor of `private`.
+fn statement_predicates(f: &Fusion, body: &[Node], private: &FxHashSet<TvId>, out: &mut Vec<ValId>) {
     for n in body {
         match n {
-            Node::Expr { index: Some(ix), .. } | Node::Accumulate { index: ix, .. } => out.push(ix.predicate),
+            Node::Expr { expr, index: Some(ix) } if !private.contains(&f.exprs[*expr].output) => out.push(ix.predicate),
+            Node::Accumulate { index: ix, .. } => out.push(ix.predicate),
             _ => {}
         }
         for b in n.bodies() {
-            statement_predicates(b, out);
+            statement_predicates(f, b, private, out);
+        }
+    }
+}
+
+/// The Local tensors allocated in `body`.
+fn local_allocations(body: &[Node], out: &mut FxHashSet<TvId>) {
+    for n in body {
+        if let Node::Alloc(Allocate { target: AllocTarget::Tensor(t), memory: MemoryType::Local, .. }) = n {
+            out.insert(*t);
+        }
+        for b in n.bodies() {
+            local_allocations(b, out);
         }
     }
 }

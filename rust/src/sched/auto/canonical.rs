@@ -490,6 +490,93 @@ pub fn hoist_row_terms(f: &mut Fusion, long_row: &dyn Fn(&Fusion, ExprId) -> boo
     }
 }
 
+/// `(x, r)` when reduction `e` is a sum of `(x - broadcast(r))^2` (as `d * d`), the
+/// broadcast adding exactly the reduced axes, `r` computed from a reduction (the mean), all
+/// in one float dtype.
+fn centered_squares(f: &Fusion, e: ExprId) -> Option<(TvId, TvId)> {
+    let Op::Reduction { op: ReductionOp::Sum, .. } = f.exprs[e].op else { return None };
+    let dt = f.tvs[f.exprs[e].output].dtype;
+    if !matches!(dt, DataType::Float | DataType::Double) {
+        return None;
+    }
+    let sq = f.exprs[e].inputs[0].tensor()?;
+    let m = f.tvs[sq].definition?;
+    if f.exprs[m].op != Op::Binary(BinaryOp::Mul) || f.exprs[m].inputs[0] != f.exprs[m].inputs[1] {
+        return None;
+    }
+    let d = f.exprs[m].inputs[0].tensor()?;
+    let s = f.tvs[d].definition?;
+    if f.exprs[s].op != Op::Binary(BinaryOp::Sub) {
+        return None;
+    }
+    let (x, b) = (f.exprs[s].inputs[0].tensor()?, f.exprs[s].inputs[1].tensor()?);
+    let bd = f.tvs[b].definition?;
+    let Op::Broadcast { is_new } = &f.exprs[bd].op else { return None };
+    let r = f.exprs[bd].inputs[0].tensor()?;
+    let red = reduced_axes(f, e);
+    let exact = is_new.len() == f.tvs[f.exprs[e].output].logical.len()
+        && is_new.iter().enumerate().all(|(a, &new)| new == red.contains(&a));
+    let same = [sq, d, x, r].iter().all(|&t| f.tvs[t].dtype == dt);
+    (exact && same && after_reduction(f, r)).then_some((x, r))
+}
+
+/// Compute a sum of squared deviations from a per-row value `r` (BatchNorm's and
+/// LayerNorm's variance, `sum((x - mean)^2)`) as `S2 - r * (2 * S1 - n * r)` from the
+/// sums `S1 = sum(x)` and `S2 = sum(x * x)` accumulated in double, where `long_row` holds
+/// for the sum. The sums no longer wait for the mean, so a row too long to keep on chip is
+/// read once for its statistics instead of twice (the input at most twice in all). Double
+/// accumulation keeps the cancellation error near `2^-53 * mean^2 / var` of the variance,
+/// below a float two-pass variance's, whose float mean is already off by `2^-24 * mean`.
+/// A variance that rounds below zero is zero.
+pub fn expand_centered_squares(f: &mut Fusion, long_row: &dyn Fn(&Fusion, ExprId) -> bool) -> Result<()> {
+    'again: loop {
+        for e in f.topo_exprs() {
+            let Some((x, r)) = centered_squares(f, e) else { continue };
+            if !long_row(f, e) {
+                continue;
+            }
+            let out = f.exprs[e].output;
+            let dt = f.tvs[out].dtype;
+            let red = reduced_axes(f, e);
+            let dims: Vec<i64> = red.iter().map(|&a| a as i64).collect();
+            let mut n = f.scalars.int(1);
+            for &a in &red {
+                let ext = f.ids[f.tvs[out].logical[a]].extent;
+                n = f.scalars.mul(n, ext);
+            }
+            let wide = |f: &mut Fusion, t: TvId| -> Result<TvId> {
+                if f.tvs[t].dtype == DataType::Double {
+                    Ok(t)
+                } else {
+                    f.cast(Operand::Tensor(t), DataType::Double)
+                }
+            };
+            let xd = wide(f, x)?;
+            let rd = wide(f, r)?;
+            let xx = f.binary(BinaryOp::Mul, Operand::Tensor(xd), Operand::Tensor(xd))?;
+            let s2 = f.reduction(ReductionOp::Sum, xx, &dims, false, None)?;
+            let s1 = f.reduction(ReductionOp::Sum, xd, &dims, false, None)?;
+            // S2 - r * (2 * S1 - n * r)
+            let (two, zero) = (Operand::Scalar(f.scalars.float(2.0)), Operand::Scalar(f.scalars.float(0.0)));
+            let twice = f.binary(BinaryOp::Mul, Operand::Tensor(s1), two)?;
+            let nr = f.binary(BinaryOp::Mul, Operand::Tensor(rd), Operand::Scalar(n))?;
+            let inner = f.binary(BinaryOp::Sub, Operand::Tensor(twice), Operand::Tensor(nr))?;
+            let cross = f.binary(BinaryOp::Mul, Operand::Tensor(rd), Operand::Tensor(inner))?;
+            let q = f.binary(BinaryOp::Sub, Operand::Tensor(s2), Operand::Tensor(cross))?;
+            let q = f.binary(BinaryOp::Maximum, Operand::Tensor(q), zero)?;
+            let q = if dt == DataType::Double { q } else { f.cast(Operand::Tensor(q), dt)? };
+            replace_tensor(f, out, q);
+            let sq = f.exprs[e].inputs[0].tensor();
+            if let Some(sq) = sq {
+                f.tvs[sq].uses.retain(|&u| u != e);
+            }
+            drop_dead_uses(f);
+            continue 'again;
+        }
+        return Ok(());
+    }
+}
+
 /// Forget the uses by exprs that no output depends on any more (a rewrite left them): the
 /// schedulers count a tensor's readers, and a dead one would keep a tensor from being
 /// inlined into its live readers.
