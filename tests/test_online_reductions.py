@@ -358,3 +358,4 @@ def test_variants_match_numpy(kind: str, dtype: DataType, keepdim: bool, masked:
     # values near 0 see as an absolute error.
     tol = (2e-5, 5e-5) if dtype == DataType.Float else (1e-10, 1e-12)
     np.testing.assert_allclose(got, want, rtol=tol[0], atol=tol[1])
+

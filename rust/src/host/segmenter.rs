@@ -108,12 +108,7 @@ pub fn auto_program_strided(
         let bytes = g.exprs[e].inputs[0].tensor().map_or(4, |x| g.tvs[x].dtype.size_bytes()) as i64;
         row.saturating_mul(bytes) > crate::sched::auto::canonical::ROW_ON_CHIP_BYTES
     };
-    crate::sched::auto::canonical::online_logsumexp(&mut g, &long_row)?;
-    crate::sched::auto::canonical::hoist_row_terms(&mut g, &long_row)?;
-    crate::sched::auto::canonical::expand_centered_squares(&mut g, &long_row)?;
-    crate::sched::auto::canonical::broadcast_computed_indices(&mut g)?;
-    crate::sched::auto::canonical::sink_broadcasts(&mut g)?;
-    crate::sched::auto::canonical::unify_mapped_extents(&mut g);
+    finish_canonical(&mut g, &long_row)?;
     let mut order = g.topo_exprs();
     if order.is_empty() {
         return Ok((crate::host::lower::lower_program(&g)?, Heuristic::new(Params::Empty)));
@@ -161,7 +156,8 @@ pub fn auto_program_strided(
                 let r_order = r.topo_exprs();
                 if let Some(by_class) = by_reduction_class(&r, &r_order, &cx, &mut report)? {
                     let bytes = traffic(&r, &r_order, &by_class.0, &cx)?;
-                    if bytes < split_bytes || (bytes == split_bytes && by_class.0.len() < split.0.len()) {
+                    // On a tie the copies win: no Global intermediate to allocate.
+                    if bytes < split_bytes || (bytes == split_bytes && by_class.0.len() <= split.0.len()) {
                         let _ = writeln!(
                             report,
                             "one kernel per class of reductions, prologues recomputed: {bytes} bytes moved against {split_bytes}"
@@ -296,6 +292,17 @@ fn by_reduction_class(f: &Fusion, order: &[ExprId], cx: &Ctx, report: &mut Strin
         out_groups.push(grp);
     }
     Ok(Some((out_groups, covered)))
+}
+
+/// The canonical rewrites that depend on the rows' length (`long_row`), and those after them.
+fn finish_canonical(g: &mut Fusion, long_row: &dyn Fn(&Fusion, ExprId) -> bool) -> Result<()> {
+    crate::sched::auto::canonical::online_logsumexp(g, long_row)?;
+    crate::sched::auto::canonical::hoist_row_terms(g, long_row)?;
+    crate::sched::auto::canonical::expand_centered_squares(g, long_row)?;
+    crate::sched::auto::canonical::broadcast_computed_indices(g)?;
+    crate::sched::auto::canonical::sink_broadcasts(g)?;
+    crate::sched::auto::canonical::unify_mapped_extents(g);
+    Ok(())
 }
 
 /// Bytes the kernels of `groups` read and write in Global memory: each segment's inputs

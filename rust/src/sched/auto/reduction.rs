@@ -43,7 +43,8 @@ fn by_dependence(f: &Fusion, rs: &[TvId], late: &[TvId]) -> (Vec<TvId>, Vec<TvId
     }
     // A tensor of lower rank than the reduction's input that only ops after the reduction
     // (or the totals) read runs in their space: a running statistic's
-    // `(1 - momentum) * running_mean`, cross-entropy's per-row `label != ignore_index`.
+    // `(1 - momentum) * running_mean`, cross-entropy's per-row `label != ignore_index`
+    // (also when another kernel reads it: it is then stored per row).
     let rank = rs.first().map_or(0, |&r| f.tvs[r].logical.len());
     let reduced = |x: TvId| f.tvs[x].definition.is_some_and(|d| matches!(f.exprs[d].op, Op::Reduction { .. }));
     // Per-row shaped: a lower rank, or size one (broadcast) at every reduced axis (a value
@@ -64,8 +65,7 @@ fn by_dependence(f: &Fusion, rs: &[TvId], late: &[TvId]) -> (Vec<TvId>, Vec<TvId
         if !reduced(t)
             && f.producers(t).iter().all(|&p| !reduced(p))
             && per_row(t)
-            && !f.is_output(t)
-            && !consumers.is_empty()
+            && (f.is_output(t) || !consumers.is_empty())
             && consumers.iter().all(|c| after.contains(c) || late.contains(c))
         {
             before.remove(i);
