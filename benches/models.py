@@ -88,6 +88,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -273,50 +274,10 @@ def cross_entropy_gather(sizes: Sizes) -> Family:
 
 
 def layernorm_backward(sizes: Sizes) -> Family:
-    """LayerNorm backward (``native_layer_norm_backward``) on [M, N] float from the saved mean and
-    rstd [M]: ``xhat = (x - mean) * rstd``, ``g = dy * w``, ``dx = rstd * (g - mean(g, 1) -
-    xhat * mean(g * xhat, 1))`` (row reductions) and ``dw = sum(dy * xhat, 0)``, ``db = sum(dy,
-    0)`` (column reductions of the same inputs). Inputs dy, x, mean, rstd, w."""
-    m, n = sizes
-    with FusionDefinition() as fd:
-        dy = fams._tensor(fd, 2)
-        x = fams._tensor(fd, 2)
-        mean = fams._tensor(fd, 1)
-        rstd = fams._tensor(fd, 1)
-        w = fams._tensor(fd, 1)
-        rstd_b = fams._bcast(fd, rstd, 2, [0])
-        xhat = fd.ops.mul(fd.ops.sub(x, fams._bcast(fd, mean, 2, [0])), rstd_b)
-        g = fd.ops.mul(dy, fams._bcast(fd, w, 2, [1]))
-        c1 = fd.ops.mul(fd.ops.sum(fd.ops.mul(g, xhat), dims=[1]), 1.0 / n)
-        c2 = fd.ops.mul(fd.ops.sum(g, dims=[1]), 1.0 / n)
-        inner = fd.ops.add(fd.ops.mul(xhat, fams._bcast(fd, c1, 2, [0])), fams._bcast(fd, c2, 2, [0]))
-        fd.add_output(fd.ops.mul(fd.ops.sub(g, inner), rstd_b))
-        fd.add_output(fd.ops.sum(fd.ops.mul(dy, xhat), dims=[0]))
-        fd.add_output(fd.ops.sum(dy, dims=[0]))
-
-    def make(sizes: Sizes, seed: int = 0) -> List[Any]:
-        m, n = sizes
-        rng = fams._rng("layernorm_backward", sizes, seed)
-        x = fams._randn(rng, (m, n), shift=0.3)
-        dy = fams._randn(rng, (m, n))
-        w = fams._randn(rng, (n,), scale=0.5, shift=1.0)
-        if isinstance(rng, fams.ShapesOnly):
-            mean, rstd = np.zeros(m, np.float32), np.ones(m, np.float32)
-        else:  # the statistics the forward saved
-            _, mu, rs = fams._ln_ref(x.astype(np.float64))
-            mean, rstd = mu.astype(np.float32), rs.astype(np.float32)
-        return [dy, x, mean, rstd, w]
-
-    def ref(dy: np.ndarray, x: np.ndarray, mean: np.ndarray, rstd: np.ndarray,
-            w: np.ndarray) -> List[np.ndarray]:
-        xhat = (x - mean[:, None]) * rstd[:, None]
-        g = dy * w
-        c1 = (g * xhat).mean(axis=1, keepdims=True)
-        dx = rstd[:, None] * (g - g.mean(axis=1, keepdims=True) - xhat * c1)
-        return [dx, (dy * xhat).sum(axis=0), dy.sum(axis=0)]
-    col = (1e-4, 1e-4 * math.sqrt(m))
-    # One kernel can do it: rows in registers for dx, column partials finished by the last block.
-    return Family("layernorm_backward", sizes, fd, make, ref, rtol=1e-4, atol=1e-4, out_tols=[None, col, col])
+    """LayerNorm backward (``native_layer_norm_backward``, tests/families.py) with its fewest
+    kernels: one can do it (rows in registers for dx, column partials finished by the last
+    block), where kiln runs one kernel per class of reductions."""
+    return dataclasses.replace(fams.layernorm_backward(sizes), kernels=1)
 
 
 # ============================================================================ torch peers

@@ -782,6 +782,132 @@ def softmax_with_row_max(sizes: Sizes) -> Family:
                   rtol=1e-4, atol=1e-6)
 
 
+# ============================================================================ backward passes
+def _saved_row_stats(x: np.ndarray, rms: bool = False) -> Tuple[np.ndarray, np.ndarray]:
+    """The forward's saved (mean, rstd) over the last axis, float32 (mean 0 for RMSNorm)."""
+    xd = x.astype(np.float64)
+    if rms:
+        rstd = 1.0 / np.sqrt((xd * xd).mean(axis=1) + 1e-6)
+        return np.zeros(x.shape[0], np.float32), rstd.astype(np.float32)
+    _, mu, rs = _ln_ref(xd)
+    return mu.astype(np.float32), rs.astype(np.float32)
+
+
+@family(((3, 7), (64, 257), (1000, 3), (17, 1031)),
+        ((3, 7), (4099, 13), (37, 1031), (2048, 4096), (64, 70001)), (16384, 4096))
+def layernorm_backward(sizes: Sizes) -> Family:
+    """``native_layer_norm_backward`` from the saved mean and rstd [M]: row sums for
+    ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` with ``g = dy * w``, and column sums
+    ``dw = sum(dy * xhat, 0)``, ``db = sum(dy, 0)`` of the same ``xhat``."""
+    m, n = sizes
+    with FusionDefinition() as fd:
+        dy, x = _tensor(fd, 2), _tensor(fd, 2)
+        mean, rstd, w = _tensor(fd, 1), _tensor(fd, 1), _tensor(fd, 1)
+        rb = _bcast(fd, rstd, 2, [0])
+        xhat = fd.ops.mul(fd.ops.sub(x, _bcast(fd, mean, 2, [0])), rb)
+        g = fd.ops.mul(dy, _bcast(fd, w, 2, [1]))
+        c1 = fd.ops.mul(fd.ops.sum(fd.ops.mul(g, xhat), dims=[1]), 1.0 / n)
+        c2 = fd.ops.mul(fd.ops.sum(g, dims=[1]), 1.0 / n)
+        inner = fd.ops.add(fd.ops.mul(xhat, _bcast(fd, c1, 2, [0])), _bcast(fd, c2, 2, [0]))
+        fd.add_output(fd.ops.mul(fd.ops.sub(g, inner), rb))
+        fd.add_output(fd.ops.sum(fd.ops.mul(dy, xhat), dims=[0]))
+        fd.add_output(fd.ops.sum(dy, dims=[0]))
+
+    def make(sizes: Sizes, seed: int = 0) -> List[Any]:
+        rng = _rng("layernorm_backward", sizes, seed)
+        x = _randn(rng, sizes, shift=0.3)
+        shapes_only = isinstance(rng, ShapesOnly)
+        mean, rstd = (np.zeros(sizes[0], np.float32),) * 2 if shapes_only else _saved_row_stats(x)
+        return [_randn(rng, sizes), x, mean, rstd, _randn(rng, (sizes[1],), scale=0.5, shift=1.0)]
+
+    def ref(dy: np.ndarray, x: np.ndarray, mean: np.ndarray, rstd: np.ndarray,
+            w: np.ndarray) -> List[np.ndarray]:
+        xhat = (x - mean[:, None]) * rstd[:, None]
+        g = dy * w
+        c1, c2 = (g * xhat).mean(axis=1, keepdims=True), g.mean(axis=1, keepdims=True)
+        dx = rstd[:, None] * (g - c2 - xhat * c1)
+        return [dx, (dy * xhat).sum(axis=0), dy.sum(axis=0)]
+    col = (1e-4, 1e-4 * math.sqrt(m))
+    # Two kernels, one per class of reductions (rows for dx, columns for dw and db), each
+    # computing xhat from the inputs; one kernel would need row results and column partials
+    # in one schedule.
+    return Family("layernorm_backward", sizes, fd, make, ref, kernels=2, rtol=1e-4, atol=1e-4,
+                  out_tols=[None, col, col])
+
+
+@family(((1, 1), (3, 7), (64, 257), (17, 1031)),
+        ((1, 1), (3, 7), (4099, 13), (2048, 4096), (64, 70001)), (16384, 4096))
+def rmsnorm_backward(sizes: Sizes) -> Family:
+    """LLaMA RMSNorm backward from the saved rstd [M]: ``dx = rstd * (g - xn * mean(g * xn))``
+    with ``xn = x * rstd``, ``g = dy * w`` (a row sum), and ``dw = sum(dy * xn, 0)``."""
+    m, n = sizes
+    with FusionDefinition() as fd:
+        dy, x, rstd, w = _tensor(fd, 2), _tensor(fd, 2), _tensor(fd, 1), _tensor(fd, 1)
+        rb = _bcast(fd, rstd, 2, [0])
+        xn = fd.ops.mul(x, rb)
+        g = fd.ops.mul(dy, _bcast(fd, w, 2, [1]))
+        c = fd.ops.div(fd.ops.sum(fd.ops.mul(g, xn), dims=[1]), float(n))
+        fd.add_output(fd.ops.mul(rb, fd.ops.sub(g, fd.ops.mul(xn, _bcast(fd, c, 2, [0])))))
+        fd.add_output(fd.ops.sum(fd.ops.mul(dy, xn), dims=[0]))
+
+    def make(sizes: Sizes, seed: int = 0) -> List[Any]:
+        rng = _rng("rmsnorm_backward", sizes, seed)
+        x = _randn(rng, sizes)
+        shapes_only = isinstance(rng, ShapesOnly)
+        rstd = np.ones(sizes[0], np.float32) if shapes_only else _saved_row_stats(x, rms=True)[1]
+        return [_randn(rng, sizes), x, rstd, _randn(rng, (sizes[1],), scale=0.5, shift=1.0)]
+
+    def ref(dy: np.ndarray, x: np.ndarray, rstd: np.ndarray, w: np.ndarray) -> List[np.ndarray]:
+        xn = x * rstd[:, None]
+        g = dy * w
+        return [rstd[:, None] * (g - xn * (g * xn).mean(axis=1, keepdims=True)), (dy * xn).sum(axis=0)]
+    return Family("rmsnorm_backward", sizes, fd, make, ref, kernels=2, rtol=1e-4, atol=1e-4,
+                  out_tols=[None, (1e-4, 1e-4 * math.sqrt(m))])
+
+
+@family(((1, 1, 1, 1), (2, 3, 5, 7), (3, 7, 1, 61)),
+        ((2, 3, 5, 7), (8, 64, 28, 28), (4, 32, 112, 112)), (32, 256, 56, 56))
+def batchnorm_nchw_backward(sizes: Sizes) -> Family:
+    """BatchNorm2d backward on NCHW from the saved mean and invstd [C]: per channel
+    ``dx = w * invstd / n * (n * dy - sum(dy) - xhat * sum(dy * xhat))``, ``dw``, ``db``."""
+    n_, _, h, w_ = sizes
+    cnt = n_ * h * w_
+    with FusionDefinition() as fd:
+        dy, x = _tensor(fd, 4), _tensor(fd, 4)
+        mean, invstd, w = _tensor(fd, 1), _tensor(fd, 1), _tensor(fd, 1)
+        xhat = fd.ops.mul(fd.ops.sub(x, _bcast(fd, mean, 4, [1])), _bcast(fd, invstd, 4, [1]))
+        sdy = fd.ops.sum(dy, dims=[0, 2, 3])
+        sdyx = fd.ops.sum(fd.ops.mul(dy, xhat), dims=[0, 2, 3])
+        k = fd.ops.mul(fd.ops.mul(w, invstd), 1.0 / cnt)
+        inner = fd.ops.sub(fd.ops.sub(fd.ops.mul(dy, float(cnt)), _bcast(fd, sdy, 4, [1])),
+                           fd.ops.mul(xhat, _bcast(fd, sdyx, 4, [1])))
+        fd.add_output(fd.ops.mul(_bcast(fd, k, 4, [1]), inner))
+        fd.add_output(sdyx)
+        fd.add_output(sdy)
+
+    def make(sizes: Sizes, seed: int = 0) -> List[Any]:
+        rng = _rng("batchnorm_nchw_backward", sizes, seed)
+        x = _randn(rng, sizes, scale=2.0, shift=0.5)
+        c = sizes[1]
+        if isinstance(rng, ShapesOnly):
+            mean, invstd = np.zeros(c, np.float32), np.ones(c, np.float32)
+        else:
+            xd = x.astype(np.float64)
+            mean = xd.mean(axis=(0, 2, 3)).astype(np.float32)
+            invstd = (1.0 / np.sqrt(xd.var(axis=(0, 2, 3)) + LN_EPS)).astype(np.float32)
+        return [_randn(rng, sizes), x, mean, invstd, _randn(rng, (c,), scale=0.5, shift=1.0)]
+
+    def ref(dy: np.ndarray, x: np.ndarray, mean: np.ndarray, invstd: np.ndarray,
+            w: np.ndarray) -> List[np.ndarray]:
+        b = (slice(None), None, None)
+        xhat = (x - mean[b]) * invstd[b]
+        s1, s2 = dy.sum(axis=(0, 2, 3)), (dy * xhat).sum(axis=(0, 2, 3))
+        return [(w * invstd / cnt)[b] * (cnt * dy - s1[b] - xhat * s2[b]), s2, s1]
+    red = (1e-4, 1e-4 * math.sqrt(cnt))
+    return Family("batchnorm_nchw_backward", sizes, fd, make, ref, rtol=1e-4, atol=1e-4 * math.sqrt(cnt) / 8,
+                  out_tols=[None, red, red])
+
+
 # ============================================================================ leading axes
 @family(((2, 1), (3, 5), (1000, 3), (7, 257), (4099, 13)),
         ((2, 1), (3, 5), (4099, 13), (8192, 1000), (256, 4096)), (16384, 2048))

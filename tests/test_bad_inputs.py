@@ -293,6 +293,10 @@ INPUT_CASES = [
               (r"\blist\b", r"ndarray")),
     InputCase("string_in_inputs", fd_add, lambda xp: [_f32(xp, 4, 5), "x"], KilnTypeError,
               (inp(1, 1), r"expected an array", r"\bstr\b")),
+    # the definition's own tensor handle (it has a shape and a dtype, but no memory)
+    InputCase("definition_tensor_in_inputs", fd_add,
+              lambda xp: [_f32(xp, 4, 5), fd_add().define_tensor([-1, -1])], KilnTypeError,
+              (inp(1, 1), r"expected an array", r"\bTensor\b")),
     # declared contiguity
     InputCase("contiguous_given_transpose", lambda: fd_unary(contiguity=[True, True]),
               lambda xp: [_f32(xp, 5, 4).T], KilnError, (inp(0, 0), axis(1), r"contiguous", r"stride")),

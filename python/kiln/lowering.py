@@ -229,8 +229,13 @@ def _arg(x: Any) -> RuntimeArg:
     if callable(getattr(x, "stride", None)) and type(x).__module__.startswith("torch"):
         strides = [int(s) for s in x.stride()]
     else:
-        item = int(getattr(x, "itemsize", 0) or x.dtype.itemsize)
-        strides = [int(s) // item for s in x.strides]
+        # NumPy and CuPy arrays carry byte strides and an item size; anything else with a
+        # shape and a dtype (a definition's own Tensor handle, say) is not an array.
+        raw = getattr(x, "strides", None)
+        item = getattr(x, "itemsize", None) or getattr(x.dtype, "itemsize", None)
+        if raw is None or not isinstance(item, int) or item <= 0:
+            return RuntimeArg("other", type(x).__name__)
+        strides = [int(s) // item for s in raw]
     return RuntimeArg("tensor", name, [int(s) for s in shape], strides)
 
 
