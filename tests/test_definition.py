@@ -190,6 +190,24 @@ def test_scalars_do_not_take_tensor_names() -> None:
     assert z.dtype == DataType.Float and z.shape == (-1,)
 
 
+def test_define_scalar_takes_a_dtype_as_its_first_argument() -> None:
+    """nvFuser's older ``define_scalar(DataType.Int)``: a runtime scalar input of that type."""
+    import numpy as np  # noqa: PLC0415
+    from kiln import KilnTypeError  # noqa: PLC0415
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1], dtype=DataType.Float)
+        k = fd.define_scalar(DataType.Int)
+        fd.add_output(fd.ops.mul(x, k))
+    (got,) = fd.execute([np.arange(4, dtype=np.float32), 3])
+    np.testing.assert_array_equal(got, np.arange(4) * 3.0)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1], dtype=DataType.Float)
+        with pytest.raises(KilnTypeError, match="dtype given twice"):
+            fd.define_scalar(DataType.Int, dtype=DataType.Double)
+        fd.add_output(x)
+
+
 def test_names_restart_per_fusion() -> None:
     for _ in range(2):
         with FusionDefinition() as fd:

@@ -113,9 +113,14 @@ class FusionDefinition:
             contig = None
         return Tensor(self, self._core.define_tensor(list(shape), dt, contig))
 
-    def define_scalar(self, value: Optional[Union[int, float, bool]] = None,
+    def define_scalar(self, value: Optional[Union[int, float, bool, DataType]] = None,
                       dtype: Optional[DataType] = None) -> Scalar:
         """A constant scalar (``value`` given) or a runtime scalar input (``value`` None)."""
+        if isinstance(value, DataType):
+            # nvFuser's older spelling of a runtime scalar input: define_scalar(DataType.Int).
+            if dtype is not None and dtype != value:
+                raise KilnTypeError(f"define_scalar: dtype given twice ({value.name} and {dtype.name})")
+            value, dtype = None, value
         if value is None:
             dt = _check_dtype(dtype or DataType.Double, "define_scalar")
             return Scalar(self, self._core.define_scalar(dt))
