@@ -921,3 +921,42 @@ def test_circular_buffer(chain: Any, stages: int) -> None:
     c = chain.x.cache_after()
     c.set_memory_type(MemoryType.Shared)
     assert c.circular_buffer(stages) is None
+
+
+def test_nvfuser_spellings() -> None:
+    """Code written against nvFuser's frontend: ``define_tensor(shape, contiguity, dtype)``
+    positionally, ``axes``/``keep_dim``, ``reshape(x, original_shape, new_shape)``,
+    ``broadcast_in_dim(output_shape=...)``, and ``mean``; checked against NumPy."""
+    import numpy as np  # noqa: PLC0415
+
+    a = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], [True, True], DataType.Float, is_cpu=False, static_sizes=False)
+        s = fd.ops.sum(x, axes=[1], keep_dim=True)
+        fd.add_output(s)
+        fd.add_output(fd.ops.reshape(x, [3, 4], [6, 2]))
+        m = fd.ops.max(x, axes=[0])
+        fd.add_output(fd.ops.broadcast_in_dim(m, output_shape=[3, 4], broadcast_dims=[1]))
+        fd.add_output(fd.ops.mean(x, dims=[0, 1]))
+        fd.add_output(fd.ops.mean(x, dims=[-1], keepdim=True))
+    got = fd.execute([a])
+    want = [a.sum(1, keepdims=True), a.reshape(6, 2), np.broadcast_to(a.max(0), (3, 4)), a.mean(),
+            a.mean(-1, keepdims=True)]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("build, pattern", [
+    (lambda fd: fd.define_tensor([-1], is_cpu=True), r"is_cpu=True"),
+    (lambda fd: fd.define_tensor([-1, -1], stride_order=[0, 1]), r"stride_order \[0, 1\]"),
+    (lambda fd: fd.ops.mean(fd.define_tensor([-1], dtype=DataType.Int), dims=[0]),
+     r"mean: T0 .*Int.*floating"),
+    (lambda fd: fd.ops.reshape(fd.define_tensor([-1, -1]), [3], [3]),
+     r"original_shape \[3\] has 1 entries .*rank 2"),
+])
+def test_nvfuser_spellings_refused_with_a_reason(build: Any, pattern: str) -> None:
+    from kiln import KilnError  # noqa: PLC0415
+
+    fd = FusionDefinition()
+    with pytest.raises(KilnError, match=pattern):
+        build(fd)

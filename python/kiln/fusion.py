@@ -93,10 +93,21 @@ class FusionDefinition:
         return str(self._core.math())
 
     # -- definition ------------------------------------------------------------------
-    def define_tensor(self, shape: Sequence[int], dtype: DataType = DataType.Float,
-                      contiguity: Optional[Sequence[Optional[bool]]] = None) -> Tensor:
+    def define_tensor(self, shape: Sequence[int], dtype: Any = DataType.Float,
+                      contiguity: Any = None, static_sizes: bool = False, is_cpu: bool = False,
+                      stride_order: Optional[Sequence[int]] = None) -> Tensor:
         """Declare a tensor input (-1 symbolic size, 1 broadcast, n static)."""
         name = f"T{self._core.num_tensors}"
+        # nvFuser's positional order is (shape, contiguity, dtype): take either.
+        if isinstance(dtype, (list, tuple)) or (dtype is None and isinstance(contiguity, DataType)):
+            dtype, contiguity = (DataType.Float if contiguity is None else contiguity), dtype
+        if is_cpu:
+            raise KilnError(f"define_tensor {name}: CPU scalar tensors (is_cpu=True) are not supported; "
+                            f"declare a runtime scalar with fd.define_scalar(dtype=...) instead")
+        if stride_order is not None and list(stride_order) != list(range(len(shape) - 1, -1, -1)):
+            raise KilnError(f"define_tensor {name}: stride_order {list(stride_order)} is not supported; "
+                            f"declare no contiguity and pass arrays of any layout instead")
+        del static_sizes  # sizes other than -1 are static already
         if not isinstance(shape, (list, tuple)) or not all(
                 isinstance(s, int) and not isinstance(s, bool) for s in shape):
             raise KilnTypeError(f"define_tensor {name}: shape must be a list of ints, got {shape!r}")
@@ -321,24 +332,32 @@ class Ops:
     def _reduce(self, op: str, x: Tensor, dims: Sequence[int], keepdim: bool,
                 dtype: Optional[DataType]) -> Tensor:
         fd = self._fd
+        if dims is None:
+            raise KilnTypeError(f"{op}: dims is required (the axes to reduce)")
         t = fd._tensor(x, op)
         if isinstance(dims, int):
             dims = [dims]
         dt = None if dtype is None else _check_dtype(dtype, op)
         return Tensor(fd, fd._core.reduction(op, t, [int(d) for d in dims], bool(keepdim), dt))
 
-    def sum(self, x: Tensor, dims: Sequence[int], keepdim: bool = False,
-            dtype: Optional[DataType] = None) -> Tensor:
-        """Sum over ``dims``."""
-        return self._reduce("sum", x, dims, keepdim, dtype)
+    def sum(self, x: Tensor, dims: Optional[Sequence[int]] = None, keepdim: bool = False,
+            dtype: Optional[DataType] = None, *, axes: Optional[Sequence[int]] = None,
+            keep_dim: Optional[bool] = None) -> Tensor:
+        """Sum over ``dims``. (``axes``/``keep_dim``: nvFuser's older names)."""
+        return self._reduce("sum", x, dims if axes is None else axes,
+                            keepdim if keep_dim is None else keep_dim, dtype)
 
-    def max(self, x: Tensor, dims: Sequence[int], keepdim: bool = False) -> Tensor:
-        """Max over ``dims``."""
-        return self._reduce("max", x, dims, keepdim, None)
+    def max(self, x: Tensor, dims: Optional[Sequence[int]] = None, keepdim: bool = False, *,
+            axes: Optional[Sequence[int]] = None, keep_dim: Optional[bool] = None) -> Tensor:
+        """Max over ``dims``. (``axes``/``keep_dim``: nvFuser's older names)."""
+        return self._reduce("max", x, dims if axes is None else axes,
+                            keepdim if keep_dim is None else keep_dim, None)
 
-    def min(self, x: Tensor, dims: Sequence[int], keepdim: bool = False) -> Tensor:
-        """Min over ``dims``."""
-        return self._reduce("min", x, dims, keepdim, None)
+    def min(self, x: Tensor, dims: Optional[Sequence[int]] = None, keepdim: bool = False, *,
+            axes: Optional[Sequence[int]] = None, keep_dim: Optional[bool] = None) -> Tensor:
+        """Min over ``dims``. (``axes``/``keep_dim``: nvFuser's older names)."""
+        return self._reduce("min", x, dims if axes is None else axes,
+                            keepdim if keep_dim is None else keep_dim, None)
 
     def prod(self, x: Tensor, dims: Sequence[int], keepdim: bool = False,
              dtype: Optional[DataType] = None) -> Tensor:
@@ -384,6 +403,17 @@ class Ops:
             n = self.mul(n, self.size(x, d))
         return n
 
+    def mean(self, x: Tensor, dims: Sequence[int], keepdim: bool = False,
+             dtype: Optional[DataType] = None) -> Tensor:
+        """Mean over ``dims``: the sum divided by the number of reduced elements."""
+        if isinstance(dims, int):
+            dims = [dims]
+        if x.dtype.value not in ("Float", "Double", "Half", "BFloat16"):
+            raise KilnTypeError(f"mean: {x.name} has dtype {x.dtype.name}; expected a floating type "
+                                f"(cast it first)")
+        n = self._count(x, list(dims), "mean")
+        return self.div(self.sum(x, dims, keepdim, dtype), n)
+
     def var(self, x: Tensor, dims: Sequence[int], correction: int = 1, keepdim: bool = False) -> Tensor:
         """Variance over ``dims`` (see ``var_mean``)."""
         return self.var_mean(x, dims, correction, keepdim)[0]
@@ -397,10 +427,15 @@ class Ops:
         count = self.full([self.size(mean, d) for d in range(mean.ndim)], n, DataType.Int)
         return mean, var_sum, count
 
-    def broadcast_in_dim(self, x: Tensor, shape: Sequence[Union[int, Scalar]],
-                         broadcast_dims: Sequence[int]) -> Tensor:
-        """Place input axis ``i`` at output axis ``broadcast_dims[i]``; other axes are broadcasts."""
+    def broadcast_in_dim(self, x: Tensor, shape: Optional[Sequence[Union[int, Scalar]]] = None,
+                         broadcast_dims: Sequence[int] = (), *,
+                         output_shape: Optional[Sequence[Union[int, Scalar]]] = None) -> Tensor:
+        """Place input axis ``i`` at output axis ``broadcast_dims[i]``; other axes are broadcasts
+        (``output_shape``: nvFuser's older name of ``shape``)."""
         fd = self._fd
+        shape = shape if output_shape is None else output_shape
+        if shape is None:
+            raise KilnTypeError("broadcast_in_dim: shape is required")
         t = fd._tensor(x, "broadcast_in_dim")
         dims = [int(d) for d in broadcast_dims]
         scalars = [s for s in shape if isinstance(s, Scalar)]
@@ -478,10 +513,20 @@ class Ops:
         at = self._index_value(index, "select")
         return Tensor(fd, fd._core.select(fd._tensor(x, "select"), int(dim), at))
 
-    def reshape(self, x: Tensor, new_shape: Sequence[Union[int, Scalar]]) -> Tensor:
+    def reshape(self, x: Tensor, new_shape: Sequence[Union[int, Scalar]], *args: Sequence[Union[int, Scalar]],
+                original_shape: Optional[Sequence[Union[int, Scalar]]] = None) -> Tensor:
         """``x``'s elements in row-major order in the shape ``new_shape`` (one entry may be
-        ``-1``: inferred from the others; Scalars give runtime sizes)."""
+        ``-1``: inferred from the others; Scalars give runtime sizes). nvFuser's older
+        ``reshape(x, original_shape, new_shape)`` is taken too; the original shape is ``x``'s."""
         fd = self._fd
+        if len(args) > 1:
+            raise KilnTypeError(f"reshape takes x and new_shape (or original_shape, new_shape), "
+                                f"got {2 + len(args)} arguments")
+        if args:
+            original_shape, new_shape = new_shape, args[0]
+        if original_shape is not None and len(original_shape) != x.ndim:
+            raise KilnError(f"reshape: original_shape {list(original_shape)} has {len(original_shape)} "
+                            f"entries but {x.name} has rank {x.ndim}")
         shape: List[Optional[int]] = []
         for s in new_shape:
             if isinstance(s, int) and not isinstance(s, bool) and s == -1:

@@ -8,6 +8,8 @@
 //!   (a column bound inside a loop over rows) and that emits no barrier becomes
 //!   `if (check) { the loop without it }`: per-statement checks compile to a branch around
 //!   every load, which keeps the loads of an unrolled loop from being issued together.
+//!   Statements that only fill Local tensors allocated inside the loop need not repeat the
+//!   check (skipping the loop skips their readers too).
 //!
 //! Statements inside a `then` arm no longer test what its condition established.
 
