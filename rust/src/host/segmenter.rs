@@ -9,6 +9,11 @@
 //! become Global intermediates of the host program (allocated and freed by it, as seed 004
 //! lifts kernel buffers). `segment_after` marks are kept: no group holds both a marked
 //! tensor's definition and one of its uses.
+//!
+//! Two splits are tried beside the greedy merge: the rows, then their totals
+//! (`rows_then_totals`, taken first when covered), and one kernel per class of reductions
+//! with each element-wise prologue recomputed by its readers (`by_reduction_class`, taken
+//! when its kernels move no more bytes than the greedy merge's).
 
 use std::fmt::Write as _;
 
