@@ -265,6 +265,23 @@ def test_long_rows_read_once_per_pass(name: str) -> None:
     assert _passes(build(), inputs(np.random.default_rng(4))) == [passes]
 
 
+@pytest.mark.parametrize("cols", [32000, 50257])
+def test_rows_the_registers_cannot_hold_are_read_once(cols: int) -> None:
+    """Rows shorter than the long-row size that the register-persistent schedule still
+    refuses (cross-entropy's one-hot mask compares an int64 column index, and the row is
+    kept twice) are streamed from memory: planned again with the one-pass statistics, the
+    row kernel reads the logits once instead of once for the max and again for the sum."""
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal((4, cols)) * 4).astype(np.float32)
+    x[1, 3] = 70.0
+    labels = rng.integers(0, cols, size=4).astype(np.int64)
+    a = [x, labels, np.arange(cols, dtype=np.int64)]
+    fd = _cross_entropy_masked_sum()
+    assert _passes(fd, a) == [1]
+    (got,) = fd.execute(a)
+    np.testing.assert_allclose(got.astype(np.float64), _ce_ref(*a)[0], rtol=2e-5, atol=2e-5)
+
+
 def test_fully_masked_softmax_row_is_nan_as_in_numpy() -> None:
     a = _rows(np.random.default_rng(5))
     a[1, :] = -np.inf
@@ -299,11 +316,13 @@ def test_gpu_logsumexp_infinities_and_nan() -> None:
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, -1])
         fd.add_output(fd.ops.logsumexp(x, dims=[1]))
-    a = np.random.default_rng(8).standard_normal((5, 100003)).astype(np.float32)
+    a = np.random.default_rng(8).standard_normal((6, 100003)).astype(np.float32)
     a[0, :] = -np.inf
     a[1, 5] = np.inf
     a[2, 7] = np.nan
     a[3, 99999] = 85.0
+    a[4, [3, 70000]] = np.inf  # +inf twice: inf, not inf - inf
+    a[5, [10, 50000]] = [np.inf, np.nan]  # a NaN after +inf: NaN
     (got,) = fd.execute([cp.asarray(a)])
     np.testing.assert_allclose(cp.asnumpy(got), _lse_ref(a, 1), rtol=2e-6, atol=1e-5, equal_nan=True)
 

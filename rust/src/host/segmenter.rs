@@ -100,7 +100,7 @@ pub fn auto_program_strided(
     crate::sched::auto::canonical::reduce_broadcast_axes(&mut g)?;
     crate::sched::auto::canonical::squeeze_broadcasts(&mut g)?;
     // Rows longer than a block keeps on chip (sizes unknown here: not long).
-    let long_row = |g: &Fusion, e: crate::ir::ExprId| {
+    let long_row = |g: &Fusion, e: ExprId| {
         let out = g.exprs[e].output;
         let Ok(sizes) = crate::sched::auto::tensor_sizes(g, &cx, out) else { return false };
         let row: i64 = g.tvs[out]
@@ -113,7 +113,68 @@ pub fn auto_program_strided(
         let bytes = g.exprs[e].inputs[0].tensor().map_or(4, |x| g.tvs[x].dtype.size_bytes()) as i64;
         row.saturating_mul(bytes) > crate::sched::auto::canonical::ROW_ON_CHIP_BYTES
     };
-    finish_canonical(&mut g, &long_row)?;
+    let mut short = g.clone();
+    finish_canonical(&mut short, &long_row)?;
+    let rewrites = short.exprs.len();
+    let every = short.topo_exprs();
+    let mut first = plan(short, &cx)?;
+    // A row the schedule streams from memory (`looped_normalization`: the row did not fit
+    // in registers, next to what else the fusion keeps) is read once per pass over it. The
+    // long-row rewrites then save whole passes, whatever the row's length: planned again
+    // with them for the streamed rows, that plan is taken when it needs no more kernels.
+    let streamed = streamed_exprs(&first.1, &every);
+    if streamed.is_empty() {
+        return Ok(first);
+    }
+    let mut long = g;
+    finish_canonical(&mut long, &|h: &Fusion, e: ExprId| long_row(h, e) || streamed.contains(&e))?;
+    if long.exprs.len() == rewrites {
+        return Ok(first);
+    }
+    match plan(long, &cx) {
+        Ok(mut second) if second.0.kernels.len() <= first.0.kernels.len() => {
+            second.0.segmentation = format!(
+                "rows streamed from memory: statistics rewritten to be computed in one pass over the row\n{}",
+                second.0.segmentation
+            );
+            Ok(second)
+        }
+        Ok(second) => {
+            let _ = writeln!(
+                first.0.segmentation,
+                "statistics in one pass over the streamed rows: {} kernels against {}, not taken",
+                second.0.kernels.len(),
+                first.0.kernels.len()
+            );
+            Ok(first)
+        }
+        Err(e) => {
+            let _ = writeln!(first.0.segmentation, "statistics in one pass over the streamed rows: refused ({e})");
+            Ok(first)
+        }
+    }
+}
+
+/// The exprs whose kernels stream their rows from memory, pass after pass
+/// (`looped_normalization`), by the heuristic `auto_program` chose (`every`: the fusion's
+/// exprs, for a heuristic of the whole fusion).
+fn streamed_exprs(h: &Heuristic, every: &[ExprId]) -> FxHashSet<ExprId> {
+    let looped = |h: &Heuristic| matches!(h.params, Params::LoopedNormalization { .. });
+    match &h.params {
+        Params::Segmented(parts) => parts
+            .iter()
+            .filter(|(_, h)| looped(h))
+            .flat_map(|(ids, _)| ids.iter().map(|&i| ExprId::from_u32(i)))
+            .collect(),
+        _ if looped(h) => every.iter().copied().collect(),
+        _ => FxHashSet::default(),
+    }
+}
+
+/// The host program for `g` in canonical form: the whole fusion in one kernel where a
+/// scheduler covers it, else the segments picked by the splits and the greedy merge.
+fn plan(mut g: Fusion, cx: &Ctx) -> Result<(HostProgram, Heuristic)> {
+    let cx = cx.clone();
     let mut order = g.topo_exprs();
     if order.is_empty() {
         return Ok((crate::host::lower::lower_program(&g)?, Heuristic::new(Params::Empty)));

@@ -59,7 +59,7 @@ pub enum Params {
     /// A permute that moves the last axis, copied element-wise in the output's order.
     StridedPermute { vector: i64, threads: i64, unroll: i64 },
     /// One block per kept row; each thread accumulates `vector`-wide loads serially.
-    InnerReduction { vector: i64, threads: i64 },
+    InnerReduction { vector: i64, threads: i64, unroll: i64 },
     /// Threads along the kept last axis, `rows` thread rows (TIDy), `grid` blocks along the
     /// reduced axes (a grid reduction when above one), `serial` steps of `unroll` rows.
     OuterReduction { threads: i64, rows: i64, grid: i64, serial: i64, unroll: i64 },
@@ -124,7 +124,7 @@ impl Heuristic {
             Params::Pointwise { vector, threads, unroll } => vec![*vector, *threads, *unroll, 1],
             Params::Pointwise2d { vector, threads, unroll } => vec![*vector, *threads, *unroll, 2],
             Params::StridedPermute { vector, threads, unroll } => vec![*vector, *threads, *unroll, 1],
-            Params::InnerReduction { vector, threads } => vec![*vector, *threads],
+            Params::InnerReduction { vector, threads, unroll } => vec![*vector, *threads, *unroll],
             Params::OuterReduction { threads, rows, grid, serial, unroll } => {
                 vec![*threads, *rows, *grid, *serial, *unroll]
             }

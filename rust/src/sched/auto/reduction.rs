@@ -2,8 +2,9 @@
 //! and after it).
 //!
 //! - inner (reduced axes last): one block per output row:
-//!   `[rows (BIDx), ceilDiv(K, t*v) (serial), t (TIDx), v]`, vectorized input caches;
-//!   each thread accumulates serially, one block reduction at the end.
+//!   `[rows (BIDx), ceilDiv(K, u*t*v) (serial), 1 (Unswitch), u (Unroll), t (TIDx), v]`,
+//!   vectorized input caches, full tiles without bounds checks; each thread accumulates
+//!   serially, one block reduction at the end.
 //! - outer (reduced axes first): `[g (BIDy), s (serial), u (Unroll), 4 (TIDy), cols/t (BIDx),
 //!   t (TIDx)]`, coalesced along the kept axis, u rows in flight per thread; a grid reduction
 //!   over BIDy sized to one full wave of blocks when few column tiles would leave the GPU idle.
@@ -196,24 +197,36 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
         );
     }
 
-    let widest = f.tvs.values().map(|t| t.dtype.size_bytes()).max().unwrap_or(4) as i64;
     if inner {
-        // Vector loads along the reduced axes, one block per kept row. After a permutation
-        // the merged reduced axes are contiguous in memory only along the last one.
+        // Vector loads along the reduced axes, one block per kept row, of the full-size
+        // inputs: those are the loads that stream, so their element size sets the width (an
+        // int64 column index beside float logits is read element by element, from L1).
+        let streamed: Vec<TvId> = f
+            .inputs
+            .iter()
+            .filter_map(|op| op.tensor())
+            .filter(|&x| super::full_size_input(f, x, n) && f.tvs[x].uses.iter().all(|&e| !f.exprs[e].op.is_gather()))
+            .collect();
+        let widest = streamed.iter().map(|&x| f.tvs[x].dtype.size_bytes()).max().unwrap_or(4) as i64;
+        // After a permutation the merged reduced axes are contiguous in memory only along
+        // the last one.
         let along = if perm.is_some() { sizes[n - 1] } else { red_size };
         let v = if along % (16 / widest) == 0 { 16 / widest } else { 1 };
         // About two vectors per thread before the block reduction (measured on the H200,
         // 16384x4096 fp32, same runs: 62.6 us with two, 63.1 with four; 63.8 with eight and
         // 63.3 with sixteen against 62.4 with four).
         let t = ((red_size / v / 2).max(32) as u64).next_power_of_two().min(512) as i64;
+        // Steps each thread has in flight at once over a long row: independent loads hide
+        // DRAM latency. The tile of `u` steps is unswitched: every full tile runs without
+        // per-element bounds checks, which otherwise cost more instructions than the math
+        // of a cross-entropy row and keep the loads of the steps from being issued together.
+        let steps = (red_size + t * v - 1) / (t * v);
+        let u = if steps >= 8 { 4 } else { steps.clamp(1, 4) };
         let mut caches = Vec::new();
         let mut cached = Vec::new();
-        for op in f.inputs.clone() {
-            let Operand::Tensor(x) = op else { continue };
-            if super::full_size_input(f, x, n) && f.tvs[x].uses.iter().all(|&e| !f.exprs[e].op.is_gather()) {
-                caches.push(f.cache_after(x)?);
-                cached.push(x);
-            }
+        for x in streamed {
+            caches.push(f.cache_after(x)?);
+            cached.push(x);
         }
         // A tensor read by several ops (an input read by a max, a log-sum-exp and a masked
         // sum) would be computed in a loop nest of its own and held per thread for the whole
@@ -246,10 +259,16 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
             merge_range(f, x, 1, k)?;
             f.split(x, 1, v, true)?;
             f.split(x, 1, t, true)?;
+            f.split(x, 1, u, true)?; // [rows, serial, u, t, v]
+            f.split(x, 1, 1, true)?; // [rows, serial, 1, u, t, v]
             f.parallelize(x, 0, ParallelType::BIDx)?;
-            f.parallelize(x, 2, ParallelType::TIDx)?;
+            f.parallelize(x, 2, ParallelType::Unswitch)?;
+            if u > 1 {
+                f.parallelize(x, 3, ParallelType::Unroll)?;
+            }
+            f.parallelize(x, 4, ParallelType::TIDx)?;
             if caches.contains(&x) && v > 1 {
-                f.parallelize(x, 3, ParallelType::Vectorize)?;
+                f.parallelize(x, 5, ParallelType::Vectorize)?;
             }
         }
         schedule_after(f, &after, n - k)?;
@@ -259,7 +278,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
         // Totals before inlining: the per-row values they read are inlined into their loops.
         super::schedule_totals(f, cx, &totals, &post, keep_size)?;
         inline_into_after(f, &rs, &after)?;
-        return Ok(Heuristic::new(Params::InnerReduction { vector: v, threads: t }));
+        return Ok(Heuristic::new(Params::InnerReduction { vector: v, threads: t, unroll: u }));
     }
     if outer {
         let t = if keep_size >= 128 { 128 } else { (keep_size.max(32) as u64).next_power_of_two() as i64 };
