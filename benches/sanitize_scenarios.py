@@ -29,7 +29,7 @@ def main() -> int:
         ok = all(np.allclose(cp.asnumpy(o), r, rtol=1e-5, atol=1e-4) for o, r in zip(outs, refs))
         bad += not ok
         print(f"{sc.name:32s} {'ok' if ok else 'MISMATCH'}")
-    return bad + auto_schedules()
+    return bad + auto_schedules() + model_families()
 
 
 def auto_schedules() -> int:
@@ -55,6 +55,37 @@ def auto_schedules() -> int:
                      for o, w in zip(outs, want))
             bad += not ok
             print(f"{name:32s} {'ok' if ok else 'MISMATCH'}")
+    return bad
+
+
+
+def model_families() -> int:
+    """Model families whose automatic schedules stream long rows or split reductions by
+    class (one-pass statistics, unswitched inner reductions, looped normalizations), at
+    sizes small enough for the sanitizer."""
+    import families as fams  # noqa: PLC0415
+
+    bad = 0
+    cases = [(fams.cross_entropy, (64, 32000)), (fams.cross_entropy, (8, 128256)),
+             (fams.log_softmax, (8, 128256)), (fams.logsumexp, (64, 32000)),
+             (fams.layernorm_backward, (256, 1024)), (fams.batchnorm_nchw_train, (4, 8, 28, 28)),
+             (fams.attention_softmax_padding_mask, (2, 2, 64))]
+    for make, sizes in cases:
+        fam = make(sizes)
+        name = f"family {fam.name} {'x'.join(map(str, sizes))}"
+        host = fam.make_inputs(sizes, 0)
+        arrays = [cp.asarray(a) if isinstance(a, np.ndarray) else a for a in host]
+        try:
+            outs = fam.fd.execute(arrays)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            print(f"{name:32s} ERROR {e}")
+            bad += 1
+            continue
+        want = fam.expected(host)
+        ok = all(np.allclose(fams.output_f64(o), w, rtol=fam.tol(i)[0], atol=fam.tol(i)[1])
+                 for i, (o, w) in enumerate(zip(outs, want)))
+        bad += not ok
+        print(f"{name:32s} {'ok' if ok else 'MISMATCH'}")
     return bad
 
 

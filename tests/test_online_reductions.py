@@ -282,6 +282,19 @@ def test_rows_the_registers_cannot_hold_are_read_once(cols: int) -> None:
     np.testing.assert_allclose(got.astype(np.float64), _ce_ref(*a)[0], rtol=2e-5, atol=2e-5)
 
 
+def test_a_row_weight_loads_with_the_rows_vectors() -> None:
+    """An input broadcast along the rows and read along them (the int64 column index of a
+    one-hot cross-entropy) loads with the same vectors as the streamed logits: its
+    element-by-element loads, strided by the logits' vectors, kept L1 busy."""
+    cols = 32000
+    rng = np.random.default_rng(10)
+    a = [rng.standard_normal((3, cols)).astype(np.float32), np.array([5, 31999, 0], np.int64),
+         np.arange(cols, dtype=np.int64)]
+    (k,) = _cross_entropy_masked_sum().lower(a).kernels
+    assert re.search(r"loadVec\w*<int64_t, 2>", k.cuda_source)
+    assert re.search(r"loadVec\w*<float, 2>", k.cuda_source)
+
+
 def test_fully_masked_softmax_row_is_nan_as_in_numpy() -> None:
     a = _rows(np.random.default_rng(5))
     a[1, :] = -np.inf
@@ -308,6 +321,22 @@ def test_gpu_long_rows_match_numpy(name: str) -> None:
     got = build().execute([cp.asarray(x) for x in a])
     for g, w in zip(got, ref(*a)):
         np.testing.assert_allclose(cp.asnumpy(g).astype(np.float64), w, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cols", [32000, 50257, 128256])
+def test_gpu_streamed_cross_entropy_rows_match_numpy(cols: int) -> None:
+    cp = cupy_or_skip()
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((300, cols)) * 4).astype(np.float32)
+    x[7, 11] = 75.0
+    x[8, :] = -np.inf
+    x[8, 3] = 2.0  # one finite logit: log-probability 0
+    labels = rng.integers(0, cols, size=300).astype(np.int64)
+    labels[8] = 3
+    a = [x, labels, np.arange(cols, dtype=np.int64)]
+    (got,) = _cross_entropy_masked_sum().execute([cp.asarray(v) for v in a])
+    np.testing.assert_allclose(cp.asnumpy(got).astype(np.float64), _ce_ref(*a)[0], rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.gpu
