@@ -24,7 +24,9 @@
 //!   (`lower::fuse_loops` merges the sibling loops) instead of a pass for the max and a
 //!   second for the sum (softmax, log-softmax, logsumexp and cross-entropy over a
 //!   vocabulary). Only for rows longer than a register-persistent schedule holds
-//!   (`ROW_ON_CHIP_BYTES`): on chip, the row is read once anyway.
+//!   (`ROW_ON_CHIP_BYTES`), and for rows the plan streams from memory anyway (the segmenter
+//!   plans again with them where a `looped_normalization` kernel took a shorter row): on
+//!   chip, the row is read once anyway.
 //! - **Per-row terms leave masked sums.** `sum(where(c, a - broadcast(r), 0))` over the
 //!   axes `r` is constant along becomes `sum(where(c, a, 0)) - r * sum(where(c, 1, 0))`
 //!   (and `+`, and `r - a`) where `r` comes from a reduction: exact in real arithmetic, and

@@ -214,15 +214,14 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
             perm.is_none()
                 && super::broadcast_input(f, t)
                 && f.tvs[t].logical.len() == n
-                && f.tvs[t].logical.iter().zip(&is_red).all(|(&id, &red)| (f.ids[id].iter_type == IterType::Broadcast) != red)
+                && f.tvs[t]
+                    .logical
+                    .iter()
+                    .zip(&is_red)
+                    .all(|(&id, &red)| (f.ids[id].iter_type == IterType::Broadcast) != red)
         };
-        let weight_bytes = f
-            .tvs
-            .keys()
-            .filter(|&t| row_weight(f, t))
-            .map(|t| f.tvs[t].dtype.size_bytes())
-            .max()
-            .unwrap_or(1) as i64;
+        let weight_bytes =
+            f.tvs.keys().filter(|&t| row_weight(f, t)).map(|t| f.tvs[t].dtype.size_bytes()).max().unwrap_or(1) as i64;
         let stream_bytes = streamed.iter().map(|&x| f.tvs[x].dtype.size_bytes()).max().unwrap_or(4) as i64;
         let widest = stream_bytes.max(weight_bytes);
         // After a permutation the merged reduced axes are contiguous in memory only along
