@@ -41,24 +41,18 @@ def _float_softmax() -> FusionDefinition:
     return fd
 
 
-def _exp_also_float_output() -> FusionDefinition:
-    """exp(x) to half and, unrounded, to a float output."""
-    with FusionDefinition() as fd:
-        x = fd.define_tensor([-1, -1])
-        e = fd.ops.exp(x)
-        fd.add_output(fd.ops.cast(e, DataType.Half))
-        fd.add_output(fd.ops.mul(e, 2.0))
-    return fd
-
-
-def _exp_compared() -> FusionDefinition:
-    """exp(x) to half, and compared with 1.5 (a near tie must not flip)."""
-    with FusionDefinition() as fd:
-        x = fd.define_tensor([-1, -1])
-        e = fd.ops.exp(x)
-        fd.add_output(fd.ops.cast(e, DataType.Half))
-        fd.add_output(fd.ops.gt(e, 1.5))
-    return fd
+def _exp_to_half_and(second: str) -> Callable[[], FusionDefinition]:
+    """exp(x) to half, and the same value unrounded in a second output: ``"float"`` (times 2,
+    a float output) or ``"compared"`` (``> 1.5``: a near tie must not flip)."""
+    def build() -> FusionDefinition:
+        with FusionDefinition() as fd:
+            x = fd.define_tensor([-1, -1])
+            e = fd.ops.exp(x)
+            fd.add_output(fd.ops.cast(e, DataType.Half))
+            fd.add_output(fd.ops.mul(e, 2.0) if second == "float" else fd.ops.gt(e, 1.5))
+        return fd
+    build.__name__ = f"exp_to_half_and_{second}"
+    return build
 
 
 def _bf16_silu_div() -> FusionDefinition:
@@ -104,8 +98,8 @@ def test_bf16_silu_and_division_use_the_approximations() -> None:
 
 @pytest.mark.parametrize("build, inputs", [
     (_float_softmax, lambda: [_rows(np.float32)]),
-    (_exp_also_float_output, lambda: [_rows(np.float32)]),
-    (_exp_compared, lambda: [_rows(np.float32)]),
+    (_exp_to_half_and("float"), lambda: [_rows(np.float32)]),
+    (_exp_to_half_and("compared"), lambda: [_rows(np.float32)]),
 ], ids=["float softmax", "exp also a float output", "exp compared"])
 def test_values_seen_in_float_keep_the_exact_functions(build: Callable[[], FusionDefinition],
                                                        inputs: Callable[[], List[Any]]) -> None:

@@ -282,6 +282,28 @@ def test_rows_the_registers_cannot_hold_are_read_once(cols: int) -> None:
     np.testing.assert_allclose(got.astype(np.float64), _ce_ref(*a)[0], rtol=2e-5, atol=2e-5)
 
 
+# The fewest passes over a streamed row: the statistics in one, the output (if any) in a second.
+ONE_PASS = {"logsumexp_written_out": 1, "cross_entropy_masked_sum": 1, "log_softmax": 2, "softmax": 2}
+
+
+@pytest.mark.parametrize("cols", [12289, 24576, 32000, 50257])
+@pytest.mark.parametrize("name", sorted(ONE_PASS))
+def test_rows_are_held_on_chip_or_read_the_fewest_times(name: str, cols: int) -> None:
+    """Whatever the row's length, a softmax-family row kernel either holds the row in
+    registers (no pass over memory inside the block) or streams it with the statistics in one
+    pass; lengths around where the register-persistent schedule gives up included."""
+    build, inputs, ref, _ = CASES[name]
+    rng = np.random.default_rng(cols)
+    a = inputs(rng)
+    a[0] = (rng.standard_normal((a[0].shape[0], cols)) * 4).astype(np.float32)
+    if name == "cross_entropy_masked_sum":
+        a[1] = rng.integers(0, cols, size=a[0].shape[0]).astype(np.int64)
+        a[2] = np.arange(cols, dtype=np.int64)
+    assert _passes(build(), a)[0] in (0, ONE_PASS[name])
+    for g, w in zip(build().execute(a), ref(*a)):
+        np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=2e-5, atol=2e-5)
+
+
 def test_a_row_weight_loads_with_the_rows_vectors() -> None:
     """An input broadcast along the rows and read along them (the int64 column index of a
     one-hot cross-entropy) loads with the same vectors as the streamed logits: its

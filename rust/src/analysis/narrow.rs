@@ -36,15 +36,8 @@ pub fn ends_narrow(f: &Fusion) -> FxHashSet<TvId> {
                 && t_.uses.iter().all(|&u| {
                     let out = f.exprs[u].output;
                     let carries = match &f.exprs[u].op {
-                        Op::Unary(_)
-                        | Op::Binary(_)
-                        | Op::Where
-                        | Op::Cast(_)
-                        | Op::Set
-                        | Op::Broadcast { .. }
-                        | Op::Squeeze { .. }
-                        | Op::Permute { .. }
-                        | Op::Reduction { .. } => true,
+                        op if op.is_elementwise() => true,
+                        Op::Broadcast { .. } | Op::Squeeze { .. } | Op::Permute { .. } | Op::Reduction { .. } => true,
                         // A gather's table carries values; its index does not.
                         Op::IndexSelect { .. } | Op::Remap { .. } => f.exprs[u].inputs[0].tensor() == Some(t),
                         _ => false,

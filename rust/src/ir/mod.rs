@@ -241,6 +241,12 @@ impl Op {
         self.indexed_input().is_some()
     }
 
+    /// True for an op that computes each output element from its operands' elements at the
+    /// same position (unary, binary, where, cast, set).
+    pub fn is_elementwise(&self) -> bool {
+        matches!(self, Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast(_) | Op::Set)
+    }
+
     /// True for an op that reads no tensor and makes its output from scalars.
     pub fn is_source(&self) -> bool {
         matches!(self, Op::Full { .. } | Op::Iota { .. } | Op::Random { .. } | Op::Mask { .. })

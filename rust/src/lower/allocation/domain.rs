@@ -288,11 +288,7 @@ pub fn patch_transposed_smem(
             MemoryType::Global if use_.op == Op::Set => {
                 *c.loop_domain.iter().find(|&&id| f.ids[id].parallel == ParallelType::Vectorize)?
             }
-            MemoryType::Local
-                if matches!(use_.op, Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast(_) | Op::Set) =>
-            {
-                *c.loop_domain.last()?
-            }
+            MemoryType::Local if use_.op.is_elementwise() => *c.loop_domain.last()?,
             _ => return None,
         };
         readers.push((consumer, along));

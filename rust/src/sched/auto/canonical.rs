@@ -105,7 +105,7 @@ pub fn sink_broadcasts(f: &mut Fusion) -> Result<()> {
                 f.tvs[x].uses.retain(|&u| u != e);
                 continue 'again;
             }
-            if !matches!(op, Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast(_) | Op::Set) {
+            if !op.is_elementwise() {
                 continue;
             }
             let mut operands = Vec::new();
@@ -979,9 +979,7 @@ fn clone_chain(f: &mut Fusion, t: TvId, memo: &mut FxHashMap<TvId, TvId>) -> Res
     }
     let Some(d) = f.tvs[t].definition else { return Ok(t) };
     let op = f.exprs[d].op.clone();
-    if !has_broadcast(f, t)
-        || !matches!(op, Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast(_) | Op::Set | Op::Broadcast { .. })
-    {
+    if !has_broadcast(f, t) || !(op.is_elementwise() || matches!(op, Op::Broadcast { .. })) {
         return Ok(t);
     }
     let mut operands = Vec::new();
@@ -1073,16 +1071,8 @@ fn pure_prologue(f: &Fusion, t: TvId) -> bool {
     closure.len() <= PROLOGUE_EXPRS
         && closure.iter().all(|&c| {
             f.tvs[c].definition.is_some_and(|d| {
-                matches!(
-                    f.exprs[d].op,
-                    Op::Unary(_)
-                        | Op::Binary(_)
-                        | Op::Where
-                        | Op::Cast(_)
-                        | Op::Set
-                        | Op::Broadcast { .. }
-                        | Op::Squeeze { .. }
-                )
+                let op = &f.exprs[d].op;
+                op.is_elementwise() || matches!(op, Op::Broadcast { .. } | Op::Squeeze { .. })
             })
         })
 }
