@@ -217,6 +217,31 @@ def test_aligned_inputs_get_vector_accesses_without_address_checks():
     assert not _auto_lowered(fd, [odd]).aligned_bases
 
 
+def test_vectors_in_range_whole_or_not_at_all_have_no_element_loop():
+    """A row whose length the vector width divides, with aligned bases: each vector is in
+    range whole or not at all, so the copy is ``if (first) wide`` with no element-by-element
+    fallback (which was half a partial tile's code); a copy checked at run time keeps it."""
+    def row_sum(fd: FusionDefinition, x: Any) -> Any:
+        return fd.ops.sum(fd.ops.mul(x, x), dims=[1])
+
+    fd = _unscheduled(row_sum)
+    a = np.random.default_rng(0).standard_normal((8, 32000)).astype(np.float32)
+    src = _auto_source(fd, [a])
+    body = src[src.index("kiln_kernel("):]
+    assert "loadVec" in body and "kiln::Array<float, 4> kiln_vec;" in body, body
+    assert not re.search(r"kiln_vec, &T0\[kiln_ib\]\);\n.*\n\s*\} else \{", body), body
+    (got,) = fd.execute([a])
+    np.testing.assert_allclose(got, (a.astype(np.float64) ** 2).sum(1), rtol=1e-5)
+    # Rows of 1001 columns with a bias per column: the row offset is checked at run time, so
+    # a vector that fails the check copies element by element.
+    with FusionDefinition() as fd2:
+        x = fd2.define_tensor([-1, -1])
+        b = fd2.define_tensor([-1])
+        fd2.add_output(fd2.ops.add(x, fd2.ops.broadcast_in_dim(b, shape=[-1, -1], broadcast_dims=[1])))
+    body = _auto_source(fd2, [np.zeros((1000, 1001), np.float32), np.zeros(1001, np.float32)])
+    assert "kiln_ib % 4 == 0" in body and re.search(r"\} else \{\n\s*#pragma unroll\n\s*for \(kiln_index_t", body), body
+
+
 def test_padded_transpose_tile_keeps_16_byte_global_accesses():
     fd = _unscheduled(lambda fd, x: fd.ops.permute(x, [1, 0]))
     src = _auto_source(fd, [np.zeros((256, 512), np.float32)])

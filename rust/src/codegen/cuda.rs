@@ -513,8 +513,17 @@ impl Gen<'_> {
                 VectorAccess::Wide | VectorAccess::Elements => {}
             }
         }
-        let _ =
-            writeln!(self.out, "{pad}  if (({}) && ({}){}) {{", self.pred(v.first), self.pred(v.last), checks.concat());
+        if v.whole {
+            let _ = writeln!(self.out, "{pad}  if ({}) {{", self.pred(v.first));
+        } else {
+            let _ = writeln!(
+                self.out,
+                "{pad}  if (({}) && ({}){}) {{",
+                self.pred(v.first),
+                self.pred(v.last),
+                checks.concat()
+            );
+        }
         let _ = writeln!(self.out, "{pad}    kiln::Array<{ty}, {n}> kiln_vec;");
         let each = format!("{pad}    #pragma unroll\n{pad}    for (int kiln_j = 0; kiln_j < {n}; ++kiln_j) ");
         let load = if v.access[1] != VectorAccess::Elements {
@@ -534,6 +543,12 @@ impl Gen<'_> {
             format!("{each}{ob}[kiln_ob + kiln_j] = kiln_vec[kiln_j];")
         };
         let _ = writeln!(self.out, "{load}\n{store}");
+        if v.whole {
+            // Out of range as a whole: nothing to copy element by element.
+            let _ = writeln!(self.out, "{pad}  }}");
+            let _ = writeln!(self.out, "{pad}}}");
+            return Ok(());
+        }
         let _ = writeln!(self.out, "{pad}  }} else {{");
         let idx = self.c(v.fallback.index);
         let _ = writeln!(self.out, "{pad}    #pragma unroll");

@@ -65,6 +65,7 @@ struct CVector {
     last: u32,
     gathers: Vec<(u32, TvId, u32, TvId, ValId)>,
     access: [VectorAccess; 2],
+    whole: bool,
     fallback: Vec<CNode>,
 }
 
@@ -190,6 +191,7 @@ fn compile(k: &Kernel, body: &[Node], stack: &mut Vec<(ParallelType, bool)>) -> 
                     last,
                     gathers,
                     access: v.access,
+                    whole: v.whole,
                     fallback,
                 }))
             }
@@ -933,6 +935,11 @@ impl Exec<'_, '_> {
                 let (col, pz) = mem.read_lenient(ctx, kname, v.src, &wide, &Reg::V(src), true)?;
                 mem.write_poisoned(ctx, kname, out_tv, &wide, &Reg::V(dst), &col.convert(dt), pz.as_ref())?;
             }
+        }
+        if v.whole {
+            // As the kernel: no element loop (a lane the wide copy skipped has every element
+            // out of range; were that wrong, the elements would be missing here too).
+            return Ok(());
         }
         self.on_lanes(rest, &v.fallback)
     }

@@ -78,6 +78,10 @@ pub struct VectorCopy {
     pub access: [VectorAccess; 2],
     /// Cache hints of a wide Global load: (streaming, evict-last).
     pub load_hints: (bool, bool),
+    /// The predicate holds on the whole vector or on none of it (its range bounds are
+    /// multiples of the width), and neither side checks its alignment at run time: where
+    /// `first` fails every element is out of range, so there is no element loop to run.
+    pub whole: bool,
     pub fallback: ForLoop,
 }
 
@@ -536,6 +540,19 @@ impl IrText<'_> {
             }
             Node::Vector(v) => {
                 let sc = &f.scalars;
+                if v.whole {
+                    let _ = writeln!(
+                        s,
+                        "{pad}VECTOR x{} {}  @ [{}] <- [{}] {:?} if {} (whole or none)",
+                        v.width,
+                        f.expr_short(&f.exprs[v.expr]),
+                        sc.render(v.out),
+                        sc.render(v.input),
+                        v.access,
+                        sc.render(v.first)
+                    );
+                    return;
+                }
                 let _ = writeln!(
                     s,
                     "{pad}VECTOR x{} {}  @ [{}] <- [{}] {:?} if {} and {}; else:",

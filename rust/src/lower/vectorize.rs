@@ -3,7 +3,9 @@
 //! Guarantees: a Vectorize loop of a constant 2/4/8/16-byte width holding one
 //! data-moving expression (set, broadcast, gather) of one dtype, unit-stride in the loop
 //! index on both sides, becomes one wide load and store, with the element loop as the
-//! fallback where part of the vector is out of range or an alignment check fails. Each
+//! fallback where part of the vector is out of range or an alignment check fails (none
+//! where the vector is in range whole or not at all and no alignment is checked at run
+//! time: `VectorCopy::whole`). Each
 //! side records the check its alignment needs: none where the offset is a multiple of the
 //! width in an aligned array (a 16-byte aligned Local array, a Global array of aligned
 //! base), the offset where only it can break the alignment, the address otherwise; a
@@ -109,7 +111,7 @@ fn vector_copy(f: &mut Fusion, l: &ForLoop) -> Option<VectorCopy> {
         _ => ix.predicate,
     };
     let first = sc.substitute(live, sym, zero);
-    let last = sc.substitute(live, sym, last);
+    let at_end = sc.substitute(live, sym, last);
     let gathers = ix
         .gathers
         .iter()
@@ -132,7 +134,34 @@ fn vector_copy(f: &mut Fusion, l: &ForLoop) -> Option<VectorCopy> {
     }
     let global_src = f.tvs[src].memory == MemoryType::Global;
     let load_hints = (f.tvs[out_tv].streaming_load && global_src, f.tvs[out_tv].evict_last_load && global_src);
+    let unchecked = access.iter().all(|a| matches!(a, VectorAccess::Wide | VectorAccess::Elements));
+    let whole = unchecked && whole_or_none(sc, live, sym, n);
+    let last = if whole { first } else { at_end };
     let mut fallback = l.clone();
     fallback.parallel = ParallelType::Unroll;
-    Some(VectorCopy { expr, width: n, out, input, first, last, gathers, access, load_hints, fallback })
+    Some(VectorCopy { expr, width: n, out, input, first, last, gathers, access, load_hints, whole, fallback })
+}
+
+/// True when predicate `live` holds at every element of the vector `sym` in `[0, n)` or at
+/// none: a conjunction of bounds `a < b` where `a` steps by one along the vector from a
+/// known multiple of `n` and `b` is a known multiple of `n` (the row extent the vector
+/// width was chosen to divide), and of terms that do not depend on `sym`. Then `a < b` at
+/// the first element means `a + n - 1 < b` at the last, and the element loop that handles a
+/// partly covered vector is never needed (a partial tile's code was half a kernel's size).
+fn whole_or_none(sc: &mut crate::ir::Scalars, live: crate::ir::ValId, sym: Symbol, n: i64) -> bool {
+    use crate::ir::scalar::ScalarOp;
+    let mut parts = Vec::new();
+    crate::lower::predicate::conjuncts(sc, live, &mut parts);
+    let zero = sc.int(0);
+    parts.into_iter().all(|c| match sc.get(c) {
+        Val::Binary(ScalarOp::Lt, a, b) => match (linear_coeff(sc, a, sym), linear_coeff(sc, b, sym)) {
+            (Some(0), Some(0)) => true,
+            (Some(1), Some(0)) => {
+                let start = sc.substitute(a, sym, zero);
+                sc.known_multiple(start) % n == 0 && sc.known_multiple(b) % n == 0
+            }
+            _ => false,
+        },
+        _ => linear_coeff(sc, c, sym) == Some(0),
+    })
 }
