@@ -239,7 +239,8 @@ def test_vectors_in_range_whole_or_not_at_all_have_no_element_loop():
         b = fd2.define_tensor([-1])
         fd2.add_output(fd2.ops.add(x, fd2.ops.broadcast_in_dim(b, shape=[-1, -1], broadcast_dims=[1])))
     body = _auto_source(fd2, [np.zeros((1000, 1001), np.float32), np.zeros(1001, np.float32)])
-    assert "kiln_ib % 4 == 0" in body and re.search(r"\} else \{\n\s*#pragma unroll\n\s*for \(kiln_index_t", body), body
+    element_loop = r"\} else \{\n\s*#pragma unroll\n\s*for \(kiln_index_t"
+    assert "kiln_ib % 4 == 0" in body and re.search(element_loop, body), body
 
 
 def test_padded_transpose_tile_keeps_16_byte_global_accesses():
