@@ -8,7 +8,7 @@ import os
 import re
 import subprocess
 import sys
-from typing import Any, Tuple
+from typing import Any, List, Tuple
 
 import numpy as np
 import pytest
@@ -241,6 +241,44 @@ def test_vectors_in_range_whole_or_not_at_all_have_no_element_loop():
     body = _auto_source(fd2, [np.zeros((1000, 1001), np.float32), np.zeros(1001, np.float32)])
     element_loop = r"\} else \{\n\s*#pragma unroll\n\s*for \(kiln_index_t"
     assert "kiln_ib % 4 == 0" in body and re.search(element_loop, body), body
+
+
+def _guarded_remaps() -> List[Tuple[str, Any, Any]]:
+    """Cat and pad along the rows of rows that vectors cover whole: the copy's guard (which
+    input, or the pad) fails on whole vectors, where the element loop writes the other value."""
+    def cat_rows(fd: FusionDefinition, x: Any) -> Any:
+        return fd.ops.cat([x, x, x], 0)
+
+    def pad_rows(fd: FusionDefinition, x: Any) -> Any:
+        return fd.ops.pad(x, [0, 0, 2, 1], 0.5)  # torch order: last axis first
+
+    def cat_cols(fd: FusionDefinition, x: Any) -> Any:
+        return fd.ops.cat([x, fd.ops.mul(x, 2.0)], 1)
+
+    return [("cat rows", cat_rows, lambda a: np.concatenate([a, a, a], 0)),
+            ("pad rows", pad_rows, lambda a: np.pad(a, [(2, 1), (0, 0)], constant_values=0.5)),
+            ("cat cols", cat_cols, lambda a: np.concatenate([a, 2.0 * a], 1))]
+
+
+@pytest.mark.parametrize("shape", [(1, 256), (3, 1024)])
+@pytest.mark.parametrize("case", _guarded_remaps(), ids=lambda c: c[0])
+def test_guarded_remaps_keep_their_element_loop(case: Tuple[str, Any, Any], shape: Tuple[int, int]) -> None:
+    _, build, ref = case
+    a = np.random.default_rng(2).standard_normal(shape).astype(np.float32)
+    (got,) = _unscheduled(build).execute([a])
+    np.testing.assert_array_equal(got, ref(a).astype(np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _guarded_remaps(), ids=lambda c: c[0])
+def test_guarded_remaps_on_gpu(case: Tuple[str, Any, Any]) -> None:
+    from gpu_util import cupy_or_skip
+
+    cp = cupy_or_skip()
+    _, build, ref = case
+    a = np.random.default_rng(3).standard_normal((5, 4096)).astype(np.float32)
+    (got,) = _unscheduled(build).execute([cp.asarray(a)])
+    np.testing.assert_array_equal(cp.asnumpy(got), ref(a).astype(np.float32))
 
 
 def test_padded_transpose_tile_keeps_16_byte_global_accesses():

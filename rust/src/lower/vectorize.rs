@@ -135,7 +135,9 @@ fn vector_copy(f: &mut Fusion, l: &ForLoop) -> Option<VectorCopy> {
     let global_src = f.tvs[src].memory == MemoryType::Global;
     let load_hints = (f.tvs[out_tv].streaming_load && global_src, f.tvs[out_tv].evict_last_load && global_src);
     let unchecked = access.iter().all(|a| matches!(a, VectorAccess::Wide | VectorAccess::Elements));
-    let whole = unchecked && whole_or_none(sc, live, sym, n);
+    // A guarded remap's element loop also writes where its guard fails (a pad value, the
+    // other input of a cat): only an unguarded copy has nothing to do out of range.
+    let whole = unchecked && ix.element.is_none() && whole_or_none(sc, ix.predicate, sym, n);
     let last = if whole { first } else { at_end };
     let mut fallback = l.clone();
     fallback.parallel = ParallelType::Unroll;
