@@ -166,3 +166,23 @@ def test_many_rows_take_two_kernels_one_pass() -> None:
     assert len(low.kernels) == 2, low.host_program
     body = low.kernels[0].cuda_source[low.kernels[0].cuda_source.index("kiln_kernel("):]
     assert len(re.findall(r"^    for \(kiln_index_t idx\d+ = 0;", body, re.M)) == 1
+
+
+@pytest.mark.parametrize("op", ["index_select", "gather"])
+def test_a_gather_of_a_broadcast_table_keeps_its_extent_and_check(op: str) -> None:
+    """Every operand of the gathered element-wise op broadcast along the gathered axis (a
+    0-d value broadcast to [1]): nothing is left to gather, so the gather stays, with the
+    index's length as the result's and its bounds check (moved away, the result had one row)."""
+    with FusionDefinition() as fd:
+        s = fd.define_tensor([], dtype=DataType.Float)
+        idx = fd.define_tensor([-1], dtype=DataType.Int)
+        t = fd.ops.tanh(fd.ops.broadcast_in_dim(s, shape=[-1], broadcast_dims=[]))
+        g = getattr(fd.ops, op)(t, fd.ops.cast(idx, DataType.Int32), 0)
+        fd.add_output(fd.ops.broadcast_in_dim(g, shape=[-1, -1, -1], broadcast_dims=[0]))
+    s0 = np.array(0.3, np.float32)
+    for as_written in (False, True):
+        (got,) = fd.execute([s0, np.zeros(7, np.int64)], as_written=as_written)
+        assert got.shape == (7, 1, 1)
+        np.testing.assert_allclose(got.reshape(-1), np.full(7, np.tanh(0.3)), rtol=1e-6)
+        with pytest.raises(KilnError, match="index"):
+            fd.execute([s0, np.array([0, 1], np.int64)], as_written=as_written)

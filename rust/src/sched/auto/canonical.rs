@@ -40,7 +40,8 @@
 //!   elements are computed from the inputs where they are picked, instead of the whole
 //!   tensor being computed and stored first (cross-entropy's
 //!   `take_along_axis(log_softmax(x), labels)` reads one logit per row beside the row's
-//!   statistics).
+//!   statistics). Where every operand is broadcast along `d`, the gather stays: it gives
+//!   the result the index's length and checks the index.
 //! - **Reductions skip size-one broadcast axes.** Reducing an axis of extent one changes
 //!   nothing, so `sum(t, [0, 1])` of a `[B, 1]` tensor is `sum(squeeze(t), [0])`: a total
 //!   over the rows that the row schedule computes in its kernel (the mean of a gathered
@@ -345,6 +346,11 @@ pub fn sink_gathers(f: &mut Fusion) -> Result<()> {
                     continue 'next;
                 }
                 plan.push((o, !along));
+            }
+            // With no operand left to gather, the result would lose the index's extent along
+            // `dim` (and the index its bounds check): the gather stays.
+            if !plan.iter().any(|&(o, gather)| gather && o.tensor().is_some()) {
+                continue 'next;
             }
             let mut operands: smallvec::SmallVec<[Operand; 3]> = smallvec::SmallVec::new();
             for (o, gather) in plan {
