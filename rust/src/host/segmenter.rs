@@ -134,7 +134,9 @@ pub fn auto_program_strided(
     match plan(long, &cx) {
         Ok(mut second) if second.0.kernels.len() <= first.0.kernels.len() => {
             second.0.segmentation = format!(
-                "rows streamed from memory: statistics rewritten to be computed in one pass over the row\n{}",
+                "rows streamed from memory: statistics rewritten to be computed in one pass over the row ({} kernels against {})\n{}",
+                second.0.kernels.len(),
+                first.0.kernels.len(),
                 second.0.segmentation
             );
             Ok(second)
