@@ -498,3 +498,46 @@ def test_symbolic_sizes_that_disagree_raise_before_running_on_cpu(shapes: Any, a
         fd.execute(ins, as_written=as_written)
     with pytest.raises(KilnError, match="the definition makes them equal"):
         fd.lower(ins)
+
+
+# Arguments of the wrong kind: each op names the argument and what it expected, with a
+# KilnTypeError, instead of letting an AttributeError or a TypeError of its internals out.
+WRONG_KIND = [
+    ("sum", lambda fd, x, i: fd.ops.sum(x, ["x"]), "sum: dims: expected an int"),
+    ("logsumexp", lambda fd, x, i: fd.ops.logsumexp(x, "x"), "logsumexp: dims: expected a list of ints"),
+    ("mean", lambda fd, x, i: fd.ops.mean(x, [None]), "mean: dims: expected an int"),
+    ("mean of a non-tensor", lambda fd, x, i: fd.ops.mean(3, [0]), "mean: expected a Tensor"),
+    ("var", lambda fd, x, i: fd.ops.var(x, [0], correction=1.5), "var_mean: correction: expected an int"),
+    ("var_mean dims", lambda fd, x, i: fd.ops.var_mean(x, DataType.Int), "var_mean: dims"),
+    ("permute", lambda fd, x, i: fd.ops.permute(x, None), "permute: dims: expected a list of ints"),
+    ("squeeze", lambda fd, x, i: fd.ops.squeeze(x, [1.0]), "squeeze: dims: expected an int"),
+    ("broadcast", lambda fd, x, i: fd.ops.broadcast(x, True), "broadcast: is_broadcast_dim"),
+    ("broadcast_in_dim shape", lambda fd, x, i: fd.ops.broadcast_in_dim(x, 5, [0, 1]),
+     "broadcast_in_dim: shape: expected a list"),
+    ("broadcast_in_dim dims", lambda fd, x, i: fd.ops.broadcast_in_dim(x, [-1, -1, 1], "x"),
+     "broadcast_in_dim: broadcast_dims"),
+    ("slice", lambda fd, x, i: fd.ops.slice(x, 0, [1, 1]), "slice: start_indices: expected a list"),
+    ("slice of a non-tensor", lambda fd, x, i: fd.ops.slice([1], [0], [1]), "slice: expected a Tensor"),
+    ("select", lambda fd, x, i: fd.ops.select(x, None, 0), "select: dim: expected an int"),
+    ("reshape", lambda fd, x, i: fd.ops.reshape(x, 6), "reshape: new_shape: expected a list"),
+    ("pad", lambda fd, x, i: fd.ops.pad(x, True), "pad: pad_widths: expected a list"),
+    ("cat", lambda fd, x, i: fd.ops.cat(x, 0), "cat: tensors: expected a list"),
+    ("triu", lambda fd, x, i: fd.ops.triu(x, DataType.Float), "triu: diagonal: expected an int"),
+    ("triu nan", lambda fd, x, i: fd.ops.triu(x, float("nan")), "triu: diagonal: expected an int"),
+    ("gather index", lambda fd, x, i: fd.ops.gather(x, None, 0), "gather: expected a Tensor"),
+    ("gather dim", lambda fd, x, i: fd.ops.gather(x, i, DataType.Float), "gather: dim: expected an int"),
+    ("take_along_axis", lambda fd, x, i: fd.ops.take_along_axis(x, i, [0]), "take_along_axis: dim"),
+    ("index_select", lambda fd, x, i: fd.ops.index_select(x, i, "0"), "index_select: dim"),
+    ("expand", lambda fd, x, i: fd.ops.expand(x, None), "expand: shape: expected a list"),
+    ("full", lambda fd, x, i: fd.ops.full(x, 1.0, DataType.Float), "full: shape: expected a list"),
+]
+
+
+@pytest.mark.parametrize("case", WRONG_KIND, ids=[c[0] for c in WRONG_KIND])
+def test_arguments_of_the_wrong_kind_are_named(case: Any) -> None:
+    _, call, message = case
+    with pytest.raises(kiln.KilnTypeError, match=re.escape(message)):
+        with FusionDefinition() as fd:
+            x = fd.define_tensor([-1, -1])
+            i = fd.define_tensor([-1, -1], dtype=DataType.Int)
+            fd.add_output(call(fd, x, i))

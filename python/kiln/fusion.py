@@ -64,6 +64,29 @@ class Scalar:
         return DataType(self._fd._core.scalar_dtype(self._id))
 
 
+def _int(v: object, what: str) -> int:
+    """An axis, position or count given as an int (a bool is not one)."""
+    if isinstance(v, bool) or not hasattr(v, "__index__"):
+        raise KilnTypeError(f"{what}: expected an int, got {v!r}")
+    return int(v.__index__())  # type: ignore[attr-defined]
+
+
+def _ints(v: object, what: str) -> List[int]:
+    """Axes given as a list or tuple of ints (one int is a list of one)."""
+    if not isinstance(v, bool) and hasattr(v, "__index__"):
+        return [_int(v, what)]
+    if not isinstance(v, (list, tuple)):
+        raise KilnTypeError(f"{what}: expected a list of ints, got {v!r}")
+    return [_int(d, what) for d in v]
+
+
+def _seq(v: object, what: str) -> List[Any]:
+    """Per-axis entries (sizes, positions, widths) given as a list or tuple."""
+    if not isinstance(v, (list, tuple)):
+        raise KilnTypeError(f"{what}: expected a list with one entry per axis, got {v!r}")
+    return list(v)
+
+
 def _check_dtype(dtype: object, what: str) -> str:
     if not isinstance(dtype, DataType):
         raise KilnTypeError(f"{what}: dtype must be a kiln.DataType, got {dtype!r}")
@@ -335,10 +358,9 @@ class Ops:
         if dims is None:
             raise KilnTypeError(f"{op}: dims is required (the axes to reduce)")
         t = fd._tensor(x, op)
-        if isinstance(dims, int):
-            dims = [dims]
+        axes = _ints(dims, f"{op}: dims")
         dt = None if dtype is None else _check_dtype(dtype, op)
-        return Tensor(fd, fd._core.reduction(op, t, [int(d) for d in dims], bool(keepdim), dt))
+        return Tensor(fd, fd._core.reduction(op, t, axes, bool(keepdim), dt))
 
     def sum(self, x: Tensor, dims: Optional[Sequence[int]] = None, keepdim: bool = False,
             dtype: Optional[DataType] = None, *, axes: Optional[Sequence[int]] = None,
@@ -375,10 +397,9 @@ class Ops:
         Computed in double, two passes over the data in one fusion (the deviations from an
         accurate mean): stable where float32 sums would cancel (a mean of 1e4 with a
         standard deviation of 1e-2), and rounded once to ``x``'s type."""
-        if isinstance(dims, int):
-            dims = [dims]
+        self._fd._tensor(x, "var_mean")
         rank = x.ndim
-        axes = sorted({d + rank if d < 0 else d for d in dims})
+        axes = sorted({d + rank if d < 0 else d for d in _ints(dims, "var_mean: dims")})
         if x.dtype.value not in ("Float", "Double", "Half", "BFloat16"):
             raise KilnTypeError(f"var_mean: {x.name} has dtype {x.dtype.name}; expected a floating type")
         n = self._count(x, axes, "var_mean")
@@ -389,7 +410,8 @@ class Ops:
         mean = self.div(self.sum(xd, axes), n)
         mean_b = self.broadcast_in_dim(mean, [-1] * rank, kept)
         dev = self.sub(xd, mean_b)
-        var = self.div(self.sum(self.mul(dev, dev), axes), self.sub(n, int(correction)))
+        dof = self.sub(n, _int(correction, "var_mean: correction"))
+        var = self.div(self.sum(self.mul(dev, dev), axes), dof)
         if keepdim:
             var, mean = self.broadcast_in_dim(var, [-1] * rank, kept), mean_b
         return self.cast(var, x.dtype), self.cast(mean, x.dtype)
@@ -406,8 +428,8 @@ class Ops:
     def mean(self, x: Tensor, dims: Sequence[int], keepdim: bool = False,
              dtype: Optional[DataType] = None) -> Tensor:
         """Mean over ``dims``: the sum divided by the number of reduced elements."""
-        if isinstance(dims, int):
-            dims = [dims]
+        self._fd._tensor(x, "mean")
+        dims = _ints(dims, "mean: dims")
         if x.dtype.value not in ("Float", "Double", "Half", "BFloat16"):
             raise KilnTypeError(f"mean: {x.name} has dtype {x.dtype.name}; expected a floating type "
                                 f"(cast it first)")
@@ -437,10 +459,12 @@ class Ops:
         if shape is None:
             raise KilnTypeError("broadcast_in_dim: shape is required")
         t = fd._tensor(x, "broadcast_in_dim")
-        dims = [int(d) for d in broadcast_dims]
+        dims = _ints(broadcast_dims, "broadcast_in_dim: broadcast_dims")
+        shape = _seq(shape, "broadcast_in_dim: shape")
         scalars = [s for s in shape if isinstance(s, Scalar)]
         if not scalars:
-            return Tensor(fd, fd._core.broadcast_in_dim(t, [int(s) for s in shape], dims))
+            sizes = [_int(s, "broadcast_in_dim: shape") for s in shape]
+            return Tensor(fd, fd._core.broadcast_in_dim(t, sizes, dims))
         for s in scalars:
             if s._fd is not fd:
                 raise KilnError("broadcast_in_dim: a shape Scalar belongs to another FusionDefinition")
@@ -450,7 +474,8 @@ class Ops:
         # those axes as they are, then expand them like the core expands static sizes, by
         # selecting under an all-true mask of the asked sizes (size one, a broadcast that
         # asks nothing, on the other axes).
-        out = fd._core.broadcast_in_dim(t, [-1 if isinstance(s, Scalar) else int(s) for s in shape], dims)
+        out = fd._core.broadcast_in_dim(
+            t, [-1 if isinstance(s, Scalar) else _int(s, "broadcast_in_dim: shape") for s in shape], dims)
         sizes = [s._id if isinstance(s, Scalar) else fd._const(1)._id for s in shape]
         mask = fd._core.full(sizes, fd._operand(True, "broadcast_in_dim"), DataType.Bool.value)
         return Tensor(fd, fd._core.where_((True, mask), (True, out), (True, out)))
@@ -458,18 +483,17 @@ class Ops:
     def permute(self, x: Tensor, dims: Sequence[int]) -> Tensor:
         """Output axis ``i`` is input axis ``dims[i]``."""
         fd = self._fd
-        return Tensor(fd, fd._core.permute(fd._tensor(x, "permute"), [int(d) for d in dims]))
+        return Tensor(fd, fd._core.permute(fd._tensor(x, "permute"), _ints(dims, "permute: dims")))
 
     def squeeze(self, x: Tensor, dims: Sequence[int]) -> Tensor:
         """``x`` without its axes ``dims``, each of size one."""
         fd = self._fd
-        if isinstance(dims, int):
-            dims = [dims]
-        return Tensor(fd, fd._core.squeeze(fd._tensor(x, "squeeze"), [int(d) for d in dims]))
+        return Tensor(fd, fd._core.squeeze(fd._tensor(x, "squeeze"), _ints(dims, "squeeze: dims")))
 
     def broadcast(self, x: Tensor, is_broadcast_dim: Sequence[bool]) -> Tensor:
         """``x`` with new size-one axes where ``is_broadcast_dim`` is true (nvFuser's broadcast)."""
-        flags = [bool(b) for b in is_broadcast_dim]
+        self._fd._tensor(x, "broadcast")
+        flags = [bool(b) for b in _seq(is_broadcast_dim, "broadcast: is_broadcast_dim")]
         kept = [i for i, b in enumerate(flags) if not b]
         if len(kept) != x.ndim:
             raise KilnError(f"broadcast: {x.name} has rank {x.ndim} but is_broadcast_dim {flags} keeps "
@@ -490,8 +514,11 @@ class Ops:
         """``x[start:end:stride]`` on every axis (nvFuser's slice; ends past the size are
         clamped, as in Python)."""
         fd = self._fd
+        fd._tensor(x, "slice")
         rank = x.ndim
-        steps = [1] * rank if strides is None else list(strides)
+        start_indices = _seq(start_indices, "slice: start_indices")
+        end_indices = _seq(end_indices, "slice: end_indices")
+        steps = [1] * rank if strides is None else _seq(strides, "slice: strides")
         if not len(start_indices) == len(end_indices) == len(steps) == rank:
             raise KilnError(f"slice: {x.name} has rank {rank}; start_indices, end_indices and strides "
                             f"need one entry per axis")
@@ -511,7 +538,7 @@ class Ops:
         if isinstance(index, int) and not isinstance(index, bool) and index < 0:
             raise KilnError(f"select: index {index} is negative; expected an index >= 0")
         at = self._index_value(index, "select")
-        return Tensor(fd, fd._core.select(fd._tensor(x, "select"), int(dim), at))
+        return Tensor(fd, fd._core.select(fd._tensor(x, "select"), _int(dim, "select: dim"), at))
 
     def reshape(self, x: Tensor, new_shape: Sequence[Union[int, Scalar]], *args: Sequence[Union[int, Scalar]],
                 original_shape: Optional[Sequence[Union[int, Scalar]]] = None) -> Tensor:
@@ -524,6 +551,10 @@ class Ops:
                                 f"got {2 + len(args)} arguments")
         if args:
             original_shape, new_shape = new_shape, args[0]
+        fd._tensor(x, "reshape")
+        new_shape = _seq(new_shape, "reshape: new_shape")
+        if original_shape is not None:
+            original_shape = _seq(original_shape, "reshape: original_shape")
         if original_shape is not None and len(original_shape) != x.ndim:
             raise KilnError(f"reshape: original_shape {list(original_shape)} has {len(original_shape)} "
                             f"entries but {x.name} has rank {x.ndim}")
@@ -546,7 +577,8 @@ class Ops:
         """``x`` padded as ``torch.nn.functional.pad``: pairs ``(before, after)`` from the last
         axis backwards; negative widths crop; new positions hold ``value`` (default 0)."""
         fd = self._fd
-        widths = list(pad_widths)
+        fd._tensor(x, "pad")
+        widths = _seq(pad_widths, "pad: pad_widths")
         if len(widths) % 2 or len(widths) > 2 * x.ndim:
             raise KilnError(f"pad: {x.name} has rank {x.ndim}; pad_widths needs an even number of "
                             f"entries, at most {2 * x.ndim}, got {len(widths)}")
@@ -561,24 +593,28 @@ class Ops:
     def cat(self, tensors: Sequence[Tensor], dim: int) -> Tensor:
         """``tensors`` joined along ``dim`` (one dtype; the other axes of one size)."""
         fd = self._fd
-        ids = [fd._tensor(t, "cat") for t in tensors]
-        return Tensor(fd, fd._core.cat(ids, int(dim)))
+        ids = [fd._tensor(t, "cat") for t in _seq(tensors, "cat: tensors")]
+        return Tensor(fd, fd._core.cat(ids, _int(dim, "cat: dim")))
 
     def triu(self, x: Tensor, diagonal: int = 0) -> Tensor:
         """``x`` on and above ``diagonal`` of its last two axes, 0 below (torch.triu)."""
         fd = self._fd
-        return Tensor(fd, fd._core.triu(fd._tensor(x, "triu"), int(diagonal)))
+        return Tensor(fd, fd._core.triu(fd._tensor(x, "triu"), _int(diagonal, "triu: diagonal")))
 
     def take_along_axis(self, x: Tensor, index: Tensor, dim: int) -> Tensor:
         """``out[..., i, ...] = x[..., index[..., i, ...], ...]`` along ``dim``; ``index`` has
         ``x``'s rank and, off ``dim``, its sizes (or size one) (nvFuser's take_along_axis)."""
         fd = self._fd
         return Tensor(fd, fd._core.take_along_axis(fd._tensor(x, "take_along_axis"),
-                                                   fd._tensor(index, "take_along_axis"), int(dim)))
+                                                   fd._tensor(index, "take_along_axis"),
+                                                   _int(dim, "take_along_axis: dim")))
 
     def gather(self, x: Tensor, index: Tensor, dim: int) -> Tensor:
         """``torch.gather``: ``index`` has ``x``'s rank, and off ``dim`` sizes no larger than
         ``x``'s; the output has ``index``'s shape."""
+        self._fd._tensor(x, "gather")
+        self._fd._tensor(index, "gather")
+        dim = _int(dim, "gather: dim")
         rank = x.ndim
         if index.ndim != rank:
             raise KilnError(f"gather: index {index.name} has rank {index.ndim} but {x.name} has rank "
@@ -614,6 +650,8 @@ class Ops:
 
     def expand(self, x: Tensor, shape: Sequence[Union[int, Scalar]]) -> Tensor:
         """``x`` with its size-one axes expanded to ``shape`` (``-1`` keeps an axis's size)."""
+        self._fd._tensor(x, "expand")
+        shape = _seq(shape, "expand: shape")
         if len(shape) != x.ndim:
             raise KilnError(f"expand: {x.name} has rank {x.ndim} but shape {list(shape)} has {len(shape)} "
                             f"entries; expected one per axis")
@@ -626,7 +664,8 @@ class Ops:
         if isinstance(index, Tensor) and index.ndim == 0:
             index = self.broadcast_in_dim(index, [1], [])
         return Tensor(fd, fd._core.index_select(fd._tensor(x, "index_select"),
-                                                fd._tensor(index, "index_select"), int(dim)))
+                                                fd._tensor(index, "index_select"),
+                                                _int(dim, "index_select: dim")))
 
     def full(self, shape: Sequence[Union[int, Scalar]], value: Union[Scalar, int, float, bool],
              dtype: DataType) -> Tensor:
@@ -638,7 +677,7 @@ class Ops:
     def _shape(self, shape: Sequence[Union[int, Scalar]], what: str) -> List[int]:
         fd = self._fd
         dims: List[int] = []
-        for s in shape:
+        for s in _seq(shape, f"{what}: shape"):
             if isinstance(s, Scalar):
                 dims.append(s._id)
             elif isinstance(s, int) and not isinstance(s, bool):
