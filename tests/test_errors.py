@@ -541,3 +541,11 @@ def test_arguments_of_the_wrong_kind_are_named(case: Any) -> None:
             x = fd.define_tensor([-1, -1])
             i = fd.define_tensor([-1, -1], dtype=DataType.Int)
             fd.add_output(call(fd, x, i))
+
+
+@pytest.mark.parametrize("shape", [None, 3, 1.5])
+def test_define_tensor_checks_its_shape_before_stride_order(shape: Any) -> None:
+    with pytest.raises(kiln.KilnTypeError, match="shape must be a list of ints"):
+        with FusionDefinition() as fd:
+            fd.define_tensor(shape, stride_order=[1, 0])
+

@@ -127,13 +127,14 @@ class FusionDefinition:
         if is_cpu:
             raise KilnError(f"define_tensor {name}: CPU scalar tensors (is_cpu=True) are not supported; "
                             f"declare a runtime scalar with fd.define_scalar(dtype=...) instead")
-        if stride_order is not None and list(stride_order) != list(range(len(shape) - 1, -1, -1)):
-            raise KilnError(f"define_tensor {name}: stride_order {list(stride_order)} is not supported; "
-                            f"declare no contiguity and pass arrays of any layout instead")
-        del static_sizes  # sizes other than -1 are static already
         if not isinstance(shape, (list, tuple)) or not all(
                 isinstance(s, int) and not isinstance(s, bool) for s in shape):
             raise KilnTypeError(f"define_tensor {name}: shape must be a list of ints, got {shape!r}")
+        if stride_order is not None and _ints(stride_order, f"define_tensor {name}: stride_order") != list(
+                range(len(shape) - 1, -1, -1)):
+            raise KilnError(f"define_tensor {name}: stride_order {list(stride_order)} is not supported; "
+                            f"declare no contiguity and pass arrays of any layout instead")
+        del static_sizes  # sizes other than -1 are static already
         dt = _check_dtype(dtype, f"define_tensor {name}")
         for axis, s in enumerate(shape):
             if not -1 <= s < 2**63:
