@@ -540,31 +540,23 @@ impl IrText<'_> {
             }
             Node::Vector(v) => {
                 let sc = &f.scalars;
-                if v.whole {
-                    let _ = writeln!(
-                        s,
-                        "{pad}VECTOR x{} {}  @ [{}] <- [{}] {:?} if {} (whole or none)",
-                        v.width,
-                        f.expr_short(&f.exprs[v.expr]),
-                        sc.render(v.out),
-                        sc.render(v.input),
-                        v.access,
-                        sc.render(v.first)
-                    );
-                    return;
-                }
+                let when = if v.whole {
+                    format!("{} (whole or none)", sc.render(v.first))
+                } else {
+                    format!("{} and {}; else:", sc.render(v.first), sc.render(v.last))
+                };
                 let _ = writeln!(
                     s,
-                    "{pad}VECTOR x{} {}  @ [{}] <- [{}] {:?} if {} and {}; else:",
+                    "{pad}VECTOR x{} {}  @ [{}] <- [{}] {:?} if {when}",
                     v.width,
                     f.expr_short(&f.exprs[v.expr]),
                     sc.render(v.out),
                     sc.render(v.input),
                     v.access,
-                    sc.render(v.first),
-                    sc.render(v.last)
                 );
-                self.write_node(&Node::Loop(v.fallback.clone()), depth + 1, s);
+                if !v.whole {
+                    self.write_node(&Node::Loop(v.fallback.clone()), depth + 1, s);
+                }
             }
             Node::AccumulatorInit(a) => {
                 let _ =
