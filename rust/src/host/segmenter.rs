@@ -176,13 +176,12 @@ fn streamed_exprs(h: &Heuristic, every: &[ExprId]) -> FxHashSet<ExprId> {
 /// The host program for `g` in canonical form: the whole fusion in one kernel where a
 /// scheduler covers it, else the segments picked by the splits and the greedy merge.
 fn plan(mut g: Fusion, cx: &Ctx) -> Result<(HostProgram, Heuristic)> {
-    let cx = cx.clone();
     let mut order = g.topo_exprs();
     if order.is_empty() {
         return Ok((crate::host::lower::lower_program(&g)?, Heuristic::new(Params::Empty)));
     }
     // Empty tensors: no schedule to tune; the kernels as written do the little there is.
-    if crate::sched::auto::has_empty_tensor(&g, &cx) {
+    if crate::sched::auto::has_empty_tensor(&g, cx) {
         // Intermediates in Global memory: a Local array must have a constant size, and the
         // serial kernels have no other use for registers.
         let inner: Vec<_> = g.tvs.keys().filter(|&t| g.tvs[t].definition.is_some() && !g.is_output(t)).collect();
@@ -193,7 +192,7 @@ fn plan(mut g: Fusion, cx: &Ctx) -> Result<(HostProgram, Heuristic)> {
     }
     let mut report = String::new();
     if g.segment_after.is_empty() {
-        match try_group(&g, &order, &order, &cx)? {
+        match try_group(&g, &order, &order, cx)? {
             Ok(c) => {
                 let _ = writeln!(report, "segments: 1 kernel (the whole fusion)");
                 let _ = writeln!(report, "  segment 0: {} {}", c.heuristic.describe(), group_text(&g, &order));
@@ -210,20 +209,20 @@ fn plan(mut g: Fusion, cx: &Ctx) -> Result<(HostProgram, Heuristic)> {
             }
         }
     }
-    let (groups, covered) = match rows_then_totals(&g, &order, &cx, &mut report)? {
+    let (groups, covered) = match rows_then_totals(&g, &order, cx, &mut report)? {
         Some(split) => split,
         None => {
-            let split = merge_groups(&g, &order, &cx, &mut report)?;
+            let split = merge_groups(&g, &order, cx, &mut report)?;
             // One kernel per class of reductions (rows, columns), each reader of an
             // element-wise prologue computing its own copy: kept when its kernels move fewer
             // bytes than the greedy merge's.
             let mut r = g.clone();
-            let split_bytes = traffic(&g, &order, &split.0, &cx)?;
+            let split_bytes = traffic(&g, &order, &split.0, cx)?;
             let mut chosen = None;
             if crate::sched::auto::canonical::recompute_prologues(&mut r)? {
                 let r_order = r.topo_exprs();
-                if let Some(by_class) = by_reduction_class(&r, &r_order, &cx, &mut report)? {
-                    let bytes = traffic(&r, &r_order, &by_class.0, &cx)?;
+                if let Some(by_class) = by_reduction_class(&r, &r_order, cx, &mut report)? {
+                    let bytes = traffic(&r, &r_order, &by_class.0, cx)?;
                     // On a tie the copies win: no Global intermediate to allocate.
                     if bytes < split_bytes || (bytes == split_bytes && by_class.0.len() <= split.0.len()) {
                         let _ = writeln!(

@@ -19,7 +19,7 @@
 use crate::bail;
 use crate::error::Result;
 use crate::ir::{ExprId, Fusion, IterType, Op, Operand, ParallelType, TvId};
-use crate::sched::auto::{broadcast_input, canonical, normalization, tensor_sizes, Ctx, Heuristic, Params};
+use crate::sched::auto::{canonical, normalization, tensor_sizes, Ctx, Heuristic, Params};
 
 fn merge_range(f: &mut Fusion, t: TvId, start: usize, count: usize) -> Result<()> {
     for _ in 1..count {
@@ -122,9 +122,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     };
     // A weight: an input broadcast along every kept axis, the same for every row, loaded in
     // its own vector loop.
-    let weight = |f: &Fusion, t: TvId| {
-        broadcast_input(f, t) && kept_axes.iter().all(|&a| f.ids[f.tvs[t].logical[a]].iter_type == IterType::Broadcast)
-    };
+    let weight = |f: &Fusion, t: TvId| super::row_weight(f, t, &kept_axes);
 
     let (tx, ty) = if inner {
         (pow2(((row + v - 1) / v).clamp(32, 512)), 1)

@@ -12,7 +12,7 @@ use rustc_hash::FxHashMap;
 use crate::bail;
 use crate::error::Result;
 use crate::ir::{ExprId, Fusion, IterType, Op, Operand, ParallelType, TvId};
-use crate::sched::auto::{broadcast_input, tensor_sizes, Ctx, Heuristic, Params};
+use crate::sched::auto::{tensor_sizes, Ctx, Heuristic, Params};
 
 /// Merge the leading axes into rows and the trailing `k` axes into one.
 fn rows_and_row(f: &mut Fusion, t: TvId, k: usize) -> Result<()> {
@@ -170,9 +170,8 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     // A weight: an input broadcast along every row axis, the same for every row. It loads
     // in its own vector loop; a broadcast that varies by row (a mask [B, S] over
     // [B, H, S, S]) is read element-wise in the row's loops instead.
-    let weight = |f: &Fusion, t: TvId| {
-        broadcast_input(f, t) && f.tvs[t].logical[..n - k].iter().all(|&id| f.ids[id].iter_type == IterType::Broadcast)
-    };
+    let kept_axes: Vec<usize> = (0..n - k).collect();
+    let weight = |f: &Fusion, t: TvId| super::row_weight(f, t, &kept_axes);
     let per_row = |f: &Fusion, t: TvId| {
         n > k
             && f.tvs[t].logical.len() == n - k

@@ -210,15 +210,17 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
             .filter_map(|op| op.tensor())
             .filter(|&x| super::full_size_input(f, x, n) && f.tvs[x].uses.iter().all(|&e| !f.exprs[e].op.is_gather()))
             .collect();
+        let kept_axes: Vec<usize> = (0..n).filter(|&a| !is_red[a]).collect();
+        // Vectors along the reduced axes: those must be the input's own.
         let row_weight = |f: &Fusion, t: TvId| {
             perm.is_none()
-                && super::broadcast_input(f, t)
+                && super::row_weight(f, t, &kept_axes)
                 && f.tvs[t].logical.len() == n
                 && f.tvs[t]
                     .logical
                     .iter()
                     .zip(&is_red)
-                    .all(|(&id, &red)| (f.ids[id].iter_type == IterType::Broadcast) != red)
+                    .all(|(&id, &red)| !red || f.ids[id].iter_type != IterType::Broadcast)
         };
         let weight_bytes =
             f.tvs.keys().filter(|&t| row_weight(f, t)).map(|t| f.tvs[t].dtype.size_bytes()).max().unwrap_or(1) as i64;
