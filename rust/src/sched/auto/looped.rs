@@ -6,7 +6,7 @@
 //! keeping the row on chip, as Inductor's looped reductions do.
 //!
 //! - inner (the last axis is reduced): loop domains permuted so that the kept axes lead,
-//!   then `[rows (BIDx), ceilDiv(K, u*t*v) (serial), u (Unroll), t (TIDx), v]`, with
+//!   then `[rows (BIDx), ceilDiv(K, u*t*v) (serial), 1 (Unswitch), u (Unroll), t (TIDx), v]`,
 //!   vectorized input caches and output stores;
 //! - outer (the last axis is kept): the reduced axes lead, then
 //!   `[cols/tx (BIDx), tx (TIDx), ceilDiv(R, u*ty) (serial), u (Unroll), ty (TIDy)]`,
@@ -172,14 +172,17 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
             }
             f.split(t, 1, tx, true)?; // [rows, serial, tx, v]
             f.split(t, 1, u, true)?; // [rows, serial, u, tx, v]
+            f.split(t, 1, 1, true)?; // [rows, serial, 1, u, tx, v]
             f.parallelize(t, 0, ParallelType::BIDx)?;
+            // Full tiles run without per-element bounds checks.
+            f.parallelize(t, 2, ParallelType::Unswitch)?;
             if u > 1 {
-                f.parallelize(t, 2, ParallelType::Unroll)?;
+                f.parallelize(t, 3, ParallelType::Unroll)?;
             }
-            f.parallelize(t, 3, ParallelType::TIDx)?;
+            f.parallelize(t, 4, ParallelType::TIDx)?;
             let vectorized = outs.contains(&t) || is_cache(f, t) || (!permuted && weight(f, t));
             if v > 1 && vectorized {
-                f.parallelize(t, 4, ParallelType::Vectorize)?;
+                f.parallelize(t, 5, ParallelType::Vectorize)?;
             }
         } else {
             merge_range(f, t, 0, k)?;
@@ -208,8 +211,10 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
         }
         let pos = if is_reduction(f, t) || per_row(f, t) {
             row_pos
-        } else if v > 1 && (is_cache(f, t) || (!permuted && weight(f, t))) {
-            4 // its own vector loop inside the thread's step
+        } else if inner && v > 1 && (is_cache(f, t) || (!permuted && weight(f, t))) {
+            // A tile's loads in a loop of their own, ahead of its math (as in the inner
+            // reduction schedule), so that all of them are in flight together.
+            3
         } else {
             -1
         };
