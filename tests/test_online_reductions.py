@@ -429,3 +429,49 @@ def test_variants_match_numpy(kind: str, dtype: DataType, keepdim: bool, masked:
     tol = (2e-5, 5e-5) if dtype == DataType.Float else (1e-10, 1e-12)
     np.testing.assert_allclose(got, want, rtol=tol[0], atol=tol[1])
 
+
+
+def _tile_order(source: str) -> List[Tuple[int, int]]:
+    """For each tile of `source` (the body of an Unswitch loop): (line of its last vector
+    load, line of its first accumulation)."""
+    lines = source.splitlines()
+    tiles = []
+    for i, line in enumerate(lines):
+        if not re.search(r"// [ri]US\d+\{", line):
+            continue
+        depth, body = 0, []
+        for j in range(i, len(lines)):
+            depth += lines[j].count("{") - lines[j].count("}")
+            body.append((j, lines[j]))
+            if depth == 0:
+                break
+        loads = [j for j, s in body if "kiln::loadVec" in s]
+        accs = [j for j, s in body if re.search(r"kiln_acc\d+ = kiln::\w+\(\)\(", s)]
+        if loads and accs:
+            tiles.append((max(loads), min(accs)))
+    return tiles
+
+
+@pytest.mark.parametrize("name", ["ce_32000", "softmax_128256", "log_softmax_128256", "row_sum_4096"])
+def test_a_long_rows_tile_issues_its_loads_before_its_math(name: str) -> None:
+    # The rule: over a long row, every vector load of an unswitched tile comes before the
+    # tile's first accumulation, so that all of them are in flight together (interleaved,
+    # ptxas issued some after the first steps' math, and their latency was paid in the tile).
+    if name == "ce_32000":
+        fd, cols = _cross_entropy_masked_sum(), 32000
+        ins: List[Any] = [np.zeros((4, cols), np.float32), np.zeros(4, np.int64), np.arange(cols, dtype=np.int64)]
+    elif name == "softmax_128256":
+        fd, cols = _softmax(), 128256
+        ins = [np.zeros((4, cols), np.float32)]
+    elif name == "log_softmax_128256":
+        fd, cols = _log_softmax(), 128256
+        ins = [np.zeros((4, cols), np.float32)]
+    else:
+        with FusionDefinition() as fd:
+            x = fd.define_tensor([-1, -1])
+            fd.add_output(fd.ops.sum(x, dims=[1]))
+        ins = [np.zeros((4, 4096), np.float32)]
+    tiles = [t for k in fd.lower(ins).kernels for t in _tile_order(k.cuda_source)]
+    assert tiles, f"{name}: no unswitched tile with loads and accumulations"
+    for last_load, first_acc in tiles:
+        assert last_load < first_acc, f"{name}: a load at line {last_load} after math at line {first_acc}"
