@@ -459,7 +459,8 @@ def test_a_long_rows_tile_issues_its_loads_before_its_math(name: str) -> None:
     # ptxas issued some after the first steps' math, and their latency was paid in the tile).
     if name == "ce_32000":
         fd, cols = _cross_entropy_masked_sum(), 32000
-        ins: List[Any] = [np.zeros((4, cols), np.float32), np.zeros(4, np.int64), np.arange(cols, dtype=np.int64)]
+        ins: List[Any] = [np.zeros((4, cols), np.float32), np.zeros(4, np.int64),
+                          np.arange(cols, dtype=np.int64)]
     elif name == "softmax_128256":
         fd, cols = _softmax(), 128256
         ins = [np.zeros((4, cols), np.float32)]
