@@ -54,8 +54,10 @@ pub enum Params {
     /// Element-wise over the flattened output: `[blocks, unswitch, unroll, threads, vector]`.
     Pointwise { vector: i64, threads: i64, unroll: i64 },
     /// Element-wise over `[rows, cols]` with a broadcast operand loaded once per vector:
-    /// `[rows/unroll (BIDy), unroll, cols/(threads*vector) (BIDx), threads, vector]`.
-    Pointwise2d { vector: i64, threads: i64, unroll: i64 },
+    /// `[rows/(unroll*rows_per_block) (BIDy), unroll, rows_per_block (TIDy),
+    /// cols/(threads*vector) (BIDx), threads, vector]`, the two grid axes swapped when
+    /// `rows_on_x` is 1 (more row tiles than gridDim.y holds).
+    Pointwise2d { vector: i64, threads: i64, unroll: i64, rows_per_block: i64, rows_on_x: i64 },
     /// A permute that moves the last axis, copied element-wise in the output's order.
     StridedPermute { vector: i64, threads: i64, unroll: i64 },
     /// One block per kept row; each thread accumulates `vector`-wide loads serially.
@@ -122,7 +124,9 @@ impl Heuristic {
             Params::Empty | Params::ZeroSize => Vec::new(),
             Params::Scalar => vec![0],
             Params::Pointwise { vector, threads, unroll } => vec![*vector, *threads, *unroll, 1],
-            Params::Pointwise2d { vector, threads, unroll } => vec![*vector, *threads, *unroll, 2],
+            Params::Pointwise2d { vector, threads, unroll, rows_per_block, rows_on_x } => {
+                vec![*vector, *threads, *unroll, 2, *rows_per_block, *rows_on_x]
+            }
             Params::StridedPermute { vector, threads, unroll } => vec![*vector, *threads, *unroll, 1],
             Params::InnerReduction { vector, threads, unroll } => vec![*vector, *threads, *unroll],
             Params::OuterReduction { threads, rows, grid, serial, unroll } => {

@@ -245,16 +245,40 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
     }
     if let Some((rows, cols)) = two_d_extents(f, cx, out, rank, &tensors)? {
         let t2 = (((cols + v - 1) / v + 31) / 32 * 32).clamp(32, 128);
+        // Rows per block beside the row's threads, so a block has 128 threads: an SM holds
+        // at most 32 blocks, which would leave it half empty with 32-thread blocks.
+        let ty = 128 / t2;
         // Two rows per thread at most (bias + GELU, 16384x4096 fp32 on the H200: 129.6 us
         // with two, 132.3 with four, 134.2 with eight).
-        let u2 = if rows / 2 >= 2 * cx.device.sm_count { 2 } else { 1 };
-        if (rows + u2 - 1) / u2 <= MAX_GRID_Y {
+        let u2 = if rows / (2 * ty) >= 2 * cx.device.sm_count { 2 } else { 1 };
+        let row_tiles = (rows + u2 * ty - 1) / (u2 * ty);
+        let col_tiles = (cols + t2 * v - 1) / (t2 * v);
+        // Row tiles on gridDim.y while they fit it, else on gridDim.x (no such limit) with
+        // the column tiles on y.
+        let grid = if row_tiles <= MAX_GRID_Y {
+            Some((ParallelType::BIDy, ParallelType::BIDx))
+        } else if col_tiles <= MAX_GRID_Y {
+            Some((ParallelType::BIDx, ParallelType::BIDy))
+        } else {
+            None
+        };
+        if let Some((row_grid, col_grid)) = grid {
             // The row length becomes a constant of the kernel: row offsets are then known
             // multiples of the vector width (no run-time alignment checks or scalar fallback
             // paths) and the column bound folds. Only on this path: the heuristic below
             // records it, and plans are shared between sizes with equal heuristics.
-            let last = *f.tvs[out].logical.last().expect("rank >= 2");
-            let specialized = crate::sched::auto::specialize_extents(f, &[last], extents);
+            // So are the last extents of the inputs read with vectors (a [B, S, H*D] input
+            // viewed as [B, S, H, D]): they are the row strides that decide whether each
+            // vector is aligned.
+            let mut lasts = vec![*f.tvs[out].logical.last().expect("rank >= 2")];
+            for x in f.inputs.iter().filter_map(|o| o.tensor()) {
+                if let Some(&id) = f.tvs[x].logical.last() {
+                    if f.ids[id].iter_type == IterType::Iteration && super::dense(f, x) && !lasts.contains(&id) {
+                        lasts.push(id);
+                    }
+                }
+            }
+            let specialized = crate::sched::auto::specialize_extents(f, &lasts, extents);
             for &t in &tensors {
                 let n = f.tvs[t].loop_domain.len();
                 oriented(f, t)?;
@@ -263,28 +287,34 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
                 }
                 f.split(t, 1, v, true)?;
                 f.split(t, 1, t2, true)?;
+                f.split(t, 0, ty, true)?;
                 f.split(t, 0, u2, true)?;
                 f.split(t, 0, 1, true)?;
-                // [rows/u (BIDy), 1 (Unswitch), u (Unroll), cols/(t*v) (BIDx), t (TIDx), v]
-                f.parallelize(t, 0, ParallelType::BIDy)?;
+                // [row tiles, 1 (Unswitch), u (Unroll), ty (TIDy), col tiles, t (TIDx), v]
+                f.parallelize(t, 0, row_grid)?;
                 f.parallelize(t, 1, ParallelType::Unswitch)?;
                 if u2 > 1 {
                     f.parallelize(t, 2, ParallelType::Unroll)?;
                 }
-                f.parallelize(t, 3, ParallelType::BIDx)?;
-                f.parallelize(t, 4, ParallelType::TIDx)?;
+                if ty > 1 {
+                    f.parallelize(t, 3, ParallelType::TIDy)?;
+                }
+                f.parallelize(t, 4, col_grid)?;
+                f.parallelize(t, 5, ParallelType::TIDx)?;
                 if (vec_tensors.contains(&t) || bias_operand(f, t)) && v > 1 {
-                    f.parallelize(t, 5, ParallelType::Vectorize)?;
+                    f.parallelize(t, 6, ParallelType::Vectorize)?;
                 }
             }
             for &t in &tensors {
                 if !f.is_output(t) {
                     // A broadcast operand (bias) gets its own vector loop: one 16-byte load.
-                    let pos = if v > 1 && bias_operand(f, t) { 5 } else { -1 };
+                    let pos = if v > 1 && bias_operand(f, t) { 6 } else { -1 };
                     f.inline_at(t, pos)?;
                 }
             }
-            return Ok(Heuristic { params: Params::Pointwise2d { vector: v, threads: t2, unroll: u2 }, specialized });
+            let rows_on_x = i64::from(row_grid == ParallelType::BIDx);
+            let params = Params::Pointwise2d { vector: v, threads: t2, unroll: u2, rows_per_block: ty, rows_on_x };
+            return Ok(Heuristic { params, specialized });
         }
     }
     // In the flat space a gather's vector shares one index, which a computed index (a
