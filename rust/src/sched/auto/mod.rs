@@ -328,7 +328,6 @@ pub(crate) fn schedule_totals(f: &mut Fusion, cx: &Ctx, totals: &[TvId], post: &
     Ok(())
 }
 
-/// True when `t` is a broadcast of a fusion input (a weight or bias read by every row).
 /// A weight of a row schedule: an input broadcast along every kept axis (`kept`), the same
 /// for every row, loaded with the rows' vectors.
 fn row_weight(f: &Fusion, t: TvId, kept: &[usize]) -> bool {
@@ -336,6 +335,7 @@ fn row_weight(f: &Fusion, t: TvId, kept: &[usize]) -> bool {
         && kept.iter().all(|&a| f.tvs[t].logical.get(a).is_some_and(|&id| f.ids[id].iter_type == IterType::Broadcast))
 }
 
+/// True when `t` is a broadcast of a fusion input (a weight or bias read by every row).
 fn broadcast_input(f: &Fusion, t: TvId) -> bool {
     let Some(def) = f.tvs[t].definition else { return false };
     matches!(f.exprs[def].op, Op::Broadcast { .. }) && f.exprs[def].inputs[0].tensor().is_some_and(|x| f.is_input(x))
