@@ -298,9 +298,12 @@ impl Gen<'_> {
                     // Unroll short constant loops too: Local arrays indexed by their index
                     // then stay in registers instead of spilling to local memory.
                     let c = self.f.scalars.as_int(l.extent);
+                    // A loop over unswitched tiles stays rolled: each tile already unrolls
+                    // its steps, and copies of the tile would only multiply the code.
+                    let over_tiles = l.body.iter().any(|n| matches!(n, Node::If(i) if i.kind == IfKind::Unswitch));
                     let unroll = c.is_some()
                         && (matches!(l.parallel, ParallelType::Unroll | ParallelType::Vectorize)
-                            || c.is_some_and(|n| n <= 16));
+                            || (c.is_some_and(|n| n <= 16) && !over_tiles));
                     if unroll {
                         let _ = writeln!(self.out, "{pad}#pragma unroll");
                     }

@@ -143,7 +143,17 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     };
     // Codegen unrolls constant loops of up to 16 steps completely, so the serial loop keeps
     // more than 16: a complete unroll of both would hold every step's loads in registers.
-    let u = [8, 4, 2, 1].into_iter().find(|&u| u <= most && steps > 16 * u).unwrap_or(1);
+    let u = if inner && !permuted {
+        // As the inner reduction schedule: four steps per unswitched tile from eight steps
+        // (codegen keeps a loop over such tiles rolled).
+        if steps >= 8 {
+            4
+        } else {
+            steps.clamp(1, 4)
+        }
+    } else {
+        [8, 4, 2, 1].into_iter().find(|&u| u <= most && steps > 16 * u).unwrap_or(1)
+    };
     let tensors = row_tensors(f);
     for &t in &tensors {
         if per_row(f, t) {
