@@ -201,6 +201,48 @@ def test_broadcast_operands_get_the_2d_pointwise_schedule(build):
     assert fd._core.auto_program([[300, 5], [5 if build is bias_tanh else 300]]).params[-1] == 1
 
 
+@pytest.mark.parametrize("build", [bias_tanh, row_scale], ids=lambda b: b.__name__)
+@pytest.mark.parametrize("m,n", [(37, 64), (9, 100), (5, 257), (130, 72)])
+def test_narrow_rows_share_a_block_in_the_2d_pointwise_schedule(build, m, n):
+    # Rows of up to 128 vectors take several rows per block (TIDy) so a block has 128
+    # threads; row counts that the block's rows do not divide leave a partial last block.
+    fd, ref = build()
+    auto = fd._core.auto_program([[m, n], [n if build is bias_tanh else m]])
+    assert auto.heuristic == "pointwise" and auto.params[3] == 2, auto.params
+    threads, rows = auto.params[1], auto.params[4]
+    assert rows == max(1, 128 // threads), auto.params
+    ins = make_inputs(build, m, n, np)
+    (out,) = fd.execute(ins)
+    np.testing.assert_allclose(out, ref(*[a.astype(np.float64) for a in ins])[0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("build", [bias_tanh, row_scale], ids=lambda b: b.__name__)
+def test_rows_past_grid_dim_y_put_the_row_tiles_on_grid_dim_x(build):
+    # 600,000 rows of 64 are 75,000 tiles of 8 rows: more than gridDim.y holds. The row
+    # tiles go on x and the column tiles on y; the schedule stays 2-D (no per-element % K).
+    fd, _ = build()
+    m, n = 600_000, 64
+    auto = fd._core.auto_program([[m, n], [n if build is bias_tanh else m]])
+    # [vector, threads, unroll, 2 (2-D), rows per block, rows on x, specialized extents...]
+    assert auto.heuristic == "pointwise" and auto.params[3] == 2 and auto.params[5] == 1, auto.params
+    ins = [np.zeros((m, n), np.float32), np.zeros(n if build is bias_tanh else m, np.float32)]
+    (k,) = _auto_lowered(fd, ins).kernels
+    assert k.launch["grid"][1] == "1" and "blockIdx.y" in k.cuda_source
+    assert "% i" not in k.cuda_source
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("build", [bias_tanh, row_scale], ids=lambda b: b.__name__)
+@pytest.mark.parametrize("m,n", [(600_000, 64), (70_001, 96), (37, 64)])
+def test_2d_pointwise_rows_per_block_and_grid_orientation_match_numpy_on_gpu(build, m, n):
+    cp = cupy_or_skip()
+    fd, ref = build()
+    ins = make_inputs(build, m, n, np)
+    (out,) = fd.execute([cp.asarray(a) for a in ins])
+    np.testing.assert_allclose(cp.asnumpy(out), ref(*[a.astype(np.float64) for a in ins])[0], rtol=2e-6,
+                               atol=2e-6)
+
+
 @pytest.mark.parametrize(
     "shape, dims, kind",
     [
