@@ -217,6 +217,17 @@ def test_narrow_rows_share_a_block_in_the_2d_pointwise_schedule(build, m, n):
 
 
 @pytest.mark.parametrize("build", [bias_tanh, row_scale], ids=lambda b: b.__name__)
+def test_a_new_row_count_is_not_a_new_2d_pointwise_plan(build):
+    # The row length is a constant of the kernel; the row count (the length of a per-row
+    # scale) must not be, or every batch size would compile a kernel of its own.
+    fd, _ = build()
+    def params(m: int, n: int) -> List[int]:
+        return list(fd._core.auto_program([[m, n], [n if build is bias_tanh else m]]).params)
+    assert params(300, 1000) == params(301, 1000) == params(517, 1000)
+    assert params(300, 1000) != params(300, 1004)
+
+
+@pytest.mark.parametrize("build", [bias_tanh, row_scale], ids=lambda b: b.__name__)
 def test_rows_past_grid_dim_y_put_the_row_tiles_on_grid_dim_x(build):
     # 600,000 rows of 64 are 75,000 tiles of 8 rows: more than gridDim.y holds. The row
     # tiles go on x and the column tiles on y; the schedule stays 2-D (no per-element % K).

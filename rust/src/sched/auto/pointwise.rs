@@ -269,11 +269,14 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
             // records it, and plans are shared between sizes with equal heuristics.
             // So are the last extents of the inputs read with vectors (a [B, S, H*D] input
             // viewed as [B, S, H, D]): they are the row strides that decide whether each
-            // vector is aligned.
+            // vector is aligned. Only those: a per-row input's length is the row count,
+            // which must not become part of the plan.
             let mut lasts = vec![*f.tvs[out].logical.last().expect("rank >= 2")];
-            for x in f.inputs.iter().filter_map(|o| o.tensor()) {
+            for &t in &vec_tensors {
+                let read = f.tvs[t].definition.and_then(|d| f.exprs[d].inputs.first().and_then(|o| o.tensor()));
+                let Some(x) = read.filter(|&x| f.is_input(x)) else { continue };
                 if let Some(&id) = f.tvs[x].logical.last() {
-                    if f.ids[id].iter_type == IterType::Iteration && super::dense(f, x) && !lasts.contains(&id) {
+                    if f.ids[id].iter_type == IterType::Iteration && !lasts.contains(&id) {
                         lasts.push(id);
                     }
                 }
