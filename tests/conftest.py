@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +86,8 @@ def reduction() -> Reduction:
 
 # -- every kernel the suite generates compiles with NVRTC (sm_90), without spills --------
 _COMPILED: dict = {}
+# The runtime header precompiled once per test process (each compile then skips parsing it).
+_PCH_DIR = tempfile.TemporaryDirectory(prefix="kiln-test-pch-")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -125,7 +128,7 @@ def _compile_generated_kernels():
             except KilnError:
                 break  # codegen refused the schedule with a user-facing error: nothing to compile
             if src not in _COMPILED:
-                _COMPILED[src] = compile_cubin(src, k.kernel_name, arch="sm_90")
+                _COMPILED[src] = compile_cubin(src, k.kernel_name, arch="sm_90", pch_dir=_PCH_DIR.name)
             res = _COMPILED[src]
             spills = {n: s for n, s in res.spills.items() if s}
             assert not spills, f"kernel spills registers: {spills}\n{res.log}"
@@ -136,4 +139,5 @@ def _compile_generated_kernels():
                 threads = int(block[0]) * int(block[1]) * int(block[2])
                 if res.registers.get(k.kernel_name, 0) * threads > 65536:
                     cap = max(16, 65536 // threads // 8 * 8)
-                    compile_cubin(src, k.kernel_name, arch="sm_90", extra_options=[f"--maxrregcount={cap}"])
+                    compile_cubin(src, k.kernel_name, arch="sm_90", extra_options=[f"--maxrregcount={cap}"],
+                                  pch_dir=_PCH_DIR.name)

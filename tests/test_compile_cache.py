@@ -84,3 +84,37 @@ def test_gpu_second_process_runs_from_the_disk_cache(tmp_path: Path) -> None:
     assert second["compiles"] == 0 and second["err"] < 1e-6
     assert _mtimes(tmp_path) == files
     np.testing.assert_array_less([first["err"], second["err"]], 1e-6)
+
+
+def _two_sources() -> list:
+    sys.path.insert(0, str(HERE))
+    from test_host import three_segment_chain
+
+    low = three_segment_chain().lower([np.zeros((8, 300), np.float32)])
+    return [k.cuda_source_for(False) for k in low.kernels][:2]
+
+
+def test_the_runtime_header_is_precompiled_once_and_the_cubins_are_the_same(tmp_path: Path) -> None:
+    rt = pytest.importorskip("kiln.runtime.nvrtc")
+    if not rt.nvrtc_available():
+        pytest.skip("NVRTC wheels not installed")
+    first, second = _two_sources()
+    plain = [rt.compile_cubin(s, "kiln_kernel.cu").cubin for s in (first, second)]
+    pch = str(tmp_path / "pch")
+    made = rt.compile_cubin(first, "kiln_kernel.cu", pch_dir=pch)
+    assert "creating precompiled header" in made.log
+    (file,) = list((tmp_path / "pch").iterdir())  # renamed into place: no temporary left
+    assert file.suffix == ".pch"
+    used = rt.compile_cubin(second, "kiln_kernel.cu", pch_dir=pch)
+    assert "using precompiled header" in used.log
+    assert [made.cubin, used.cubin] == plain
+    # A changed header is another file: NVRTC does not notice that an in-memory header
+    # changed, so the file name carries the header's hash.
+    end = second.index("#endif  // KILN_RUNTIME_CUH")
+    changed = second[:end] + "#define KILN_TEST_CHANGED 1\n" + second[end:]
+    assert "creating precompiled header" in rt.compile_cubin(changed, "kiln_kernel.cu", pch_dir=pch).log
+    assert len(list((tmp_path / "pch").iterdir())) == 2
+    # A damaged file is not used, and the compile still gives the same CUBIN.
+    file.write_bytes(b"not a precompiled header")
+    again = rt.compile_cubin(second, "kiln_kernel.cu", pch_dir=pch)
+    assert "using precompiled header" not in again.log and again.cubin == plain[1]

@@ -32,6 +32,45 @@ def test_var_mean_is_stable_for_a_large_mean_in_float32() -> None:
     assert len(_var_mean_fd(2, [1], 1, False).lower([x]).kernels) == 1
 
 
+@pytest.mark.parametrize("dtype", [DataType.Float, DataType.Double])
+@pytest.mark.parametrize(("shape", "dims", "mean", "std"), [
+    ((8, 3, 5, 5), [0, 2, 3], 1e4, 1e-2),  # BatchNorm's statistics: a streamed column reduction
+    ((8, 3, 5, 5), [0, 2, 3], 1e4, 1e-3),
+    ((2, 1), [0], 1e8, 1.0),
+    ((5, 7), [0], 1e6, 1e-2),
+    ((2, 40000), [1], 1e5, 1e-3),  # a double row past what the chip holds: streamed
+    ((3, 70001), [1], 1e4, 1e-2),  # a float row past it
+])
+def test_var_mean_keeps_two_passes_where_rows_stream(dtype: DataType, shape: Any, dims: List[int],
+                                                     mean: float, std: float) -> None:
+    # var_mean promises a two-pass variance in double. Rows or columns that a schedule streams
+    # from memory take one-pass statistics, S2 - mean * (2 * S1 - n * mean) in double, for
+    # float sums; in double (var_mean's own sums, a Double input's) that form cancels: a mean
+    # of 1e8 with variance 2.3 came out 4.0, a long double row's variance 0.
+    rng = np.random.default_rng(len(shape) + int(mean))
+    npd = np.float32 if dtype == DataType.Float else np.float64
+    x = (mean + std * rng.standard_normal(shape)).astype(npd)
+    var, mu = _var_mean_fd(len(shape), dims, 1, False, dtype).execute([x])
+    x64 = x.astype(np.float64)
+    ax = tuple(dims)
+    np.testing.assert_allclose(var, x64.var(axis=ax, ddof=1), rtol=1e-9 if dtype == DataType.Double else 1e-6)
+    np.testing.assert_allclose(mu, x64.mean(axis=ax), rtol=1e-12 if dtype == DataType.Double else 1e-7)
+
+
+@pytest.mark.parametrize(("shape", "dims"), [((6, 5, 4), [0, 2]), ((2, 40000), [1])])
+def test_a_double_variance_written_out_keeps_two_passes(shape: Any, dims: List[int]) -> None:
+    # sum((x - mean)^2) in double over streamed rows: no wider type for one-pass sums.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1] * len(shape), DataType.Double)
+        n = float(np.prod([shape[d] for d in dims]))
+        m = fd.ops.mul(fd.ops.sum(x, dims=dims, keepdim=True), 1.0 / n)
+        xc = fd.ops.sub(x, m)
+        fd.add_output(fd.ops.mul(fd.ops.sum(fd.ops.mul(xc, xc), dims=dims), 1.0 / n))
+    a = 1e7 + 1e-2 * np.random.default_rng(5).standard_normal(shape)
+    (got,) = fd.execute([a])
+    np.testing.assert_allclose(got, a.var(axis=tuple(dims)), rtol=1e-8)
+
+
 @pytest.mark.parametrize(("shape", "dims", "correction", "keepdim"), [
     ((6, 33), [1], 1, False), ((6, 33), [0], 0, True), ((4, 5, 7), [0, 2], 1, False),
     ((4, 5, 7), [-1], 2, True), ((3, 8), [0, 1], 0, False), ((2, 3, 4, 5), [0, 2, 3], 1, False),

@@ -7,6 +7,10 @@ test or a long-running process can change it between calls).
 - ``KILN_VERIFY``: ``1`` runs the kernel-IR verifier after every lowering pass (always on in
   debug builds of the core).
 - ``KILN_CACHE_DIR``: where compiled CUBINs are kept (default ``~/.cache/kiln``).
+- ``KILN_NVRTC_PCH``: ``0``/``false``/``off``/``no`` compiles every kernel with the runtime
+  header parsed from source; unset or ``1``, the header is parsed once per header, NVRTC version
+  and options into a precompiled header under ``$KILN_CACHE_DIR/pch`` that later compiles, in
+  this process and others, load instead (about 45 ms less per kernel on a 2-core CPU).
 - ``KILN_CUDA_INCLUDE``: a directory holding ``cuda_fp16.h`` for NVRTC; then ``CUDA_HOME`` and
   ``CUDA_PATH`` are tried after the nvidia-cuda-runtime wheel.
 - ``KILN_LAUNCHER``: ``rust`` (kiln's launcher, the default where libcuda loads) or ``cupy``.
@@ -48,6 +52,11 @@ def cache_dir() -> Path:
     """``KILN_CACHE_DIR``, else ``~/.cache/kiln``."""
     env = os.environ.get("KILN_CACHE_DIR")
     return Path(env) if env else Path.home() / ".cache" / "kiln"
+
+
+def nvrtc_pch() -> bool:
+    """``KILN_NVRTC_PCH`` is not turned off."""
+    return os.environ.get("KILN_NVRTC_PCH", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def cuda_include_override() -> Optional[str]:

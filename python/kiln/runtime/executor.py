@@ -131,7 +131,8 @@ def _compile(
     """CUBIN bytes, plus registers/spills per kernel when the compile path reports them."""
     _COMPILES[0] += 1
     if _nvrtc.nvrtc_available():
-        res = _nvrtc.compile_cubin(source, "kiln_kernel.cu", arch=arch, extra_options=options)
+        pch = str(cache_dir() / "pch") if _env.nvrtc_pch() else None
+        res = _nvrtc.compile_cubin(source, "kiln_kernel.cu", arch=arch, extra_options=options, pch_dir=pch)
         return res.cubin, res.registers, res.spills
     _cupy()
     from cupy.cuda import compiler  # type: ignore[import-not-found]

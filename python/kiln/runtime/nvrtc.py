@@ -11,8 +11,11 @@ compiled extension (see DEVELOPERS.md).
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import os
 import re
+import uuid
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -186,16 +189,55 @@ def _source_excerpt(source: str, log: str, context: int = 2, max_sites: int = 5)
     return "\n   ...\n".join(parts)
 
 
+# The last line of kiln's runtime header, which every generated kernel starts with.
+_RUNTIME_END = "#endif  // KILN_RUNTIME_CUH"
+_RUNTIME_NAME = "kiln_runtime.cuh"
+
+
+def _pch_attempt(nvrtc, source: str, opts: List[bytes], pch_dir: str):  # noqa: ANN001, ANN202
+    """(source, headers, include names, options, created file, final file) that compile
+    ``source`` with its runtime header precompiled, or None when the source has no runtime
+    header or ``pch_dir`` cannot be written. The file is keyed by the header's text, the
+    options and NVRTC's version: NVRTC does not notice that an in-memory header changed."""
+    end = source.find(_RUNTIME_END)
+    if end < 0:
+        return None
+    cut = end + len(_RUNTIME_END)
+    header, body = source[:cut] + "\n", source[cut:]
+    h = hashlib.sha256()
+    for part in (header.encode(), b"\0".join(opts), repr(nvrtc_version()).encode()):
+        h.update(part)
+        h.update(b"\x00\x01")
+    final = Path(pch_dir) / f"runtime-{h.hexdigest()[:40]}.pch"
+    if final.exists():
+        created = None
+        flag = f"--use-pch={final}"
+    else:
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            return None
+        # A file of this process's own, renamed into place whole: concurrent compiles never
+        # read a half-written header.
+        created = final.with_name(f"{final.stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        flag = f"--create-pch={created}"
+    src = f'#include "{_RUNTIME_NAME}"\n' + body
+    return src, [header.encode()], [_RUNTIME_NAME.encode()], opts + [flag.encode()], created, final
+
+
 def compile_cubin(
     source: str,
     name: str,
     arch: str = "sm_90",
     extra_options: Sequence[str] = (),
     name_expressions: Sequence[str] = (),
+    pch_dir: Optional[str] = None,
 ) -> CompileResult:
     """Compile ``source`` (file name ``name`` in messages) to a CUBIN for ``arch``
     (``sm_XX``; a bare ``90`` is accepted). Raises KilnError with the NVRTC log and the
-    offending source lines on a compile error."""
+    offending source lines on a compile error. With ``pch_dir``, kiln's runtime header at
+    the start of ``source`` is loaded from a precompiled header kept there (made on first
+    use); a compile that fails that way is run again from the whole source."""
     if not nvrtc_available():
         raise KilnError(
             "NVRTC is not available: pip install cuda-bindings nvidia-cuda-nvrtc nvidia-cuda-runtime"
@@ -206,6 +248,29 @@ def compile_cubin(
     if not arch.startswith("sm_"):
         raise KilnError(f"compile_cubin needs a real architecture (sm_XX), got {arch!r}")
     opts = [o.encode() for o in default_options(arch)] + [o.encode() for o in extra_options]
+    attempt = _pch_attempt(nvrtc, source, opts, pch_dir) if pch_dir and not name_expressions else None
+    if attempt is not None:
+        src, headers, names, pch_opts, created, final = attempt
+        err, prog = nvrtc.nvrtcCreateProgram(src.encode(), name.encode(), len(headers), headers, names)
+        _check(err, "nvrtcCreateProgram")
+        result: Optional[CompileResult] = None
+        try:
+            (cerr,) = nvrtc.nvrtcCompileProgram(prog, len(pch_opts), pch_opts)
+            made = created is not None and int(nvrtc.nvrtcGetPCHCreateStatus(prog)[0]) == 0
+            if int(cerr) == 0:
+                result = _result(nvrtc, prog, int(cerr), source, name, arch, ())
+        finally:
+            nvrtc.nvrtcDestroyProgram(prog)
+        if created is not None:
+            try:
+                if made and created.exists():
+                    os.replace(created, final)
+                else:
+                    created.unlink(missing_ok=True)
+            except OSError:
+                pass
+        if result is not None:
+            return result
     err, prog = nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], [])
     _check(err, "nvrtcCreateProgram")
     try:
@@ -213,30 +278,36 @@ def compile_cubin(
             (err,) = nvrtc.nvrtcAddNameExpression(prog, expr.encode())
             _check(err, f"nvrtcAddNameExpression({expr!r})")
         (cerr,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        err, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        _check(err, "nvrtcGetProgramLogSize")
-        buf = b" " * size
-        (err,) = nvrtc.nvrtcGetProgramLog(prog, buf)
-        _check(err, "nvrtcGetProgramLog")
-        log = buf.rstrip(b"\x00 \n").decode(errors="replace")
-        if int(cerr) != 0:
-            excerpt = _source_excerpt(source, log)
-            msg = f"NVRTC failed to compile {name} for {arch}:\n{log}"
-            if excerpt:
-                msg += f"\n--- source ---\n{excerpt}"
-            raise KilnError(msg)
-        lowered: Dict[str, str] = {}
-        for expr in name_expressions:
-            err, low = nvrtc.nvrtcGetLoweredName(prog, expr.encode())
-            _check(err, f"nvrtcGetLoweredName({expr!r})")
-            lowered[expr] = low.decode() if isinstance(low, bytes) else str(low)
-        err, size = nvrtc.nvrtcGetCUBINSize(prog)
-        _check(err, "nvrtcGetCUBINSize")
-        cubin = b" " * size
-        (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
-        _check(err, "nvrtcGetCUBIN")
+        return _result(nvrtc, prog, int(cerr), source, name, arch, name_expressions)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _result(nvrtc, prog, cerr: int, source: str, name: str, arch: str,  # noqa: ANN001
+            name_expressions: Sequence[str]) -> CompileResult:
+    """The CUBIN, log and ptxas figures of compiled program ``prog`` (KilnError if ``cerr``)."""
+    err, size = nvrtc.nvrtcGetProgramLogSize(prog)
+    _check(err, "nvrtcGetProgramLogSize")
+    buf = b" " * size
+    (err,) = nvrtc.nvrtcGetProgramLog(prog, buf)
+    _check(err, "nvrtcGetProgramLog")
+    log = buf.rstrip(b"\x00 \n").decode(errors="replace")
+    if cerr != 0:
+        excerpt = _source_excerpt(source, log)
+        msg = f"NVRTC failed to compile {name} for {arch}:\n{log}"
+        if excerpt:
+            msg += f"\n--- source ---\n{excerpt}"
+        raise KilnError(msg)
+    lowered: Dict[str, str] = {}
+    for expr in name_expressions:
+        err, low = nvrtc.nvrtcGetLoweredName(prog, expr.encode())
+        _check(err, f"nvrtcGetLoweredName({expr!r})")
+        lowered[expr] = low.decode() if isinstance(low, bytes) else str(low)
+    err, size = nvrtc.nvrtcGetCUBINSize(prog)
+    _check(err, "nvrtcGetCUBINSize")
+    cubin = b" " * size
+    (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
+    _check(err, "nvrtcGetCUBIN")
 
     res = CompileResult(cubin=cubin, log=log, lowered_names=lowered)
     stats = parse_ptxas_log(log)
