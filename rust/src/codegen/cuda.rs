@@ -300,7 +300,12 @@ impl Gen<'_> {
                     let c = self.f.scalars.as_int(l.extent);
                     // A loop over unswitched tiles stays rolled: each tile already unrolls
                     // its steps, and copies of the tile would only multiply the code.
-                    let over_tiles = l.body.iter().any(|n| matches!(n, Node::If(i) if i.kind == IfKind::Unswitch));
+                    // (An Unswitch loop whose tiles are all whole has no If around it.)
+                    let over_tiles = l.body.iter().any(|n| match n {
+                        Node::If(i) => i.kind == IfKind::Unswitch,
+                        Node::Loop(inner) => inner.parallel == ParallelType::Unswitch,
+                        _ => false,
+                    });
                     let unroll = c.is_some()
                         && (matches!(l.parallel, ParallelType::Unroll | ParallelType::Vectorize)
                             || (c.is_some_and(|n| n <= 16) && !over_tiles));
