@@ -194,7 +194,7 @@ _RUNTIME_END = "#endif  // KILN_RUNTIME_CUH"
 _RUNTIME_NAME = "kiln_runtime.cuh"
 
 
-def _pch_attempt(nvrtc, source: str, opts: List[bytes], pch_dir: str):  # noqa: ANN001, ANN202
+def _pch_attempt(source: str, opts: List[bytes], pch_dir: str):  # noqa: ANN202
     """(source, headers, include names, options, created file, final file) that compile
     ``source`` with its runtime header precompiled, or None when the source has no runtime
     header or ``pch_dir`` cannot be written. The file is keyed by the header's text, the
@@ -248,7 +248,7 @@ def compile_cubin(
     if not arch.startswith("sm_"):
         raise KilnError(f"compile_cubin needs a real architecture (sm_XX), got {arch!r}")
     opts = [o.encode() for o in default_options(arch)] + [o.encode() for o in extra_options]
-    attempt = _pch_attempt(nvrtc, source, opts, pch_dir) if pch_dir and not name_expressions else None
+    attempt = _pch_attempt(source, opts, pch_dir) if pch_dir and not name_expressions else None
     if attempt is not None:
         src, headers, names, pch_opts, created, final = attempt
         err, prog = nvrtc.nvrtcCreateProgram(src.encode(), name.encode(), len(headers), headers, names)

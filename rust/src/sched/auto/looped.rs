@@ -142,16 +142,13 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     } else {
         4
     };
-    // Codegen unrolls constant loops of up to 16 steps completely, so the serial loop keeps
-    // more than 16: a complete unroll of both would hold every step's loads in registers.
+    // Without tiles, codegen unrolls constant loops of up to 16 steps completely, so the
+    // serial loop keeps more than 16: a complete unroll of both would hold every step's loads
+    // in registers.
     let u = if inner && !permuted {
-        // As the inner reduction schedule: four steps per unswitched tile from eight steps
-        // (codegen keeps a loop over such tiles rolled).
-        if steps >= 8 {
-            4
-        } else {
-            steps.clamp(1, 4)
-        }
+        // Unswitched tiles, as in the inner reduction schedule (codegen keeps a loop over
+        // tiles rolled).
+        super::tile_steps(steps)
     } else {
         [8, 4, 2, 1].into_iter().find(|&u| u <= most && steps > 16 * u).unwrap_or(1)
     };
@@ -188,7 +185,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
                                      // adjacent in memory keeps `[rows, serial, u, tx, v]`: its tiles did not unswitch,
                                      // and the extra loop level doubled NCHW BatchNorm's time (148.7 -> 323.8 us, H200).
             let tile = i64::from(!permuted);
-            if tile == 1 {
+            if !permuted {
                 f.split(t, 1, 1, true)?;
                 f.parallelize(t, 2, ParallelType::Unswitch)?;
             }

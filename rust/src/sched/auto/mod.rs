@@ -328,6 +328,16 @@ pub(crate) fn schedule_totals(f: &mut Fusion, cx: &Ctx, totals: &[TvId], post: &
     Ok(())
 }
 
+/// Steps per unswitched tile of a row `steps` vector steps long: four from eight steps (their
+/// loads issued together hide DRAM latency), else all of them, at most four.
+pub(crate) fn tile_steps(steps: i64) -> i64 {
+    if steps >= 8 {
+        4
+    } else {
+        steps.clamp(1, 4)
+    }
+}
+
 /// A weight of a row schedule: an input broadcast along every kept axis (`kept`), the same
 /// for every row, loaded with the rows' vectors.
 fn row_weight(f: &Fusion, t: TvId, kept: &[usize]) -> bool {

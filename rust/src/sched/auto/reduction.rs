@@ -241,7 +241,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
         // otherwise cost more instructions than the math of a cross-entropy row and keep the
         // loads of the steps from being issued together.
         let steps = (red_size + t * v - 1) / (t * v);
-        let u = if steps >= 8 { 4 } else { steps.clamp(1, 4) };
+        let u = super::tile_steps(steps);
         let mut caches = Vec::new();
         let mut cached = Vec::new();
         for x in streamed {
