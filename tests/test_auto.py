@@ -995,3 +995,49 @@ def test_reduction_reading_a_squeezed_statistic_twice() -> None:
     for as_written in (False, True):
         (got,) = fd.execute([a], as_written=as_written)
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+# -- operands broadcast along some of the rows -------------------------------------------------------
+def _partial_broadcast(kind: str) -> Tuple[FusionDefinition, Callable]:
+    """x [B, S, D] with t [S, D] broadcast over B (RoPE's cos, a position table), or x
+    [B, H, S, D] with t [H, 1, D] (per-head vectors) and two element-wise uses of t: both
+    concretizing it, or one keeping the broadcast (``heads_exp``)."""
+    with FusionDefinition() as fd:
+        if kind == "rows":
+            x, t = fd.define_tensor([-1, -1, -1]), fd.define_tensor([-1, -1])
+            tb = fd.ops.broadcast_in_dim(t, shape=[-1, -1, -1], broadcast_dims=[1, 2])
+            fd.add_output(fd.ops.add(fd.ops.mul(x, tb), 1.0))
+            return fd, lambda x, t: [x * t[None] + 1.0]
+        x, t = fd.define_tensor([-1, -1, -1, -1]), fd.define_tensor([-1, 1, -1])
+        tb = fd.ops.broadcast_in_dim(t, shape=[-1, -1, -1, -1], broadcast_dims=[1, 2, 3])
+        if kind == "heads":
+            fd.add_output(fd.ops.sub(fd.ops.mul(x, tb), tb))
+            return fd, lambda x, t: [x * t[None] - t[None]]
+        # exp keeps the broadcast, the sub concretizes it: tb's loops run the concrete space
+        # for both of its consumers
+        fd.add_output(fd.ops.sub(fd.ops.mul(x, tb), fd.ops.exp(tb)))
+        return fd, lambda x, t: [x * t[None] - np.exp(t[None])]
+
+
+@pytest.mark.parametrize("kind,shapes", [
+    ("rows", [(2, 3, 64), (3, 64)]), ("rows", [(3, 5, 67), (5, 67)]), ("rows", [(1, 1, 64), (1, 64)]),
+    ("rows", [(4, 9, 128), (9, 128)]), ("rows", [(2, 129, 72), (129, 72)]), ("rows", [(3, 5, 7), (5, 7)]),
+    ("heads", [(2, 3, 5, 64), (3, 1, 64)]), ("heads", [(1, 4, 7, 96), (4, 1, 96)]),
+    ("heads_exp", [(2, 3, 5, 64), (3, 1, 64)]), ("heads_exp", [(2, 3, 5, 7), (3, 1, 7)]),
+    ("heads_exp", [(1, 1, 1, 64), (1, 1, 64)]),
+])
+def test_an_operand_broadcast_along_some_rows_loads_vectors_and_matches(kind: str,
+                                                                       shapes: List[tuple]) -> None:
+    fd, ref = _partial_broadcast(kind)
+    rng = np.random.default_rng(len(shapes[0]))
+    ins = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    low = _auto_lowered(fd, ins)
+    assert len(low.kernels) == 1
+    src = low.kernels[0].cuda_source
+    if shapes[0][-1] % 4 == 0 and shapes[0][-1] >= 64 and np.prod(shapes[0][:-1]) >= 2:
+        # rows of columns (pointwise 2-D): the broadcast operand (T1) is read 16 bytes at a
+        # time, in a loop of its own
+        assert "(kiln_vec, &T1[kiln_ib])" in src, src
+    (got,) = fd.execute(ins)
+    (want,) = ref(*[a.astype(np.float64) for a in ins])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -445,3 +445,45 @@ def test_accepted_manual_schedules_match_numpy_on_the_gpu():
         got = fd.execute([cp.asarray(a) for a in xs])
         for g, w in zip(got, want):
             np.testing.assert_allclose(cp.asnumpy(g), w, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+# -- a partly inlined broadcast whose shared loops its consumer concretizes -------------------------
+def _rows_of_a_partial_broadcast():
+    """o [B, S, D] = x * t[None] with t [S, D]; every tensor [B*S/2, 2, D/4, 4]: t's broadcast
+    copy tb merges a broadcast B with S, which the loops it shares run as B*S."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1])
+        t = fd.define_tensor([-1, -1])
+        tb = fd.ops.broadcast_in_dim(t, shape=[-1, -1, -1], broadcast_dims=[1, 2])
+        o = fd.ops.mul(x, tb)
+        fd.add_output(o)
+    for v in (tb, o):
+        v.merge(0)
+        v.split(0, 2)
+        v.split(2, 4)
+        v.axis(0).parallelize(ParallelType.BIDx)
+        v.axis(2).parallelize(ParallelType.TIDx)
+    return fd, tb, o
+
+
+def test_a_partly_inlined_broadcast_is_indexed_through_its_consumer():
+    # tb keeps a private loop of 4 (its vector) and shares [B*S/2, 2, D/4] with o; it used
+    # to be refused ("runs the concretized loop").
+    fd, tb, o = _rows_of_a_partial_broadcast()
+    tb.inline_at(3)
+    tb.axis(3).parallelize(ParallelType.Vectorize)
+    for b, s, d in [(3, 4, 8), (2, 5, 12), (1, 3, 4)]:
+        x_, t_ = rand(b, s, d), rand(s, d, seed=1)
+        (got,) = fd.execute([x_, t_])
+        np.testing.assert_allclose(got, x_ * t_[None], rtol=1e-6)
+
+
+def test_a_partly_inlined_broadcast_whose_consumer_loops_differ_is_refused():
+    # o's inner axes are swapped: tb's private loop (axis 3) is not o's axis 3, so it cannot
+    # stand in for it, and the shared loops still run the concretized space.
+    fd, tb, o = _rows_of_a_partial_broadcast()
+    o.reorder({2: 3, 3: 2})
+    tb.inline_at(2)
+    msg = rf"{tb.name}: inlined at position 2 but axis 0 .* runs the concretized loop"
+    with pytest.raises(KilnError, match=msg):
+        fd.lower([rand(3, 4, 8), rand(4, 8, seed=1)])

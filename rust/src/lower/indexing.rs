@@ -250,9 +250,12 @@ fn predicate(
 
 /// The consumer that a fully inlined `tv` is indexed through: its loops are all shared
 /// with that consumer, whose (possibly broadcast-concretized) iteration space they run.
+/// A partly inlined `tv` whose shared loops run a broadcast its consumer concretizes is
+/// indexed the same way, its private loops standing in for the consumer's axes at the same
+/// positions (`validate::partial_inlining` checks that those are exactly mapped).
 fn inlined_reference(f: &Fusion, lg: &LoopGraph, tv: TvId) -> Option<(ExprId, usize)> {
     let t = &f.tvs[tv];
-    if t.inline_pos == 0 || t.inline_pos < t.loop_domain.len() {
+    if t.inline_pos == 0 || (t.inline_pos < t.loop_domain.len() && !concretized_partial(f, lg, tv)) {
         return None;
     }
     // (a use whose output no fusion output needs is not in the kernel)
@@ -267,6 +270,21 @@ fn inlined_reference(f: &Fusion, lg: &LoopGraph, tv: TvId) -> Option<(ExprId, us
         return None;
     }
     Some((e, pos))
+}
+
+/// True when `tv` is partly inlined and one of its shared loops runs a larger, concretized
+/// space than its own axis (a merge of a broadcast with an iteration axis, promoted to the
+/// consumer's merge of two iteration axes).
+pub(crate) fn concretized_partial(f: &Fusion, lg: &LoopGraph, tv: TvId) -> bool {
+    let t = &f.tvs[tv];
+    if t.inline_pos == 0 || t.inline_pos >= t.loop_domain.len() || !lg.has(tv) {
+        return false;
+    }
+    (0..t.inline_pos).any(|a| {
+        let own = t.loop_domain[a];
+        let promoted = lg.promoted(tv, a);
+        promoted != own && f.ids[own].iter_type != IterType::Broadcast && f.ids[own].extent != f.ids[promoted].extent
+    })
 }
 
 /// True when a broadcast axis of `tv` meets an iteration axis along its chain of fully
@@ -307,7 +325,22 @@ fn consumer_indices(
         // tv's own extents may be smaller where it has broadcasts the consumer concretizes.
         // Where the consumer's indices do not cover tv's logical ids, tv's own loops do.
         let d = f.exprs[e].output;
-        let didx = consumer_indices(f, ctx, d, stack, true)?;
+        let inlined_at = f.tvs[tv].inline_pos;
+        let didx = if inlined_at < f.tvs[tv].loop_domain.len() {
+            // tv's private loops enclose its expr, not the consumer's: they stand in for the
+            // consumer's loops at the same positions.
+            let mut mirrored: Vec<Enclosing> = stack.to_vec();
+            for a in inlined_at..f.tvs[tv].loop_domain.len() {
+                let mine = ctx.lg.group(tv, a);
+                let Some(l) = stack.iter().rev().find(|l| l.group == Some(mine)) else { continue };
+                if a < f.tvs[d].loop_domain.len() {
+                    mirrored.push(Enclosing { group: Some(ctx.lg.group(d, a)), ..*l });
+                }
+            }
+            consumer_indices(f, ctx, d, &mirrored, true)?
+        } else {
+            consumer_indices(f, ctx, d, stack, true)?
+        };
         let mut idx: FxHashMap<IterDomainId, ValId> = FxHashMap::default();
         for (pid, cid) in logical_pairs(f, e, pos) {
             if let Some(&v) = didx.get(&cid) {

@@ -32,6 +32,7 @@ pub fn partial_inlining(f: &Fusion, lg: &LoopGraph, exact: &IdGraph) -> Result<(
                 && !plain_broadcast
                 && !exact.same(own, promoted)
                 && f.ids[own].extent != f.ids[promoted].extent
+                && !private_axes_mirror_consumer(f, lg, exact, tv)
             {
                 bail!(
                     "{}: inlined at position {} but axis {a} ({}) runs the concretized loop {}; inline it fully (inline_at(-1)) or at {a}",
@@ -44,6 +45,23 @@ pub fn partial_inlining(f: &Fusion, lg: &LoopGraph, exact: &IdGraph) -> Result<(
         }
     }
     Ok(())
+}
+
+/// True when every consumer of `tv` in the kernel has `tv`'s private loop axes (those
+/// right of its inline position) at the same positions, exactly mapped: `tv` is then indexed
+/// through its consumer (`indexing::inlined_reference`), its private loops standing in for
+/// the consumer's, so a shared loop may run a space its consumer concretizes.
+fn private_axes_mirror_consumer(f: &Fusion, lg: &LoopGraph, exact: &IdGraph, tv: TvId) -> bool {
+    let t = &f.tvs[tv];
+    let pos = t.inline_pos;
+    let consumers: Vec<TvId> = t.uses.iter().map(|&e| f.exprs[e].output).filter(|&c| lg.has(c)).collect();
+    !consumers.is_empty()
+        && consumers.iter().all(|&c| {
+            let cd = &f.tvs[c].loop_domain;
+            cd.len() == t.loop_domain.len()
+                && f.tvs[c].definition.is_some_and(|e| !f.exprs[e].op.is_gather())
+                && (pos..cd.len()).all(|a| exact.same(t.loop_domain[a], cd[a]))
+        })
 }
 
 /// Every read of a tensor computed in the kernel stays in the thread or block that wrote

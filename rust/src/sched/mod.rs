@@ -354,6 +354,20 @@ impl Fusion {
         (0..=n).rev().find(|&p| self.check_inline(tv, p).is_ok()).unwrap_or(0)
     }
 
+    /// The id whose extent loop axis `i` of `t` runs: `t`'s own, or where `t` is inlined
+    /// past it, its consumer's (which may concretize a broadcast `t` keeps), transitively.
+    fn concretized_loop_id(&self, t: TvId, i: usize) -> IterDomainId {
+        let mut t = t;
+        for _ in 0..self.tvs.len() {
+            let inner = self.tvs[t].uses.first().map(|&e| self.exprs[e].output);
+            match inner {
+                Some(c) if self.tvs[t].inline_pos > i && self.tvs[c].loop_domain.len() > i => t = c,
+                _ => break,
+            }
+        }
+        self.tvs[t].loop_domain[i]
+    }
+
     /// Check that `tv`'s first `pos` loop axes are shared with every consumer.
     pub fn check_inline(&self, tv: TvId, pos: usize) -> Result<()> {
         let name = self.tv_name(tv);
@@ -402,7 +416,7 @@ impl Fusion {
                 let mut first: Option<(TvId, IterDomainId)> = None;
                 for &e in &self.tvs[tv].uses {
                     let c = self.exprs[e].output;
-                    let cid = self.tvs[c].loop_domain[i];
+                    let cid = self.concretized_loop_id(c, i);
                     match first {
                         None => first = Some((c, cid)),
                         Some((c0, id0)) if self.ids[id0].extent != self.ids[cid].extent => bail!(
