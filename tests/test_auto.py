@@ -1041,3 +1041,22 @@ def test_an_operand_broadcast_along_some_rows_loads_vectors_and_matches(kind: st
     (got,) = fd.execute(ins)
     (want,) = ref(*[a.astype(np.float64) for a in ins])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("x_dt,t_dt", [(DataType.Float, DataType.Double), (DataType.Double, DataType.Double),
+                                       (DataType.Half, DataType.Float)])
+def test_an_operand_broadcast_along_some_rows_of_a_wider_type_is_scheduled(x_dt: DataType,
+                                                                           t_dt: DataType) -> None:
+    # The vector width comes from the moved tensors; a wider broadcast operand must not get
+    # a vector past 16 bytes (a Double table beside float rows was refused).
+    np_of = {DataType.Float: np.float32, DataType.Double: np.float64, DataType.Half: np.float16}
+    with FusionDefinition() as fd:
+        x, t = fd.define_tensor([-1, -1, -1], dtype=x_dt), fd.define_tensor([-1, -1], dtype=t_dt)
+        fd.add_output(fd.ops.mul(x, fd.ops.broadcast_in_dim(t, shape=[-1, -1, -1], broadcast_dims=[1, 2])))
+    rng = np.random.default_rng(3)
+    xs = rng.standard_normal((2, 33, 256)).astype(np_of[x_dt])
+    ts = rng.standard_normal((33, 256)).astype(np_of[t_dt])
+    assert len(_auto_lowered(fd, [xs, ts]).kernels) == 1
+    (got,) = fd.execute([xs, ts])
+    want = xs.astype(np.float64) * ts.astype(np.float64)[None]
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=2e-3 if x_dt == DataType.Half else 1e-6)

@@ -487,3 +487,68 @@ def test_a_partly_inlined_broadcast_whose_consumer_loops_differ_is_refused():
     msg = rf"{tb.name}: inlined at position 2 but axis 0 .* runs the concretized loop"
     with pytest.raises(KilnError, match=msg):
         fd.lower([rand(3, 4, 8), rand(4, 8, seed=1)])
+
+
+@pytest.mark.parametrize("mt", [MemoryType.Global, MemoryType.Shared])
+def test_a_split_consumer_of_a_fully_inlined_broadcast_keeps_its_inner_index(mt: MemoryType):
+    # t2 (a broadcast along axes 1 and 2) is fully inlined into t3, whose axis 1 is split
+    # and which is itself inlined: t2 is indexed through t3, never through t3's own
+    # consumer's loops alone (a rule for partly inlined tensors once applied here and
+    # dropped the inner split's index: wrong values in Shared memory, unwritten reads in
+    # Global).
+    with FusionDefinition() as fd:
+        t0 = fd.define_tensor([-1, -1, -1])
+        t1 = fd.define_tensor([-1])
+        t2 = fd.ops.broadcast_in_dim(t1, shape=[-1, -1, -1], broadcast_dims=[0])
+        t3 = fd.ops.add(t2, t0)
+        fd.add_output(fd.ops.add(t0, t3))
+    t3.set_memory_type(mt)
+    t3.split(1, 3)
+    t2.inline_at(-1)
+    t3.inline_at(-1)
+    a0, a1 = rand(2, 13, 7), rand(2, seed=1)
+    (got,) = fd.execute([a0, a1])
+    np.testing.assert_allclose(got, 2 * a0 + a1[:, None, None], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("op", ["neg", "tanh"])
+@pytest.mark.parametrize("pt", [ParallelType.BIDx, ParallelType.TIDx])
+def test_a_computed_broadcast_operand_under_a_merged_output_reads_its_own_axis(op: str, pt: ParallelType):
+    # o = broadcast(op(b)) + x with o's two axes merged: op(b) follows its consumer into the
+    # merged loop and must read b at the merged index's column, not at the merged index.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        b = fd.define_tensor([-1])
+        o = fd.ops.add(fd.ops.broadcast_in_dim(getattr(fd.ops, op)(b), shape=[-1, -1], broadcast_dims=[1]), x)
+        fd.add_output(o)
+    o.merge(0)
+    o.axis(0).parallelize(pt)
+    x_, b_ = rand(4, 5), rand(5, seed=1)
+    (got,) = fd.execute([x_, b_])
+    want = x_ + (-b_ if op == "neg" else np.tanh(b_))[None]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mt", [MemoryType.Shared, MemoryType.Global])
+def test_an_outer_split_of_a_merged_broadcast_is_not_its_consumers_chunk(mt: MemoryType):
+    # tb [M, 1] and o [M, N], both merged and split into 7 outer chunks: the loop extents
+    # match (7) but chunk k of tb holds other rows than chunk k of o needs, so sharing that
+    # loop is refused (it gave wrong values in Shared memory).
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        b = fd.define_tensor([-1])
+        tb = fd.ops.broadcast_in_dim(b, shape=[-1, -1], broadcast_dims=[0])
+        o = fd.ops.add(tb, x)
+        fd.add_output(o)
+    tb.set_memory_type(mt)
+    for t in (tb, o):
+        t.merge(0)
+        t.split(0, 7, inner_split=False)
+    tb.inline_at(1)
+    msg = rf"{tb.name}: inlined at position 1 but axis 0 .* runs the concretized loop"
+    with pytest.raises(KilnError, match=msg):
+        fd.lower([rand(31, 64), rand(31, seed=1)])
+    tb.inline_at(-1)
+    x_, b_ = rand(31, 64), rand(31, seed=1)
+    (got,) = fd.execute([x_, b_])
+    np.testing.assert_allclose(got, x_ + b_[:, None], rtol=1e-6, atol=1e-6)

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import numpy as np
 import pytest
 from gpu_util import cupy_or_skip
-from kiln import DataType, FusionDefinition, KilnError, _core
+from kiln import DataType, FusionDefinition, KilnError, KilnTypeError, _core
 from kiln.runtime.nvrtc import compile_cubin, nvrtc_available
 
 F = np.float64
@@ -373,6 +373,22 @@ def test_compositions_clamp_lerp_addcmul_threshold() -> None:
     np.testing.assert_allclose(lerp_c, y64 - (y64 - x64) * 0.25, rtol=1e-5, atol=1e-5, equal_nan=True)
     np.testing.assert_allclose(addcmul, x64 + 0.5 * y64 * w64, rtol=1e-5, atol=1e-5, equal_nan=True)
     np.testing.assert_array_equal(thr, np.where(x > 0.5, x, -7.0).astype(np.float32))
+
+
+def test_clamp_with_one_bound_open_as_torch() -> None:
+    x = np.array([np.nan, -np.inf, -2.0, 0.25, 3.0, np.inf], np.float32)
+    with FusionDefinition() as fd:
+        tx = fd.define_tensor([-1])
+        fd.add_output(fd.ops.clamp(tx, None, 0.5))
+        fd.add_output(fd.ops.clamp(tx, min=-1.0))
+    hi, lo = fd.execute([x])
+    np.testing.assert_array_equal(hi, np.minimum(x, 0.5))
+    np.testing.assert_array_equal(lo, np.maximum(x, -1.0))
+    with FusionDefinition() as fd:
+        tx = fd.define_tensor([-1])
+        with pytest.raises(KilnTypeError, match="at least one of min and max"):
+            fd.ops.clamp(tx)
+        fd.add_output(tx)
 
 
 @pytest.mark.parametrize("k", [2.0, 3.0, 4, 2.5])

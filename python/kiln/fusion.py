@@ -314,9 +314,13 @@ class Ops:
         return Tensor(fd, fd._core.where_(fd._operand(cond, "where"), fd._operand(a, "where"),
                                           fd._operand(b, "where")))
 
-    def clamp(self, x: Operand, min: Operand, max: Operand) -> Tensor:  # noqa: A002 - torch's names
-        """``x`` limited to ``[min, max]`` (NaN stays NaN, as torch.clamp)."""
-        return self.minimum(self.maximum(x, min), max)
+    def clamp(self, x: Operand, min: Optional[Operand] = None,  # noqa: A002 - torch's names
+              max: Optional[Operand] = None) -> Tensor:  # noqa: A002
+        """``x`` limited to ``[min, max]``, a bound of None left open (NaN stays NaN, as torch.clamp)."""
+        if min is None and max is None:
+            raise KilnTypeError("clamp: at least one of min and max must be given (as torch.clamp)")
+        lower = x if min is None else self.maximum(x, min)
+        return lower if max is None else self.minimum(lower, max)
 
     def lerp(self, start: Operand, end: Operand, weight: Operand) -> Tensor:
         """``start + weight * (end - start)``, computed from the nearer end (torch.lerp)."""

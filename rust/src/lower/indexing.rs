@@ -6,7 +6,7 @@
 //! allocation; out-of-range elements of non-divisible splits and idle threads are
 //! predicated off.
 
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::analysis::loop_graph::LoopGraph;
 use crate::bail_internal;
@@ -40,10 +40,18 @@ struct Ctx<'a> {
     /// and the dimensions each of those combines.
     waits: FxHashMap<TvId, Vec<TvId>>,
     grid_dims: FxHashMap<TvId, Vec<ParallelType>>,
+    /// Partly inlined tensors indexed through their consumer (`validate::through_consumer`).
+    partial: FxHashSet<TvId>,
 }
 
 /// Fill `AccessIndex` into every Expr and Init node of `body`.
-pub fn run(f: &mut Fusion, lg: &LoopGraph, allocs: &FxHashMap<TvId, AllocationInfo>, body: &mut [Node]) -> Result<()> {
+pub fn run(
+    f: &mut Fusion,
+    lg: &LoopGraph,
+    exact: &crate::analysis::id_graph::IdGraph,
+    allocs: &FxHashMap<TvId, AllocationInfo>,
+    body: &mut [Node],
+) -> Result<()> {
     let mut extents: FxHashMap<ParallelType, Vec<ValId>> = FxHashMap::default();
     collect_parallel_extents(body, &mut extents);
     let used = extents.keys().copied().collect();
@@ -51,7 +59,8 @@ pub fn run(f: &mut Fusion, lg: &LoopGraph, allocs: &FxHashMap<TvId, AllocationIn
     let waits = crate::analysis::parallel::grid_waits(f, lg, &crate::lower::loops::expr_order(f));
     let grid_dims =
         waits.values().flatten().map(|&t| (t, crate::analysis::parallel::grid_reduced_dims(f, lg, t))).collect();
-    let mut ctx = Ctx { lg, allocs, ragged, used, next_gather: 0, waits, grid_dims };
+    let partial = crate::lower::validate::through_consumer(f, lg, exact);
+    let mut ctx = Ctx { lg, allocs, ragged, used, next_gather: 0, waits, grid_dims, partial };
     let mut stack = Vec::new();
     walk(f, &mut ctx, body, &mut stack)
 }
@@ -251,11 +260,11 @@ fn predicate(
 /// The consumer that a fully inlined `tv` is indexed through: its loops are all shared
 /// with that consumer, whose (possibly broadcast-concretized) iteration space they run.
 /// A partly inlined `tv` whose shared loops run a broadcast its consumer concretizes is
-/// indexed the same way, its private loops standing in for the consumer's axes at the same
-/// positions (`validate::partial_inlining` checks that those are exactly mapped).
-fn inlined_reference(f: &Fusion, lg: &LoopGraph, tv: TvId) -> Option<(ExprId, usize)> {
+/// indexed the same way (`partial`: `validate::through_consumer`), its private loops
+/// standing in for the consumer's axes at the same positions.
+fn inlined_reference(f: &Fusion, lg: &LoopGraph, partial: &FxHashSet<TvId>, tv: TvId) -> Option<(ExprId, usize)> {
     let t = &f.tvs[tv];
-    if t.inline_pos == 0 || (t.inline_pos < t.loop_domain.len() && !concretized_partial(f, lg, tv)) {
+    if t.inline_pos == 0 || (t.inline_pos < t.loop_domain.len() && !partial.contains(&tv)) {
         return None;
     }
     // (a use whose output no fusion output needs is not in the kernel)
@@ -272,27 +281,12 @@ fn inlined_reference(f: &Fusion, lg: &LoopGraph, tv: TvId) -> Option<(ExprId, us
     Some((e, pos))
 }
 
-/// True when `tv` is partly inlined and one of its shared loops runs a larger, concretized
-/// space than its own axis (a merge of a broadcast with an iteration axis, promoted to the
-/// consumer's merge of two iteration axes).
-pub(crate) fn concretized_partial(f: &Fusion, lg: &LoopGraph, tv: TvId) -> bool {
-    let t = &f.tvs[tv];
-    if t.inline_pos == 0 || t.inline_pos >= t.loop_domain.len() || !lg.has(tv) {
-        return false;
-    }
-    (0..t.inline_pos).any(|a| {
-        let own = t.loop_domain[a];
-        let promoted = lg.promoted(tv, a);
-        promoted != own && f.ids[own].iter_type != IterType::Broadcast && f.ids[own].extent != f.ids[promoted].extent
-    })
-}
-
 /// True when a broadcast axis of `tv` meets an iteration axis along its chain of fully
 /// inlined consumers: its loops then run the consumer's larger extent, not its own.
-fn broadcast_concretized(f: &Fusion, lg: &LoopGraph, tv: TvId) -> bool {
+fn broadcast_concretized(f: &Fusion, lg: &LoopGraph, partial: &FxHashSet<TvId>, tv: TvId) -> bool {
     let mut t = tv;
     let mut seen = 0;
-    while let Some((e, pos)) = inlined_reference(f, lg, t) {
+    while let Some((e, pos)) = inlined_reference(f, lg, partial, t) {
         for (pid, cid) in logical_pairs(f, e, pos) {
             // A reduction of a broadcast axis is size one too: it concretizes nothing.
             let one = f.scalars.as_int(f.ids[cid].extent) == Some(1);
@@ -320,7 +314,7 @@ fn consumer_indices(
     stack: &[Enclosing],
     partial: bool,
 ) -> Result<FxHashMap<IterDomainId, ValId>> {
-    if let Some((e, pos)) = inlined_reference(f, ctx.lg, tv) {
+    if let Some((e, pos)) = inlined_reference(f, ctx.lg, &ctx.partial, tv) {
         // Index through the consumer's logical indices, exactly as the consumer reads tv;
         // tv's own extents may be smaller where it has broadcasts the consumer concretizes.
         // Where the consumer's indices do not cover tv's logical ids, tv's own loops do.
@@ -359,11 +353,16 @@ fn consumer_indices(
             // logical indices instead, a merge with a broadcast outer wraps its inner index
             // (`% extent`), and the bound of an overrunning thread would be lost.
             let mut from_loops: FxHashMap<IterDomainId, ValId> = FxHashMap::default();
-            let mut own = !broadcast_concretized(f, ctx.lg, tv);
+            let mut own = !broadcast_concretized(f, ctx.lg, &ctx.partial, tv);
             for (a, &id) in f.tvs[tv].loop_domain.clone().iter().enumerate() {
                 let g = ctx.lg.group(tv, a);
                 if let Some(l) = stack.iter().rev().find(|l| l.group == Some(g)) {
-                    idx.insert(id, l.index);
+                    // A loop axis that is itself a logical id keeps the consumer's index:
+                    // its loop may run a space the consumer concretized (neg(b) under a
+                    // merge of a broadcast with b's axis runs the merged loop).
+                    if !f.tvs[tv].logical.contains(&id) {
+                        idx.insert(id, l.index);
+                    }
                     from_loops.insert(id, l.index);
                 } else {
                     own = false;

@@ -90,7 +90,7 @@ pub const PASSES: &[Pass] = &[
             Ok(())
         },
     },
-    Pass { name: "indexing", run: |c| indexing::run(&mut c.f, &c.lg, &c.allocations, &mut c.body) },
+    Pass { name: "indexing", run: |c| indexing::run(&mut c.f, &c.lg, &c.exact, &c.allocations, &mut c.body) },
     Pass {
         name: "syncs",
         run: |c| {

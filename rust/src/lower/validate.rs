@@ -12,39 +12,63 @@ use crate::analysis::parallel::{cross_reads, CrossRead};
 use crate::bail;
 use crate::error::Result;
 use crate::ir::{Fusion, IterType, MemoryType, ParallelType, TvId};
+use rustc_hash::FxHashSet;
 
 /// A partly inlined tensor may not share loops that iterate a broadcast its consumer
 /// concretizes: its private loops would cover only its own (size-one) extent of that
-/// space. Fully inlined tensors are indexed through their consumer instead.
+/// space. Fully inlined tensors are indexed through their consumer instead, and so are
+/// partly inlined ones whose private axes are their consumers' (`through_consumer`).
 pub fn partial_inlining(f: &Fusion, lg: &LoopGraph, exact: &IdGraph) -> Result<()> {
     for (tv, t) in f.tvs.iter() {
-        // (tensors no output depends on are not in the kernel)
-        if t.inline_pos == 0 || t.inline_pos >= t.loop_domain.len() || t.uses.is_empty() || !lg.has(tv) {
-            continue;
-        }
-        for a in 0..t.inline_pos {
-            let own = t.loop_domain[a];
-            let promoted = lg.promoted(tv, a);
-            // A broadcast axis (or a split of one) is safe: the tensor does not vary along
-            // it, so running it once per iteration of the concretized loop only repeats it.
-            let plain_broadcast = f.ids[own].iter_type == IterType::Broadcast;
-            if promoted != own
-                && !plain_broadcast
-                && !exact.same(own, promoted)
-                && f.ids[own].extent != f.ids[promoted].extent
-                && !private_axes_mirror_consumer(f, lg, exact, tv)
-            {
+        if let Some(a) = concretized_shared_axis(f, lg, exact, tv) {
+            if !private_axes_mirror_consumer(f, lg, exact, tv) {
                 bail!(
                     "{}: inlined at position {} but axis {a} ({}) runs the concretized loop {}; inline it fully (inline_at(-1)) or at {a}",
                     f.tv_name(tv),
                     t.inline_pos,
-                    f.id_label(own),
-                    f.id_label(promoted)
+                    f.id_label(t.loop_domain[a]),
+                    f.id_label(lg.promoted(tv, a))
                 );
             }
         }
     }
     Ok(())
+}
+
+/// The first shared loop axis of a partly inlined `tv` whose loop runs a larger space than
+/// its own axis: promoted to a consumer's id that is neither exactly mapped to it nor of the
+/// same extent, and not a broadcast (running one of those once per iteration of the
+/// concretized loop only repeats it).
+fn concretized_shared_axis(f: &Fusion, lg: &LoopGraph, exact: &IdGraph, tv: TvId) -> Option<usize> {
+    let t = &f.tvs[tv];
+    // (tensors no output depends on are not in the kernel)
+    if t.inline_pos == 0 || t.inline_pos >= t.loop_domain.len() || t.uses.is_empty() || !lg.has(tv) {
+        return None;
+    }
+    (0..t.inline_pos).find(|&a| {
+        let own = t.loop_domain[a];
+        let promoted = lg.promoted(tv, a);
+        // Equal extents do not make the same loop when the axis splits a merge with a
+        // broadcast: an outer split by 7 of [M, 1] and of [M, N] both run 7 chunks, of
+        // different elements.
+        promoted != own
+            && f.ids[own].iter_type != IterType::Broadcast
+            && !exact.same(own, promoted)
+            && (f.ids[own].extent != f.ids[promoted].extent
+                || crate::analysis::loop_graph::depends_on_broadcast(f, own))
+    })
+}
+
+/// Partly inlined tensors that are indexed through their consumer, as fully inlined ones
+/// are: a shared loop runs a space they have only part of, and their private loops stand
+/// in for their consumers' axes at the same positions.
+pub fn through_consumer(f: &Fusion, lg: &LoopGraph, exact: &IdGraph) -> FxHashSet<TvId> {
+    f.tvs
+        .keys()
+        .filter(|&tv| {
+            concretized_shared_axis(f, lg, exact, tv).is_some() && private_axes_mirror_consumer(f, lg, exact, tv)
+        })
+        .collect()
 }
 
 /// True when every consumer of `tv` in the kernel has `tv`'s private loop axes (those
