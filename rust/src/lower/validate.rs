@@ -48,15 +48,29 @@ fn concretized_shared_axis(f: &Fusion, lg: &LoopGraph, exact: &IdGraph, tv: TvId
     (0..t.inline_pos).find(|&a| {
         let own = t.loop_domain[a];
         let promoted = lg.promoted(tv, a);
-        // Equal extents do not make the same loop when the axis splits a merge with a
-        // broadcast: an outer split by 7 of [M, 1] and of [M, N] both run 7 chunks, of
-        // different elements.
+        // Equal extents do not make the same loop when the axis splits merges of different
+        // sizes: an outer split by 7 of [M, 1] merged and of [M, N] merged both run 7
+        // chunks, of different elements.
         promoted != own
             && f.ids[own].iter_type != IterType::Broadcast
             && !exact.same(own, promoted)
             && (f.ids[own].extent != f.ids[promoted].extent
-                || crate::analysis::loop_graph::depends_on_broadcast(f, own))
+                || (crate::analysis::loop_graph::depends_on_broadcast(f, own)
+                    && f.ids[split_source(f, own)].extent != f.ids[split_source(f, promoted)].extent))
     })
+}
+
+/// The id that `id` was split from, through any number of splits (itself when it was not
+/// made by a split).
+fn split_source(f: &Fusion, id: crate::ir::IterDomainId) -> crate::ir::IterDomainId {
+    let mut id = id;
+    while let Some(t) = f.ids[id].definition {
+        match f.transforms[t] {
+            crate::ir::Transform::Split { input, .. } => id = input,
+            _ => break,
+        }
+    }
+    id
 }
 
 /// Partly inlined tensors that are indexed through their consumer, as fully inlined ones

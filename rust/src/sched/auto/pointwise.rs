@@ -486,7 +486,7 @@ fn two_d_extents(f: &Fusion, cx: &Ctx, out: TvId, rank: usize, tensors: &[TvId])
 /// it can be read with vectors along that axis, in a loop of its own.
 /// A [`bias_operand`] whose `v` elements fit one 16-byte access (a Double one beside
 /// 4-byte tensors does not).
-pub(super) fn vector_bias(f: &Fusion, t: TvId, v: i64) -> bool {
+fn vector_bias(f: &Fusion, t: TvId, v: i64) -> bool {
     v > 1 && v * f.tvs[t].dtype.size_bytes() as i64 <= 16 && bias_operand(f, t)
 }
 
