@@ -256,3 +256,21 @@ def test_none_contiguity_on_gpu() -> None:
     (got,) = _expanded_input_fusion().execute([xd, yd])
     np.testing.assert_allclose(cp.asnumpy(got), x.astype(np.float64) + y.astype(np.float64).sum(0), rtol=1e-5,
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [0, 2, 4])
+def test_squeeze_of_a_one_wide_slice_of_a_runtime_size(k: int) -> None:
+    # Thunder writes ``x[:, k]`` as a slice k:k+1 then a squeeze; with a runtime size the
+    # slice's width is ``min(n, k+1) - min(n, k)``, one whenever k < n (checked before the
+    # kernel runs, naming the axis).
+    with FusionDefinition() as fd:
+        w = fd.define_tensor([-1, -1], DataType.Float)
+        col = fd.ops.squeeze(fd.ops.slice(w, [0, k], [fd.ops.size(w, 0), k + 1]), [1])
+        fd.add_output(fd.ops.mul(col, 2.0))
+        fd.add_output(fd.ops.sum(fd.ops.exp(col), dims=[0]))
+    a = np.random.default_rng(k).standard_normal((7, 5)).astype(np.float32)
+    got, total = fd.execute([a])
+    np.testing.assert_allclose(got, 2.0 * a[:, k], rtol=1e-6)
+    np.testing.assert_allclose(total, np.exp(a[:, k].astype(np.float64)).sum(), rtol=1e-5)
+    with pytest.raises(KilnError, match=r"T\d+ axis 1, squeezed into T\d+: sizes 0 and 1 must be equal"):
+        fd.execute([np.zeros((7, k), np.float32)])

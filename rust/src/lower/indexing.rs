@@ -281,6 +281,17 @@ fn inlined_reference(f: &Fusion, lg: &LoopGraph, partial: &FxHashSet<TvId>, tv: 
     Some((e, pos))
 }
 
+/// The logical ids of operand `pos` that squeeze `e` removes: their only position is 0
+/// (a computed size checked to be one before the kernel runs, `lower::size_constraints`).
+fn squeezed(f: &Fusion, e: ExprId, pos: usize) -> Vec<IterDomainId> {
+    match (&f.exprs[e].op, f.exprs[e].inputs.get(pos).and_then(|o| o.tensor())) {
+        (Op::Squeeze { removed }, Some(x)) => {
+            f.no_reduction_logical(x).iter().zip(removed).filter(|(_, &r)| r).map(|(&id, _)| id).collect()
+        }
+        _ => Vec::new(),
+    }
+}
+
 /// True when a broadcast axis of `tv` meets an iteration axis along its chain of fully
 /// inlined consumers: its loops then run the consumer's larger extent, not its own.
 fn broadcast_concretized(f: &Fusion, lg: &LoopGraph, partial: &FxHashSet<TvId>, tv: TvId) -> bool {
@@ -346,6 +357,9 @@ fn consumer_indices(
             if f.ids[pid].iter_type == IterType::Broadcast {
                 idx.insert(pid, zero);
             }
+        }
+        for pid in squeezed(f, e, pos) {
+            idx.insert(pid, zero);
         }
         if f.tvs[tv].logical.iter().all(|l| idx.contains_key(l)) {
             // Where every loop runs tv's own extent (no broadcast concretized), the ids
@@ -417,6 +431,9 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
             if f.ids[pid].iter_type != IterType::Iteration {
                 pidx.insert(pid, zero);
             }
+        }
+        for pid in squeezed(f, e, pos) {
+            pidx.insert(pid, zero);
         }
         if let (Op::IndexSelect { dim }, 0) = (&f.exprs[e].op, pos) {
             // The selected position is the index tensor's value at the consumer's `dim` index.

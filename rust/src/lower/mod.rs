@@ -103,7 +103,7 @@ pub const PASSES: &[Pass] = &[
     Pass {
         name: "launch",
         run: |c| {
-            c.size_constraints = size_constraints(&c.f);
+            c.size_constraints = size_constraints(&mut c.f);
             c.launch = Some(launch::run(&mut c.f, &c.body));
             Ok(())
         },
@@ -198,9 +198,23 @@ pub fn lower(fusion: &Fusion) -> Result<Kernel> {
 }
 
 /// Pairs of extents an expr aligns (both iteration ids): they must agree at run time.
-fn size_constraints(f: &Fusion) -> Vec<(crate::ir::ValId, crate::ir::ValId, String)> {
+fn size_constraints(f: &mut Fusion) -> Vec<(crate::ir::ValId, crate::ir::ValId, String)> {
     let mut out = Vec::new();
+    let one = f.scalars.int(1);
     for e in f.topo_exprs() {
+        // A squeezed axis whose size is only known to be at most one must be one.
+        if let crate::ir::Op::Squeeze { removed } = &f.exprs[e].op {
+            if let Some(x) = f.exprs[e].inputs[0].tensor() {
+                for (axis, (&id, &r)) in f.no_reduction_logical(x).iter().zip(removed).enumerate() {
+                    let d = &f.ids[id];
+                    if r && d.iter_type != crate::ir::IterType::Broadcast && f.scalars.as_int(d.extent) != Some(1) {
+                        let what =
+                            format!("{} axis {axis}, squeezed into {}", f.tv_name(x), f.tv_name(f.exprs[e].output));
+                        out.push((d.extent, one, what));
+                    }
+                }
+            }
+        }
         for pos in 0..f.exprs[e].inputs.len() {
             let Some(p) = f.exprs[e].inputs[pos].tensor() else {
                 continue;
