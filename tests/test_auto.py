@@ -1060,3 +1060,25 @@ def test_an_operand_broadcast_along_some_rows_of_a_wider_type_is_scheduled(x_dt:
     (got,) = fd.execute([xs, ts])
     want = xs.astype(np.float64) * ts.astype(np.float64)[None]
     np.testing.assert_allclose(got.astype(np.float64), want, rtol=2e-3 if x_dt == DataType.Half else 1e-6)
+
+
+@pytest.mark.parametrize("m,n", [(5, 3), (64, 7), (1000, 13), (300, 63), (7, 8), (8, 130)])
+def test_a_broadcast_kept_by_two_consumers_is_read_where_it_was_written(m: int, n: int) -> None:
+    # b is read by exp(b) and by b + b2, which both keep its broadcast until x concretizes
+    # it: in the flat schedule b keeps a private loop of the vector width while its shared
+    # loops run the flattened [m, n] space, so it is indexed through its consumer; its
+    # consumers must read its private loop at their own loop positions (they read
+    # (flat % n) % 4 where it was written at flat % 4: wrong values when n % 4 != 0).
+    with FusionDefinition() as fd:
+        x, c, c2 = fd.define_tensor([-1, -1]), fd.define_tensor([-1]), fd.define_tensor([-1])
+        b = fd.ops.broadcast_in_dim(c, shape=[-1, -1], broadcast_dims=[1])
+        b2 = fd.ops.broadcast_in_dim(c2, shape=[-1, -1], broadcast_dims=[1])
+        y = fd.ops.mul(x, fd.ops.exp(b))
+        fd.add_output(y)
+        fd.add_output(fd.ops.mul(y, fd.ops.add(b, b2)))
+    rng = np.random.default_rng(m * n)
+    xs, cs, c2s = (rng.standard_normal(s).astype(np.float32) for s in ((m, n), (n,), (n,)))
+    got_y, got_z = fd.execute([xs, cs, c2s])
+    want_y = xs.astype(np.float64) * np.exp(cs.astype(np.float64))
+    np.testing.assert_allclose(got_y, want_y, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_z, want_y * (cs.astype(np.float64) + c2s), rtol=1e-5, atol=1e-5)

@@ -456,6 +456,18 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
             }
             guard = at.1;
         }
+        if ctx.partial.contains(&p) {
+            // A tensor indexed through its consumer wrote its private axes at the consumer's
+            // loop positions: they are read at this consumer's loops, not at positions its
+            // own transforms derive from the logical indices (which differ where those
+            // axes split a merge with a broadcast: `[b, N]` flattened and split by 4).
+            for a in f.tvs[p].inline_pos..f.tvs[p].loop_domain.len().min(f.tvs[c].loop_domain.len()) {
+                let g = ctx.lg.group(c, a);
+                if let Some(l) = stack.iter().rev().find(|l| l.group == Some(g)) {
+                    pidx.insert(f.tvs[p].loop_domain[a], l.index);
+                }
+            }
+        }
         bind_enclosing(f, ctx, p, stack, &mut pidx);
         forward(f, p, &mut pidx);
         inputs.push(Some(offset(f, ctx, p, &pidx, &groups)?));
