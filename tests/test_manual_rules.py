@@ -545,10 +545,43 @@ def test_an_outer_split_of_a_merged_broadcast_is_not_its_consumers_chunk(mt: Mem
         t.merge(0)
         t.split(0, 7, inner_split=False)
     tb.inline_at(1)
-    msg = rf"{tb.name}: inlined at position 1 but axis 0 .* runs the concretized loop"
+    msg = rf"{tb.name}(:| is in {mt.name} memory but) inlined at position 1.* runs the concretized loop"
     with pytest.raises(KilnError, match=msg):
         fd.lower([rand(31, 64), rand(31, seed=1)])
+    # (a Shared or Global buffer is refused under those loops at any position: registers,
+    # fully inlined, are indexed through their consumer)
+    tb.set_memory_type(MemoryType.Local)
     tb.inline_at(-1)
     x_, b_ = rand(31, 64), rand(31, seed=1)
     (got,) = fd.execute([x_, b_])
     np.testing.assert_allclose(got, x_ + b_[:, None], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mt", [MemoryType.Global, MemoryType.Shared])
+def test_a_memory_buffer_under_a_concretized_merged_loop_is_refused(mt: MemoryType):
+    # p = tanh(t1) [16, 3] feeds b = broadcast(p) [16, 31, 3], merged like its consumer: p's
+    # loops run the merged [16 * 31] space, and a Shared or Global buffer laid out by them
+    # was written at one layout and read at another (unwritten reads, races). A register
+    # copy is indexed through its consumer instead.
+    def build(memory: MemoryType):
+        with FusionDefinition() as fd:
+            t0 = fd.define_tensor([-1, -1, -1])
+            t1 = fd.define_tensor([-1, -1])
+            p = fd.ops.tanh(t1)
+            b = fd.ops.broadcast_in_dim(p, shape=[-1, -1, -1], broadcast_dims=[0, 2])
+            c = fd.ops.add(b, t0)
+            fd.add_output(c)
+        p.set_memory_type(memory)
+        b.merge(0)
+        c.merge(0)
+        p.inline_at(-1)
+        b.inline_at(-1)
+        return fd, p
+    a0, a1 = rand(16, 31, 3), rand(16, 3, seed=1)
+    fd, p = build(mt)
+    msg = rf"{p.name} is in {mt.name} memory but inlined at position .* runs the concretized loop .* Local"
+    with pytest.raises(KilnError, match=msg):
+        fd.lower([a0, a1])
+    fd, p = build(MemoryType.Local)
+    (got,) = fd.execute([a0, a1])
+    np.testing.assert_allclose(got, a0 + np.tanh(a1)[:, None, :], rtol=1e-6, atol=1e-6)

@@ -20,6 +20,21 @@ use rustc_hash::FxHashSet;
 /// partly inlined ones whose private axes are their consumers' (`through_consumer`).
 pub fn partial_inlining(f: &Fusion, lg: &LoopGraph, exact: &IdGraph) -> Result<()> {
     for (tv, t) in f.tvs.iter() {
+        // A Shared or Global buffer is laid out by its loops: one that runs a concretized
+        // space would be written at one layout and read at another (or by threads of a
+        // loop it does not partition). Only registers are indexed through their consumer.
+        if t.memory != MemoryType::Local && f.tvs[tv].definition.is_some() && !f.is_output(tv) {
+            if let Some(a) = concretized_axis_before(f, lg, exact, tv, t.inline_pos) {
+                bail!(
+                    "{} is in {:?} memory but inlined at position {}, where axis {a} ({}) runs the concretized loop {}: its buffer would be laid out by that loop; keep it in Local memory or inline it at {a}",
+                    f.tv_name(tv),
+                    t.memory,
+                    t.inline_pos,
+                    f.id_label(t.loop_domain[a]),
+                    f.id_label(lg.promoted(tv, a))
+                );
+            }
+        }
         if let Some(a) = concretized_shared_axis(f, lg, exact, tv) {
             if !private_axes_mirror_consumer(f, lg, exact, tv) {
                 bail!(
@@ -42,10 +57,22 @@ pub fn partial_inlining(f: &Fusion, lg: &LoopGraph, exact: &IdGraph) -> Result<(
 fn concretized_shared_axis(f: &Fusion, lg: &LoopGraph, exact: &IdGraph, tv: TvId) -> Option<usize> {
     let t = &f.tvs[tv];
     // (tensors no output depends on are not in the kernel)
-    if t.inline_pos == 0 || t.inline_pos >= t.loop_domain.len() || t.uses.is_empty() || !lg.has(tv) {
+    if t.inline_pos >= t.loop_domain.len() {
         return None;
     }
-    (0..t.inline_pos).find(|&a| {
+    concretized_axis_before(f, lg, exact, tv, t.inline_pos)
+}
+
+/// The first of `tv`'s loop axes before `pos` whose loop runs a larger space than the axis:
+/// promoted to a consumer's id that is neither exactly mapped to it nor of the same extent,
+/// and not a broadcast.
+fn concretized_axis_before(f: &Fusion, lg: &LoopGraph, exact: &IdGraph, tv: TvId, pos: usize) -> Option<usize> {
+    let t = &f.tvs[tv];
+    if pos == 0 || t.uses.is_empty() || !lg.has(tv) {
+        return None;
+    }
+    let pos = pos.min(t.loop_domain.len());
+    (0..pos).find(|&a| {
         let own = t.loop_domain[a];
         let promoted = lg.promoted(tv, a);
         // Equal extents do not make the same loop when the axis splits merges of different
