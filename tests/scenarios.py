@@ -282,7 +282,29 @@ def v_vectorized(m: int = 64, n: int = 256) -> Scenario:
     return Scenario(f"v_vectorized_{m}x{n}", fd, lambda xp: [_rand(xp, m, n)], ref)
 
 
+def i_partial_broadcast() -> Scenario:
+    """RoPE's operand shape: t [S, D] broadcast over x [B, S, D], every tensor [B*S/2 (BIDx), 2,
+    D/4 (TIDx), 4]; t's broadcast copy is inlined at 3 and keeps its own vector loop while the
+    loops it shares run the concretized B*S space (indexed through its consumer)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1])
+        t = fd.define_tensor([-1, -1])
+        tb = fd.ops.broadcast_in_dim(t, shape=[-1, -1, -1], broadcast_dims=[1, 2])
+        o = fd.ops.mul(x, tb)
+        fd.add_output(o)
+    for v in (tb, o):
+        v.merge(0)
+        v.split(0, 2)
+        v.split(2, 4)
+        v.axis(0).parallelize(ParallelType.BIDx)
+        v.axis(2).parallelize(ParallelType.TIDx)
+    tb.inline_at(3)
+    tb.axis(3).parallelize(ParallelType.Vectorize)
+    return Scenario("i_partial_broadcast", fd, lambda xp: [_rand(xp, 3, 5, 12), _rand(xp, 5, 12, seed=1)],
+                    lambda i: [i[0].astype(np.float64) * i[1][None]])
+
+
 ALL = [a_pointwise, b_shared, b_local, c_inlined_unroll, d_non_contiguous, e_nhwc, f_transpose,
        lambda: f_transpose(50, 70), g_index_select, h_block_row_sum, h_grid_column_sum,
        h_serial_grid_column_sum, h_grid_column_sum_hoisted, h_row_sum_partial_hoist, v_vectorized,
-       lambda: v_vectorized(37, 129)]
+       lambda: v_vectorized(37, 129), i_partial_broadcast]
