@@ -585,3 +585,89 @@ def test_a_memory_buffer_under_a_concretized_merged_loop_is_refused(mt: MemoryTy
     fd, p = build(MemoryType.Local)
     (got,) = fd.execute([a0, a1])
     np.testing.assert_allclose(got, a0 + np.tanh(a1)[:, None, :], rtol=1e-6, atol=1e-6)
+
+
+def two_consumers_of_a_merged_broadcast(c2_memory: MemoryType):
+    """b = broadcast(neg(t1)) [4, 1, 4] read by c1 = b + t0 (concretizes the broadcast) and
+    c2 = sin(b) (keeps it); b, c1 and c2 merged to one axis and split twice."""
+    with FusionDefinition() as fd:
+        t0 = fd.define_tensor(shape=[4, 3, 4], dtype=DataType.Float)
+        t1 = fd.define_tensor(shape=[4, 4], dtype=DataType.Float)
+        t2 = fd.define_tensor(shape=[4, 3, 4], dtype=DataType.Float)
+        b = fd.ops.broadcast_in_dim(fd.ops.neg(t1), shape=[-1, -1, -1], broadcast_dims=[0, 2])
+        c1 = fd.ops.add(b, t0)
+        c2 = fd.ops.sin(b)
+        fd.add_output(fd.ops.add(c1, fd.ops.mul(c2, t2)))
+    c2.set_memory_type(c2_memory)
+    for t in (b, c1, c2):
+        t.merge(0)
+        t.merge(0)
+        t.split(0, 2)
+        t.split(0, 64)
+    return fd, b, c2
+
+
+@pytest.mark.parametrize("mt", [MemoryType.Local, MemoryType.Shared, MemoryType.Global])
+def test_a_consumer_pulled_into_loops_its_producer_shares_with_a_concretizing_one_is_refused(mt: MemoryType):
+    # b inlined fully into c1 and c2 puts c2 in c1's loops, which run the [4, 3, 4] space;
+    # c2 keeps its own [4, 1, 4] buffer, so its loop indices no longer name its elements
+    # (it was written at the wrong places: max error 0.83).
+    a0, a1, a2 = rand(4, 3, 4), rand(4, 4, seed=1), rand(4, 3, 4, seed=2)
+    want = a0 - a1[:, None] + np.sin(-a1[:, None].astype(np.float64)) * a2
+    fd, b, c2 = two_consumers_of_a_merged_broadcast(mt)
+    b.inline_at(-1)
+    with pytest.raises(KilnError, match=rf"{c2.name}: its axis 0 .* shares the loop .* with {b.name}, which is inlined"):
+        fd.lower([a0, a1, a2])
+    # Left outside the shared loops, b is computed in its own and both consumers read it.
+    fd, b, c2 = two_consumers_of_a_merged_broadcast(mt)
+    (got,) = fd.execute([a0, a1, a2])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mt", [MemoryType.Local, MemoryType.Global])
+def test_a_tensor_indexed_through_its_consumer_keeps_the_consumers_overrun_bound(mt: MemoryType):
+    # b = tanh(t1) over a [1, N] row; c2 = tanh(b) (kept broadcast) inlined into c3 whose
+    # rows concretize it. The split of 2 by 4 on BIDx overruns: blocks 2 and 3 alias the
+    # next chunk's elements. c2 is indexed through c3 (from its logical indices, which stay
+    # in range), so it needs c3's bound on the overrunning split too: without it c2 was
+    # computed from a b never written there and stored over valid elements.
+    a0, a1 = rand(3, 7), rand(1, 7, seed=1)
+    with FusionDefinition() as fd:
+        t0 = fd.define_tensor(shape=[-1, -1], dtype=DataType.Float)
+        t1 = fd.define_tensor(shape=[1, -1], dtype=DataType.Float)
+        b = fd.ops.tanh(t1)
+        c1 = fd.ops.add(b, t0)
+        c2 = fd.ops.tanh(b)
+        c3 = fd.ops.mul(c1, c2)
+        fd.add_output(c3)
+    c2.set_memory_type(mt)
+    for t in (b, c1, c2, c3):
+        t.split(1, 2)
+        t.split(2, 4)
+        t.axis(-1).parallelize(ParallelType.BIDx)
+    for t in (b, c1, c2):
+        t.inline_at(-1)
+    b.inline_at(2)
+    (got,) = fd.execute([a0, a1])
+    tb = np.tanh(a1.astype(np.float64))
+    np.testing.assert_allclose(got, (a0 + tb) * np.tanh(tb), rtol=1e-5, atol=1e-6)
+
+
+def test_a_fully_inlined_cache_under_a_merged_broadcast_is_read_where_it_was_written():
+    # The cache of t1 [5, 10] runs the output's merged [5 * 14] loop. It was written at its
+    # logical row (idx / 14) and read at the loop index (idx): unwritten registers.
+    a0, a1 = rand(5, 14, 10), rand(5, 10, seed=1)
+    with FusionDefinition() as fd:
+        t0 = fd.define_tensor(shape=[5, 14, 10], dtype=DataType.Float)
+        t1 = fd.define_tensor(shape=[5, 10], dtype=DataType.Float)
+        b = fd.ops.broadcast_in_dim(t1, shape=[-1, -1, -1], broadcast_dims=[0, 2])
+        o = fd.ops.add(b, t0)
+        fd.add_output(o)
+    t1.cache_after()
+    o.merge(0)
+    o.split(1, 4)
+    o.merge(1)
+    o.axis(-2).parallelize(ParallelType.Unroll)
+    o.axis(1).parallelize(ParallelType.BIDy)
+    (got,) = fd.execute([a0, a1])
+    np.testing.assert_allclose(got, a0 + a1[:, None, :], rtol=1e-6, atol=1e-6)

@@ -225,8 +225,25 @@ fn predicate(
             pred = f.scalars.binary(ScalarOp::And, pred, c);
         }
     }
-    // Every non-divisible split of a non-logical id needs its input bounded too: its
-    // outer part can overrun into indices that alias a different valid element.
+    let overrun = split_bounds(f, tv, idx, skip_reductions);
+    pred = f.scalars.binary(ScalarOp::And, pred, overrun);
+    for l in stack {
+        let reduced = l.group.is_some_and(|g| f.ids[ctx.lg.groups[g].promoted].iter_type == IterType::Reduction);
+        if skip_reductions && reduced {
+            continue;
+        }
+        if ctx.ragged.contains(&l.parallel) {
+            let c = f.scalars.lt(l.index, l.extent);
+            pred = f.scalars.binary(ScalarOp::And, pred, c);
+        }
+    }
+    pred
+}
+
+/// Bounds on the inputs of `tv`'s non-divisible splits of non-logical ids: the outer part
+/// of such a split can overrun into indices that alias a different valid element.
+fn split_bounds(f: &mut Fusion, tv: TvId, idx: &FxHashMap<IterDomainId, ValId>, skip_reductions: bool) -> ValId {
+    let mut pred = f.scalars.boolean(true);
     for t in f.transforms_of(tv) {
         if let Transform::Split { input, factor, .. } = f.transforms[t] {
             if f.tvs[tv].logical.contains(&input) {
@@ -244,17 +261,34 @@ fn predicate(
             }
         }
     }
-    for l in stack {
-        let reduced = l.group.is_some_and(|g| f.ids[ctx.lg.groups[g].promoted].iter_type == IterType::Reduction);
-        if skip_reductions && reduced {
-            continue;
-        }
-        if ctx.ragged.contains(&l.parallel) {
-            let c = f.scalars.lt(l.index, l.extent);
-            pred = f.scalars.binary(ScalarOp::And, pred, c);
-        }
-    }
     pred
+}
+
+/// `pred && extra`, leaving out the conjuncts of `extra` that `pred` already has.
+fn and_new(sc: &mut crate::ir::Scalars, pred: ValId, extra: ValId) -> ValId {
+    let mut have = Vec::new();
+    crate::lower::predicate::conjuncts(sc, pred, &mut have);
+    let mut add = Vec::new();
+    crate::lower::predicate::conjuncts(sc, extra, &mut add);
+    add.into_iter().filter(|c| !have.contains(c)).fold(pred, |p, c| sc.binary(ScalarOp::And, p, c))
+}
+
+/// The overrun bounds of the consumer whose loops run `tv`'s expr when `tv` is indexed
+/// through it (`inlined_reference`, along a chain of such consumers): `tv`'s indices come
+/// from the consumer's logical indices, which stay in range where the consumer's split
+/// loops overrun, so `tv` would be computed (or stored) at an aliasing element.
+fn reference_bounds(f: &mut Fusion, ctx: &Ctx, tv: TvId, stack: &[Enclosing]) -> Result<ValId> {
+    let mut t = tv;
+    for _ in 0..f.tvs.len() {
+        let Some((e, _)) = inlined_reference(f, ctx.lg, &ctx.partial, t) else { break };
+        let d = f.exprs[e].output;
+        if inlined_reference(f, ctx.lg, &ctx.partial, d).is_none() {
+            let didx = consumer_indices(f, ctx, d, stack, true)?;
+            return Ok(split_bounds(f, d, &didx, false));
+        }
+        t = d;
+    }
+    Ok(f.scalars.boolean(true))
 }
 
 /// The consumer that a fully inlined `tv` is indexed through: its loops are all shared
@@ -425,6 +459,19 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
             inputs.push(None);
             continue;
         };
+        let fully = f.tvs[p].inline_pos >= f.tvs[p].loop_domain.len();
+        if fully
+            && f.exprs[e].op.indexed_input() != Some(pos)
+            && inlined_reference(f, ctx.lg, &ctx.partial, p).is_some_and(|(r, _)| r == e)
+        {
+            // A fully inlined producer was written under these very loops, at the indices
+            // its reference consumer (this expr) gave it: read it at the same ones. (Its
+            // loop axes that are logical ids take the consumer's logical index, not the
+            // loop's, where the loop runs a merge with a broadcast the consumer concretizes.)
+            let pidx = consumer_indices(f, ctx, p, stack, false)?;
+            inputs.push(Some(offset(f, ctx, p, &pidx, &groups)?));
+            continue;
+        }
         let mut pidx = from_consumer(f, e, pos, &cidx);
         let zero = f.scalars.int(0);
         for pid in f.tvs[p].logical.clone() {
@@ -474,6 +521,9 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
     }
     let mut pred = predicate(f, ctx, c, &cidx, stack, false);
     let mut write_pred = predicate(f, ctx, c, &cidx, stack, true);
+    let overrun = reference_bounds(f, ctx, c, stack)?;
+    pred = and_new(&mut f.scalars, pred, overrun);
+    write_pred = and_new(&mut f.scalars, write_pred, overrun);
     if matches!(f.exprs[e].op, Op::Reduction { .. }) {
         // Reducing a broadcast axis reduces its one element. When the reduction's loop
         // runs the extent of the axis it is broadcast against (a loop shared with a

@@ -35,6 +35,24 @@ pub fn partial_inlining(f: &Fusion, lg: &LoopGraph, exact: &IdGraph) -> Result<(
                 );
             }
         }
+        // A tensor with its own buffer is written at its own loop indices, so it cannot run
+        // in loops that a producer inlined into it shares with another consumer that
+        // concretizes them: e.g. `b` inlined fully into `b + x` (concretized) and `sin(b)`
+        // (keeps the broadcast) puts `sin(b)` in the concretized loops, where its loop
+        // indices no longer name its own elements.
+        if let Some((a, p)) = loops_concretized_by_producer(f, lg, exact, tv) {
+            bail!(
+                "{}: its axis {a} ({}) shares the loop {} with {}, which is inlined into it at position {} and into a consumer that concretizes a broadcast there; {} keeps its own buffer and would be written at the wrong elements; inline {} at position {a} at most, or inline {} fully into its consumer",
+                f.tv_name(tv),
+                f.id_label(t.loop_domain[a]),
+                f.id_label(lg.promoted(tv, a)),
+                f.tv_name(p),
+                f.tvs[p].inline_pos,
+                f.tv_name(tv),
+                f.tv_name(p),
+                f.tv_name(tv)
+            );
+        }
         if let Some(a) = concretized_shared_axis(f, lg, exact, tv) {
             if !private_axes_mirror_consumer(f, lg, exact, tv) {
                 bail!(
@@ -68,7 +86,16 @@ fn concretized_shared_axis(f: &Fusion, lg: &LoopGraph, exact: &IdGraph, tv: TvId
 /// and not a broadcast.
 fn concretized_axis_before(f: &Fusion, lg: &LoopGraph, exact: &IdGraph, tv: TvId, pos: usize) -> Option<usize> {
     let t = &f.tvs[tv];
-    if pos == 0 || t.uses.is_empty() || !lg.has(tv) {
+    if t.uses.is_empty() {
+        return None;
+    }
+    concretized_axis_in(f, lg, exact, tv, pos)
+}
+
+/// `concretized_axis_before` for any tensor in the kernel, outputs included.
+fn concretized_axis_in(f: &Fusion, lg: &LoopGraph, exact: &IdGraph, tv: TvId, pos: usize) -> Option<usize> {
+    let t = &f.tvs[tv];
+    if pos == 0 || !lg.has(tv) {
         return None;
     }
     let pos = pos.min(t.loop_domain.len());
@@ -85,6 +112,32 @@ fn concretized_axis_before(f: &Fusion, lg: &LoopGraph, exact: &IdGraph, tv: TvId
                 || (crate::analysis::loop_graph::depends_on_broadcast(f, own)
                     && f.ids[split_source(f, own)].extent != f.ids[split_source(f, promoted)].extent))
     })
+}
+
+/// The first loop axis of `tv`, right of its own inline position, that a producer inlined
+/// into it shares and whose loop runs a concretized space (with that producer). Tensors
+/// indexed through their consumer (fully inlined, or `through_consumer`) are exempt.
+fn loops_concretized_by_producer(f: &Fusion, lg: &LoopGraph, exact: &IdGraph, tv: TvId) -> Option<(usize, TvId)> {
+    let t = &f.tvs[tv];
+    t.definition?;
+    if t.inline_pos >= t.loop_domain.len() || !lg.has(tv) || t.uses.is_empty() && !f.is_output(tv) {
+        return None;
+    }
+    if concretized_shared_axis(f, lg, exact, tv).is_some() {
+        // partly inlined through its consumer, or refused by the check after this one
+        return None;
+    }
+    let (p, depth) = f
+        .producers(tv)
+        .into_iter()
+        .filter(|&p| f.tvs[p].definition.is_some() && lg.has(p))
+        .map(|p| (p, f.tvs[p].inline_pos.min(t.loop_domain.len())))
+        .max_by_key(|&(_, d)| d)?;
+    if depth <= t.inline_pos {
+        return None;
+    }
+    let a = concretized_axis_in(f, lg, exact, tv, depth)?;
+    (a >= t.inline_pos).then_some((a, p))
 }
 
 /// The id that `id` was split from, through any number of splits (itself when it was not
