@@ -616,7 +616,8 @@ def test_a_consumer_pulled_into_loops_its_producer_shares_with_a_concretizing_on
     want = a0 - a1[:, None] + np.sin(-a1[:, None].astype(np.float64)) * a2
     fd, b, c2 = two_consumers_of_a_merged_broadcast(mt)
     b.inline_at(-1)
-    with pytest.raises(KilnError, match=rf"{c2.name}: its axis 0 .* shares the loop .* with {b.name}, which is inlined"):
+    msg = rf"{c2.name}: its axis 0 .* shares the loop .* with {b.name}, which is inlined"
+    with pytest.raises(KilnError, match=msg):
         fd.lower([a0, a1, a2])
     # Left outside the shared loops, b is computed in its own and both consumers read it.
     fd, b, c2 = two_consumers_of_a_merged_broadcast(mt)
