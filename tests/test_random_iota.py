@@ -191,3 +191,50 @@ def _as_f64(a: Any) -> np.ndarray:
     if a.dtype == np.uint16:
         return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     return a.astype(np.float64)
+
+
+@pytest.mark.parametrize("m,v", [(1, 1), (19, 50), (300, 7), (4, 1029)])
+def test_one_hot_from_a_broadcast_iota_is_one_kernel(m: int, v: int) -> None:
+    # ``labels[:, None] == arange(V)[None, :]``: the iota is made at the comparison's rank,
+    # so it runs in the output's loops (it was a kernel of its own, written to memory).
+    with FusionDefinition() as fd:
+        lab = fd.define_tensor([-1], dtype=DataType.Int)
+        io = fd.ops.iota(v, start=2, step=3, dtype=DataType.Int)
+        hit = fd.ops.eq(
+            fd.ops.broadcast_in_dim(lab, shape=[-1, -1], broadcast_dims=[0]),
+            fd.ops.broadcast_in_dim(io, shape=[-1, -1], broadcast_dims=[1]),
+        )
+        fd.add_output(fd.ops.cast(hit, DataType.Float))
+    labels = np.random.default_rng(m).integers(0, 3 * v + 2, m).astype(np.int64)
+    assert len(fd.lower([labels]).kernels) == 1
+    (got,) = fd.execute([labels])
+    want = (labels[:, None] == 2 + 3 * np.arange(v)[None, :]).astype(np.float32)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "dims,shape", [([0], [5, 1, 1]), ([1], [1, 9, 1]), ([2], [1, 1, 6]), ([0, 2], [5, 1, 6])]
+)
+def test_broadcast_random_and_iota_keep_their_values(dims: List[int], shape: List[int]) -> None:
+    # Random numbers drawn for a [B] (or [B, H]) tensor and broadcast along the other axes
+    # (stochastic depth's per-sample mask), and a reshaped float iota: made at the
+    # broadcast's rank, each element keeps its row-major position and so its value.
+    full = [5, 9, 6]
+    src = [full[d] for d in dims]
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1])
+        u = fd.ops.uniform(0.0, 1.0, src, rng_seed=11, rng_offset=3)
+        io = fd.ops.iota(int(np.prod(src)), start=0.5, step=0.25, dtype=DataType.Float)
+        iob = fd.ops.reshape(io, src)
+        ub = fd.ops.broadcast_in_dim(u, shape=[-1, -1, -1], broadcast_dims=dims)
+        ib = fd.ops.broadcast_in_dim(iob, shape=[-1, -1, -1], broadcast_dims=dims)
+        keep = fd.ops.lt(ub, 0.7)
+        fd.add_output(fd.ops.add(fd.ops.where(keep, fd.ops.mul(x, 1 / 0.7), 0.0), ib))
+    x_ = np.random.default_rng(1).standard_normal(full).astype(np.float32)
+    # (the reshaped iota is remade at its new shape too: no kernel of its own)
+    assert len(fd.lower([x_]).kernels) == 1
+    (got,) = fd.execute([x_])
+    u_ = _uniform_ref(11, 3, int(np.prod(src)), 0.0, 1.0).reshape(shape)
+    io_ = (0.5 + 0.25 * np.arange(int(np.prod(src)))).reshape(shape)
+    want = np.where(u_ < 0.7, x_.astype(np.float64) / 0.7, 0.0) + io_
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -199,7 +199,9 @@ pub enum Op {
     Full {
         value: ValId,
     },
-    /// `start + i * step` at position `i` of the output's one axis.
+    /// `start + i * step` at row-major position `i` of the output (one axis as users write
+    /// it; the canonical form remakes it at shapes that keep every element's position: a
+    /// broadcast's rank with size-one new axes, a reshape).
     Iota {
         start: ValId,
         step: ValId,

@@ -8,7 +8,8 @@
 //!   shape, so every tensor of a normalization or pointwise kernel has the kernel's rank
 //!   and shares its loops. The moved op is recomputed per element: element-wise math costs
 //!   nothing next to the memory traffic of these kernels. The original op stays where
-//!   something else (an output) reads it.
+//!   something else (an output) reads it. Fills, masks, iotas and random numbers are made
+//!   at the broadcast's rank instead (size-one new axes keep every element's position).
 //! - **Nested reductions merge.** `sum(sum(x, [1]), [0])` (a per-row loss averaged over
 //!   the rows) becomes `sum(x, [0, 1])` when nothing else reads the inner result: one
 //!   reduction the schedulers cover in one kernel instead of two. Sums reassociate (the
@@ -87,6 +88,24 @@ pub fn sink_broadcasts(f: &mut Fusion) -> Result<()> {
             let op = f.exprs[d].op.clone();
             // A fill or a position mask is made at the broadcast's rank instead (its new
             // axes of size one), so it shares the consumer's loops.
+            // Iota and random numbers are functions of the row-major position: made at the
+            // broadcast's rank with size-one new axes, every element keeps its position, so
+            // its value (`broadcast(iota(V))` for a one-hot `labels == iota` in the
+            // consumer's loops, not a kernel of its own).
+            if matches!(op, Op::Iota { .. } | Op::Random { .. }) {
+                let old = f.exprs[e].output;
+                let one = f.scalars.int(1);
+                let extents: Vec<_> = f
+                    .no_reduction_logical(old)
+                    .iter()
+                    .zip(&is_new)
+                    .map(|(&id, &n)| if n { one } else { f.ids[id].extent })
+                    .collect();
+                let moved = f.source("broadcast source", &extents, op, f.tvs[x].dtype)?;
+                replace_tensor(f, old, moved);
+                f.tvs[x].uses.retain(|&u| u != e);
+                continue 'again;
+            }
             if let Op::Full { value: fill } | Op::Mask { valid: fill } = op {
                 let old = f.exprs[e].output;
                 let extents: Vec<_> = f.no_reduction_logical(old).iter().map(|&id| f.ids[id].extent).collect();
@@ -223,6 +242,11 @@ pub fn sink_remaps(f: &mut Fusion) -> Result<()> {
                     f.remap(y, name, &extents, at, valid)?
                 }
                 Op::Full { value } => f.full(&extents, Operand::Scalar(value), f.tvs[x].dtype)?,
+                // An iota or random numbers are functions of the row-major position, which a
+                // reshape keeps: made at the new shape, each element keeps its value.
+                Op::Iota { .. } | Op::Random { .. } if name == "reshape" && valid.is_none() => {
+                    f.source("reshaped source", &extents, op, f.tvs[x].dtype)?
+                }
                 Op::Mask { valid: m } => {
                     let at = f.compose(m, &index);
                     f.mask(&extents, at)?
