@@ -1,6 +1,7 @@
 """Explore kiln's automatic schedule path with fresh random fusions (not a pytest module).
 
-    python tests/explore_auto.py [M] [--seed S] [--shrink BUDGET] [--groups K] [--out PATH] [--contiguous]
+    python tests/explore_auto.py [M] [--seed S] [--shrink BUDGET] [--groups K] [--out PATH]
+                                 [--contiguous] [--gpu]
 
 draws M cases (default 2000) with the generator of tests/test_auto_random.py from a fresh
 seed (printed, so a run can be repeated with --seed), runs each through ``fd.execute`` on the
@@ -8,7 +9,8 @@ automatic path, and prints counts per category (ok, mismatch, internal, memfault
 per non-ok category, the distinct failure messages (tensor names and numbers stripped) with
 their counts and, for the K most frequent, the smallest example (greedily shrunk while the same
 message persists, BUDGET runs each) as a runnable Python repro. The report is also written to
-/tmp/auto_random_report.txt (--out).
+/tmp/auto_random_report.txt (--out). With --gpu the cases run on the GPU (CuPy inputs of the
+same strides) instead of in the interpreter.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ def main(argv: list) -> int:
     p.add_argument("--out", default="/tmp/auto_random_report.txt")
     p.add_argument("--contiguous", action="store_true",
                    help="only C-contiguous inputs (hides the failures of strided ones, shows the rest)")
+    p.add_argument("--gpu", action="store_true",
+                   help="run on the GPU (CuPy inputs) instead of the interpreter")
     args = p.parse_args(argv)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(6), "little")
     rng = random.Random(seed)
@@ -47,7 +51,7 @@ def main(argv: list) -> int:
         if args.contiguous:
             case.fulls = [(dt, "contig") for dt, _ in case.fulls]
         try:
-            outcome = gen.run_case(case)
+            outcome = gen.run_case(case, gpu=args.gpu)
         except Exception as e:  # noqa: BLE001 - a bug of the harness itself: count it, go on
             key = f"{type(e).__name__}: {gen.normalize(str(e))}"
             harness[key] += 1
@@ -59,7 +63,7 @@ def main(argv: list) -> int:
     elapsed = time.time() - t0
     head = [f"kiln automatic-path exploration: seed {seed}, {args.m} examples in {elapsed:.1f} s "
             f"(repeat: python tests/explore_auto.py {args.m} --seed {seed}"
-            f"{' --contiguous' if args.contiguous else ''})"]
+            f"{' --contiguous' if args.contiguous else ''}{' --gpu' if args.gpu else ''})"]
     kernels = Counter(o.kernels for _, o in results if o.category == "ok")
     head.append("kernels per ok example: " + ", ".join(f"{k}: {v}" for k, v in sorted(kernels.items())))
     if harness:

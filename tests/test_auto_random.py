@@ -42,6 +42,7 @@ import math
 import os
 import random
 import re
+import sys
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -1178,8 +1179,26 @@ def _check_output(i: int, v: Val, got: Any) -> Optional[str]:
             f"{at}: got {got[at]!r}, expected {v.ref[at]!r}")
 
 
-def run_case(case: Case, diagnose: bool = True) -> Outcome:
-    """Build, lower and run ``case`` on the automatic path; classify what happened."""
+def _on_gpu(x: Any) -> Any:
+    """A CuPy copy of array input ``x`` with its strides (scalars pass through)."""
+    import cupy as cp
+
+    if not isinstance(x, np.ndarray):
+        return x
+    if x.flags.c_contiguous or x.size == 0:
+        return cp.asarray(np.array(x, order="C"))
+    # The same view of a GPU copy of the whole base: the kernels run on these strides.
+    base = x
+    while isinstance(base.base, np.ndarray):
+        base = base.base
+    offset = x.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    flat = cp.asarray(np.ascontiguousarray(base).reshape(-1).view(np.uint8))
+    return cp.ndarray(x.shape, x.dtype, flat.data + offset, strides=x.strides)
+
+
+def run_case(case: Case, diagnose: bool = True, gpu: bool = False) -> Outcome:
+    """Build, lower and run ``case`` on the automatic path (in the interpreter, or with
+    ``gpu`` on CuPy copies of the inputs); classify what happened."""
     try:
         prog = build(case)
     except KilnError as e:
@@ -1190,7 +1209,12 @@ def run_case(case: Case, diagnose: bool = True) -> Outcome:
     try:
         low = prog.fd.lower(prog.inputs)
         n_kernels, stage = len(low.kernels), "execute"
-        outs = prog.fd.execute(prog.inputs)
+        if gpu:
+            import cupy as cp
+
+            outs = [cp.asnumpy(o) for o in prog.fd.execute([_on_gpu(x) for x in prog.inputs])]
+        else:
+            outs = prog.fd.execute(prog.inputs)
     except Exception as e:  # noqa: BLE001 - every failure of the compiler is classified
         cat = classify_error(e)
         key = f"{type(e).__name__}: {normalize(str(e))}"
@@ -1468,6 +1492,25 @@ def test_auto_random_fusions_match_numpy() -> None:
     _hand_kept_kernels_to_conftest()
     if bad:
         pytest.fail(f"{len(bad)} of {len(results)} examples failed\n" + report, pytrace=False)
+
+
+@pytest.mark.gpu
+def test_auto_random_fusions_match_numpy_on_the_gpu() -> None:
+    """The first ``KILN_AUTO_GPU_EXAMPLES`` (default 150) fusions the interpreter ran, on the
+    GPU with CuPy inputs of the same strides."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gpu_util import cupy_or_skip
+
+    cupy_or_skip()
+    limit = int(os.environ.get("KILN_AUTO_GPU_EXAMPLES", "150"))
+    ran = [case for case, o in _collect() if o.category == "ok"][:limit]
+    bad = [(case, o) for case in ran if (o := run_case(case, diagnose=False, gpu=True)).category != "ok"]
+    from kiln.lowering import take_generated
+
+    take_generated()
+    if bad:
+        pytest.fail(f"{len(bad)} of {len(ran)} fusions differ on the GPU\n" + "\n\n".join(
+            f"# {o.message[:400]}\n{repro(case, o)}" for case, o in bad[:5]), pytrace=False)
 
 
 def test_auto_random_refusals_are_rare_and_named() -> None:
