@@ -238,3 +238,16 @@ def test_broadcast_random_and_iota_keep_their_values(dims: List[int], shape: Lis
     io_ = (0.5 + 0.25 * np.arange(int(np.prod(src)))).reshape(shape)
     want = np.where(u_ < 0.7, x_.astype(np.float64) / 0.7, 0.0) + io_
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_stepped_slice_of_an_iota_reshaped_keeps_its_positions() -> None:
+    # slice(iota(12), step 2) then reshape composes into one remap named reshape; the iota
+    # is not remade at the reshaped shape (that would drop the step).
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        io = fd.ops.iota(12, start=1.0, step=1.0, dtype=DataType.Float)
+        s = fd.ops.slice(io, [0], [12], [2])
+        fd.add_output(fd.ops.add(x, fd.ops.reshape(s, [2, 3])))
+    x_ = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
+    (got,) = fd.execute([x_])
+    np.testing.assert_allclose(got, x_ + (1.0 + np.arange(12.0))[::2].reshape(2, 3), rtol=1e-6)

@@ -520,6 +520,8 @@ class HostProgram:
         """Names of the fusion's tensor inputs, in order."""
     def output_names(self) -> List[str]:
         """Names of the fusion's outputs, in order."""
+    def output_views(self, sizes: List[List[int]], scalars: List[Any]) -> List[Optional[List[int]]]:
+        """The shape each output is handed back in where its kernel computes it at another."""
     @property
     def plan_misses(self) -> int:
         """Number of plans evaluated so far (misses of the per-signature cache)."""

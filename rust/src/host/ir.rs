@@ -46,6 +46,9 @@ pub struct HostBuffer {
     pub zero_init: bool,
     pub resets_to_zero: bool,
     pub role: BufferRole,
+    /// For an output computed at another shape (`Fusion::output_views`): the shape it is
+    /// handed back in, as scalars of `kernels[kernel].fusion` (row-major, same elements).
+    pub view: Option<Vec<ValId>>,
 }
 
 /// One host instruction.
@@ -101,9 +104,17 @@ impl HostProgram {
                     let buf = &self.buffers[*b];
                     let sc = &self.kernels[buf.kernel].fusion.scalars;
                     let shape: Vec<String> = buf.shape.iter().map(|&v| sc.render(v)).collect();
+                    let view = buf
+                        .view
+                        .as_ref()
+                        .map(|v| {
+                            let v: Vec<String> = v.iter().map(|&e| sc.render(e)).collect();
+                            format!(" (handed back as [{}])", v.join(", "))
+                        })
+                        .unwrap_or_default();
                     let _ = writeln!(
                         s,
-                        "  Allocate {} [{}] {} zero_init={} resets_to_zero={}",
+                        "  Allocate {} [{}] {} zero_init={} resets_to_zero={}{view}",
                         buf.name,
                         shape.join(", "),
                         buf.dtype,

@@ -93,6 +93,7 @@ pub fn lower_segments(
                 zero_init: g.zero_init,
                 resets_to_zero: g.resets_to_zero,
                 role: if g.error_word { BufferRole::ErrorWord } else { BufferRole::KernelBuffer },
+                view: None,
             });
             instrs.push(HostInstr::Allocate(b));
             intermediates.push(b);
@@ -145,5 +146,9 @@ fn tensor_buffer(f: &Fusion, tv: TvId, kernel: usize, role: BufferRole) -> HostB
         zero_init: false,
         resets_to_zero: false,
         role,
+        view: match role {
+            BufferRole::Output(_) => f.output_views.iter().find(|(t, _)| *t == tv).map(|(_, v)| v.clone()),
+            _ => None,
+        },
     }
 }

@@ -203,6 +203,15 @@ fn buffer_alloc(
             let l = (0..s.len()).collect();
             (s, l, Place::Input(n))
         }
+        (BufferRole::Output(_), Some(_)) if hb.view.is_some() => {
+            // Computed at its source's shape, row-major: handed back at the defined shape.
+            let mut sizes = Vec::new();
+            for &e in hb.view.iter().flatten() {
+                sizes.push(b.eval(&k.fusion.scalars, e)?);
+            }
+            let layout = (0..sizes.len()).collect();
+            (sizes, layout, Place::Arena(0))
+        }
         (BufferRole::Output(_) | BufferRole::Intermediate, Some(tv)) => {
             let o = output_plan(&k.fusion, &k.fusion.scalars, tv, b)?;
             (o.sizes, o.layout, Place::Arena(0))

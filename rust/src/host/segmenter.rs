@@ -92,6 +92,7 @@ pub fn auto_program_strided(
         crate::host::bind::specialize_layout(&mut g, &descs);
     }
     crate::sched::auto::canonical::expand_small_powers(&mut g)?;
+    crate::sched::auto::canonical::hoist_output_reshapes(&mut g)?;
     crate::sched::auto::canonical::sink_remaps(&mut g)?;
     crate::sched::auto::canonical::reduce_through_broadcasts(&mut g)?;
     crate::sched::auto::canonical::merge_nested_reductions(&mut g)?;

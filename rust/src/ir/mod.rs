@@ -338,6 +338,10 @@ pub struct Fusion {
     /// buffer receives it). The output is computed like any other, then copied into the
     /// input's buffer after every launch, so no kernel reads an input it overwrites.
     pub aliases: Vec<(TvId, TvId)>,
+    /// Outputs the host hands back reshaped: (output, the shape the definition gave it).
+    /// The canonical form computes a reshaped output at its source's shape
+    /// (`canonical::hoist_output_reshapes`); row-major, the elements are the same.
+    pub output_views: Vec<(TvId, Vec<ValId>)>,
     /// Sizes the definition needs equal at run time (reshape's element counts, cat's kept
     /// axes), checked when the inputs are bound.
     pub size_checks: Vec<shape_ops::SizeCheck>,

@@ -220,7 +220,7 @@ impl Fusion {
     /// Input positions of a row-major reshape from `ins` to `outs`. Runs of axes whose
     /// sizes multiply to the same value are mapped run by run (a kept axis is its own
     /// position, a split axis `o1 * D + o2`), so most reshapes need no division at all.
-    fn reshape_index(&mut self, ins: &[ValId], outs: &[ValId]) -> Vec<ValId> {
+    pub(crate) fn reshape_index(&mut self, ins: &[ValId], outs: &[ValId]) -> Vec<ValId> {
         let mut index: Vec<ValId> = Vec::with_capacity(ins.len());
         let (mut i, mut j) = (0usize, 0usize);
         while i < ins.len() || j < outs.len() {

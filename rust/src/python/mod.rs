@@ -1282,6 +1282,44 @@ impl PyHostProgram {
         f.inputs.iter().filter_map(|o| o.tensor()).map(|t| f.tv_name(t)).collect()
     }
 
+    /// The shape each output is handed back in where its kernel computes it at another
+    /// (None elsewhere), for inputs of these sizes (elements) and scalar inputs.
+    fn output_views(
+        &self,
+        py: Python<'_>,
+        sizes: Vec<Vec<i64>>,
+        scalars: Vec<PyScalarArg>,
+    ) -> PyResult<Vec<Option<Vec<i64>>>> {
+        use crate::host::eval::{InputDesc, ScalarArg};
+        use crate::host::ir::BufferRole;
+        let p = &self.inner;
+        guarded(py, || {
+            let mut views = vec![None; p.fusion.outputs.len()];
+            if !p.buffers.iter().any(|b| b.view.is_some()) {
+                return Ok(views);
+            }
+            let inputs: Vec<InputDesc> = sizes
+                .into_iter()
+                .map(|sizes| {
+                    let mut strides = vec![1i64; sizes.len()];
+                    for a in (0..sizes.len().saturating_sub(1)).rev() {
+                        strides[a] = strides[a + 1] * sizes[a + 1].max(1);
+                    }
+                    InputDesc { sizes, strides }
+                })
+                .collect();
+            let sc: Vec<ScalarArg> = scalars.iter().map(PyScalarArg::to_arg).collect();
+            let b = crate::host::bind::bind(&p.fusion, &inputs, &sc)?;
+            for hb in &p.buffers {
+                if let (BufferRole::Output(n), Some(v)) = (hb.role, &hb.view) {
+                    let sc = &p.kernels[hb.kernel].fusion.scalars;
+                    views[n] = Some(v.iter().map(|&e| b.eval(sc, e)).collect::<crate::Result<Vec<i64>>>()?);
+                }
+            }
+            Ok(views)
+        })
+    }
+
     /// Names of the fusion's outputs, in order.
     fn output_names(&self) -> Vec<String> {
         let f = &self.inner.fusion;

@@ -75,7 +75,7 @@ use crate::analysis::id_graph::IdGraph;
 use crate::error::Result;
 use crate::ir::mapping::logical_pairs;
 use crate::ir::scalar::Val;
-use crate::ir::{BinaryOp, DataType, ExprId, Fusion, IterType, Op, Operand, ReductionOp, TvId, UnaryOp};
+use crate::ir::{BinaryOp, DataType, ExprId, Fusion, IterType, Op, Operand, ReductionOp, TvId, UnaryOp, ValId};
 
 /// Rewrite `f` (unscheduled) into canonical form; semantics are unchanged.
 pub fn sink_broadcasts(f: &mut Fusion) -> Result<()> {
@@ -244,7 +244,7 @@ pub fn sink_remaps(f: &mut Fusion) -> Result<()> {
                 Op::Full { value } => f.full(&extents, Operand::Scalar(value), f.tvs[x].dtype)?,
                 // An iota or random numbers are functions of the row-major position, which a
                 // reshape keeps: made at the new shape, each element keeps its value.
-                Op::Iota { .. } | Op::Random { .. } if name == "reshape" && valid.is_none() => {
+                Op::Iota { .. } | Op::Random { .. } if pure_reshape(f, e) => {
                     f.source("reshaped source", &extents, op, f.tvs[x].dtype)?
                 }
                 Op::Mask { valid: m } => {
@@ -258,6 +258,115 @@ pub fn sink_remaps(f: &mut Fusion) -> Result<()> {
             continue 'again;
         }
         return Ok(());
+    }
+}
+
+/// Compute an output that reshapes a tensor computed from a reduction (GroupNorm's
+/// `reshape(normalize(reshape(x, [N, G, C/G, H, W])), [N, C, H, W]) * w + b`) at the
+/// reshape's source shape, and let the host hand it back reshaped (`Fusion::output_views`:
+/// row-major, the same elements). The element-wise ops between the reshape and the output
+/// move to the source's shape (their other operands reshaped to it, which `sink_remaps`
+/// then reads from the inputs). Otherwise the reshape, a remap, would read the normalized
+/// tensor whole from memory: a kernel for the statistics and a second pass over `x`.
+pub fn hoist_output_reshapes(f: &mut Fusion) -> Result<()> {
+    for k in 0..f.outputs.len() {
+        let o = f.outputs[k];
+        if f.aliases.iter().any(|&(out, _)| out == o) || f.output_views.iter().any(|(t, _)| *t == o) {
+            continue;
+        }
+        // The chain of element-wise ops from a reshape up to the output, each tensor read
+        // only along it.
+        let mut chain: Vec<ExprId> = Vec::new();
+        let mut t = o;
+        let (source, reshape) = loop {
+            let Some(d) = f.tvs[t].definition else { break (None, None) };
+            match &f.exprs[d].op {
+                Op::Remap { name: "reshape", valid: None, .. } => {
+                    break (f.exprs[d].inputs[0].tensor(), Some(d));
+                }
+                Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast(_) | Op::Set => {
+                    // Follow the one operand that leads to a reshape of a computed tensor.
+                    let next = f.exprs[d].inputs.iter().filter_map(|o| o.tensor()).find(|&x| leads_to_reshape(f, x));
+                    let Some(x) = next else { break (None, None) };
+                    if f.tvs[x].uses.len() != 1 || f.is_output(x) {
+                        break (None, None);
+                    }
+                    chain.push(d);
+                    t = x;
+                }
+                _ => break (None, None),
+            }
+        };
+        let (Some(y), Some(r)) = (source, reshape) else { continue };
+        if !pure_reshape(f, r) {
+            continue;
+        }
+        let rt = f.exprs[r].output;
+        if !after_reduction(f, y) || f.is_output(y) || (rt != o && (f.tvs[rt].uses.len() != 1 || f.is_output(rt))) {
+            continue;
+        }
+        let shape: Vec<ValId> = f.no_reduction_logical(y).iter().map(|&id| f.ids[id].extent).collect();
+        let view: Vec<ValId> = f.no_reduction_logical(o).iter().map(|&id| f.ids[id].extent).collect();
+        // Positions in the defined shape of each position in the source's.
+        let rt_shape: Vec<ValId> = f.no_reduction_logical(rt).iter().map(|&id| f.ids[id].extent).collect();
+        let index = f.reshape_index(&rt_shape, &shape);
+        let mut cur = y;
+        let mut from = rt;
+        for &d in chain.iter().rev() {
+            let mut operands = Vec::new();
+            for op in f.exprs[d].inputs.clone() {
+                operands.push(match op {
+                    Operand::Tensor(x) if x == from => Operand::Tensor(cur),
+                    Operand::Tensor(x) => {
+                        // A size-one axis broadcast against the others is read at 0.
+                        let zero = f.scalars.int(0);
+                        let at: Vec<ValId> = f
+                            .no_reduction_logical(x)
+                            .iter()
+                            .zip(&index)
+                            .map(|(&id, &v)| if f.ids[id].iter_type == IterType::Broadcast { zero } else { v })
+                            .collect();
+                        Operand::Tensor(f.remap(x, "reshape", &shape, at, None)?)
+                    }
+                    s => s,
+                });
+            }
+            let next = replay(f, f.exprs[d].op.clone(), &operands)?;
+            from = f.exprs[d].output;
+            cur = next;
+        }
+        f.outputs[k] = cur;
+        f.tvs[cur].memory = crate::ir::MemoryType::Global;
+        f.output_views.push((cur, view));
+    }
+    drop_dead_uses(f);
+    Ok(())
+}
+
+/// True when remap `e` is a row-major reshape and nothing else: the definition composes a
+/// slice or a pad with a reshape into one remap named `reshape`, whose positions then differ
+/// from a plain reshape's (the scalar arena interns expressions: equal positions are equal
+/// ids).
+fn pure_reshape(f: &mut Fusion, e: ExprId) -> bool {
+    let Op::Remap { name: "reshape", index, valid: None } = f.exprs[e].op.clone() else { return false };
+    let Some(x) = f.exprs[e].inputs[0].tensor() else { return false };
+    let ins: Vec<ValId> = f.no_reduction_logical(x).iter().map(|&id| f.ids[id].extent).collect();
+    let outs: Vec<ValId> = f.no_reduction_logical(f.exprs[e].output).iter().map(|&id| f.ids[id].extent).collect();
+    f.reshape_index(&ins, &outs) == index
+}
+
+/// True when `x` is a reshape of a tensor computed in the fusion, or an element-wise op
+/// whose operands lead to one.
+fn leads_to_reshape(f: &Fusion, x: TvId) -> bool {
+    let Some(d) = f.tvs[x].definition else { return false };
+    match &f.exprs[d].op {
+        Op::Remap { name: "reshape", valid: None, .. } => {
+            f.exprs[d].inputs[0].tensor().is_some_and(|y| f.tvs[y].definition.is_some())
+        }
+        Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast(_) | Op::Set => {
+            f.exprs[d].inputs.iter().filter_map(|o| o.tensor()).any(|y| leads_to_reshape(f, y))
+        }
+        _ => false,
     }
 }
 
@@ -907,6 +1016,11 @@ fn replace_tensor(f: &mut Fusion, old: TvId, new: TvId) {
         }
     }
     for o in f.outputs.iter_mut() {
+        if *o == old {
+            *o = new;
+        }
+    }
+    for (o, _) in f.output_views.iter_mut() {
         if *o == old {
             *o = new;
         }
