@@ -411,6 +411,15 @@ def peer_batchnorm2d(ins: Sequence[Any]) -> Peer:
     return batch_norm, list(ins[:5])
 
 
+def peer_group_norm(ins: Sequence[Any]) -> Peer:
+    """nn.GroupNorm.forward (``F.group_norm``) with the family's group count."""
+    groups = 32 if ins[0].shape[1] % 32 == 0 else 4
+
+    def group_norm(x: Any, weight: Any, bias: Any) -> Any:
+        return F.group_norm(x, groups, weight, bias, eps=fams.LN_EPS)
+    return group_norm, list(ins[:3])
+
+
 def peer_adamw(ins: Sequence[Any]) -> Peer:
     """``torch.optim.adamw._single_tensor_adamw`` for one parameter at step 10 (in place)."""
     a = fams.ADAM
@@ -624,6 +633,8 @@ WORKLOADS: List[Workload] = [
     Workload("batchnorm2d_train", "ResNet BatchNorm2d", fams.batchnorm_nchw_train, (64, 256, 56, 56),
              (16, 256, 56, 56), (2, 3, 5, 7), peer_batchnorm2d, outputs=(0, 3, 4), mutates=(3, 4),
              fix=fix_batchnorm),
+    Workload("group_norm", "SD UNet GroupNorm(32)", fams.group_norm_nchw, (16, 512, 64, 64), (4, 512, 64, 64),
+             (2, 64, 3, 5), peer_group_norm),
     Workload("adamw", "AdamW step (64M)", fams.adamw, (16384, 4096), (4096, 4096), (7, 33), peer_adamw,
              mutates=(0, 2, 3), fix=fix_adamw),
     Workload("sgd_momentum", "SGD momentum step (64M)", fams.sgd_momentum_fp16_grad, (16384, 4096),

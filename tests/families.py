@@ -990,6 +990,39 @@ def batchnorm_nchw_train(sizes: Sizes) -> Family:
                   out_tols=[None, None, (1e-4, 1e-2), None, None])
 
 
+@family(((1, 4, 1, 2), (2, 4, 5, 7), (1, 8, 13, 11), (3, 12, 1, 61), (2, 16, 3, 3)),
+        ((1, 4, 1, 2), (2, 8, 5, 7), (2, 320, 32, 32), (16, 512, 64, 64), (1, 64, 130, 7)),
+        (16, 512, 64, 64))
+def group_norm_nchw(sizes: Sizes) -> Family:
+    """nn.GroupNorm(groups, C) on NCHW as torch traces it (diffusion UNets): x viewed as
+    [N, G, C/G, H, W], statistics over the last three axes, viewed back, per-channel affine.
+    G = 32 where C allows (SD's norm layers), else 4."""
+    n, c, h, w_ = sizes
+    g = 32 if c % 32 == 0 else 4
+    with FusionDefinition() as fd:
+        x = _tensor(fd, 4)
+        w = _tensor(fd, 1)
+        b = _tensor(fd, 1)
+        xr = fd.ops.reshape(x, [n, g, c // g, h, w_])
+        var, mean = fd.ops.var_mean(xr, dims=[2, 3, 4], correction=0)
+        rstd = fd.ops.rsqrt(fd.ops.add(var, LN_EPS))
+        y = fd.ops.mul(fd.ops.sub(xr, _bcast(fd, mean, 5, [0, 1])), _bcast(fd, rstd, 5, [0, 1]))
+        y = fd.ops.reshape(y, [n, c, h, w_])
+        fd.add_output(fd.ops.add(fd.ops.mul(y, _bcast(fd, w, 4, [1])), _bcast(fd, b, 4, [1])))
+
+    def make(sizes: Sizes, seed: int = 0) -> List[Any]:
+        rng = _rng("group_norm_nchw", sizes, seed)
+        return [_randn(rng, sizes, scale=2.0, shift=0.5), _randn(rng, (sizes[1],), scale=0.5, shift=1.0),
+                _randn(rng, (sizes[1],))]
+
+    def ref(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> List[np.ndarray]:
+        xr = x.reshape(n, g, -1)
+        y = (xr - xr.mean(-1, keepdims=True)) / np.sqrt(xr.var(-1, keepdims=True) + LN_EPS)
+        return [y.reshape(x.shape) * w[:, None, None] + b[:, None, None]]
+    # One kernel: the output is computed at the grouped shape and handed back as [N, C, H, W].
+    return Family("group_norm_nchw", sizes, fd, make, ref, rtol=1e-4, atol=1e-4)
+
+
 @family(((1, 1, 1, 1), (2, 3, 5, 7), (1, 5, 13, 11), (3, 2, 1, 61), (2, 3, 33, 31)),
         ((1, 1, 1, 1), (2, 3, 5, 7), (3, 2, 1, 61), (8, 64, 64, 64), (1, 3, 512, 512)),
         (16, 128, 64, 64))

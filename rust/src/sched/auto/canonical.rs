@@ -551,6 +551,13 @@ pub fn reduce_broadcast_axes(f: &mut Fusion) -> Result<()> {
             .filter(|a| !drop.contains(a))
             .map(|&a| (a - drop.iter().filter(|&&d| d < a).count()) as i64)
             .collect();
+        // Only where what is left is a total (or nothing): a partial reduction that keeps
+        // axes is a normalization's statistic, whose kernel holds the unsqueezed tensor
+        // beside it (GroupNorm's [N, G, C/G = 1, H, W], a batch of one), and a squeezed
+        // copy would not line up with it.
+        if !dims.is_empty() && dims.len() != l.len() - drop.len() {
+            continue;
+        }
         let new = if dims.is_empty() { sq } else { f.reduction(op, sq, &dims, false, Some(f.tvs[out].dtype))? };
         replace_tensor(f, out, new);
         f.tvs[t].uses.retain(|&u| u != e);
