@@ -478,9 +478,9 @@ fn v_vectorized() {
         FOR blockIdx.x in iblockIdx.x39{ceilDiv(i0 * i1, 512)} (BIDx):
           FOR threadIdx.x in ithreadIdx.x40{128} (TIDx):
             ALLOCATE T6 Local float [4]
-            VECTOR x4 T6 = set(T0)  @ [0] <- [(blockIdx.x * 128 + threadIdx.x) * 4] [Wide, WideIfAddressAligned] if (blockIdx.x * 128 + threadIdx.x) * 4 < i0 * i1 && (blockIdx.x * 128 + threadIdx.x) * 4 < i0 * i1 && blockIdx.x * 128 + threadIdx.x < ceilDiv(i0 * i1, 4) and (blockIdx.x * 128 + threadIdx.x) * 4 + 3 < i0 * i1 && (blockIdx.x * 128 + threadIdx.x) * 4 + 3 < i0 * i1 && blockIdx.x * 128 + threadIdx.x < ceilDiv(i0 * i1, 4); else:
+            VECTOR x4 T6 = set(T0)  @ [0] <- [(blockIdx.x * 128 + threadIdx.x) * 4] [Wide, WideIfAddressAligned] if (blockIdx.x * 128 + threadIdx.x) * 4 < i0 * i1 && ((blockIdx.x * 128 + threadIdx.x) * 4 < i0 * i1 && blockIdx.x * 128 + threadIdx.x < ceilDiv(i0 * i1, 4)) and (blockIdx.x * 128 + threadIdx.x) * 4 + 3 < i0 * i1 && ((blockIdx.x * 128 + threadIdx.x) * 4 + 3 < i0 * i1 && blockIdx.x * 128 + threadIdx.x < ceilDiv(i0 * i1, 4)); else:
               FOR idx0 in iV43{4} (Unroll):
-                T6 = set(T0)  @ [idx0] <- [(blockIdx.x * 128 + threadIdx.x) * 4 + idx0] if (blockIdx.x * 128 + threadIdx.x) * 4 + idx0 < i0 * i1 && (blockIdx.x * 128 + threadIdx.x) * 4 + idx0 < i0 * i1 && blockIdx.x * 128 + threadIdx.x < ceilDiv(i0 * i1, 4)
+                T6 = set(T0)  @ [idx0] <- [(blockIdx.x * 128 + threadIdx.x) * 4 + idx0] if (blockIdx.x * 128 + threadIdx.x) * 4 + idx0 < i0 * i1 && ((blockIdx.x * 128 + threadIdx.x) * 4 + idx0 < i0 * i1 && blockIdx.x * 128 + threadIdx.x < ceilDiv(i0 * i1, 4))
             ALLOCATE T7 Local float [4]
             IF blockIdx.x * 128 + threadIdx.x < ceilDiv(i0 * i1, 4):  // invariant bounds
               FOR idx1 in iS48{4}:
@@ -493,9 +493,9 @@ fn v_vectorized() {
                 ALLOCATE T4 Local float [1]
                 T4 = sigmoid(T6)  @ [0] <- [idx1] if (blockIdx.x * 128 + threadIdx.x) * 4 + idx1 < i0 * i1 && (blockIdx.x * 128 + threadIdx.x) * 4 + idx1 < i0 * i1
                 T7 = mul(T3, T4)  @ [idx1] <- [0], [0] if (blockIdx.x * 128 + threadIdx.x) * 4 + idx1 < i0 * i1 && (blockIdx.x * 128 + threadIdx.x) * 4 + idx1 < i0 * i1
-            VECTOR x4 T5 = set(T7)  @ [(blockIdx.x * 128 + threadIdx.x) * 4] <- [0] [WideIfAddressAligned, Wide] if (blockIdx.x * 128 + threadIdx.x) * 4 < i0 * i1 && (blockIdx.x * 128 + threadIdx.x) * 4 < i0 * i1 && blockIdx.x * 128 + threadIdx.x < ceilDiv(i0 * i1, 4) and (blockIdx.x * 128 + threadIdx.x) * 4 + 3 < i0 * i1 && (blockIdx.x * 128 + threadIdx.x) * 4 + 3 < i0 * i1 && blockIdx.x * 128 + threadIdx.x < ceilDiv(i0 * i1, 4); else:
+            VECTOR x4 T5 = set(T7)  @ [(blockIdx.x * 128 + threadIdx.x) * 4] <- [0] [WideIfAddressAligned, Wide] if (blockIdx.x * 128 + threadIdx.x) * 4 < i0 * i1 && ((blockIdx.x * 128 + threadIdx.x) * 4 < i0 * i1 && blockIdx.x * 128 + threadIdx.x < ceilDiv(i0 * i1, 4)) and (blockIdx.x * 128 + threadIdx.x) * 4 + 3 < i0 * i1 && ((blockIdx.x * 128 + threadIdx.x) * 4 + 3 < i0 * i1 && blockIdx.x * 128 + threadIdx.x < ceilDiv(i0 * i1, 4)); else:
               FOR idx2 in iV38{4} (Unroll):
-                T5 = set(T7)  @ [(blockIdx.x * 128 + threadIdx.x) * 4 + idx2] <- [idx2] if (blockIdx.x * 128 + threadIdx.x) * 4 + idx2 < i0 * i1 && (blockIdx.x * 128 + threadIdx.x) * 4 + idx2 < i0 * i1 && blockIdx.x * 128 + threadIdx.x < ceilDiv(i0 * i1, 4)
+                T5 = set(T7)  @ [(blockIdx.x * 128 + threadIdx.x) * 4 + idx2] <- [idx2] if (blockIdx.x * 128 + threadIdx.x) * 4 + idx2 < i0 * i1 && ((blockIdx.x * 128 + threadIdx.x) * 4 + idx2 < i0 * i1 && blockIdx.x * 128 + threadIdx.x < ceilDiv(i0 * i1, 4))
 
         T0 Global ids=[iS0{i0}, iS1{i1}] strides=[i1, 1] contiguity=[true, true] position=0
         T1 Local ids=[] strides=[] contiguity=[] position=3
