@@ -86,13 +86,12 @@ pub fn sink_broadcasts(f: &mut Fusion) -> Result<()> {
             let Some(x) = f.exprs[e].inputs[0].tensor() else { continue };
             let Some(d) = f.tvs[x].definition else { continue };
             let op = f.exprs[d].op.clone();
-            // A fill or a position mask is made at the broadcast's rank instead (its new
-            // axes of size one), so it shares the consumer's loops.
-            // Iota and random numbers are functions of the row-major position: made at the
-            // broadcast's rank with size-one new axes, every element keeps its position, so
-            // its value (`broadcast(iota(V))` for a one-hot `labels == iota` in the
-            // consumer's loops, not a kernel of its own).
-            if matches!(op, Op::Iota { .. } | Op::Random { .. }) {
+            // A source (fill, position mask, iota, random numbers) is made at the
+            // broadcast's rank instead, its new axes of size one, so it shares the
+            // consumer's loops (`broadcast(iota(V))` for a one-hot `labels == iota`). Iota
+            // and random numbers are functions of the row-major position, which size-one
+            // new axes keep: every element keeps its value.
+            if op.is_source() {
                 let old = f.exprs[e].output;
                 let one = f.scalars.int(1);
                 let extents: Vec<_> = f
@@ -101,25 +100,17 @@ pub fn sink_broadcasts(f: &mut Fusion) -> Result<()> {
                     .zip(&is_new)
                     .map(|(&id, &n)| if n { one } else { f.ids[id].extent })
                     .collect();
-                let moved = f.source("broadcast source", &extents, op, f.tvs[x].dtype)?;
-                replace_tensor(f, old, moved);
-                f.tvs[x].uses.retain(|&u| u != e);
-                continue 'again;
-            }
-            if let Op::Full { value: fill } | Op::Mask { valid: fill } = op {
-                let old = f.exprs[e].output;
-                let extents: Vec<_> = f.no_reduction_logical(old).iter().map(|&id| f.ids[id].extent).collect();
-                let one = f.scalars.int(1);
-                let extents: Vec<_> = extents.iter().zip(&is_new).map(|(&x, &n)| if n { one } else { x }).collect();
-                let moved = if matches!(op, Op::Full { .. }) {
-                    f.full(&extents, Operand::Scalar(fill), f.tvs[x].dtype)?
-                } else {
-                    // Source axis k is output axis kept[k].
-                    let kept: Vec<_> = (0..is_new.len()).filter(|&a| !is_new[a]).collect();
-                    let at: Vec<_> =
-                        kept.iter().map(|&a| f.scalars.symbol(crate::ir::Symbol::OutAxis(a as u32))).collect();
-                    let v = f.compose(fill, &at);
-                    f.mask(&extents, v)?
+                let moved = match op {
+                    Op::Full { value } => f.full(&extents, Operand::Scalar(value), f.tvs[x].dtype)?,
+                    Op::Mask { valid } => {
+                        // Source axis k is output axis kept[k].
+                        let kept: Vec<_> = (0..is_new.len()).filter(|&a| !is_new[a]).collect();
+                        let at: Vec<_> =
+                            kept.iter().map(|&a| f.scalars.symbol(crate::ir::Symbol::OutAxis(a as u32))).collect();
+                        let v = f.compose(valid, &at);
+                        f.mask(&extents, v)?
+                    }
+                    _ => f.source("broadcast source", &extents, op, f.tvs[x].dtype)?,
                 };
                 replace_tensor(f, old, moved);
                 f.tvs[x].uses.retain(|&u| u != e);
@@ -204,15 +195,7 @@ pub fn sink_remaps(f: &mut Fusion) -> Result<()> {
                     for o in operands {
                         moved_operands.push(match o {
                             Operand::Tensor(t) if !f.no_reduction_logical(t).is_empty() => {
-                                // A size-one axis broadcast against the operand's result is
-                                // read at 0 whatever the position.
-                                let tl = f.no_reduction_logical(t);
-                                let zero = f.scalars.int(0);
-                                let at: Vec<_> = tl
-                                    .iter()
-                                    .zip(&index)
-                                    .map(|(&id, &v)| if f.ids[id].iter_type == IterType::Broadcast { zero } else { v })
-                                    .collect();
+                                let at = broadcast_axes_at_zero(f, t, &index);
                                 Operand::Tensor(f.remap(t, name, &extents, at, valid)?)
                             }
                             o => o,
@@ -284,7 +267,7 @@ pub fn hoist_output_reshapes(f: &mut Fusion) -> Result<()> {
                 Op::Remap { name: "reshape", valid: None, .. } => {
                     break (f.exprs[d].inputs[0].tensor(), Some(d));
                 }
-                Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast(_) | Op::Set => {
+                op if op.is_elementwise() => {
                     // Follow the one operand that leads to a reshape of a computed tensor.
                     let next = f.exprs[d].inputs.iter().filter_map(|o| o.tensor()).find(|&x| leads_to_reshape(f, x));
                     let Some(x) = next else { break (None, None) };
@@ -318,14 +301,7 @@ pub fn hoist_output_reshapes(f: &mut Fusion) -> Result<()> {
                 operands.push(match op {
                     Operand::Tensor(x) if x == from => Operand::Tensor(cur),
                     Operand::Tensor(x) => {
-                        // A size-one axis broadcast against the others is read at 0.
-                        let zero = f.scalars.int(0);
-                        let at: Vec<ValId> = f
-                            .no_reduction_logical(x)
-                            .iter()
-                            .zip(&index)
-                            .map(|(&id, &v)| if f.ids[id].iter_type == IterType::Broadcast { zero } else { v })
-                            .collect();
+                        let at = broadcast_axes_at_zero(f, x, &index);
                         Operand::Tensor(f.remap(x, "reshape", &shape, at, None)?)
                     }
                     s => s,
@@ -341,6 +317,17 @@ pub fn hoist_output_reshapes(f: &mut Fusion) -> Result<()> {
     }
     drop_dead_uses(f);
     Ok(())
+}
+
+/// `index` (positions along `t`'s axes) with `t`'s size-one broadcast axes read at 0:
+/// they are broadcast against the other operands, whatever the position.
+fn broadcast_axes_at_zero(f: &mut Fusion, t: TvId, index: &[ValId]) -> Vec<ValId> {
+    let zero = f.scalars.int(0);
+    f.no_reduction_logical(t)
+        .iter()
+        .zip(index)
+        .map(|(&id, &v)| if f.ids[id].iter_type == IterType::Broadcast { zero } else { v })
+        .collect()
 }
 
 /// True when remap `e` is a row-major reshape and nothing else: the definition composes a
@@ -363,7 +350,7 @@ fn leads_to_reshape(f: &Fusion, x: TvId) -> bool {
         Op::Remap { name: "reshape", valid: None, .. } => {
             f.exprs[d].inputs[0].tensor().is_some_and(|y| f.tvs[y].definition.is_some())
         }
-        Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast(_) | Op::Set => {
+        op if op.is_elementwise() => {
             f.exprs[d].inputs.iter().filter_map(|o| o.tensor()).any(|y| leads_to_reshape(f, y))
         }
         _ => false,
