@@ -40,16 +40,30 @@ def test_var_mean_is_stable_for_a_large_mean_in_float32() -> None:
     ((5, 7), [0], 1e6, 1e-2),
     ((2, 40000), [1], 1e5, 1e-3),  # a double row past what the chip holds: streamed
     ((3, 70001), [1], 1e4, 1e-2),  # a float row past it
+    ((2, 3, 64, 700), [2, 3], 1e6, 1e-1),  # GroupNorm-like rows over two axes
 ])
-def test_var_mean_keeps_two_passes_where_rows_stream(dtype: DataType, shape: Any, dims: List[int],
-                                                     mean: float, std: float) -> None:
-    # var_mean promises a two-pass variance in double. Rows or columns that a schedule streams
-    # from memory take one-pass statistics, S2 - mean * (2 * S1 - n * mean) in double, for
-    # float sums; in double (var_mean's own sums, a Double input's) that form cancels: a mean
-    # of 1e8 with variance 2.3 came out 4.0, a long double row's variance 0.
+@pytest.mark.parametrize("outlier", [False, True])
+def test_var_mean_is_as_accurate_as_two_passes_where_rows_stream(dtype: DataType, shape: Any, dims: List[int],
+                                                                 mean: float, std: float, outlier: bool) -> None:
+    # var_mean promises a two-pass variance's accuracy in double. Rows a schedule streams
+    # from memory take one-pass sums: of `x` and `x * x` in double for float sums, and for
+    # double ones (var_mean's own) of `x - k`, `k` the row's first element: unshifted
+    # double sums cancel (a mean of 1e8 with variance 2.3 came out 4.0). Each row has its
+    # own mean, so a shift taken from another row would show; `outlier` puts the first
+    # element of every row 1000 standard deviations away.
     rng = np.random.default_rng(len(shape) + int(mean))
     npd = np.float32 if dtype == DataType.Float else np.float64
-    x = (mean + std * rng.standard_normal(shape)).astype(npd)
+    kept = [a for a in range(len(shape)) if a not in dims]
+    offsets = np.zeros(shape)
+    for i, a in enumerate(kept):
+        sh = [1] * len(shape)
+        sh[a] = shape[a]
+        offsets = offsets + (np.arange(shape[a]) * (i + 1) * 37.0 * std).reshape(sh)
+    x = mean + offsets + std * rng.standard_normal(shape)
+    if outlier:
+        first = tuple(slice(None) if a in kept else 0 for a in range(len(shape)))
+        x[first] += 1000 * std
+    x = x.astype(npd)
     var, mu = _var_mean_fd(len(shape), dims, 1, False, dtype).execute([x])
     x64 = x.astype(np.float64)
     ax = tuple(dims)
@@ -58,8 +72,9 @@ def test_var_mean_keeps_two_passes_where_rows_stream(dtype: DataType, shape: Any
 
 
 @pytest.mark.parametrize(("shape", "dims"), [((6, 5, 4), [0, 2]), ((2, 40000), [1])])
-def test_a_double_variance_written_out_keeps_two_passes(shape: Any, dims: List[int]) -> None:
-    # sum((x - mean)^2) in double over streamed rows: no wider type for one-pass sums.
+def test_a_double_variance_written_out_stays_accurate(shape: Any, dims: List[int]) -> None:
+    # sum((x - mean)^2) in double over streamed rows: no wider type for one-pass sums, so
+    # they are shifted by each row's first element.
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1] * len(shape), DataType.Double)
         n = float(np.prod([shape[d] for d in dims]))

@@ -520,6 +520,10 @@ class HostProgram:
         """Names of the fusion's tensor inputs, in order."""
     def output_names(self) -> List[str]:
         """Names of the fusion's outputs, in order."""
+    def input_views(self, sizes: List[List[int]], strides: List[List[int]],
+                    scalars: List[Any]) -> List[Tuple[str, int, List[int]]]:
+        """Tensors that read an input at another shape: (name, input position, shape)."""
+        ...
     def output_views(self, sizes: List[List[int]], scalars: List[Any]) -> List[Optional[List[int]]]:
         """The shape each output is handed back in where its kernel computes it at another."""
     @property

@@ -832,6 +832,12 @@ def run_on_cpu(lowered: Any, inputs: Sequence[Any],
     env: Dict[str, Any] = {}
     for name, x in zip(lowered.program.input_names(), arrays):
         env[name] = x
+    # Inputs read at another shape: row-major views of the caller's arrays (the plan was
+    # made for their layout, so the reshape moves no element).
+    strides = [_elem_strides(x, "torch" if callable(getattr(x, "stride", None)) else "numpy") for x in arrays]
+    for name, pos, shape in lowered.program.input_views([[int(s) for s in x.shape] for x in arrays], strides,
+                                                        list(scalars)):
+        env[name] = arrays[pos].reshape(shape)
     for ins in lowered.program.instructions():
         if ins.op == "Deallocate" and ins.buffer is not None:
             env.pop(ins.buffer, None)

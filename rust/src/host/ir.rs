@@ -20,6 +20,9 @@ pub type BufId = usize;
 pub enum BufferRole {
     /// Tensor input `n` of the fusion (provided by the caller, never allocated).
     Input(usize),
+    /// Tensor input `n` read at another shape (`Fusion::input_views`): the caller's buffer,
+    /// row-major, at the shape of `HostBuffer::shape`.
+    InputView(usize),
     /// Output `n` of the fusion (allocated, handed back, never deallocated).
     Output(usize),
     /// A tensor produced by one segment and read by a later one.
@@ -98,6 +101,19 @@ impl HostProgram {
         let outs: Vec<BufId> =
             (0..self.buffers.len()).filter(|&b| matches!(self.buffers[b].role, BufferRole::Output(_))).collect();
         let _ = writeln!(s, "HostProgram({}) -> ({}): {} kernel(s)", names(&ins), names(&outs), self.kernels.len());
+        for buf in &self.buffers {
+            if let BufferRole::InputView(n) = buf.role {
+                let sc = &self.kernels[buf.kernel].fusion.scalars;
+                let shape: Vec<String> = buf.shape.iter().map(|&v| sc.render(v)).collect();
+                let _ = writeln!(
+                    s,
+                    "  View {} = {} as [{}] (no copy)",
+                    buf.name,
+                    self.buffers[ins[n]].name,
+                    shape.join(", ")
+                );
+            }
+        }
         for instr in &self.instrs {
             match instr {
                 HostInstr::Allocate(b) => {

@@ -54,6 +54,13 @@ pub fn lower_segments(
         of_tv.insert(tv, buffers.len());
         buffers.push(tensor_buffer(f, tv, 0, BufferRole::Input(i)));
     }
+    for &(view, input) in &f.input_views {
+        let Some(n) = f.inputs.iter().filter_map(|o| o.tensor()).position(|t| t == input) else {
+            crate::bail_internal!("view {} reads {}, which is not an input", f.tv_name(view), f.tv_name(input));
+        };
+        of_tv.insert(view, buffers.len());
+        buffers.push(tensor_buffer(f, view, 0, BufferRole::InputView(n)));
+    }
     for (k, seg) in segs.iter().enumerate() {
         let mut sf = segment_fusion(f, seg);
         prepare(k, &mut sf).map_err(|e| context(k, e))?;

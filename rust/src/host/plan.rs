@@ -146,7 +146,7 @@ pub fn plan_program(p: &HostProgram, inputs: &[InputDesc], scalars: &[ScalarArg]
                 let ba = &mut buffers[*id];
                 ba.place = match p.buffers[*id].role {
                     BufferRole::Output(n) => Place::Output(n),
-                    BufferRole::Input(n) => Place::Input(n),
+                    BufferRole::Input(n) | BufferRole::InputView(n) => Place::Input(n),
                     BufferRole::ErrorWord => {
                         error_words += 1;
                         Place::ErrorWord(error_words - 1)
@@ -202,6 +202,14 @@ fn buffer_alloc(
             let s = inputs[n].sizes.clone();
             let l = (0..s.len()).collect();
             (s, l, Place::Input(n))
+        }
+        (BufferRole::InputView(n), _) => {
+            let mut sizes = Vec::new();
+            for &e in &hb.shape {
+                sizes.push(b.eval(&k.fusion.scalars, e)?);
+            }
+            let layout = (0..sizes.len()).collect();
+            (sizes, layout, Place::Input(n))
         }
         (BufferRole::Output(_), Some(_)) if hb.view.is_some() => {
             // Computed at its source's shape, row-major: handed back at the defined shape.

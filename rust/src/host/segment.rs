@@ -139,8 +139,12 @@ pub fn segment_of(f: &Fusion, group: &[ExprId], order: &[ExprId]) -> Result<Segm
         }
     }
     let mut inputs: Vec<TvId> = f.inputs.iter().filter_map(|o| o.tensor()).filter(|t| reads.contains(t)).collect();
-    let mut crossing_in: Vec<TvId> =
-        reads.iter().copied().filter(|&t| f.tvs[t].definition.is_some_and(|d| !in_seg.contains(&d))).collect();
+    // Computed in another segment, or an input read at another shape (`Fusion::input_views`).
+    let mut crossing_in: Vec<TvId> = reads
+        .iter()
+        .copied()
+        .filter(|&t| f.tvs[t].definition.map_or(!f.is_input(t), |d| !in_seg.contains(&d)))
+        .collect();
     crossing_in.sort();
     inputs.extend(crossing_in);
     let produced = |t: TvId| f.tvs[t].definition.is_some_and(|d| in_seg.contains(&d));

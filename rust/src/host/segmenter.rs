@@ -94,6 +94,7 @@ pub fn auto_program_strided(
     crate::sched::auto::canonical::expand_small_powers(&mut g)?;
     crate::sched::auto::canonical::hoist_output_reshapes(&mut g)?;
     crate::sched::auto::canonical::sink_remaps(&mut g)?;
+    crate::sched::auto::canonical::view_input_reshapes(&mut g);
     crate::sched::auto::canonical::reduce_through_broadcasts(&mut g)?;
     crate::sched::auto::canonical::merge_nested_reductions(&mut g)?;
     crate::sched::auto::canonical::reuse_partial_reductions(&mut g)?;
@@ -367,6 +368,8 @@ fn finish_canonical(g: &mut Fusion, long_row: &dyn Fn(&Fusion, ExprId) -> bool) 
     crate::sched::auto::canonical::online_logsumexp(g, long_row)?;
     crate::sched::auto::canonical::hoist_row_terms(g, long_row)?;
     crate::sched::auto::canonical::expand_centered_squares(g, long_row)?;
+    // The shifted sums read each row's first element through a slice: from the inputs.
+    crate::sched::auto::canonical::sink_remaps(g)?;
     crate::sched::auto::canonical::broadcast_computed_indices(g)?;
     crate::sched::auto::canonical::sink_broadcasts(g)?;
     crate::sched::auto::canonical::unify_mapped_extents(g);

@@ -342,6 +342,13 @@ pub struct Fusion {
     /// The canonical form computes a reshaped output at its source's shape
     /// (`canonical::hoist_output_reshapes`); row-major, the elements are the same.
     pub output_views: Vec<(TvId, Vec<ValId>)>,
+    /// Tensors that read an input at another shape without a kernel: (view, input). The
+    /// canonical form turns a row-major reshape of an input whose arrays are row-major
+    /// (`canonical::view_input_reshapes`) into a tensor with no definition that the host
+    /// binds to the input's buffer; kernels read it as a plain Global tensor in logical
+    /// order, so its loads vectorize like any input's instead of going through the
+    /// reshape's index arithmetic.
+    pub input_views: Vec<(TvId, TvId)>,
     /// Sizes the definition needs equal at run time (reshape's element counts, cat's kept
     /// axes), checked when the inputs are bound.
     pub size_checks: Vec<shape_ops::SizeCheck>,

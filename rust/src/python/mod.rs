@@ -1320,6 +1320,42 @@ impl PyHostProgram {
         })
     }
 
+    /// The tensors that read an input at another shape (`View` lines of the host program),
+    /// as (name, input position among the arrays, shape) for arrays of these sizes and
+    /// strides (elements) and scalar inputs.
+    fn input_views(
+        &self,
+        py: Python<'_>,
+        sizes: Vec<Vec<i64>>,
+        strides: Vec<Vec<i64>>,
+        scalars: Vec<PyScalarArg>,
+    ) -> PyResult<Vec<(String, usize, Vec<i64>)>> {
+        use crate::host::eval::{InputDesc, ScalarArg};
+        use crate::host::ir::BufferRole;
+        let p = &self.inner;
+        guarded(py, || {
+            if !p.buffers.iter().any(|b| matches!(b.role, BufferRole::InputView(_))) {
+                return Ok(Vec::new());
+            }
+            if sizes.len() != strides.len() {
+                return Err(KilnError::value(format!("{} size lists but {} stride lists", sizes.len(), strides.len())));
+            }
+            let inputs: Vec<InputDesc> =
+                sizes.into_iter().zip(strides).map(|(sizes, strides)| InputDesc { sizes, strides }).collect();
+            let sc: Vec<ScalarArg> = scalars.iter().map(PyScalarArg::to_arg).collect();
+            let b = crate::host::bind::bind(&p.fusion, &inputs, &sc)?;
+            let mut views = Vec::new();
+            for hb in &p.buffers {
+                if let BufferRole::InputView(n) = hb.role {
+                    let sc = &p.kernels[hb.kernel].fusion.scalars;
+                    let shape = hb.shape.iter().map(|&e| b.eval(sc, e)).collect::<crate::Result<Vec<i64>>>()?;
+                    views.push((hb.name.clone(), n, shape));
+                }
+            }
+            Ok(views)
+        })
+    }
+
     /// Names of the fusion's outputs, in order.
     fn output_names(&self) -> Vec<String> {
         let f = &self.inner.fusion;

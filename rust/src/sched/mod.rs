@@ -260,6 +260,28 @@ impl Fusion {
         Ok(c)
     }
 
+    /// [`Fusion::cache_after`] for the readers that read `tv` element by element: a gather
+    /// or remap keeps reading `tv` at its own positions. None when no reader is plain.
+    pub(crate) fn cache_after_plain_reads(&mut self, tv: TvId) -> Result<Option<TvId>> {
+        let plain: Vec<ExprId> =
+            self.tvs[tv].uses.iter().copied().filter(|&e| self.exprs[e].indexed_tensor() != Some(tv)).collect();
+        if plain.is_empty() {
+            return Ok(None);
+        }
+        if plain.len() == self.tvs[tv].uses.len() {
+            return self.cache_after(tv).map(Some);
+        }
+        if self.tvs[tv].inline_pos > 0 {
+            bail!("cache_after {0}: {0} is already inlined; call cache_after before inline_at", self.tv_name(tv));
+        }
+        let c = self.set(tv)?;
+        for e in plain {
+            self.redirect_use(e, tv, c);
+        }
+        self.manually_scheduled = true;
+        Ok(Some(c))
+    }
+
     /// A new tensor that takes over `tv`'s definition; `tv` becomes a copy of it (a write cache).
     pub fn cache_before(&mut self, tv: TvId) -> Result<TvId> {
         let name = self.tv_name(tv);

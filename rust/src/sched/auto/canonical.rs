@@ -244,6 +244,62 @@ pub fn sink_remaps(f: &mut Fusion) -> Result<()> {
     }
 }
 
+/// Read a row-major reshape of a fusion input as a view of the input's buffer
+/// (`Fusion::input_views`) where the arrays are bound row-major (the layout the plan was
+/// specialised on, which binding enforces): row-major, the reshape moves no element, so
+/// the reshaped tensor is the input's memory at the new shape. Its readers then index it
+/// as a plain tensor, with vector loads, instead of recomputing the input's position
+/// through the reshape's divisions for every element (GroupNorm's
+/// `x.view(N, G, C/G, H, W)`, a flattened `[B*S, H]` view).
+pub fn view_input_reshapes(f: &mut Fusion) {
+    for e in f.topo_exprs() {
+        let Some(x) = f.exprs[e].inputs.first().and_then(|o| o.tensor()) else { continue };
+        let out = f.exprs[e].output;
+        let t = &f.tvs[x];
+        let row_major = t.allocation.is_none()
+            && t.declared_contiguity
+            && t.logical.iter().zip(&t.contiguity).all(|(&id, c)| match f.ids[id].iter_type {
+                IterType::Broadcast => f.scalars.as_int(f.ids[id].extent) == Some(1),
+                IterType::Reduction => true,
+                _ => *c == Some(true),
+            });
+        if !row_major
+            || !f.is_input(x)
+            || f.is_output(out)
+            || f.aliases.iter().any(|&(_, i)| i == x)
+            || !pure_reshape(f, e)
+            || !same_element_count(f, x, out)
+        {
+            continue;
+        }
+        f.tvs[x].uses.retain(|&u| u != e);
+        let o = &mut f.tvs[out];
+        o.definition = None;
+        o.memory = crate::ir::MemoryType::Global;
+        f.input_views.push((out, x));
+    }
+}
+
+/// True when `a` and `b` provably hold as many elements: the products agree as constants or
+/// as one interned expression, or binding checks them equal (the reshape's own size check).
+/// A remap composed from a reshape and a reduction's broadcast can have the reshape's
+/// positions but read only part of its input.
+fn same_element_count(f: &mut Fusion, a: TvId, b: TvId) -> bool {
+    let count = |f: &mut Fusion, t: TvId| {
+        let ext: Vec<ValId> = f.no_reduction_logical(t).iter().map(|&id| f.ids[id].extent).collect();
+        f.scalars.product(ext)
+    };
+    let (na, nb) = (count(f, a), count(f, b));
+    if na == nb {
+        return true;
+    }
+    if let (Some(x), Some(y)) = (f.scalars.as_int(na), f.scalars.as_int(nb)) {
+        return x == y;
+    }
+    let eq = f.scalars.binary(crate::ir::scalar::ScalarOp::Eq, na, nb);
+    f.size_checks.iter().any(|c| c.holds == eq)
+}
+
 /// Compute an output that reshapes a tensor computed from a reduction (GroupNorm's
 /// `reshape(normalize(reshape(x, [N, G, C/G, H, W])), [N, C, H, W]) * w + b`) at the
 /// reshape's source shape, and let the host hand it back reshaped (`Fusion::output_views`:
@@ -281,10 +337,12 @@ pub fn hoist_output_reshapes(f: &mut Fusion) -> Result<()> {
             }
         };
         let (Some(y), Some(r)) = (source, reshape) else { continue };
-        if !pure_reshape(f, r) {
+        let rt = f.exprs[r].output;
+        // Every tensor of the chain must hold the reshape's elements: an element-wise op that
+        // broadcasts the reshaped tensor against a larger operand has no source-shape form.
+        if !pure_reshape(f, r) || !same_element_count(f, y, rt) || !same_element_count(f, rt, o) {
             continue;
         }
-        let rt = f.exprs[r].output;
         if !after_reduction(f, y) || f.is_output(y) || (rt != o && (f.tvs[rt].uses.len() != 1 || f.is_output(rt))) {
             continue;
         }
@@ -631,11 +689,12 @@ pub fn hoist_row_terms(f: &mut Fusion, long_row: &dyn Fn(&Fusion, ExprId) -> boo
 fn centered_squares(f: &Fusion, e: ExprId) -> Option<(TvId, TvId)> {
     let Op::Reduction { op: ReductionOp::Sum, .. } = f.exprs[e].op else { return None };
     let dt = f.tvs[f.exprs[e].output].dtype;
-    // Float only: the rewrite is more accurate than a float two-pass variance because its
-    // sums are accumulated in a wider type. Double has none: `S2 - r * (2 * S1 - n * r)` in
-    // double loses what a double two-pass keeps (var_mean's statistics, a float input's, are
-    // such a two-pass: a mean of 1e4 with a standard deviation of 1e-2 came out 1e-3 off).
-    if dt != DataType::Float {
+    // Float sums are accumulated in double, which makes the rewrite more accurate than a
+    // float two-pass variance. Double has no wider type: its sums are shifted by the row's
+    // first element instead (`S2 - r * (2 * S1 - n * r)` of unshifted double sums loses what
+    // a double two-pass keeps: var_mean's statistics of a mean of 1e4 with a standard
+    // deviation of 1e-2 came out 1e-3 off).
+    if dt != DataType::Float && dt != DataType::Double {
         return None;
     }
     let sq = f.exprs[e].inputs[0].tensor()?;
@@ -666,7 +725,11 @@ fn centered_squares(f: &Fusion, e: ExprId) -> Option<(TvId, TvId)> {
 /// read once for its statistics instead of twice (the input at most twice in all). Double
 /// accumulation keeps the cancellation error near `2^-53 * mean^2 / var` of the variance,
 /// below a float two-pass variance's, whose float mean is already off by `2^-24 * mean`.
-/// A variance that rounds below zero is zero.
+/// A double sum (var_mean's) has no wider type to accumulate in: its sums are of `x - k`,
+/// `k` the row's first element (the shifted-data algorithm), which bounds the cancellation
+/// by `2^-53 * (mean - k)^2 / var`, a few units for any element of the row; the formula is
+/// stationary in `r`, so the reference value's own rounding enters squared. A variance that
+/// rounds below zero is zero.
 pub fn expand_centered_squares(f: &mut Fusion, long_row: &dyn Fn(&Fusion, ExprId) -> bool) -> Result<()> {
     'again: loop {
         for e in f.topo_exprs() {
@@ -690,18 +753,34 @@ pub fn expand_centered_squares(f: &mut Fusion, long_row: &dyn Fn(&Fusion, ExprId
                     f.cast(Operand::Tensor(t), DataType::Double)
                 }
             };
+            let zero = Operand::Scalar(f.scalars.float(0.0));
             let xd = wide(f, x)?;
-            let rd = wide(f, r)?;
-            let xx = f.binary(BinaryOp::Mul, Operand::Tensor(xd), Operand::Tensor(xd))?;
-            let s2 = f.reduction(ReductionOp::Sum, xx, &dims, false, None)?;
-            let s1 = f.reduction(ReductionOp::Sum, xd, &dims, false, None)?;
-            // S2 - r * (2 * S1 - n * r)
-            let (two, zero) = (Operand::Scalar(f.scalars.float(2.0)), Operand::Scalar(f.scalars.float(0.0)));
-            let twice = f.binary(BinaryOp::Mul, Operand::Tensor(s1), two)?;
-            let nr = f.binary(BinaryOp::Mul, Operand::Tensor(rd), Operand::Scalar(n))?;
-            let inner = f.binary(BinaryOp::Sub, Operand::Tensor(twice), Operand::Tensor(nr))?;
-            let cross = f.binary(BinaryOp::Mul, Operand::Tensor(rd), Operand::Tensor(inner))?;
-            let q = f.binary(BinaryOp::Sub, Operand::Tensor(s2), Operand::Tensor(cross))?;
+            let q = if dt == DataType::Double {
+                // Sums of `d = x - k`, `k` the row's first element (read beside each element,
+                // at the input's rank, so every schedule of a row reduction covers it):
+                // `sum((x - r)^2) = S2 - S1^2 / n` for any shift, and its cancellation scales
+                // with `(mean - k)^2 / var`, a few units for any element of the row.
+                let k = first_of_row(f, xd, &red)?;
+                let d = f.binary(BinaryOp::Sub, Operand::Tensor(xd), Operand::Tensor(k))?;
+                let dd = f.binary(BinaryOp::Mul, Operand::Tensor(d), Operand::Tensor(d))?;
+                let s2 = f.reduction(ReductionOp::Sum, dd, &dims, false, None)?;
+                let s1 = f.reduction(ReductionOp::Sum, d, &dims, false, None)?;
+                let sq = f.binary(BinaryOp::Mul, Operand::Tensor(s1), Operand::Tensor(s1))?;
+                let mean_sq = f.binary(BinaryOp::Div, Operand::Tensor(sq), Operand::Scalar(n))?;
+                f.binary(BinaryOp::Sub, Operand::Tensor(s2), Operand::Tensor(mean_sq))?
+            } else {
+                let rd = wide(f, r)?;
+                let xx = f.binary(BinaryOp::Mul, Operand::Tensor(xd), Operand::Tensor(xd))?;
+                let s2 = f.reduction(ReductionOp::Sum, xx, &dims, false, None)?;
+                let s1 = f.reduction(ReductionOp::Sum, xd, &dims, false, None)?;
+                // S2 - r * (2 * S1 - n * r)
+                let two = Operand::Scalar(f.scalars.float(2.0));
+                let twice = f.binary(BinaryOp::Mul, Operand::Tensor(s1), two)?;
+                let nr = f.binary(BinaryOp::Mul, Operand::Tensor(rd), Operand::Scalar(n))?;
+                let inner = f.binary(BinaryOp::Sub, Operand::Tensor(twice), Operand::Tensor(nr))?;
+                let cross = f.binary(BinaryOp::Mul, Operand::Tensor(rd), Operand::Tensor(inner))?;
+                f.binary(BinaryOp::Sub, Operand::Tensor(s2), Operand::Tensor(cross))?
+            };
             let q = f.binary(BinaryOp::Maximum, Operand::Tensor(q), zero)?;
             let q = if dt == DataType::Double { q } else { f.cast(Operand::Tensor(q), dt)? };
             replace_tensor(f, out, q);
@@ -714,6 +793,24 @@ pub fn expand_centered_squares(f: &mut Fusion, long_row: &dyn Fn(&Fusion, ExprId
         }
         return Ok(());
     }
+}
+
+/// `x` with each element replaced by the first element of its row (position 0 along the
+/// `red` axes): read from the fusion's inputs once `sink_remaps` moves it there.
+fn first_of_row(f: &mut Fusion, x: TvId, red: &[usize]) -> Result<TvId> {
+    let zero = f.scalars.int(0);
+    let logical = f.no_reduction_logical(x);
+    let extents: Vec<ValId> = logical.iter().map(|&id| f.ids[id].extent).collect();
+    let index: Vec<ValId> = (0..logical.len())
+        .map(|a| {
+            if red.contains(&a) || f.ids[logical[a]].iter_type == IterType::Broadcast {
+                zero
+            } else {
+                f.scalars.symbol(crate::ir::Symbol::OutAxis(a as u32))
+            }
+        })
+        .collect();
+    f.remap(x, "slice", &extents, index, None)
 }
 
 /// Forget the uses by exprs that no output depends on any more (a rewrite left them): the
@@ -1017,6 +1114,11 @@ fn replace_tensor(f: &mut Fusion, old: TvId, new: TvId) {
     for (o, _) in f.output_views.iter_mut() {
         if *o == old {
             *o = new;
+        }
+    }
+    for (v, _) in f.input_views.iter_mut() {
+        if *v == old {
+            *v = new;
         }
     }
     if f.is_output(new) {

@@ -100,10 +100,9 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     if v > 1 {
         for op in f.inputs.clone() {
             let Operand::Tensor(x) = op else { continue };
-            // A gather's table is read at the rows its index picks, not along the row loops.
-            let table = f.tvs[x].uses.iter().any(|&e| f.exprs[e].indexed_tensor() == Some(x));
-            if super::full_size_input(f, x, n) && !f.tvs[x].uses.is_empty() && !table {
-                f.cache_after(x)?;
+            // A gather's table (a remap's source) is read at the positions it picks, not
+            // along the row loops: only the element-wise readers share the vectorized cache.
+            if super::full_size_input(f, x, n) && f.cache_after_plain_reads(x)?.is_some() {
                 cached.push(x);
             }
         }

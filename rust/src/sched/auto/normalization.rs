@@ -143,10 +143,12 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     let mut caches = Vec::new();
     for op in f.inputs.clone() {
         let Operand::Tensor(x) = op else { continue };
-        // A gather's table is read at the rows its index picks, not along the row loops.
-        let table = f.tvs[x].uses.iter().any(|&e| f.exprs[e].indexed_tensor() == Some(x));
-        if super::full_size_input(f, x, n) && !f.tvs[x].uses.is_empty() && !table {
-            let c = f.cache_after(x)?;
+        // A gather's table (a remap's source) is read at the positions it picks, not along the
+        // row loops: only the element-wise readers share the vectorized cache.
+        if !super::full_size_input(f, x, n) {
+            continue;
+        }
+        if let Some(c) = f.cache_after_plain_reads(x)? {
             // L2 keeps the input ahead of the output being written (see pointwise.rs):
             // layernorm 16384x4096 fp32 on the H200 127.9 -> 124.4 us, softmax 127.5 -> 126.0.
             if v > 1 && super::evict_last_inputs() {
