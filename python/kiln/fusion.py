@@ -399,8 +399,9 @@ class Ops:
                  keepdim: bool = False) -> Tuple[Tensor, Tensor]:
         """``(var, mean)`` over ``dims``, dividing the squared deviations by ``N - correction``.
 
-        Computed in double, two passes over the data in one fusion (the deviations from an
-        accurate mean): stable where float32 sums would cancel (a mean of 1e4 with a
+        Computed in double with a two-pass variance's accuracy (the deviations from an
+        accurate mean; rows streamed from memory take one pass of sums shifted by the row's
+        first element): stable where float32 sums would cancel (a mean of 1e4 with a
         standard deviation of 1e-2), and rounded once to ``x``'s type."""
         self._fd._tensor(x, "var_mean")
         rank = x.ndim
