@@ -78,7 +78,7 @@ def test_mismatched_sizes_are_rejected_before_launch():
 def test_declared_contiguity_is_checked():
     sc = scenarios.h_block_row_sum()
     k = sc.fd.lower(sc.make_inputs(np)).kernels[0]
-    with pytest.raises(KilnError, match=r"input 0 \(T0\): axis 1 has stride 2 but is declared contiguous"):
+    with pytest.raises(KilnError, match=r"input 0 \(T0\): axis 1 has stride 2 but must be contiguous"):
         k._core.plan([[7, 1000]], [[2000, 2]], [])
 
 

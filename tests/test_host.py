@@ -157,7 +157,7 @@ def test_inputs_inconsistent_across_inputs_raise_naming_the_input():
     want = r"input 1 \(T1\): axis 1 has size 4 but input 0 \(T0\) axis 1 has size 3"
     with pytest.raises(KilnError, match=want):
         low.plan([np.zeros((2, 3), np.float32), np.zeros((2, 4), np.float32)])
-    with pytest.raises(KilnError, match=r"input 0 \(T0\): axis 1 has stride 2 but is declared contiguous"):
+    with pytest.raises(KilnError, match=r"input 0 \(T0\): axis 1 has stride 2 but must be contiguous"):
         low.plan([np.zeros((2, 6), np.float32)[:, ::2], np.zeros((2, 3), np.float32)])
 
 

@@ -9,6 +9,8 @@ from typing import Any, List, Sequence
 import numpy as np
 import pytest
 from gpu_util import cupy_or_skip
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kiln import DataType, FusionDefinition, KilnError
 
 
@@ -43,8 +45,8 @@ def test_var_mean_is_stable_for_a_large_mean_in_float32() -> None:
     ((2, 3, 64, 700), [2, 3], 1e6, 1e-1),  # GroupNorm-like rows over two axes
 ])
 @pytest.mark.parametrize("outlier", [False, True])
-def test_var_mean_is_as_accurate_as_two_passes_where_rows_stream(dtype: DataType, shape: Any, dims: List[int],
-                                                                 mean: float, std: float, outlier: bool) -> None:
+def test_var_mean_is_as_accurate_as_two_passes_where_rows_stream(
+        dtype: DataType, shape: Any, dims: List[int], mean: float, std: float, outlier: bool) -> None:
     # var_mean promises a two-pass variance's accuracy in double. Rows a schedule streams
     # from memory take one-pass sums: of `x` and `x * x` in double for float sums, and for
     # double ones (var_mean's own) of `x - k`, `k` the row's first element: unshifted
@@ -169,3 +171,38 @@ def test_statistics_on_gpu() -> None:
         fd.add_output(fd.ops.prod(t, [1]))
     (rows,) = fd.execute([cp.asarray(y)])
     np.testing.assert_allclose(cp.asnumpy(rows), y.astype(np.float64).prod(1), rtol=1e-4)
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([DataType.Float, DataType.Double]), st.booleans())
+def test_random_statistics_over_streamed_rows_match_numpy(seed: int, dtype: DataType,
+                                                          transposed: bool) -> None:
+    # Rows long enough to be streamed (the one-pass rewrites apply), over random axes of a
+    # random rank, with per-position means far from zero and a non-row-major layout at times.
+    rng = np.random.default_rng(seed)
+    rank = int(rng.integers(2, 5))
+    dims = sorted(rng.choice(rank, size=int(rng.integers(1, rank)), replace=False).tolist())
+    # Few rows (the interpreter runs every element): at most three positions kept.
+    shape = [1] * rank
+    kept = [a for a in range(rank) if a not in dims]
+    if kept:
+        shape[int(rng.choice(kept))] = int(rng.integers(1, 4))
+    want_row = 33000
+    per = max(1, int(round(want_row ** (1 / len(dims)))))
+    for d in dims:
+        shape[d] = per
+    mean, std = float(10.0 ** rng.integers(0, 6)), float(10.0 ** -rng.integers(0, 3))
+    npd = np.float32 if dtype == DataType.Float else np.float64
+    x = (mean + std * rng.standard_normal(shape[::-1] if transposed else shape)).astype(npd)
+    if transposed:
+        x = x.transpose(*range(rank - 1, -1, -1))
+    correction = int(rng.integers(0, 2))
+    var, mu = _var_mean_fd(rank, dims, correction, False, dtype).execute([x])
+    x64 = x.astype(np.float64)
+    n = int(np.prod([shape[d] for d in dims]))
+    want_var = x64.var(axis=tuple(dims), ddof=correction) if n > correction else None
+    if want_var is not None:
+        np.testing.assert_allclose(var, want_var, rtol=1e-8 if dtype == DataType.Double else 2e-6,
+                                   atol=1e-12 * mean * mean)
+    np.testing.assert_allclose(mu, x64.mean(axis=tuple(dims)),
+                               rtol=1e-12 if dtype == DataType.Double else 1e-7)

@@ -26,6 +26,7 @@ def _kind(x: Any) -> str:
 def execute(fd: Any, inputs: Sequence[Any], device: Optional[str], as_written: bool = False) -> List[Any]:
     """Run ``fd`` on ``inputs``; ``device`` is ``"cpu"``, ``"cuda"`` or None (from the inputs)."""
     args = check_inputs(fd, inputs)
+    _check_writable(fd, inputs)
     kinds = {_kind(x) for x in inputs if _kind(x) != "scalar"}
     if device is None:
         device = "cpu" if kinds <= {"numpy"} else "cuda"
@@ -73,6 +74,20 @@ def execute(fd: Any, inputs: Sequence[Any], device: Optional[str], as_written: b
     outs = ev.run(inputs)
     _remember(fd, inputs, ev)
     return in_place(fd, inputs, outs)
+
+
+def _check_writable(fd: Any, inputs: Sequence[Any]) -> None:
+    """Refuse, before anything runs, a read-only NumPy array that an output is written into."""
+    c = compiled(fd)
+    if c.aliases is None:
+        c.aliases = [tuple(p) for p in fd._core.aliases()]
+    for o, i in c.aliases:
+        x = inputs[i] if i < len(inputs) else None
+        if _kind(x) == "numpy" and not x.flags.writeable:
+            specs = fd._core.input_specs()
+            name = f" ({specs[i].name})" if i < len(specs) else ""
+            raise KilnError(f"input {i}{name}: output {o} is written into it in place "
+                            f"(add_output(..., alias_input=...)), but the array is read-only")
 
 
 def in_place(fd: Any, inputs: Sequence[Any], outs: List[Any]) -> List[Any]:

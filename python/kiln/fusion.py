@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple, Union
 
 from . import _core
@@ -68,7 +69,10 @@ def _int(v: object, what: str) -> int:
     """An axis, position or count given as an int (a bool is not one)."""
     if isinstance(v, bool) or not hasattr(v, "__index__"):
         raise KilnTypeError(f"{what}: expected an int, got {v!r}")
-    return int(v.__index__())  # type: ignore[attr-defined]
+    i = int(v.__index__())  # type: ignore[attr-defined]
+    if not -(2**63) <= i < 2**63:
+        raise KilnError(f"{what}: {i} does not fit 64 bits")
+    return i
 
 
 def _ints(v: object, what: str) -> List[int]:
@@ -159,6 +163,9 @@ class FusionDefinition:
         if value is None:
             dt = _check_dtype(dtype or DataType.Double, "define_scalar")
             return Scalar(self, self._core.define_scalar(dt))
+        if not isinstance(value, numbers.Real):
+            raise KilnTypeError(f"define_scalar: expected a bool, int or float value (or a DataType), "
+                                f"got {value!r}")
         if dtype is not None:
             _check_dtype(dtype, "define_scalar")
             if dtype == DataType.Bool:
@@ -277,7 +284,7 @@ class FusionDefinition:
             return True, self._tensor(x, what)
         if isinstance(x, Scalar):
             if x._fd is not self:
-                raise KilnError(f"{what}: scalar belongs to another FusionDefinition")
+                raise KilnError(f"{what}: a Scalar that belongs to another FusionDefinition")
             return False, x._id
         if isinstance(x, (bool, int, float)):
             return False, self._const(x)._id
@@ -344,7 +351,7 @@ class Ops:
     def size(self, x: Tensor, dim: int) -> Scalar:
         """The size of axis ``dim`` of ``x`` as a Scalar (usable in shapes and arithmetic)."""
         fd = self._fd
-        return Scalar(fd, fd._core.axis_size(fd._tensor(x, "size"), int(dim)))
+        return Scalar(fd, fd._core.axis_size(fd._tensor(x, "size"), _int(dim, "size: dim")))
 
     def shape(self, x: Tensor) -> List[Scalar]:
         """The sizes of ``x``'s axes as Scalars (nvFuser's ``t.shape()``)."""
@@ -405,7 +412,7 @@ class Ops:
         standard deviation of 1e-2), and rounded once to ``x``'s type."""
         self._fd._tensor(x, "var_mean")
         rank = x.ndim
-        axes = sorted({d + rank if d < 0 else d for d in _ints(dims, "var_mean: dims")})
+        axes = self._axes(x, dims, "var_mean")
         if x.dtype.value not in ("Float", "Double", "Half", "BFloat16"):
             raise KilnTypeError(f"var_mean: {x.name} has dtype {x.dtype.name}; expected a floating type")
         n = self._count(x, axes, "var_mean")
@@ -416,11 +423,39 @@ class Ops:
         mean = self.div(self.sum(xd, axes), n)
         mean_b = self.broadcast_in_dim(mean, [-1] * rank, kept)
         dev = self.sub(xd, mean_b)
-        dof = self.sub(n, _int(correction, "var_mean: correction"))
+        # N - correction clamped at zero (NumPy's and torch's divisor): a correction of N or
+        # more gives inf (NaN for no deviation), never a negative variance.
+        dof = self.maximum(self.sub(n, _int(correction, "var_mean: correction")), 0)
         var = self.div(self.sum(self.mul(dev, dev), axes), dof)
         if keepdim:
             var, mean = self.broadcast_in_dim(var, [-1] * rank, kept), mean_b
         return self.cast(var, x.dtype), self.cast(mean, x.dtype)
+
+    def _dim(self, x: Tensor, d: object, what: str, label: str = "dim") -> int:
+        """Axis ``d`` of ``x`` (negative counts from the end) as given, checked against its rank."""
+        if isinstance(d, bool) or not hasattr(d, "__index__"):
+            raise KilnTypeError(f"{what}: {label}: expected an int, got {d!r}")
+        i = int(d.__index__())  # type: ignore[attr-defined]
+        if not -x.ndim <= i < max(x.ndim, 1):
+            raise KilnError(f"{what}: axis {i} is out of range for {x.name} of rank {x.ndim}")
+        return i
+
+    def _axes(self, x: Tensor, dims: Sequence[int], what: str) -> List[int]:
+        """``dims`` of ``x`` as sorted non-negative axes; out-of-range or repeated axes refused."""
+        if not isinstance(dims, bool) and hasattr(dims, "__index__"):
+            dims = [dims]  # type: ignore[list-item]
+        if not isinstance(dims, (list, tuple)):
+            raise KilnTypeError(f"{what}: dims: expected a list of ints, got {dims!r}")
+        axes: List[int] = []
+        for d in dims:
+            i = self._dim(x, d, what, "dims")
+            if x.ndim == 0:
+                raise KilnError(f"{what}: axis {i} is out of range for {x.name} of rank 0")
+            a = i + x.ndim if i < 0 else i
+            if a in axes:
+                raise KilnError(f"{what}: axis {i} of {x.name} appears twice in dims {list(dims)}")
+            axes.append(a)
+        return sorted(axes)
 
     def _count(self, x: Tensor, axes: Sequence[int], what: str) -> Any:
         """The number of elements of ``x`` over ``axes``, an Int Scalar."""
@@ -435,6 +470,8 @@ class Ops:
              dtype: Optional[DataType] = None) -> Tensor:
         """Mean over ``dims``: the sum divided by the number of reduced elements."""
         self._fd._tensor(x, "mean")
+        for d in ([dims] if not isinstance(dims, (list, tuple)) else dims):
+            self._dim(x, d, "mean", "dims")
         dims = _ints(dims, "mean: dims")
         if x.dtype.value not in ("Float", "Double", "Half", "BFloat16"):
             raise KilnTypeError(f"mean: {x.name} has dtype {x.dtype.name}; expected a floating type "
@@ -449,8 +486,10 @@ class Ops:
     def welford(self, x: Tensor, dims: Sequence[int]) -> Tuple[Tensor, Tensor, Tensor]:
         """``(mean, var_sum, n)`` over ``dims`` (nvFuser's welford): ``var_sum`` is the sum of
         squared deviations, ``n`` the Int count, broadcast to the mean's shape."""
-        var, mean = self.var_mean(x, dims, correction=0)
-        n = self._count(x, [dims] if isinstance(dims, int) else dims, "welford")
+        self._fd._tensor(x, "welford")
+        axes = self._axes(x, dims, "welford")
+        var, mean = self.var_mean(x, axes, correction=0)
+        n = self._count(x, axes, "welford")
         var_sum = self.mul(var, self.cast(n, x.dtype))
         count = self.full([self.size(mean, d) for d in range(mean.ndim)], n, DataType.Int)
         return mean, var_sum, count
@@ -509,7 +548,7 @@ class Ops:
     def _index_value(self, v: Union[int, Scalar], what: str) -> int:
         """The scalar id of a position or size given as an int or an Int Scalar."""
         if isinstance(v, Scalar):
-            return v._id
+            return self._fd._operand(v, what)[1]
         if isinstance(v, int) and not isinstance(v, bool):
             return self._fd._const(v)._id
         raise KilnTypeError(f"{what}: expected an int or an Int Scalar, got {v!r}")
@@ -529,8 +568,9 @@ class Ops:
             raise KilnError(f"slice: {x.name} has rank {rank}; start_indices, end_indices and strides "
                             f"need one entry per axis")
         for a, (lo, hi, st) in enumerate(zip(start_indices, end_indices, steps)):
-            if not isinstance(st, int) or isinstance(st, bool) or st < 1:
-                raise KilnError(f"slice: axis {a} has stride {st!r}; expected an int >= 1")
+            if not isinstance(st, int) or isinstance(st, bool) or not 1 <= st < 2**63:
+                raise KilnError(f"slice: axis {a} has stride {st!r}; expected an int >= 1 that fits 64 bits "
+                                f"(slicing {x.name})")
             for v, what in ((lo, "start"), (hi, "end")):
                 if isinstance(v, int) and not isinstance(v, bool) and v < 0:
                     raise KilnError(f"slice: axis {a} has {what} {v}; expected an index >= 0")
@@ -544,7 +584,7 @@ class Ops:
         if isinstance(index, int) and not isinstance(index, bool) and index < 0:
             raise KilnError(f"select: index {index} is negative; expected an index >= 0")
         at = self._index_value(index, "select")
-        return Tensor(fd, fd._core.select(fd._tensor(x, "select"), _int(dim, "select: dim"), at))
+        return Tensor(fd, fd._core.select(fd._tensor(x, "select"), self._dim(x, dim, "select"), at))
 
     def reshape(self, x: Tensor, new_shape: Sequence[Union[int, Scalar]], *args: Sequence[Union[int, Scalar]],
                 original_shape: Optional[Sequence[Union[int, Scalar]]] = None) -> Tensor:
@@ -613,14 +653,14 @@ class Ops:
         fd = self._fd
         return Tensor(fd, fd._core.take_along_axis(fd._tensor(x, "take_along_axis"),
                                                    fd._tensor(index, "take_along_axis"),
-                                                   _int(dim, "take_along_axis: dim")))
+                                                   self._dim(x, dim, "take_along_axis")))
 
     def gather(self, x: Tensor, index: Tensor, dim: int) -> Tensor:
         """``torch.gather``: ``index`` has ``x``'s rank, and off ``dim`` sizes no larger than
         ``x``'s; the output has ``index``'s shape."""
         self._fd._tensor(x, "gather")
         self._fd._tensor(index, "gather")
-        dim = _int(dim, "gather: dim")
+        dim = self._dim(x, dim, "gather")
         rank = x.ndim
         if index.ndim != rank:
             raise KilnError(f"gather: index {index.name} has rank {index.ndim} but {x.name} has rank "
@@ -671,7 +711,7 @@ class Ops:
             index = self.broadcast_in_dim(index, [1], [])
         return Tensor(fd, fd._core.index_select(fd._tensor(x, "index_select"),
                                                 fd._tensor(index, "index_select"),
-                                                _int(dim, "index_select: dim")))
+                                                self._dim(x, dim, "index_select")))
 
     def full(self, shape: Sequence[Union[int, Scalar]], value: Union[Scalar, int, float, bool],
              dtype: DataType) -> Tensor:
@@ -685,7 +725,7 @@ class Ops:
         dims: List[int] = []
         for s in _seq(shape, f"{what}: shape"):
             if isinstance(s, Scalar):
-                dims.append(s._id)
+                dims.append(fd._operand(s, what)[1])
             elif isinstance(s, int) and not isinstance(s, bool):
                 if s < 0:
                     raise KilnError(f"{what}: size {s} is negative; expected a size >= 0 or a Scalar")

@@ -74,6 +74,8 @@ class IterDomain:
 def _int(value: object, what: str, tensor: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise KilnTypeError(f"{tensor}: {what} must be an int, got {value!r}")
+    if not -(2**63) <= value < 2**63:
+        raise KilnError(f"{tensor}: {what} {value} does not fit 64 bits")
     return value
 
 

@@ -142,6 +142,7 @@ fn push_index(ix: Option<&AccessIndex>, acc: &mut Vec<ValId>) {
 /// Generate CUDA for a lowered kernel; `index32` picks 32-bit index arithmetic (valid
 /// when every offset fits, which the host plan checks for concrete sizes).
 pub fn generate(k: &Kernel, index32: bool) -> Result<CudaKernel> {
+    k.check_local_memory()?;
     let index_dt = if index32 { DataType::Int32 } else { DataType::Int };
     let f = &k.fusion;
     let mut params: Vec<(String, ParamKind, DataType)> = Vec::new();

@@ -291,8 +291,14 @@ fn check_contiguity(f: &Fusion, tv: TvId, i: usize, d: &InputDesc) -> Result<()>
         match c {
             Some(true) => {
                 if size > 1 && stride != expected {
+                    // Without a declaration, a hand schedule is compiled for row-major arrays.
+                    let why = if t.declared_contiguity {
+                        "is declared contiguous"
+                    } else {
+                        "must be contiguous: the hand schedule was compiled for row-major arrays, the definition's default layout"
+                    };
                     bail!(
-                        "{}: axis {axis} has stride {stride} but is declared contiguous (expected stride {expected}); pass a contiguous array or declare contiguity=False",
+                        "{}: axis {axis} has stride {stride} but {why} (expected stride {expected}); pass a contiguous array or declare contiguity=False",
                         input_name(f, i)
                     );
                 }

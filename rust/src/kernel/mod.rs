@@ -250,6 +250,9 @@ pub const MAX_BLOCK: [i64; 3] = [1024, 1024, 64];
 pub const MAX_GRID: [i64; 3] = [(1 << 31) - 1, 65535, 65535];
 pub const MAX_SHARED_BYTES: i64 = 232_448;
 
+/// Local memory a thread may use (CUDA's limit on every architecture since sm_20).
+pub const MAX_LOCAL_BYTES: i64 = 512 * 1024;
+
 /// Check concrete launch dimensions (`None`: not known yet) against the hardware limits:
 /// every path (lowering for static sizes, the GPU plan, the interpreter) refuses the same
 /// launches with the same message.
@@ -358,6 +361,7 @@ impl Kernel {
         let l = &self.launch;
         let grid = l.grid.map(&eval);
         let block = l.block.map(&eval);
+        self.check_memory(&eval, false)?;
         check_launch_dims(grid, block, eval(l.smem_bytes)).map_err(|e| {
             // The axes that set each parallel dimension (the widest loop of its type).
             let f = &self.fusion;
@@ -380,6 +384,56 @@ impl Kernel {
             }
             crate::error::KilnError { kind: e.kind, message: format!("{} [{}]", e.message, by.join(", ")) }
         })
+    }
+
+    /// Local memory per thread within the GPU's limit (constant sizes; CUDA code generation
+    /// checks it: the interpreter of a fusion as written holds whole tensors per thread).
+    pub fn check_local_memory(&self) -> crate::Result<()> {
+        self.check_memory(&|v| self.fusion.scalars.as_int(v), true)
+    }
+
+    /// Shared memory per block (and with `local`, Local memory per thread) within the
+    /// device's limits, the error naming the tensors that take it (largest first).
+    fn check_memory(&self, eval: &impl Fn(ValId) -> Option<i64>, local: bool) -> crate::Result<()> {
+        fn walk(nodes: &[Node], out: &mut Vec<(TvId, MemoryType, Option<i64>)>, eval: &dyn Fn(ValId) -> Option<i64>) {
+            for n in nodes {
+                if let Node::Alloc(a) = n {
+                    if let AllocTarget::Tensor(tv) = a.target {
+                        let mut bytes = Some(a.dtype.size_bytes() as i64);
+                        for &e in &a.shape {
+                            bytes = bytes.zip(eval(e)).map(|(b, n)| b.saturating_mul(n));
+                        }
+                        out.push((tv, a.memory, bytes));
+                    }
+                }
+                for b in n.bodies() {
+                    walk(b, out, eval);
+                }
+            }
+        }
+        let mut allocs = Vec::new();
+        walk(&self.body, &mut allocs, eval);
+        let f = &self.fusion;
+        let named = |mt: MemoryType| -> String {
+            let mut v: Vec<(i64, TvId)> =
+                allocs.iter().filter(|a| a.1 == mt).filter_map(|&(tv, _, b)| Some((b?, tv))).collect();
+            v.sort_by_key(|a| std::cmp::Reverse(a.0));
+            v.iter().map(|(b, tv)| format!("{} {b} bytes", f.tv_name(*tv))).collect::<Vec<_>>().join(", ")
+        };
+        let local_bytes: i64 = allocs.iter().filter(|a| a.1 == MemoryType::Local).filter_map(|a| a.2).sum();
+        if local_bytes > MAX_LOCAL_BYTES && local {
+            crate::bail!(
+                "the schedule needs {local_bytes} bytes of Local memory per thread ({}); the GPU allows at most {MAX_LOCAL_BYTES} (inline the tensors deeper, or parallelize their axes)",
+                named(MemoryType::Local)
+            );
+        }
+        if let Some(s) = eval(self.launch.smem_bytes).filter(|&s| s > MAX_SHARED_BYTES) {
+            crate::bail!(
+                "the schedule needs {s} bytes of Shared memory per block; the target allows at most {MAX_SHARED_BYTES} (use smaller tiles or Local memory; Shared tensors: {})",
+                named(MemoryType::Shared)
+            );
+        }
+        Ok(())
     }
 
     /// Every gather of the kernel: (site id, index tensor, selected-from tensor), the

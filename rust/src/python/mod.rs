@@ -579,6 +579,8 @@ impl PyFusion {
     fn split(&mut self, py: Python<'_>, t: u32, axis: i64, factor: i64, inner_split: bool) -> PyResult<()> {
         guarded(py, || {
             let t = self.tv(t)?;
+            // The loop domain of an input is never lowered: a transform of it would be ignored.
+            self.inner.get().check_not_input(t, "split")?;
             self.inner.get_mut().split(t, axis, factor, inner_split)
         })
     }
@@ -587,6 +589,8 @@ impl PyFusion {
     fn merge(&mut self, py: Python<'_>, t: u32, a: i64, b: i64) -> PyResult<()> {
         guarded(py, || {
             let t = self.tv(t)?;
+            // The loop domain of an input is never lowered: a transform of it would be ignored.
+            self.inner.get().check_not_input(t, "merge")?;
             self.inner.get_mut().merge(t, a, b)
         })
     }
@@ -595,6 +599,8 @@ impl PyFusion {
     fn reorder(&mut self, py: Python<'_>, t: u32, moves: Vec<(i64, i64)>) -> PyResult<()> {
         guarded(py, || {
             let t = self.tv(t)?;
+            // The loop domain of an input is never lowered: a transform of it would be ignored.
+            self.inner.get().check_not_input(t, "reorder")?;
             self.inner.get_mut().reorder(t, &moves)
         })
     }
@@ -604,6 +610,7 @@ impl PyFusion {
         guarded(py, || {
             let t = self.tv(t)?;
             let p = parse_enum("parallel type", pt, ParallelType::from_enum_name)?;
+            self.inner.get().check_not_input(t, "parallelize")?;
             self.inner.get_mut().parallelize(t, axis, p)
         })
     }

@@ -45,7 +45,7 @@ impl Fusion {
         Ok(())
     }
 
-    fn check_not_input(&self, tv: TvId, what: &str) -> Result<()> {
+    pub(crate) fn check_not_input(&self, tv: TvId, what: &str) -> Result<()> {
         if self.is_input(tv) {
             bail!(
                 "{what}: {} is a fusion input; inputs are read as given (use cache_after() and schedule the cache)",
@@ -60,6 +60,14 @@ impl Fusion {
         let a = self.normalize_axis(tv, axis)?;
         if factor < 1 {
             bail!("split {}: axis {a}: factor must be >= 1, got {factor}", self.tv_name(tv));
+        }
+        // A factor is a loop extent: one past what a grid or a loop can count is a typo, and
+        // its serial loop of predicated iterations would run for ever.
+        if factor > i64::from(i32::MAX) {
+            bail!(
+                "split {}: axis {a}: factor {factor} is larger than 2^31 - 1, the longest loop a kernel runs",
+                self.tv_name(tv)
+            );
         }
         self.check_axis_not_inlined(tv, a, "split")?;
         let id = self.tvs[tv].loop_domain[a];

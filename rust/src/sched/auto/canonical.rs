@@ -737,6 +737,14 @@ pub fn expand_centered_squares(f: &mut Fusion, long_row: &dyn Fn(&Fusion, ExprId
             if !long_row(f, e) {
                 continue;
             }
+            // The shift of a double sum is read per row: rows along x's innermost axis only
+            // (a column reduction keeps its two passes; its schedule would hold each
+            // thread's whole column in registers to read the shifted copy twice).
+            let inner =
+                f.no_reduction_logical(x).len().checked_sub(1).is_some_and(|last| reduced_axes(f, e).contains(&last));
+            if f.tvs[f.exprs[e].output].dtype == DataType::Double && !inner {
+                continue;
+            }
             let out = f.exprs[e].output;
             let dt = f.tvs[out].dtype;
             let red = reduced_axes(f, e);

@@ -312,6 +312,15 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
         return Ok(Heuristic::new(Params::InnerReduction { vector: v, threads: t, unroll: u }));
     }
     if outer {
+        // As for rows: a tensor several reductions read would be computed in a loop nest of
+        // its own and held per thread for its whole share of the columns (BatchNorm's
+        // `sum(x)` beside `sum(x * x)`: an array of 8256 floats per thread over 33000 rows,
+        // minutes of NVRTC and local memory); each reader computes its own copy instead.
+        let pre = by_dependence(f, &rs, &late).0;
+        if pre.iter().any(|&t| f.tvs[t].uses.len() > 1 && !f.is_output(t)) {
+            super::looped::recompute_per_reader(f, &|_: &Fusion, t: TvId| !pre.contains(&t))?;
+        }
+        let before = by_dependence(f, &rs, &late).0;
         let t = if keep_size >= 128 { 128 } else { (keep_size.max(32) as u64).next_power_of_two() as i64 };
         let ty = 4;
         // Rows each thread has in flight at once: independent loads hide DRAM latency.
