@@ -34,6 +34,14 @@ pub(crate) fn to_py(py: Python<'_>, err: KilnError) -> PyErr {
     }
 }
 
+/// Per-input (sizes, strides) lists as input descriptions; the two lists must pair up.
+fn input_descs(sizes: Vec<Vec<i64>>, strides: Vec<Vec<i64>>) -> crate::Result<Vec<crate::host::eval::InputDesc>> {
+    if sizes.len() != strides.len() {
+        return Err(KilnError::value(format!("{} size lists but {} stride lists", sizes.len(), strides.len())));
+    }
+    Ok(sizes.into_iter().zip(strides).map(|(sizes, strides)| crate::host::eval::InputDesc { sizes, strides }).collect())
+}
+
 /// Run `f`, turning both `KilnError`s and panics into Python exceptions.
 pub(crate) fn guarded<T>(py: Python<'_>, f: impl FnOnce() -> crate::Result<T>) -> PyResult<T> {
     match catch_unwind(AssertUnwindSafe(f)) {
@@ -1114,12 +1122,11 @@ impl PyKernel {
         strides: Vec<Vec<i64>>,
         scalars: Vec<PyScalarArg>,
     ) -> PyResult<PyKernelPlan> {
-        use crate::host::eval::{plan, InputDesc, ScalarArg};
+        use crate::host::eval::{plan, ScalarArg};
         let p = guarded(py, || {
             // Both index variants take the same parameters; the 64-bit one names them.
             let k = self.cuda_kernel(false)?;
-            let inputs: Vec<InputDesc> =
-                sizes.into_iter().zip(strides).map(|(sizes, strides)| InputDesc { sizes, strides }).collect();
+            let inputs = input_descs(sizes, strides)?;
             let sc: Vec<ScalarArg> = scalars.iter().map(PyScalarArg::to_arg).collect();
             plan(&self.inner, k, &inputs, &sc)
         })?;
@@ -1337,18 +1344,14 @@ impl PyHostProgram {
         strides: Vec<Vec<i64>>,
         scalars: Vec<PyScalarArg>,
     ) -> PyResult<Vec<(String, usize, Vec<i64>)>> {
-        use crate::host::eval::{InputDesc, ScalarArg};
+        use crate::host::eval::ScalarArg;
         use crate::host::ir::BufferRole;
         let p = &self.inner;
         guarded(py, || {
             if !p.buffers.iter().any(|b| matches!(b.role, BufferRole::InputView(_))) {
                 return Ok(Vec::new());
             }
-            if sizes.len() != strides.len() {
-                return Err(KilnError::value(format!("{} size lists but {} stride lists", sizes.len(), strides.len())));
-            }
-            let inputs: Vec<InputDesc> =
-                sizes.into_iter().zip(strides).map(|(sizes, strides)| InputDesc { sizes, strides }).collect();
+            let inputs = input_descs(sizes, strides)?;
             let sc: Vec<ScalarArg> = scalars.iter().map(PyScalarArg::to_arg).collect();
             let b = crate::host::bind::bind(&p.fusion, &inputs, &sc)?;
             let mut views = Vec::new();
@@ -1383,14 +1386,10 @@ impl PyHostProgram {
         strides: Vec<Vec<i64>>,
         scalars: Vec<PyScalarArg>,
     ) -> PyResult<PyHostPlan> {
-        use crate::host::eval::{InputDesc, ScalarArg};
+        use crate::host::eval::ScalarArg;
         use crate::host::plan::Place;
         let p = guarded(py, || {
-            if sizes.len() != strides.len() {
-                return Err(KilnError::value(format!("{} size lists but {} stride lists", sizes.len(), strides.len())));
-            }
-            let inputs: Vec<InputDesc> =
-                sizes.into_iter().zip(strides).map(|(sizes, strides)| InputDesc { sizes, strides }).collect();
+            let inputs = input_descs(sizes, strides)?;
             let sc: Vec<ScalarArg> = scalars.iter().map(PyScalarArg::to_arg).collect();
             self.cache.get(&self.inner, &inputs, &sc)
         })?;

@@ -253,19 +253,8 @@ impl Fusion {
 
     /// A copy of `tv` that `tv`'s consumers read instead (a read cache).
     pub fn cache_after(&mut self, tv: TvId) -> Result<TvId> {
-        let name = self.tv_name(tv);
-        if self.tvs[tv].inline_pos > 0 {
-            bail!("cache_after {name}: {name} is already inlined; call cache_after before inline_at");
-        }
-        let old_uses = self.tvs[tv].uses.clone();
-        let c = self.set(tv)?;
-        let set_expr = self.tvs[c].definition.expect("set defines its output");
-        for e in old_uses {
-            self.redirect_use(e, tv, c);
-        }
-        debug_assert_eq!(self.tvs[tv].uses, vec![set_expr]);
-        self.manually_scheduled = true;
-        Ok(c)
+        let uses = self.tvs[tv].uses.clone();
+        self.cache_after_uses(tv, uses)
     }
 
     /// [`Fusion::cache_after`] for the readers that read `tv` element by element: a gather
@@ -276,18 +265,21 @@ impl Fusion {
         if plain.is_empty() {
             return Ok(None);
         }
-        if plain.len() == self.tvs[tv].uses.len() {
-            return self.cache_after(tv).map(Some);
-        }
+        self.cache_after_uses(tv, plain).map(Some)
+    }
+
+    /// A copy of `tv` that the readers `uses` read instead.
+    fn cache_after_uses(&mut self, tv: TvId, uses: Vec<ExprId>) -> Result<TvId> {
+        let name = self.tv_name(tv);
         if self.tvs[tv].inline_pos > 0 {
-            bail!("cache_after {0}: {0} is already inlined; call cache_after before inline_at", self.tv_name(tv));
+            bail!("cache_after {name}: {name} is already inlined; call cache_after before inline_at");
         }
         let c = self.set(tv)?;
-        for e in plain {
+        for e in uses {
             self.redirect_use(e, tv, c);
         }
         self.manually_scheduled = true;
-        Ok(Some(c))
+        Ok(c)
     }
 
     /// A new tensor that takes over `tv`'s definition; `tv` becomes a copy of it (a write cache).
