@@ -39,7 +39,11 @@ def main(argv: list) -> int:
                    help="only C-contiguous inputs (hides the failures of strided ones, shows the rest)")
     p.add_argument("--gpu", action="store_true",
                    help="run on the GPU (CuPy inputs) instead of the interpreter")
+    p.add_argument("--max-elements", type=int, default=None,
+                   help="largest input size in elements (default 4096); larger sizes are drawn too")
     args = p.parse_args(argv)
+    if args.max_elements:
+        gen.set_max_elements(args.max_elements)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(6), "little")
     rng = random.Random(seed)
     results = []

@@ -59,7 +59,21 @@ KilnInternalError: Any = getattr(kiln, "KilnInternalError", None) or getattr(
 N_EXAMPLES = int(os.environ.get("KILN_AUTO_EXAMPLES", "300"))
 MAX_REFUSED_FRACTION = 0.02
 SIZES = [1, 1, 2, 3, 4, 5, 7, 8, 13, 16, 31, 32, 64, 97, 127, 128, 131, 255, 256, 300, 509, 1031, 2048, 4093]
+# KILN_AUTO_MAX_ELEMENTS (explore_auto.py --max-elements) raises the size cap: schedulers pick
+# other paths for long rows, many rows and whole waves of blocks (grid reductions, looped rows).
 MAX_ELEMENTS = 4096
+LARGE_SIZES = [4096, 4099, 8192, 12289, 16384, 32000, 50257, 65536, 131072, 262147]
+
+
+def set_max_elements(n: int) -> None:
+    """Cap inputs at ``n`` elements and draw extents up to it (model-sized rows and columns)."""
+    global MAX_ELEMENTS, SIZES
+    MAX_ELEMENTS = n
+    SIZES = [s for s in SIZES if s < 4096] + [s for s in LARGE_SIZES if s <= n]
+
+
+if "KILN_AUTO_MAX_ELEMENTS" in os.environ:
+    set_max_elements(int(os.environ["KILN_AUTO_MAX_ELEMENTS"]))
 INDEX_LENGTHS = [1, 2, 3, 5, 7, 16, 31]
 CONSTS = [0.5, 2.0, -1.25, 3.0, 1.0, -0.75]
 SCALAR_VALUES = {"Double": [0.75, -1.5, 0.3, 2.0], "Float": [0.25, -2.0, 1.5], "Int": [2, -3, 1]}

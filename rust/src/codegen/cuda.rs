@@ -457,7 +457,7 @@ impl Gen<'_> {
                 self.c(gth.extent),
                 crate::kernel::INDEX_ERROR,
                 gth.id,
-                self.c(gth.at)
+                self.c(gth.element)
             );
         }
         pre
@@ -506,7 +506,7 @@ impl Gen<'_> {
                 self.c(g.extent),
                 crate::kernel::INDEX_ERROR,
                 g.id,
-                self.c(g.at)
+                self.c(g.element)
             );
         }
         let _ =

@@ -58,6 +58,9 @@ pub fn bind_args(f: &Fusion, args: &[Arg]) -> Result<Bindings> {
 /// [`bind_args`]; `any_layout`: the caller compiles kernels for the arrays' own layout
 /// (the automatic path), so inputs without declared contiguity take any strides.
 pub fn bind_args_for(f: &Fusion, args: &[Arg], any_layout: bool) -> Result<Bindings> {
+    if f.outputs.is_empty() {
+        bail!("the fusion has no outputs: add one with fd.add_output (an error inside its `with` block ends the definition early)");
+    }
     if args.len() != f.inputs.len() {
         let tensors = f.inputs.iter().filter(|o| o.tensor().is_some()).count();
         let missing = if args.len() < f.inputs.len() {
@@ -352,6 +355,7 @@ fn check_tensor_sizes(f: &Fusion, b: &Bindings) -> Result<()> {
             bail!("{} ({} for these inputs)", c.what, shown.join(", "));
         }
     }
+    check_aligned_sizes(f, b)?;
     // An index into an empty axis selects nothing that exists.
     for e in f.exprs.values() {
         let (Op::IndexSelect { dim }, Some(Operand::Tensor(table))) = (&e.op, e.inputs.first()) else { continue };
@@ -385,6 +389,73 @@ fn check_tensor_sizes(f: &Fusion, b: &Bindings) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The axes each element-wise op or broadcast of the definition lines up have equal sizes
+/// for these inputs: a runtime size (`full` of a
+/// scalar) that disagrees with an input's is refused before any schedule is picked,
+/// naming the tensors as the definition does.
+fn check_aligned_sizes(f: &Fusion, b: &Bindings) -> Result<()> {
+    for (e, ex) in f.exprs.iter() {
+        // Element-wise ops and broadcasts line their operands up axis by axis; the others
+        // (reductions keep their reduced ids, gathers and remaps read computed positions)
+        // are the lowering's to check.
+        if !matches!(ex.op, Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast(_) | Op::Set | Op::Broadcast { .. }) {
+            continue;
+        }
+        for (pos, op) in ex.inputs.iter().enumerate() {
+            let Some(p) = op.tensor() else { continue };
+            for (pid, cid) in crate::ir::mapping::logical_pairs(f, e, pos) {
+                let (a, c) = (&f.ids[pid], &f.ids[cid]);
+                if a.iter_type == IterType::Broadcast || c.iter_type == IterType::Broadcast || a.extent == c.extent {
+                    continue;
+                }
+                let (Ok(x), Ok(y)) = (b.eval(&f.scalars, a.extent), b.eval(&f.scalars, c.extent)) else { continue };
+                if x != y {
+                    let axis = f.tvs[ex.output].logical.iter().position(|&i| i == cid).unwrap_or(0);
+                    // An input's size against a size the definition wrote down: name the input.
+                    for (sym, size, fixed) in [(a.extent, x, c.extent), (c.extent, y, a.extent)] {
+                        if let (Some((i, in_axis)), Some(k)) = (input_axis(f, sym), f.scalars.as_int(fixed)) {
+                            bail!(
+                                "{}: axis {in_axis} has size {size} but the definition fixes it to {k} ({} axis {axis}: {})",
+                                input_name(f, i),
+                                f.tv_name(ex.output),
+                                f.expr_short(ex)
+                            );
+                        }
+                    }
+                    bail!(
+                        "{} axis {axis} and its input {} ({}): sizes {y}{} and {x}{} must be equal",
+                        f.tv_name(ex.output),
+                        f.tv_name(p),
+                        f.expr_short(ex),
+                        extent_origin(f, c.extent),
+                        extent_origin(f, a.extent)
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Where a size comes from, for messages: ` (input 0 (T0) axis 1)`, ` (s0)`, or nothing for a
+/// constant or a computed size.
+fn extent_origin(f: &Fusion, v: crate::ir::ValId) -> String {
+    if let Some((i, axis)) = input_axis(f, v) {
+        return format!(" ({} axis {axis})", input_name(f, i));
+    }
+    match f.scalars.get(v) {
+        Val::Symbol(Symbol::ScalarInput(_)) => format!(" ({})", f.scalars.render(v)),
+        _ => String::new(),
+    }
+}
+
+/// The fusion input (position) and axis whose size the symbolic extent `v` is.
+fn input_axis(f: &Fusion, v: crate::ir::ValId) -> Option<(usize, usize)> {
+    let Val::Symbol(Symbol::Extent(n)) = f.scalars.get(v) else { return None };
+    let &(tv, axis) = f.extent_sources.get(n as usize)?;
+    Some((f.inputs.iter().position(|o| *o == Operand::Tensor(tv))?, axis))
 }
 
 /// The runtime sizes of each symbolic extent and stride of tensor inputs given as

@@ -185,6 +185,11 @@ pub fn segment_fusion(f: &Fusion, seg: &Segment) -> Fusion {
         t.uses.retain(|u| in_seg.contains(u));
         if inputs.contains(&tv) && !f.is_input(tv) {
             // An intermediate read here: a plain Global input in logical order.
+            let from = f.reshaped_from(tv);
+            if from != tv {
+                g.cut_from.insert(tv, from);
+            }
+            let t = &mut g.tvs[tv];
             t.definition = None;
             t.inline_pos = 0;
             t.root = None;

@@ -83,6 +83,9 @@ pub fn auto_program_strided(
     let cx = Ctx { extents: extent_values(f, inputs)?, scalars: scalars.to_vec(), device };
     let mut g = f.clone();
     g.aligned_bases = aligned_bases;
+    if g.user_tvs == 0 {
+        g.user_tvs = g.tvs.len();
+    }
     if !strides.is_empty() {
         let descs: Vec<crate::host::eval::InputDesc> = inputs
             .iter()

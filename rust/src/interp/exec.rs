@@ -63,7 +63,7 @@ struct CVector {
     input: u32,
     first: u32,
     last: u32,
-    gathers: Vec<(u32, TvId, u32, TvId, ValId)>,
+    gathers: Vec<(u32, TvId, u32, TvId, ValId, u32)>,
     access: [VectorAccess; 2],
     whole: bool,
     fallback: Vec<CNode>,
@@ -79,7 +79,7 @@ struct Access {
     pred: u32,
     wpred: u32,
     /// (symbol id, index tensor, compiled offset, selected-from tensor, its extent).
-    gathers: Vec<(u32, TvId, u32, TvId, ValId)>,
+    gathers: Vec<(u32, TvId, u32, TvId, ValId, u32)>,
     /// Thread/block parallel types of the reduced enclosing loops (reductions only).
     reduced: Vec<ParallelType>,
     /// The written element's logical position (iota, random numbers).
@@ -174,7 +174,14 @@ fn compile(k: &Kernel, body: &[Node], stack: &mut Vec<(ParallelType, bool)>) -> 
                 let last = prog.add(&f.scalars, v.last)?;
                 let mut gathers = Vec::new();
                 for g in &v.gathers {
-                    gathers.push((g.id, g.index_tv, prog.add(&f.scalars, g.at)?, g.table, g.extent));
+                    gathers.push((
+                        g.id,
+                        g.index_tv,
+                        prog.add(&f.scalars, g.at)?,
+                        g.table,
+                        g.extent,
+                        prog.add(&f.scalars, g.element)?,
+                    ));
                 }
                 let Some(Operand::Tensor(src)) = f.exprs[v.expr].inputs.first().copied() else {
                     bail_internal!("interpreter: vector copy of a non-tensor operand");
@@ -211,7 +218,14 @@ fn compile_access(k: &Kernel, kind: AccessKind, ix: &crate::kernel::AccessIndex)
     let wpred = prog.add(&f.scalars, ix.write_predicate)?;
     let mut gathers = Vec::new();
     for g in &ix.gathers {
-        gathers.push((g.id, g.index_tv, prog.add(&f.scalars, g.at)?, g.table, g.extent));
+        gathers.push((
+            g.id,
+            g.index_tv,
+            prog.add(&f.scalars, g.at)?,
+            g.table,
+            g.extent,
+            prog.add(&f.scalars, g.element)?,
+        ));
     }
     let mut inputs = Vec::new();
     for v in &ix.inputs {
@@ -872,11 +886,14 @@ impl Exec<'_, '_> {
         let first = ev.eval(v.first, &mk_env(&uniform, ctx, lanes, &gathered, &mem.done))?.clone();
         // Index reads where the first element is in range (elsewhere the GPU reads index 0).
         let reading: Vec<u32> = lanes.iter().enumerate().filter(|(i, _)| first.at(*i) != 0).map(|(_, &l)| l).collect();
-        for &(id, tv, at, table, extent) in &v.gathers {
+        for &(id, tv, at, table, extent, element) in &v.gathers {
             ev.reset_varying();
             let offs = ev.eval(at, &mk_env(&uniform, ctx, &reading, &gathered, &mem.done))?.clone();
             let got = mem.read(ctx, kname, tv, &reading, &offs)?.to_i64();
-            check_indices(f, ctx, tv, table, extent, &got, &offs)?;
+            if let Some(j) = bad_index(ctx, extent, &got)? {
+                let at = ev.eval(element, &mk_env(&uniform, ctx, &reading, &gathered, &mem.done))?.at(j);
+                return Err(index_error(f, ctx, tv, table, extent, got[j], at));
+            }
             // Lanes that read nothing hold index 0, as on the GPU.
             let mut all = vec![0i64; lanes.len()];
             let mut k = 0;
@@ -1064,10 +1081,13 @@ impl Exec<'_, '_> {
             }
             AccessKind::Expr { expr } | AccessKind::Accumulate { expr, .. } => {
                 let e = &f.exprs[*expr];
-                for &(id, tv, at, table, extent) in &a.gathers {
+                for &(id, tv, at, table, extent, element) in &a.gathers {
                     let offs = ev.eval(at, &mk_env(&uniform, ctx, &active, &gathered, &mem.done))?.clone();
                     let vals = mem.read(ctx, kname, tv, &active, &offs)?.to_i64();
-                    check_indices(f, ctx, tv, table, extent, &vals, &offs)?;
+                    if let Some(j) = bad_index(ctx, extent, &vals)? {
+                        let at = ev.eval(element, &mk_env(&uniform, ctx, &active, &gathered, &mem.done))?.at(j);
+                        return Err(index_error(f, ctx, tv, table, extent, vals[j], at));
+                    }
                     gathered.insert(id, vals);
                 }
                 let mut cols: Vec<Option<Col>> = Vec::with_capacity(e.inputs.len());
@@ -1344,19 +1364,21 @@ fn poison_reaches_reduction(kname: &str, f: &Fusion, out: TvId, poison: Option<P
     }
 }
 
-/// Gathered index values must select an entry of their table: the error names both.
-fn check_indices(f: &Fusion, ctx: &Ctx, tv: TvId, table: TvId, extent: ValId, vals: &[i64], offs: &Reg) -> Result<()> {
+/// The first lane whose gathered index value is outside its table's `extent`.
+fn bad_index(ctx: &Ctx, extent: ValId, vals: &[i64]) -> Result<Option<usize>> {
     let n = ctx.value(extent)?.as_i64();
-    match vals.iter().position(|&v| v < 0 || v >= n) {
-        Some(j) => Err(KilnError::value(format!(
-            "index_select: the index tensor {} holds {} at element {}; {} has {n} entries along the selected axis (indices must be in [0, {n}))",
-            f.tv_name(tv),
-            vals[j],
-            offs.at(j),
-            f.tv_name(table)
-        ))),
-        None => Ok(()),
-    }
+    Ok(vals.iter().position(|&v| v < 0 || v >= n))
+}
+
+/// Gathered index values must select an entry of their table: the error names both as
+/// the definition does, and the element by its position in the index tensor.
+fn index_error(f: &Fusion, ctx: &Ctx, tv: TvId, table: TvId, extent: ValId, value: i64, element: i64) -> KilnError {
+    let n = ctx.value(extent).map(|v| v.as_i64()).unwrap_or(0);
+    KilnError::value(format!(
+        "index_select: the index tensor {} holds {value} at element {element}; {} has {n} entries along the selected axis (indices must be in [0, {n}))",
+        f.user_tv_name(tv),
+        f.table_name(table)
+    ))
 }
 
 fn mk_env<'a>(

@@ -352,6 +352,16 @@ pub struct Fusion {
     /// Sizes the definition needs equal at run time (reshape's element counts, cat's kept
     /// axes), checked when the inputs are bound.
     pub size_checks: Vec<shape_ops::SizeCheck>,
+    /// Tensors `0..user_tvs` are the definition's own; 0: all are. The automatic path
+    /// sets it before it rewrites and schedules, so messages about a tensor it made (a
+    /// cache, a recomputed copy, a canonical rewrite) can name the one the user defined.
+    pub user_tvs: usize,
+    /// A tensor the schedule made, and the tensor whose values it holds for its readers
+    /// (see [`Fusion::user_tv`]).
+    pub stands_for: rustc_hash::FxHashMap<TvId, TvId>,
+    /// An intermediate that a kernel reads as an input, and the tensor the whole fusion cut
+    /// or reshaped it from (see [`Fusion::reshaped_from`]), for messages.
+    pub cut_from: rustc_hash::FxHashMap<TvId, TvId>,
 }
 
 impl Fusion {
@@ -519,6 +529,72 @@ impl Fusion {
     /// Name of a tensor, `T{n}`.
     pub fn tv_name(&self, tv: TvId) -> String {
         format!("T{}", tv.as_u32())
+    }
+
+    /// Record that the schedule's tensor `new` holds `old`'s values for its readers (a
+    /// cache, a recomputed copy, a rewrite); only tensors made after the definition count.
+    pub fn note_stand_in(&mut self, new: TvId, old: TvId) {
+        if self.user_tvs > 0 && new.as_u32() as usize >= self.user_tvs && new != old {
+            self.stands_for.entry(new).or_insert(old);
+        }
+    }
+
+    /// The definition's tensor that `tv` stands for (itself when it is one, or when the
+    /// schedule made it from scratch).
+    pub fn user_tv(&self, tv: TvId) -> TvId {
+        let mut t = tv;
+        for _ in 0..self.tvs.len() {
+            if self.user_tvs == 0 || (t.as_u32() as usize) < self.user_tvs {
+                break;
+            }
+            match self.stands_for.get(&t) {
+                Some(&o) => t = o,
+                None => break,
+            }
+        }
+        t
+    }
+
+    /// How messages name a gather's table: [`Fusion::user_tv_name`], plus the tensor it was
+    /// cut or reshaped from (`T2 (from T0)`), since a definition's `gather` or `select`
+    /// makes tables the user never named.
+    pub fn table_name(&self, tv: TvId) -> String {
+        let t = self.user_tv(tv);
+        let src = self.reshaped_from(t);
+        if src == t {
+            self.tv_name(t)
+        } else {
+            format!("{} (from {})", self.tv_name(t), self.tv_name(src))
+        }
+    }
+
+    /// The tensor `tv` was cut, broadcast, permuted or copied from, through any chain of
+    /// such ops (itself when it is computed otherwise, or an input).
+    pub fn reshaped_from(&self, tv: TvId) -> TvId {
+        let mut src = tv;
+        for _ in 0..self.tvs.len() {
+            let next = match self.tvs[src].definition {
+                Some(d) => {
+                    let ex = &self.exprs[d];
+                    let reshaping = matches!(
+                        ex.op,
+                        Op::Remap { .. } | Op::Broadcast { .. } | Op::Squeeze { .. } | Op::Set | Op::Permute { .. }
+                    );
+                    ex.inputs.first().and_then(|o| o.tensor()).filter(|_| reshaping)
+                }
+                None => self.cut_from.get(&src).copied(),
+            };
+            match next {
+                Some(x) => src = self.user_tv(x),
+                None => break,
+            }
+        }
+        src
+    }
+
+    /// [`Fusion::tv_name`] of [`Fusion::user_tv`]: what messages about user data print.
+    pub fn user_tv_name(&self, tv: TvId) -> String {
+        self.tv_name(self.user_tv(tv))
     }
 
     /// Position of `id` in `tv`'s loop domain.

@@ -188,6 +188,21 @@ impl Fusion {
                 }
             }
             let (n, d) = (self.scalars.product(num), self.scalars.product(den));
+            if self.scalars.as_int(d).is_none_or(|v| v == 0) {
+                // numel / 0 is no size: NumPy and torch refuse the -1 then too.
+                let zero = self.scalars.int(0);
+                let holds = self.scalars.lt(zero, d);
+                let what = format!(
+                    "reshape of {} to [{}]: -1 at position {k} cannot be inferred when the other sizes multiply to 0",
+                    self.tv_name(x),
+                    shape
+                        .iter()
+                        .map(|s| s.map_or_else(|| "-1".to_string(), |v| self.scalars.render(v)))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+                self.size_checks.push(SizeCheck { holds, values: vec![d], what });
+            }
             let size = self.scalars.div(n, d);
             for (j, s) in shape.iter().enumerate() {
                 outs.push(if j == k { size } else { s.expect("only one inferred size") });

@@ -106,6 +106,9 @@ pub struct Gather {
     /// outside `[0, extent)` is an error of the caller's data, never an address.
     pub table: TvId,
     pub extent: ValId,
+    /// The element's row-major position in `index_tv`'s logical shape, which error
+    /// messages report (`at` is a memory offset: a cache's, or a strided array's).
+    pub element: ValId,
 }
 
 /// Memory offsets and guard of one tensor access site (filled by indexing).

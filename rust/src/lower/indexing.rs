@@ -487,9 +487,10 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
             let idx_tv = operands[1].tensor().expect("index_select takes a tensor index");
             let sel = f.no_reduction_logical(p)[*dim];
             let at = index_operand(f, ctx, e, 1, idx_tv, &cidx, &groups, stack)?;
+            let element = logical_position(f, e, 1, idx_tv, &cidx);
             let id = ctx.next_gather;
             ctx.next_gather += 1;
-            gathers.push(Gather { id, index_tv: idx_tv, at, table: p, extent: f.ids[sel].extent });
+            gathers.push(Gather { id, index_tv: idx_tv, at, table: p, extent: f.ids[sel].extent, element });
             let g = f.scalars.symbol(Symbol::Gathered(id));
             pidx.insert(sel, g);
         }
@@ -645,6 +646,23 @@ fn index_operand(
     bind_enclosing(f, ctx, p, stack, &mut pidx);
     forward(f, p, &mut pidx);
     offset(f, ctx, p, &pidx, groups)
+}
+
+/// Row-major position, in operand `pos`'s logical shape, of the element that expr `e` reads
+/// at consumer indices `cidx` (broadcast and unmapped axes at 0).
+fn logical_position(f: &mut Fusion, e: ExprId, pos: usize, p: TvId, cidx: &FxHashMap<IterDomainId, ValId>) -> ValId {
+    let pidx = from_consumer(f, e, pos, cidx);
+    let mut flat = f.scalars.int(0);
+    for id in f.no_reduction_logical(p) {
+        let (extent, iter) = (f.ids[id].extent, f.ids[id].iter_type);
+        let i = if iter == IterType::Iteration { pidx.get(&id).copied() } else { None };
+        let scaled = f.scalars.mul(flat, extent);
+        flat = match i {
+            Some(i) => f.scalars.add(scaled, i),
+            None => scaled,
+        };
+    }
+    flat
 }
 
 /// Indices of operand `pos`'s logical ids, taken from the consumer ids they map to.

@@ -229,12 +229,11 @@ fn size_constraints(f: &mut Fusion) -> Vec<(crate::ir::ValId, crate::ir::ValId, 
                 }
                 let c = f.exprs[e].output;
                 let axis = f.tvs[c].logical.iter().position(|&x| x == cid).unwrap_or(0);
-                let what = format!(
-                    "{} axis {axis} and its input {} ({})",
-                    f.tv_name(c),
-                    f.tv_name(p),
-                    f.expr_short(&f.exprs[e])
-                );
+                // Named as the definition names them: the schedule's copies and rewrites
+                // are not tensors the user knows.
+                let (uc, up) = (f.user_tv(c), f.user_tv(p));
+                let how = if (uc, up) == (c, p) { format!(" ({})", f.expr_short(&f.exprs[e])) } else { String::new() };
+                let what = format!("{} axis {axis} and its input {}{how}", f.tv_name(uc), f.tv_name(up));
                 out.push((a.extent, b.extent, what));
             }
         }

@@ -14,6 +14,7 @@ use crate::interp::{execute, Data, HostTensor, HostValue, ScalarValue};
 /// Read a NumPy array of element type `T`, keeping its (non-negative) strides.
 fn read_array<T: Element + Copy + Default>(
     x: &Bound<'_, PyAny>,
+    what: &str,
     wrap: impl Fn(Vec<T>) -> Data,
 ) -> PyResult<HostTensor> {
     let arr = x.downcast::<PyArrayDyn<T>>()?;
@@ -27,7 +28,7 @@ fn read_array<T: Element + Copy + Default>(
         return Err(crate::python::to_py(
             x.py(),
             KilnError::value(format!(
-                "an array of shape {shape:?}: the CPU interpreter takes at most 2^31 elements per tensor (run it on a GPU)"
+                "{what}: an array of shape {shape:?}; the CPU interpreter takes at most 2^31 elements per tensor (run it on a GPU)"
             )),
         ));
     }
@@ -48,22 +49,22 @@ fn read_array<T: Element + Copy + Default>(
     Ok(HostTensor { data: wrap(data), shape, strides: strides.iter().map(|&s| s as i64).collect() })
 }
 
-fn to_value(py: Python<'_>, i: usize, x: &Bound<'_, PyAny>, bf16_bits: bool) -> PyResult<HostValue> {
+fn to_value(py: Python<'_>, i: usize, what: &str, x: &Bound<'_, PyAny>, bf16_bits: bool) -> PyResult<HostValue> {
     if x.downcast::<PyUntypedArray>().is_ok() {
         let name: String = x.getattr("dtype")?.getattr("name")?.extract()?;
         // Without ml_dtypes a bfloat16 result comes back as its uint16 bits; the next kernel
         // of a host program reads it so.
         let name = if bf16_bits && name == "uint16" { "bfloat16".to_string() } else { name };
         let t = match name.as_str() {
-            "float32" => read_array::<f32>(x, Data::F32)?,
-            "float64" => read_array::<f64>(x, Data::F64)?,
-            "int64" => read_array::<i64>(x, Data::I64)?,
-            "int32" => read_array::<i32>(x, Data::I32)?,
-            "bool" => read_array::<bool>(x, Data::Bool)?,
-            "float16" => read_array::<u16>(&x.call_method1("view", ("uint16",))?, |v| {
+            "float32" => read_array::<f32>(x, what, Data::F32)?,
+            "float64" => read_array::<f64>(x, what, Data::F64)?,
+            "int64" => read_array::<i64>(x, what, Data::I64)?,
+            "int32" => read_array::<i32>(x, what, Data::I32)?,
+            "bool" => read_array::<bool>(x, what, Data::Bool)?,
+            "float16" => read_array::<u16>(&x.call_method1("view", ("uint16",))?, what, |v| {
                 Data::F16(v.into_iter().map(f16::from_bits).collect())
             })?,
-            "bfloat16" => read_array::<u16>(&x.call_method1("view", ("uint16",))?, |v| {
+            "bfloat16" => read_array::<u16>(&x.call_method1("view", ("uint16",))?, what, |v| {
                 Data::BF16(v.into_iter().map(bf16::from_bits).collect())
             })?,
             other => {
@@ -148,7 +149,11 @@ fn execute_cpu(py: Python<'_>, kernel: &PyKernel, inputs: Vec<Bound<'_, PyAny>>)
     let mut vals = Vec::with_capacity(inputs.len());
     for (i, x) in inputs.iter().enumerate() {
         let bf16_bits = tensor_dtypes.get(i) == Some(&crate::ir::DataType::BFloat16);
-        vals.push(to_value(py, i, x, bf16_bits)?);
+        let what = match f.inputs.get(i) {
+            Some(crate::ir::Operand::Tensor(t)) => format!("input {i} ({})", f.user_tv_name(*t)),
+            _ => format!("input {i}"),
+        };
+        vals.push(to_value(py, i, &what, x, bf16_bits)?);
     }
     let outs = guarded(py, || execute(&kernel.inner, vals))?;
     outs.into_iter().map(|t| to_numpy(py, t)).collect()

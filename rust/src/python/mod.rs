@@ -1202,7 +1202,7 @@ impl PyKernel {
         self.inner
             .gathers()
             .into_iter()
-            .map(|(site, ix, table)| PyGather { site, index: f.tv_name(ix), table: f.tv_name(table) })
+            .map(|(site, ix, table)| PyGather { site, index: f.user_tv_name(ix), table: f.table_name(table) })
             .collect()
     }
 

@@ -249,6 +249,7 @@ impl Fusion {
         if !self.tvs[new].uses.contains(&e) {
             self.tvs[new].uses.push(e);
         }
+        self.note_stand_in(new, old);
     }
 
     /// A copy of `tv` that `tv`'s consumers read instead (a read cache).
@@ -301,6 +302,7 @@ impl Fusion {
         }
         let dtype = self.tvs[tv].dtype;
         let c = self.new_tv(dtype, MemoryType::Local, c_logical);
+        self.note_stand_in(c, tv);
         let c_loop = replay::replay_onto(self, tv, &mut map);
         self.tvs[c].loop_domain = c_loop;
         // The cache follows tv's memory layout, so a vectorized store needs no reshuffle.

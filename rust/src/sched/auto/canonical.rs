@@ -1092,6 +1092,7 @@ pub fn broadcast_computed_indices(f: &mut Fusion) -> Result<()> {
             continue;
         }
         let b = f.broadcast(index, (0..rank).map(|a| a != dim).collect())?;
+        f.note_stand_in(b, index);
         f.exprs[e].inputs[1] = Operand::Tensor(b);
         f.tvs[index].uses.retain(|&u| u != e);
         if !f.tvs[b].uses.contains(&e) {
@@ -1103,6 +1104,7 @@ pub fn broadcast_computed_indices(f: &mut Fusion) -> Result<()> {
 
 /// Make every reader of `old` read `new` instead (outputs and marks included).
 fn replace_tensor(f: &mut Fusion, old: TvId, new: TvId) {
+    f.note_stand_in(new, old);
     let uses = std::mem::take(&mut f.tvs[old].uses);
     for &u in &uses {
         for o in f.exprs[u].inputs.iter_mut() {
@@ -1280,6 +1282,12 @@ pub(crate) fn replay(f: &mut Fusion, op: Op, operands: &[Operand]) -> Result<TvI
 
 /// A second copy of the expr that defines `t`, reading the same operands (recomputation).
 pub(crate) fn recompute(f: &mut Fusion, t: TvId) -> Result<TvId> {
+    let c = recompute_expr(f, t)?;
+    f.note_stand_in(c, t);
+    Ok(c)
+}
+
+fn recompute_expr(f: &mut Fusion, t: TvId) -> Result<TvId> {
     let Some(d) = f.tvs[t].definition else { crate::bail_internal!("recompute: {} is an input", f.tv_name(t)) };
     let (op, operands) = (f.exprs[d].op.clone(), f.exprs[d].inputs.clone());
     if op.is_source() {
