@@ -118,3 +118,23 @@ def test_valid_indices_of_every_layout_match_numpy(as_written: bool) -> None:
             want2 = np.take(xs.astype(np.float64), ib + shift, 2) * 2.0
             np.testing.assert_allclose(out2, want2, rtol=1e-6, atol=0)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("shift", [0, 3])
+def test_gpu_error_word_reports_the_definitions_element(layout: str, shift: int) -> None:
+    from gpu_util import cupy_or_skip  # noqa: PLC0415
+
+    cp = cupy_or_skip()
+    rng = np.random.default_rng(11)
+    fd, x, idx = _build("take_along_axis", 2, 1, shift, (5, 9))
+    xs = rng.standard_normal((5, 6)).astype(np.float32)
+    ia = _index_array((5, 9), 6, shift, 23, 6, "contiguous", rng)
+    dev = cp.asarray(ia) if layout == "contiguous" else cp.asarray(np.ascontiguousarray(ia.T)).T
+    fd.execute([cp.asarray(xs), dev])
+    with pytest.raises(KilnError) as info:
+        fd.check_errors()
+    msg = str(info.value)
+    assert re.search(_name(idx), msg) and re.search(_name(x), msg), msg
+    assert re.search(r"held 6 at element 23\b", msg), msg
