@@ -247,6 +247,7 @@ fn map_vals(n: &mut Node, g: &mut dyn FnMut(ValId) -> ValId) {
         for gt in ix.gathers.iter_mut() {
             gt.at = g(gt.at);
             gt.extent = g(gt.extent);
+            gt.element = g(gt.element);
         }
         if let Some(e) = ix.element.as_mut() {
             *e = g(*e);
@@ -287,6 +288,7 @@ fn map_vals(n: &mut Node, g: &mut dyn FnMut(ValId) -> ValId) {
             for gt in v.gathers.iter_mut() {
                 gt.at = g(gt.at);
                 gt.extent = g(gt.extent);
+                gt.element = g(gt.element);
             }
             for c in v.fallback.body.iter_mut() {
                 map_vals(c, g);

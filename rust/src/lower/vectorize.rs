@@ -118,6 +118,7 @@ fn vector_copy(f: &mut Fusion, l: &ForLoop) -> Option<VectorCopy> {
         .map(|g| {
             let mut g = g.clone();
             g.at = sc.substitute(g.at, sym, zero);
+            g.element = sc.substitute(g.element, sym, zero);
             g
         })
         .collect();

@@ -125,6 +125,7 @@ impl Verifier<'_> {
                 }
                 for g in &ix.gathers {
                     self.in_scope(g.at, "a gather offset")?;
+                    self.in_scope(g.element, "a gather's element position")?;
                 }
             }
         }
