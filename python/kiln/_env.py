@@ -23,6 +23,10 @@ test or a long-running process can change it between calls).
 - ``KILN_L2_EVICT_LAST``: ``0``/``false``/``off``/``no`` turns off the L2 evict_last hint of the
   automatic schedules; read once per process by the Rust core
   (``sched::auto::evict_last_inputs``), so that cached plans never mix the two settings.
+- ``KILN_COLUMN_PARTIALS``: ``1`` lets the automatic path compute the column sums of a fusion
+  that also reduces the same rows (LayerNorm backward) as per-block partials in the row
+  kernel (``sched::auto::partials``); experimental, off by default; read once per process by
+  the Rust core.
 """
 
 from __future__ import annotations

@@ -122,7 +122,44 @@ pub fn auto_program_strided(
     finish_canonical(&mut short, &long_row)?;
     let rewrites = short.exprs.len();
     let every = short.topo_exprs();
+    let partials = if crate::sched::auto::partials::enabled() {
+        crate::sched::auto::partials::column_partials(&short, &cx)?
+    } else {
+        None
+    };
     let mut first = plan(short, &cx)?;
+    if let Some(mut pf) = partials {
+        // Row and column reductions of the same rows: read once, with the column sums as
+        // per-block partials (see sched::auto::partials), when a kernel covers that.
+        crate::sched::auto::canonical::hoist_output_reshapes(&mut pf)?;
+        crate::sched::auto::canonical::sink_remaps(&mut pf)?;
+        crate::sched::auto::canonical::view_input_reshapes(&mut pf);
+        let fused = |h: &Heuristic| match &h.params {
+            Params::Segmented(parts) => parts.iter().any(|(_, h)| matches!(h.params, Params::ColumnPartials { .. })),
+            p => matches!(p, Params::ColumnPartials { .. }),
+        };
+        match plan(pf, &cx) {
+            Ok(mut second) if fused(&second.1) => {
+                second.0.segmentation = format!(
+                    "column sums as per-block partials beside the row reductions ({} kernels against {})\n{}",
+                    second.0.kernels.len(),
+                    first.0.kernels.len(),
+                    second.0.segmentation
+                );
+                first = second;
+            }
+            Ok(second) => {
+                let _ = writeln!(
+                    first.0.segmentation,
+                    "column partials: no kernel covers the rows and partials; their plan was:\n{}",
+                    second.0.segmentation
+                );
+            }
+            Err(e) => {
+                let _ = writeln!(first.0.segmentation, "column partials: refused ({e})");
+            }
+        }
+    }
     // A row the schedule streams from memory (`looped_normalization`: the row did not fit
     // in registers, next to what else the fusion keeps) is read once per pass over it. The
     // long-row rewrites then save whole passes, whatever the row's length: planned again

@@ -824,7 +824,7 @@ fn first_of_row(f: &mut Fusion, x: TvId, red: &[usize]) -> Result<TvId> {
 /// Forget the uses by exprs that no output depends on any more (a rewrite left them): the
 /// schedulers count a tensor's readers, and a dead one would keep a tensor from being
 /// inlined into its live readers.
-fn drop_dead_uses(f: &mut Fusion) {
+pub(crate) fn drop_dead_uses(f: &mut Fusion) {
     let live: FxHashSet<ExprId> = f.topo_exprs().into_iter().collect();
     let tvs: Vec<TvId> = f.tvs.keys().collect();
     for t in tvs {

@@ -14,6 +14,7 @@
 pub mod canonical;
 pub mod looped;
 pub mod normalization;
+pub mod partials;
 pub mod pointwise;
 pub mod reduction;
 pub mod registry;
@@ -72,6 +73,9 @@ pub enum Params {
     /// The row kept in registers, `per_thread` vectors of `vector` per thread: one block
     /// per row, or one warp per row and `rows_per_block` rows per block (TIDy).
     Normalization { vector: i64, per_thread: i64, rows_per_block: i64 },
+    /// Row reductions and column partials of `[G, S, N]` tensors (`partials`): one block per
+    /// group (BIDx), a serial loop over its rows, each row as `[T (TIDx), per_thread, vector]`.
+    ColumnPartials { vector: i64, per_thread: i64 },
     /// One block per row (`outer` 0: `threads_x` threads of `vector`-wide steps) or per
     /// tile of `threads_x` columns (`outer` 1: `threads_y` thread rows), each pass a loop
     /// over the row that reads its inputs again, `unroll` steps in flight.
@@ -112,6 +116,7 @@ impl Heuristic {
             Params::FullReduction { .. } => "full_reduction",
             Params::Normalization { .. } => "normalization",
             Params::LoopedNormalization { .. } => "looped_normalization",
+            Params::ColumnPartials { .. } => "column_partials",
             Params::Transpose { .. } => "transpose",
             Params::Segmented(_) => "segmented",
         }
@@ -136,6 +141,7 @@ impl Heuristic {
                 [vec![*threads, *vector, *grid, *serial, *unroll], others.clone()].concat()
             }
             Params::Normalization { vector, per_thread, rows_per_block } => vec![*vector, *per_thread, *rows_per_block],
+            Params::ColumnPartials { vector, per_thread } => vec![*vector, *per_thread],
             Params::LoopedNormalization { outer, unroll, vector, threads_x, threads_y } => {
                 vec![*outer, *unroll, *vector, *threads_x, *threads_y]
             }
@@ -340,7 +346,7 @@ pub(crate) fn tile_steps(steps: i64) -> i64 {
 
 /// A weight of a row schedule: an input broadcast along every kept axis (`kept`), the same
 /// for every row, loaded with the rows' vectors.
-fn row_weight(f: &Fusion, t: TvId, kept: &[usize]) -> bool {
+pub(crate) fn row_weight(f: &Fusion, t: TvId, kept: &[usize]) -> bool {
     broadcast_input(f, t)
         && kept.iter().all(|&a| f.tvs[t].logical.get(a).is_some_and(|&id| f.ids[id].iter_type == IterType::Broadcast))
 }

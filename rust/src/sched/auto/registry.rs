@@ -204,6 +204,22 @@ impl Scheduler for Transpose {
 }
 
 struct StridedPermute;
+struct ColumnPartials;
+
+impl Scheduler for ColumnPartials {
+    fn name(&self) -> &'static str {
+        "column_partials"
+    }
+    fn accepts(&self, f: &Fusion, _: &Ctx) -> std::result::Result<(), String> {
+        match super::partials::kernel_reductions(f) {
+            Some(_) => Ok(()),
+            None => Err("not row reductions and column partials of [G, S, N] tensors".into()),
+        }
+    }
+    fn schedule(&self, f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
+        super::partials::schedule(f, cx)
+    }
+}
 
 impl Scheduler for StridedPermute {
     fn name(&self) -> &'static str {
@@ -231,12 +247,12 @@ impl Scheduler for StridedPermute {
 }
 
 /// Every automatic scheduler, in the order they are asked.
-pub static REGISTRY: [&dyn Scheduler; 6] =
-    [&Pointwise, &Normalization, &LoopedNormalization, &Reduction, &Transpose, &StridedPermute];
+pub static REGISTRY: [&dyn Scheduler; 7] =
+    [&Pointwise, &Normalization, &ColumnPartials, &LoopedNormalization, &Reduction, &Transpose, &StridedPermute];
 
 /// Index of the scheduler that produced heuristic kind `kind` (for plan keys).
 pub fn kind_index(kind: &str) -> i64 {
-    const KINDS: [&str; 8] = [
+    const KINDS: [&str; 9] = [
         "pointwise",
         "inner_reduction",
         "outer_reduction",
@@ -245,6 +261,7 @@ pub fn kind_index(kind: &str) -> i64 {
         "transpose",
         "strided_permute",
         "looped_normalization",
+        "column_partials",
     ];
     KINDS.iter().position(|&k| k == kind).unwrap_or(KINDS.len()) as i64
 }
