@@ -104,6 +104,8 @@ fn labels(f: &Fusion) -> Option<FxHashMap<TvId, Vec<Axis>>> {
                         changed = true;
                     }
                 }
+                // A constant (broadcast_in_dim's runtime shape): labeled by its readers.
+                Op::Full { .. } => {}
                 _ => return None,
             }
         }
@@ -261,6 +263,20 @@ pub fn column_partials(g: &Fusion, cx: &Ctx) -> Result<Option<Fusion>> {
                     f.reduction(*op, x, &dims, false, dt)?
                 }
             }
+            Op::Full { value } => {
+                let mut shape = Vec::new();
+                for (&a, &id) in l.iter().zip(&g.no_reduction_logical(out)) {
+                    match a {
+                        Axis::Row => shape.extend([gv, sv]),
+                        Axis::BRow => {
+                            let one = f.scalars.int(1);
+                            shape.extend([one, one]);
+                        }
+                        _ => shape.push(g.ids[id].extent),
+                    }
+                }
+                f.full(&shape, Operand::Scalar(*value), g.tvs[out].dtype)?
+            }
             _ => crate::sched::auto::canonical::replay(&mut f, ex.op.clone(), &ops)?,
         };
         map.insert(out, new);
@@ -319,7 +335,7 @@ pub fn kernel_reductions(f: &Fusion) -> Option<(Vec<ExprId>, Vec<ExprId>)> {
 /// Schedule a partials kernel: one block per group of `S` rows (BIDx), a serial loop over
 /// the rows, each row in registers across its row reductions as the normalization
 /// schedule keeps it (`[T (TIDx), p, v]`), and each thread's columns of the partials
-/// accumulated in registers across the loop, stored once at the end.
+/// accumulated across the loop.
 pub fn schedule(f: &mut Fusion, cx: &Ctx) -> Result<crate::sched::auto::Heuristic> {
     use crate::ir::ParallelType;
     let Some((rows, parts)) = kernel_reductions(f) else {
@@ -328,6 +344,16 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx) -> Result<crate::sched::auto::Heuristi
     let r0 = f.exprs[rows[0]].output;
     let sizes = tensor_sizes(f, cx, r0)?;
     let n = sizes[2];
+    // One block per group: fewer groups than a wave of blocks leave SMs idle, where a kernel
+    // per class of reductions spreads each over the whole GPU.
+    if sizes[0] < cx.device.sm_count {
+        crate::bail!(
+            "{}: {} groups of rows are fewer than the {} SMs; the partials schedule runs one block per group",
+            f.tv_name(r0),
+            sizes[0],
+            cx.device.sm_count
+        );
+    }
     let widest = crate::sched::auto::normalization::widest_moved(f, 3);
     let v = if n % (16 / widest) == 0 { 16 / widest } else { 1 };
     let p = ((n / v + 511) / 512).clamp(1, 16);
@@ -366,15 +392,11 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx) -> Result<crate::sched::auto::Heuristi
             outs.push(o);
         }
     }
-    // Each partial accumulates in a register copy; the output is its store after the loop.
-    let mut stores = Vec::new();
-    for &e in &parts {
-        let pt = f.exprs[e].output;
-        if f.is_output(pt) {
-            f.cache_before(pt)?;
-            stores.push(pt);
-        }
-    }
+    // Each partial accumulates into its Global output row by row, inside the one loop over
+    // the block's rows that computes the row outputs (a thread rereads its own columns, from
+    // L1). A register copy stored after the loop would be cheaper, but the lowering then gives
+    // the copy a loop over the rows of its own, and every tensor it shares with the row
+    // outputs is held for the whole group.
     let split_row = |f: &mut Fusion, t: TvId, axis: i64| -> Result<()> {
         f.split(t, axis, v, true)?; // [.., N/v, v]
         f.split(t, axis, p, false)?; // [.., p, N/v/p, v]
@@ -391,12 +413,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx) -> Result<crate::sched::auto::Heuristi
         l.len() == 2 || (l.len() == 3 && f.ids[l[2]].iter_type == IterType::Broadcast)
     };
     for &t in &tensors {
-        if stores.contains(&t) {
-            split_row(f, t, 1)?; // [G, T, p, v]
-            if v > 1 {
-                f.parallelize(t, 3, ParallelType::Vectorize)?;
-            }
-        } else if !per_row(f, t) {
+        if !per_row(f, t) {
             split_row(f, t, 2)?; // [G, S, T, p, v]
             let weight = crate::sched::auto::row_weight(f, t, &[0, 1]);
             if v > 1 && (caches.contains(&t) || outs.contains(&t) || weight) {
@@ -406,15 +423,12 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx) -> Result<crate::sched::auto::Heuristi
             f.parallelize(t, 0, ParallelType::BIDx)?; // [G, S]
         }
     }
-    let partial_caches: Vec<TvId> = parts.iter().map(|&e| f.exprs[e].output).collect();
     for &t in &tensors {
         if f.is_output(t) {
             continue;
         }
         let is_row_reduction = rows.iter().any(|&e| f.exprs[e].output == t);
-        let pos = if partial_caches.contains(&t) {
-            1 // across the row loop: each thread's columns of the partial, in registers
-        } else if is_row_reduction || per_row(f, t) {
+        let pos = if is_row_reduction || per_row(f, t) {
             2 // a row's value, shared by the row's threads
         } else if v > 1 && crate::sched::auto::row_weight(f, t, &[0, 1]) {
             4 // a weight: its own vector loop
