@@ -9,10 +9,9 @@
 use rustc_hash::FxHashMap;
 
 /// Whether the automatic path tries the rewrite: only with `KILN_COLUMN_PARTIALS=1` for now.
-/// Its kernel is correct, but the lowering does not yet fuse the row loop of the partials'
-/// accumulation with the row outputs' loop, so tensors both read are held for a whole group
-/// of rows (register spills at rows of 4096 floats) instead of one row at a time. Read once
-/// per process, so plans cached under one setting never serve the other.
+/// Its kernel is correct but slower than two kernels: the partials accumulate into Global
+/// memory row by row, which saturates L2 (DEVELOPERS.md has the figures). Read once per
+/// process, so plans cached under one setting never serve the other.
 pub fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("KILN_COLUMN_PARTIALS").is_ok_and(|v| v.trim() == "1"))
