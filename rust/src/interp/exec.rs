@@ -63,7 +63,7 @@ struct CVector {
     input: u32,
     first: u32,
     last: u32,
-    gathers: Vec<(u32, TvId, u32, TvId, ValId, u32)>,
+    gathers: Vec<CGather>,
     access: [VectorAccess; 2],
     whole: bool,
     fallback: Vec<CNode>,
@@ -79,7 +79,7 @@ struct Access {
     pred: u32,
     wpred: u32,
     /// (symbol id, index tensor, compiled offset, selected-from tensor, its extent).
-    gathers: Vec<(u32, TvId, u32, TvId, ValId, u32)>,
+    gathers: Vec<CGather>,
     /// Thread/block parallel types of the reduced enclosing loops (reductions only).
     reduced: Vec<ParallelType>,
     /// The written element's logical position (iota, random numbers).
@@ -172,17 +172,7 @@ fn compile(k: &Kernel, body: &[Node], stack: &mut Vec<(ParallelType, bool)>) -> 
                 let input = prog.add(&f.scalars, v.input)?;
                 let first = prog.add(&f.scalars, v.first)?;
                 let last = prog.add(&f.scalars, v.last)?;
-                let mut gathers = Vec::new();
-                for g in &v.gathers {
-                    gathers.push((
-                        g.id,
-                        g.index_tv,
-                        prog.add(&f.scalars, g.at)?,
-                        g.table,
-                        g.extent,
-                        prog.add(&f.scalars, g.element)?,
-                    ));
-                }
+                let gathers = compile_gathers(f, &mut prog, &v.gathers)?;
                 let Some(Operand::Tensor(src)) = f.exprs[v.expr].inputs.first().copied() else {
                     bail_internal!("interpreter: vector copy of a non-tensor operand");
                 };
@@ -207,6 +197,34 @@ fn compile(k: &Kernel, body: &[Node], stack: &mut Vec<(ParallelType, bool)>) -> 
     Ok(out)
 }
 
+/// A gathered index read: the index tensor at program value `at`, checked against the
+/// table's `extent`; `element` is the row-major position errors report.
+struct CGather {
+    id: u32,
+    index_tv: TvId,
+    at: u32,
+    table: TvId,
+    extent: ValId,
+    element: u32,
+}
+
+/// The gathers of an access, their positions compiled into `prog`.
+fn compile_gathers(f: &Fusion, prog: &mut Prog, gathers: &[crate::kernel::Gather]) -> Result<Vec<CGather>> {
+    gathers
+        .iter()
+        .map(|g| {
+            Ok(CGather {
+                id: g.id,
+                index_tv: g.index_tv,
+                at: prog.add(&f.scalars, g.at)?,
+                table: g.table,
+                extent: g.extent,
+                element: prog.add(&f.scalars, g.element)?,
+            })
+        })
+        .collect()
+}
+
 /// The compiled index program of an expression statement.
 fn compile_access(k: &Kernel, kind: AccessKind, ix: &crate::kernel::AccessIndex) -> Result<Access> {
     let f = &k.fusion;
@@ -216,17 +234,7 @@ fn compile_access(k: &Kernel, kind: AccessKind, ix: &crate::kernel::AccessIndex)
     let out = prog.add(&f.scalars, ix.out)?;
     let pred = prog.add(&f.scalars, ix.predicate)?;
     let wpred = prog.add(&f.scalars, ix.write_predicate)?;
-    let mut gathers = Vec::new();
-    for g in &ix.gathers {
-        gathers.push((
-            g.id,
-            g.index_tv,
-            prog.add(&f.scalars, g.at)?,
-            g.table,
-            g.extent,
-            prog.add(&f.scalars, g.element)?,
-        ));
-    }
+    let gathers = compile_gathers(f, &mut prog, &ix.gathers)?;
     let mut inputs = Vec::new();
     for v in &ix.inputs {
         inputs.push(match v {
@@ -886,7 +894,7 @@ impl Exec<'_, '_> {
         let first = ev.eval(v.first, &mk_env(&uniform, ctx, lanes, &gathered, &mem.done))?.clone();
         // Index reads where the first element is in range (elsewhere the GPU reads index 0).
         let reading: Vec<u32> = lanes.iter().enumerate().filter(|(i, _)| first.at(*i) != 0).map(|(_, &l)| l).collect();
-        for &(id, tv, at, table, extent, element) in &v.gathers {
+        for &CGather { id, index_tv: tv, at, table, extent, element } in &v.gathers {
             ev.reset_varying();
             let offs = ev.eval(at, &mk_env(&uniform, ctx, &reading, &gathered, &mem.done))?.clone();
             let got = mem.read(ctx, kname, tv, &reading, &offs)?.to_i64();
@@ -1081,7 +1089,7 @@ impl Exec<'_, '_> {
             }
             AccessKind::Expr { expr } | AccessKind::Accumulate { expr, .. } => {
                 let e = &f.exprs[*expr];
-                for &(id, tv, at, table, extent, element) in &a.gathers {
+                for &CGather { id, index_tv: tv, at, table, extent, element } in &a.gathers {
                     let offs = ev.eval(at, &mk_env(&uniform, ctx, &active, &gathered, &mem.done))?.clone();
                     let vals = mem.read(ctx, kname, tv, &active, &offs)?.to_i64();
                     if let Some(j) = bad_index(ctx, extent, &vals)? {
