@@ -157,7 +157,7 @@ class Fusion:
         """Mark a tensor that reads a fusion input directly as kept in L2 (evict_last loads)."""
     def set_serial_grid_reduction(self, t: int) -> None:
         """Request the serial grid-reduction protocol."""
-    def circular_buffer(self, t: int, stages: int) -> None:
+    def circular_buffer(self, t: int, stages: int, prefetch: Optional[int] = None) -> None:
         """Circular-buffer a tensor."""
 
 class Kernel:
@@ -198,6 +198,9 @@ class Allocation:
     def contiguity(self) -> List[bool]: ...
     @property
     def position(self) -> int: ...
+    @property
+    def stages(self) -> int:
+        """Buffers of this layout the kernel allocates (circular-buffer stages; 1 otherwise)."""
     @property
     def zero_init(self) -> bool: ...
     @property

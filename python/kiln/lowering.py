@@ -37,6 +37,9 @@ class AllocationInfo:
     position: int
     zero_init: bool
     resets_to_zero: bool
+    # Buffers of this layout the kernel allocates: a circular-buffered tensor's stages
+    # (its Allocate's outer dimension), else 1. Indexing reads one buffer's layout.
+    stages: int = 1
 
 
 class ParamInfo(NamedTuple):
@@ -85,7 +88,8 @@ class LoweredKernel:
         self.allocations: List[AllocationInfo] = [
             AllocationInfo(tensor=a.tensor, memory_type=MemoryType(a.memory_type), ids=tuple(a.ids),
                            extents=tuple(a.extents), strides=tuple(a.strides), contiguity=tuple(a.contiguity),
-                           position=a.position, zero_init=a.zero_init, resets_to_zero=a.resets_to_zero)
+                           position=a.position, zero_init=a.zero_init, resets_to_zero=a.resets_to_zero,
+                           stages=a.stages)
             for a in core.allocations()
         ]
         self.global_allocations: List[GlobalBuffer] = [

@@ -175,9 +175,11 @@ class ScheduleMixin:
         contig = [None if c is None else bool(c) for c in contiguity]
         self._fd._core.set_allocation_domain(self._id, ids, contig)
 
-    def circular_buffer(self, stages: int) -> None:
-        """Pipeline this tensor's loads over ``stages`` buffers."""
-        self._fd._core.circular_buffer(self._id, _int(stages, "stages", self.name))
+    def circular_buffer(self, stages: int, prefetch: Optional[int] = None) -> None:
+        """Pipeline this Shared copy's loads over ``stages`` buffers, ``prefetch`` iterations
+        ahead of their use (default ``stages - 1``)."""
+        pre = None if prefetch is None else _int(prefetch, "prefetch", self.name)
+        self._fd._core.circular_buffer(self._id, _int(stages, "stages", self.name), pre)
 
     def set_streaming_load(self) -> None:
         """Mark this copy of a fusion input (from ``cache_after``, or an ``index_select`` of

@@ -315,9 +315,10 @@ impl Gen<'_> {
                     }
                     let _ = writeln!(
                         self.out,
-                        "{pad}for (kiln_index_t {idx} = 0; {idx} < {}; ++{idx}) {{  // {}",
+                        "{pad}for (kiln_index_t {idx} = 0; {idx} < {}; ++{idx}) {{  // {}{}",
                         self.c(l.extent),
-                        self.f.id_label(l.id)
+                        self.f.id_label(l.id),
+                        l.pipeline.map_or(String::new(), |p| format!(", pipelined {}", p.name()))
                     );
                 }
                 for c in &l.body {

@@ -79,6 +79,14 @@ impl Transform {
     }
 }
 
+/// How a tensor's loads are pipelined: `stages` buffers, each iteration of the pipelined
+/// loop loading the data of the iteration `prefetch` ahead.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CircularBuffer {
+    pub stages: u32,
+    pub prefetch: u32,
+}
+
 /// A tensor: its domains, dtype, memory and inline position.
 #[derive(Clone, Debug)]
 pub struct TensorView {
@@ -98,7 +106,8 @@ pub struct TensorView {
     pub inline_pos: usize,
     pub definition: Option<ExprId>,
     pub uses: Vec<ExprId>,
-    pub circular_buffer: Option<u32>,
+    /// Its loads pipelined over several Shared buffers (`circular_buffer`).
+    pub circular_buffer: Option<CircularBuffer>,
     /// Reduce across blocks one block at a time (deterministic; semaphores reset to zero).
     pub serial_grid_reduction: bool,
     /// Its definition reads a Global tensor that nothing reads again: vector loads skip

@@ -34,6 +34,9 @@ impl Fusion {
         if t.evict_last_load {
             s.push_str(" evict_last");
         }
+        if let Some(cb) = t.circular_buffer {
+            let _ = write!(s, " circular_buffer(stages={}, prefetch={})", cb.stages, cb.prefetch);
+        }
         s
     }
 

@@ -21,7 +21,31 @@ pub struct ForLoop {
     pub parallel: ParallelType,
     /// For loops of a reduction-init nest: the loop axis of the initialised tensor.
     pub init_axis: Option<usize>,
+    /// Which part of a circular-buffered loop this is (`None`: not pipelined).
+    pub pipeline: Option<PipelinePart>,
     pub body: Vec<Node>,
+}
+
+/// The three loops a circular-buffered loop becomes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PipelinePart {
+    /// Loads of the first `prefetch` iterations.
+    Prologue,
+    /// Iteration `i` loads iteration `i + prefetch`, then computes `i`.
+    Main,
+    /// The last `prefetch` iterations, computed from what is loaded.
+    Epilogue,
+}
+
+impl PipelinePart {
+    /// Lower-case name, as dumps print it.
+    pub fn name(self) -> &'static str {
+        match self {
+            PipelinePart::Prologue => "prologue",
+            PipelinePart::Main => "main",
+            PipelinePart::Epilogue => "epilogue",
+        }
+    }
 }
 
 /// Which rewrite made an [`IfThenElse`] (it names the branch in dumps and in the CUDA).
@@ -220,6 +244,68 @@ impl Node {
         }
     }
 
+    /// Apply `g` to every scalar value this node (and its children) holds.
+    pub fn map_vals(&mut self, g: &mut dyn FnMut(ValId) -> ValId) {
+        fn index(ix: &mut AccessIndex, g: &mut dyn FnMut(ValId) -> ValId) {
+            ix.out = g(ix.out);
+            for v in ix.inputs.iter_mut().flatten() {
+                *v = g(*v);
+            }
+            ix.predicate = g(ix.predicate);
+            ix.write_predicate = g(ix.write_predicate);
+            for gt in ix.gathers.iter_mut() {
+                gt.at = g(gt.at);
+                gt.extent = g(gt.extent);
+                gt.element = g(gt.element);
+            }
+            if let Some(e) = ix.element.as_mut() {
+                *e = g(*e);
+            }
+        }
+        match self {
+            Node::Loop(l) => {
+                l.extent = g(l.extent);
+                for c in l.body.iter_mut() {
+                    c.map_vals(g);
+                }
+            }
+            Node::Alloc(a) => {
+                for s in a.shape.iter_mut() {
+                    *s = g(*s);
+                }
+            }
+            Node::Init { value, index: ix, .. } => {
+                *value = g(*value);
+                if let Some(ix) = ix.as_mut() {
+                    index(ix, g);
+                }
+            }
+            Node::Expr { index: Some(ix), .. } => index(ix, g),
+            Node::Expr { index: None, .. } | Node::Sync(_) | Node::AccumulatorInit(_) => {}
+            Node::Accumulate { index: ix, .. } | Node::ReduceAccumulator { index: ix, .. } => index(ix, g),
+            Node::If(i) => {
+                i.cond = g(i.cond);
+                for c in i.then.iter_mut().chain(i.otherwise.iter_mut()) {
+                    c.map_vals(g);
+                }
+            }
+            Node::Vector(v) => {
+                v.out = g(v.out);
+                v.input = g(v.input);
+                v.first = g(v.first);
+                v.last = g(v.last);
+                for gt in v.gathers.iter_mut() {
+                    gt.at = g(gt.at);
+                    gt.extent = g(gt.extent);
+                    gt.element = g(gt.element);
+                }
+                for c in v.fallback.body.iter_mut() {
+                    c.map_vals(g);
+                }
+            }
+        }
+    }
+
     /// The access index of an indexed statement.
     pub fn access_index(&self) -> Option<&AccessIndex> {
         match self {
@@ -322,6 +408,8 @@ pub struct AllocationInfo {
     pub contiguity: Vec<bool>,
     /// Number of loops enclosing the Allocate (0: kernel top level).
     pub position: usize,
+    /// Buffers the Allocate holds (circular buffering), each of the layout above; 1 otherwise.
+    pub stages: u32,
     pub zero_init: bool,
     pub resets_to_zero: bool,
 }
@@ -538,9 +626,13 @@ impl IrText<'_> {
         let pad = "  ".repeat(depth);
         match n {
             Node::Loop(l) => {
+                let part = match l.pipeline {
+                    Some(p) => format!("  // pipelined {}, {} iterations", p.name(), f.scalars.render(l.extent)),
+                    None => String::new(),
+                };
                 let _ = writeln!(
                     s,
-                    "{pad}FOR {} in {}:",
+                    "{pad}FOR {} in {}:{part}",
                     f.scalars.render(l.index),
                     if l.parallel == ParallelType::Serial {
                         f.id_label(l.id)

@@ -21,7 +21,7 @@ use rustc_hash::FxHashSet;
 use crate::analysis::loop_graph::LoopGraph;
 use crate::error::Result;
 use crate::ir::scalar::Val;
-use crate::ir::{Fusion, MemoryType, Operand, ParallelType, Symbol, TvId, ValId};
+use crate::ir::{Fusion, MemoryType, Operand, ParallelType, Symbol, TvId};
 use crate::kernel::{AccessIndex, AllocTarget, ForLoop, Node};
 
 /// What a statement touches: a tensor's memory or a register accumulator.
@@ -228,71 +228,9 @@ fn append_renamed(f: &mut Fusion, fused: &mut ForLoop, l2: ForLoop) {
         if let Val::Symbol(sym) = f.scalars.get(l2.index) {
             let by = fused.index;
             for n in body.iter_mut() {
-                map_vals(n, &mut |v| f.scalars.substitute(v, sym, by));
+                n.map_vals(&mut |v| f.scalars.substitute(v, sym, by));
             }
         }
     }
     fused.body.extend(body);
-}
-
-/// Apply `g` to every scalar value a node (and its children) holds.
-fn map_vals(n: &mut Node, g: &mut dyn FnMut(ValId) -> ValId) {
-    fn index(ix: &mut AccessIndex, g: &mut dyn FnMut(ValId) -> ValId) {
-        ix.out = g(ix.out);
-        for v in ix.inputs.iter_mut().flatten() {
-            *v = g(*v);
-        }
-        ix.predicate = g(ix.predicate);
-        ix.write_predicate = g(ix.write_predicate);
-        for gt in ix.gathers.iter_mut() {
-            gt.at = g(gt.at);
-            gt.extent = g(gt.extent);
-            gt.element = g(gt.element);
-        }
-        if let Some(e) = ix.element.as_mut() {
-            *e = g(*e);
-        }
-    }
-    match n {
-        Node::Loop(l) => {
-            l.extent = g(l.extent);
-            for c in l.body.iter_mut() {
-                map_vals(c, g);
-            }
-        }
-        Node::Alloc(a) => {
-            for s in a.shape.iter_mut() {
-                *s = g(*s);
-            }
-        }
-        Node::Init { value, index: ix, .. } => {
-            *value = g(*value);
-            if let Some(ix) = ix.as_mut() {
-                index(ix, g);
-            }
-        }
-        Node::Expr { index: Some(ix), .. } => index(ix, g),
-        Node::Expr { index: None, .. } | Node::Sync(_) | Node::AccumulatorInit(_) => {}
-        Node::Accumulate { index: ix, .. } | Node::ReduceAccumulator { index: ix, .. } => index(ix, g),
-        Node::If(i) => {
-            i.cond = g(i.cond);
-            for c in i.then.iter_mut().chain(i.otherwise.iter_mut()) {
-                map_vals(c, g);
-            }
-        }
-        Node::Vector(v) => {
-            v.out = g(v.out);
-            v.input = g(v.input);
-            v.first = g(v.first);
-            v.last = g(v.last);
-            for gt in v.gathers.iter_mut() {
-                gt.at = g(gt.at);
-                gt.extent = g(gt.extent);
-                gt.element = g(gt.element);
-            }
-            for c in v.fallback.body.iter_mut() {
-                map_vals(c, g);
-            }
-        }
-    }
 }

@@ -198,6 +198,7 @@ pub fn run(f: &mut Fusion, lg: &LoopGraph, order: &[ExprId]) -> Result<(Vec<Node
                 extent,
                 parallel: info.parallel,
                 init_axis: None,
+                pipeline: None,
                 body: Vec::new(),
             }));
             let Some(Node::Loop(l)) = cur.last_mut() else { unreachable!("just pushed") };

@@ -13,18 +13,20 @@
 //! 8. `syncs`      — block syncs for Shared memory RAW/WAR hazards
 //! 9. `reduction_hoist` — register accumulators before block/grid reductions
 //! 10. `fuse_loops` — sibling loops with the same iterations and no dependence, merged
-//! 11. `launch`    — grid/block dims and the dynamic shared memory layout
-//! 12. `unswitch`  — unswitched loops and loop-invariant bounds checks (`If` nodes)
-//! 13. `vectorize` — wide vector copies with their element-loop fallback
+//! 11. `circular_buffer` — pipelined loops split into prologue, main and epilogue
+//! 12. `launch`    — grid/block dims and the dynamic shared memory layout
+//! 13. `unswitch`  — unswitched loops and loop-invariant bounds checks (`If` nodes)
+//! 14. `vectorize` — wide vector copies with their element-loop fallback
 //!
 //! Codegen and the interpreter both run the kernel IR these passes leave: codegen prints
 //! it and decides nothing, so the interpreter checks every rewrite the GPU runs.
 //!
-//! Steps 4-13 are one list of functions over one [`LowerCtx`]; the verifier
+//! Steps 4-14 are one list of functions over one [`LowerCtx`]; the verifier
 //! (`verify`) runs after each in tests and debug builds. Passes hand results on explicitly
 //! (kernel IR plus side tables); none reaches into another's internals.
 
 pub mod allocation;
+pub mod circular_buffer;
 pub mod fuse_loops;
 pub mod indexing;
 pub mod launch;
@@ -101,6 +103,10 @@ pub const PASSES: &[Pass] = &[
     Pass { name: "reduction_hoist", run: |c| reduction_hoist::run(&c.f, &c.lg, &mut c.body) },
     Pass { name: "fuse_loops", run: |c| fuse_loops::run(&mut c.f, &c.lg, &mut c.body) },
     Pass {
+        name: "circular_buffer",
+        run: |c| circular_buffer::run(&mut c.f, &c.lg, &c.exact, &mut c.body, &mut c.next_index),
+    },
+    Pass {
         name: "launch",
         run: |c| {
             c.size_constraints = size_constraints(&mut c.f);
@@ -141,7 +147,8 @@ fn schedule_checks(c: &mut LowerCtx) -> Result<()> {
     validate::partial_inlining(&c.f, &c.lg, &c.exact)?;
     validate::unique_parallel_dims(&c.f, &c.lg)?;
     validate::reduction_consumers(&c.f, &c.lg, &c.order)?;
-    validate::parallel_reads(&c.f, &c.lg, &c.exact)
+    validate::parallel_reads(&c.f, &c.lg, &c.exact)?;
+    circular_buffer::check(&c.f, &c.lg)
 }
 
 /// Lower `fusion` to one kernel.
@@ -168,12 +175,13 @@ pub fn lower(fusion: &Fusion) -> Result<Kernel> {
     };
     let verify = options.verify || cfg!(debug_assertions);
     let mut dumps = Vec::new();
-    let mut stage = verify::Stage { indexed: false, allocated: false, synced: false };
+    let mut stage = verify::Stage { indexed: false, allocated: false, synced: false, pipelined: false };
     for p in PASSES {
         (p.run)(&mut c)?;
         stage.indexed |= p.name == "indexing";
         stage.allocated |= p.name == "allocation";
         stage.synced |= p.name == "syncs";
+        stage.pipelined |= p.name == "circular_buffer";
         if verify {
             verify::run(&c.f, &c.lg, &c.exact, &c.body, stage, p.name)?;
         }

@@ -22,8 +22,12 @@ struct Site {
     reader: Option<ExprId>,
 }
 
-/// Shared tensors, and Global ones the kernel computes (not fusion inputs).
+/// Shared tensors, and Global ones the kernel computes (not fusion inputs). Circular-buffered
+/// tensors get their barriers from the `circular_buffer` pass, which knows their stages.
 fn visible(f: &Fusion, tv: TvId) -> bool {
+    if crate::lower::circular_buffer::is_pipelined(f, tv) {
+        return false;
+    }
     match f.tvs[tv].memory {
         MemoryType::Shared => true,
         MemoryType::Global => f.tvs[tv].definition.is_some() && !f.is_input(tv),

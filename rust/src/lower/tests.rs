@@ -184,7 +184,7 @@ fn shared_transpose(serial_tiles: bool) -> Kernel {
 
 /// The verifier on a lowered kernel's (edited) body, at the end of the pipeline.
 fn verify_body(k: &Kernel, body: &[Node]) -> crate::error::Result<()> {
-    let stage = verify::Stage { indexed: true, allocated: true, synced: true };
+    let stage = verify::Stage { indexed: true, allocated: true, synced: true, pipelined: true };
     verify::run(&k.fusion, &k.loops, &IdGraph::exact(&k.fusion), body, stage, "vectorize")
 }
 

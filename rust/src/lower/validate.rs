@@ -387,9 +387,6 @@ pub fn run(f: &Fusion) -> Result<()> {
                 bail!("{name}: {what} applies to vectorized loads, but no axis of {name} is vectorized; parallelize its innermost axis with Vectorize or leave the hint out");
             }
         }
-        if let Some(stages) = t.circular_buffer {
-            bail!("{name}: circular buffering ({stages} stages) is not supported by this build's lowering yet");
-        }
     }
     Ok(())
 }

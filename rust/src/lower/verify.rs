@@ -33,6 +33,8 @@ pub struct Stage {
     pub allocated: bool,
     /// Barriers are placed around memory other threads see (after `syncs`).
     pub synced: bool,
+    /// Circular-buffered loops are pipelined, with their barriers (after `circular_buffer`).
+    pub pipelined: bool,
 }
 
 /// Check `body` after pass `pass`; the error names the pass and the broken rule. `lg` and
@@ -41,7 +43,7 @@ pub struct Stage {
 pub fn run(f: &Fusion, lg: &LoopGraph, exact: &IdGraph, body: &[Node], stage: Stage, pass: &str) -> Result<()> {
     let mut v = Verifier { f, stage, loops: Vec::new(), allocated: Vec::new(), divergent: 0 };
     v.nodes(body)
-        .and_then(|()| if stage.synced { syncs(f, lg, exact, body) } else { Ok(()) })
+        .and_then(|()| if stage.synced { syncs(f, lg, exact, body, stage.pipelined) } else { Ok(()) })
         .map_err(|m| crate::error::KilnError::internal(format!("kernel IR after {pass}: {m}")))
 }
 
@@ -288,9 +290,19 @@ fn barrier_between(f: &Fusion, body: &[Node], from: &[(usize, usize)], to: &[(us
 }
 
 /// The RAW and WAR barriers around visible memory (see the module doc).
-fn syncs(f: &Fusion, lg: &LoopGraph, exact: &IdGraph, body: &[Node]) -> std::result::Result<(), String> {
-    // Each element read by the thread that wrote it needs no barrier.
-    let crosses = |t: TvId, e: ExprId| cross_reads(f, lg, exact, t, e).iter().any(|x| x.pt.is_thread());
+fn syncs(
+    f: &Fusion,
+    lg: &LoopGraph,
+    exact: &IdGraph,
+    body: &[Node],
+    pipelined: bool,
+) -> std::result::Result<(), String> {
+    // Each element read by the thread that wrote it needs no barrier. A circular-buffered
+    // tensor gets its barriers when its loop is pipelined.
+    let crosses = |t: TvId, e: ExprId| {
+        (pipelined || !crate::lower::circular_buffer::is_pipelined(f, t))
+            && cross_reads(f, lg, exact, t, e).iter().any(|x| x.pt.is_thread())
+    };
     let (mut writes, mut reads) = (Vec::new(), Vec::new());
     accesses(f, &crosses, body, &mut Vec::new(), &mut writes, &mut reads);
     let what =
@@ -324,7 +336,12 @@ fn syncs(f: &Fusion, lg: &LoopGraph, exact: &IdGraph, body: &[Node]) -> std::res
                 Node::Loop(l) if !l.parallel.is_thread_or_block() => Some((j, l)),
                 _ => None,
             });
-            if let Some((j, l)) = serial {
+            // A circular buffer loading `prefetch < stages - 1` iterations ahead writes a
+            // stage last read two or more iterations before: the read barrier of the
+            // iteration between separates them.
+            let staged = f.tvs[r.tv].circular_buffer.is_some_and(|cb| cb.prefetch + 1 < cb.stages);
+            if let Some((j, l)) = serial.filter(|(_, l)| !(staged && l.body.iter().any(|n| matches!(n, Node::Sync(_)))))
+            {
                 if !barrier_between(f, body, &r.at, &w.at, j + 1) {
                     return Err(format!(
                         "{tv} ({mem} memory) is read by other threads of the block in {} and written again by {} in the next iteration of loop {} with no __syncthreads() between them (WAR)",

@@ -782,10 +782,11 @@ impl PyFusion {
     }
 
     /// Circular-buffer a tensor.
-    fn circular_buffer(&mut self, py: Python<'_>, t: u32, stages: i64) -> PyResult<()> {
+    #[pyo3(signature = (t, stages, prefetch=None))]
+    fn circular_buffer(&mut self, py: Python<'_>, t: u32, stages: i64, prefetch: Option<i64>) -> PyResult<()> {
         guarded(py, || {
             let t = self.tv(t)?;
-            self.inner.get_mut().circular_buffer(t, stages)
+            self.inner.get_mut().circular_buffer(t, stages, prefetch)
         })
     }
 }
@@ -801,6 +802,8 @@ pub struct PyAllocation {
     strides: Vec<String>,
     contiguity: Vec<bool>,
     position: usize,
+    /// Buffers of this layout the kernel allocates (circular-buffer stages; 1 otherwise).
+    stages: u32,
     zero_init: bool,
     resets_to_zero: bool,
 }
@@ -1190,6 +1193,7 @@ impl PyKernel {
                 strides: a.strides.iter().map(|&s| f.scalars.render(s)).collect(),
                 contiguity: a.contiguity.clone(),
                 position: a.position,
+                stages: a.stages,
                 zero_init: a.zero_init,
                 resets_to_zero: a.resets_to_zero,
             })

@@ -539,14 +539,22 @@ impl Fusion {
         Ok(())
     }
 
-    /// Pipeline loads of `tv` over `stages` buffers (lowered by the circular-buffering pass).
-    pub fn circular_buffer(&mut self, tv: TvId, stages: i64) -> Result<()> {
+    /// Pipeline loads of `tv` over `stages` buffers, each iteration loading the data of the
+    /// iteration `prefetch` ahead (default `stages - 1`); lowered by the circular-buffer pass.
+    pub fn circular_buffer(&mut self, tv: TvId, stages: i64, prefetch: Option<i64>) -> Result<()> {
         let name = self.tv_name(tv);
         self.check_not_input(tv, "circular_buffer")?;
-        if stages < 2 {
-            bail!("circular_buffer {name}: stages must be >= 2, got {stages}");
+        if !(2..=32).contains(&stages) {
+            bail!("circular_buffer {name}: stages must be between 2 and 32, got {stages}");
         }
-        self.tvs[tv].circular_buffer = Some(stages as u32);
+        let prefetch = prefetch.unwrap_or(stages - 1);
+        if !(1..stages).contains(&prefetch) {
+            bail!(
+                "circular_buffer {name}: prefetch must be at least 1 and below the {stages} stages (a stage is read while the next ones load), got {prefetch}"
+            );
+        }
+        self.tvs[tv].circular_buffer =
+            Some(crate::ir::CircularBuffer { stages: stages as u32, prefetch: prefetch as u32 });
         self.manually_scheduled = true;
         Ok(())
     }

@@ -189,6 +189,7 @@ pub fn allocation_info(
         strides: Vec::new(),
         contiguity: Vec::new(),
         position,
+        stages: 1,
         zero_init: false,
         resets_to_zero: false,
     };

@@ -77,6 +77,12 @@ pub fn run(
             if shape.is_empty() {
                 shape.push(f.scalars.int(1));
             }
+            // Rule 9: a circular-buffered tensor holds one buffer per stage; its
+            // AllocationInfo keeps one buffer's layout, which indexing reads.
+            if let (MemoryType::Shared, Some(cb)) = (mem, f.tvs[tv].circular_buffer) {
+                shape.insert(0, f.scalars.int(i64::from(cb.stages)));
+                info.stages = cb.stages;
+            }
             let dtype = f.tvs[tv].dtype;
             let alloc = Allocate {
                 target: AllocTarget::Tensor(tv),

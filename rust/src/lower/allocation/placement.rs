@@ -78,7 +78,16 @@ pub fn init_nest(
         };
         let id = info.promoted;
         let extent = f.ids[id].extent;
-        node = Node::Loop(ForLoop { group: None, id, index, extent, parallel, init_axis: Some(a), body: vec![node] });
+        node = Node::Loop(ForLoop {
+            group: None,
+            id,
+            index,
+            extent,
+            parallel,
+            init_axis: Some(a),
+            pipeline: None,
+            body: vec![node],
+        });
     }
     node
 }

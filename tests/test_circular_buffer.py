@@ -1,0 +1,231 @@
+"""Circular buffering (rule 9 of the allocation seed): a Shared copy of an input, inlined in
+a serial loop, loaded ``prefetch`` iterations ahead into one of ``stages`` buffers. The
+allocation holds the stages (golden checks on the Allocate and the AllocationInfo), the loop
+is split into prologue, main and epilogue, and every schedule runs in the interpreter (which
+checks bounds, uninitialised reads and Shared-memory races) against NumPy in float64, at
+sizes that leave partial tiles and fewer iterations than the prefetch distance."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional, Tuple
+
+import numpy as np
+import pytest
+from kiln import FusionDefinition, KilnError, MemoryType, ParallelType
+
+F32 = np.float32
+
+
+def rand(*shape: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).uniform(-1, 1, shape).astype(F32)
+
+
+def exp64(x: np.ndarray) -> np.ndarray:
+    return np.exp(x.astype(np.float64))
+
+
+def streamed_exp(stages: int, prefetch: Optional[int] = None, tile: int = 32, cross: bool = False,
+                 serial_rows: bool = False) -> Tuple[FusionDefinition, Any, Any]:
+    """``y = exp(x)`` over rows [m, n], each row streamed through a Shared copy ``c`` of
+    ``x`` in tiles of ``tile`` elements (one TIDx each). ``cross``: ``y`` runs a tile on
+    half as many threads, two elements each, so threads read what others loaded.
+    ``serial_rows``: the rows are a serial loop around the pipeline instead of blocks."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        y = fd.ops.exp(x)
+        fd.add_output(y)
+    c = x.cache_after()
+    c.set_memory_type(MemoryType.Shared)
+    for t in (c, y):
+        t.split(1, tile)  # [m, n / tile, tile]
+        if not serial_rows:
+            t.axis(0).parallelize(ParallelType.BIDx)
+    c.axis(2).parallelize(ParallelType.TIDx)
+    if cross:
+        y.split(2, 2)  # [m, n / tile, tile / 2, 2]
+    y.axis(2).parallelize(ParallelType.TIDx)
+    c.inline_at(2)
+    c.circular_buffer(stages, prefetch)
+    return fd, c, y
+
+
+def streamed_row_sum(stages: int, prefetch: Optional[int] = None, tile: int = 32) -> Tuple[FusionDefinition, Any, Any]:
+    """``s = sum(x, 1)``: the row's tiles are the pipelined loop and a block reduction
+    over the tile combines the threads' register partials after it."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        s = fd.ops.sum(x, dims=[1])
+        fd.add_output(s)
+    c = x.cache_after()
+    c.set_memory_type(MemoryType.Shared)
+    for t in (c, s):
+        t.split(1, tile)
+        t.axis(0).parallelize(ParallelType.BIDx)
+        t.axis(2).parallelize(ParallelType.TIDx)
+    c.inline_at(2)
+    c.circular_buffer(stages, prefetch)
+    return fd, c, s
+
+
+def pipelined_parts(ir: str) -> list:
+    return re.findall(r"pipelined (prologue|main|epilogue), (.+) iterations", ir)
+
+
+# -- the allocation and the loops ------------------------------------------------------------
+def test_allocation_holds_one_buffer_per_stage_and_keeps_one_buffers_layout():
+    fd, c, _ = streamed_exp(3)
+    k = fd.lower([rand(4, 200)]).kernels[0]
+    assert f"ALLOCATE {c.name} Shared float [3, 32]" in k.kernel_ir
+    a = k.allocation(c.name)
+    assert a.stages == 3
+    assert a.memory_type == MemoryType.Shared
+    assert a.extents == ("32",) and a.strides == ("1",)
+    assert k.launch["smem_bytes"] == "384"  # 3 stages x 32 floats
+    # A prologue of 2 loads, then the main loop and the epilogue over the row's tiles.
+    assert pipelined_parts(k.kernel_ir) == [("prologue", "2"), ("main", "max(ceilDiv(i1, 32) - 2, 0)"),
+                                            ("epilogue", "min(ceilDiv(i1, 32), 2)")]
+
+
+def test_loads_go_to_the_stage_of_their_iteration():
+    fd, c, _ = streamed_exp(4, prefetch=2)
+    ir = fd.lower([rand(2, 300)]).kernels[0].kernel_ir
+    # The main loop loads iteration i + 2 into stage (i + 2) % 4 and reads stage i % 4.
+    assert re.search(rf"{c.name} = set\(T0\)  @ \[threadIdx.x \+ \(idx\d+ \+ 2\) % 4 \* 32\]", ir), ir
+    assert re.search(rf"<- \[threadIdx.x \+ idx\d+ % 4 \* 32\]", ir), ir
+
+
+def test_threads_reading_their_own_loads_need_no_barrier():
+    fd, _, _ = streamed_exp(3)
+    assert "__syncthreads" not in fd.lower([rand(2, 100)]).kernels[0].kernel_ir
+
+
+@pytest.mark.parametrize("stages,prefetch", [(2, 1), (3, 1), (3, 2), (4, 3)])
+def test_cross_thread_reads_get_a_read_barrier_and_a_reuse_barrier_when_the_next_stage_was_just_read(
+        stages: int, prefetch: int):
+    fd, _, _ = streamed_exp(stages, prefetch, cross=True)
+    ir = fd.lower([rand(2, 300)]).kernels[0].kernel_ir
+    main = ir[ir.index("pipelined main"):ir.index("pipelined epilogue")]
+    assert "__syncthreads()  // RAW" in main
+    # prefetch == stages - 1 loads into the stage the previous iteration read.
+    assert ("__syncthreads()  // WAR" in main) == (prefetch == stages - 1)
+
+
+# -- results against NumPy ----------------------------------------------------------------------
+SIZES = [(3, 1), (2, 31), (2, 32), (3, 33), (2, 64), (3, 95), (2, 300), (1, 1000)]
+
+
+@pytest.mark.parametrize("stages,prefetch", [(2, None), (3, 1), (3, None), (4, 1), (4, 2), (4, None)])
+@pytest.mark.parametrize("cross", [False, True])
+def test_streamed_exp_matches_numpy(stages: int, prefetch: Optional[int], cross: bool):
+    fd, _, _ = streamed_exp(stages, prefetch, cross=cross)
+    for m, n in SIZES:
+        x = rand(m, n, seed=m * 1000 + n)
+        np.testing.assert_allclose(fd.execute([x])[0], exp64(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("stages,prefetch", [(2, 1), (3, 2), (4, 1)])
+def test_rows_as_a_serial_loop_around_the_pipeline(stages: int, prefetch: int):
+    # The next row's prologue overwrites the stages the last tiles of this row were read
+    # from: a barrier before it (the interpreter's race check would report the overlap).
+    fd, _, _ = streamed_exp(stages, prefetch, cross=True, serial_rows=True)
+    ir = fd.lower([rand(3, 100)]).kernels[0].kernel_ir
+    assert ir.index("__syncthreads()  // WAR") < ir.index("pipelined prologue")
+    for m, n in [(3, 100), (4, 31), (2, 1)]:
+        x = rand(m, n, seed=n)
+        np.testing.assert_allclose(fd.execute([x])[0], exp64(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("stages,prefetch", [(2, 1), (3, 2), (4, 2)])
+def test_streamed_row_sum_matches_numpy(stages: int, prefetch: int):
+    fd, _, _ = streamed_row_sum(stages, prefetch)
+    for m, n in [(3, 1), (2, 33), (4, 500), (1, 2049)]:
+        x = rand(m, n, seed=n)
+        np.testing.assert_allclose(fd.execute([x])[0], x.astype(np.float64).sum(1), rtol=1e-5, atol=1e-5)
+
+
+def test_static_sizes_fold_the_three_loops():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([6, 250])
+        y = fd.ops.neg(x)
+        fd.add_output(y)
+    c = x.cache_after()
+    c.set_memory_type(MemoryType.Shared)
+    for t in (c, y):
+        t.split(1, 64)
+        t.axis(0).parallelize(ParallelType.BIDx)
+        t.axis(2).parallelize(ParallelType.TIDx)
+    c.inline_at(2)
+    c.circular_buffer(2)
+    x_ = rand(6, 250)
+    k = fd.lower([x_]).kernels[0]
+    assert pipelined_parts(k.kernel_ir) == [("prologue", "1"), ("main", "3"), ("epilogue", "1")]
+    np.testing.assert_array_equal(fd.execute([x_])[0], -x_)
+
+
+# -- refused schedules -------------------------------------------------------------------------
+def test_stage_and_prefetch_counts_are_checked_when_set():
+    fd, c, _ = streamed_exp(2)
+    with pytest.raises(KilnError, match=rf"circular_buffer {c.name}: stages must be between 2 and 32, got 1"):
+        c.circular_buffer(1)
+    with pytest.raises(KilnError, match=r"prefetch must be at least 1 and below the 3 stages.*got 3"):
+        c.circular_buffer(3, 3)
+    with pytest.raises(KilnError, match=r"got 0"):
+        c.circular_buffer(3, 0)
+
+
+def test_a_local_copy_is_refused():
+    fd, c, _ = streamed_exp(2)
+    c.set_memory_type(MemoryType.Local)
+    with pytest.raises(KilnError, match=rf"{c.name} is in Local memory; only a Shared copy is circular-buffered"):
+        fd.lower([rand(2, 64)])
+
+
+def test_no_serial_loop_to_pipeline_is_refused():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        y = fd.ops.exp(x)
+        fd.add_output(y)
+    c = x.cache_after()
+    c.set_memory_type(MemoryType.Shared)
+    for t in (c, y):
+        t.axis(0).parallelize(ParallelType.BIDx)
+        t.axis(1).parallelize(ParallelType.TIDx)
+    c.inline_at(1)
+    c.circular_buffer(2)
+    with pytest.raises(KilnError, match=rf"circular_buffer {c.name} .*no serial loop to pipeline.*inline_at"):
+        fd.lower([rand(2, 64)])
+
+
+def test_a_computed_tensor_is_refused():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        a = fd.ops.exp(x)
+        y = fd.ops.neg(a)
+        fd.add_output(y)
+    a.set_memory_type(MemoryType.Shared)
+    for t in (a, y):
+        t.split(1, 32)
+        t.axis(0).parallelize(ParallelType.BIDx)
+        t.axis(2).parallelize(ParallelType.TIDx)
+    a.inline_at(2)
+    a.circular_buffer(2)
+    with pytest.raises(KilnError, match=rf"{a.name} is defined by `.*exp.*`; only a copy of a fusion input"):
+        fd.lower([rand(2, 64)])
+
+
+def test_too_many_stages_for_shared_memory_is_refused_naming_the_tensor():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, 64])
+        y = fd.ops.exp(x)
+        fd.add_output(y)
+    c = x.cache_after()
+    c.set_memory_type(MemoryType.Shared)
+    for t in (c, y):
+        t.split(1, 256)  # [m, n / 256, 256, 64]: a stage is 256 x 64 floats (64 KiB)
+        t.axis(0).parallelize(ParallelType.BIDx)
+        t.axis(2).parallelize(ParallelType.TIDx)
+    c.inline_at(2)
+    c.circular_buffer(4)
+    with pytest.raises(KilnError, match=rf"Shared memory.*{c.name} 262144 bytes"):
+        fd.lower([rand(1, 512, 64)])
