@@ -229,3 +229,154 @@ def test_too_many_stages_for_shared_memory_is_refused_naming_the_tensor():
     c.circular_buffer(4)
     with pytest.raises(KilnError, match=rf"Shared memory.*{c.name} 262144 bytes"):
         fd.lower([rand(1, 512, 64)])
+
+
+# -- bulk (TMA) copies ordered by mbarriers ----------------------------------------------------
+def bulk_exp(stages: Optional[int], prefetch: Optional[int] = None, tile: int = 32, cross: bool = False,
+             serial_rows: bool = False) -> Tuple[FusionDefinition, Any, Any]:
+    """``streamed_exp`` with the copy's tile axis a Bulk copy; ``stages=None``: one bulk
+    copy per tile, not circular-buffered."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        y = fd.ops.exp(x)
+        fd.add_output(y)
+    c = x.cache_after()
+    c.set_memory_type(MemoryType.Shared)
+    for t in (c, y):
+        t.split(1, tile)
+        if not serial_rows:
+            t.axis(0).parallelize(ParallelType.BIDx)
+    c.axis(2).parallelize(ParallelType.Bulk)
+    if cross:
+        y.split(2, 2)
+    y.axis(2).parallelize(ParallelType.TIDx)
+    c.inline_at(2)
+    if stages is not None:
+        c.circular_buffer(stages, prefetch)
+    return fd, c, y
+
+
+def test_bulk_pipeline_allocates_read_and_reuse_barriers_around_the_loops():
+    fd, c, _ = bulk_exp(3)
+    ir = fd.lower([rand(2, 200)]).kernels[0].kernel_ir
+    assert "ALLOCATE mbar0 (mbarriers) Shared int64 [6]" in ir
+    # mbar[0:3] read-after-write (one bulk copy each), mbar[3:6] write-after-read (every thread).
+    init = re.search(r"FOR (idx\d+) in .*// 3 iterations\n\s+MBARRIER_INIT mbar0\[\1\] arrivals=1 .*\n"
+                     r"\s+MBARRIER_INIT mbar0\[\1 \+ 3\] arrivals=blockDim.x \* blockDim.y \* blockDim.z", ir)
+    assert init, ir
+    inval = re.search(r"FOR (idx\d+) in .*// 6 iterations\n\s+MBARRIER_INVAL mbar0\[\1\]", ir)
+    assert inval, ir
+    order = [ir.index(s) for s in ("MBARRIER_INIT", "pipelined prologue", "pipelined main", "pipelined epilogue",
+                                   "MBARRIER_INVAL")]
+    assert order == sorted(order)
+    main = ir[ir.index("pipelined main"):ir.index("pipelined epilogue")]
+    # The issuer waits for the readers of the stage it refills; everyone waits for its bytes.
+    assert re.search(r"BULK T2\[\(idx\d+ \+ 2\) % 3 \* 32\] .* arrive mbar0\[\(idx\d+ \+ 2\) % 3\] .*"
+                     r"after MBARRIER_WAIT mbar0\[\(idx\d+ \+ 2\) % 3 \+ 3\]", main), main
+    assert re.search(r"MBARRIER_WAIT mbar0\[idx\d+ % 3\] parity idx\d+ / 3 % 2", main), main
+    assert re.search(r"MBARRIER_ARRIVE mbar0\[idx\d+ % 3 \+ 3\]", main), main
+    assert "__syncthreads" not in main
+
+
+def test_a_bulk_copy_outside_a_pipeline_gets_one_barrier_around_it():
+    fd, c, _ = bulk_exp(None)
+    ir = fd.lower([rand(2, 200)]).kernels[0].kernel_ir
+    assert "ALLOCATE mbar0 (mbarriers) Shared int64 [1]" in ir
+    steps = ["MBARRIER_INIT mbar0[0] arrivals=1", "BULK T2[0]", "MBARRIER_WAIT mbar0[0] parity 0",
+             "MBARRIER_INVAL mbar0[0]"]
+    at = [ir.index(s) for s in steps]
+    assert at == sorted(at), ir
+
+
+@pytest.mark.parametrize("stages,prefetch", [(None, None), (2, 1), (3, 1), (3, 2), (4, 2), (4, 3)])
+@pytest.mark.parametrize("cross", [False, True])
+def test_bulk_copies_match_numpy(stages: Optional[int], prefetch: Optional[int], cross: bool):
+    fd, _, _ = bulk_exp(stages, prefetch, cross=cross)
+    for m, n in SIZES:
+        x = rand(m, n, seed=m * 1000 + n)
+        np.testing.assert_allclose(fd.execute([x])[0], exp64(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("stages", [None, 2, 3])
+def test_bulk_copies_with_rows_as_a_serial_loop(stages: Optional[int]):
+    # The barriers are set up again for every row's pipeline.
+    fd, _, _ = bulk_exp(stages, cross=True, serial_rows=True)
+    for m, n in [(3, 100), (4, 31), (2, 1)]:
+        x = rand(m, n, seed=n)
+        np.testing.assert_allclose(fd.execute([x])[0], exp64(x), rtol=1e-6, atol=1e-6)
+
+
+def test_bulk_row_sum_matches_numpy():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        s = fd.ops.sum(x, dims=[1])
+        fd.add_output(s)
+    c = x.cache_after()
+    c.set_memory_type(MemoryType.Shared)
+    c.split(1, 64)
+    c.axis(0).parallelize(ParallelType.BIDx)
+    c.axis(2).parallelize(ParallelType.Bulk)
+    s.split(1, 64)
+    s.axis(0).parallelize(ParallelType.BIDx)
+    s.axis(2).parallelize(ParallelType.TIDx)
+    c.inline_at(2)
+    c.circular_buffer(4, 2)
+    for m, n in [(3, 1), (2, 65), (4, 500), (1, 2049)]:
+        x_ = rand(m, n, seed=n)
+        np.testing.assert_allclose(fd.execute([x_])[0], x_.astype(np.float64).sum(1), rtol=1e-5, atol=1e-5)
+
+
+def test_bulk_axis_rules_when_parallelized():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        y = fd.ops.exp(x)
+        fd.add_output(y)
+    c = x.cache_after()
+    c.split(1, 3)
+    with pytest.raises(KilnError, match=rf"parallelize {c.name}: axis 1: Bulk must be on the innermost axis"):
+        c.axis(1).parallelize(ParallelType.Bulk)
+    with pytest.raises(KilnError, match=r"axis 2 has extent 3 \(12 bytes of float\); a Bulk copy moves a multiple of 16"):
+        c.axis(2).parallelize(ParallelType.Bulk)
+    c2 = y.cache_before()
+    with pytest.raises(KilnError, match=r"symbolic extent i1; a Bulk box has a constant size"):
+        c2.axis(1).parallelize(ParallelType.Bulk)
+
+
+def _bulk_refusal(change: Any) -> str:
+    fd, c, y = bulk_exp(2)
+    change(c, y)
+    with pytest.raises(KilnError) as e:
+        fd.lower([rand(2, 64)])
+    return str(e.value)
+
+
+def test_a_bulk_copy_into_local_memory_is_refused():
+    msg = _bulk_refusal(lambda c, y: c.set_memory_type(MemoryType.Local))
+    assert "T2 axis 2 (Bulk): T2 is in Local memory; a bulk copy lands in Shared memory" in msg
+
+
+def test_a_bulk_copy_partitioned_by_threads_is_refused():
+    def change(c, y):
+        c.axis(0).parallelize(ParallelType.TIDy)
+        y.axis(0).parallelize(ParallelType.TIDy)
+    msg = _bulk_refusal(change)
+    assert "T2 axis 0 runs on TIDy; one thread issues a bulk copy for the whole block" in msg
+
+
+def test_a_bulk_copy_of_a_strided_walk_is_refused():
+    # The Bulk axis walks x's rows (stride n): not one contiguous run.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        y = fd.ops.exp(x)
+        fd.add_output(y)
+    c = x.cache_after()
+    c.set_memory_type(MemoryType.Shared)
+    for t in (c, y):
+        t.split(0, 32)  # [m / 32, 32, n]
+        t.reorder({1: 2})  # [m / 32, n, 32]
+    c.axis(2).parallelize(ParallelType.Bulk)
+    y.axis(2).parallelize(ParallelType.TIDx)
+    c.inline_at(2)
+    with pytest.raises(KilnError, match=r"T2 axis 2 \(Bulk\): a bulk copy moves one contiguous run of T0, but the "
+                                        r"Bulk axis does not walk T0's elements one by one"):
+        fd.lower([rand(64, 40)])

@@ -30,6 +30,7 @@ class ParallelType(enum.Enum):
     Vectorize = "Vectorize"
     Unroll = "Unroll"
     Unswitch = "Unswitch"
+    Bulk = "Bulk"
 
 
 class MemoryType(enum.Enum):

@@ -18,7 +18,9 @@ use crate::ir::{
     BinaryOp, DataType, ExprId, Fusion, MemoryType, Op, Operand, ParallelType, ReductionOp, Symbol, TvId, UnaryOp,
     ValId,
 };
-use crate::kernel::{AccessIndex, AllocTarget, IfKind, Kernel, Node, SyncKind, VectorAccess, VectorCopy};
+use crate::kernel::{
+    AccessIndex, AllocTarget, BarrierOp, BarrierRef, IfKind, Kernel, Node, SyncKind, VectorAccess, VectorCopy,
+};
 use crate::lower::predicate::conjuncts;
 
 /// The runtime header every kernel includes.
@@ -116,6 +118,17 @@ fn node_vals(n: &Node, f: &Fusion, acc: &mut Vec<ValId>) {
             }
         }
         Node::Sync(_) => {}
+        Node::Barrier(op) => match op {
+            BarrierOp::Init { bar, arrivals } => acc.extend([bar.index, *arrivals]),
+            BarrierOp::Inval { bar } | BarrierOp::Arrive { bar } => acc.push(bar.index),
+            BarrierOp::Wait { bar, parity } => acc.extend([bar.index, *parity]),
+        },
+        Node::BulkLoad(b) => {
+            acc.extend([b.dst, b.src, b.elems, b.guard, b.bar.index]);
+            if let Some((r, parity, when)) = b.reuse {
+                acc.extend([r.index, parity, when]);
+            }
+        }
     }
     push_index(n.access_index(), acc);
     for b in n.bodies() {
@@ -284,6 +297,11 @@ impl Gen<'_> {
         }
     }
 
+    /// `kiln_mbar{array}[index]`.
+    fn mbar(&self, r: &BarrierRef) -> String {
+        format!("kiln_mbar{}[{}]", r.array, self.c(r.index))
+    }
+
     fn buf(&self, tv: TvId) -> String {
         self.names.get(&tv).cloned().unwrap_or_else(|| self.f.tv_name(tv))
     }
@@ -327,6 +345,16 @@ impl Gen<'_> {
                 let _ = writeln!(self.out, "{pad}}}");
             }
             Node::Alloc(a) => {
+                if let AllocTarget::Barriers(i) = a.target {
+                    let off = self.k.launch.barrier_offsets.iter().find(|(b, _)| *b == i).map(|&(_, o)| o);
+                    let Some(off) = off else { crate::bail_internal!("mbarriers {i}: no shared memory offset") };
+                    let _ = writeln!(
+                        self.out,
+                        "{pad}uint64_t* kiln_mbar{i} = reinterpret_cast<uint64_t*>(kiln_smem + {});",
+                        self.c(off)
+                    );
+                    return Ok(());
+                }
                 let AllocTarget::Tensor(tv) = a.target else {
                     return Ok(());
                 };
@@ -397,6 +425,51 @@ impl Gen<'_> {
                 let _ = writeln!(self.out, "{pad}}}");
             }
             Node::Vector(v) => self.vector_copy(v, depth)?,
+            Node::Barrier(op) => {
+                let line = match op {
+                    BarrierOp::Init { bar, arrivals } => format!(
+                        "if (kiln::isFirstThread()) kiln::mbarrierInit(&{}, (unsigned)({}));",
+                        self.mbar(bar),
+                        self.c(*arrivals)
+                    ),
+                    BarrierOp::Inval { bar } => {
+                        format!("if (kiln::isFirstThread()) kiln::mbarrierInval(&{});", self.mbar(bar))
+                    }
+                    BarrierOp::Arrive { bar } => format!("kiln::mbarrierArrive(&{});", self.mbar(bar)),
+                    BarrierOp::Wait { bar, parity } => {
+                        format!("kiln::mbarrierWait(&{}, (unsigned)({}));", self.mbar(bar), self.c(*parity))
+                    }
+                };
+                let _ = writeln!(self.out, "{pad}{line}");
+            }
+            Node::BulkLoad(b) => {
+                let e = &self.f.exprs[b.expr];
+                let Some(src) = e.inputs[0].tensor() else { crate::bail_internal!("a bulk copy reads no tensor") };
+                let (dst, src) = (self.buf(e.output), self.buf(src));
+                let _ = writeln!(self.out, "{pad}if (kiln::isFirstThread()) {{  // bulk copy");
+                if let Some((r, parity, when)) = &b.reuse {
+                    let _ = writeln!(
+                        self.out,
+                        "{pad}  if ({}) kiln::mbarrierWait(&{}, (unsigned)({}));  // its readers are done with the stage",
+                        self.pred(*when),
+                        self.mbar(r),
+                        self.c(*parity)
+                    );
+                }
+                let elems = if self.f.scalars.as_int(b.guard) == Some(1) {
+                    self.c(b.elems)
+                } else {
+                    format!("({}) ? {} : 0", self.pred(b.guard), self.c(b.elems))
+                };
+                let _ = writeln!(
+                    self.out,
+                    "{pad}  kiln::bulkLoad(&{dst}[{}], &{src}[{}], (unsigned)({elems}), &{});",
+                    self.c(b.dst),
+                    self.c(b.src),
+                    self.mbar(&b.bar)
+                );
+                let _ = writeln!(self.out, "{pad}}}");
+            }
             Node::AccumulatorInit(a) => {
                 let Op::Reduction { op, init } = self.f.exprs[a.expr].op else {
                     crate::bail_internal!("accumulator of a non-reduction")

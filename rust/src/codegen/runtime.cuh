@@ -28,6 +28,7 @@
 //   threadIndex/threadCount/blockIndex/blockCount<X,Y,Z>   linearisation helpers
 //   warpReduce, warpAllReduce, blockReduce, blockAllReduce  block reductions
 //   gridReduce, gridReduceSerial                           grid reductions (semaphores)
+//   mbarrierInit/Inval/Arrive/Wait, bulkLoad               mbarriers and bulk (TMA) copies, sm_90+
 //
 // Conventions shared by the reductions:
 //   * Linearisation is always x fastest, then y, then z, restricted to the chosen dims.
@@ -1392,6 +1393,76 @@ __device__ bool gridReduceSerial(T& out, T in, Op op, T init, volatile T* work_b
   if (isFirstThread()) *flag = last ? 0 : b + 1;
   return result_here;
 }
+
+// ---------------------------------------------------------------------------------------
+// mbarriers and bulk (TMA) copies: Hopper's asynchronous transaction barriers. The copy
+// engine writes a bulk copy's bytes to Shared memory and counts them off the barrier's
+// expected transaction bytes; a phase completes when its arrivals and its bytes are in.
+// `mbarrierWait(bar, parity)` returns once the phase of that parity has completed. The
+// lowering (rust/src/lower/circular_buffer.rs) places every call.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+KILN_DEVICE unsigned smemAddress(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+KILN_DEVICE void mbarrierInit(uint64_t* bar, unsigned arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smemAddress(bar)), "r"(arrivals) : "memory");
+}
+KILN_DEVICE void mbarrierInval(uint64_t* bar) {
+  asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(smemAddress(bar)) : "memory");
+}
+KILN_DEVICE void mbarrierArrive(uint64_t* bar) {
+  asm volatile("{\n .reg .b64 kiln_state;\n mbarrier.arrive.shared::cta.b64 kiln_state, [%0];\n}" ::"r"(
+                   smemAddress(bar))
+               : "memory");
+}
+KILN_DEVICE void mbarrierArriveExpectTx(uint64_t* bar, unsigned bytes) {
+  asm volatile(
+      "{\n .reg .b64 kiln_state;\n mbarrier.arrive.expect_tx.shared::cta.b64 kiln_state, [%0], %1;\n}" ::"r"(
+          smemAddress(bar)),
+      "r"(bytes)
+      : "memory");
+}
+KILN_DEVICE void mbarrierWait(uint64_t* bar, unsigned parity) {
+  asm volatile(
+      "{\n .reg .pred kiln_done;\n KILN_WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 kiln_done, [%0], %1;\n"
+      " @!kiln_done bra KILN_WAIT_%=;\n}" ::"r"(smemAddress(bar)),
+      "r"(parity)
+      : "memory");
+}
+// Copy `elems` elements from Global `src` to Shared `dst`, completing on `bar` (one thread
+// calls it). A copy of 16-byte aligned addresses and a multiple of 16 bytes is one bulk
+// copy; any other (a row of odd length, an unaligned view) is this thread's element loop,
+// then a plain arrival, whose release makes the elements visible to the barrier's waiters.
+template <typename T>
+KILN_DEVICE void bulkLoad(T* dst, const T* src, unsigned elems, uint64_t* bar) {
+  const unsigned bytes = elems * static_cast<unsigned>(sizeof(T));
+  const bool aligned = (reinterpret_cast<unsigned long long>(dst) % 16 == 0) &&
+                       (reinterpret_cast<unsigned long long>(src) % 16 == 0) && bytes % 16 == 0;
+  if (aligned && bytes > 0) {
+    mbarrierArriveExpectTx(bar, bytes);
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+            smemAddress(dst)),
+        "l"(src), "r"(bytes), "r"(smemAddress(bar))
+        : "memory");
+  } else {
+    for (unsigned i = 0; i < elems; ++i) dst[i] = src[i];
+    mbarrierArrive(bar);
+  }
+}
+#else
+// Before sm_90 there is no bulk copy: a kernel that uses one fails to compile here.
+template <typename T>
+KILN_DEVICE void bulkLoad(T*, const T*, unsigned, uint64_t*) {
+  static_assert(sizeof(T) == 0, "kiln: ParallelType.Bulk copies (TMA) need an sm_90 or newer GPU");
+}
+template <typename B>
+KILN_DEVICE void mbarrierInit(B*, unsigned) {}
+template <typename B>
+KILN_DEVICE void mbarrierInval(B*) {}
+template <typename B>
+KILN_DEVICE void mbarrierArrive(B*) {}
+template <typename B>
+KILN_DEVICE void mbarrierWait(B*, unsigned) {}
+#endif
 
 }  // namespace kiln
 

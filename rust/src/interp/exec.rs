@@ -13,7 +13,8 @@ use crate::interp::{Bindings, Buffer, Stats};
 use crate::ir::dtype::{promote, PromotionOperand};
 use crate::ir::scalar::Val;
 use crate::ir::{DataType, ExprId, Fusion, IterType, MemoryType, Op, Operand, ParallelType, Symbol, TvId, ValId};
-use crate::kernel::{AllocTarget, Allocate, Kernel, Node, VectorAccess};
+use crate::interp::mbarrier::{Arrival, BarKey, Barriers};
+use crate::kernel::{AllocTarget, Allocate, BarrierOp, Kernel, Node, VectorAccess};
 
 /// Largest grid the interpreter runs (threads of all blocks together).
 const MAX_THREADS: i64 = 1 << 24;
@@ -95,6 +96,32 @@ enum CNode {
     If { prog: Prog, cond: u32, then: Vec<CNode>, otherwise: Vec<CNode> },
     Vector(Box<CVector>),
     AccumulatorInit { acc: u32, expr: ExprId },
+    Barrier(Box<CBarrier>),
+    Bulk(Box<CBulk>),
+}
+
+/// An mbarrier operation with its compiled values (entry, then the op's argument).
+struct CBarrier {
+    op: BarrierOp,
+    prog: Prog,
+    array: u32,
+    entry: u32,
+    arg: Option<u32>,
+}
+
+/// A bulk copy with its compiled values.
+struct CBulk {
+    expr: ExprId,
+    src: TvId,
+    prog: Prog,
+    dst: u32,
+    from: u32,
+    elems: u32,
+    guard: u32,
+    array: u32,
+    entry: u32,
+    /// (array, entry, parity, condition) of the write-after-read wait.
+    reuse: Option<(u32, u32, u32, u32)>,
 }
 
 fn compile(k: &Kernel, body: &[Node], stack: &mut Vec<(ParallelType, bool)>) -> Result<Vec<CNode>> {
@@ -124,6 +151,49 @@ fn compile(k: &Kernel, body: &[Node], stack: &mut Vec<(ParallelType, bool)>) -> 
             }
             Node::Alloc(a) => CNode::Alloc(a.clone()),
             Node::Sync(_) => CNode::Sync,
+            Node::Barrier(op) => {
+                let mut prog = Prog::default();
+                let (bar, arg) = match op {
+                    BarrierOp::Init { bar, arrivals } => (bar, Some(*arrivals)),
+                    BarrierOp::Wait { bar, parity } => (bar, Some(*parity)),
+                    BarrierOp::Inval { bar } | BarrierOp::Arrive { bar } => (bar, None),
+                };
+                let entry = prog.add(&f.scalars, bar.index)?;
+                let arg = arg.map(|v| prog.add(&f.scalars, v)).transpose()?;
+                CNode::Barrier(Box::new(CBarrier { op: op.clone(), prog, array: bar.array, entry, arg }))
+            }
+            Node::BulkLoad(b) => {
+                let mut prog = Prog::default();
+                let Some(Operand::Tensor(src)) = f.exprs[b.expr].inputs.first().copied() else {
+                    bail_internal!("interpreter: bulk copy of a non-tensor operand");
+                };
+                let dst = prog.add(&f.scalars, b.dst)?;
+                let from = prog.add(&f.scalars, b.src)?;
+                let elems = prog.add(&f.scalars, b.elems)?;
+                let guard = prog.add(&f.scalars, b.guard)?;
+                let entry = prog.add(&f.scalars, b.bar.index)?;
+                let reuse = match b.reuse {
+                    Some((r, parity, when)) => Some((
+                        r.array,
+                        prog.add(&f.scalars, r.index)?,
+                        prog.add(&f.scalars, parity)?,
+                        prog.add(&f.scalars, when)?,
+                    )),
+                    None => None,
+                };
+                CNode::Bulk(Box::new(CBulk {
+                    expr: b.expr,
+                    src,
+                    prog,
+                    dst,
+                    from,
+                    elems,
+                    guard,
+                    array: b.bar.array,
+                    entry,
+                    reuse,
+                }))
+            }
             Node::Init { tv, value, index } => {
                 let Some(ix) = index else {
                     bail_internal!("interpreter: init of {} is not indexed", f.tv_name(*tv));
@@ -297,6 +367,8 @@ struct Slot {
     /// Elements per instance (per thread for Local, per block for Shared).
     size: usize,
     name: String,
+    /// Circular-buffer stages the instance holds (1 otherwise), for messages.
+    stages: usize,
 }
 
 /// Accesses to one Shared element since the last barrier.
@@ -306,9 +378,24 @@ struct RaceCell {
     writer: i32,
     /// Thread that read, -1 if none, -2 if several.
     reader: i32,
+    /// Step of the latest read (0: none since the last barrier): a bulk copy may overwrite
+    /// the element only after its issuer waited for arrivals that came after it.
+    read_step: u64,
 }
 
-const CLEAN: RaceCell = RaceCell { writer: -1, reader: -1 };
+const CLEAN: RaceCell = RaceCell { writer: -1, reader: -1, read_step: 0 };
+
+/// The bulk copy that last wrote a Shared element: its barrier (array, entry) and the
+/// phase that reports its bytes.
+type AsyncMark = Option<(u32, i64, u32)>;
+
+/// ` (stage k)` for an element of a circular-buffered tensor at physical index `p`.
+fn slot_stage(slot: &Slot, p: usize) -> String {
+    if slot.stages <= 1 || slot.size == 0 {
+        return String::new();
+    }
+    format!(" (stage {})", (p % slot.size) / (slot.size / slot.stages).max(1))
+}
 
 /// Immutable context of a run: sizes, loop indices, launch.
 struct Ctx<'k> {
@@ -381,6 +468,10 @@ struct Mem<'b> {
     caller: &'b mut [Buffer],
     own: Vec<Buffer>,
     races: Vec<Option<Vec<RaceCell>>>,
+    /// Per own Shared buffer: the bulk copy behind each element.
+    asyncs: Vec<Option<Vec<AsyncMark>>>,
+    /// mbarrier states and what each thread observed of them.
+    bars: Barriers,
     slots: FxHashMap<TvId, Slot>,
     /// Names and locations of the summary's buffers.
     buffers: Vec<(String, usize)>,
@@ -452,9 +543,34 @@ impl Mem<'_> {
         let Some(Some(cells)) = self.races.get_mut(i) else {
             return Ok(());
         };
+        let step = self.bars.step;
+        let marks = self.asyncs.get_mut(i).and_then(|m| m.as_mut());
+        if let Some(marks) = marks {
+            for (&l, &p) in lanes.iter().zip(phys) {
+                if write {
+                    // A thread's own store replaces what a bulk copy brought.
+                    marks[p] = None;
+                    continue;
+                }
+                let Some((array, entry, phase)) = marks[p] else { continue };
+                let key: BarKey = (array, l as usize / ctx.nt, entry);
+                if self.bars.seen(key, l) <= phase {
+                    let stage = slot_stage(slot, p);
+                    return Err(KilnError::value(format!(
+                        "kernel {kname}: read of {}{stage} at index {} before the bulk copy that wrote it completed: no wait on mbarrier mbar{array}[{entry}] saw its phase {phase} complete; by {}",
+                        slot.name,
+                        p % slot.size.max(1),
+                        ctx.thread(l)
+                    )));
+                }
+            }
+        }
         for (&l, &p) in lanes.iter().zip(phys) {
             let t = (l as usize % ctx.nt) as i32;
             let c = &mut cells[p];
+            if !write {
+                c.read_step = step;
+            }
             let other = if write {
                 if c.writer >= 0 && c.writer != t {
                     Some((c.writer, "writes"))
@@ -540,6 +656,63 @@ impl Mem<'_> {
         self.race_check(ctx, kname, &slot, lanes, &phys, false)?;
         self.global_check(ctx, kname, &slot, lanes, &phys, false)?;
         Ok((self.buf(slot.loc).data.gather(&phys), poison))
+    }
+
+    /// A bulk copy by `lane` of `col` to `tv` from element `dst`: each element must not
+    /// have been read since its last barrier unless the issuer waited for a phase whose
+    /// arrivals all came after that read (write-after-read); it lands marked with the
+    /// phase `mark` of the barrier that reports it.
+    #[allow(clippy::too_many_arguments)]
+    fn bulk_write(
+        &mut self,
+        ctx: &Ctx,
+        kname: &str,
+        tv: TvId,
+        lane: u32,
+        dst: i64,
+        col: &Col,
+        mark: (u32, i64, u32),
+    ) -> Result<()> {
+        let slot = self.slot(ctx.f, tv)?.clone();
+        let n = col.len();
+        let offs = Reg::V((0..n as i64).map(|j| dst + j).collect());
+        let lanes = vec![lane; n];
+        let phys = self.phys(ctx, kname, &slot, &lanes, &offs, "bulk copy")?;
+        let synced = self.bars.synced.get(&lane).copied().unwrap_or(0);
+        let Loc::Own(i) = slot.loc else { bail_internal!("interpreter: a bulk copy into a Global tensor") };
+        if let Some(Some(cells)) = self.races.get_mut(i) {
+            for &p in &phys {
+                let c = &mut cells[p];
+                if c.read_step > 0 && synced <= c.read_step {
+                    let reader = if c.reader == -2 {
+                        "several threads".to_string()
+                    } else {
+                        format!("thread {}", ctx.thread_xyz(c.reader.max(0) as usize))
+                    };
+                    return Err(KilnError::value(format!(
+                        "kernel {kname}: the bulk copy into {}{} overwrites index {} that {reader} read, before its issuer waited for the readers to finish (write-after-read: no completed wait on the stage's barrier since the read); by {}",
+                        slot.name,
+                        slot_stage(&slot, p),
+                        p % slot.size.max(1),
+                        ctx.thread(lane)
+                    )));
+                }
+                *c = CLEAN;
+            }
+        }
+        if let Some(Some(marks)) = self.asyncs.get_mut(i) {
+            for &p in &phys {
+                marks[p] = Some(mark);
+            }
+        }
+        let buf = self.buf(slot.loc);
+        buf.data.scatter(&phys, col)?;
+        if let Some(w) = &mut buf.written {
+            for &p in &phys {
+                w[p] = true;
+            }
+        }
+        Ok(())
     }
 
     fn write(&mut self, ctx: &Ctx, kname: &str, tv: TvId, lanes: &[u32], offs: &Reg, col: &Col) -> Result<()> {
@@ -716,6 +889,8 @@ pub fn run(kernel: &Kernel, bindings: &Bindings, buffers: &mut [Buffer]) -> Resu
         caller: buffers,
         own: Vec::new(),
         races: Vec::new(),
+        asyncs: Vec::new(),
+        bars: Barriers::default(),
         slots,
         buffers: named,
         checked_globals: n_in + n_out,
@@ -745,6 +920,7 @@ fn global_slot(f: &Fusion, tv: TvId, loc: Loc, buf: &Buffer, name: Option<&str>)
         memory: MemoryType::Global,
         size: buf.data.len(),
         name: name.map(str::to_string).unwrap_or_else(|| f.tv_name(tv)),
+        stages: 1,
     }
 }
 
@@ -763,7 +939,10 @@ struct Exec<'k, 'b> {
 impl Exec<'_, '_> {
     fn nodes(&mut self, body: &[CNode]) -> Result<()> {
         for n in body {
+            self.mem.bars.step += 1;
             match n {
+                CNode::Barrier(b) => self.barrier(b)?,
+                CNode::Bulk(b) => self.bulk(b)?,
                 CNode::Loop { var, extent, parallel, body } => {
                     let e = self.ctx.eval_uniform(*extent)?;
                     match var {
@@ -879,6 +1058,171 @@ impl Exec<'_, '_> {
         Ok(())
     }
 
+    /// What barrier entry `entry` of `array` orders, for messages.
+    fn barrier_name(&self, array: u32, entry: i64) -> String {
+        let f = &self.k.fusion;
+        let Some(b) = self.k.summary.barriers.get(array as usize) else {
+            return format!("mbar{array}[{entry}]");
+        };
+        let tvs: Vec<String> = b.tvs.iter().map(|&t| f.tv_name(t)).collect();
+        let tvs = tvs.join(", ");
+        if b.size == 1 {
+            return format!("mbar{array}[{entry}] (the bulk copy of {tvs})");
+        }
+        let stages = b.size / 2;
+        if entry < stages {
+            format!("mbar{array}[{entry}] (read-after-write of {tvs} stage {entry})")
+        } else {
+            format!("mbar{array}[{entry}] (write-after-read of {tvs} stage {})", entry - stages)
+        }
+    }
+
+    /// The active lanes that are their block's first thread.
+    fn first_threads(&self) -> Vec<(usize, u32)> {
+        let nt = self.ctx.nt;
+        self.ctx.active.iter().enumerate().filter(|(_, &l)| l as usize % nt == 0).map(|(i, &l)| (i, l)).collect()
+    }
+
+    fn barrier(&mut self, b: &CBarrier) -> Result<()> {
+        let ctx = &self.ctx;
+        let uniform = |s: Symbol| ctx.uniform(s);
+        let gathered = FxHashMap::default();
+        let mut ev = Evaluator::new(&b.prog);
+        let env = mk_env(&uniform, ctx, &ctx.active, &gathered, &self.mem.done);
+        let entry = ev.eval(b.entry, &env)?.clone();
+        let arg = match b.arg {
+            Some(a) => Some(ev.eval(a, &env)?.clone()),
+            None => None,
+        };
+        let nt = ctx.nt;
+        let kname = self.kname;
+        match &b.op {
+            BarrierOp::Init { .. } | BarrierOp::Inval { .. } => {
+                for (i, l) in self.first_threads() {
+                    let e = entry.at(i);
+                    let key: BarKey = (b.array, l as usize / nt, e);
+                    let ok = match (&b.op, &arg) {
+                        (BarrierOp::Init { .. }, Some(a)) => self.mem.bars.init(key, a.at(i)),
+                        _ => self.mem.bars.inval(key),
+                    };
+                    if !ok {
+                        let what = if matches!(b.op, BarrierOp::Init { .. }) {
+                            "is initialised again before it was invalidated"
+                        } else {
+                            "is invalidated but is not initialised"
+                        };
+                        return Err(KilnError::value(format!(
+                            "kernel {kname}: mbarrier {} {what}; by {}",
+                            self.barrier_name(b.array, e),
+                            self.ctx.thread(l)
+                        )));
+                    }
+                }
+            }
+            BarrierOp::Arrive { .. } => {
+                for (i, &l) in self.ctx.active.clone().iter().enumerate() {
+                    let e = entry.at(i);
+                    self.arrive((b.array, l as usize / nt, e), l, 0, 0)?;
+                }
+            }
+            BarrierOp::Wait { .. } => {
+                let Some(parity) = arg else { bail_internal!("interpreter: a wait without a parity") };
+                for (i, &l) in self.ctx.active.clone().iter().enumerate() {
+                    self.wait((b.array, l as usize / nt, entry.at(i)), l, parity.at(i))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn arrive(&mut self, key: BarKey, lane: u32, bytes: i64, landed: i64) -> Result<()> {
+        let what = match self.mem.bars.arrive(key, bytes, landed) {
+            Arrival::Ok => return Ok(()),
+            Arrival::TooMany => "receives more arrivals than its phase expects",
+            Arrival::Uninitialized => "receives an arrival but is not initialised",
+        };
+        Err(KilnError::value(format!(
+            "kernel {}: mbarrier {} {what}; by {}",
+            self.kname,
+            self.barrier_name(key.0, key.2),
+            self.ctx.thread(lane)
+        )))
+    }
+
+    fn wait(&mut self, key: BarKey, lane: u32, parity: i64) -> Result<()> {
+        match self.mem.bars.wait(key, lane, parity) {
+            Ok(()) => Ok(()),
+            Err(state) => {
+                let why = match state {
+                    None => "it is not initialised".to_string(),
+                    Some(b) => format!(
+                        "its phase {} still expects {} arrival(s) and {} byte(s), and nothing before the wait provides them",
+                        b.completed, b.pending, b.tx
+                    ),
+                };
+                Err(KilnError::value(format!(
+                    "kernel {}: a wait on mbarrier {} for parity {} can never complete: {why}; by {}",
+                    self.kname,
+                    self.barrier_name(key.0, key.2),
+                    parity.rem_euclid(2),
+                    self.ctx.thread(lane)
+                )))
+            }
+        }
+    }
+
+    /// A bulk copy: each block's first thread (when active) waits for the stage's readers
+    /// where `reuse` says so, copies the run (none where the guard fails) and arrives.
+    fn bulk(&mut self, b: &CBulk) -> Result<()> {
+        let firsts = self.first_threads();
+        if firsts.is_empty() {
+            return Ok(());
+        }
+        let lanes: Vec<u32> = firsts.iter().map(|&(_, l)| l).collect();
+        let vals = {
+            let ctx = &self.ctx;
+            let uniform = |s: Symbol| ctx.uniform(s);
+            let gathered = FxHashMap::default();
+            let mut ev = Evaluator::new(&b.prog);
+            let env = mk_env(&uniform, ctx, &lanes, &gathered, &self.mem.done);
+            let mut regs = Vec::new();
+            for v in [b.dst, b.from, b.elems, b.guard, b.entry] {
+                regs.push(ev.eval(v, &env)?.clone());
+            }
+            if let Some((_, entry, parity, when)) = b.reuse {
+                for v in [entry, parity, when] {
+                    regs.push(ev.eval(v, &env)?.clone());
+                }
+            }
+            regs
+        };
+        let f = &self.k.fusion;
+        let out_tv = f.exprs[b.expr].output;
+        let dt = f.tvs[out_tv].dtype;
+        let nt = self.ctx.nt;
+        for (i, &l) in lanes.iter().enumerate() {
+            let block = l as usize / nt;
+            if let Some((array, ..)) = b.reuse {
+                if vals[7].at(i) != 0 {
+                    self.wait((array, block, vals[5].at(i)), l, vals[6].at(i))?;
+                }
+            }
+            let elems = if vals[3].at(i) != 0 { vals[2].at(i).max(0) } else { 0 };
+            let key: BarKey = (b.array, block, vals[4].at(i));
+            let phase = self.mem.bars.current_phase(key);
+            if elems > 0 {
+                let src: Vec<i64> = (0..elems).map(|j| vals[1].at(i) + j).collect();
+                let col = self.mem.read(&self.ctx, self.kname, b.src, &vec![l; elems as usize], &Reg::V(src))?;
+                self.stats.thread_instructions += elems as u64;
+                self.mem.bulk_write(&self.ctx, self.kname, out_tv, l, vals[0].at(i), &col.convert(dt), (b.array, key.2, phase))?;
+            }
+            // arrive.expect_tx with the copy's bytes; the copy engine counts them off.
+            let bytes = elems * dt.size_bytes() as i64;
+            self.arrive(key, l, bytes, bytes)?;
+        }
+        Ok(())
+    }
+
     /// A vector copy: lanes whose vector is in range and aligned copy it element by element
     /// (checking the alignment codegen relies on without a test); the rest run the
     /// fallback loop.
@@ -983,6 +1327,11 @@ impl Exec<'_, '_> {
             })?;
         }
         let (name, tv) = match a.target {
+            AllocTarget::Barriers(i) => {
+                // Fresh Shared memory: no barrier of the array is initialised.
+                self.mem.bars.reset_array(i);
+                return Ok(());
+            }
             AllocTarget::Tensor(tv) => (f.tv_name(tv), Some(tv)),
             AllocTarget::Buffer(i) => match self.k.summary.global_allocations.get(i) {
                 Some(g) => (g.name.clone(), None),
@@ -995,6 +1344,7 @@ impl Exec<'_, '_> {
                 let loc = match a.target {
                     AllocTarget::Tensor(tv) => self.mem.slot(f, tv)?.loc,
                     AllocTarget::Buffer(i) => Loc::Caller(self.mem.buffers[i].1),
+                    AllocTarget::Barriers(_) => unreachable!("returned above"),
                 };
                 let have = self.mem.buf(loc).data.len();
                 if have != size {
@@ -1022,20 +1372,27 @@ impl Exec<'_, '_> {
                 // Fresh (uninitialised) memory every time the Allocate runs.
                 let fresh = Buffer { data: Data::zeros(a.dtype, n), written: Some(vec![false; n]) };
                 let races = (a.memory == MemoryType::Shared).then(|| vec![CLEAN; n]);
+                let asyncs = (a.memory == MemoryType::Shared).then(|| vec![None; n]);
                 let loc = match self.mem.slots.get(&tv) {
                     Some(Slot { loc: Loc::Own(i), .. }) => {
                         let i = *i;
                         self.mem.own[i] = fresh;
                         self.mem.races[i] = races;
+                        self.mem.asyncs[i] = asyncs;
                         Loc::Own(i)
                     }
                     _ => {
                         self.mem.own.push(fresh);
                         self.mem.races.push(races);
+                        self.mem.asyncs.push(asyncs);
                         Loc::Own(self.mem.own.len() - 1)
                     }
                 };
-                self.mem.slots.insert(tv, Slot { loc, memory: a.memory, size, name });
+                let stages = match (a.memory, f.tvs[tv].circular_buffer) {
+                    (MemoryType::Shared, Some(cb)) => cb.stages as usize,
+                    _ => 1,
+                };
+                self.mem.slots.insert(tv, Slot { loc, memory: a.memory, size, name, stages });
                 Ok(())
             }
         }

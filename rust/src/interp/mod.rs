@@ -12,6 +12,7 @@
 //! expressions compiled for lane-vectorised evaluation), `exec` (the executor).
 
 mod exec;
+mod mbarrier;
 pub mod prog;
 pub mod values;
 

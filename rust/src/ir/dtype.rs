@@ -282,11 +282,13 @@ pub enum ParallelType {
     Vectorize,
     Unroll,
     Unswitch,
+    /// The axis is copied by one bulk (TMA) copy, not a loop.
+    Bulk,
 }
 
 impl ParallelType {
     /// Every parallel type, in a stable order.
-    pub const ALL: [ParallelType; 10] = [
+    pub const ALL: [ParallelType; 11] = [
         ParallelType::Serial,
         ParallelType::BIDx,
         ParallelType::BIDy,
@@ -297,6 +299,7 @@ impl ParallelType {
         ParallelType::Vectorize,
         ParallelType::Unroll,
         ParallelType::Unswitch,
+        ParallelType::Bulk,
     ];
     /// True for threadIdx.{x,y,z}.
     pub fn is_thread(self) -> bool {
@@ -312,7 +315,7 @@ impl ParallelType {
     }
     /// Types that may appear at most once in a tensor's loop domain.
     pub fn is_unique_per_tensor(self) -> bool {
-        self.is_thread_or_block() || self == ParallelType::Vectorize
+        self.is_thread_or_block() || matches!(self, ParallelType::Vectorize | ParallelType::Bulk)
     }
     /// The Python enum member name.
     pub fn enum_name(self) -> &'static str {
@@ -327,6 +330,7 @@ impl ParallelType {
             ParallelType::Vectorize => "Vectorize",
             ParallelType::Unroll => "Unroll",
             ParallelType::Unswitch => "Unswitch",
+            ParallelType::Bulk => "Bulk",
         }
     }
 
@@ -347,6 +351,7 @@ impl ParallelType {
             ParallelType::Vectorize => "V",
             ParallelType::Unroll => "UR",
             ParallelType::Unswitch => "US",
+            ParallelType::Bulk => "B",
         }
     }
 }

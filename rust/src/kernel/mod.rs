@@ -162,6 +162,55 @@ pub enum AllocTarget {
     Tensor(TvId),
     /// Entry `n` of `KernelSummary::global_allocations` that is not a fusion tensor.
     Buffer(usize),
+    /// Entry `n` of `KernelSummary::barriers`: a Shared array of mbarriers.
+    Barriers(u32),
+}
+
+/// One mbarrier: entry `index` of Shared barrier array `array` (`kiln_mbar{array}`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BarrierRef {
+    pub array: u32,
+    pub index: ValId,
+}
+
+/// An mbarrier operation (Hopper's asynchronous transaction barriers). `Init` and `Inval`
+/// run on the block's first thread; `Arrive` and `Wait` on every thread of the block.
+#[derive(Clone, Debug)]
+pub enum BarrierOp {
+    /// Set the barrier up for `arrivals` arrivals per phase, at phase 0.
+    Init { bar: BarrierRef, arrivals: ValId },
+    /// Retire the barrier (no thread may wait on it any more).
+    Inval { bar: BarrierRef },
+    /// Count this thread's arrival in the current phase (after its last read of a stage).
+    Arrive { bar: BarrierRef },
+    /// Wait until the phase of parity `parity` has completed.
+    Wait { bar: BarrierRef, parity: ValId },
+}
+
+/// A bulk (TMA) copy of `elems` consecutive elements of `expr`'s input (from element
+/// `src`) to its output (from element `dst`), issued by the block's first thread. Where
+/// `reuse` is set and its condition holds, that thread first waits for the phase of the
+/// given parity of the barrier the readers of the destination's previous contents arrive on
+/// (write-after-read). It then announces the copy's bytes on `bar` (`arrive.expect_tx`,
+/// zero bytes where `guard` fails) and starts it; `bar`'s phase completes when the bytes
+/// have landed. Where the addresses or the size are not multiples of 16 bytes the same
+/// thread copies element by element before arriving.
+#[derive(Clone, Debug)]
+pub struct BulkLoad {
+    pub expr: ExprId,
+    pub dst: ValId,
+    pub src: ValId,
+    pub elems: ValId,
+    pub guard: ValId,
+    pub bar: BarrierRef,
+    pub reuse: Option<(BarrierRef, ValId, ValId)>,
+}
+
+/// A Shared array of mbarriers the kernel uses, and the tensors whose loads it orders.
+#[derive(Clone, Debug)]
+pub struct BarrierArray {
+    pub size: i64,
+    pub tvs: Vec<TvId>,
 }
 
 /// Reserve memory for a tensor or buffer.
@@ -211,6 +260,10 @@ pub enum Node {
         acc: Accumulator,
         index: AccessIndex,
     },
+    /// An mbarrier operation.
+    Barrier(BarrierOp),
+    /// A bulk (TMA) copy into Shared memory.
+    BulkLoad(Box<BulkLoad>),
     /// The block/grid reduction of the register into the output at `index` (after the
     /// hoisted loops). `complete`: no serial loop over the reduction's own axes encloses
     /// the hoist, so the result is final and stored rather than combined with the
@@ -282,6 +335,29 @@ impl Node {
             }
             Node::Expr { index: Some(ix), .. } => index(ix, g),
             Node::Expr { index: None, .. } | Node::Sync(_) | Node::AccumulatorInit(_) => {}
+            Node::Barrier(op) => match op {
+                BarrierOp::Init { bar, arrivals } => {
+                    bar.index = g(bar.index);
+                    *arrivals = g(*arrivals);
+                }
+                BarrierOp::Inval { bar } | BarrierOp::Arrive { bar } => bar.index = g(bar.index),
+                BarrierOp::Wait { bar, parity } => {
+                    bar.index = g(bar.index);
+                    *parity = g(*parity);
+                }
+            },
+            Node::BulkLoad(b) => {
+                b.dst = g(b.dst);
+                b.src = g(b.src);
+                b.elems = g(b.elems);
+                b.guard = g(b.guard);
+                b.bar.index = g(b.bar.index);
+                if let Some((bar, parity, when)) = b.reuse.as_mut() {
+                    bar.index = g(bar.index);
+                    *parity = g(*parity);
+                    *when = g(*when);
+                }
+            }
             Node::Accumulate { index: ix, .. } | Node::ReduceAccumulator { index: ix, .. } => index(ix, g),
             Node::If(i) => {
                 i.cond = g(i.cond);
@@ -391,6 +467,8 @@ pub struct KernelSummary {
     pub global_allocations: Vec<GlobalBuffer>,
     /// True when any reduction spans blocks.
     pub has_grid_reduction: bool,
+    /// Shared mbarrier arrays (`AllocTarget::Barriers` indexes it).
+    pub barriers: Vec<BarrierArray>,
 }
 
 /// Where and how a tensor is allocated; what indexing reads.
@@ -425,6 +503,8 @@ pub struct LaunchParams {
     pub smem_bytes: ValId,
     /// Byte offset of each Shared tensor in dynamic shared memory.
     pub smem_offsets: Vec<(TvId, ValId)>,
+    /// Byte offset of each mbarrier array in dynamic shared memory.
+    pub barrier_offsets: Vec<(u32, ValId)>,
     /// Byte offset of the block-reduction workspace (blockDim.x*y*z elements of 8 bytes).
     pub reduction_workspace: Option<ValId>,
 }
@@ -628,6 +708,10 @@ impl IrText<'_> {
             Node::Loop(l) => {
                 let part = match l.pipeline {
                     Some(p) => format!("  // pipelined {}, {} iterations", p.name(), f.scalars.render(l.extent)),
+                    // A loop lowering made over an id's range of another length.
+                    None if l.extent != f.ids[l.id].extent => {
+                        format!("  // {} iterations", f.scalars.render(l.extent))
+                    }
                     None => String::new(),
                 };
                 let _ = writeln!(
@@ -648,6 +732,7 @@ impl IrText<'_> {
                 let name = match a.target {
                     AllocTarget::Tensor(tv) => f.tv_name(tv),
                     AllocTarget::Buffer(i) => self.summary.global_allocations[i].name.clone(),
+                    AllocTarget::Barriers(i) => format!("mbar{i} (mbarriers)"),
                 };
                 let shape: Vec<String> = a.shape.iter().map(|&v| f.scalars.render(v)).collect();
                 let _ = writeln!(
@@ -706,6 +791,48 @@ impl IrText<'_> {
                 if !v.whole {
                     self.write_node(&Node::Loop(v.fallback.clone()), depth + 1, s);
                 }
+            }
+            Node::Barrier(op) => {
+                let sc = &f.scalars;
+                let b = |r: &BarrierRef| format!("mbar{}[{}]", r.array, sc.render(r.index));
+                let _ = match op {
+                    BarrierOp::Init { bar, arrivals } => {
+                        writeln!(s, "{pad}MBARRIER_INIT {} arrivals={}  // first thread", b(bar), sc.render(*arrivals))
+                    }
+                    BarrierOp::Inval { bar } => writeln!(s, "{pad}MBARRIER_INVAL {}  // first thread", b(bar)),
+                    BarrierOp::Arrive { bar } => writeln!(s, "{pad}MBARRIER_ARRIVE {}", b(bar)),
+                    BarrierOp::Wait { bar, parity } => {
+                        writeln!(s, "{pad}MBARRIER_WAIT {} parity {}", b(bar), sc.render(*parity))
+                    }
+                };
+            }
+            Node::BulkLoad(bl) => {
+                let sc = &f.scalars;
+                let e = &f.exprs[bl.expr];
+                let src = e.inputs[0].tensor().map_or_else(String::new, |t| f.tv_name(t));
+                let mut line = format!(
+                    "{pad}BULK {}[{}] <- {src}[{}] x {} arrive mbar{}[{}]",
+                    f.tv_name(e.output),
+                    sc.render(bl.dst),
+                    sc.render(bl.src),
+                    sc.render(bl.elems),
+                    bl.bar.array,
+                    sc.render(bl.bar.index)
+                );
+                if sc.as_int(bl.guard) != Some(1) {
+                    let _ = write!(line, " if {}", sc.render(bl.guard));
+                }
+                if let Some((r, parity, when)) = &bl.reuse {
+                    let _ = write!(
+                        line,
+                        " after MBARRIER_WAIT mbar{}[{}] parity {} if {}",
+                        r.array,
+                        sc.render(r.index),
+                        sc.render(*parity),
+                        sc.render(*when)
+                    );
+                }
+                let _ = writeln!(s, "{line}  // first thread");
             }
             Node::AccumulatorInit(a) => {
                 let _ =

@@ -103,7 +103,8 @@ impl Effects {
             // A barrier orders Shared accesses, which pin the loop anyway; block reductions
             // end with one, so their shared workspace may be reused in any order.
             Node::Sync(_) => {}
-            Node::If(_) | Node::Vector(_) => self.pinned = true,
+            // Made after fusion; pinned should one ever come earlier.
+            Node::If(_) | Node::Vector(_) | Node::Barrier(_) | Node::BulkLoad(_) => self.pinned = true,
         }
     }
 

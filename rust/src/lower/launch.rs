@@ -53,11 +53,22 @@ pub fn run(f: &mut Fusion, body: &[Node]) -> LaunchParams {
     // Shared tensors first, each 16-byte aligned, then the reduction workspace.
     let mut offset = f.scalars.int(0);
     let mut smem_offsets = Vec::new();
+    let mut barrier_offsets = Vec::new();
     let sixteen = f.scalars.int(16);
     for n in body {
         if let Node::Alloc(a) = n {
-            if let (AllocTarget::Tensor(tv), MemoryType::Shared) = (a.target, a.memory) {
-                smem_offsets.push((tv, offset));
+            let place = match (a.target, a.memory) {
+                (AllocTarget::Tensor(tv), MemoryType::Shared) => {
+                    smem_offsets.push((tv, offset));
+                    true
+                }
+                (AllocTarget::Barriers(i), _) => {
+                    barrier_offsets.push((i, offset));
+                    true
+                }
+                _ => false,
+            };
+            if place {
                 let elems = f.scalars.product(a.shape.iter().copied());
                 let bytes_per = f.scalars.int(a.dtype.size_bytes() as i64);
                 let bytes = f.scalars.mul(elems, bytes_per);
@@ -80,6 +91,7 @@ pub fn run(f: &mut Fusion, body: &[Node]) -> LaunchParams {
         block: [out[3], out[4], out[5]],
         smem_bytes: offset,
         smem_offsets,
+        barrier_offsets,
         reduction_workspace,
     }
 }

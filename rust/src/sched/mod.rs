@@ -219,6 +219,27 @@ impl Fusion {
                 );
             }
         }
+        if pt == ParallelType::Bulk {
+            if a + 1 != ld.len() {
+                bail!(
+                    "parallelize {name}: axis {a}: Bulk must be on the innermost axis ({}), not axis {a} (a bulk copy moves one contiguous run of elements)",
+                    ld.len() - 1
+                );
+            }
+            let Some(w) = self.scalars.as_int(self.ids[id].extent) else {
+                bail!(
+                    "parallelize {name}: axis {a} has symbolic extent {}; a Bulk box has a constant size (split the axis first)",
+                    self.scalars.render(self.ids[id].extent)
+                );
+            };
+            let bytes = w * self.tvs[tv].dtype.size_bytes() as i64;
+            if bytes % 16 != 0 {
+                bail!(
+                    "parallelize {name}: axis {a} has extent {w} ({bytes} bytes of {}); a Bulk copy moves a multiple of 16 bytes",
+                    self.tvs[tv].dtype
+                );
+            }
+        }
         self.ids[id].parallel = pt;
         self.manually_scheduled = true;
         Ok(())

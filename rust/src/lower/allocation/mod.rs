@@ -148,6 +148,18 @@ pub fn run(
             error_word: true,
         });
     }
+    // Rule 9: the mbarriers of bulk copies, in Shared memory.
+    summary.barriers = crate::lower::circular_buffer::barrier_arrays(f, lg);
+    for (i, b) in summary.barriers.iter().enumerate() {
+        top.push(Node::Alloc(Allocate {
+            target: AllocTarget::Barriers(i as u32),
+            memory: MemoryType::Shared,
+            dtype: crate::ir::DataType::Int,
+            shape: vec![f.scalars.int(b.size)],
+            zero_init: false,
+            resets_to_zero: false,
+        }));
+    }
     top.append(body);
     *body = top;
     Ok(AllocationResult { allocations, summary })
