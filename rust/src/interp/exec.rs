@@ -7,13 +7,13 @@ use rustc_hash::FxHashMap;
 
 use crate::bail_internal;
 use crate::error::{KilnError, Result};
+use crate::interp::mbarrier::{Arrival, BarKey, Barriers};
 use crate::interp::prog::{coord, EvalEnv, Evaluator, Prog, Reg};
 use crate::interp::values::{self, Col, Data, ScalarValue};
 use crate::interp::{Bindings, Buffer, Stats};
 use crate::ir::dtype::{promote, PromotionOperand};
 use crate::ir::scalar::Val;
 use crate::ir::{DataType, ExprId, Fusion, IterType, MemoryType, Op, Operand, ParallelType, Symbol, TvId, ValId};
-use crate::interp::mbarrier::{Arrival, BarKey, Barriers};
 use crate::kernel::{AllocTarget, Allocate, BarrierOp, Kernel, Node, VectorAccess};
 
 /// Largest grid the interpreter runs (threads of all blocks together).
@@ -1080,7 +1080,7 @@ impl Exec<'_, '_> {
     /// The active lanes that are their block's first thread.
     fn first_threads(&self) -> Vec<(usize, u32)> {
         let nt = self.ctx.nt;
-        self.ctx.active.iter().enumerate().filter(|(_, &l)| l as usize % nt == 0).map(|(i, &l)| (i, l)).collect()
+        self.ctx.active.iter().enumerate().filter(|(_, &l)| (l as usize).is_multiple_of(nt)).map(|(i, &l)| (i, l)).collect()
     }
 
     fn barrier(&mut self, b: &CBarrier) -> Result<()> {
@@ -1214,7 +1214,15 @@ impl Exec<'_, '_> {
                 let src: Vec<i64> = (0..elems).map(|j| vals[1].at(i) + j).collect();
                 let col = self.mem.read(&self.ctx, self.kname, b.src, &vec![l; elems as usize], &Reg::V(src))?;
                 self.stats.thread_instructions += elems as u64;
-                self.mem.bulk_write(&self.ctx, self.kname, out_tv, l, vals[0].at(i), &col.convert(dt), (b.array, key.2, phase))?;
+                self.mem.bulk_write(
+                    &self.ctx,
+                    self.kname,
+                    out_tv,
+                    l,
+                    vals[0].at(i),
+                    &col.convert(dt),
+                    (b.array, key.2, phase),
+                )?;
             }
             // arrive.expect_tx with the copy's bytes; the copy engine counts them off.
             let bytes = elems * dt.size_bytes() as i64;

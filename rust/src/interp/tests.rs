@@ -352,3 +352,100 @@ fn a_dropped_accumulator_reduction_leaves_the_output_unwritten() {
     let e = execute(&k, vec![input(x, vec![3, 100])]).unwrap_err();
     assert!(e.message.contains("T1") && e.message.contains("never written"), "{e}");
 }
+
+/// y = neg(x) over rows streamed through a 3-stage circular buffer of bulk copies of 32
+/// floats (prefetch 2); y runs a tile on 32 threads.
+fn bulk_pipeline() -> Fusion {
+    let mut f = Fusion::new();
+    let x = f.define_tensor(&[-1, -1], DataType::Float, None).unwrap();
+    let y = f.unary(UnaryOp::Neg, Operand::Tensor(x)).unwrap();
+    f.add_output(y).unwrap();
+    let c = f.cache_after(x).unwrap();
+    f.set_memory_type(c, MemoryType::Shared).unwrap();
+    for tv in [c, y] {
+        f.split(tv, 1, 32, true).unwrap();
+        f.parallelize(tv, 0, ParallelType::BIDx).unwrap();
+    }
+    f.parallelize(c, 2, ParallelType::Bulk).unwrap();
+    f.parallelize(y, 2, ParallelType::TIDx).unwrap();
+    f.inline_at(c, 2).unwrap();
+    f.circular_buffer(c, 3, None).unwrap();
+    f
+}
+
+fn bulk_args() -> (Vec<f32>, Vec<HostValue>) {
+    let x = f32s(2 * 200);
+    (x.clone(), vec![input(x, vec![2, 200])])
+}
+
+/// Apply `edit` to every node of `body` (and their children).
+fn edit_all(body: &mut [Node], edit: &mut dyn FnMut(&mut Node)) {
+    for n in body.iter_mut() {
+        edit(n);
+        for b in n.bodies_mut() {
+            edit_all(b, edit);
+        }
+    }
+}
+
+#[test]
+fn bulk_pipeline_matches_and_planted_barrier_bugs_are_caught() {
+    use crate::kernel::{BarrierOp, PipelinePart};
+    let k = lower(&bulk_pipeline()).unwrap();
+    let (x, args) = bulk_args();
+    let want: Vec<f32> = x.iter().map(|v| -v).collect();
+    close(&out_f32(&execute(&k, args).unwrap()[0]), &want);
+
+    // The issuer refills a stage without waiting for its readers (write-after-read).
+    let mut bad = k.clone();
+    edit_all(&mut bad.body, &mut |n| {
+        if let Node::BulkLoad(b) = n {
+            b.reuse = None;
+        }
+    });
+    let e = execute(&bad, bulk_args().1).unwrap_err();
+    assert!(e.message.contains("the bulk copy into T2 (stage 0) overwrites index 0"), "{e}");
+    assert!(e.message.contains("write-after-read"), "{e}");
+
+    // The readers do not wait for the bytes of their stage (read-after-write).
+    let mut bad = k.clone();
+    let mut in_main = false;
+    edit_all(&mut bad.body, &mut |n| {
+        if let Node::Loop(l) = n {
+            in_main = l.pipeline == Some(PipelinePart::Main);
+            if in_main {
+                l.body.retain(|c| !matches!(c, Node::Barrier(BarrierOp::Wait { .. })));
+            }
+        }
+    });
+    let e = execute(&bad, bulk_args().1).unwrap_err();
+    assert!(e.message.contains("read of T2 (stage 0) at index 0 before the bulk copy that wrote it completed"), "{e}");
+    assert!(e.message.contains("mbarrier mbar0[0]"), "{e}");
+
+    // A wait for the wrong phase never completes.
+    let mut bad = k.clone();
+    let one = bad.fusion.scalars.int(1);
+    let mut done = false;
+    edit_all(&mut bad.body, &mut |n| {
+        if let Node::Barrier(BarrierOp::Wait { parity, .. }) = n {
+            if !done {
+                *parity = one;
+                done = true;
+            }
+        }
+    });
+    let e = execute(&bad, bulk_args().1).unwrap_err();
+    assert!(e.message.contains("can never complete"), "{e}");
+    assert!(e.message.contains("read-after-write of T2 stage 0"), "{e}");
+
+    // Barriers set up twice without being retired.
+    let mut bad = k.clone();
+    let init = bad.body.iter().position(|n| matches!(n, Node::Loop(_))).unwrap();
+    if let Node::Loop(l) = &mut bad.body[init] {
+        let inner = l.body.iter().position(|n| matches!(n, Node::Loop(_))).unwrap();
+        let first = l.body[inner].clone();
+        l.body.insert(inner, first);
+    }
+    let e = execute(&bad, bulk_args().1).unwrap_err();
+    assert!(e.message.contains("is initialised again before it was invalidated"), "{e}");
+}

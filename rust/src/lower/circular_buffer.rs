@@ -168,7 +168,8 @@ fn check_bulk(f: &Fusion, lg: &LoopGraph) -> Result<()> {
                     pt.enum_name()
                 );
             }
-            let takes_room = f.ids[id].iter_type != IterType::Broadcast && f.scalars.as_int(f.ids[id].extent) != Some(1);
+            let takes_room =
+                f.ids[id].iter_type != IterType::Broadcast && f.scalars.as_int(f.ids[id].extent) != Some(1);
             if a >= t.inline_pos && a != axis && takes_room {
                 bail!(
                     "{what}: {name} axis {a} ({}) is also right of its inline position {}; a bulk copy moves one contiguous run (a box of several axes needs a tensor map, which kiln does not build): inline {name} up to its Bulk axis",
@@ -218,9 +219,10 @@ fn pipelines(f: &Fusion, lg: &LoopGraph) -> Vec<(LoopGroup, CircularBuffer, Vec<
     out
 }
 
-/// True when `tv` is circular-buffered in this kernel (`syncs` leaves its barriers here).
+/// True when this pass orders `tv`'s accesses (a circular-buffered or bulk-copied Shared
+/// tensor): `syncs` leaves its barriers here.
 pub fn is_pipelined(f: &Fusion, tv: TvId) -> bool {
-    f.tvs[tv].circular_buffer.is_some() && f.tvs[tv].memory == MemoryType::Shared
+    f.tvs[tv].memory == MemoryType::Shared && (f.tvs[tv].circular_buffer.is_some() || bulk_axis(f, tv).is_some())
 }
 
 fn contains_def(f: &Fusion, n: &Node, tvs: &[TvId]) -> bool {
@@ -531,12 +533,14 @@ pub fn run(
     Ok(())
 }
 
-/// A bulk copy outside a pipeline: one barrier, initialised before the copy (after a
-/// barrier, when a serial loop around it runs it again and slow readers of the last copy
-/// may remain) and invalidated once every thread has waited on it.
+/// A bulk copy outside a pipeline: one barrier, initialised at the top of the kernel and
+/// invalidated at its end (seed 000: initialised before the load, invalidated after it).
+/// Each run of the copy completes one phase, so a wait's parity is the number of runs
+/// before it (the enclosing serial loops' iterations, linearised) modulo two; a barrier
+/// before the copy lets slow readers of the last run finish (write-after-read).
 fn single_bulk_copy(f: &mut Fusion, body: &mut Vec<Node>, tv: TvId, array: u32) -> Result<()> {
-    // Path to the Bulk loop holding tv's copy.
-    fn find(f: &Fusion, nodes: &[Node], tv: TvId, path: &mut Vec<usize>, serial: &mut bool) -> bool {
+    // Path to the Bulk loop holding tv's copy, and the serial loops around it.
+    fn find(f: &Fusion, nodes: &[Node], tv: TvId, path: &mut Vec<usize>, serial: &mut Vec<(ValId, ValId)>) -> bool {
         for (i, n) in nodes.iter().enumerate() {
             let Node::Loop(l) = n else { continue };
             if !contains_def(f, n, &[tv]) {
@@ -546,17 +550,21 @@ fn single_bulk_copy(f: &mut Fusion, body: &mut Vec<Node>, tv: TvId, array: u32) 
             if l.parallel == ParallelType::Bulk {
                 return true;
             }
-            let was = *serial;
-            *serial |= !l.parallel.is_thread_or_block();
+            let real = !l.parallel.is_thread_or_block();
+            if real {
+                serial.push((l.index, l.extent));
+            }
             if find(f, &l.body, tv, path, serial) {
                 return true;
             }
-            *serial = was;
+            if real {
+                serial.pop();
+            }
             path.pop();
         }
         false
     }
-    let (mut path, mut serial) = (Vec::new(), false);
+    let (mut path, mut serial) = (Vec::new(), Vec::new());
     if !find(f, body, tv, &mut path, &mut serial) {
         bail_internal!("the Bulk loop of {} is not in the kernel", f.tv_name(tv));
     }
@@ -564,24 +572,32 @@ fn single_bulk_copy(f: &mut Fusion, body: &mut Vec<Node>, tv: TvId, array: u32) 
     let at = at[0];
     let zero = f.scalars.int(0);
     let bar = BarrierRef { array, index: zero };
+    let mut runs = zero;
+    for &(index, extent) in &serial {
+        let scaled = f.scalars.mul(runs, extent);
+        runs = f.scalars.add(scaled, index);
+    }
+    let two = f.scalars.int(2);
+    let parity = f.scalars.binary(ScalarOp::Mod, runs, two);
     let list = list_at(body, outer);
     let mut copy = vec![list.remove(at)];
     to_bulk(f, &mut copy, bar)?;
-    let one = f.scalars.int(1);
     let mut nodes = Vec::new();
-    if serial {
+    if !serial.is_empty() {
         nodes.push(Node::Sync(SyncKind::War));
     }
-    nodes.push(Node::Barrier(BarrierOp::Init { bar, arrivals: one }));
-    nodes.push(Node::Sync(SyncKind::Raw));
     nodes.extend(copy);
-    nodes.push(Node::Barrier(BarrierOp::Wait { bar, parity: zero }));
-    nodes.push(Node::Sync(SyncKind::Raw));
-    nodes.push(Node::Barrier(BarrierOp::Inval { bar }));
+    nodes.push(Node::Barrier(BarrierOp::Wait { bar, parity }));
     let list = list_at(body, outer);
     for (k, n) in nodes.into_iter().enumerate() {
         list.insert(at + k, n);
     }
+    let one = f.scalars.int(1);
+    let top = body.iter().take_while(|n| matches!(n, Node::Alloc(_))).count();
+    body.insert(top, Node::Barrier(BarrierOp::Init { bar, arrivals: one }));
+    body.insert(top + 1, Node::Sync(SyncKind::Raw));
+    body.push(Node::Sync(SyncKind::Raw));
+    body.push(Node::Barrier(BarrierOp::Inval { bar }));
     Ok(())
 }
 
@@ -609,7 +625,10 @@ fn pipeline(
             _ => None,
         });
         let Some(shape) = alloc.filter(|s| s.len() >= 2 && f.scalars.as_int(s[0]) == Some(stages)) else {
-            bail_internal!("circular buffer {}: no Allocate with {stages} stages at the top of the kernel", f.tv_name(tv));
+            bail_internal!(
+                "circular buffer {}: no Allocate with {stages} stages at the top of the kernel",
+                f.tv_name(tv)
+            );
         };
         let size = f.scalars.product(shape[1..].iter().copied());
         sized.push((tv, size));
