@@ -29,7 +29,7 @@ def main() -> int:
         ok = all(np.allclose(cp.asnumpy(o), r, rtol=1e-5, atol=1e-4) for o, r in zip(outs, refs))
         bad += not ok
         print(f"{sc.name:32s} {'ok' if ok else 'MISMATCH'}")
-    return bad + auto_schedules() + model_families()
+    return bad + auto_schedules() + model_families() + circular_buffers()
 
 
 def auto_schedules() -> int:
@@ -88,6 +88,24 @@ def model_families() -> int:
         print(f"{name:32s} {'ok' if ok else 'MISMATCH'}")
     return bad
 
+
+def circular_buffers() -> int:
+    """The circular-buffer schedules (block barriers, and bulk copies with mbarriers), at
+    sizes with partial tiles and rows that take the bulk copy's element-loop fallback."""
+    import test_circular_buffer as cb  # noqa: PLC0415
+
+    bad = 0
+    for kind, stages, prefetch, cross in cb.GPU_CASES:
+        build = cb.bulk_exp if kind == "bulk" else cb.streamed_exp
+        for m, n in [(3, 33), (4, 4096), (3, 301)]:
+            fd, _, _ = build(stages, prefetch, cross=cross, tile=64)
+            x = cb.rand(m, n, seed=n)
+            name = f"circular {kind} {stages}/{prefetch}{' cross' if cross else ''} {m}x{n}"
+            got = cp.asnumpy(fd.execute([cp.asarray(x)])[0])
+            ok = bool(np.allclose(got, cb.exp64(x), rtol=1e-6, atol=1e-6))
+            bad += not ok
+            print(f"{name:32s} {'ok' if ok else 'MISMATCH'}")
+    return bad
 
 if __name__ == "__main__":
     sys.exit(main())

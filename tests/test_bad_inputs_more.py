@@ -2118,11 +2118,14 @@ def test_streaming_load_without_a_vector_is_refused_at_lower() -> None:
 
 
 @pytest.mark.parametrize("who", ["cache", "output"])
-def test_circular_buffering_is_refused_at_lower(who: str) -> None:
+def test_circular_buffering_outside_shared_memory_is_refused_at_lower(who: str) -> None:
+    # A Local cache and a Global output: only a Shared copy is circular-buffered.
     fd, x, y, z = _chain((8, 16))
     t = x.cache_after() if who == "cache" else z
     t.circular_buffer(2)
-    expect(lambda: fd.lower([rnd(8, 16)]), KilnError, tv(3 if who == "cache" else 2), r"circular buffer")
+    mem = "Local" if who == "cache" else "Global"
+    expect(lambda: fd.lower([rnd(8, 16)]), KilnError, tv(3 if who == "cache" else 2),
+           rf"is in {mem} memory; only a Shared copy is circular-buffered")
 
 
 def test_segment_after_an_input() -> None:

@@ -50,7 +50,8 @@ def streamed_exp(stages: int, prefetch: Optional[int] = None, tile: int = 32, cr
     return fd, c, y
 
 
-def streamed_row_sum(stages: int, prefetch: Optional[int] = None, tile: int = 32) -> Tuple[FusionDefinition, Any, Any]:
+def streamed_row_sum(stages: int, prefetch: Optional[int] = None,
+                     tile: int = 32) -> Tuple[FusionDefinition, Any, Any]:
     """``s = sum(x, 1)``: the row's tiles are the pipelined loop and a block reduction
     over the tile combines the threads' register partials after it."""
     with FusionDefinition() as fd:
@@ -92,7 +93,7 @@ def test_loads_go_to_the_stage_of_their_iteration():
     ir = fd.lower([rand(2, 300)]).kernels[0].kernel_ir
     # The main loop loads iteration i + 2 into stage (i + 2) % 4 and reads stage i % 4.
     assert re.search(rf"{c.name} = set\(T0\)  @ \[threadIdx.x \+ \(idx\d+ \+ 2\) % 4 \* 32\]", ir), ir
-    assert re.search(rf"<- \[threadIdx.x \+ idx\d+ % 4 \* 32\]", ir), ir
+    assert re.search(r"<- \[threadIdx.x \+ idx\d+ % 4 \* 32\]", ir), ir
 
 
 def test_threads_reading_their_own_loads_need_no_barrier():
@@ -141,7 +142,8 @@ def test_streamed_row_sum_matches_numpy(stages: int, prefetch: int):
     fd, _, _ = streamed_row_sum(stages, prefetch)
     for m, n in [(3, 1), (2, 33), (4, 500), (1, 2049)]:
         x = rand(m, n, seed=n)
-        np.testing.assert_allclose(fd.execute([x])[0], x.astype(np.float64).sum(1), rtol=1e-5, atol=1e-5)
+        want = x.astype(np.float64).sum(1)
+        np.testing.assert_allclose(fd.execute([x])[0], want, rtol=1e-5, atol=1e-5)
 
 
 def test_static_sizes_fold_the_three_loops():
@@ -177,7 +179,8 @@ def test_stage_and_prefetch_counts_are_checked_when_set():
 def test_a_local_copy_is_refused():
     fd, c, _ = streamed_exp(2)
     c.set_memory_type(MemoryType.Local)
-    with pytest.raises(KilnError, match=rf"{c.name} is in Local memory; only a Shared copy is circular-buffered"):
+    with pytest.raises(KilnError, match=rf"{c.name} is in Local memory; only a Shared copy is "
+                                        r"circular-buffered"):
         fd.lower([rand(2, 64)])
 
 
@@ -266,8 +269,8 @@ def test_bulk_pipeline_allocates_read_and_reuse_barriers_around_the_loops():
     assert init, ir
     inval = re.search(r"FOR (idx\d+) in .*// 6 iterations\n\s+MBARRIER_INVAL mbar0\[\1\]", ir)
     assert inval, ir
-    order = [ir.index(s) for s in ("MBARRIER_INIT", "pipelined prologue", "pipelined main", "pipelined epilogue",
-                                   "MBARRIER_INVAL")]
+    marks = ("MBARRIER_INIT", "pipelined prologue", "pipelined main", "pipelined epilogue", "MBARRIER_INVAL")
+    order = [ir.index(s) for s in marks]
     assert order == sorted(order)
     main = ir[ir.index("pipelined main"):ir.index("pipelined epilogue")]
     # The issuer waits for the readers of the stage it refills; everyone waits for its bytes.
@@ -326,7 +329,8 @@ def test_bulk_row_sum_matches_numpy():
     c.circular_buffer(4, 2)
     for m, n in [(3, 1), (2, 65), (4, 500), (1, 2049)]:
         x_ = rand(m, n, seed=n)
-        np.testing.assert_allclose(fd.execute([x_])[0], x_.astype(np.float64).sum(1), rtol=1e-5, atol=1e-5)
+        want = x_.astype(np.float64).sum(1)
+        np.testing.assert_allclose(fd.execute([x_])[0], want, rtol=1e-5, atol=1e-5)
 
 
 def test_bulk_axis_rules_when_parallelized():
@@ -338,7 +342,8 @@ def test_bulk_axis_rules_when_parallelized():
     c.split(1, 3)
     with pytest.raises(KilnError, match=rf"parallelize {c.name}: axis 1: Bulk must be on the innermost axis"):
         c.axis(1).parallelize(ParallelType.Bulk)
-    with pytest.raises(KilnError, match=r"axis 2 has extent 3 \(12 bytes of float\); a Bulk copy moves a multiple of 16"):
+    with pytest.raises(KilnError, match=r"axis 2 has extent 3 \(12 bytes of float\); "
+                                        r"a Bulk copy moves a multiple of 16"):
         c.axis(2).parallelize(ParallelType.Bulk)
     c2 = y.cache_before()
     with pytest.raises(KilnError, match=r"symbolic extent i1; a Bulk box has a constant size"):
@@ -380,14 +385,14 @@ def test_a_bulk_copy_of_a_strided_walk_is_refused():
     c.axis(2).parallelize(ParallelType.Bulk)
     y.axis(2).parallelize(ParallelType.TIDx)
     c.inline_at(2)
-    with pytest.raises(KilnError, match=r"T2 axis 2 \(Bulk\): a bulk copy moves one contiguous run of T0, but the "
-                                        r"Bulk axis does not walk T0's elements one by one"):
+    with pytest.raises(KilnError, match=r"T2 axis 2 \(Bulk\): a bulk copy moves one contiguous run of T0, "
+                                        r"but the Bulk axis does not walk T0's elements one by one"):
         fd.lower([rand(64, 40)])
 
 
 # -- on the GPU ---------------------------------------------------------------------------------
-GPU_CASES = [("plain", 3, None, False), ("plain", 4, 2, True), ("bulk", None, None, False), ("bulk", 2, 1, True),
-             ("bulk", 3, None, False), ("bulk", 4, 2, True), ("bulk", 4, 3, False)]
+GPU_CASES = [("plain", 3, None, False), ("plain", 4, 2, True), ("bulk", None, None, False),
+             ("bulk", 2, 1, True), ("bulk", 3, None, False), ("bulk", 4, 2, True), ("bulk", 4, 3, False)]
 
 
 @pytest.mark.gpu

@@ -1434,8 +1434,7 @@ KILN_DEVICE void mbarrierWait(uint64_t* bar, unsigned parity) {
 template <typename T>
 KILN_DEVICE void bulkLoad(T* dst, const T* src, unsigned elems, uint64_t* bar) {
   const unsigned bytes = elems * static_cast<unsigned>(sizeof(T));
-  const bool aligned = (reinterpret_cast<unsigned long long>(dst) % 16 == 0) &&
-                       (reinterpret_cast<unsigned long long>(src) % 16 == 0) && bytes % 16 == 0;
+  const bool aligned = smemAddress(dst) % 16 == 0 && reinterpret_cast<size_t>(src) % 16 == 0 && bytes % 16 == 0;
   if (aligned && bytes > 0) {
     mbarrierArriveExpectTx(bar, bytes);
     asm volatile(

@@ -1,0 +1,550 @@
+"""Property test of circular buffering (rule 9 of the allocation seed) and bulk copies: random
+programs that stream a fusion input through a circular-buffered Shared copy, under random
+schedules, run in the CPU interpreter (which checks bounds, uninitialised reads, Shared-memory
+races and the mbarrier protocol) against NumPy in float64.
+
+Programs: ``x`` of shape ``[m, n]`` or ``[b, m, n]`` (float32, symbolic or static sizes), a chain
+of 0-3 element-wise ops on it (exp, neg, abs, tanh, sigmoid, multiplication by a constant, the
+addition of a second input broadcast along the rows ``[n]`` or along the columns ``[m]`` /
+``[b, m]``), ending as an element-wise output, a reduction of the last axis (sum or max), or
+both (the reduction reads the element-wise output).
+
+Schedules: the copy ``c = x.cache_after()`` in Shared memory and every output split by a tile of
+16, 32, 64 or 128 along the last axis; the leading axes on blocks (BIDx, BIDy), as serial loops
+around the pipeline, or merged first; ``c`` inlined at the tile loop and circular-buffered with
+2-4 stages and a prefetch of 1 to ``stages - 1`` (or the default). The copy is plain (the tile on
+TIDx, or split so each thread copies 2 or 4 elements, consecutive or strided) or one Bulk copy
+per tile; each output reads the tile on TIDx with the copy's mapping or another one (split by 2
+or 4, inner or outer), so threads read what others loaded. The intermediates are left to the
+automatic propagation. Sizes: ``m`` in 1..5, ``b`` in 1..3, ``n`` in 1..700, drawn around the
+tile and the prefetch distance (a partial tile, fewer tiles than the prefetch, ``n == 1``).
+
+Every example must be ``ok`` (outputs within tolerance of the reference) or ``refused`` with a
+``KilnError`` that a documented rule explains (``expected_refusal``: the only one such schedules
+can hit is a static row of one tile, whose tile loop is trivial, so there is no serial loop to
+pipeline); anything else (an unexplained refusal, a mismatch, an interpreter error, an internal
+error) fails with a runnable repro. The kernels of every ``COMPILE_EVERY``-th accepted example
+are also compiled with NVRTC by conftest.
+
+``python tests/test_circular_buffer_random.py N [--seed S]`` draws N fresh examples and prints
+the counts per category and a repro per failure kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kiln import FusionDefinition, KilnError, MemoryType, ParallelType
+
+N_EXAMPLES = int(os.environ.get("KILN_CB_EXAMPLES", "120"))
+# The kernels of every N-th accepted example are compiled with NVRTC by conftest (0: none).
+COMPILE_EVERY = int(os.environ.get("KILN_CB_COMPILE_EVERY", "8"))
+TILES = [16, 32, 64, 128]
+OUTER = {2: ["bx", "bx", "serial"],
+         3: ["by_bx", "bx_serial", "serial_bx", "serial", "merge_bx", "merge_serial"]}
+UNARY = ["exp", "neg", "abs", "tanh", "sigmoid"]
+CONSTS = [2.0, -0.5, 3.0, -1.25]
+EXP_BOUND = 20.0  # exp of a value that may exceed this is drawn as sigmoid (no float overflow)
+CATEGORIES = ["ok", "refused", "unexplained", "mismatch", "memfault", "internal"]
+FAILURES = ("unexplained", "mismatch", "memfault", "internal")
+
+_REF_UNARY = {"exp": np.exp, "neg": np.negative, "abs": np.abs, "tanh": np.tanh,
+              "sigmoid": lambda v: 1 / (1 + np.exp(-v))}
+_MEMFAULT = re.compile(r"out-of-bounds|out of bounds|race|uninitiali[sz]ed|never written|mbarrier|"
+                       r"write-after-read|before the bulk copy|divergent barrier|can never complete", re.I)
+_INTERNAL = re.compile(r"internal compiler error|\bpanic", re.I)
+
+
+# -- drawing -----------------------------------------------------------------------------------
+class RandomDraw:
+    """Draws from a ``random.Random`` (the explorer)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+
+    def int(self, lo: int, hi: int) -> int:
+        return self.rng.randint(lo, hi)
+
+    def choice(self, seq: Sequence[Any]) -> Any:
+        return seq[self.rng.randrange(len(seq))]
+
+    def bool(self, p: float = 0.5) -> bool:
+        return self.rng.random() < p
+
+
+class HypothesisDraw:
+    """The same interface drawing from hypothesis (so failing examples shrink)."""
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+
+    def int(self, lo: int, hi: int) -> int:
+        return self.data.draw(st.integers(lo, hi))
+
+    def choice(self, seq: Sequence[Any]) -> Any:
+        return seq[self.data.draw(st.integers(0, len(seq) - 1))]
+
+    def bool(self, p: float = 0.5) -> bool:
+        return self.data.draw(st.integers(0, 999)) < int(1000 * p)
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """How a tensor runs a tile: ``None`` kind is one Bulk copy; otherwise the tile split by
+    ``split`` (1: not split), TIDx on ``tile / split`` threads each taking ``split`` consecutive
+    elements (``inner``) or on ``tile / split`` threads taking elements ``tile / split`` apart."""
+
+    bulk: bool = False
+    split: int = 1
+    inner: bool = True
+
+
+@dataclass
+class Case:
+    """A program, its schedule and the sizes it runs at, as plain data."""
+
+    rank: int  # 2: x is [m, n]; 3: [b, m, n]
+    outer: str  # how the leading axes run (OUTER)
+    ops: List[Tuple[str, Any]]  # ("unary", name) | ("mul", const) | ("addrow",) | ("addcol",)
+    out: str  # "pointwise" | "reduce" | "both"
+    reduce_op: str  # "sum" | "max"
+    tile: int
+    stages: int
+    prefetch: Optional[int]  # None: the default (stages - 1)
+    copy: Mapping
+    read_y: Mapping  # the element-wise output's mapping
+    read_s: Mapping  # the reduction's mapping
+    static: bool
+    sizes: List[Tuple[int, ...]]  # x's shapes, one run each
+    seed: int = 0
+    notes: List[str] = field(default_factory=list)
+
+
+def _mapping(d: Any, tile: int, copy: bool, like: Optional[Mapping] = None) -> Mapping:
+    if like is not None and d.bool(0.4):
+        return like
+    if copy and d.bool(0.4):
+        return Mapping(bulk=True)
+    split = d.choice([1, 1, 2, 4]) if copy else d.choice([1, 2, 2, 4])
+    return Mapping(split=split, inner=d.bool(0.6) if split > 1 else True)
+
+
+def _extent(d: Any, tile: int, prefetch: int, stages: int, lo: int = 1) -> int:
+    n = d.choice([1, 2, tile - 1, tile, tile + 1, tile * prefetch - 1, tile * prefetch + 1,
+                  tile * (stages + 1) + 3, d.int(1, 700), d.int(1, 700)])
+    return min(max(n, lo), 700)
+
+
+def gen_case(d: Any) -> Case:
+    rank = d.choice([2, 2, 3])
+    outer = d.choice(OUTER[rank])
+    ops: List[Tuple[str, Any]] = []
+    out = d.choice(["pointwise", "reduce", "both"])
+    for _ in range(d.int(0 if out == "reduce" else 1, 3)):
+        kind = d.choice(["unary", "unary", "unary", "mul", "addrow", "addcol"])
+        if kind == "unary":
+            ops.append(("unary", d.choice(UNARY)))
+        elif kind == "mul":
+            ops.append(("mul", d.choice(CONSTS)))
+        else:
+            ops.append((kind, None))
+    tile = d.choice(TILES)
+    stages = d.int(2, 4)
+    prefetch = None if d.bool(0.3) else d.int(1, stages - 1)
+    copy = _mapping(d, tile, copy=True)
+    read_y = _mapping(d, tile, copy=False, like=None if copy.bulk else copy)
+    read_s = read_y if d.bool(0.6) else _mapping(d, tile, copy=False)
+    static = d.bool(0.2)
+    p = prefetch if prefetch is not None else stages - 1
+    runs = 1 if static else d.int(1, 3)
+    lo = 2 if static else 1  # a static extent of one is a broadcast axis
+    sizes = []
+    for _ in range(runs):
+        n = _extent(d, tile, p, stages, lo)
+        m = d.int(lo, 5)
+        sizes.append((d.int(lo, 3), m, n) if rank == 3 else (m, n))
+    return Case(rank, outer, ops, out, d.choice(["sum", "max"]), tile, stages, prefetch, copy,
+                read_y, read_s, static, sizes, seed=d.int(0, 2 ** 16))
+
+
+def cases() -> Any:
+    """Hypothesis strategy of cases."""
+    return st.data().map(lambda data: gen_case(HypothesisDraw(data)))
+
+
+# -- building the program as source lines -----------------------------------------------------
+@dataclass
+class Program:
+    lines: List[str]  # definition and schedule, runnable after the imports
+    outputs: List[str]  # which reference each output is: "y" or "s"
+    extra_inputs: List[str]  # "row" ([n]) | "col" ([m] or [b, m])
+
+
+def _exp_safe(ops: List[Tuple[str, Any]]) -> List[Tuple[str, Any]]:
+    """``ops`` with exp replaced by sigmoid where its operand may exceed ``EXP_BOUND``."""
+    bound, safe = 1.0, []
+    for op in ops:
+        if op == ("unary", "exp") and bound > EXP_BOUND:
+            op = ("unary", "sigmoid")
+        safe.append(op)
+        if op[0] == "unary":
+            bound = {"exp": float(np.exp(bound)), "tanh": 1.0, "sigmoid": 1.0}.get(op[1], bound)
+        elif op[0] == "mul":
+            bound *= abs(op[1])
+        else:
+            bound += 1.0
+    return safe
+
+
+def _shape(case: Case, dims: Sequence[int], size: Tuple[int, ...]) -> List[int]:
+    return [size[a] if case.static else -1 for a in dims]
+
+
+def _schedule_tile(lines: List[str], t: str, m: Mapping, axis: int) -> None:
+    """Map tile axis ``axis`` of ``t`` as ``m`` says."""
+    if m.bulk:
+        lines.append(f"{t}.axis({axis}).parallelize(P.Bulk)")
+    elif m.split == 1:
+        lines.append(f"{t}.axis({axis}).parallelize(P.TIDx)")
+    elif m.inner:
+        lines.append(f"{t}.split({axis}, {m.split})")
+        lines.append(f"{t}.axis({axis}).parallelize(P.TIDx)")
+    else:
+        lines.append(f"{t}.split({axis}, {m.split}, inner_split=False)")
+        lines.append(f"{t}.axis({axis + 1}).parallelize(P.TIDx)")
+
+
+def program(case: Case) -> Program:
+    r, size = case.rank, case.sizes[0]
+    last = r - 1
+    lines = ["with FusionDefinition() as fd:",
+             f"    x = fd.define_tensor({_shape(case, range(r), size)})"]
+    extra: List[str] = []
+    v, k = "x", 0
+    for op in _exp_safe(case.ops):
+        k += 1
+        if op[0] == "unary":
+            expr = f"fd.ops.{op[1]}({v})"
+        elif op[0] == "mul":
+            expr = f"fd.ops.mul({v}, {op[1]})"
+        elif op[0] == "addrow":
+            name = f"w{len(extra)}"
+            extra.append("row")
+            lines.append(f"    {name} = fd.define_tensor({_shape(case, [last], size)})")
+            expr = (f"fd.ops.add({v}, fd.ops.broadcast_in_dim({name}, shape={_shape(case, range(r), size)}, "
+                    f"broadcast_dims=[{last}]))")
+        else:
+            name = f"w{len(extra)}"
+            extra.append("col")
+            lines.append(f"    {name} = fd.define_tensor({_shape(case, range(last), size)})")
+            expr = (f"fd.ops.add({v}, fd.ops.broadcast_in_dim({name}, shape={_shape(case, range(r), size)}, "
+                    f"broadcast_dims={list(range(last))}))")
+        lines.append(f"    t{k} = {expr}")
+        v = f"t{k}"
+    outputs, scheduled = [], []
+    if case.out in ("pointwise", "both"):
+        lines.append(f"    y = {v}")
+        lines.append("    fd.add_output(y)")
+        outputs.append("y")
+        scheduled.append(("y", case.read_y))
+    if case.out in ("reduce", "both"):
+        lines.append(f"    s = fd.ops.{case.reduce_op}({v}, dims=[{last}])")
+        lines.append("    fd.add_output(s)")
+        outputs.append("s")
+        scheduled.append(("s", case.read_s))
+    lines += ["c = x.cache_after()", "c.set_memory_type(M.Shared)"]
+    merge = case.outer.startswith("merge")
+    tiles = 1 if merge else last  # the tile loop's axis, after the split
+    blocks = {"bx": {0: "BIDx"}, "by_bx": {0: "BIDy", 1: "BIDx"}, "bx_serial": {0: "BIDx"},
+              "serial_bx": {1: "BIDx"}, "merge_bx": {0: "BIDx"}}.get(case.outer, {})
+    for t, m in [("c", case.copy)] + scheduled:
+        if merge:
+            lines.append(f"{t}.merge(0)")
+        lines.append(f"{t}.split({tiles}, {case.tile})")
+        for a, pt in blocks.items():
+            lines.append(f"{t}.axis({a}).parallelize(P.{pt})")
+        _schedule_tile(lines, t, m, tiles + 1)
+    lines.append(f"c.inline_at({tiles + 1})")
+    pf = "" if case.prefetch is None else f", {case.prefetch}"
+    lines.append(f"c.circular_buffer({case.stages}{pf})")
+    return Program(lines, outputs, extra)
+
+
+def inputs(case: Case, prog: Program, size: Tuple[int, ...], seed: int) -> List[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    arrays = [rng.uniform(-1, 1, size).astype(np.float32)]
+    for kind in prog.extra_inputs:
+        shape = size[-1:] if kind == "row" else size[:-1]
+        arrays.append(rng.uniform(-1, 1, shape).astype(np.float32))
+    return arrays
+
+
+def reference(case: Case, arrays: List[np.ndarray]) -> Dict[str, Tuple[np.ndarray, np.ndarray]]:
+    """Each output's float64 value and its absolute tolerance (per element)."""
+    v = arrays[0].astype(np.float64)
+    scale = np.abs(v)  # the largest magnitude each element's value went through
+    extra = iter(arrays[1:])
+    for op in _exp_safe(case.ops):
+        if op[0] == "unary":
+            v = _REF_UNARY[op[1]](v)
+        elif op[0] == "mul":
+            v = v * op[1]
+        elif op[0] == "addrow":
+            v = v + next(extra).astype(np.float64)
+        else:
+            v = v + next(extra).astype(np.float64)[..., None]
+        scale = np.maximum(scale * (np.abs(op[1]) if op[0] == "mul" else 1), np.abs(v))
+    out: Dict[str, Tuple[np.ndarray, np.ndarray]] = {"y": (v, 1e-6 * (1 + scale) + 1e-5 * np.abs(v))}
+    if case.reduce_op == "sum":
+        s = v.sum(-1)
+        out["s"] = (s, 1e-5 * (1 + np.abs(v).sum(-1) + scale.max(-1)))
+    else:
+        s = v.max(-1)
+        out["s"] = (s, 1e-6 * (1 + scale.max(-1)) + 1e-5 * np.abs(s))
+    return out
+
+
+def expected_refusal(case: Case, size: Tuple[int, ...]) -> Optional[str]:
+    """The pattern of the refusal a documented rule gives this schedule, or None.
+
+    Rule 9 needs "a serial, non-trivial loop left of the inline position": with a static row
+    of at most one tile, the tile loop has one iteration and is folded away."""
+    if case.static and size[-1] <= case.tile:
+        return r"no serial loop to pipeline"
+    return None
+
+
+# -- running and classifying --------------------------------------------------------------------
+@dataclass
+class Outcome:
+    category: str
+    message: str = ""
+    key: str = ""
+    size: Optional[Tuple[int, ...]] = None
+    kernels: list = field(default_factory=list)
+
+
+def normalize(msg: str) -> str:
+    """The message's first line with tensor names and numbers stripped (for grouping)."""
+    m = msg.splitlines()[0] if msg else ""
+    m = re.sub(r"\bT\d+\b", "T#", m)
+    m = re.sub(r"\bkernel\d+\b", "kernel#", m)
+    m = re.sub(r"\[[^\]]*\]", "[..]", m)
+    m = re.sub(r"-?\d+", "#", m)
+    return m[:160]
+
+
+def _namespace() -> Dict[str, Any]:
+    return {"FusionDefinition": FusionDefinition, "M": MemoryType, "P": ParallelType}
+
+
+def _error(e: BaseException, case: Case, size: Tuple[int, ...], where: str) -> Outcome:
+    msg = f"{where}: {type(e).__name__}: {e}"
+    if not isinstance(e, KilnError) or _INTERNAL.search(str(e)):
+        return Outcome("internal", msg, normalize(str(e)), size)
+    want = expected_refusal(case, size)
+    if want is not None and where != "execute" and re.search(want, str(e)):
+        return Outcome("refused", msg, normalize(str(e)), size)
+    if _MEMFAULT.search(str(e)):
+        return Outcome("memfault", msg, normalize(str(e)), size)
+    return Outcome("unexplained", msg, normalize(str(e)), size)
+
+
+def run_case(case: Case) -> Outcome:
+    """Build ``case``, run it at each of its sizes; the first thing that is not ok."""
+    prog = program(case)
+    kernels: list = []
+    ns = _namespace()
+    try:
+        exec("\n".join(prog.lines), ns)
+    except Exception as e:  # noqa: BLE001 - every failure of the compiler is classified
+        return _error(e, case, case.sizes[0], "schedule")
+    fd = ns["fd"]
+    for i, size in enumerate(case.sizes):
+        arrays = inputs(case, prog, size, case.seed + i)
+        try:
+            low = fd.lower(arrays)
+            for k in low.kernels:
+                _ = k.cuda_source
+            kernels += list(low.kernels)
+        except Exception as e:  # noqa: BLE001
+            return _error(e, case, size, "lower")
+        try:
+            got = fd.execute(arrays)
+        except Exception as e:  # noqa: BLE001
+            return _error(e, case, size, "execute")
+        want_refusal = expected_refusal(case, size)
+        if want_refusal is not None:
+            return Outcome("unexplained", f"accepted, but expected a refusal matching {want_refusal!r}",
+                           "accepted a schedule expected to be refused", size)
+        ref = reference(case, arrays)
+        if len(got) != len(prog.outputs):
+            return Outcome("mismatch", f"{len(got)} outputs, expected {len(prog.outputs)}", "output count", size)
+        for name, g in zip(prog.outputs, got):
+            want, tol = ref[name]
+            g = np.asarray(g)
+            if g.shape != want.shape:
+                return Outcome("mismatch", f"{name}: shape {g.shape}, expected {want.shape}", "shape", size)
+            bad = ~(np.abs(g.astype(np.float64) - want) <= tol)
+            if bad.any():
+                at = tuple(int(j) for j in np.argwhere(bad)[0])
+                return Outcome("mismatch", f"{name}: {int(bad.sum())} of {bad.size} elements differ, first at "
+                               f"{at}: got {g[at]!r}, expected {want[at]!r}", f"{name} values differ", size)
+    return Outcome("ok", kernels=kernels)
+
+
+def repro(case: Case, outcome: Optional[Outcome] = None) -> str:
+    """A runnable program: the definition, the schedule and the run that failed."""
+    prog = program(case)
+    size = outcome.size if outcome is not None and outcome.size is not None else case.sizes[0]
+    i = case.sizes.index(size) if size in case.sizes else 0
+    rng = f"np.random.default_rng({case.seed + i})"
+    out = ["import numpy as np", "from kiln import FusionDefinition, MemoryType as M, ParallelType as P", ""]
+    out += prog.lines
+    out.append(f"rng = {rng}")
+    out.append(f"args = [rng.uniform(-1, 1, {size}).astype(np.float32)]")
+    for kind in prog.extra_inputs:
+        shape = size[-1:] if kind == "row" else size[:-1]
+        out.append(f"args.append(rng.uniform(-1, 1, {shape}).astype(np.float32))")
+    out.append("outs = fd.execute(args)")
+    if outcome is not None and outcome.message:
+        out.append(f"# {outcome.category}: {outcome.message.splitlines()[0][:400]}")
+    return "\n".join(out)
+
+
+def case_size(case: Case) -> Tuple[int, int]:
+    return (len(case.ops) + len(case.sizes), sum(int(np.prod(s)) for s in case.sizes))
+
+
+def summarize(results: Sequence[Tuple[Case, Outcome]], max_groups: int = 12) -> str:
+    """Counts per category and, per failure kind, the smallest example's repro."""
+    counts = Counter(o.category for _, o in results)
+    total = max(1, len(results))
+    lines = [f"{len(results)} examples: " + ", ".join(
+        f"{c} {counts.get(c, 0)} ({100.0 * counts.get(c, 0) / total:.1f}%)" for c in CATEGORIES)]
+    groups: Dict[Tuple[str, str], List[Tuple[Case, Outcome]]] = {}
+    for case, o in results:
+        if o.category != "ok":
+            groups.setdefault((o.category, o.key), []).append((case, o))
+    for cat in CATEGORIES[1:]:
+        mine = sorted(((k, v) for k, v in groups.items() if k[0] == cat), key=lambda kv: -len(kv[1]))
+        if not mine:
+            continue
+        lines.append(f"\n=== {cat}: {counts[cat]} examples, {len(mine)} distinct messages ===")
+        lines += [f"  {len(items):4d}  {key}" for (_, key), items in mine]
+        if cat == "refused":
+            continue
+        for n, ((_, key), items) in enumerate(mine[:max_groups]):
+            case, o = min(items, key=lambda co: case_size(co[0]))
+            lines.append(f"\n--- {cat} #{n + 1} ({len(items)}x): {key}\n# case: {case!r}")
+            lines.append(repro(case, o))
+    return "\n".join(lines)
+
+
+def coverage(results: Sequence[Tuple[Case, Outcome]]) -> str:
+    """What the accepted examples exercised (for the explorer's report)."""
+    ok = [c for c, o in results if o.category == "ok"]
+    feats: Counter = Counter()
+    for c in ok:
+        feats[f"copy={'bulk' if c.copy.bulk else f'plain/{c.copy.split}'}"] += 1
+        feats[f"out={c.out}"] += 1
+        feats[f"outer={c.outer}"] += 1
+        feats[f"stages={c.stages},prefetch={c.prefetch}"] += 1
+        feats[f"static={c.static}"] += 1
+        p = c.prefetch or c.stages - 1
+        for s in c.sizes:
+            tiles = -(-s[-1] // c.tile)
+            feats["n<tile" if s[-1] < c.tile else "n%tile!=0" if s[-1] % c.tile else "n%tile==0"] += 1
+            if tiles < p:
+                feats["tiles<prefetch"] += 1
+            if s[-1] == 1:
+                feats["n==1"] += 1
+        if c.read_y != c.copy or c.read_s != c.copy:
+            feats["reads across threads"] += 1
+    return "accepted examples cover: " + ", ".join(f"{k} {v}" for k, v in sorted(feats.items()))
+
+
+# -- the CI test ----------------------------------------------------------------------------------
+RESULTS: List[Tuple[Case, Outcome]] = []
+_KEPT: list = []
+
+
+def _collect() -> List[Tuple[Case, Outcome]]:
+    if RESULTS:
+        return RESULTS
+    from kiln import lowering
+
+    accepted = 0
+
+    @settings(max_examples=N_EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(cases())
+    def body(case: Case) -> None:
+        nonlocal accepted
+        lowering.take_generated()
+        outcome = run_case(case)
+        RESULTS.append((case, outcome))
+        lowering.take_generated()
+        if outcome.category == "ok":
+            accepted += 1
+            if COMPILE_EVERY and accepted % COMPILE_EVERY == 0:
+                _KEPT.extend(outcome.kernels)
+        outcome.kernels = []
+
+    body()
+    return RESULTS
+
+
+def test_random_circular_buffers_are_correct_or_refused_by_a_documented_rule() -> None:
+    from kiln import lowering
+
+    results = _collect()
+    lowering.take_generated()
+    lowering._GENERATED.extend(_KEPT)  # conftest compiles the sampled accepted kernels with NVRTC
+    _KEPT.clear()
+    bad = [(c, o) for c, o in results if o.category in FAILURES]
+    if bad:
+        pytest.fail(f"{len(bad)} of {len(results)} examples failed\n" + summarize(results), pytrace=False)
+    ok = sum(o.category == "ok" for _, o in results)
+    assert ok >= 0.9 * len(results), summarize(results)
+
+
+# -- explorer --------------------------------------------------------------------------------------
+def main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(description="Explore random circular-buffer schedules in the interpreter.")
+    p.add_argument("m", nargs="?", type=int, default=1000, help="number of examples (default 1000)")
+    p.add_argument("--seed", type=int, default=None, help="seed (default: fresh)")
+    p.add_argument("--groups", type=int, default=12, help="repros per category")
+    args = p.parse_args(argv)
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(6), "little")
+    rng = random.Random(seed)
+    results = []
+    t0 = time.time()
+    for i in range(args.m):
+        case = gen_case(RandomDraw(rng))
+        o = run_case(case)
+        o.kernels = []
+        results.append((case, o))
+        if (i + 1) % 500 == 0:
+            print(f"  {i + 1} examples, {time.time() - t0:.0f} s", file=sys.stderr)
+    print(f"kiln circular-buffer exploration: seed {seed}, {args.m} examples in {time.time() - t0:.1f} s "
+          f"(repeat: python tests/test_circular_buffer_random.py {args.m} --seed {seed})")
+    print(summarize(results, max_groups=args.groups))
+    print(coverage(results))
+    return 1 if any(o.category in FAILURES for _, o in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
