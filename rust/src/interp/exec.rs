@@ -1080,7 +1080,13 @@ impl Exec<'_, '_> {
     /// The active lanes that are their block's first thread.
     fn first_threads(&self) -> Vec<(usize, u32)> {
         let nt = self.ctx.nt;
-        self.ctx.active.iter().enumerate().filter(|(_, &l)| (l as usize).is_multiple_of(nt)).map(|(i, &l)| (i, l)).collect()
+        self.ctx
+            .active
+            .iter()
+            .enumerate()
+            .filter(|(_, &l)| (l as usize).is_multiple_of(nt))
+            .map(|(i, &l)| (i, l))
+            .collect()
     }
 
     fn barrier(&mut self, b: &CBarrier) -> Result<()> {
