@@ -433,3 +433,46 @@ def test_gpu_bulk_row_sum_over_long_rows() -> None:
         x_ = rand(m, n, seed=n)
         got = fd.execute([cp.asarray(x_)])[0].get()
         np.testing.assert_allclose(got, x_.astype(np.float64).sum(1), rtol=1e-4, atol=1e-3)
+
+
+def test_a_thread_loop_between_the_pipelined_loop_and_the_copy_is_refused():
+    # The batches are the pipelined loop; the rows between it and the copy run on TIDy, so
+    # the pipeline cannot move inside them and the copy and its reader share that loop.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1])
+        y = fd.ops.exp(x)
+        fd.add_output(y)
+    c = x.cache_after()
+    c.set_memory_type(MemoryType.Shared)
+    for t in (c, y):
+        t.axis(1).parallelize(ParallelType.TIDy)
+        t.axis(2).parallelize(ParallelType.TIDx)
+    c.inline_at(2)
+    c.circular_buffer(2)
+    with pytest.raises(KilnError, match=r"circular_buffer T2: its copy and its readers share loop .* "
+                                        r"inside the pipelined loop .*, and that loop runs on TIDy"):
+        fd.lower([rand(3, 4, 8)])
+
+
+@pytest.mark.parametrize("bulk", [False, True])
+def test_block_loops_between_the_pipelined_loop_and_the_copy_take_the_pipeline_inside(bulk: bool):
+    # Rows serial (pipelined), each row's tiles on blocks: the pipeline runs inside the block
+    # loop, row after row.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        y = fd.ops.neg(x)
+        fd.add_output(y)
+    c = x.cache_after()
+    c.set_memory_type(MemoryType.Shared)
+    for t in (c, y):
+        t.split(1, 32)
+        t.axis(1).parallelize(ParallelType.BIDx)
+    c.axis(2).parallelize(ParallelType.Bulk if bulk else ParallelType.TIDx)
+    y.axis(2).parallelize(ParallelType.TIDx)
+    c.inline_at(2)
+    c.circular_buffer(2)
+    ir = fd.lower([rand(3, 70)]).kernels[0].kernel_ir
+    assert ir.index("(BIDx)") < ir.index("pipelined prologue"), ir
+    for m, n in [(3, 70), (5, 1), (1, 64)]:
+        x_ = rand(m, n, seed=n)
+        np.testing.assert_array_equal(fd.execute([x_])[0], -x_)

@@ -232,6 +232,16 @@ fn contains_def(f: &Fusion, n: &Node, tvs: &[TvId]) -> bool {
     }
 }
 
+/// True when `n` holds a statement that reads one of `tvs`.
+fn reads_any(f: &Fusion, n: &Node, tvs: &[TvId]) -> bool {
+    let reads = |e: ExprId| f.exprs[e].input_tvs().any(|t| tvs.contains(&t));
+    match n {
+        Node::Expr { expr, .. } => reads(*expr),
+        Node::Accumulate { acc, .. } | Node::ReduceAccumulator { acc, .. } => reads(acc.expr),
+        _ => n.bodies().iter().any(|b| b.iter().any(|c| reads_any(f, c, tvs))),
+    }
+}
+
 /// Path (child positions through loop bodies) of the loop of `group` holding a definition
 /// of `tvs`.
 fn find_loop(f: &Fusion, body: &[Node], group: LoopGroup, tvs: &[TvId], path: &mut Vec<usize>) -> bool {
@@ -656,11 +666,65 @@ fn pipeline(
             cur = &l.body;
         }
     }
-    let Node::Loop(l) = list_at(body, outer).remove(at) else { unreachable!("found a loop") };
+    let Node::Loop(mut l) = list_at(body, outer).remove(at) else { unreachable!("found a loop") };
     let Val::Symbol(sym) = f.scalars.get(l.index) else {
         bail_internal!("circular buffer {}: the pipelined loop has no loop index", f.tv_name(tvs[0]));
     };
+    // Loops between the pipelined loop and the copy that its readers share (block loops, and
+    // loops of one iteration) run once per iteration of the pipelined loop: the pipeline
+    // moves inside them, so that the copies and their readers are separate children.
+    let mut wrappers: Vec<ForLoop> = Vec::new();
+    loop {
+        let both = |n: &Node| contains_def(f, n, tvs) && reads_any(f, n, tvs);
+        let Some(k) = l.body.iter().position(both) else { break };
+        // A serial loop of one iteration is its body at index 0.
+        if let Node::Loop(w) = &l.body[k] {
+            if !w.parallel.is_thread_or_block() && f.scalars.as_int(w.extent) == Some(1) {
+                let Node::Loop(w) = l.body.remove(k) else { unreachable!("matched a loop") };
+                let zero = f.scalars.int(0);
+                let mut inner = w.body;
+                if let Val::Symbol(ws) = f.scalars.get(w.index) {
+                    for n in inner.iter_mut() {
+                        n.map_vals(&mut |v| f.scalars.substitute(v, ws, zero));
+                    }
+                }
+                for (j, n) in inner.into_iter().enumerate() {
+                    l.body.insert(k + j, n);
+                }
+                continue;
+            }
+        }
+        let [Node::Loop(w)] = l.body.as_slice() else { break };
+        let movable = w.parallel.is_block();
+        if !movable {
+            let what = if w.parallel.is_thread() { format!("runs on {}", w.parallel.enum_name()) } else {
+                "is a serial loop".to_string()
+            };
+            bail!(
+                "circular_buffer {}: its copy and its readers share loop {} inside the pipelined loop {}, and that loop {what}; the loops between the pipelined loop and the copy may only run on blocks or have one iteration (inline {} one loop deeper, or pipeline that loop)",
+                f.tv_name(tvs[0]),
+                f.id_label(w.id),
+                f.id_label(l.id),
+                f.tv_name(tvs[0])
+            );
+        }
+        let Some(Node::Loop(mut w)) = l.body.pop() else { unreachable!("matched a loop") };
+        l.body = std::mem::take(&mut w.body);
+        wrappers.push(w);
+    }
     let (mut loads, rest): (Vec<Node>, Vec<Node>) = l.body.iter().cloned().partition(|n| contains_def(f, n, tvs));
+    if let Some(n) = loads.iter().find(|n| reads_any(f, n, tvs)) {
+        let label = match n {
+            Node::Loop(w) => format!("loop {}", f.id_label(w.id)),
+            _ => "one statement".to_string(),
+        };
+        bail!(
+            "circular_buffer {}: its copy and a reader of it share {label} inside the pipelined loop {}; a reader must run after the copy's own loops (inline {} so that its loops right of the pipelined one are its own)",
+            f.tv_name(tvs[0]),
+            f.id_label(l.id),
+            f.tv_name(tvs[0])
+        );
+    }
     let zero = f.scalars.int(0);
     let s = f.scalars.int(stages);
     let issues = match array {
@@ -789,6 +853,11 @@ fn pipeline(
         let two_s = f.scalars.int(2 * stages);
         let inval = vec![Node::Barrier(BarrierOp::Inval { bar: BarrierRef { array: a, index: k } })];
         nodes.push(plain_loop(&l, k, two_s, inval));
+    }
+    // Back inside the loops the pipeline moved into, innermost last.
+    for mut w in wrappers.into_iter().rev() {
+        w.body = nodes;
+        nodes = vec![Node::Loop(w)];
     }
     let list = list_at(body, outer);
     for (k, node) in nodes.into_iter().enumerate() {

@@ -375,7 +375,14 @@ impl Fusion {
         if pos > 0 && self.tvs[tv].uses.is_empty() {
             bail!("inline_at {name}: {name} has no consumers to inline into");
         }
-        self.check_inline(tv, pos)?;
+        if let Err(e) = self.check_inline(tv, pos) {
+            // A consumer left untouched takes its own consumer's schedule when the fusion is
+            // lowered (`propagate`): the position is checked against that schedule then.
+            let later = self.consumers(tv).into_iter().any(|c| crate::sched::propagate::untouched(self, c));
+            if !later {
+                return Err(e);
+            }
+        }
         self.tvs[tv].inline_pos = pos;
         self.manually_scheduled = true;
         Ok(())

@@ -14,8 +14,9 @@ use rustc_hash::FxHashMap;
 use crate::ir::mapping::logical_pairs;
 use crate::ir::{ExprId, Fusion, IterDomainId, IterType, MemoryType, ParallelType, Transform, TvId};
 
-/// True when `tv` looks the way a definition leaves a computed tensor.
-fn untouched(f: &Fusion, tv: TvId) -> bool {
+/// True when `tv` looks the way a definition leaves a computed tensor (lowering gives it its
+/// consumer's schedule).
+pub fn untouched(f: &Fusion, tv: TvId) -> bool {
     let t = &f.tvs[tv];
     t.definition.is_some()
         && !f.is_input(tv)
@@ -117,7 +118,19 @@ pub fn untouched_producers(f: &mut Fusion) {
         }
         let Some((use_, pos, c)) = reference(f, tv) else { continue };
         let saved = f.clone();
-        if !replay_from_consumer(f, tv, use_, pos, c) {
+        // A producer already inlined into `tv` (a copy inlined at the position the propagated
+        // schedule will match) would pin `tv`'s axes: its position waits for the replay, and
+        // lowering checks it against the result.
+        let producers = f.producers(tv);
+        let held: Vec<(TvId, usize)> = producers.iter().map(|&p| (p, f.tvs[p].inline_pos)).collect();
+        for &p in &producers {
+            f.tvs[p].inline_pos = 0;
+        }
+        let replayed = replay_from_consumer(f, tv, use_, pos, c);
+        for &(p, pos) in &held {
+            f.tvs[p].inline_pos = pos;
+        }
+        if !replayed {
             *f = saved;
             continue;
         }
