@@ -697,7 +697,9 @@ fn pipeline(
         let [Node::Loop(w)] = l.body.as_slice() else { break };
         let movable = w.parallel.is_block();
         if !movable {
-            let what = if w.parallel.is_thread() { format!("runs on {}", w.parallel.enum_name()) } else {
+            let what = if w.parallel.is_thread() {
+                format!("runs on {}", w.parallel.enum_name())
+            } else {
                 "is a serial loop".to_string()
             };
             bail!(
