@@ -96,9 +96,20 @@ def test_loads_go_to_the_stage_of_their_iteration():
     assert re.search(r"<- \[threadIdx.x \+ idx\d+ % 4 \* 32\]", ir), ir
 
 
-def test_threads_reading_their_own_loads_need_no_barrier():
-    fd, _, _ = streamed_exp(3)
-    assert "__syncthreads" not in fd.lower([rand(2, 100)]).kernels[0].kernel_ir
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_threads_reading_their_own_loads_wait_for_their_own_copies(prefetch: int):
+    # Plain copies are asynchronous (cp.async), one group per iteration: a thread reading only
+    # what it copied waits for its own group and needs no read barrier; only a refill of the
+    # stage just read (prefetch == stages - 1) waits for the block.
+    fd, _, _ = streamed_exp(3, prefetch)
+    ir = fd.lower([rand(2, 100)]).kernels[0].kernel_ir
+    assert "__syncthreads()  // RAW" not in ir
+    main = ir[ir.index("pipelined main"):ir.index("pipelined epilogue")]
+    assert re.search(rf"CP_ASYNC_COMMIT\n\s+CP_ASYNC_WAIT {prefetch}\n", main), main
+    assert ("__syncthreads()  // WAR" in main) == (prefetch == 2)
+    pro = ir[ir.index("pipelined prologue"):ir.index("pipelined main")]
+    assert "CP_ASYNC_COMMIT" in pro
+    assert "CP_ASYNC_WAIT 0" in ir[ir.index("pipelined epilogue"):]
 
 
 @pytest.mark.parametrize("stages,prefetch", [(2, 1), (3, 1), (3, 2), (4, 3)])

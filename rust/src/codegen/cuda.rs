@@ -19,7 +19,8 @@ use crate::ir::{
     ValId,
 };
 use crate::kernel::{
-    AccessIndex, AllocTarget, BarrierOp, BarrierRef, IfKind, Kernel, Node, SyncKind, VectorAccess, VectorCopy,
+    AccessIndex, AllocTarget, BarrierOp, BarrierRef, CpAsyncOp, IfKind, Kernel, Node, SyncKind, VectorAccess,
+    VectorCopy,
 };
 use crate::lower::predicate::conjuncts;
 
@@ -117,7 +118,7 @@ fn node_vals(n: &Node, f: &Fusion, acc: &mut Vec<ValId>) {
                 acc.extend([g.at, g.extent]);
             }
         }
-        Node::Sync(_) => {}
+        Node::Sync(_) | Node::CpAsync(_) => {}
         Node::Barrier(op) => match op {
             BarrierOp::Init { bar, arrivals } => acc.extend([bar.index, *arrivals]),
             BarrierOp::Inval { bar } | BarrierOp::Arrive { bar } => acc.push(bar.index),
@@ -401,7 +402,35 @@ impl Gen<'_> {
             }
             Node::Expr { expr, index } => {
                 let Some(ix) = index else { crate::bail_internal!("expr was not indexed") };
-                self.expr(*expr, ix, depth)?;
+                let e = &self.f.exprs[*expr];
+                let async_src = if self.k.summary.async_copies.contains(&e.output) && matches!(e.op, Op::Set) {
+                    e.inputs.first().and_then(|o| o.tensor())
+                } else {
+                    None
+                };
+                match async_src {
+                    Some(src) => {
+                        let Some(input) = ix.inputs.first().copied().flatten() else {
+                            crate::bail_internal!("an asynchronous copy without its input offset")
+                        };
+                        let _ = writeln!(
+                            self.out,
+                            "{pad}if ({}) {{ kiln::cpAsyncElem(&{}[{}], &{}[{}]); }}",
+                            self.pred(ix.predicate),
+                            self.buf(e.output),
+                            self.c(ix.out),
+                            self.buf(src),
+                            self.c(input)
+                        );
+                    }
+                    _ => self.expr(*expr, ix, depth)?,
+                }
+            }
+            Node::CpAsync(op) => {
+                let _ = match op {
+                    CpAsyncOp::Commit => writeln!(self.out, "{pad}kiln::cpAsyncCommit();"),
+                    CpAsyncOp::Wait(n) => writeln!(self.out, "{pad}kiln::cpAsyncWait<{n}>();"),
+                };
             }
             Node::Sync(k) => {
                 let _ =
@@ -607,25 +636,35 @@ impl Gen<'_> {
                 checks.concat()
             );
         }
-        let _ = writeln!(self.out, "{pad}    kiln::Array<{ty}, {n}> kiln_vec;");
-        let each = format!("{pad}    #pragma unroll\n{pad}    for (int kiln_j = 0; kiln_j < {n}; ++kiln_j) ");
-        let load = if v.access[1] != VectorAccess::Elements {
-            let func = match v.load_hints {
-                (false, false) => "loadVec",
-                (true, false) => "loadVecStreaming",
-                (false, true) => "loadVecEvictLast",
-                (true, true) => "loadVecStreamingEvictLast",
+        if self.k.summary.async_copies.contains(&e.output) {
+            // An asynchronous copy: one cp.async of the vector's bytes, or of each element.
+            let line = if v.access.iter().all(|&a| a != VectorAccess::Elements) {
+                format!("{pad}    kiln::cpAsyncBytes<{bytes}>(&{ob}[kiln_ob], &{ib}[kiln_ib]);")
+            } else {
+                format!("{each_pad}    #pragma unroll\n{each_pad}    for (int kiln_j = 0; kiln_j < {n}; ++kiln_j) kiln::cpAsyncElem(&{ob}[kiln_ob + kiln_j], &{ib}[kiln_ib + kiln_j]);", each_pad = pad)
             };
-            format!("{pad}    kiln::{func}<{ty}, {n}>(kiln_vec, &{ib}[kiln_ib]);")
+            let _ = writeln!(self.out, "{line}");
         } else {
-            format!("{each}kiln_vec[kiln_j] = {ib}[kiln_ib + kiln_j];")
-        };
-        let store = if v.access[0] != VectorAccess::Elements {
-            format!("{pad}    kiln::storeVec<{ty}, {n}>(&{ob}[kiln_ob], kiln_vec);")
-        } else {
-            format!("{each}{ob}[kiln_ob + kiln_j] = kiln_vec[kiln_j];")
-        };
-        let _ = writeln!(self.out, "{load}\n{store}");
+            let _ = writeln!(self.out, "{pad}    kiln::Array<{ty}, {n}> kiln_vec;");
+            let each = format!("{pad}    #pragma unroll\n{pad}    for (int kiln_j = 0; kiln_j < {n}; ++kiln_j) ");
+            let load = if v.access[1] != VectorAccess::Elements {
+                let func = match v.load_hints {
+                    (false, false) => "loadVec",
+                    (true, false) => "loadVecStreaming",
+                    (false, true) => "loadVecEvictLast",
+                    (true, true) => "loadVecStreamingEvictLast",
+                };
+                format!("{pad}    kiln::{func}<{ty}, {n}>(kiln_vec, &{ib}[kiln_ib]);")
+            } else {
+                format!("{each}kiln_vec[kiln_j] = {ib}[kiln_ib + kiln_j];")
+            };
+            let store = if v.access[0] != VectorAccess::Elements {
+                format!("{pad}    kiln::storeVec<{ty}, {n}>(&{ob}[kiln_ob], kiln_vec);")
+            } else {
+                format!("{each}{ob}[kiln_ob + kiln_j] = kiln_vec[kiln_j];")
+            };
+            let _ = writeln!(self.out, "{load}\n{store}");
+        }
         if v.whole {
             // Out of range as a whole: nothing to copy element by element.
             let _ = writeln!(self.out, "{pad}  }}");

@@ -28,6 +28,7 @@
 //   threadIndex/threadCount/blockIndex/blockCount<X,Y,Z>   linearisation helpers
 //   warpReduce, warpAllReduce, blockReduce, blockAllReduce  block reductions
 //   gridReduce, gridReduceSerial                           grid reductions (semaphores)
+//   cpAsyncElem, cpAsyncBytes, cpAsyncCommit, cpAsyncWait   asynchronous copies (cp.async), sm_80+
 //   mbarrierInit/Inval/Arrive/Wait, bulkLoad               mbarriers and bulk (TMA) copies, sm_90+
 //
 // Conventions shared by the reductions:
@@ -1400,8 +1401,52 @@ __device__ bool gridReduceSerial(T& out, T in, Op op, T init, volatile T* work_b
 // expected transaction bytes; a phase completes when its arrivals and its bytes are in.
 // `mbarrierWait(bar, parity)` returns once the phase of that parity has completed. The
 // lowering (rust/src/lower/circular_buffer.rs) places every call.
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 KILN_DEVICE unsigned smemAddress(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+
+// Asynchronous copies from Global to Shared memory (cp.async, sm_80+): each thread's copies
+// land in the background in groups; `cpAsyncWait<N>()` returns once at most N of the
+// thread's groups are in flight. An element of another size than 4, 8 or 16 bytes is
+// stored at once. Before sm_80 every copy is a plain store and the waits do nothing.
+template <typename T>
+KILN_DEVICE void cpAsyncElem(T* dst, const T* src) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  if constexpr (sizeof(T) == 4 || sizeof(T) == 8 || sizeof(T) == 16) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(smemAddress(dst)), "l"(src), "n"(sizeof(T))
+                 : "memory");
+  } else {
+    *dst = *src;
+  }
+#else
+  *dst = *src;
+#endif
+}
+template <int Bytes, typename T>
+KILN_DEVICE void cpAsyncBytes(T* dst, const T* src) {
+  static_assert(Bytes == 4 || Bytes == 8 || Bytes == 16, "cp.async copies 4, 8 or 16 bytes");
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  if constexpr (Bytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smemAddress(dst)), "l"(src) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(smemAddress(dst)), "l"(src), "n"(Bytes)
+                 : "memory");
+  }
+#else
+  for (int i = 0; i < Bytes / static_cast<int>(sizeof(T)); ++i) dst[i] = src[i];
+#endif
+}
+KILN_DEVICE void cpAsyncCommit() {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int N>
+KILN_DEVICE void cpAsyncWait() {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 KILN_DEVICE void mbarrierInit(uint64_t* bar, unsigned arrivals) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smemAddress(bar)), "r"(arrivals) : "memory");
 }

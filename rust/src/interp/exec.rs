@@ -14,7 +14,7 @@ use crate::interp::{Bindings, Buffer, Stats};
 use crate::ir::dtype::{promote, PromotionOperand};
 use crate::ir::scalar::Val;
 use crate::ir::{DataType, ExprId, Fusion, IterType, MemoryType, Op, Operand, ParallelType, Symbol, TvId, ValId};
-use crate::kernel::{AllocTarget, Allocate, BarrierOp, Kernel, Node, VectorAccess};
+use crate::kernel::{AllocTarget, Allocate, BarrierOp, CpAsyncOp, Kernel, Node, VectorAccess};
 
 /// Largest grid the interpreter runs (threads of all blocks together).
 const MAX_THREADS: i64 = 1 << 24;
@@ -98,6 +98,7 @@ enum CNode {
     AccumulatorInit { acc: u32, expr: ExprId },
     Barrier(Box<CBarrier>),
     Bulk(Box<CBulk>),
+    CpAsync(CpAsyncOp),
 }
 
 /// An mbarrier operation with its compiled values (entry, then the op's argument).
@@ -151,6 +152,7 @@ fn compile(k: &Kernel, body: &[Node], stack: &mut Vec<(ParallelType, bool)>) -> 
             }
             Node::Alloc(a) => CNode::Alloc(a.clone()),
             Node::Sync(_) => CNode::Sync,
+            Node::CpAsync(op) => CNode::CpAsync(*op),
             Node::Barrier(op) => {
                 let mut prog = Prog::default();
                 let (bar, arg) = match op {
@@ -389,6 +391,9 @@ const CLEAN: RaceCell = RaceCell { writer: -1, reader: -1, read_step: 0 };
 /// phase that reports its bytes.
 type AsyncMark = Option<(u32, i64, u32)>;
 
+/// The asynchronous copy that last wrote a Shared element: its thread (lane) and group.
+type CpMark = Option<(u32, u32)>;
+
 /// ` (stage k)` for an element of a circular-buffered tensor at physical index `p`.
 fn slot_stage(slot: &Slot, p: usize) -> String {
     if slot.stages <= 1 || slot.size == 0 {
@@ -472,6 +477,12 @@ struct Mem<'b> {
     asyncs: Vec<Option<Vec<AsyncMark>>>,
     /// mbarrier states and what each thread observed of them.
     bars: Barriers,
+    /// Tensors written by asynchronous copies (`cp.async`), the copy (lane, group) behind
+    /// each element of their own Shared buffers, and per lane its committed groups and the
+    /// barrier epoch at which each completed group was waited for.
+    async_tvs: Vec<TvId>,
+    cp_marks: Vec<Option<Vec<CpMark>>>,
+    cp_groups: FxHashMap<u32, (u32, Vec<u32>)>,
     slots: FxHashMap<TvId, Slot>,
     /// Names and locations of the summary's buffers.
     buffers: Vec<(String, usize)>,
@@ -543,6 +554,36 @@ impl Mem<'_> {
         let Some(Some(cells)) = self.races.get_mut(i) else {
             return Ok(());
         };
+        if let Some(Some(cp)) = self.cp_marks.get_mut(i) {
+            for (&l, &p) in lanes.iter().zip(phys) {
+                if write {
+                    // An asynchronous copy marks its elements after this check.
+                    cp[p] = None;
+                    continue;
+                }
+                let Some((w, g)) = cp[p] else { continue };
+                let done = self.cp_groups.get(&w).and_then(|(_, e)| e.get(g as usize).copied());
+                let why = match done {
+                    None => Some(format!(
+                        "thread {} has not waited for that copy's group (cp.async.wait_group)",
+                        ctx.thread_xyz(w as usize % ctx.nt)
+                    )),
+                    Some(ep) if w != l && ep == self.epoch => {
+                        Some(format!("no barrier since thread {} waited for it", ctx.thread_xyz(w as usize % ctx.nt)))
+                    }
+                    Some(_) => None,
+                };
+                if let Some(why) = why {
+                    return Err(KilnError::value(format!(
+                        "kernel {kname}: read of {}{} at index {} before the asynchronous copy that wrote it completed for the reader: {why}; by {}",
+                        slot.name,
+                        slot_stage(slot, p),
+                        p % slot.size.max(1),
+                        ctx.thread(l)
+                    )));
+                }
+            }
+        }
         let step = self.bars.step;
         let marks = self.asyncs.get_mut(i).and_then(|m| m.as_mut());
         if let Some(marks) = marks {
@@ -746,6 +787,14 @@ impl Mem<'_> {
         let phys = self.phys(ctx, kname, &slot, lanes, offs, "write")?;
         self.race_check(ctx, kname, &slot, lanes, &phys, true)?;
         self.global_check(ctx, kname, &slot, lanes, &phys, true)?;
+        if let (Loc::Own(i), true) = (slot.loc, self.async_tvs.contains(&tv)) {
+            if let Some(Some(cp)) = self.cp_marks.get_mut(i) {
+                for (&l, &p) in lanes.iter().zip(&phys) {
+                    let group = self.cp_groups.get(&l).map_or(0, |g| g.0);
+                    cp[p] = Some((l, group));
+                }
+            }
+        }
         let buf = self.buf(slot.loc);
         buf.data.scatter(&phys, col)?;
         if let Some(w) = &mut buf.written {
@@ -891,6 +940,9 @@ pub fn run(kernel: &Kernel, bindings: &Bindings, buffers: &mut [Buffer]) -> Resu
         races: Vec::new(),
         asyncs: Vec::new(),
         bars: Barriers::default(),
+        async_tvs: kernel.summary.async_copies.clone(),
+        cp_marks: Vec::new(),
+        cp_groups: FxHashMap::default(),
         slots,
         buffers: named,
         checked_globals: n_in + n_out,
@@ -941,6 +993,21 @@ impl Exec<'_, '_> {
         for n in body {
             self.mem.bars.step += 1;
             match n {
+                CNode::CpAsync(op) => {
+                    let epoch = self.mem.epoch;
+                    for &l in &self.ctx.active {
+                        let g = self.mem.cp_groups.entry(l).or_default();
+                        match op {
+                            CpAsyncOp::Commit => g.0 += 1,
+                            CpAsyncOp::Wait(n) => {
+                                let target = g.0.saturating_sub(*n) as usize;
+                                while g.1.len() < target {
+                                    g.1.push(epoch);
+                                }
+                            }
+                        }
+                    }
+                }
                 CNode::Barrier(b) => self.barrier(b)?,
                 CNode::Bulk(b) => self.bulk(b)?,
                 CNode::Loop { var, extent, parallel, body } => {
@@ -1387,18 +1454,21 @@ impl Exec<'_, '_> {
                 let fresh = Buffer { data: Data::zeros(a.dtype, n), written: Some(vec![false; n]) };
                 let races = (a.memory == MemoryType::Shared).then(|| vec![CLEAN; n]);
                 let asyncs = (a.memory == MemoryType::Shared).then(|| vec![None; n]);
+                let cp = (a.memory == MemoryType::Shared && self.mem.async_tvs.contains(&tv)).then(|| vec![None; n]);
                 let loc = match self.mem.slots.get(&tv) {
                     Some(Slot { loc: Loc::Own(i), .. }) => {
                         let i = *i;
                         self.mem.own[i] = fresh;
                         self.mem.races[i] = races;
                         self.mem.asyncs[i] = asyncs;
+                        self.mem.cp_marks[i] = cp;
                         Loc::Own(i)
                     }
                     _ => {
                         self.mem.own.push(fresh);
                         self.mem.races.push(races);
                         self.mem.asyncs.push(asyncs);
+                        self.mem.cp_marks.push(cp);
                         Loc::Own(self.mem.own.len() - 1)
                     }
                 };

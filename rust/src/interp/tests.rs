@@ -449,3 +449,41 @@ fn bulk_pipeline_matches_and_planted_barrier_bugs_are_caught() {
     let e = execute(&bad, bulk_args().1).unwrap_err();
     assert!(e.message.contains("is initialised again before it was invalidated"), "{e}");
 }
+
+#[test]
+fn plain_pipeline_reads_wait_for_their_asynchronous_copies() {
+    use crate::kernel::{CpAsyncOp, PipelinePart};
+    // y = neg(x) with a plain 3-stage copy of 32 floats per tile (one per thread).
+    let mut f = Fusion::new();
+    let x = f.define_tensor(&[-1, -1], DataType::Float, None).unwrap();
+    let y = f.unary(UnaryOp::Neg, Operand::Tensor(x)).unwrap();
+    f.add_output(y).unwrap();
+    let c = f.cache_after(x).unwrap();
+    f.set_memory_type(c, MemoryType::Shared).unwrap();
+    for tv in [c, y] {
+        f.split(tv, 1, 32, true).unwrap();
+        f.parallelize(tv, 0, ParallelType::BIDx).unwrap();
+        f.parallelize(tv, 2, ParallelType::TIDx).unwrap();
+    }
+    f.inline_at(c, 2).unwrap();
+    f.circular_buffer(c, 3, Some(1)).unwrap();
+    let k = lower(&f).unwrap();
+    let (x, args) = bulk_args();
+    let want: Vec<f32> = x.iter().map(|v| -v).collect();
+    close(&out_f32(&execute(&k, args).unwrap()[0]), &want);
+    // Planted bug: the main loop reads its stage without waiting for the copy's group.
+    let mut bad = k.clone();
+    edit_all(&mut bad.body, &mut |n| {
+        if let Node::Loop(l) = n {
+            if l.pipeline == Some(PipelinePart::Main) {
+                l.body.retain(|c| !matches!(c, Node::CpAsync(CpAsyncOp::Wait(_))));
+            }
+        }
+    });
+    let e = execute(&bad, bulk_args().1).unwrap_err();
+    assert!(
+        e.message.contains("read of T2 (stage 0) at index 0 before the asynchronous copy that wrote it completed"),
+        "{e}"
+    );
+    assert!(e.message.contains("has not waited for that copy's group"), "{e}");
+}

@@ -206,6 +206,16 @@ pub struct BulkLoad {
     pub reuse: Option<(BarrierRef, ValId, ValId)>,
 }
 
+/// A thread's asynchronous-copy bookkeeping: the copies to tensors of
+/// `KernelSummary::async_copies` land in the background, in groups.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CpAsyncOp {
+    /// Close the group of the copies issued since the last commit.
+    Commit,
+    /// Wait until at most this many of the thread's groups are in flight.
+    Wait(u32),
+}
+
 /// A Shared array of mbarriers the kernel uses, and the tensors whose loads it orders.
 #[derive(Clone, Debug)]
 pub struct BarrierArray {
@@ -264,6 +274,9 @@ pub enum Node {
     Barrier(BarrierOp),
     /// A bulk (TMA) copy into Shared memory.
     BulkLoad(Box<BulkLoad>),
+    /// Asynchronous copies (`cp.async`) of this thread: close its current group, or wait
+    /// until at most `n` of its groups are still in flight.
+    CpAsync(CpAsyncOp),
     /// The block/grid reduction of the register into the output at `index` (after the
     /// hoisted loops). `complete`: no serial loop over the reduction's own axes encloses
     /// the hoist, so the result is final and stored rather than combined with the
@@ -334,7 +347,7 @@ impl Node {
                 }
             }
             Node::Expr { index: Some(ix), .. } => index(ix, g),
-            Node::Expr { index: None, .. } | Node::Sync(_) | Node::AccumulatorInit(_) => {}
+            Node::Expr { index: None, .. } | Node::Sync(_) | Node::AccumulatorInit(_) | Node::CpAsync(_) => {}
             Node::Barrier(op) => match op {
                 BarrierOp::Init { bar, arrivals } => {
                     bar.index = g(bar.index);
@@ -469,6 +482,8 @@ pub struct KernelSummary {
     pub has_grid_reduction: bool,
     /// Shared mbarrier arrays (`AllocTarget::Barriers` indexes it).
     pub barriers: Vec<BarrierArray>,
+    /// Shared tensors whose copies from Global memory are asynchronous (`cp.async`).
+    pub async_copies: Vec<TvId>,
 }
 
 /// Where and how a tensor is allocated; what indexing reads.
@@ -804,6 +819,12 @@ impl IrText<'_> {
                     BarrierOp::Wait { bar, parity } => {
                         writeln!(s, "{pad}MBARRIER_WAIT {} parity {}", b(bar), sc.render(*parity))
                     }
+                };
+            }
+            Node::CpAsync(op) => {
+                let _ = match op {
+                    CpAsyncOp::Commit => writeln!(s, "{pad}CP_ASYNC_COMMIT"),
+                    CpAsyncOp::Wait(n) => writeln!(s, "{pad}CP_ASYNC_WAIT {n}"),
                 };
             }
             Node::BulkLoad(bl) => {

@@ -27,7 +27,8 @@ use crate::error::Result;
 use crate::ir::scalar::{ScalarOp, Val};
 use crate::ir::{CircularBuffer, ExprId, Fusion, IterType, MemoryType, Op, Operand, ParallelType, Symbol, TvId, ValId};
 use crate::kernel::{
-    AllocTarget, BarrierArray, BarrierOp, BarrierRef, BulkLoad, ForLoop, KernelSummary, Node, PipelinePart, SyncKind,
+    AllocTarget, BarrierArray, BarrierOp, BarrierRef, BulkLoad, CpAsyncOp, ForLoop, KernelSummary, Node, PipelinePart,
+    SyncKind,
 };
 use crate::{bail, bail_internal};
 
@@ -527,13 +528,19 @@ pub fn run(
     f: &mut Fusion,
     lg: &LoopGraph,
     exact: &IdGraph,
-    summary: &KernelSummary,
+    summary: &mut KernelSummary,
     body: &mut Vec<Node>,
     next_index: &mut u32,
 ) -> Result<()> {
     let array_of = |tv: TvId| summary.barriers.iter().position(|b| b.tvs.contains(&tv)).map(|i| i as u32);
     for (group, cb, tvs) in pipelines(f, lg) {
-        pipeline(f, lg, exact, body, next_index, group, cb, &tvs, array_of(tvs[0]))?;
+        let array = array_of(tvs[0]);
+        if array.is_none() {
+            // Plain copies of a pipeline load asynchronously (cp.async), in one group per
+            // iteration.
+            summary.async_copies.extend(tvs.iter().copied());
+        }
+        pipeline(f, lg, exact, body, next_index, group, cb, &tvs, array)?;
     }
     for (i, b) in summary.barriers.iter().enumerate() {
         if b.size == 1 {
@@ -758,9 +765,12 @@ fn pipeline(
             guard(f, node, inside);
         }
     }
-    if let Some(a) = array {
-        let bar = raw(f, a, p);
-        bind_barriers(&mut pro, bar, None);
+    match array {
+        Some(a) => {
+            let bar = raw(f, a, p);
+            bind_barriers(&mut pro, bar, None);
+        }
+        None => pro.push(Node::CpAsync(CpAsyncOp::Commit)),
     }
     // Main: iteration i loads i + prefetch, then computes i.
     let diff = f.scalars.sub(n, d);
@@ -781,6 +791,11 @@ fn pipeline(
         let bar = raw(f, a, l.index);
         let rp = parity(f, l.index);
         main.push(Node::Barrier(BarrierOp::Wait { bar, parity: rp }));
+    } else {
+        // The groups of iterations i .. i + prefetch are in flight: iteration i's has landed
+        // once at most `prefetch` remain.
+        main.push(Node::CpAsync(CpAsyncOp::Commit));
+        main.push(Node::CpAsync(CpAsyncOp::Wait(cb.prefetch)));
     }
     if cross {
         main.push(Node::Sync(SyncKind::Raw));
@@ -790,8 +805,9 @@ fn pipeline(
         let bar = war(f, a, l.index);
         main.push(Node::Barrier(BarrierOp::Arrive { bar }));
     }
-    if cross && prefetch == stages - 1 {
-        // The next iteration loads into the stage this one read.
+    if (cross || array.is_none()) && prefetch == stages - 1 {
+        // The next iteration loads into the stage this one read (an asynchronous copy is
+        // not ordered after its own thread's reads either).
         main.push(Node::Sync(SyncKind::War));
     }
     // Epilogue: the last iterations compute what is already loaded.
@@ -799,10 +815,19 @@ fn pipeline(
     let e = fresh_index(f, next_index, f.scalars.as_int(epi_extent));
     let from = f.scalars.add(e, main_extent);
     let mut epi = Vec::new();
-    if let Some(a) = array {
-        let bar = raw(f, a, from);
-        let rp = parity(f, from);
-        epi.push(Node::Barrier(BarrierOp::Wait { bar, parity: rp }));
+    match array {
+        Some(a) => {
+            let bar = raw(f, a, from);
+            let rp = parity(f, from);
+            epi.push(Node::Barrier(BarrierOp::Wait { bar, parity: rp }));
+        }
+        None => {
+            // Every group has landed (the tail is short: no count per iteration).
+            epi.push(Node::CpAsync(CpAsyncOp::Wait(0)));
+            if cross {
+                epi.push(Node::Sync(SyncKind::Raw));
+            }
+        }
     }
     epi.extend(at_iteration(f, &rest, sym, from, &sized, stages, false));
 
@@ -842,7 +867,7 @@ fn pipeline(
     };
     nodes.push(mk(PipelinePart::Prologue, p, d, pro));
     nodes.push(mk(PipelinePart::Main, l.index, main_extent, main));
-    if cross {
+    if cross && array.is_some() {
         // When the main loop runs no iteration, the prologue's loads are read next.
         nodes.push(Node::Sync(SyncKind::Raw));
     }

@@ -104,7 +104,7 @@ pub const PASSES: &[Pass] = &[
     Pass { name: "fuse_loops", run: |c| fuse_loops::run(&mut c.f, &c.lg, &mut c.body) },
     Pass {
         name: "circular_buffer",
-        run: |c| circular_buffer::run(&mut c.f, &c.lg, &c.exact, &c.summary, &mut c.body, &mut c.next_index),
+        run: |c| circular_buffer::run(&mut c.f, &c.lg, &c.exact, &mut c.summary, &mut c.body, &mut c.next_index),
     },
     Pass {
         name: "launch",

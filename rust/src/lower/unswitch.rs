@@ -167,9 +167,12 @@ fn only_local_statements(f: &Fusion, lg: &LoopGraph, body: &[Node]) -> bool {
             !block_reduce
         }
         Node::Accumulate { .. } | Node::AccumulatorInit(_) | Node::Vector(_) => true,
-        Node::Init { .. } | Node::Sync(_) | Node::ReduceAccumulator { .. } | Node::Barrier(_) | Node::BulkLoad(_) => {
-            false
-        }
+        Node::Init { .. }
+        | Node::Sync(_)
+        | Node::ReduceAccumulator { .. }
+        | Node::Barrier(_)
+        | Node::BulkLoad(_)
+        | Node::CpAsync(_) => false,
     })
 }
 
