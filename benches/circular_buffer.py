@@ -4,7 +4,8 @@ against kiln's automatic schedule and ``torch.sum``, in one run:
 
 * ``shared``:   the row's tiles of 2048 floats copied to Shared memory by 256 threads, then
   summed (a barrier between, no pipelining);
-* ``cb4``:      the same copy circular-buffered over 4 stages (prefetch 3);
+* ``cb4``:      the same copy circular-buffered over 4 stages (prefetch 3), as asynchronous
+  ``cp.async`` copies;
 * ``bulk``:     each tile one bulk (TMA) copy by one thread, waited on through an mbarrier;
 * ``bulk_cb4``: bulk copies circular-buffered over 4 stages (read-after-write and
   write-after-read mbarriers);
