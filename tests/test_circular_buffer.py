@@ -487,3 +487,22 @@ def test_block_loops_between_the_pipelined_loop_and_the_copy_take_the_pipeline_i
     for m, n in [(3, 70), (5, 1), (1, 64)]:
         x_ = rand(m, n, seed=n)
         np.testing.assert_array_equal(fd.execute([x_])[0], -x_)
+
+
+# -- other architectures (NVRTC, no GPU needed) ---------------------------------------------------
+@pytest.mark.parametrize("kind", ["plain", "bulk"])
+def test_kernels_compile_for_blackwell_and_bulk_copies_need_hopper(kind: str):
+    from kiln.runtime.nvrtc import compile_cubin, nvrtc_available
+
+    if not nvrtc_available():
+        pytest.skip("NVRTC is not installed")
+    fd, _, _ = (bulk_exp if kind == "bulk" else streamed_exp)(3, tile=64)
+    src = fd.lower([rand(4, 1000)]).kernels[0].cuda_source
+    for arch in ("sm_90", "sm_100a"):
+        assert compile_cubin(src, "k.cu", arch).cubin.startswith(b"\x7fELF")
+    if kind == "bulk":
+        # No bulk copies before Hopper: a named compile error, not a kernel that faults.
+        with pytest.raises(KilnError, match=r"ParallelType.Bulk copies \(TMA\) need an sm_90 or newer GPU"):
+            compile_cubin(src, "k.cu", "sm_80")
+    else:
+        assert compile_cubin(src, "k.cu", "sm_80").cubin.startswith(b"\x7fELF")  # cp.async is sm_80
