@@ -12,7 +12,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 import pytest
-from kiln import FusionDefinition, KilnError, MemoryType, ParallelType
+from kiln import DataType, FusionDefinition, KilnError, MemoryType, ParallelType
 
 F32 = np.float32
 
@@ -506,3 +506,64 @@ def test_kernels_compile_for_blackwell_and_bulk_copies_need_hopper(kind: str):
             compile_cubin(src, "k.cu", "sm_80")
     else:
         assert compile_cubin(src, "k.cu", "sm_80").cubin.startswith(b"\x7fELF")  # cp.async is sm_80
+
+
+# -- vector copies and 2-byte elements -----------------------------------------------------------
+def vector_exp(dtype: DataType, vec: int, stages: int, bulk: bool) -> FusionDefinition:
+    """``exp`` in float of a Float or Half input through a circular-buffered copy of tiles of
+    128: plain copies of ``vec`` consecutive elements per thread (one ``cp.async`` of the
+    vector where ``vec > 1``), or one bulk copy per tile."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], dtype=dtype)
+        y = fd.ops.cast(fd.ops.exp(fd.ops.cast(x, DataType.Float)), dtype)
+        fd.add_output(y)
+    c = x.cache_after()
+    c.set_memory_type(MemoryType.Shared)
+    for t in (c, y):
+        t.split(1, 128)
+        t.axis(0).parallelize(ParallelType.BIDx)
+    if bulk:
+        c.axis(2).parallelize(ParallelType.Bulk)
+        y.split(2, vec)
+        y.axis(2).parallelize(ParallelType.TIDx)
+    else:
+        for t in (c, y):
+            t.split(2, vec)
+            t.axis(2).parallelize(ParallelType.TIDx)
+        if vec > 1:
+            c.axis(3).parallelize(ParallelType.Vectorize)
+    c.inline_at(2)
+    c.circular_buffer(stages)
+    return fd
+
+
+VECTOR_CASES = [(dt, vec, stages, bulk) for dt in ("Float", "Half") for vec in (1, 2, 4, 8)
+                for stages in (2, 3) for bulk in (False, True) if not (dt == "Float" and vec == 8)]
+
+
+def _vector_check(xp: Any, dt: str, vec: int, stages: int, bulk: bool) -> None:
+    npdt = np.float32 if dt == "Float" else np.float16
+    fd = vector_exp(DataType(dt), vec, stages, bulk)
+    for n in (1, 130, 515, 1024, 4099):
+        a = (np.random.default_rng(n).random((3, n)) - 0.5).astype(npdt)
+        out = fd.execute([xp.asarray(a)])[0]
+        out = out.get() if hasattr(out, "get") else out
+        tol = 2e-3 if npdt == np.float16 else 1e-6
+        np.testing.assert_allclose(out.astype(np.float64), exp64(a), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dt,vec,stages,bulk", VECTOR_CASES)
+def test_vector_and_half_copies_match_numpy(dt: str, vec: int, stages: int, bulk: bool):
+    _vector_check(np, dt, vec, stages, bulk)
+    if not bulk and vec > 1:
+        x = rand(2, 1024).astype(np.float16 if dt == "Half" else np.float32)
+        ir = vector_exp(DataType(dt), vec, stages, bulk).lower([x]).kernels[0].kernel_ir
+        assert re.search(rf"VECTOR x{vec} T\d+ = set\(T0\)", ir), ir
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt,vec,stages,bulk", VECTOR_CASES)
+def test_gpu_vector_and_half_copies_match_numpy(dt: str, vec: int, stages: int, bulk: bool) -> None:
+    from gpu_util import cupy_or_skip
+
+    _vector_check(cupy_or_skip(), dt, vec, stages, bulk)
