@@ -567,3 +567,25 @@ def test_gpu_vector_and_half_copies_match_numpy(dt: str, vec: int, stages: int, 
     from gpu_util import cupy_or_skip
 
     _vector_check(cupy_or_skip(), dt, vec, stages, bulk)
+
+
+@pytest.mark.parametrize("vec", [2, 4])
+def test_vector_copies_of_one_byte_elements(vec: int):
+    # A Bool vector of 2 bytes is below cp.async's smallest copy: element by element.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], dtype=DataType.Bool)
+        y = fd.ops.where(x, 2.0, -1.0)
+        fd.add_output(y)
+    c = x.cache_after()
+    c.set_memory_type(MemoryType.Shared)
+    for t in (c, y):
+        t.split(1, 64)
+        t.axis(0).parallelize(ParallelType.BIDx)
+        t.split(2, vec)
+        t.axis(2).parallelize(ParallelType.TIDx)
+    c.axis(3).parallelize(ParallelType.Vectorize)
+    c.inline_at(2)
+    c.circular_buffer(3)
+    for n in (1, 65, 300):
+        a = np.random.default_rng(n).random((3, n)) < 0.5
+        np.testing.assert_array_equal(fd.execute([a])[0], np.where(a, 2.0, -1.0).astype(np.float32))

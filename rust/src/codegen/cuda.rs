@@ -637,8 +637,9 @@ impl Gen<'_> {
             );
         }
         if self.k.summary.async_copies.contains(&e.output) {
-            // An asynchronous copy: one cp.async of the vector's bytes, or of each element.
-            let line = if v.access.iter().all(|&a| a != VectorAccess::Elements) {
+            // An asynchronous copy: one cp.async of the vector's 4, 8 or 16 bytes, or one per element
+            // (an element below 4 bytes is stored at once).
+            let line = if v.access.iter().all(|&a| a != VectorAccess::Elements) && matches!(bytes, 4 | 8 | 16) {
                 format!("{pad}    kiln::cpAsyncBytes<{bytes}>(&{ob}[kiln_ob], &{ib}[kiln_ib]);")
             } else {
                 format!("{each_pad}    #pragma unroll\n{each_pad}    for (int kiln_j = 0; kiln_j < {n}; ++kiln_j) kiln::cpAsyncElem(&{ob}[kiln_ob + kiln_j], &{ib}[kiln_ib + kiln_j]);", each_pad = pad)
