@@ -579,7 +579,7 @@ def _collect() -> List[Tuple[Case, Outcome]]:
 
     accepted = 0
 
-    @settings(max_examples=N_EXAMPLES, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=N_EXAMPLES, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
     @given(cases())
     def body(case: Case) -> None:

@@ -353,9 +353,10 @@ fn a_dropped_accumulator_reduction_leaves_the_output_unwritten() {
     assert!(e.message.contains("T1") && e.message.contains("never written"), "{e}");
 }
 
-/// y = neg(x) over rows streamed through a 3-stage circular buffer of bulk copies of 32
-/// floats (prefetch 2); y runs a tile on 32 threads.
-fn bulk_pipeline() -> Fusion {
+/// y = neg(x) over rows streamed through a 3-stage circular buffer of tiles of 32 floats
+/// (`prefetch`, default 2), each tile one bulk copy (`bulk`) or one element per thread; y
+/// runs a tile on 32 threads.
+fn tile_pipeline(bulk: bool, prefetch: Option<i64>) -> Fusion {
     let mut f = Fusion::new();
     let x = f.define_tensor(&[-1, -1], DataType::Float, None).unwrap();
     let y = f.unary(UnaryOp::Neg, Operand::Tensor(x)).unwrap();
@@ -366,10 +367,10 @@ fn bulk_pipeline() -> Fusion {
         f.split(tv, 1, 32, true).unwrap();
         f.parallelize(tv, 0, ParallelType::BIDx).unwrap();
     }
-    f.parallelize(c, 2, ParallelType::Bulk).unwrap();
+    f.parallelize(c, 2, if bulk { ParallelType::Bulk } else { ParallelType::TIDx }).unwrap();
     f.parallelize(y, 2, ParallelType::TIDx).unwrap();
     f.inline_at(c, 2).unwrap();
-    f.circular_buffer(c, 3, None).unwrap();
+    f.circular_buffer(c, 3, prefetch).unwrap();
     f
 }
 
@@ -391,7 +392,7 @@ fn edit_all(body: &mut [Node], edit: &mut dyn FnMut(&mut Node)) {
 #[test]
 fn bulk_pipeline_matches_and_planted_barrier_bugs_are_caught() {
     use crate::kernel::{BarrierOp, PipelinePart};
-    let k = lower(&bulk_pipeline()).unwrap();
+    let k = lower(&tile_pipeline(true, None)).unwrap();
     let (x, args) = bulk_args();
     let want: Vec<f32> = x.iter().map(|v| -v).collect();
     close(&out_f32(&execute(&k, args).unwrap()[0]), &want);
@@ -453,21 +454,7 @@ fn bulk_pipeline_matches_and_planted_barrier_bugs_are_caught() {
 #[test]
 fn plain_pipeline_reads_wait_for_their_asynchronous_copies() {
     use crate::kernel::{CpAsyncOp, PipelinePart};
-    // y = neg(x) with a plain 3-stage copy of 32 floats per tile (one per thread).
-    let mut f = Fusion::new();
-    let x = f.define_tensor(&[-1, -1], DataType::Float, None).unwrap();
-    let y = f.unary(UnaryOp::Neg, Operand::Tensor(x)).unwrap();
-    f.add_output(y).unwrap();
-    let c = f.cache_after(x).unwrap();
-    f.set_memory_type(c, MemoryType::Shared).unwrap();
-    for tv in [c, y] {
-        f.split(tv, 1, 32, true).unwrap();
-        f.parallelize(tv, 0, ParallelType::BIDx).unwrap();
-        f.parallelize(tv, 2, ParallelType::TIDx).unwrap();
-    }
-    f.inline_at(c, 2).unwrap();
-    f.circular_buffer(c, 3, Some(1)).unwrap();
-    let k = lower(&f).unwrap();
+    let k = lower(&tile_pipeline(false, Some(1))).unwrap();
     let (x, args) = bulk_args();
     let want: Vec<f32> = x.iter().map(|v| -v).collect();
     close(&out_f32(&execute(&k, args).unwrap()[0]), &want);

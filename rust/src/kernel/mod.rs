@@ -312,6 +312,13 @@ impl Node {
 
     /// Apply `g` to every scalar value this node (and its children) holds.
     pub fn map_vals(&mut self, g: &mut dyn FnMut(ValId) -> ValId) {
+        fn gathers(gs: &mut [Gather], g: &mut dyn FnMut(ValId) -> ValId) {
+            for gt in gs.iter_mut() {
+                gt.at = g(gt.at);
+                gt.extent = g(gt.extent);
+                gt.element = g(gt.element);
+            }
+        }
         fn index(ix: &mut AccessIndex, g: &mut dyn FnMut(ValId) -> ValId) {
             ix.out = g(ix.out);
             for v in ix.inputs.iter_mut().flatten() {
@@ -319,11 +326,7 @@ impl Node {
             }
             ix.predicate = g(ix.predicate);
             ix.write_predicate = g(ix.write_predicate);
-            for gt in ix.gathers.iter_mut() {
-                gt.at = g(gt.at);
-                gt.extent = g(gt.extent);
-                gt.element = g(gt.element);
-            }
+            gathers(&mut ix.gathers, g);
             if let Some(e) = ix.element.as_mut() {
                 *e = g(*e);
             }
@@ -383,11 +386,7 @@ impl Node {
                 v.input = g(v.input);
                 v.first = g(v.first);
                 v.last = g(v.last);
-                for gt in v.gathers.iter_mut() {
-                    gt.at = g(gt.at);
-                    gt.extent = g(gt.extent);
-                    gt.element = g(gt.element);
-                }
+                gathers(&mut v.gathers, g);
                 for c in v.fallback.body.iter_mut() {
                     c.map_vals(g);
                 }
