@@ -628,7 +628,7 @@ class HostEvaluator:
             ck = executor.load_module(kern.cuda_source_for(index32), kern.kernel_name, threads=threads)
             self._functions[k][key] = ck
         if smem > ck.max_dynamic_smem:
-            ck.function.max_dynamic_shared_size_bytes = smem
+            executor.set_max_dynamic_smem(ck.function, smem)
             ck.max_dynamic_smem = smem
         return ck.function
 

@@ -227,6 +227,17 @@ def _max_threads(function: Any) -> int:
     return int(driver.funcGetAttribute(attribute, function.ptr))
 
 
+def set_max_dynamic_smem(function: Any, nbytes: int) -> None:
+    """Let ``function`` (a ``cupy.cuda.Function``) launch with ``nbytes`` of dynamic Shared memory."""
+    from cupy.cuda import driver  # type: ignore[import-not-found]  # noqa: PLC0415
+
+    attribute = getattr(driver, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", 8)  # 8 in cuda.h
+    try:
+        driver.funcSetAttribute(function.ptr, attribute, int(nbytes))
+    except Exception as e:  # a CUDADriverError: more than the device's opt-in limit
+        raise KilnError(f"the kernel needs {nbytes} bytes of dynamic Shared memory, which the device refuses: {e}") from e
+
+
 def _load_kernel(source: str, kernel_name: str, arch: Optional[str], opts: Tuple[str, ...]) -> CompiledKernel:
     cp = _cupy()
     dev = cp.cuda.Device()
@@ -259,7 +270,7 @@ def launch(
     stream. Dynamic shared memory above 48 KiB raises the function's limit once."""
     if type(kernel) is CompiledKernel:
         if shared_mem > kernel.max_dynamic_smem:
-            kernel.function.max_dynamic_shared_size_bytes = shared_mem
+            set_max_dynamic_smem(kernel.function, shared_mem)
             kernel.max_dynamic_smem = shared_mem
         fn = kernel.function
     else:

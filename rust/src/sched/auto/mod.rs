@@ -8,6 +8,8 @@
 //!   per output would leave the GPU idle.
 //! - `normalization`: reductions broadcast back onto their input (softmax, layernorm):
 //!   one block per row with the row held in registers across the reductions.
+//! - `shared`: normalizations whose rows do not fit in registers, the row's inputs held in
+//!   Shared memory across the reductions.
 //! - `transpose`: a 2-D permute staged through 64x64 Shared tiles (a permute that keeps
 //!   the last axis in place is a pointwise copy in the output's axis order).
 
@@ -18,6 +20,7 @@ pub mod partials;
 pub mod pointwise;
 pub mod reduction;
 pub mod registry;
+pub mod shared;
 pub mod transpose;
 
 pub use registry::{Ctx, DeviceProps, Refusal, Scheduler, REGISTRY};
@@ -37,6 +40,18 @@ pub fn evict_last_inputs() -> bool {
         std::env::var("KILN_L2_EVICT_LAST")
             .map(|v| !matches!(v.trim().to_ascii_lowercase().as_str(), "0" | "false" | "off" | "no"))
             .unwrap_or(true)
+    })
+}
+
+/// Whether the register-persistent normalization steps aside for the Shared-persistent one
+/// (`KILN_ROWS_IN_SHARED` set to `1`, `true`, `on` or `yes`), to compare the two on rows
+/// both can hold. Read once per process, like [`evict_last_inputs`].
+pub fn rows_in_shared() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var("KILN_ROWS_IN_SHARED")
+            .map(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "on" | "yes"))
+            .unwrap_or(false)
     })
 }
 
@@ -73,6 +88,9 @@ pub enum Params {
     /// The row kept in registers, `per_thread` vectors of `vector` per thread: one block
     /// per row, or one warp per row and `rows_per_block` rows per block (TIDy).
     Normalization { vector: i64, per_thread: i64, rows_per_block: i64 },
+    /// The row's full-size inputs copied once into Shared memory, `threads` per block,
+    /// `per_thread` vectors of `vector` each; every pass reads the copy.
+    SharedNormalization { vector: i64, per_thread: i64, threads: i64 },
     /// Row reductions and column partials of `[G, S, N]` tensors (`partials`): one block per
     /// group (BIDx), a serial loop over its rows, each row as `[T (TIDx), per_thread, vector]`.
     ColumnPartials { vector: i64, per_thread: i64 },
@@ -115,6 +133,7 @@ impl Heuristic {
             Params::OuterReduction { .. } => "outer_reduction",
             Params::FullReduction { .. } => "full_reduction",
             Params::Normalization { .. } => "normalization",
+            Params::SharedNormalization { .. } => "shared_normalization",
             Params::LoopedNormalization { .. } => "looped_normalization",
             Params::ColumnPartials { .. } => "column_partials",
             Params::Transpose { .. } => "transpose",
@@ -141,6 +160,7 @@ impl Heuristic {
                 [vec![*threads, *vector, *grid, *serial, *unroll], others.clone()].concat()
             }
             Params::Normalization { vector, per_thread, rows_per_block } => vec![*vector, *per_thread, *rows_per_block],
+            Params::SharedNormalization { vector, per_thread, threads } => vec![*vector, *per_thread, *threads],
             Params::ColumnPartials { vector, per_thread } => vec![*vector, *per_thread],
             Params::LoopedNormalization { outer, unroll, vector, threads_x, threads_y } => {
                 vec![*outer, *unroll, *vector, *threads_x, *threads_y]

@@ -12,7 +12,7 @@ use std::fmt;
 use crate::error::{ErrorKind, Result};
 use crate::ir::{ExprId, Fusion, Op};
 use crate::sched::auto::{
-    looped, normalization, pointwise, reduction, specialize_reduced_extents, transpose, Heuristic,
+    looped, normalization, pointwise, reduction, shared, specialize_reduced_extents, transpose, Heuristic,
 };
 
 /// Properties of the target GPU that the heuristics read; part of every plan key.
@@ -140,6 +140,21 @@ impl Scheduler for Normalization {
     }
 }
 
+struct SharedNormalization;
+
+impl Scheduler for SharedNormalization {
+    fn name(&self) -> &'static str {
+        "shared_normalization"
+    }
+    fn accepts(&self, f: &Fusion, cx: &Ctx) -> std::result::Result<(), String> {
+        Normalization.accepts(f, cx)
+    }
+    fn schedule(&self, f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
+        let reductions = shape(f).reductions;
+        shared::schedule(f, cx, &reductions)
+    }
+}
+
 impl Scheduler for LoopedNormalization {
     fn name(&self) -> &'static str {
         "looped_normalization"
@@ -247,12 +262,20 @@ impl Scheduler for StridedPermute {
 }
 
 /// Every automatic scheduler, in the order they are asked.
-pub static REGISTRY: [&dyn Scheduler; 7] =
-    [&Pointwise, &Normalization, &ColumnPartials, &LoopedNormalization, &Reduction, &Transpose, &StridedPermute];
+pub static REGISTRY: [&dyn Scheduler; 8] = [
+    &Pointwise,
+    &Normalization,
+    &SharedNormalization,
+    &ColumnPartials,
+    &LoopedNormalization,
+    &Reduction,
+    &Transpose,
+    &StridedPermute,
+];
 
 /// Index of the scheduler that produced heuristic kind `kind` (for plan keys).
 pub fn kind_index(kind: &str) -> i64 {
-    const KINDS: [&str; 9] = [
+    const KINDS: [&str; 10] = [
         "pointwise",
         "inner_reduction",
         "outer_reduction",
@@ -262,6 +285,7 @@ pub fn kind_index(kind: &str) -> i64 {
         "strided_permute",
         "looped_normalization",
         "column_partials",
+        "shared_normalization",
     ];
     KINDS.iter().position(|&k| k == kind).unwrap_or(KINDS.len()) as i64
 }

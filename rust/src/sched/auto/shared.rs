@@ -1,0 +1,164 @@
+//! Shared-persistent normalization: the normalizations over trailing axes whose rows the
+//! register-persistent scheduler cannot hold (long rows, several full-size inputs, wide
+//! types), up to what a block's Shared memory holds. One block per row; each full-size
+//! input of the row is copied once into Shared memory and every pass over the row reads it
+//! from there, so the input crosses DRAM once whatever the row's length (the looped
+//! scheduler reads it once per pass).
+//!
+//! Every `[rows, K]` tensor becomes `[rows (BIDx), T (TIDx), p, v]` as in `normalization`:
+//! thread `t` owns vectors `t, t + T, ...` of the row. The Shared copy `s` of an input is
+//! computed at the row level (inlined at 1) with those loops, vectorized, so each thread
+//! reads back only what it wrote and no barrier separates the copy from the passes. Each
+//! pass reads `s` through its own Local vector copy (16-byte Shared loads, not one element
+//! at a time) and recomputes its element-wise chain from there: nothing but the row's
+//! inputs is kept across a reduction, so registers stay free for loads in flight.
+
+use crate::bail;
+use crate::error::Result;
+use crate::ir::{ExprId, Fusion, IterType, MemoryType, Op, Operand, ParallelType, TvId};
+use crate::sched::auto::{looped, normalization, tensor_sizes, Ctx, Heuristic, Params};
+
+/// Threads a streaming multiprocessor runs at once (every kiln target since sm_70).
+const THREADS_PER_SM: i64 = 2048;
+
+/// Bytes of Shared memory a block needs beside its row copies: the block reductions'
+/// workspace (one double per thread) and the runtime's reserve.
+fn workspace_bytes(threads: i64) -> i64 {
+    threads * 8 + 1024
+}
+
+/// Schedule a normalization over the trailing axes with its rows in Shared memory.
+pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuristic> {
+    let (reductions, totals) = super::split_totals(f, reductions);
+    let totals: Vec<TvId> = totals.iter().map(|&e| f.exprs[e].output).collect();
+    let post = super::downstream(f, &totals);
+    let r0 = f.exprs[reductions[0]].output;
+    let n = f.tvs[r0].logical.len();
+    let is_red = normalization::reduced_pattern(f, &reductions)?;
+    let k = is_red.iter().filter(|&&b| b).count();
+    if n < 2 || k == n || !is_red.iter().skip(n - k).all(|&b| b) {
+        bail!("{}: only normalizations over the trailing axes keep their rows in Shared memory", f.tv_name(r0));
+    }
+    let sizes = tensor_sizes(f, cx, r0)?;
+    let row: i64 = sizes[n - k..].iter().product();
+    let widest = normalization::widest_moved(f, n);
+    let v = if row % (16 / widest) == 0 { 16 / widest } else { 1 };
+    let vectors = (row + v - 1) / v;
+
+    let per_row = |f: &Fusion, t: TvId| {
+        f.tvs[t].logical.len() == n - k && f.tvs[t].logical.iter().all(|&id| f.ids[id].iter_type != IterType::Reduction)
+    };
+    let row_tensors = |f: &Fusion| -> Vec<TvId> {
+        f.topo_exprs().iter().map(|&e| f.exprs[e].output).filter(|t| !totals.contains(t) && !post.contains(t)).collect()
+    };
+    let tensors = row_tensors(f);
+    let (rows, full_rank): (Vec<TvId>, Vec<TvId>) = tensors.iter().partition(|&&t| per_row(f, t));
+    normalization::check_aligned(f, cx, r0, &rows, &full_rank)?;
+
+    // The row copies: every dense full-size input, in its own type.
+    let held: Vec<TvId> = f
+        .inputs
+        .iter()
+        .filter_map(|o| match o {
+            Operand::Tensor(x) if super::full_size_input(f, *x, n) => Some(*x),
+            _ => None,
+        })
+        .collect();
+    let row_bytes: i64 = held.iter().map(|&x| row * f.tvs[x].dtype.size_bytes() as i64).sum();
+    if held.is_empty() {
+        bail!("{}: no full-size input to keep in Shared memory; the row is computed, not read", f.tv_name(r0));
+    }
+    // Threads: enough per SM to keep loads in flight once Shared memory caps the blocks an
+    // SM runs (a row of 128 KiB: one block, so 1024 threads).
+    let blocks_per_sm = (cx.device.shared_per_block / (row_bytes + workspace_bytes(128))).max(1);
+    let warps = ((vectors + 31) / 32).max(1);
+    let mut threads = (THREADS_PER_SM / blocks_per_sm).clamp(128, cx.device.max_threads_per_block.min(1024));
+    threads = threads.min(32 * (warps as u64).next_power_of_two() as i64);
+    let p = (vectors + threads - 1) / threads;
+    let threads = (vectors + p - 1) / p;
+    let smem = row_bytes + workspace_bytes(threads);
+    if smem > cx.device.shared_per_block {
+        bail!(
+            "{}: rows of {row} elements need {row_bytes} bytes of Shared memory for {} input(s), more than the {} a block may use next to its reductions",
+            f.tv_name(r0),
+            held.len(),
+            cx.device.shared_per_block - workspace_bytes(threads)
+        );
+    }
+
+    let mut copies = Vec::new();
+    let mut locals = Vec::new();
+    for &x in &held {
+        if let Some(s) = f.cache_after_plain_reads(x)? {
+            f.set_memory_type(s, MemoryType::Shared)?;
+            copies.push(s);
+            if v > 1 {
+                locals.push(f.cache_after(s)?);
+            }
+        }
+    }
+    let mut outs = Vec::new();
+    for o in f.outputs.clone() {
+        if f.no_reduction_logical(o).len() == n && f.tvs[o].logical.len() == n {
+            f.cache_before(o)?;
+            outs.push(o);
+        }
+    }
+    // Each pass computes its own chain from the row copies: a copy of a Local vector copy
+    // is one too, reading the same Shared row.
+    looped::recompute_per_reader(f, &|f: &Fusion, t: TvId| per_row(f, t) || post.contains(&t) || copies.contains(&t))?;
+    let is_local = |f: &Fusion, t: TvId| {
+        f.tvs[t].definition.is_some_and(|d| {
+            matches!(f.exprs[d].op, Op::Set) && f.exprs[d].inputs[0].tensor().is_some_and(|s| copies.contains(&s))
+        })
+    };
+    let kept_axes: Vec<usize> = (0..n - k).collect();
+    let weight = |f: &Fusion, t: TvId| super::row_weight(f, t, &kept_axes);
+
+    let tensors = row_tensors(f);
+    for &t in &tensors {
+        if per_row(f, t) {
+            for _ in 1..(n - k) {
+                f.merge(t, 0, 1)?;
+            }
+            f.parallelize(t, 0, ParallelType::BIDx)?;
+            continue;
+        }
+        if f.tvs[t].logical.len() != n {
+            bail!(
+                "{}: rank differs from the normalization's rank {n}; not covered by the automatic schedule",
+                f.tv_name(t)
+            );
+        }
+        for _ in 1..(n - k) {
+            f.merge(t, 0, 1)?;
+        }
+        for _ in 1..k {
+            f.merge(t, 1, 2)?;
+        }
+        f.split(t, 1, v, true)?; // [rows, K/v, v]
+        f.split(t, 1, p, false)?; // [rows, p, T, v]
+        f.reorder(t, &[(2, 1)])?; // [rows, T, p, v]
+        f.parallelize(t, 0, ParallelType::BIDx)?;
+        f.parallelize(t, 1, ParallelType::TIDx)?;
+        if v > 1 && (copies.contains(&t) || is_local(f, t) || outs.contains(&t) || weight(f, t)) {
+            f.parallelize(t, 3, ParallelType::Vectorize)?;
+        }
+    }
+    super::schedule_totals(f, cx, &totals, &post, sizes[..n - k].iter().product())?;
+    for &t in &tensors {
+        if f.is_output(t) {
+            continue;
+        }
+        let reduction = matches!(f.tvs[t].definition.map(|e| &f.exprs[e].op), Some(Op::Reduction { .. }));
+        let pos = if reduction || per_row(f, t) || copies.contains(&t) {
+            1 // once per row, read by every pass
+        } else if v > 1 && (is_local(f, t) || weight(f, t)) {
+            3 // 16 bytes at once, in the pass's own vector loop
+        } else {
+            -1
+        };
+        f.inline_at(t, pos)?;
+    }
+    Ok(Heuristic::new(Params::SharedNormalization { vector: v, per_thread: p, threads }))
+}
