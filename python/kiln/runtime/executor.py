@@ -42,7 +42,10 @@ __all__ = [
     "zeroed_buffer",
 ]
 
-_DEFAULT_SMEM_LIMIT = 48 * 1024
+# Dynamic Shared memory up to which a kernel launches as loaded. Above it, the function's
+# limit is raised (needed past 48 KiB) and Shared memory is preferred over L1 in the SM's
+# split, so that as many blocks as their Shared memory allows run at once.
+_DEFAULT_SMEM_LIMIT = 16 * 1024
 _ELF_MAGIC = b"\x7fELF"
 
 
@@ -231,11 +234,17 @@ def set_max_dynamic_smem(function: Any, nbytes: int) -> None:
     """Let ``function`` (a ``cupy.cuda.Function``) launch with ``nbytes`` of dynamic Shared memory."""
     from cupy.cuda import driver  # type: ignore[import-not-found]  # noqa: PLC0415
 
-    attribute = getattr(driver, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", 8)  # 8 in cuda.h
+    limit = getattr(driver, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", 8)  # 8 in cuda.h
+    carveout = getattr(driver, "CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT", 9)  # 9 in cuda.h
     try:
-        driver.funcSetAttribute(function.ptr, attribute, int(nbytes))
+        driver.funcSetAttribute(function.ptr, limit, int(nbytes))
     except Exception as e:  # a CUDADriverError: more than the device's opt-in limit
-        raise KilnError(f"the kernel needs {nbytes} bytes of dynamic Shared memory, which the device refuses: {e}") from e
+        raise KilnError(f"the kernel needs {nbytes} bytes of dynamic Shared memory; the device refuses: "
+                        f"{e}") from e
+    try:
+        driver.funcSetAttribute(function.ptr, carveout, 100)  # a hint: all of the split to Shared memory
+    except Exception:  # noqa: BLE001, S110 - a device without the split ignores the hint
+        pass
 
 
 def _load_kernel(source: str, kernel_name: str, arch: Optional[str], opts: Tuple[str, ...]) -> CompiledKernel:

@@ -1093,20 +1093,20 @@ KILN_DEVICE bool isFirstThread() { return threadIdx.x == 0 && threadIdx.y == 0 &
 // Warp shuffles for any T of at most 8 bytes.
 
 template <typename T>
-KILN_DEVICE T shflDown(T v, unsigned offset, int width = 32) {
+KILN_DEVICE T shflDown(T v, unsigned offset, int width = 32, unsigned lanes = 0xffffffffu) {
   static_assert(sizeof(T) <= 8, "kiln::shflDown: T must be at most 8 bytes");
   if constexpr (sizeof(T) == 8) {
     unsigned long long u = bitCast<unsigned long long>(v);
-    u = __shfl_down_sync(0xffffffffu, u, offset, width);
+    u = __shfl_down_sync(lanes, u, offset, width);
     return bitCast<T>(u);
   } else if constexpr (sizeof(T) == 4) {
     unsigned int u = bitCast<unsigned int>(v);
-    u = __shfl_down_sync(0xffffffffu, u, offset, width);
+    u = __shfl_down_sync(lanes, u, offset, width);
     return bitCast<T>(u);
   } else {
     unsigned int u = 0;
     memcpy(&u, &v, sizeof(T));
-    u = __shfl_down_sync(0xffffffffu, u, offset, width);
+    u = __shfl_down_sync(lanes, u, offset, width);
     T r;
     memcpy(&r, &u, sizeof(T));
     return r;
@@ -1154,6 +1154,20 @@ KILN_DEVICE T warpReduce(T val, Op op, int width = 32) {
   return val;
 }
 
+// Reduce over lanes [0, lanes) of the warp (1 <= lanes <= 32; `lane` is this thread's);
+// the result is valid in lane 0. Only those lanes call it: the last, partial warp of a
+// block whose size is not a multiple of 32.
+template <typename T, typename Op>
+KILN_DEVICE T warpReduceLanes(T val, Op op, unsigned lanes, unsigned lane) {
+  if (lanes == 32) return warpReduce(val, op);
+  const unsigned mask = (1u << lanes) - 1u;
+  for (unsigned offset = 16; offset > 0; offset /= 2) {
+    const T other = shflDown(val, offset, 32, mask);
+    if (lane + offset < lanes) val = op(val, other);
+  }
+  return val;
+}
+
 // ---------------------------------------------------------------------------------------
 // Block reduction over the thread dims selected by X_REDUCE/Y_REDUCE/Z_REDUCE.
 //
@@ -1167,6 +1181,8 @@ KILN_DEVICE T warpReduce(T val, Op op, int width = 32) {
 //     y, or over y with blockDim.x == 1) and R = #reduced threads:
 //       - R a multiple of 32: warp shuffles, one smem slot per warp, warp shuffles again.
 //       - R a power of two <= 32 and the block a whole number of warps: shuffles only.
+//       - R the whole block, of any size: shuffles over each warp (the last one partial),
+//         one smem slot per warp, shuffles again.
 //   * otherwise: shared-memory tree (first folds the part above the largest power of two).
 template <bool X_REDUCE, bool Y_REDUCE, bool Z_REDUCE, typename T, typename Op>
 __device__ T blockReduce(T val, Op op, T init, T* smem) {
@@ -1199,6 +1215,22 @@ __device__ T blockReduce(T val, Op op, T init, T* smem) {
     }
     if (contiguous && R < 32 && (R & (R - 1)) == 0 && nthreads % 32 == 0) {
       return warpReduce(val, op, (int)R);
+    }
+    if (contiguous && R == nthreads) {
+      // One segment of any size (a row of 293 threads): shuffles within each warp, the
+      // last one partial, then over the warps' partials. Two barriers, where the tree
+      // below takes one per halving.
+      const unsigned lane = r & 31, warp = r / 32, W = (R + 31) / 32;
+      val = warpReduceLanes(val, op, R - warp * 32 < 32 ? R - warp * 32 : 32u, lane);
+      if (W == 1) return val;
+      if (lane == 0) smem[warp] = val;
+      __syncthreads();
+      if (warp == 0) {  // a whole warp: R > 32 here
+        val = (lane < W) ? smem[lane] : init;
+        val = warpReduce(val, op);
+      }
+      __syncthreads();
+      return val;
     }
 
     // Generic shared-memory tree.

@@ -83,14 +83,21 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     let row: i64 = (0..n).filter(|&a| is_red[a]).map(|a| sizes[a]).product();
     let cols: i64 = kept_axes.iter().map(|&a| sizes[a]).product();
 
+    // Over trailing axes, a gathered `[rows, 1]` value is one per row too; over leading axes
+    // the per-row tensors are the kept axes alone (the others are permuted, these are not).
     let per_row = |f: &Fusion, t: TvId| {
-        f.tvs[t].logical.len() == n - k && f.tvs[t].logical.iter().all(|&id| f.ids[id].iter_type != IterType::Reduction)
+        if inner {
+            super::row_value(f, t, &is_red)
+        } else {
+            f.tvs[t].logical.len() == n - k
+                && f.tvs[t].logical.iter().all(|&id| f.ids[id].iter_type != IterType::Reduction)
+        }
     };
     let row_tensors = |f: &Fusion| -> Vec<TvId> {
         f.topo_exprs().iter().map(|&e| f.exprs[e].output).filter(|t| !totals.contains(t) && !post.contains(t)).collect()
     };
     let tensors = row_tensors(f);
-    let (rows, full_rank): (Vec<TvId>, Vec<TvId>) = tensors.iter().partition(|&&t| per_row(f, t));
+    let (rows, full_rank): (Vec<TvId>, Vec<TvId>) = tensors.iter().partition(|&&t| f.tvs[t].logical.len() == n - k);
     normalization::check_aligned(f, cx, r0, &rows, &full_rank)?;
 
     let widest = normalization::widest_moved(f, n);

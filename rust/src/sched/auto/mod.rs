@@ -364,6 +364,32 @@ pub(crate) fn tile_steps(steps: i64) -> i64 {
     }
 }
 
+/// True when `t` holds one value per row of a row schedule reducing the axes `is_red`:
+/// the kept axes alone (a reduction's result), or every axis with a size-one broadcast at
+/// each reduced one where a gather computes it (the label's logit that cross-entropy picks,
+/// `[rows, 1]`) or a broadcast read only by such values (the labels it picks at). Those are
+/// computed once per row; other `[rows, 1]` values (a `keepdim` statistic and the math on
+/// it) stay inlined into their element-wise readers.
+pub(crate) fn row_value(f: &Fusion, t: TvId, is_red: &[bool]) -> bool {
+    let l = &f.tvs[t].logical;
+    if l.iter().any(|&id| f.ids[id].iter_type == IterType::Reduction) {
+        return false;
+    }
+    let kept = is_red.iter().filter(|&&r| !r).count();
+    if l.len() == kept {
+        return kept > 0;
+    }
+    l.len() == is_red.len()
+        && kept > 0
+        && is_red.iter().zip(l).all(|(&r, &id)| !r || f.ids[id].iter_type == IterType::Broadcast)
+        && f.tvs[t].definition.is_some_and(|e| {
+            f.exprs[e].indexed_tensor().is_some()
+                || (matches!(f.exprs[e].op, Op::Broadcast { .. })
+                    && !f.tvs[t].uses.is_empty()
+                    && f.tvs[t].uses.iter().all(|&u| row_value(f, f.exprs[u].output, is_red)))
+        })
+}
+
 /// A weight of a row schedule: an input broadcast along every kept axis (`kept`), the same
 /// for every row, loaded with the rows' vectors.
 pub(crate) fn row_weight(f: &Fusion, t: TvId, kept: &[usize]) -> bool {
