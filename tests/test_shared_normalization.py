@@ -33,7 +33,8 @@ CASES: List[Tuple[str, Tuple[int, int]]] = (
     [(name, sizes) for name in FLOAT for sizes in [(2, 20000), (3, 20011), (4, 1536)]]
     + [(name, sizes) for name in LOWP for sizes in [(2, 40000), (3, 40003), (5, 3000)]]
     # Two half inputs per row (x and the residual); the logits and an int64 column index.
-    + [("prenorm_residual_layernorm_half", (5, 3000)), ("cross_entropy", (3, 20000)), ("cross_entropy", (4, 1000))]
+    + [("prenorm_residual_layernorm_half", (5, 3000)), ("cross_entropy", (3, 20000)),
+       ("cross_entropy", (4, 1000))]
 )
 
 
@@ -76,8 +77,8 @@ def _softmax(dtype: DataType = DataType.Float) -> FusionDefinition:
 
 @pytest.mark.parametrize("cols,kind", [(1000, "normalization"), (1536, "shared_normalization"),
                                        (4096, "normalization"), (20000, "shared_normalization"),
-                                       (28000, "shared_normalization"), (30000, "normalization"), (40000, "looped_normalization"),
-                                       (300_000, "looped_normalization")])
+                                       (28000, "shared_normalization"), (30000, "normalization"),
+                                       (40000, "looped_normalization"), (300_000, "looped_normalization")])
 def test_the_row_goes_to_registers_then_shared_memory_then_memory(cols: int, kind: str) -> None:
     # Float rows: 250 vectors of 4 fit one per thread in registers (too short for Shared
     # memory to help); 384 vectors, one per thread, keep more loads in flight from Shared
