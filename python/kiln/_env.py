@@ -23,6 +23,10 @@ test or a long-running process can change it between calls).
 - ``KILN_L2_EVICT_LAST``: ``0``/``false``/``off``/``no`` turns off the L2 evict_last hint of the
   automatic schedules; read once per process by the Rust core
   (``sched::auto::evict_last_inputs``), so that cached plans never mix the two settings.
+- ``KILN_ROWS_IN_SHARED``: ``1`` sends every normalization row that both the register- and the
+  Shared-persistent schedules can hold to Shared memory, ``0`` keeps it in registers whenever
+  they hold it; unset, the automatic path picks per row. For comparing the two; read once per
+  process by the Rust core (``sched::auto::rows_in_shared``).
 - ``KILN_COLUMN_PARTIALS``: ``1`` lets the automatic path compute the column sums of a fusion
   that also reduces the same rows (LayerNorm backward) as per-block partials in the row
   kernel (``sched::auto::partials``); experimental, off by default; read once per process by

@@ -43,15 +43,19 @@ pub fn evict_last_inputs() -> bool {
     })
 }
 
-/// Whether the register-persistent normalization steps aside for the Shared-persistent one
-/// (`KILN_ROWS_IN_SHARED` set to `1`, `true`, `on` or `yes`), to compare the two on rows
-/// both can hold. Read once per process, like [`evict_last_inputs`].
-pub fn rows_in_shared() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+/// Where normalization rows that both the register-persistent and the Shared-persistent
+/// schedules can hold go: `KILN_ROWS_IN_SHARED=1` (`true`, `on`, `yes`) sends every such row
+/// to Shared memory, `0` (`false`, `off`, `no`) keeps each in registers whenever they hold
+/// it, unset picks per row (see `normalization::schedule`). For comparing the two; read once
+/// per process, like [`evict_last_inputs`].
+pub fn rows_in_shared() -> Option<bool> {
+    static ON: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
-        std::env::var("KILN_ROWS_IN_SHARED")
-            .map(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "on" | "yes"))
-            .unwrap_or(false)
+        std::env::var("KILN_ROWS_IN_SHARED").ok().and_then(|v| match v.trim().to_ascii_lowercase().as_str() {
+            "1" | "true" | "on" | "yes" => Some(true),
+            "0" | "false" | "off" | "no" => Some(false),
+            _ => None,
+        })
     })
 }
 

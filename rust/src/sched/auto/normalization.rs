@@ -115,7 +115,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     if n < 2 || !is_red.iter().skip(n - k).all(|&b| b) {
         bail!("{}: only normalizations over the trailing axes are scheduled automatically", f.tv_name(r0));
     }
-    if super::rows_in_shared() {
+    if super::rows_in_shared() == Some(true) {
         bail!("{}: KILN_ROWS_IN_SHARED asks for the rows in Shared memory", f.tv_name(r0));
     }
     let sizes = tensor_sizes(f, cx, r0)?;

@@ -208,7 +208,12 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
             .inputs
             .iter()
             .filter_map(|op| op.tensor())
-            .filter(|&x| super::full_size_input(f, x, n) && f.tvs[x].uses.iter().all(|&e| !f.exprs[e].op.is_gather()))
+            .filter(|&x| {
+                // Read element by element somewhere (cross-entropy's logits, also gathered at
+                // the label): those reads stream through the vectorized cache, the gather
+                // keeps reading the input at the positions it picks.
+                super::full_size_input(f, x, n) && f.tvs[x].uses.iter().any(|&e| f.exprs[e].indexed_tensor() != Some(x))
+            })
             .collect();
         let kept_axes: Vec<usize> = (0..n).filter(|&a| !is_red[a]).collect();
         // Vectors along the reduced axes: those must be the input's own.
@@ -245,8 +250,10 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
         let mut caches = Vec::new();
         let mut cached = Vec::new();
         for x in streamed {
-            caches.push(f.cache_after(x)?);
-            cached.push(x);
+            if let Some(c) = f.cache_after_plain_reads(x)? {
+                caches.push(c);
+                cached.push(x);
+            }
         }
         // A tensor read by several ops (an input read by a max, a log-sum-exp and a masked
         // sum) would be computed in a loop nest of its own and held per thread for the whole
@@ -401,12 +408,19 @@ fn broadcasts_last(f: &mut Fusion, x: TvId) -> Result<()> {
     f.reorder(x, &super::moves_to(&perm))
 }
 
-/// Post-reduction tensors: `[rows]` on BIDx.
+/// Post-reduction tensors: `[rows]` on BIDx. A value gathered at a per-row index
+/// (`[rows, 1]`, squeezed before it meets the reduction) and the index broadcast for it
+/// keep their size-one axes as loops of their own: merged into the row axis, it would not
+/// map onto the squeezed reader's row axis.
 fn schedule_after(f: &mut Fusion, after: &[TvId], rank: usize) -> Result<()> {
+    let gathered = |f: &Fusion, t: TvId| f.tvs[t].definition.is_some_and(|e| f.exprs[e].indexed_tensor().is_some());
     for &x in after {
         broadcasts_last(f, x)?;
         let axes = f.tvs[x].loop_domain.len();
-        merge_range(f, x, 0, axes.max(rank))?;
+        let feeds_gather = !f.tvs[x].uses.is_empty()
+            && f.tvs[x].uses.iter().all(|&u| after.contains(&f.exprs[u].output) && gathered(f, f.exprs[u].output));
+        let merged = if rank > 0 && (gathered(f, x) || feeds_gather) { rank } else { axes.max(rank) };
+        merge_range(f, x, 0, merged)?;
         f.parallelize(x, 0, ParallelType::BIDx)?;
     }
     Ok(())
