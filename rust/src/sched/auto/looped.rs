@@ -169,12 +169,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
             f.parallelize(t, 0, ParallelType::BIDx)?;
             continue;
         }
-        if f.tvs[t].logical.len() != n {
-            bail!(
-                "{}: rank differs from the normalization's rank {n}; not covered by the automatic schedule",
-                f.tv_name(t)
-            );
-        }
+        normalization::check_rank(f, t, n)?;
         if permuted {
             f.reorder(t, &super::moves_to(&perm))?;
         }

@@ -14,8 +14,20 @@ use crate::error::Result;
 use crate::ir::{ExprId, Fusion, IterType, Op, Operand, ParallelType, TvId};
 use crate::sched::auto::{tensor_sizes, Ctx, Heuristic, Params};
 
+/// Refuses a tensor of another rank than the normalization's `n`: the row schedules replay
+/// one loop structure on every tensor of the row.
+pub(super) fn check_rank(f: &Fusion, t: TvId, n: usize) -> Result<()> {
+    if f.tvs[t].logical.len() != n {
+        bail!(
+            "{}: rank differs from the normalization's rank {n}; not covered by the automatic schedule",
+            f.tv_name(t)
+        );
+    }
+    Ok(())
+}
+
 /// Merge the leading axes into rows and the trailing `k` axes into one.
-fn rows_and_row(f: &mut Fusion, t: TvId, k: usize) -> Result<()> {
+pub(super) fn rows_and_row(f: &mut Fusion, t: TvId, k: usize) -> Result<()> {
     let n = f.tvs[t].loop_domain.len();
     for _ in 1..(n - k) {
         f.merge(t, 0, 1)?;
@@ -205,12 +217,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
             f.parallelize(t, 0, ParallelType::BIDx)?;
             continue;
         }
-        if f.tvs[t].logical.len() != n {
-            bail!(
-                "{}: rank differs from the normalization's rank {n}; not covered by the automatic schedule",
-                f.tv_name(t)
-            );
-        }
+        check_rank(f, t, n)?;
         rows_and_row(f, t, k)?;
         f.split(t, 1, v, true)?; // [rows, K/v, v]
         if rows_per_block > 1 {

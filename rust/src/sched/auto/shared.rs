@@ -167,18 +167,8 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
             f.parallelize(t, 0, ParallelType::BIDx)?;
             continue;
         }
-        if f.tvs[t].logical.len() != n {
-            bail!(
-                "{}: rank differs from the normalization's rank {n}; not covered by the automatic schedule",
-                f.tv_name(t)
-            );
-        }
-        for _ in 1..(n - k) {
-            f.merge(t, 0, 1)?;
-        }
-        for _ in 1..k {
-            f.merge(t, 1, 2)?;
-        }
+        normalization::check_rank(f, t, n)?;
+        normalization::rows_and_row(f, t, k)?;
         f.split(t, 1, v, true)?; // [rows, K/v, v]
         f.split(t, 1, p, false)?; // [rows, p, T, v]
         f.reorder(t, &[(2, 1)])?; // [rows, T, p, v]
