@@ -1178,6 +1178,14 @@ def progress(r: Dict[str, Any]) -> None:
             print(f"    {p}: its result disagrees with torch eager ({q['check']})", flush=True)
 
 
+def parse_sizes(text: str) -> Tuple[int, ...]:
+    """``32768x768`` as ``(32768, 768)``."""
+    try:
+        return tuple(int(p) for p in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"sizes look like 32768x768, got {text!r}") from None
+
+
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     """Command-line options."""
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
@@ -1186,6 +1194,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     ap.add_argument("--only", nargs="+", default=[], metavar="NAME",
                     help="workloads to run (default: all): " + ", ".join(w.name for w in WORKLOADS))
     ap.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
+    ap.add_argument("--sizes", type=parse_sizes, default=None, metavar="AxBx...",
+                    help="run the selected workloads at these sizes instead of theirs (e.g. 32768x768)")
     ap.add_argument("--cpu-check", action="store_true",
                     help="no GPU, no torch: run every kiln definition at small sizes in the CPU "
                          "interpreter against float64 NumPy")
@@ -1221,7 +1231,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     gen.manual_seed(SEED)
     results = []
     for w in workloads:
-        sizes = w.quick if args.quick else w.sizes
+        sizes = args.sizes or (w.quick if args.quick else w.sizes)
         print(f"running {w.name} {'x'.join(map(str, sizes))} ...", flush=True)
         try:
             results.append(run_workload(w, sizes, rounds, per_round, copy_gbps, env["l2_cache_bytes"], gen))

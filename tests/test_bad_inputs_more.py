@@ -2117,15 +2117,18 @@ def test_streaming_load_without_a_vector_is_refused_at_lower() -> None:
     expect(lambda: fd.lower([rnd(8, 16)]), KilnError, tv(3), r"vectorized")
 
 
-@pytest.mark.parametrize("who", ["cache", "output"])
-def test_circular_buffering_outside_shared_memory_is_refused_at_lower(who: str) -> None:
-    # A Local cache and a Global output: only a Shared copy is circular-buffered.
+def test_circular_buffering_a_global_tensor_is_refused_at_lower() -> None:
+    # A Global output: only a Shared copy (or a Local one, in registers) is circular-buffered.
     fd, x, y, z = _chain((8, 16))
-    t = x.cache_after() if who == "cache" else z
-    t.circular_buffer(2)
-    mem = "Local" if who == "cache" else "Global"
-    expect(lambda: fd.lower([rnd(8, 16)]), KilnError, tv(3 if who == "cache" else 2),
-           rf"is in {mem} memory; only a Shared copy is circular-buffered")
+    z.circular_buffer(2)
+    expect(lambda: fd.lower([rnd(8, 16)]), KilnError, tv(2), r"is in Global memory; only a Shared copy")
+
+
+def test_circular_buffering_a_local_cache_without_a_serial_loop_is_refused_at_lower() -> None:
+    fd, x, y, z = _chain((8, 16))
+    c = x.cache_after()
+    c.circular_buffer(2)
+    expect(lambda: fd.lower([rnd(8, 16)]), KilnError, tv(3), r"no serial loop to pipeline")
 
 
 def test_segment_after_an_input() -> None:

@@ -187,11 +187,29 @@ def test_stage_and_prefetch_counts_are_checked_when_set():
         c.circular_buffer(3, 0)
 
 
-def test_a_local_copy_is_refused():
-    fd, c, _ = streamed_exp(2)
+@pytest.mark.parametrize("stages,prefetch", [(2, 1), (3, 2), (3, 1), (4, 2)])
+@pytest.mark.parametrize("m,n", [(2, 64), (3, 200), (1, 31)])
+def test_a_local_copy_is_loaded_ahead_in_registers(stages: int, prefetch: int, m: int, n: int):
+    # Each thread loads its own elements of the tiles ahead into register stages: the
+    # allocation holds the stages, the loop is split in three, and no barrier or cp.async
+    # orders the loads (a thread reads only what it loaded).
+    fd, c, _ = streamed_exp(stages, prefetch)
     c.set_memory_type(MemoryType.Local)
-    with pytest.raises(KilnError, match=rf"{c.name} is in Local memory; only a Shared copy is "
-                                        r"circular-buffered"):
+    x_ = rand(m, n)
+    k = fd.lower([x_]).kernels[0]
+    assert f"ALLOCATE {c.name} Local float [{stages}, 1]" in k.kernel_ir, k.kernel_ir
+    parts = pipelined_parts(k.kernel_ir)
+    assert [p for p, _ in parts] == ["prologue", "main", "epilogue"], k.kernel_ir
+    body = k.cuda_source.split("__global__")[-1]
+    assert "__syncthreads" not in body and "cp_async" not in body and "cp.async" not in body, body
+    assert parts[0][1] == str(prefetch), parts
+    np.testing.assert_allclose(fd.execute([x_])[0], np.exp(x_.astype(np.float64)), rtol=1e-6)
+
+
+def test_a_global_tensor_is_refused():
+    fd, c, y = streamed_exp(2)
+    c.set_memory_type(MemoryType.Global)
+    with pytest.raises(KilnError, match=rf"{c.name} is in Global memory; only a Shared copy \(or a Local "):
         fd.lower([rand(2, 64)])
 
 

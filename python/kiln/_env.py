@@ -27,10 +27,11 @@ test or a long-running process can change it between calls).
   Shared-persistent schedules can hold to Shared memory, ``0`` keeps it in registers whenever
   they hold it; unset, the automatic path picks per row. For comparing the two; read once per
   process by the Rust core (``sched::auto::rows_in_shared``).
-- ``KILN_COLUMN_PARTIALS``: ``1`` lets the automatic path compute the column sums of a fusion
-  that also reduces the same rows (LayerNorm backward) as per-block partials in the row
-  kernel (``sched::auto::partials``); experimental, off by default; read once per process by
-  the Rust core.
+- ``KILN_COLUMN_PARTIALS``: ``0``/``false``/``off``/``no`` turns off the automatic path's
+  per-block column partials: a fusion that reduces the same rows and columns (LayerNorm
+  backward) then runs one kernel per class of reductions instead of one that computes the
+  column sums as register partials beside the rows, plus small kernels that total them
+  (``sched::auto::partials``); read once per process by the Rust core.
 """
 
 from __future__ import annotations

@@ -32,6 +32,17 @@ use crate::sched::auto::{extent_values, refused, tensor_sizes, Ctx, DeviceProps,
 struct Covered {
     fusion: Fusion,
     heuristic: Heuristic,
+    /// Why the schedulers before the one that covered it refused (`KILN_DUMP=segments`).
+    passed_over: Vec<Refusal>,
+}
+
+/// The segment report's lines for one covered group: its schedule, its exprs, and the
+/// refusals of the schedulers tried before the one that covered it.
+fn covered_text(report: &mut String, k: usize, c: &Covered, exprs: &str) {
+    let _ = writeln!(report, "  segment {k}: {} {exprs}", c.heuristic.describe());
+    for r in &c.passed_over {
+        let _ = writeln!(report, "    passed over: {r}");
+    }
 }
 
 /// Groups of exprs in dependency order, and how each is covered.
@@ -47,7 +58,7 @@ fn try_group(f: &Fusion, order: &[ExprId], group: &[ExprId], cx: &Ctx) -> Result
     // The registry's schedules lower and print (a scheduler whose schedule does not is
     // skipped for the next one).
     match schedule_fusion(&mut sf, cx)? {
-        Ok(heuristic) => Ok(Ok(Covered { fusion: sf, heuristic })),
+        Ok((heuristic, passed_over)) => Ok(Ok(Covered { fusion: sf, heuristic, passed_over })),
         Err(refusals) => Ok(Err(join(&refusals))),
     }
 }
@@ -237,7 +248,7 @@ fn plan(mut g: Fusion, cx: &Ctx) -> Result<(HostProgram, Heuristic)> {
         match try_group(&g, &order, &order, cx)? {
             Ok(c) => {
                 let _ = writeln!(report, "segments: 1 kernel (the whole fusion)");
-                let _ = writeln!(report, "  segment 0: {} {}", c.heuristic.describe(), group_text(&g, &order));
+                covered_text(&mut report, 0, &c, &group_text(&g, &order));
                 let h = c.heuristic.clone();
                 let mut program = lower_segments(&g, &[segment_of(&g, &order, &order)?], &mut |_, sf| {
                     *sf = c.fusion.clone();
@@ -290,7 +301,7 @@ fn plan(mut g: Fusion, cx: &Ctx) -> Result<(HostProgram, Heuristic)> {
     let _ = writeln!(report, "segments: {} kernels", groups.len());
     for (k, grp) in groups.iter().enumerate() {
         let h = &covered[k].heuristic;
-        let _ = writeln!(report, "  segment {k}: {} {}", h.describe(), group_text(&g, grp));
+        covered_text(&mut report, k, &covered[k], &group_text(&g, grp));
         parts.push((grp.iter().map(|e| e.as_u32()).collect(), h.clone()));
     }
     let mut program = lower_segments(&g, &segs, &mut |k, sf| {
@@ -660,7 +671,18 @@ fn candidates(
             }
         }
     }
-    for ps in fed_by.values() {
+    // Likewise groups reading one producer group's results (the totals of two column
+    // partials): one launch instead of two.
+    let mut feeds: FxHashMap<usize, Vec<usize>> = FxHashMap::default();
+    for (&c, ps) in &fed_by {
+        for &p in ps {
+            feeds.entry(p).or_default().push(c);
+        }
+    }
+    for cs in feeds.values_mut() {
+        cs.sort_unstable();
+    }
+    for ps in fed_by.values().chain(feeds.values()) {
         for (x, &i) in ps.iter().enumerate() {
             for &j in &ps[x + 1..] {
                 saved.entry((i.min(j), i.max(j))).or_insert(0);

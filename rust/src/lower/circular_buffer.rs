@@ -7,6 +7,10 @@
 //! `i`, and an epilogue computing the last `prefetch` iterations — with every access of
 //! the tensor moved to its stage (`(iteration % stages) * buffer size`), and the barriers
 //! its reads by other threads need.
+//! A circular-buffered Local copy is the same pipeline in registers: each thread loads its
+//! own elements of iteration `i + prefetch` into their stage before computing iteration
+//! `i`, and reads only what it loaded, so no barrier or asynchronous copy orders them (a
+//! load stalls only the first instruction that reads its register).
 //! Copies with a `Bulk` axis become one bulk (TMA) copy per buffer, issued by the block's
 //! first thread and ordered by mbarriers instead of block barriers (seed 000, rule 9): a
 //! pipelined loop gets `mbar[0:stages]` (read-after-write: a stage's bytes landed) and
@@ -47,7 +51,7 @@ pub fn pipelined_axis(f: &Fusion, lg: &LoopGraph, tv: TvId) -> Option<usize> {
 }
 
 /// The schedule rules of circular buffering, each error naming the tensor and what to
-/// change: a Shared copy of a fusion input, inlined inside a serial loop that all its
+/// change: a Shared (or Local) copy of a fusion input, inlined inside a serial loop that all its
 /// readers share, with one set of options per pipelined loop.
 pub fn check(f: &Fusion, lg: &LoopGraph) -> Result<()> {
     check_bulk(f, lg)?;
@@ -60,11 +64,13 @@ pub fn check(f: &Fusion, lg: &LoopGraph) -> Result<()> {
         let t = &f.tvs[tv];
         let name = f.tv_name(tv);
         let what = format!("circular_buffer {name} ({} stages, prefetch {})", cb.stages, cb.prefetch);
-        if t.memory != MemoryType::Shared {
+        if t.memory == MemoryType::Global {
             bail!(
-                "{what}: {name} is in {} memory; only a Shared copy is circular-buffered (call {name}.set_memory_type(MemoryType.Shared))",
-                t.memory.enum_name()
+                "{what}: {name} is in Global memory; only a Shared copy (or a Local one, loaded ahead into registers) is circular-buffered (call {name}.set_memory_type(MemoryType.Shared))"
             );
+        }
+        if t.memory == MemoryType::Local && bulk_axis(f, tv).is_some() {
+            bail!("{what}: {name} is in Local memory; a Bulk copy lands in Shared memory");
         }
         let Some(e) = t.definition else { continue };
         let src = match (&f.exprs[e].op, f.exprs[e].inputs.first()) {
@@ -101,6 +107,16 @@ pub fn check(f: &Fusion, lg: &LoopGraph) -> Result<()> {
                     f.tv_name(c)
                 );
             }
+        }
+        if let Some(&(_, other, _)) = loops
+            .iter()
+            .find(|(og, o, _)| *og == g && (f.tvs[*o].memory == MemoryType::Local) != (t.memory == MemoryType::Local))
+        {
+            bail!(
+                "{what}: {} is pipelined in the same loop in {} memory; the tensors of one loop are all Shared or all Local",
+                f.tv_name(other),
+                f.tvs[other].memory.enum_name()
+            );
         }
         if let Some(&(_, other, ocb)) = loops.iter().find(|(og, _, _)| *og == g) {
             if bulk_axis(f, other).is_some() != bulk_axis(f, tv).is_some() {
@@ -535,12 +551,13 @@ pub fn run(
     let array_of = |tv: TvId| summary.barriers.iter().position(|b| b.tvs.contains(&tv)).map(|i| i as u32);
     for (group, cb, tvs) in pipelines(f, lg) {
         let array = array_of(tvs[0]);
-        if array.is_none() {
+        let registers = f.tvs[tvs[0]].memory == MemoryType::Local;
+        if array.is_none() && !registers {
             // Plain copies of a pipeline load asynchronously (cp.async), in one group per
             // iteration.
             summary.async_copies.extend(tvs.iter().copied());
         }
-        pipeline(f, lg, exact, body, next_index, group, cb, &tvs, array)?;
+        pipeline(f, lg, exact, body, next_index, group, cb, &tvs, array, registers)?;
     }
     for (i, b) in summary.barriers.iter().enumerate() {
         if b.size == 1 {
@@ -631,6 +648,7 @@ fn pipeline(
     cb: CircularBuffer,
     tvs: &[TvId],
     array: Option<u32>,
+    registers: bool,
 ) -> Result<()> {
     let stages = i64::from(cb.stages);
     let prefetch = i64::from(cb.prefetch);
@@ -653,6 +671,7 @@ fn pipeline(
     // Block barriers only where some reader reads what other threads loaded; bulk copies
     // are written by the copy engine, so every reader waits on its mbarrier.
     let cross = array.is_none()
+        && !registers
         && tvs.iter().any(|&tv| {
             f.tvs[tv].uses.iter().any(|&e| cross_reads(f, lg, exact, tv, e).iter().any(|x| x.pt.is_thread()))
         });
@@ -765,11 +784,14 @@ fn pipeline(
             guard(f, node, inside);
         }
     }
+    // Register stages are plain loads: a thread waits on a load only where it reads the
+    // register, so nothing orders them.
     match array {
         Some(a) => {
             let bar = raw(f, a, p);
             bind_barriers(&mut pro, bar, None);
         }
+        None if registers => {}
         None => pro.push(Node::CpAsync(CpAsyncOp::Commit)),
     }
     // Main: iteration i loads i + prefetch, then computes i.
@@ -791,7 +813,7 @@ fn pipeline(
         let bar = raw(f, a, l.index);
         let rp = parity(f, l.index);
         main.push(Node::Barrier(BarrierOp::Wait { bar, parity: rp }));
-    } else {
+    } else if !registers {
         // The groups of iterations i .. i + prefetch are in flight: iteration i's has landed
         // once at most `prefetch` remain.
         main.push(Node::CpAsync(CpAsyncOp::Commit));
@@ -805,7 +827,7 @@ fn pipeline(
         let bar = war(f, a, l.index);
         main.push(Node::Barrier(BarrierOp::Arrive { bar }));
     }
-    if (cross || array.is_none()) && prefetch == stages - 1 {
+    if (cross || (array.is_none() && !registers)) && prefetch == stages - 1 {
         // The next iteration loads into the stage this one read (an asynchronous copy is
         // not ordered after its own thread's reads either).
         main.push(Node::Sync(SyncKind::War));
@@ -821,6 +843,7 @@ fn pipeline(
             let rp = parity(f, from);
             epi.push(Node::Barrier(BarrierOp::Wait { bar, parity: rp }));
         }
+        None if registers => {}
         None => {
             // Every group has landed (the tail is short: no count per iteration).
             epi.push(Node::CpAsync(CpAsyncOp::Wait(0)));

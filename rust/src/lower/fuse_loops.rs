@@ -8,7 +8,8 @@
 //! The statements between them move before the fused loop where they are independent of
 //! the first loop, after it otherwise, and the second loop must then be independent of
 //! them. Loops that touch a Shared tensor stay apart (their barriers were placed for the
-//! order as written), as do vectorized loops (one wide copy each). Every fused loop is
+//! order as written), as do vectorized loops (one wide copy each) and serial loops of one
+//! iteration (fusing them saves nothing and would delay their readers). Every fused loop is
 //! block-uniform, so a block reduction inside still meets all threads.
 //!
 //! Why: the looped normalization gives each reduction its own pass over the row, and a
@@ -132,8 +133,10 @@ pub fn run(f: &mut Fusion, lg: &LoopGraph, body: &mut Vec<Node>) -> Result<()> {
 fn fuse_in(f: &mut Fusion, lg: &LoopGraph, body: &mut Vec<Node>) {
     let mut i = 0;
     while i < body.len() {
-        if let Some(new_i) = fuse_at(f, lg, body, i) {
-            i = new_i; // try the fused loop against the next sibling too
+        if fuse_at(f, lg, body, i).is_some() {
+            // Statements that moved before the fused loop now start at `i`: try them (and
+            // then the fused loop, against later siblings) too. Each fusion removes a loop,
+            // so this ends.
         } else {
             i += 1;
         }
@@ -149,7 +152,7 @@ fn fuse_in(f: &mut Fusion, lg: &LoopGraph, body: &mut Vec<Node>) {
 /// loop's new position, or None.
 fn fuse_at(f: &mut Fusion, lg: &LoopGraph, body: &mut Vec<Node>, i: usize) -> Option<usize> {
     let Node::Loop(l1) = &body[i] else { return None };
-    if !fusible(l1) {
+    if !fusible(f, l1) {
         return None;
     }
     let first = Effects::of(f, std::slice::from_ref(&body[i]));
@@ -205,8 +208,14 @@ fn fuse_at(f: &mut Fusion, lg: &LoopGraph, body: &mut Vec<Node>, i: usize) -> Op
 
 /// Loops fusion may merge: lowering's own loops (reduction inits) and vectorized loops keep
 /// their shape.
-fn fusible(l: &ForLoop) -> bool {
-    l.init_axis.is_none() && l.parallel != ParallelType::Vectorize
+fn fusible(f: &Fusion, l: &ForLoop) -> bool {
+    l.init_axis.is_none() && l.parallel != ParallelType::Vectorize && !one_trip(f, l)
+}
+
+/// A serial loop of one iteration (a broadcast axis): nothing to save by fusing it, and
+/// moving it behind the statements between would only delay what reads it.
+fn one_trip(f: &Fusion, l: &ForLoop) -> bool {
+    !l.parallel.is_thread_or_block() && f.scalars.as_int(l.extent) == Some(1)
 }
 
 /// True when `b` runs the same iterations as `a`: same extent and parallel type, over the
@@ -221,7 +230,7 @@ fn same_iteration(f: &Fusion, lg: &LoopGraph, a: &ForLoop, b: &ForLoop) -> bool 
     } else {
         matches!(f.scalars.get(b.index), Val::Symbol(Symbol::LoopIndex(_)))
     };
-    fusible(b) && a.parallel == b.parallel && extent_eq && kind(a) == kind(b) && index_ok
+    fusible(f, b) && a.parallel == b.parallel && extent_eq && kind(a) == kind(b) && index_ok
 }
 
 /// Append `l2`'s body to `fused`, its loop index replaced by `fused`'s.

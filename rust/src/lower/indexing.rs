@@ -50,13 +50,14 @@ pub fn run(
     lg: &LoopGraph,
     exact: &crate::analysis::id_graph::IdGraph,
     allocs: &FxHashMap<TvId, AllocationInfo>,
+    order: &[crate::ir::ExprId],
     body: &mut [Node],
 ) -> Result<()> {
     let mut extents: FxHashMap<ParallelType, Vec<ValId>> = FxHashMap::default();
     collect_parallel_extents(body, &mut extents);
     let used = extents.keys().copied().collect();
     let ragged = extents.into_iter().filter(|(_, v)| v.len() > 1).map(|(p, _)| p).collect();
-    let waits = crate::analysis::parallel::grid_waits(f, lg, &crate::lower::loops::expr_order(f));
+    let waits = crate::analysis::parallel::grid_waits(f, lg, order);
     let grid_dims =
         waits.values().flatten().map(|&t| (t, crate::analysis::parallel::grid_reduced_dims(f, lg, t))).collect();
     let partial = crate::lower::validate::through_consumer(f, lg, exact);

@@ -12,8 +12,10 @@ use crate::error::Result;
 use crate::ir::{ExprId, Fusion, Symbol, TvId};
 use crate::kernel::{ForLoop, Node};
 
-/// Expressions in an order that keeps inlined producers next to their consumers.
-pub fn expr_order(f: &Fusion) -> Vec<ExprId> {
+/// Expressions in an order that keeps inlined producers next to their consumers. With
+/// `defer_stores`, the stores of register accumulators (see [`accumulator_store`]) come
+/// after every other expr, in output order.
+pub fn expr_order(f: &Fusion, defer_stores: bool) -> Vec<ExprId> {
     let mut order = Vec::new();
     let mut done: FxHashSet<ExprId> = FxHashSet::default();
     // Outputs computed from a grid reduction last: a grid reduction waits for every block,
@@ -21,10 +23,40 @@ pub fn expr_order(f: &Fusion) -> Vec<ExprId> {
     // loss averaged over the rows would close the row loop that a per-row output needs).
     let mut outputs = f.outputs.clone();
     outputs.sort_by_cached_key(|&o| after_grid_reduction(f, o));
-    for out in outputs {
+    // An accumulator reduced across a serial loop that other outputs also run (the column
+    // partials of a block's rows, summed while the rows are normalized) is stored once that
+    // loop is over: placed right after the accumulation, its store would close the loop
+    // before the next accumulator's reduction, which needs it open.
+    let deferred: Vec<TvId> =
+        if defer_stores { outputs.iter().copied().filter(|&o| accumulator_store(f, o)).collect() } else { Vec::new() };
+    for &out in &outputs {
+        if deferred.contains(&out) {
+            let Some(e) = f.tvs[out].definition else { continue };
+            for p in f.exprs[e].input_tvs() {
+                visit(f, p, &mut done, &mut order);
+            }
+        } else {
+            visit(f, out, &mut done, &mut order);
+        }
+    }
+    for out in deferred {
         visit(f, out, &mut done, &mut order);
     }
     order
+}
+
+/// True when output `tv` is a copy of a reduction that is not inlined into it: a register
+/// accumulator whose reduction runs in loops of its own, stored after them.
+pub fn accumulator_store(f: &Fusion, tv: TvId) -> bool {
+    let Some(e) = f.tvs[tv].definition else { return false };
+    if !matches!(f.exprs[e].op, crate::ir::Op::Set) {
+        return false;
+    }
+    f.exprs[e].input_tvs().all(|p| {
+        f.tvs[p].inline_pos == 0
+            && !f.is_output(p)
+            && f.tvs[p].definition.is_some_and(|d| matches!(f.exprs[d].op, crate::ir::Op::Reduction { .. }))
+    })
 }
 
 /// True when `tv` is, or is computed from, a reduction over a block-parallel axis.

@@ -79,6 +79,18 @@ pub const PASSES: &[Pass] = &[
     Pass {
         name: "loops",
         run: |c| {
+            // Deferred accumulator stores can close loops a later expr needs where the
+            // kernel has several loop nests: then the plain order is used.
+            let plain = loops::expr_order(&c.f, false);
+            if plain != c.order {
+                let mut f = c.f.clone();
+                if let Ok((body, next)) = loops::run(&mut f, &c.lg, &c.order) {
+                    (c.f, c.body, c.next_index) = (f, body, next);
+                    return Ok(());
+                }
+                c.lg = LoopGraph::build(&c.f, &c.exact, &loops::tensor_order(&c.f, &plain))?;
+                c.order = plain;
+            }
             let (body, next) = loops::run(&mut c.f, &c.lg, &c.order)?;
             (c.body, c.next_index) = (body, next);
             Ok(())
@@ -92,7 +104,7 @@ pub const PASSES: &[Pass] = &[
             Ok(())
         },
     },
-    Pass { name: "indexing", run: |c| indexing::run(&mut c.f, &c.lg, &c.exact, &c.allocations, &mut c.body) },
+    Pass { name: "indexing", run: |c| indexing::run(&mut c.f, &c.lg, &c.exact, &c.allocations, &c.order, &mut c.body) },
     Pass {
         name: "syncs",
         run: |c| {
@@ -158,7 +170,7 @@ pub fn lower(fusion: &Fusion) -> Result<Kernel> {
     validate::run(&f)?;
     precision::run(&mut f);
     let exact = IdGraph::exact(&f);
-    let order = loops::expr_order(&f);
+    let order = loops::expr_order(&f, true);
     let tv_order = loops::tensor_order(&f, &order);
     let lg = LoopGraph::build(&f, &exact, &tv_order)?;
     let mut c = LowerCtx {

@@ -10,7 +10,7 @@ use crate::sched::propagate::completed;
 
 fn graphs(f: &Fusion) -> (IdGraph, LoopGraph) {
     let exact = IdGraph::exact(f);
-    let order = loops::expr_order(f);
+    let order = loops::expr_order(f, true);
     let tv_order = loops::tensor_order(f, &order);
     let lg = LoopGraph::build(f, &exact, &tv_order).unwrap();
     (exact, lg)

@@ -79,7 +79,10 @@ pub fn run(
             }
             // Rule 9: a circular-buffered tensor holds one buffer per stage; its
             // AllocationInfo keeps one buffer's layout, which indexing reads.
-            if let (MemoryType::Shared, Some(cb)) = (mem, f.tvs[tv].circular_buffer) {
+            // A circular-buffered Local copy (registers loaded ahead) is declared at the top
+            // of the kernel too: its stages outlive one iteration of the pipelined loop.
+            let staged = f.tvs[tv].circular_buffer.filter(|_| mem != MemoryType::Global);
+            if let Some(cb) = staged {
                 shape.insert(0, f.scalars.int(i64::from(cb.stages)));
                 info.stages = cb.stages;
             }
@@ -93,6 +96,7 @@ pub fn run(
                 resets_to_zero: false,
             };
             match mem {
+                MemoryType::Local if staged.is_some() => top.push(Node::Alloc(alloc)),
                 MemoryType::Local => nodes.push(Node::Alloc(alloc)),
                 MemoryType::Shared => top.push(Node::Alloc(alloc)),
                 MemoryType::Global => {

@@ -290,9 +290,14 @@ pub fn kind_index(kind: &str) -> i64 {
     KINDS.iter().position(|&k| k == kind).unwrap_or(KINDS.len()) as i64
 }
 
+/// What [`schedule_fusion`] found: the heuristic with the refusals of the schedulers tried
+/// before the one that placed it, or every scheduler's refusal.
+pub type Scheduled = std::result::Result<(Heuristic, Vec<Refusal>), Vec<Refusal>>;
+
 /// Schedule the unscheduled fusion `f` in place with the first scheduler that accepts it
-/// and places it; `Ok(Err(refusals))` when none does (one refusal per scheduler).
-pub fn schedule_fusion(out: &mut Fusion, cx: &Ctx) -> Result<std::result::Result<Heuristic, Vec<Refusal>>> {
+/// and places it, with the refusals of the schedulers tried before it; `Ok(Err(refusals))`
+/// when none does (one refusal per scheduler).
+pub fn schedule_fusion(out: &mut Fusion, cx: &Ctx) -> Result<Scheduled> {
     if out.manually_scheduled {
         crate::bail!(
             "the fusion is already scheduled by hand; automatic scheduling only applies to unscheduled fusions"
@@ -328,7 +333,7 @@ pub fn schedule_fusion(out: &mut Fusion, cx: &Ctx) -> Result<std::result::Result
                 match crate::lower::lower(&g).and_then(|k| crate::codegen::generate(&k, false).map(|_| ())) {
                     Ok(()) => {
                         *out = g;
-                        return Ok(Ok(h));
+                        return Ok(Ok((h, refusals)));
                     }
                     Err(e) if e.kind == ErrorKind::Internal => return Err(e),
                     Err(e) => refusals.push(Refusal {
