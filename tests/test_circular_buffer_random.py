@@ -9,7 +9,9 @@ addition of a second input broadcast along the rows ``[n]`` or along the columns
 ``[b, m]``), ending as an element-wise output ``y``, a sum or max ``s`` over the last axis, or
 both (``s`` then reads ``y``, and is sometimes inlined into it).
 
-Schedules: the copy ``c = x.cache_after()`` in Shared memory and every scheduled tensor split
+Schedules: the copy ``c = x.cache_after()`` in Shared memory (or, where every reader runs the
+copy's thread mapping and the copy is not a Bulk one, in Local memory: register stages) and every
+scheduled tensor split
 by a tile of 16, 32, 64 or 128 along the last axis (or not split: whole rows); the leading axes
 on blocks (BIDx, BIDy), as serial loops around the pipeline, or merged first; for element-wise
 outputs, sometimes the tiles on a block dimension too. ``c`` is inlined at the tile loop (or the
@@ -128,6 +130,7 @@ class Case:
     static: bool
     sizes: List[Tuple[int, ...]]  # x's shapes, one run each
     seed: int = 0
+    local: bool = False  # the copy in Local memory (register stages) instead of Shared
 
 
 def _mapping(d: Any, copy: bool, like: Optional[Mapping] = None) -> Mapping:
@@ -185,8 +188,14 @@ def gen_case(d: Any) -> Case:
     tiles_on_blocks = out == "pointwise" and tile > 0 and d.bool(0.2)
     intermediates = "untouched" if d.bool(0.15) else "scheduled"
     inline_y = read_s == read_y and d.bool(0.5)
-    return Case(rank, outer, ops, out, d.choice(["sum", "max"]), tile, stages, prefetch, copy, read_y,
+    case = Case(rank, outer, ops, out, d.choice(["sum", "max"]), tile, stages, prefetch, copy, read_y,
                 read_s, tiles_on_blocks, intermediates, inline_y, static, sizes, seed=d.int(0, 2 ** 16))
+    # Register stages: only where every reader runs the copy's mapping (a thread reads only
+    # what it loaded) and the copy is not a Bulk one (which lands in Shared memory).
+    readers = [read_y] if out == "pointwise" else [read_s] if out == "reduce" else [read_y, read_s]
+    same = all(r == copy for r in readers) and not copy.bulk
+    case.local = same and intermediates == "scheduled" and d.bool(0.35)
+    return case
 
 
 def cases() -> Any:
@@ -289,7 +298,7 @@ def program(case: Case) -> Program:
         # each runs its tile like the tensor that reads it last (y, else s): Local registers
         # are not read across threads
         scheduled += [(t, case.read_y if "y" in outputs else case.read_s) for t in path]
-    lines += ["c = x.cache_after()", "c.set_memory_type(M.Shared)"]
+    lines += ["c = x.cache_after()", f"c.set_memory_type(M.{'Local' if case.local else 'Shared'})"]
     merge = case.outer.startswith("merge")
     tiles = 1 if merge else last  # the tile loop's axis, after the split
     inline = tiles + 1 if case.tile else tiles
