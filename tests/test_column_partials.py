@@ -30,6 +30,9 @@ CHILD = textwrap.dedent(
         low = fam.fd.lower(ins)
         seg = low.program.segmentation()
         assert "column_partials" in seg, seg
+        # The row's two sums run as one block reduction of a pair.
+        assert "grouped with the next" in low.kernels[0].kernel_ir, low.kernels[0].kernel_ir
+        assert "kiln::blockAllReduce2<" in low.kernels[0].cuda_source
         outs = fam.fd.execute(ins)
         refs = fam.reference(*[np.asarray(x, dtype=np.float64) for x in ins])
         for o, r in zip(outs, refs):

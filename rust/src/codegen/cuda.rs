@@ -234,9 +234,7 @@ pub fn generate(k: &Kernel, index32: bool) -> Result<CudaKernel> {
             let _ = writeln!(g.out, "  bool kiln_done_{} = false;", f.tv_name(tv));
         }
     }
-    for n in &k.body {
-        g.node(n, 1)?;
-    }
+    g.nodes(&k.body, 1)?;
     g.out.push_str("}\n");
     Ok(CudaKernel { name: KERNEL_NAME.to_string(), body: g.out, params })
 }
@@ -307,6 +305,75 @@ impl Gen<'_> {
         self.names.get(&tv).cloned().unwrap_or_else(|| self.f.tv_name(tv))
     }
 
+    /// A node list, a `grouped` block reduction printed with the one after it.
+    fn nodes(&mut self, list: &[Node], depth: usize) -> Result<()> {
+        let mut i = 0;
+        while i < list.len() {
+            if let (Node::ReduceAccumulator { grouped: true, .. }, Some(Node::ReduceAccumulator { .. })) =
+                (&list[i], list.get(i + 1))
+            {
+                self.reduce_pair(&list[i], &list[i + 1], depth)?;
+                i += 2;
+            } else {
+                self.node(&list[i], depth)?;
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Two block reductions over the same threads into Local outputs of one dtype (marked
+    /// by `lower::group_reductions`), as one `blockAllReduce2`.
+    fn reduce_pair(&mut self, a: &Node, b: &Node, depth: usize) -> Result<()> {
+        let pad = Self::pad(depth);
+        let f = self.f;
+        let mut parts = Vec::new();
+        for n in [a, b] {
+            let Node::ReduceAccumulator { acc, index, complete, .. } = n else {
+                crate::bail_internal!("a grouped reduction pairs with a non-reduction")
+            };
+            let Op::Reduction { op, init } = f.exprs[acc.expr].op else {
+                crate::bail_internal!("reduction of an accumulator of a non-reduction")
+            };
+            parts.push((acc.id, acc.expr, index, *complete, op, init));
+        }
+        let out0 = f.exprs[parts[0].1].output;
+        let ty = f.tvs[out0].dtype.c_type();
+        let red = crate::analysis::parallel::reduced_dims(f, &self.k.loops, out0);
+        let has = |p: ParallelType| red.contains(&p);
+        let tflags = format!("{}, {}, {}", has(ParallelType::TIDx), has(ParallelType::TIDy), has(ParallelType::TIDz));
+        let Some(ws) = self.k.launch.reduction_workspace else { crate::bail_internal!("reduction without workspace") };
+        let _ = writeln!(self.out, "{pad}{{");
+        let _ = writeln!(self.out, "{pad}  {ty}* kiln_ws = reinterpret_cast<{ty}*>(kiln_smem + {});", self.c(ws));
+        let mut names = Vec::new();
+        for &(id, _, _, _, _, _) in &parts {
+            self.scratch += 1;
+            let r = format!("kiln_r{}", self.scratch);
+            let _ = writeln!(self.out, "{pad}  {ty} {r} = kiln_acc{id};");
+            names.push(r);
+        }
+        let (op0, init0, op1, init1) = (parts[0].4, parts[0].5, parts[1].4, parts[1].5);
+        let _ = writeln!(
+            self.out,
+            "{pad}  kiln::blockAllReduce2<{tflags}>({}, {}, kiln::cast<{ty}>({}), {}, {}, kiln::cast<{ty}>({}), kiln_ws);",
+            names[0],
+            functor(op0),
+            self.c(init0),
+            names[1],
+            functor(op1),
+            self.c(init1)
+        );
+        for (k, &(_, e, ix, complete, op, _)) in parts.iter().enumerate() {
+            let out = format!("{}[{}]", self.buf(f.exprs[e].output), self.c(ix.out));
+            let r = &names[k];
+            let store =
+                if complete { format!("{out} = {r};") } else { format!("{out} = {}({out}, {r});", functor(op)) };
+            let _ = writeln!(self.out, "{pad}  if ({}) {{ {store} }}", self.pred(ix.write_predicate));
+        }
+        let _ = writeln!(self.out, "{pad}}}");
+        Ok(())
+    }
+
     fn node(&mut self, n: &Node, depth: usize) -> Result<()> {
         let pad = Self::pad(depth);
         match n {
@@ -340,9 +407,7 @@ impl Gen<'_> {
                         l.pipeline.map_or(String::new(), |p| format!(", pipelined {}", p.name()))
                     );
                 }
-                for c in &l.body {
-                    self.node(c, depth + 1)?;
-                }
+                self.nodes(&l.body, depth + 1)?;
                 let _ = writeln!(self.out, "{pad}}}");
             }
             Node::Alloc(a) => {
@@ -442,14 +507,10 @@ impl Gen<'_> {
                     IfKind::InvariantBounds => "bounds no inner loop changes",
                 };
                 let _ = writeln!(self.out, "{pad}if ({}) {{  // {note}", self.pred(i.cond));
-                for c in &i.then {
-                    self.node(c, depth + 1)?;
-                }
+                self.nodes(&i.then, depth + 1)?;
                 if !i.otherwise.is_empty() {
                     let _ = writeln!(self.out, "{pad}}} else {{");
-                    for c in &i.otherwise {
-                        self.node(c, depth + 1)?;
-                    }
+                    self.nodes(&i.otherwise, depth + 1)?;
                 }
                 let _ = writeln!(self.out, "{pad}}}");
             }
@@ -527,7 +588,7 @@ impl Gen<'_> {
                     acc.id
                 );
             }
-            Node::ReduceAccumulator { acc, index, complete } => {
+            Node::ReduceAccumulator { acc, index, complete, .. } => {
                 let Op::Reduction { op, init } = self.f.exprs[acc.expr].op else {
                     crate::bail_internal!("reduction of an accumulator of a non-reduction")
                 };

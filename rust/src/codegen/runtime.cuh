@@ -26,7 +26,7 @@
 //   loadVolatile, storeVolatile        bitwise volatile accesses for any T of 1/2/4/8 bytes
 //   Sum, Prod, Max, Min                reduction functors (with identity<T>())
 //   threadIndex/threadCount/blockIndex/blockCount<X,Y,Z>   linearisation helpers
-//   warpReduce, warpAllReduce, blockReduce, blockAllReduce  block reductions
+//   warpReduce, warpAllReduce, blockReduce, blockAllReduce(2)  block reductions
 //   gridReduce, gridReduceSerial                           grid reductions (semaphores)
 //   cpAsyncElem, cpAsyncBytes, cpAsyncCommit, cpAsyncWait   asynchronous copies (cp.async), sm_80+
 //   mbarrierInit/Inval/Arrive/Wait, bulkLoad               mbarriers and bulk (TMA) copies, sm_90+
@@ -1293,6 +1293,42 @@ __device__ T blockAllReduce(T val, Op op, T init, T* smem) {
     __syncthreads();
     return result;
   }
+}
+
+// Two block reductions over the same threads at once, results in every thread of the
+// segment (`a` and `b` in, their reductions out). Where segments are whole warps, both go
+// through one barrier pair, the shuffles of the two interleaved; otherwise one after the
+// other. `smem`: blockDim.x*blockDim.y*blockDim.z elements of T (the warp partials of `b`
+// sit after those of `a`).
+template <bool X_REDUCE, bool Y_REDUCE, bool Z_REDUCE, typename T, typename Op1, typename Op2>
+__device__ void blockAllReduce2(T& a, Op1 op1, T init1, T& b, Op2 op2, T init2, T* smem) {
+  const unsigned R = threadCount<X_REDUCE, Y_REDUCE, Z_REDUCE>();
+  bool contiguous = true;
+  if (!X_REDUCE && (Y_REDUCE || Z_REDUCE)) contiguous = contiguous && blockDim.x == 1;
+  if (!Y_REDUCE && Z_REDUCE) contiguous = contiguous && blockDim.y == 1;
+  if (contiguous && R % 32 == 0) {
+    const unsigned r = threadIndex<X_REDUCE, Y_REDUCE, Z_REDUCE>();
+    const unsigned s = threadIndex<!X_REDUCE, !Y_REDUCE, !Z_REDUCE>();
+    const unsigned W = R / 32;
+    const unsigned second = (blockDim.x * blockDim.y * blockDim.z) / 32;
+    a = warpAllReduce(a, op1);
+    b = warpAllReduce(b, op2);
+    if (W == 1) return;
+    if ((r & 31) == 0) {
+      smem[s * W + r / 32] = a;
+      smem[second + s * W + r / 32] = b;
+    }
+    __syncthreads();
+    const bool mine = (r & 31) < W;
+    T x = mine ? smem[s * W + (r & 31)] : init1;
+    T y = mine ? smem[second + s * W + (r & 31)] : init2;
+    a = warpAllReduce(x, op1);
+    b = warpAllReduce(y, op2);
+    __syncthreads();
+    return;
+  }
+  a = blockAllReduce<X_REDUCE, Y_REDUCE, Z_REDUCE>(a, op1, init1, smem);
+  b = blockAllReduce<X_REDUCE, Y_REDUCE, Z_REDUCE>(b, op2, init2, smem);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -227,7 +227,7 @@ fn compile(k: &Kernel, body: &[Node], stack: &mut Vec<(ParallelType, bool)>) -> 
                 AccessKind::Accumulate { expr: acc.expr, acc: acc.id },
                 index,
             )?)),
-            Node::ReduceAccumulator { acc, index, complete } => CNode::Access(Box::new(compile_access(
+            Node::ReduceAccumulator { acc, index, complete, .. } => CNode::Access(Box::new(compile_access(
                 k,
                 AccessKind::ReduceAccumulator { expr: acc.expr, acc: acc.id, complete: *complete },
                 index,

@@ -285,6 +285,9 @@ pub enum Node {
         acc: Accumulator,
         index: AccessIndex,
         complete: bool,
+        /// Reduced in one block reduction with the `ReduceAccumulator` right after it (see
+        /// `lower::group_reductions`); the results are the same either way.
+        grouped: bool,
     },
 }
 
@@ -862,14 +865,15 @@ impl IrText<'_> {
                 let note = self.index_note(Some(index));
                 let _ = writeln!(s, "{pad}acc{} += {}{note}", acc.id, f.expr_short(&f.exprs[acc.expr]));
             }
-            Node::ReduceAccumulator { acc, index, complete } => {
+            Node::ReduceAccumulator { acc, index, complete, grouped } => {
                 let note = self.index_note(Some(index));
                 let _ = writeln!(
                     s,
-                    "{pad}{} {} parallel reduction of acc{}{note}",
+                    "{pad}{} {} parallel reduction of acc{}{note}{}",
                     f.tv_name(f.exprs[acc.expr].output),
                     if *complete { "=" } else { "+=" },
-                    acc.id
+                    acc.id,
+                    if *grouped { "  // grouped with the next" } else { "" }
                 );
             }
         }

@@ -17,17 +17,19 @@
 //! 12. `launch`    — grid/block dims and the dynamic shared memory layout
 //! 13. `unswitch`  — unswitched loops and loop-invariant bounds checks (`If` nodes)
 //! 14. `vectorize` — wide vector copies with their element-loop fallback
+//! 15. `group_reductions` — adjacent block reductions over the same threads, paired
 //!
 //! Codegen and the interpreter both run the kernel IR these passes leave: codegen prints
 //! it and decides nothing, so the interpreter checks every rewrite the GPU runs.
 //!
-//! Steps 4-14 are one list of functions over one [`LowerCtx`]; the verifier
+//! Steps 4-15 are one list of functions over one [`LowerCtx`]; the verifier
 //! (`verify`) runs after each in tests and debug builds. Passes hand results on explicitly
 //! (kernel IR plus side tables); none reaches into another's internals.
 
 pub mod allocation;
 pub mod circular_buffer;
 pub mod fuse_loops;
+pub mod group_reductions;
 pub mod indexing;
 pub mod launch;
 pub mod loops;
@@ -128,6 +130,7 @@ pub const PASSES: &[Pass] = &[
     },
     Pass { name: "unswitch", run: |c| unswitch::run(&mut c.f, &c.lg, &mut c.body) },
     Pass { name: "vectorize", run: |c| vectorize::run(&mut c.f, &mut c.body) },
+    Pass { name: "group_reductions", run: |c| group_reductions::run(&c.f, &c.lg, &mut c.body) },
 ];
 
 /// What lowering records beside the kernel: IR dumps after the named passes, and whether

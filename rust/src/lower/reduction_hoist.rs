@@ -71,7 +71,7 @@ pub fn run(f: &Fusion, lg: &LoopGraph, body: &mut Vec<Node>) -> Result<()> {
                 element: None,
             };
             before.push(Node::AccumulatorInit(acc.clone()));
-            after.push(Node::ReduceAccumulator { acc, index, complete: h.complete });
+            after.push(Node::ReduceAccumulator { acc, index, complete: h.complete, grouped: false });
         }
         let n_before = before.len();
         list.splice(at + 1..at + 1, after);

@@ -358,10 +358,13 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx) -> Result<crate::sched::auto::Heuristi
     let widest = crate::sched::auto::normalization::widest_moved(f, 3);
     let v = if n % (16 / widest) == 0 { 16 / widest } else { 1 };
     // A thread holds p * v elements of each input, in two register stages, beside the
-    // row's intermediates and its partials: at most 8, on up to 512 threads (H200, LayerNorm
-    // backward [8192, 8192] on 1024 threads: 431.7 us against 315.2 with two kernels).
+    // row's intermediates and its partials: 8 where the row allows (at least a warp), on at
+    // most 512 threads. Small blocks let more of them share an SM (H200, LayerNorm backward,
+    // us against 4 per thread on more threads: [16384, 2048] on 256 threads 122.0 against
+    // 166.8 on 512; [16384, 1024] on 128 threads 67.8 against 76.9 on 256; [8192, 8192] on
+    // 1024 threads 431.7 against 315.2 with two kernels).
     let vectors = (n + v - 1) / v;
-    let p = ((vectors + 511) / 512).max(1);
+    let p = (8 / v).min(vectors / 32).max(1);
     let threads = (vectors + p - 1) / p;
     if p * v > 8 || threads > 512 {
         crate::bail!(
