@@ -16,27 +16,26 @@ use crate::ir::{Fusion, MemoryType, TvId};
 pub fn lower_program(f: &Fusion) -> Result<HostProgram> {
     if f.manually_scheduled {
         // Tensors a manual schedule leaves untouched follow their parallelized consumers.
-        return lower_program_with(&crate::sched::propagate::completed(f), &mut |_, _| Ok(()));
+        return lower_program_with(&crate::sched::propagate::completed(f), &mut |_, _| Ok(None));
     }
-    lower_program_with(f, &mut |_, _| Ok(()))
+    lower_program_with(f, &mut |_, _| Ok(None))
 }
 
 /// Like [`lower_program`], letting `prepare(k, segment)` schedule each segment's fusion
-/// before it is lowered (the automatic segmenter schedules segments one by one).
-pub fn lower_program_with(
-    f: &Fusion,
-    prepare: &mut dyn FnMut(usize, &mut Fusion) -> Result<()>,
-) -> Result<HostProgram> {
+/// before it is lowered (the automatic segmenter schedules segments one by one) and hand
+/// back its kernel and CUDA where it already lowered that fusion.
+pub fn lower_program_with(f: &Fusion, prepare: &mut Prepare<'_>) -> Result<HostProgram> {
     lower_segments(f, &segments(f)?, prepare)
 }
 
+/// Schedules segment `k`'s fusion in place; returns its kernel and CUDA when it has already
+/// lowered exactly that fusion (then it is not lowered again).
+pub type Prepare<'a> =
+    dyn FnMut(usize, &mut Fusion) -> Result<Option<(crate::kernel::Kernel, crate::codegen::CudaKernel)>> + 'a;
+
 /// Lower `f` as the given segments (in an order where producers come first), letting
 /// `prepare(k, segment)` schedule each segment's fusion before it is lowered.
-pub fn lower_segments(
-    f: &Fusion,
-    segs: &[Segment],
-    prepare: &mut dyn FnMut(usize, &mut Fusion) -> Result<()>,
-) -> Result<HostProgram> {
+pub fn lower_segments(f: &Fusion, segs: &[Segment], prepare: &mut Prepare<'_>) -> Result<HostProgram> {
     let multi = segs.len() > 1;
     let mut kernels = Vec::with_capacity(segs.len());
     let mut cuda = Vec::with_capacity(segs.len());
@@ -63,9 +62,14 @@ pub fn lower_segments(
     }
     for (k, seg) in segs.iter().enumerate() {
         let mut sf = segment_fusion(f, seg);
-        prepare(k, &mut sf).map_err(|e| context(k, e))?;
-        let kernel = crate::lower::lower(&sf).map_err(|e| context(k, e))?;
-        let code = crate::codegen::generate(&kernel, false).map_err(|e| context(k, e));
+        let (kernel, code) = match prepare(k, &mut sf).map_err(|e| context(k, e))? {
+            Some((kernel, code)) => (kernel, Ok(code)),
+            None => {
+                let kernel = crate::lower::lower(&sf).map_err(|e| context(k, e))?;
+                let code = crate::codegen::generate(&kernel, false).map_err(|e| context(k, e));
+                (kernel, code)
+            }
+        };
         let inputs = seg
             .inputs
             .iter()

@@ -34,6 +34,9 @@ struct Covered {
     heuristic: Heuristic,
     /// Why the schedulers before the one that covered it refused (`KILN_DUMP=segments`).
     passed_over: Vec<Refusal>,
+    /// The kernel and CUDA of `fusion`, from the scheduler's check that it lowers; taken by
+    /// the host program's lowering instead of lowering it again.
+    lowered: Option<(crate::kernel::Kernel, crate::codegen::CudaKernel)>,
 }
 
 /// The segment report's lines for one covered group: its schedule, its exprs, and the
@@ -58,7 +61,9 @@ fn try_group(f: &Fusion, order: &[ExprId], group: &[ExprId], cx: &Ctx) -> Result
     // The registry's schedules lower and print (a scheduler whose schedule does not is
     // skipped for the next one).
     match schedule_fusion(&mut sf, cx)? {
-        Ok((heuristic, passed_over)) => Ok(Ok(Covered { fusion: sf, heuristic, passed_over })),
+        Ok(p) => {
+            Ok(Ok(Covered { fusion: sf, heuristic: p.heuristic, passed_over: p.passed_over, lowered: Some(p.lowered) }))
+        }
         Err(refusals) => Ok(Err(join(&refusals))),
     }
 }
@@ -246,13 +251,13 @@ fn plan(mut g: Fusion, cx: &Ctx) -> Result<(HostProgram, Heuristic)> {
     let mut report = String::new();
     if g.segment_after.is_empty() {
         match try_group(&g, &order, &order, cx)? {
-            Ok(c) => {
+            Ok(mut c) => {
                 let _ = writeln!(report, "segments: 1 kernel (the whole fusion)");
                 covered_text(&mut report, 0, &c, &group_text(&g, &order));
                 let h = c.heuristic.clone();
                 let mut program = lower_segments(&g, &[segment_of(&g, &order, &order)?], &mut |_, sf| {
                     *sf = c.fusion.clone();
-                    Ok(())
+                    Ok(c.lowered.take())
                 })?;
                 program.segmentation = report;
                 return Ok((program, h));
@@ -262,7 +267,7 @@ fn plan(mut g: Fusion, cx: &Ctx) -> Result<(HostProgram, Heuristic)> {
             }
         }
     }
-    let (groups, covered) = match rows_then_totals(&g, &order, cx, &mut report)? {
+    let (groups, mut covered) = match rows_then_totals(&g, &order, cx, &mut report)? {
         Some(split) => split,
         None => {
             let split = merge_groups(&g, &order, cx, &mut report)?;
@@ -306,7 +311,7 @@ fn plan(mut g: Fusion, cx: &Ctx) -> Result<(HostProgram, Heuristic)> {
     }
     let mut program = lower_segments(&g, &segs, &mut |k, sf| {
         *sf = covered[k].fusion.clone();
-        Ok(())
+        Ok(covered[k].lowered.take())
     })?;
     program.segmentation = report;
     Ok((program, Heuristic::new(Params::Segmented(parts))))

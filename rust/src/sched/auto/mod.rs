@@ -253,7 +253,7 @@ pub fn shape_scalars(f: &Fusion) -> Vec<u32> {
 pub fn schedule(f: &mut Fusion, inputs: &[Vec<i64>]) -> Result<Heuristic> {
     let cx = Ctx { extents: extent_values(f, inputs)?, scalars: Vec::new(), device: DeviceProps::default() };
     match registry::schedule_fusion(f, &cx)? {
-        Ok((h, _)) => Ok(h),
+        Ok(p) => Ok(p.heuristic),
         Err(refusals) => Err(refused(&refusals)),
     }
 }

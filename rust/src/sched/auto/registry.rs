@@ -290,9 +290,17 @@ pub fn kind_index(kind: &str) -> i64 {
     KINDS.iter().position(|&k| k == kind).unwrap_or(KINDS.len()) as i64
 }
 
-/// What [`schedule_fusion`] found: the heuristic with the refusals of the schedulers tried
-/// before the one that placed it, or every scheduler's refusal.
-pub type Scheduled = std::result::Result<(Heuristic, Vec<Refusal>), Vec<Refusal>>;
+/// A fusion a scheduler placed: its heuristic, the refusals of the schedulers tried before
+/// it, and the kernel and CUDA that checked the schedule lowers (the same a later lowering
+/// of the scheduled fusion gives, so the host program reuses them).
+pub struct Placed {
+    pub heuristic: Heuristic,
+    pub passed_over: Vec<Refusal>,
+    pub lowered: (crate::kernel::Kernel, crate::codegen::CudaKernel),
+}
+
+/// What [`schedule_fusion`] found: the placement, or every scheduler's refusal.
+pub type Scheduled = std::result::Result<Placed, Vec<Refusal>>;
 
 /// Schedule the unscheduled fusion `f` in place with the first scheduler that accepts it
 /// and places it, with the refusals of the schedulers tried before it; `Ok(Err(refusals))`
@@ -330,10 +338,10 @@ pub fn schedule_fusion(out: &mut Fusion, cx: &Ctx) -> Result<Scheduled> {
                 h.specialized.extend(specialized);
                 // A schedule that does not lower (or print) is one this scheduler cannot
                 // place after all: the next one may.
-                match crate::lower::lower(&g).and_then(|k| crate::codegen::generate(&k, false).map(|_| ())) {
-                    Ok(()) => {
+                match crate::lower::lower(&g).and_then(|k| crate::codegen::generate(&k, false).map(|c| (k, c))) {
+                    Ok(lowered) => {
                         *out = g;
-                        return Ok(Ok((h, refusals)));
+                        return Ok(Ok(Placed { heuristic: h, passed_over: refusals, lowered }));
                     }
                     Err(e) if e.kind == ErrorKind::Internal => return Err(e),
                     Err(e) => refusals.push(Refusal {
