@@ -439,13 +439,28 @@ pub(crate) fn misaligned(f: &Fusion, cx: &Ctx, reference: &[IterDomainId], tenso
     })
 }
 
-/// True when input `x` has `n` axes and none of them a broadcast: a full-size input
-/// that a scheduler may cache and vectorize along the reference's loops. An input with a
-/// size-one broadcast axis (a keepdim statistic) covers fewer elements than those loops
-/// and is read in place instead.
+/// True when input `x` has `n` axes and none of them a broadcast that another tensor runs:
+/// a full-size input that a scheduler may cache and vectorize along the reference's loops.
+/// An input with a size-one broadcast axis where the fusion's tensors are larger (a keepdim
+/// statistic) covers fewer elements than those loops and is read in place instead.
 pub(crate) fn full_size_input(f: &Fusion, x: TvId, n: usize) -> bool {
     let l = f.no_reduction_logical(x);
-    l.len() == n && l.iter().all(|&id| f.ids[id].iter_type != IterType::Broadcast) && dense(f, x)
+    if l.len() != n || !dense(f, x) {
+        return false;
+    }
+    // A size-one axis counts where every tensor of the fusion's rank keeps it size one and
+    // none reduces it (a batch of one, `define_tensor([1, S, H])`): the input is then as large
+    // as the others. Where some tensor runs or reduces that axis, the input is broadcast along
+    // it.
+    let kept_one = |i: usize| {
+        i + 1 < n
+            && f.tvs.keys().all(|t| {
+                let tl = &f.tvs[t].logical;
+                let kept = f.no_reduction_logical(t).len();
+                (tl.len() != n && kept != n) || tl.get(i).is_some_and(|&id| f.ids[id].iter_type == IterType::Broadcast)
+            })
+    };
+    l.iter().enumerate().all(|(i, &id)| f.ids[id].iter_type != IterType::Broadcast || kept_one(i))
 }
 
 /// True when `x` is stored densely in logical order (every stored axis contiguous): a
