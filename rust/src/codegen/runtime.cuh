@@ -1168,6 +1168,16 @@ KILN_DEVICE T warpReduceLanes(T val, Op op, unsigned lanes, unsigned lane) {
   return val;
 }
 
+// True when the reduced thread dims are contiguous in the linear thread id (each segment
+// is a run of consecutive threads): no kept dim lies below a reduced one, or it has size 1.
+template <bool X_REDUCE, bool Y_REDUCE, bool Z_REDUCE>
+KILN_DEVICE bool reducedContiguous() {
+  bool contiguous = true;
+  if (!X_REDUCE && (Y_REDUCE || Z_REDUCE)) contiguous = contiguous && blockDim.x == 1;
+  if (!Y_REDUCE && Z_REDUCE) contiguous = contiguous && blockDim.y == 1;
+  return contiguous;
+}
+
 // ---------------------------------------------------------------------------------------
 // Block reduction over the thread dims selected by X_REDUCE/Y_REDUCE/Z_REDUCE.
 //
@@ -1194,9 +1204,7 @@ __device__ T blockReduce(T val, Op op, T init, T* smem) {
     const unsigned s = threadIndex<!X_REDUCE, !Y_REDUCE, !Z_REDUCE>();
     const unsigned nthreads = blockDim.x * blockDim.y * blockDim.z;
     if (R == 1) return val;
-    bool contiguous = true;
-    if (!X_REDUCE && (Y_REDUCE || Z_REDUCE)) contiguous = contiguous && blockDim.x == 1;
-    if (!Y_REDUCE && Z_REDUCE) contiguous = contiguous && blockDim.y == 1;
+    const bool contiguous = reducedContiguous<X_REDUCE, Y_REDUCE, Z_REDUCE>();
 
     if (contiguous && R % 32 == 0) {
       // linear tid == s * R + r, segments start on warp boundaries.
@@ -1267,9 +1275,7 @@ __device__ T blockAllReduce(T val, Op op, T init, T* smem) {
     return val;
   } else {
     const unsigned R = threadCount<X_REDUCE, Y_REDUCE, Z_REDUCE>();
-    bool contiguous = true;
-    if (!X_REDUCE && (Y_REDUCE || Z_REDUCE)) contiguous = contiguous && blockDim.x == 1;
-    if (!Y_REDUCE && Z_REDUCE) contiguous = contiguous && blockDim.y == 1;
+    const bool contiguous = reducedContiguous<X_REDUCE, Y_REDUCE, Z_REDUCE>();
     if (contiguous && R % 32 == 0) {
       // Segments are whole warps: every warp reduces the per-warp partials itself, so the
       // result reaches all threads after one barrier (plus the closing one) instead of four.
@@ -1303,9 +1309,7 @@ __device__ T blockAllReduce(T val, Op op, T init, T* smem) {
 template <bool X_REDUCE, bool Y_REDUCE, bool Z_REDUCE, typename T, typename Op1, typename Op2>
 __device__ void blockAllReduce2(T& a, Op1 op1, T init1, T& b, Op2 op2, T init2, T* smem) {
   const unsigned R = threadCount<X_REDUCE, Y_REDUCE, Z_REDUCE>();
-  bool contiguous = true;
-  if (!X_REDUCE && (Y_REDUCE || Z_REDUCE)) contiguous = contiguous && blockDim.x == 1;
-  if (!Y_REDUCE && Z_REDUCE) contiguous = contiguous && blockDim.y == 1;
+  const bool contiguous = reducedContiguous<X_REDUCE, Y_REDUCE, Z_REDUCE>();
   if (contiguous && R % 32 == 0) {
     const unsigned r = threadIndex<X_REDUCE, Y_REDUCE, Z_REDUCE>();
     const unsigned s = threadIndex<!X_REDUCE, !Y_REDUCE, !Z_REDUCE>();
