@@ -448,9 +448,12 @@ def test_stream_getter_with_another_signature_is_refused():
 
 # -- the generated launcher, on a stand-in CuPy (CPU) ---------------------------------------
 class _Mem:
+    """A ``MemoryPointer``: ``ptr``, ``device_id`` and the memory object it holds."""
+
     def __init__(self, ptr):
         self.ptr = ptr
         self.device_id = 0
+        self.mem = types.SimpleNamespace(ptr=ptr)
 
 
 class FakeArray:
@@ -566,6 +569,67 @@ def test_generated_launcher_passes_device_pointers_and_packed_scalars(fake_gpu):
     assert len(fake_gpu.made) == 1 and ev.launches == 2
 
 
+def _launched_out(rec):
+    """The output pointer of the last recorded launch."""
+    return rec.calls[-1][2][1]
+
+
+def test_a_dropped_output_is_reused_on_the_same_stream(fake_gpu):
+    fd = _bench_fusion()
+    x = FakeArray(1000)
+    fd.execute([x])  # first call of the signature: kernel by kernel
+    (rec,) = fake_gpu.made
+    (out,) = fd.execute([x])
+    p = out.data.ptr
+    del out  # nothing references it now: the next call writes into it
+    (out,) = fd.execute([x])
+    assert out.data.ptr == p and _launched_out(rec) == p
+    # Held by the caller: the next call gets a fresh array.
+    (out2,) = fd.execute([x])
+    assert out2.data.ptr != p and _launched_out(rec) == out2.data.ptr
+    del out2
+    # Another stream: out may still be written on the old one, so it is not reused.
+    del out
+    fake_gpu.stream.ptr = 0x52
+    (out3,) = fd.execute([x])
+    assert out3.data.ptr != p and rec.calls[-1][1] == 0x52
+
+
+@pytest.mark.parametrize("hold", ["data", "mem", "shape"])
+def test_an_output_still_referenced_is_not_reused(fake_gpu, hold):
+    fd = _bench_fusion()
+    x = FakeArray(1000)
+    fd.execute([x])
+    (out,) = fd.execute([x])
+    p = out.data.ptr
+    kept = None
+    if hold == "data":  # its memory pointer, e.g. a raw-pointer wrapper around it
+        kept = out.data
+    elif hold == "mem":
+        kept = out.data.mem
+    else:  # reshaped in place, then dropped: the shape kiln made it with is gone
+        out.shape = (10, 100)
+    del out
+    (out2,) = fd.execute([x])
+    assert out2.data.ptr != p and out2.shape == (1000,)
+    assert kept is None or kept is not out2.data
+
+
+def test_output_reuse_can_be_turned_off_and_skips_large_outputs(fake_gpu, monkeypatch):
+    monkeypatch.setenv("KILN_REUSE_OUTPUTS", "0")
+    fd = _bench_fusion()
+    for n in (1000, (host.REUSE_MAX_BYTES // 4) + 128):
+        if n != 1000:
+            monkeypatch.delenv("KILN_REUSE_OUTPUTS")  # on, but the output is over the limit
+        x = FakeArray(n)
+        ptrs = []
+        for _ in range(3):
+            (out,) = fd.execute([x])
+            ptrs.append(out.data.ptr)
+            del out
+        assert len(set(ptrs)) == 3, ptrs
+
+
 class _FakeDtype:
     def __str__(self):
         return "torch.float32"
@@ -592,6 +656,14 @@ class FakeTensor:
     def data_ptr(self):
         return self.a.data.ptr
 
+    requires_grad = False
+
+    def _use_count(self):
+        return 1  # handles on this tensor's TensorImpl (its Python object's)
+
+    def untyped_storage(self):
+        return types.SimpleNamespace(_cdata=self.a.data.mem)
+
 
 @pytest.fixture
 def fake_torch(monkeypatch):
@@ -600,7 +672,9 @@ def fake_torch(monkeypatch):
     current = [0x77]
     torch.float32 = "float32"
     torch.empty = lambda shape, dtype=None, device=None: FakeTensor(shape)
-    torch._C = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda device: current[0])
+    # A storage's use count: one for the tensor, one for each Python storage object alive.
+    torch._C = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda device: current[0],
+                                     _storage_Use_Count=lambda mem: sys.getrefcount(mem))
     monkeypatch.setitem(sys.modules, "torch", torch)
     return types.SimpleNamespace(stream=current)
 
@@ -618,6 +692,33 @@ def test_torch_inputs_launch_on_torch_s_current_stream(fake_gpu, fake_torch):
     (out2,) = fd.execute([x])
     assert rec.calls[-1][:3] == ("launch", 0x78, (x.data_ptr(), out2.data_ptr()))
     assert len(fake_gpu.made) == 1, "one recipe serves both streams"
+
+
+def test_torch_outputs_are_reused_only_when_nothing_holds_them(fake_gpu, fake_torch):
+    fd = _bench_fusion()
+    x = FakeTensor(1000)
+    fd.execute([x])
+    (rec,) = fake_gpu.made
+    (out,) = fd.execute([x])
+    p = out.data_ptr()
+    del out
+    (out,) = fd.execute([x])
+    assert out.data_ptr() == p and _launched_out(rec) == p
+    storage = out.untyped_storage()  # a view's or an export's hold on the storage
+    del out
+    (out,) = fd.execute([x])
+    assert out.data_ptr() != p
+    del storage
+    p = out.data_ptr()
+    out.requires_grad = True  # changed in place by the caller, then dropped
+    del out
+    (out,) = fd.execute([x])
+    assert out.data_ptr() != p and not out.requires_grad
+    p = out.data_ptr()
+    del out
+    fake_torch.stream[0] = 0x79
+    (out,) = fd.execute([x])
+    assert out.data_ptr() != p and rec.calls[-1][1] == 0x79
 
 
 def test_torch_grid_reduction_zeroes_its_pool_on_torch_s_stream(fake_gpu, fake_torch, monkeypatch):

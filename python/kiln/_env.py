@@ -20,6 +20,12 @@ test or a long-running process can change it between calls).
   of an input signature on, its node parameters updated when pointers or scalar values
   change. Read when an input signature is first prepared; graphs need kiln's own launcher
   (``KILN_LAUNCHER=rust``, the default).
+- ``KILN_REUSE_OUTPUTS``: ``0``/``false``/``off``/``no`` gives every call freshly allocated
+  outputs; unset or ``1``, a signature whose outputs total at most 1 MiB hands back the
+  previous call's output arrays when nothing outside kiln references them any more (no
+  array, view, data pointer object or DLPack/``__cuda_array_interface__`` export of them is
+  alive) and the call runs on the same stream, saving the allocation (about 1.4 µs with
+  CuPy, 3 µs with torch). Read when an input signature is first prepared.
 - ``KILN_L2_EVICT_LAST``: ``0``/``false``/``off``/``no`` turns off the L2 evict_last hint of the
   automatic schedules; read once per process by the Rust core
   (``sched::auto::evict_last_inputs``), so that cached plans never mix the two settings.
@@ -87,6 +93,11 @@ def cuda_graphs_choice() -> str:
     if v in ("", "1", "true", "on", "yes"):
         return "on"
     return v
+
+
+def reuse_outputs() -> bool:
+    """``KILN_REUSE_OUTPUTS`` is not turned off."""
+    return os.environ.get("KILN_REUSE_OUTPUTS", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def launcher_choice() -> str:

@@ -12,7 +12,9 @@ learning rate, a step counter) reuses one recipe. Only a fusion whose plan reads
 bool scalar's value (a ``full`` shape) keys on those values.
 
 Buffers, following seed 004:
-* fusion outputs: fresh arrays of the inputs' kind (CuPy or torch), handed back;
+* fusion outputs: arrays of the inputs' kind (CuPy or torch), handed back: fresh ones, or
+  (``KILN_REUSE_OUTPUTS``, outputs of at most ``REUSE_MAX_BYTES``) the previous call's
+  when nothing outside kiln references them any more and the stream is the same;
 * ``zero_init`` + ``resets_to_zero`` (semaphores that kernels leave at zero): regions of
   a :class:`ZeroedPool` that is zeroed once and reused by every later call;
 * ``zero_init`` only: regions of the workspace arena, zeroed (``memsetAsync``) right
@@ -53,7 +55,7 @@ import numpy as np
 
 from ._core import DTYPE_NUMPY_NAMES as _ITEMSIZE_NAMES
 from ._core import HostPlan
-from ._env import cuda_graphs_choice, launcher_choice
+from ._env import cuda_graphs_choice, launcher_choice, reuse_outputs
 from ._errors import KilnError, KilnTypeError
 
 # A recipe's specialised launcher, called as ``launcher(inputs, evaluator)``.
@@ -208,11 +210,30 @@ class ErrorWords:
 
 class _Recipe:
     __slots__ = ("arena", "arena_bytes", "direct", "error_kernels", "errors", "fast", "graph", "inputs",
-                 "launcher", "launches", "nbufs", "outputs", "plan", "zero", "zero_bytes")
+                 "launcher", "launches", "nbufs", "outputs", "plan", "reuse", "zero", "zero_bytes")
+
+
+# Signatures whose outputs total at most this many bytes hand back the previous call's
+# outputs when nothing else references them (``KILN_REUSE_OUTPUTS``): allocating costs
+# 1.4-3 us of host time, which matters only where the kernels are that short, and a larger
+# output kept alive between calls would hold memory that the caller has let go.
+REUSE_MAX_BYTES = 1 << 20
 
 
 _SEQUENCES = (list, tuple)
 _SCALARS = (bool, int, float)
+
+
+_KINDS: Dict[type, int] = {}  # array type -> 1 CuPy, 2 torch, 0 anything else
+
+
+def _kind(t: type) -> int:
+    """Whether arrays of type ``t`` are CuPy (1), torch (2) or neither (0), learned once."""
+    k = _KINDS.get(t)
+    if k is None:
+        m = t.__module__
+        k = _KINDS[t] = 1 if m.startswith("cupy") else 2 if m.startswith("torch") else 0
+    return k
 
 
 def signature_key(inputs: Sequence[Any]) -> Tuple:
@@ -221,28 +242,30 @@ def signature_key(inputs: Sequence[Any]) -> Tuple:
     inputs that have none (NumPy arrays, non-lists)."""
     if type(inputs) not in _SEQUENCES:
         raise TypeError("inputs must be a list or a tuple")
-    try:  # CuPy arrays (the common case): no type dispatch; one input: no comprehension
-        if len(inputs) == 1:
-            x = inputs[0]
+    if len(inputs) == 1:  # the common case, without a loop
+        x = inputs[0]
+        k = _KINDS.get(type(x))
+        if k == 1:
             d = x.data
             return (x.shape, x.strides, x.dtype, d.device_id, d.ptr & 15 == 0)
-        return tuple([(x.shape, x.strides, x.dtype, x.data.device_id, x.data.ptr & 15 == 0) for x in inputs])
-    except (AttributeError, ValueError):  # ValueError: NumPy's `.data` of a bfloat16 array
-        pass
+        if k == 2:
+            return (2, x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15 == 0)
     key = []
     for x in inputs:
         t = type(x)
-        if t.__module__.startswith("cupy"):
-            key.append((x.shape, x.strides, x.dtype, x.data.device_id, x.data.ptr & 15 == 0))
-        elif t.__module__.startswith("torch"):
-            key.append((t, x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15 == 0))
+        k = _kind(t)
+        if k == 1:
+            d = x.data
+            key.append((x.shape, x.strides, x.dtype, d.device_id, d.ptr & 15 == 0))
+        elif k == 2:
+            key.append((2, x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15 == 0))
         elif isinstance(x, _SCALARS):
             # A scalar's value is a per-call argument; its type stays in the key, so a value
             # of a new type (a float for an Int scalar) takes the validating full path.
             key.append(t)
         else:
             key.append((t, x))  # hashes only what validation will refuse (or fails to hash)
-    return tuple(key)
+    return tuple(key) if len(inputs) != 1 else key[0]
 
 
 def launcher_kind() -> str:
@@ -563,6 +586,7 @@ class HostEvaluator:
                     o = cp.empty(shape, dtype=ndt)
                     return o, o.data.ptr
             r.outputs.append((bid, alloc, view))
+        r.reuse = bool(outs) and sum(b.nbytes for *_, b in outs) <= REUSE_MAX_BYTES and reuse_outputs()
         r.arena = [(bid, b.offset) for bid, b in enumerate(plan.buffers) if b.place == "arena"]
         r.zero = [(bid, b.offset) for bid, b in enumerate(plan.buffers) if b.place == "zero_pool"]
         r.errors = [(bid, b.offset) for bid, b in enumerate(plan.buffers) if b.place == "error"]
@@ -683,14 +707,24 @@ def _specialize(r: _Recipe, torch_mode: bool, device: int, launcher: str, arena:
         else:
             arg[bid] = f"inputs[{i}].data.ptr" if rust else f"inputs[{i}]"
     outs = []
+    reuse = r.reuse and _reuse_baselines(r, torch_mode, ns)
+    if reuse and not torch_mode:
+        # The previous outputs are reused only on the stream they were written on.
+        lines.append("    s = _gs().ptr")
     for n, (bid, alloc, view) in enumerate(r.outputs):
         ns[f"_alloc{n}"] = alloc
         if torch_mode:
-            lines.append(f"    o{n}, p{n} = _alloc{n}()")
+            if reuse:
+                _reuse_torch_output(n, alloc, ns, lines)
+            else:
+                lines.append(f"    o{n}, p{n} = _alloc{n}()")
             arg[bid] = f"p{n}"
         else:
             ns[f"_shape{n}"], ns[f"_dt{n}"] = alloc.__defaults__
-            lines.append(f"    o{n} = _nd(_shape{n}, _dt{n})")
+            if reuse:
+                _reuse_cupy_output(n, ns, lines)
+            else:
+                lines.append(f"    o{n} = _nd(_shape{n}, _dt{n})")
             arg[bid] = f"o{n}.data.ptr" if rust else f"o{n}"
         if view is not None:
             ns[f"_view{n}"] = view
@@ -710,10 +744,11 @@ def _specialize(r: _Recipe, torch_mode: bool, device: int, launcher: str, arena:
         lines.append(f"    zbase = _zpool.get({r.zero_bytes}{stream_arg})")
         for bid, off in r.zero:
             arg[bid] = f"zbase + {off}"
+    explicit = torch_mode or reuse  # the generated code holds the stream in ``s``
     if graph:
-        _graph_launch(r, ns, lines, arg, device, explicit_stream=torch_mode)
+        _graph_launch(r, ns, lines, arg, device, explicit_stream=explicit)
     elif rust and r.launches:
-        _rust_launches(r, ns, lines, arg, device, explicit_stream=torch_mode)
+        _rust_launches(r, ns, lines, arg, device, explicit_stream=explicit)
     else:
         for k, (fn, grid, block, smem, argids, scal, memsets) in enumerate(r.launches):
             ns[f"_f{k}"], ns[f"_g{k}"], ns[f"_b{k}"] = fn, tuple(grid), tuple(block)
@@ -736,6 +771,80 @@ def _specialize(r: _Recipe, torch_mode: bool, device: int, launcher: str, arena:
     lines.append(f"    return [{', '.join(outs)}]")
     exec("\n".join(lines), ns)  # noqa: S102 - generated from the plan's own constants
     return ns["_run"]
+
+
+def _reuse_baselines(r: _Recipe, torch_mode: bool, ns: Dict[str, Any]) -> bool:
+    """Bind in ``ns`` the reference counts (``_B``) that an output held by nothing but
+    kiln's slot shows to the generated checks, measured on a fresh array through the same
+    expressions (the counts the interpreter reports differ between Python versions).
+    False where this array library lacks what the checks read (then every call allocates)."""
+    import sys  # noqa: PLC0415
+
+    ns["_rc"] = sys.getrefcount
+    if torch_mode:
+        import torch  # noqa: PLC0415
+
+        suc = getattr(torch._C, "_storage_Use_Count", None)
+        if suc is None:
+            return False
+        ns["_suc"] = suc
+        probe = ("def _probe(_k):\n    o = _k[0]\n"
+                 "    return _rc(o), o._use_count(), _suc(o.untyped_storage()._cdata)\n")
+    else:
+        probe = "def _probe(_k):\n    o = _k[0]\n    return _rc(o), _rc(o.data), _rc(o.data.mem)\n"
+    scope = dict(ns)
+    exec(probe, scope)  # noqa: S102 - a fixed probe, compiled like the generated launcher
+    _bid, alloc, _view = r.outputs[0]
+    try:
+        ns["_B"] = scope["_probe"]([alloc((1,))[0]])
+    except AttributeError:
+        return False
+    return True
+
+
+def _reuse_cupy_output(n: int, ns: Dict[str, Any], lines: List[str]) -> None:
+    """Append the allocation of CuPy output ``n`` that reuses the previous call's array
+    when no reference to it, to its memory pointer or to its memory is held outside kiln's
+    slot (a view holds the array as its base, an export the array or its memory), it was
+    written on this call's stream ``s``, and its shape was not reassigned in place."""
+    ns[f"_k{n}"] = [None, None]  # [array, stream it was last written on]
+    lines += [f"    o{n} = _k{n}[0]",
+              f"    if _k{n}[1] != s or (_rc(o{n}), _rc(o{n}.data), _rc(o{n}.data.mem)) != _B"
+              f" or o{n}.shape != _shape{n}:",
+              f"        o{n} = _nd(_shape{n}, _dt{n})",
+              f"        _k{n}[0] = o{n}",
+              f"        _k{n}[1] = s"]
+
+
+def _reuse_torch_output(n: int, alloc: Callable[..., Tuple[Any, int]], ns: Dict[str, Any],
+                        lines: List[str]) -> None:
+    """``_reuse_cupy_output`` for a torch output: no Python reference, no other handle on
+    its TensorImpl (a DLPack export) and no other tensor on its storage (a view) outside
+    kiln's slot, the same stream, and its data pointer, sizes, strides and ``requires_grad``
+    as kiln made them (torch tensors can be resized or re-pointed in place)."""
+    shape = alloc.__defaults__[0]
+    ns[f"_k{n}"] = [None, None, 0]  # [tensor, stream, data pointer]
+    ns[f"_shape{n}"] = tuple(shape)
+    ns[f"_st{n}"] = tuple(_contiguous_strides(shape))
+    lines += [f"    o{n} = _k{n}[0]",
+              f"    if _k{n}[1] != s or (_rc(o{n}), o{n}._use_count(), _suc(o{n}.untyped_storage()._cdata))"
+              f" != _B or o{n}.data_ptr() != _k{n}[2] or o{n}.shape != _shape{n} or o{n}.stride() != _st{n}"
+              f" or o{n}.requires_grad:",
+              f"        o{n}, p{n} = _alloc{n}()",
+              f"        _k{n}[0] = o{n}",
+              f"        _k{n}[1] = s",
+              f"        _k{n}[2] = p{n}",
+              "    else:",
+              f"        p{n} = _k{n}[2]"]
+
+
+def _contiguous_strides(shape: Sequence[int]) -> List[int]:
+    """Row-major element strides of ``shape`` (torch's for a fresh ``torch.empty``)."""
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= max(int(d), 1)
+    return out[::-1]
 
 
 def _rust_launches(r: _Recipe, ns: Dict[str, Any], lines: List[str], arg: Dict[int, str],
