@@ -8,8 +8,8 @@
 //! The statements between them move before the fused loop where they are independent of
 //! the first loop, after it otherwise, and the second loop must then be independent of
 //! them. Loops that touch a Shared tensor stay apart (their barriers were placed for the
-//! order as written), as do vectorized loops (one wide copy each) and serial loops of one
-//! iteration (fusing them saves nothing and would delay their readers). Every fused loop is
+//! order as written), as do vectorized loops (one wide copy each) and plain serial loops of
+//! one iteration (fusing them saves nothing and would delay their readers). Every fused loop is
 //! block-uniform, so a block reduction inside still meets all threads.
 //!
 //! Why: the looped normalization gives each reduction its own pass over the row, and a
@@ -212,10 +212,13 @@ fn fusible(f: &Fusion, l: &ForLoop) -> bool {
     l.init_axis.is_none() && l.parallel != ParallelType::Vectorize && !one_trip(f, l)
 }
 
-/// A serial loop of one iteration (a broadcast axis): nothing to save by fusing it, and
-/// moving it behind the statements between would only delay what reads it.
+/// A plain serial loop of one iteration (a broadcast axis): nothing to save by fusing it,
+/// and moving it behind the statements between would only delay what reads it. Unswitched
+/// and unrolled loops of one iteration still fuse: an unswitched tile holds the loads and
+/// the math of its loop nest, and tiles fused are one bounds test and loads of one tensor
+/// next to each other instead of a tile per reduction.
 fn one_trip(f: &Fusion, l: &ForLoop) -> bool {
-    !l.parallel.is_thread_or_block() && f.scalars.as_int(l.extent) == Some(1)
+    l.parallel == ParallelType::Serial && f.scalars.as_int(l.extent) == Some(1)
 }
 
 /// True when `b` runs the same iterations as `a`: same extent and parallel type, over the
