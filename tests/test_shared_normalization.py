@@ -32,9 +32,8 @@ LOWP = ["layernorm_half", "layernorm_bf16", "rmsnorm_llama_half", "rmsnorm_gemma
 CASES: List[Tuple[str, Tuple[int, int]]] = (
     [(name, sizes) for name in FLOAT for sizes in [(2, 20000), (3, 20011), (4, 1536)]]
     + [(name, sizes) for name in LOWP for sizes in [(2, 40000), (3, 40003), (5, 3000)]]
-    # Two half inputs per row (x and the residual); the logits and an int64 column index.
-    + [("prenorm_residual_layernorm_half", (5, 3000)), ("cross_entropy", (3, 20000)),
-       ("cross_entropy", (4, 1000))]
+    # The logits and an int64 column index.
+    + [("cross_entropy", (3, 20000)), ("cross_entropy", (4, 1000))]
 )
 
 
@@ -63,6 +62,20 @@ def test_rows_held_in_shared_memory_match_numpy(name: str, sizes: Tuple[int, int
     inputs = _inputs(fam)
     assert fam.fd._core.auto_program(_shapes(inputs)).heuristic == "shared_normalization"
     _check(fam, fam.fd.execute(inputs), fam.expected(inputs))
+
+
+@pytest.mark.parametrize("sizes", [(5, 3000), (3, 4096), (2, 3992)])
+def test_two_row_inputs_at_one_vector_per_thread_stay_in_registers(sizes: Tuple[int, int]) -> None:
+    # Every pass of the Shared schedule re-reads each row input from Shared memory: the
+    # pre-LN residual LayerNorm (x + residual, half) ran 141.7 us in Shared memory against
+    # 125.2 us in registers on the H200 at [16384, 4096], where one-input LayerNorm and
+    # RMSNorm are faster in Shared memory.
+    fam = BUILDERS["prenorm_residual_layernorm_half"](sizes)
+    inputs = _inputs(fam)
+    assert fam.fd._core.auto_program(_shapes(inputs)).heuristic == "normalization"
+    _check(fam, fam.fd.execute(inputs), fam.expected(inputs))
+    one = BUILDERS["layernorm_half"](sizes)
+    assert one.fd._core.auto_program(_shapes(_inputs(one))).heuristic == "shared_normalization"
 
 
 def _softmax(dtype: DataType = DataType.Float) -> FusionDefinition:

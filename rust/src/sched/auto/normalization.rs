@@ -159,8 +159,21 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     // softmax 0.78 / 0.86 at 4096 columns and 0.78 / 0.89 at 32768; RMSNorm 0.88 / 0.99 and
     // 0.89 / 0.92; cross-entropy 0.44 / 0.66 and 0.54 / 0.63. At two to four vectors per
     // thread the registers are as fast or faster (softmax over 16384: 0.95 / 0.92).
+    //
+    // At one vector per thread, only where one input is read along the row: the Shared
+    // schedule re-reads every row input from Shared memory in every pass. H200, [16384, 4096]
+    // half, Shared / registers: LayerNorm (one input) 69.4 / 79.0 us, RMSNorm 67.0 / 71.2,
+    // but the pre-LN residual LayerNorm (`h = x + residual` written and normalized: two
+    // inputs, four passes) 141.7 / 125.2 (`python3 benches/families.py --only ...`, with
+    // `KILN_ROWS_IN_SHARED=0` for the registers).
     let vectors = row / v;
-    if rows_per_block == 1 && ((p == 1 && vectors >= 256) || p >= 8) && super::shared::fits_twice(f, cx, n, row) {
+    let row_inputs =
+        f.inputs.iter().filter(|op| matches!(op, Operand::Tensor(x) if super::full_size_input(f, *x, n))).count();
+    if super::rows_in_shared() != Some(false)
+        && rows_per_block == 1
+        && ((p == 1 && vectors >= 256 && row_inputs <= 1) || p >= 8)
+        && super::shared::fits_twice(f, cx, n, row)
+    {
         bail!(
             "{}: rows of {row} elements keep more loads in flight in Shared memory than with {p} vector(s) per thread in registers",
             f.tv_name(r0)
