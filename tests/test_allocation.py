@@ -170,6 +170,25 @@ def test_e_nhwc_output_and_cache_before_follows_its_layout():
     assert cache.strides[-1] == "1" and cache.strides[-2] == "4"
 
 
+def test_allocation_contiguity_may_be_one_flag_for_every_axis():
+    # nvFuser takes a bool for "every axis"; anything but a bool or a list is a KilnError.
+    def nhwc(contiguity):
+        with FusionDefinition() as fd:
+            x = fd.define_tensor([-1, -1, -1, -1])
+            y = fd.ops.relu(x)
+            fd.add_output(y)
+        y.set_allocation_domain([0, 2, 3, 1], contiguity)
+        return fd, y
+
+    fd, y = nhwc(True)
+    a = np.random.default_rng(0).standard_normal((2, 3, 4, 5)).astype(np.float32)
+    (out,) = fd.execute([a])
+    np.testing.assert_array_equal(np.asarray(out), np.maximum(a, 0))
+    assert out.strides == (4 * 60, 4, 4 * 15, 4 * 3)  # NHWC storage, NCHW view
+    with pytest.raises(KilnError, match="contiguity must be a bool or a list"):
+        nhwc(None)
+
+
 # f) transpose staged through Shared --------------------------------------------------------
 def test_f_transposed_shared_staging_buffer_is_32_by_32():
     with FusionDefinition() as fd:

@@ -157,7 +157,7 @@ class ScheduleMixin:
         self._fd._core.inline_at(self._id, _int(pos, "position", self.name))
 
     def set_allocation_domain(self, axes: Sequence[Union[int, IterDomain]],
-                              contiguity: Sequence[Optional[bool]]) -> None:
+                              contiguity: Union[bool, Sequence[Optional[bool]]]) -> None:
         """Lay the tensor out in memory in the order of ``axes`` (loop axis ints or IterDomains)."""
         loop = self._fd._core.tv_loop(self._id)
         ids: List[int] = []
@@ -172,6 +172,11 @@ class ScheduleMixin:
                     raise KilnError(f"{self.name}: set_allocation_domain: axis {i} is out of range "
                                     f"for {len(loop)} loop axes")
                 ids.append(loop[i])
+        if isinstance(contiguity, bool):  # one flag for every axis, as nvFuser takes it
+            contiguity = [contiguity] * len(ids)
+        if not isinstance(contiguity, (list, tuple)):
+            raise KilnTypeError(f"{self.name}: set_allocation_domain: contiguity must be a bool or a list "
+                                f"of bool/None, got {type(contiguity).__name__}")
         contig = [None if c is None else bool(c) for c in contiguity]
         self._fd._core.set_allocation_domain(self._id, ids, contig)
 

@@ -504,18 +504,9 @@ fn merge_groups(
     let pos: FxHashMap<ExprId, usize> = order.iter().enumerate().map(|(i, &e)| (e, i)).collect();
     // Groups by index; a merged-away group is None. Exprs kept in dependency order.
     let mut groups: Vec<Option<Vec<ExprId>>> = order.iter().map(|&e| Some(vec![e])).collect();
-    let mut covered: Vec<Option<Covered>> = Vec::with_capacity(order.len());
-    for &e in order {
-        match try_group(f, order, &[e], cx)? {
-            Ok(c) => covered.push(Some(c)),
-            Err(why) => {
-                return Err(KilnError::value(format!(
-                    "{}: no automatic schedule places this op even on its own ({why}); schedule the fusion by hand",
-                    f.expr_short(&f.exprs[e])
-                )));
-            }
-        }
-    }
+    // The schedule of each group, once it has one: a lone expr is scheduled only if it is
+    // still alone when merging ends (each schedule is lowered, and most exprs merge).
+    let mut covered: Vec<Option<Covered>> = vec![None; order.len()];
     let bytes: FxHashMap<TvId, i64> = f
         .tvs
         .keys()
@@ -558,6 +549,21 @@ fn merge_groups(
         }
         if !merged {
             break;
+        }
+    }
+    for (i, g) in groups.iter().enumerate() {
+        let Some(g) = g else { continue };
+        if covered[i].is_some() {
+            continue;
+        }
+        match try_group(f, order, g, cx)? {
+            Ok(c) => covered[i] = Some(c),
+            Err(why) => {
+                return Err(KilnError::value(format!(
+                    "{}: no automatic schedule places this op even on its own ({why}); schedule the fusion by hand",
+                    f.expr_short(&f.exprs[g[0]])
+                )));
+            }
         }
     }
     if !refusals.is_empty() {
