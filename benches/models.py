@@ -507,7 +507,8 @@ def peer_layernorm_backward(ins: Sequence[Any]) -> Peer:
 def peer_llama_rope(ins: Sequence[Any]) -> Peer:
     """LlamaAttention's query: ``q_proj(x).view(B, S, H, D).transpose(1, 2)`` then
     ``apply_rotary_pos_emb``. As in HF the result is a strided [B, H, S, D] view of a
-    [B, S, H, D]-ordered tensor (kiln writes [B, H, S, D] in order); the bytes are the same."""
+    [B, S, H, D]-ordered tensor; so is kiln's (``families.llama_rope_view``: the output stored
+    with ``stride_order``)."""
     def rotate_half(x: Any) -> Any:
         x1 = x[..., : x.shape[-1] // 2]
         x2 = x[..., x.shape[-1] // 2 :]
@@ -649,7 +650,7 @@ WORKLOADS: List[Workload] = [
              (4096, 4096), (37, 129), peer_relu_backward),
     Workload("layernorm_backward", "LayerNorm backward", layernorm_backward, (16384, 4096), (4096, 4096),
              (13, 97), peer_layernorm_backward, fix=fix_layernorm_stats),
-    Workload("llama_rope", "LLaMA RoPE (q)", fams.llama_rope, ROPE_BENCH, (2, *ROPE_BENCH[1:]),
+    Workload("llama_rope", "LLaMA RoPE (q)", fams.llama_rope_view, ROPE_BENCH, (2, *ROPE_BENCH[1:]),
              (2, 5, 3, 8), peer_llama_rope),
 ]
 

@@ -1616,7 +1616,21 @@ def layernorm_long_rows(sizes: Sizes) -> Family:
 def llama_rope(sizes: Sizes) -> Family:
     """LLaMA attention pre-processing of q: ``q = x.view(B, S, H, D)``; ``q * cos + rotate_half(q)
     * sin`` with ``rotate_half(q) = cat(-q[..., D/2:], q[..., :D/2])`` and cos/sin [S, D];
-    ``q.transpose(1, 2)`` to [B, H, S, D]. Sizes (B, S, H, D)."""
+    ``q.transpose(1, 2)`` to [B, H, S, D], written in that order. Sizes (B, S, H, D)."""
+    return _llama_rope(sizes, "llama_rope", None)
+
+
+@family(((1, 1, 1, 2), (2, 5, 3, 8), (3, 17, 2, 64)), ((1, 1, 1, 2), (2, 129, 4, 64), (4, 512, 32, 128)),
+        (4, 2048, 32, 128))
+def llama_rope_view(sizes: Sizes) -> Family:
+    """``llama_rope`` as Hugging Face's LlamaAttention hands q on: ``transpose(1, 2)`` is a
+    strided [B, H, S, D] view of a tensor stored [B, S, H, D] (``add_output(..., stride_order=
+    [3, 1, 2, 0])``). Sizes (B, S, H, D)."""
+    return _llama_rope(sizes, "llama_rope_view", [3, 1, 2, 0])
+
+
+def _llama_rope(sizes: Sizes, name: str, stride_order: Optional[List[int]]) -> Family:
+    """``llama_rope`` with its output stored in ``stride_order`` (None: [B, H, S, D] order)."""
     _, _, h, d = sizes
     with FusionDefinition() as fd:
         x = _tensor(fd, 3)
@@ -1627,7 +1641,7 @@ def llama_rope(sizes: Sizes) -> Family:
         x2 = fd.ops.slice(q, [0, 0, 0, d // 2], [None, None, None, d])
         rot = fd.ops.cat([fd.ops.neg(x2), x1], -1)
         y = fd.ops.add(fd.ops.mul(q, _bcast(fd, cos, 4, [1, 3])), fd.ops.mul(rot, _bcast(fd, sin, 4, [1, 3])))
-        fd.add_output(fd.ops.permute(y, [0, 2, 1, 3]))
+        fd.add_output(fd.ops.permute(y, [0, 2, 1, 3]), stride_order=stride_order)
 
     def make(sizes: Sizes, seed: int = 0) -> List[Any]:
         b, s, h, d = sizes
@@ -1641,7 +1655,7 @@ def llama_rope(sizes: Sizes) -> Family:
         q = x.reshape(b, s, h, d)
         rot = np.concatenate([-q[..., d // 2:], q[..., :d // 2]], -1)
         return [(q * cos[None, :, None, :] + rot * sin[None, :, None, :]).transpose(0, 2, 1, 3)]
-    return Family("llama_rope", sizes, fd, make, ref, rtol=1e-5, atol=1e-5)
+    return Family(name, sizes, fd, make, ref, rtol=1e-5, atol=1e-5)
 
 
 @family(((1, 1, 1, 1), (2, 3, 5, 4), (1, 2, 17, 64)), ((1, 1, 1, 1), (2, 4, 129, 64), (8, 8, 1024, 128)),

@@ -194,14 +194,32 @@ class FusionDefinition:
             return Scalar(self, self._core.const_float(value))
         raise KilnTypeError(f"expected a Tensor, Scalar, int, float or bool, got {value!r}")
 
-    def add_output(self, t: Tensor, alias_input: Optional[Tensor] = None) -> None:
+    def add_output(self, t: Tensor, alias_input: Optional[Tensor] = None,
+                   stride_order: Optional[Sequence[int]] = None) -> None:
         """Mark ``t`` as an output of the fusion; with ``alias_input``, ``t`` is written into
-        that input's array instead of being returned (an in-place update)."""
+        that input's array instead of being returned (an in-place update); with
+        ``stride_order`` (nvFuser's: axis ``i`` has the ``stride_order[i]``-th smallest
+        stride), it is stored in that order and handed back as a strided view."""
+        if stride_order is not None:
+            if alias_input is not None:
+                raise KilnError(f"add_output {t.name}: stride_order and alias_input exclude each other "
+                                f"(an aliased output takes the input's layout)")
+            self._output_order(t, stride_order)
         if alias_input is None:
             self._core.add_output(self._tensor(t, "add_output"))
         else:
             out, inp = self._tensor(t, "add_output"), self._tensor(alias_input, "add_output")
             self._core.add_output_alias(out, inp)
+
+    def _output_order(self, t: Tensor, stride_order: Sequence[int]) -> None:
+        """Set ``t``'s allocation to the order ``stride_order`` gives its non-reduction axes."""
+        tid = self._tensor(t, "add_output")
+        rank = len([i for i in self._core.tv_logical(tid) if self._core.id_info(i).iter_type != "Reduction"])
+        order = _ints(stride_order, f"add_output {t.name}: stride_order")
+        if sorted(order) != list(range(rank)):
+            raise KilnError(f"add_output {t.name}: stride_order {order} is not a permutation of "
+                            f"0..{rank - 1} (one entry per axis of the {rank}-d output)")
+        self._core.set_output_order(tid, sorted(range(rank), key=lambda i: -order[i]))
 
     def segment_after(self, t: Tensor) -> None:
         """Split the fusion after ``t``'s definition: what depends on ``t`` runs in a later

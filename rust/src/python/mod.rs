@@ -671,6 +671,14 @@ impl PyFusion {
         })
     }
 
+    /// Store output `t` with its non-reduction logical axes in `order` (outermost first).
+    fn set_output_order(&mut self, py: Python<'_>, t: u32, order: Vec<usize>) -> PyResult<()> {
+        guarded(py, || {
+            let t = self.tv(t)?;
+            self.inner.get_mut().set_output_order(t, &order)
+        })
+    }
+
     /// A copy of the fusion scheduled automatically for inputs of `sizes`, with the
     /// heuristic that scheduled it.
     fn auto_scheduled(&self, py: Python<'_>, sizes: Vec<Vec<i64>>) -> PyResult<PyAutoSchedule> {

@@ -37,6 +37,10 @@ fn full_size(f: &Fusion, t: TvId, rank: usize) -> bool {
 /// The fusion's permute and its permutation when it has exactly one and that one keeps
 /// the last axis in place (`[B, S, H] -> [S, B, H]`): a copy whose rows stay contiguous,
 /// which the pointwise schedule covers by iterating every tensor in the output's order.
+///
+/// An output stored in another order than its logical one (`add_output(..., stride_order)`,
+/// `set_allocation_domain`) counts in that order: `[B, S, H, D] -> [B, H, S, D]` stored as
+/// `[B, S, H, D]` (a permuted view, as torch's `transpose` gives) is a plain copy.
 pub fn kept_last_permute(f: &Fusion) -> Option<(ExprId, Vec<usize>)> {
     let found = single_permute(f);
     // Size-one (broadcast) axes hold no data: only the order of the others matters, so
@@ -46,8 +50,42 @@ pub fn kept_last_permute(f: &Fusion) -> Option<(ExprId, Vec<usize>)> {
     let l = f.no_reduction_logical(x);
     let data = |a: &usize| f.ids[l[*a]].iter_type != IterType::Broadcast;
     let last_in = (0..l.len()).rev().find(data);
-    let last_out = perm.iter().rev().find(|a| data(a)).copied();
+    let stored = match output_order(f) {
+        Ok(Some(order)) => order.iter().map(|&i| perm[i]).collect(),
+        Ok(None) => perm.clone(),
+        Err(_) => return None,
+    };
+    let last_out = stored.iter().rev().find(|a| data(a)).copied();
     (last_in == last_out).then_some((e, perm))
+}
+
+/// The storage order of the fusion's outputs when it is not their logical order: the
+/// logical axis each allocation axis is (`[0, 2, 1, 3]`: the second and third swapped);
+/// None when every output is stored in logical order. Outputs stored in different orders
+/// are refused (one iteration order serves them all).
+pub fn output_order(f: &Fusion) -> Result<Option<Vec<usize>>> {
+    let order_of = |o: TvId| -> Option<Vec<usize>> {
+        let logical = f.no_reduction_logical(o);
+        let order: Vec<usize> = f.tvs[o]
+            .maybe_allocation()
+            .iter()
+            .filter(|&&id| f.ids[id].iter_type != IterType::Reduction)
+            .filter_map(|id| logical.iter().position(|l| l == id))
+            .collect();
+        let identity = order.iter().enumerate().all(|(i, &a)| i == a);
+        (order.len() == logical.len() && !identity).then_some(order)
+    };
+    let mut orders = f.outputs.iter().map(|&o| (o, order_of(o)));
+    let Some((_, first)) = orders.next() else { return Ok(None) };
+    for (o, order) in orders {
+        if order != first {
+            bail!(
+                "{} is stored in another order than the other outputs; one pointwise kernel iterates in one order",
+                f.tv_name(o)
+            );
+        }
+    }
+    Ok(first)
 }
 
 /// Schedule a fusion without reductions, and without permutes other than one that keeps
@@ -122,6 +160,9 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
     }
     let numel: i64 = sizes.iter().product();
     let permute = if any_permute { single_permute(f) } else { kept_last_permute(f) };
+    // Every tensor iterates in the order the outputs are stored in, so the stores are
+    // contiguous; the innermost stored axis carries the vectors.
+    let stored = output_order(f)?;
     // The vector width: 16 bytes of the widest tensor that is accessed with vectors
     // (an int64 index tensor read once per row does not narrow it).
     let vectorized = |f: &Fusion, x: TvId| {
@@ -141,7 +182,14 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
     let mut v = (16 / widest).clamp(1, 8);
     // Across a permute the flat order is not the memory order of the tensors before it: a
     // vector must stay within one row of the kept last axis.
-    if any_permute || (permute.is_some() && sizes.last().is_some_and(|&h| h % v != 0)) {
+    let innermost = stored.as_ref().map_or(rank - 1, |o| o[rank - 1]);
+    if any_permute || (permute.is_some() && sizes[innermost] % v != 0) {
+        v = 1;
+    }
+    // Outputs stored with another innermost axis than their last: the tensors of the
+    // logical order are read across their rows (no vectors), unless the permute before the
+    // outputs brings their rows back (checked by `kept_last_permute`).
+    if stored.is_some() && innermost != rank - 1 && permute.is_none() {
         v = 1;
     }
     let threads = 128;
@@ -192,11 +240,19 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
                 );
             }
         }
-        orient = super::moves_to(perm);
+        // The stored order through the permute: stored axis i is the permute's input axis
+        // perm[stored[i]].
+        orient = match &stored {
+            Some(o) => super::moves_to(&o.iter().map(|&i| perm[i]).collect::<Vec<_>>()),
+            None => super::moves_to(perm),
+        };
     }
+    let downstream_orient: Vec<(i64, i64)> = stored.as_ref().map(|o| super::moves_to(o)).unwrap_or_default();
     let oriented = |f: &mut Fusion, t: TvId| -> Result<()> {
         if upstream.contains(&t) {
             f.reorder(t, &orient)?;
+        } else if !downstream_orient.is_empty() {
+            f.reorder(t, &downstream_orient)?;
         }
         Ok(())
     };
@@ -247,7 +303,10 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
             }
         }
     }
-    if let Some((rows, cols)) = two_d_extents(f, cx, out, rank, &tensors)? {
+    // The 2-D schedule tiles the logical rows; outputs stored in another order take the
+    // flat one.
+    let two_d = if stored.is_none() { two_d_extents(f, cx, out, rank, &tensors)? } else { None };
+    if let Some((rows, cols)) = two_d {
         let t2 = (((cols + v - 1) / v + 31) / 32 * 32).clamp(32, 128);
         // Rows per block beside the row's threads, so a block has 128 threads: an SM holds
         // at most 32 blocks, which would leave it half empty with 32-thread blocks.

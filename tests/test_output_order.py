@@ -1,0 +1,139 @@
+"""Outputs stored in another order than their logical one (``fd.add_output(t,
+stride_order=...)``, nvFuser's): the automatic schedules iterate in the stored order (a
+permute undone by the storage order is a plain copy), the array handed back is a strided view
+with the logical shape, and bad orders are KilnErrors. NumPy float64 references."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import numpy as np
+import pytest
+from kiln import FusionDefinition, KilnError
+
+
+def _strides(shape: List[int], order: List[int], itemsize: int = 4) -> tuple:
+    """Byte strides of ``shape`` stored with nvFuser's ``stride_order`` (0: innermost)."""
+    out = [0] * len(shape)
+    acc = itemsize
+    for axis in sorted(range(len(shape)), key=lambda a: order[a]):
+        out[axis] = acc
+        acc *= max(shape[axis], 1)
+    return tuple(out)
+
+
+def _rng(seed: int = 0) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 3, 8), (1, 7, 1, 4), (3, 2, 4, 1), (2, 33, 5, 12)])
+def test_permute_stored_in_its_input_order_is_a_plain_copy(shape):
+    # [B, S, H, D] -> [B, H, S, D] handed back as torch's transpose(1, 2) gives it: a view of
+    # a tensor stored [B, S, H, D].
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1] * 4)
+        y = fd.ops.mul(fd.ops.exp(x), 2.0)
+        fd.add_output(fd.ops.permute(y, [0, 2, 1, 3]), stride_order=[3, 1, 2, 0])
+    a = _rng().standard_normal(shape).astype(np.float32)
+    sizes = [list(shape)]
+    assert fd._core.auto_program(sizes).heuristic == "pointwise"
+    assert not fd._core.manually_scheduled
+    (out,) = fd.execute([a])
+    want = (np.exp(a.astype(np.float64)) * 2.0).transpose(0, 2, 1, 3)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-6)
+    logical = [shape[0], shape[2], shape[1], shape[3]]
+    assert out.shape == tuple(logical)
+    assert out.strides == _strides(logical, [3, 1, 2, 0])
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2], [2, 0, 1], [1, 2, 0], [0, 2, 1]])
+def test_pointwise_output_in_any_stored_order(order):
+    shape = (3, 5, 7)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1])
+        b = fd.define_tensor([-1])
+        y = fd.ops.add(fd.ops.relu(x), fd.ops.broadcast_in_dim(b, [3, 5, 7], [2]))
+        fd.add_output(y, stride_order=order)
+    a = _rng(1).standard_normal(shape).astype(np.float32)
+    bias = _rng(2).standard_normal(7).astype(np.float32)
+    (out,) = fd.execute([a, bias])
+    np.testing.assert_allclose(np.asarray(out), np.maximum(a, 0) + bias, rtol=1e-6)
+    assert out.strides == _strides(list(shape), order)
+
+
+def test_reduction_output_stored_transposed():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1])
+        s = fd.ops.sum(x, dims=[1])
+        fd.add_output(s, stride_order=[0, 1])  # [A, C] stored as [C, A]
+    a = _rng(3).standard_normal((4, 9, 6)).astype(np.float32)
+    (out,) = fd.execute([a])
+    np.testing.assert_allclose(np.asarray(out), a.astype(np.float64).sum(1), rtol=1e-5, atol=1e-5)
+    assert out.shape == (4, 6) and out.strides == (4, 16)
+
+
+def test_two_outputs_stored_in_different_orders():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.exp(x), stride_order=[0, 1])
+        fd.add_output(fd.ops.neg(x))
+    a = _rng(4).standard_normal((6, 10)).astype(np.float32)
+    e, n = fd.execute([a])
+    np.testing.assert_allclose(np.asarray(e), np.exp(a.astype(np.float64)), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(n), -a)
+    assert e.strides == (4, 24) and n.strides == (40, 4)
+
+
+@pytest.mark.parametrize("order,match", [([0, 0], "not a permutation"), ([0, 1, 2], "not a permutation"),
+                                         ([1], "not a permutation"), (["a", 0], "int")])
+def test_bad_stride_orders_are_kiln_errors(order: List, match: str):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        with pytest.raises(KilnError, match=match):
+            fd.add_output(fd.ops.exp(x), stride_order=order)
+        fd.add_output(fd.ops.neg(x))
+
+
+def test_stride_order_needs_a_computed_output_and_no_alias():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        y = fd.ops.exp(x)
+        with pytest.raises(KilnError, match="computed outputs"):
+            fd.add_output(x, stride_order=[0, 1])
+        with pytest.raises(KilnError, match="alias_input"):
+            fd.add_output(y, alias_input=x, stride_order=[0, 1])
+        fd.add_output(y)
+
+
+def _rope(order: Optional[List[int]]) -> FusionDefinition:
+    h, d = 3, 8
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1])
+        cos = fd.define_tensor([-1, -1])
+        sin = fd.define_tensor([-1, -1])
+        q = fd.ops.reshape(x, [fd.ops.size(x, 0), fd.ops.size(x, 1), h, d])
+        x1 = fd.ops.slice(q, [0, 0, 0, 0], [None, None, None, d // 2])
+        x2 = fd.ops.slice(q, [0, 0, 0, d // 2], [None, None, None, d])
+        rot = fd.ops.cat([fd.ops.neg(x2), x1], -1)
+        shape = [fd.ops.size(x, 0), fd.ops.size(x, 1), h, d]
+        c = fd.ops.broadcast_in_dim(cos, shape, [1, 3])
+        s = fd.ops.broadcast_in_dim(sin, shape, [1, 3])
+        y = fd.ops.add(fd.ops.mul(q, c), fd.ops.mul(rot, s))
+        fd.add_output(fd.ops.permute(y, [0, 2, 1, 3]), stride_order=order)
+    return fd
+
+
+@pytest.mark.parametrize("b,s", [(2, 7), (1, 1), (3, 16)])
+def test_rope_as_a_view_matches_the_materialized_transpose(b, s):
+    r = _rng(5)
+    xs = [r.standard_normal((b, s, 24)).astype(np.float32), r.standard_normal((s, 8)).astype(np.float32),
+          r.standard_normal((s, 8)).astype(np.float32)]
+    q = xs[0].reshape(b, s, 3, 8).astype(np.float64)
+    rot = np.concatenate([-q[..., 4:], q[..., :4]], -1)
+    want = (q * xs[1][None, :, None] + rot * xs[2][None, :, None]).transpose(0, 2, 1, 3)
+    (plain,) = _rope(None).execute(xs)
+    (view,) = _rope([3, 1, 2, 0]).execute(xs)
+    for out in (plain, view):
+        np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-6)
+    assert plain.strides == _strides([b, 3, s, 8], [3, 2, 1, 0])
+    assert view.strides == _strides([b, 3, s, 8], [3, 1, 2, 0])
