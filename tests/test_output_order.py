@@ -137,3 +137,80 @@ def test_rope_as_a_view_matches_the_materialized_transpose(b, s):
         np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-6)
     assert plain.strides == _strides([b, 3, s, 8], [3, 2, 1, 0])
     assert view.strides == _strides([b, 3, s, 8], [3, 1, 2, 0])
+
+
+# -- random fusions with random stored orders -------------------------------------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def _case(draw):
+    rank = draw(st.integers(1, 4))
+    shape = [draw(st.sampled_from([1, 2, 3, 5, 8, 13])) for _ in range(rank)]
+    perm = draw(st.permutations(list(range(rank)))) if draw(st.booleans()) else None
+    reduce_axis = draw(st.integers(0, rank - 1)) if rank > 1 and draw(st.booleans()) else None
+    out_rank = rank - (reduce_axis is not None)
+    order = draw(st.permutations(list(range(out_rank))))
+    two_outputs = draw(st.booleans())
+    return shape, perm, reduce_axis, order, two_outputs
+
+
+@settings(max_examples=60, deadline=None)
+@given(_case())
+def test_random_fusions_with_stored_orders_match_numpy(case):
+    shape, perm, reduce_axis, order, two_outputs = case
+    rank = len(shape)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1] * rank)
+        b = fd.define_tensor([-1])
+        t = fd.ops.add(fd.ops.exp(x), fd.ops.broadcast_in_dim(b, shape, [rank - 1]))
+        if perm is not None:
+            t = fd.ops.permute(t, perm)
+        if reduce_axis is not None:
+            t = fd.ops.sum(t, dims=[reduce_axis])
+        fd.add_output(t, stride_order=order)
+        if two_outputs:
+            fd.add_output(fd.ops.neg(x))
+    a = _rng(7).uniform(-1, 1, shape).astype(np.float32)
+    bias = _rng(8).uniform(-1, 1, shape[-1]).astype(np.float32)
+    want = np.exp(a.astype(np.float64)) + bias
+    if perm is not None:
+        want = want.transpose(perm)
+    if reduce_axis is not None:
+        want = want.sum(axis=reduce_axis)
+    outs = fd.execute([a, bias])
+    np.testing.assert_allclose(np.asarray(outs[0]), want, rtol=1e-5, atol=1e-5)
+    assert outs[0].shape == want.shape
+    assert outs[0].strides == _strides(list(want.shape), order)
+    if two_outputs:
+        np.testing.assert_array_equal(np.asarray(outs[1]), -a)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lib", ["cupy", "torch"])
+@pytest.mark.parametrize("shape", [(2, 33, 5, 12), (4, 128, 8, 64)])
+def test_stored_orders_on_the_gpu(lib, shape):
+    from gpu_util import cupy_or_skip
+
+    cp = cupy_or_skip()
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1] * 4)
+        y = fd.ops.mul(fd.ops.exp(x), 2.0)
+        fd.add_output(fd.ops.permute(y, [0, 2, 1, 3]), stride_order=[3, 1, 2, 0])
+        fd.add_output(fd.ops.neg(x), stride_order=[0, 3, 2, 1])
+    a = _rng(9).standard_normal(shape).astype(np.float32)
+    if lib == "torch":
+        torch = pytest.importorskip("torch")
+        outs = fd.execute([torch.as_tensor(a, device="cuda")])
+        got = [o.cpu().numpy() for o in outs]
+        strides = [tuple(s * 4 for s in o.stride()) for o in outs]
+    else:
+        outs = fd.execute([cp.asarray(a)])
+        got = [cp.asnumpy(o) for o in outs]
+        strides = [o.strides for o in outs]
+    want = (np.exp(a.astype(np.float64)) * 2.0).transpose(0, 2, 1, 3)
+    np.testing.assert_allclose(got[0], want, rtol=1e-6)
+    np.testing.assert_array_equal(got[1], -a)
+    assert strides[0] == _strides(list(want.shape), [3, 1, 2, 0])
+    assert strides[1] == _strides(list(shape), [0, 3, 2, 1])
