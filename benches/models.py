@@ -72,8 +72,9 @@ tests/families.py are skipped (tests/test_families.py covers them where ml_dtype
 Notes: the kiln families return new tensors where torch.optim's steps, clip_grad_norm_ and
 BatchNorm's running statistics update in place (kiln's ``add_output(out, alias_input=inp)``
 copies after the launch, which would add traffic; no family uses it); the minimum traffic is
-the same either way. The RoPE peer leaves HF's strided [B, H, S, D] view where kiln writes
-[B, H, S, D] in order (same bytes); the [B, S, H] -> [B, H, S] peer materializes its
+the same either way. The RoPE peer leaves HF's strided [B, H, S, D] view of a [B, S, H, D]-ordered
+tensor, and so does kiln (``families.llama_rope_view``, ``add_output(..., stride_order)``;
+``families.llama_rope`` writes [B, H, S, D] in order); the [B, S, H] -> [B, H, S] peer materializes its
 permute with ``.contiguous()``, as kiln does. torch.compile compiles every workload anew
 (``torch._dynamo.reset()`` between them), so a full run takes a while: split it with
 ``--only`` where a command's time is limited.
