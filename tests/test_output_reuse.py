@@ -146,3 +146,41 @@ def test_torch_output_reuse_only_when_nothing_holds_it(keep: str):
         np.testing.assert_allclose(kept.get(), want, rtol=1e-6)
     elif kept is not None:
         np.testing.assert_allclose(kept.cpu().numpy(), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("lib", ["cupy", "torch"])
+def test_an_output_handed_back_as_a_view_is_reused_only_when_the_view_is_dropped(lib: str):
+    # add_output(..., stride_order): the caller gets a permuted view of the stored array,
+    # which holds that array; while the caller keeps the view, later calls must not write it.
+    cp = cupy_or_skip()
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1])
+        fd.add_output(fd.ops.permute(fd.ops.mul(x, 3.0), [0, 2, 1]), stride_order=[2, 0, 1])
+    rng = np.random.default_rng(11)
+    a1, a2 = (rng.standard_normal((4, 6, 8)).astype(np.float32) for _ in range(2))
+    if lib == "torch":
+        torch = pytest.importorskip("torch")
+        x1, x2 = (torch.as_tensor(a, device="cuda") for a in (a1, a2))
+        ptr = lambda o: o.data_ptr()  # noqa: E731
+        host = lambda o: o.cpu().numpy()  # noqa: E731
+        sync = torch.cuda.synchronize
+    else:
+        x1, x2 = cp.asarray(a1), cp.asarray(a2)
+        ptr = lambda o: o.data.ptr  # noqa: E731
+        host = cp.asnumpy
+        sync = cp.cuda.get_current_stream().synchronize
+    fd.execute([x1])
+    (v,) = fd.execute([x1])
+    p = ptr(v)
+    del v
+    (v,) = fd.execute([x1])
+    assert ptr(v) == p, "a dropped view's array is written again"
+    kept = v  # held: the next calls get fresh arrays
+    del v
+    for _ in range(2):
+        (w,) = fd.execute([x2])
+        assert ptr(w) != p
+        np.testing.assert_allclose(host(w), (a2.astype(np.float64) * 3).transpose(0, 2, 1), rtol=1e-6)
+        del w
+    sync()
+    np.testing.assert_allclose(host(kept), (a1.astype(np.float64) * 3).transpose(0, 2, 1), rtol=1e-6)
