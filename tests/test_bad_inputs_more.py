@@ -2329,3 +2329,15 @@ def test_split_factor_a_million_runs() -> None:
     fd, x, y, z = _chain((2, 3))
     z.split(1, 10**6)
     _check_chain(fd, rnd(2, 3))
+
+
+@pytest.mark.parametrize("op", ["shape", "rand_like", "randn_like"])
+@pytest.mark.parametrize("x", [1.5, None, [1, 2], "x", True])
+def test_ops_taking_a_tensor_refuse_anything_else(op: str, x: Any) -> None:
+    # A random op-call fuzzer found these raising AttributeError ('float' object has no
+    # attribute 'ndim') instead of naming the op.
+    with FusionDefinition() as fd:
+        t = fd.define_tensor([-1, -1])
+        with pytest.raises(KilnError, match=f"{op}: expected a Tensor"):
+            getattr(fd.ops, op)(x)
+        fd.add_output(fd.ops.neg(t))

@@ -373,6 +373,7 @@ class Ops:
 
     def shape(self, x: Tensor) -> List[Scalar]:
         """The sizes of ``x``'s axes as Scalars (nvFuser's ``t.shape()``)."""
+        self._fd._tensor(x, "shape")
         return [self.size(x, d) for d in range(x.ndim)]
 
     def cast(self, x: Operand, dtype: DataType) -> Tensor:
@@ -782,10 +783,12 @@ class Ops:
 
     def rand_like(self, x: Tensor, rng_seed: Operand = 0, rng_offset: Operand = 0) -> Tensor:
         """Uniform numbers in ``[0, 1)`` of ``x``'s shape and dtype."""
+        self._fd._tensor(x, "rand_like")
         return self.uniform(0.0, 1.0, self.shape(x), x.dtype, rng_seed, rng_offset)
 
     def randn_like(self, x: Tensor, rng_seed: Operand = 0, rng_offset: Operand = 0) -> Tensor:
         """Standard normal numbers of ``x``'s shape and dtype."""
+        self._fd._tensor(x, "randn_like")
         return self.normal(0.0, 1.0, self.shape(x), x.dtype, rng_seed, rng_offset)
 
 
