@@ -303,9 +303,9 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
             }
         }
     }
-    // The 2-D schedule tiles the logical rows; outputs stored in another order take the
-    // flat one.
-    let two_d = if stored.is_none() { two_d_extents(f, cx, out, rank, &tensors)? } else { None };
+    // The 2-D schedule tiles rows of the last axis: outputs stored with another innermost
+    // axis take the flat one (their rows, in stored order, are what it merges).
+    let two_d = if innermost == rank - 1 { two_d_extents(f, cx, out, rank, &tensors)? } else { None };
     if let Some((rows, cols)) = two_d {
         let t2 = (((cols + v - 1) / v + 31) / 32 * 32).clamp(32, 128);
         // Rows per block beside the row's threads, so a block has 128 threads: an SM holds
