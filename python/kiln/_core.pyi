@@ -132,8 +132,8 @@ class Fusion:
         """Inline at a position."""
     def set_allocation_domain(self, t: int, ids: List[int], contiguity: List[Optional[bool]]) -> None:
         """Set the allocation domain from id numbers."""
-    def set_output_order(self, t: int, order: List[int]) -> None:
-        """Store output `t` with its non-reduction logical axes in `order` (outermost first)."""
+    def set_output_order(self, t: int, stride_order: List[int]) -> None:
+        """Store output `t` dense in nvFuser's `stride_order` of its non-reduction axes."""
     def auto_scheduled(self, sizes: List[List[int]]) -> AutoSchedule:
         """A copy of the fusion scheduled automatically for inputs of `sizes`, with the"""
     def auto_program(

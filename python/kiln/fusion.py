@@ -204,22 +204,16 @@ class FusionDefinition:
             if alias_input is not None:
                 raise KilnError(f"add_output {t.name}: stride_order and alias_input exclude each other "
                                 f"(an aliased output takes the input's layout)")
-            self._output_order(t, stride_order)
+            order = _ints(stride_order, f"add_output {t.name}: stride_order")
+            if any(o < 0 for o in order):
+                raise KilnError(f"add_output {t.name}: stride_order {order} is not a permutation "
+                                f"(entries are axis ranks from 0)")
+            self._core.set_output_order(self._tensor(t, "add_output"), order)
         if alias_input is None:
             self._core.add_output(self._tensor(t, "add_output"))
         else:
             out, inp = self._tensor(t, "add_output"), self._tensor(alias_input, "add_output")
             self._core.add_output_alias(out, inp)
-
-    def _output_order(self, t: Tensor, stride_order: Sequence[int]) -> None:
-        """Set ``t``'s allocation to the order ``stride_order`` gives its non-reduction axes."""
-        tid = self._tensor(t, "add_output")
-        rank = len([i for i in self._core.tv_logical(tid) if self._core.id_info(i).iter_type != "Reduction"])
-        order = _ints(stride_order, f"add_output {t.name}: stride_order")
-        if sorted(order) != list(range(rank)):
-            raise KilnError(f"add_output {t.name}: stride_order {order} is not a permutation of "
-                            f"0..{rank - 1} (one entry per axis of the {rank}-d output)")
-        self._core.set_output_order(tid, sorted(range(rank), key=lambda i: -order[i]))
 
     def segment_after(self, t: Tensor) -> None:
         """Split the fusion after ``t``'s definition: what depends on ``t`` runs in a later

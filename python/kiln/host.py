@@ -48,6 +48,7 @@ interpreter's ``kiln._core.execute_cpu(kernel, inputs)``).
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections import defaultdict
 from typing import Any, Callable, DefaultDict, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -586,7 +587,8 @@ class HostEvaluator:
                     o = cp.empty(shape, dtype=ndt)
                     return o, o.data.ptr
             r.outputs.append((bid, alloc, view))
-        r.reuse = bool(outs) and sum(b.nbytes for *_, b in outs) <= REUSE_MAX_BYTES and reuse_outputs()
+        small = bool(outs) and sum(b.nbytes for *_, b in outs) <= REUSE_MAX_BYTES
+        r.reuse = _reuse_baselines(r.outputs[0][1], torch_mode) if small and reuse_outputs() else None
         r.arena = [(bid, b.offset) for bid, b in enumerate(plan.buffers) if b.place == "arena"]
         r.zero = [(bid, b.offset) for bid, b in enumerate(plan.buffers) if b.place == "zero_pool"]
         r.errors = [(bid, b.offset) for bid, b in enumerate(plan.buffers) if b.place == "error"]
@@ -707,7 +709,11 @@ def _specialize(r: _Recipe, torch_mode: bool, device: int, launcher: str, arena:
         else:
             arg[bid] = f"inputs[{i}].data.ptr" if rust else f"inputs[{i}]"
     outs = []
-    reuse = r.reuse and _reuse_baselines(r, torch_mode, ns)
+    reuse = r.reuse is not None
+    if reuse:
+        ns["_rc"], ns["_B"] = sys.getrefcount, r.reuse[0]
+        if torch_mode:
+            ns["_suc"] = r.reuse[1]
     if reuse and not torch_mode:
         # The previous outputs are reused only on the stream they were written on.
         lines.append("    s = _gs().ptr")
@@ -773,33 +779,28 @@ def _specialize(r: _Recipe, torch_mode: bool, device: int, launcher: str, arena:
     return ns["_run"]
 
 
-def _reuse_baselines(r: _Recipe, torch_mode: bool, ns: Dict[str, Any]) -> bool:
-    """Bind in ``ns`` the reference counts (``_B``) that an output held by nothing but
-    kiln's slot shows to the generated checks, measured on a fresh array through the same
-    expressions (the counts the interpreter reports differ between Python versions).
-    False where this array library lacks what the checks read (then every call allocates)."""
-    import sys  # noqa: PLC0415
-
-    ns["_rc"] = sys.getrefcount
+def _reuse_baselines(alloc: Callable[..., Tuple[Any, int]], torch_mode: bool) -> Optional[Tuple[Any, Any]]:
+    """(reference counts, torch's storage use-count getter or None): the counts an output
+    held by nothing but kiln's slot shows to the generated checks, measured once per recipe
+    on a fresh array of ``alloc`` through the same expressions (the counts the interpreter
+    reports differ between Python versions). None where this array library lacks what the
+    checks read (then every call allocates)."""
+    scope: Dict[str, Any] = {"_rc": sys.getrefcount}
     if torch_mode:
         import torch  # noqa: PLC0415
 
-        suc = getattr(torch._C, "_storage_Use_Count", None)
-        if suc is None:
-            return False
-        ns["_suc"] = suc
+        scope["_suc"] = getattr(torch._C, "_storage_Use_Count", None)
+        if scope["_suc"] is None:
+            return None
         probe = ("def _probe(_k):\n    o = _k[0]\n"
                  "    return _rc(o), o._use_count(), _suc(o.untyped_storage()._cdata)\n")
     else:
         probe = "def _probe(_k):\n    o = _k[0]\n    return _rc(o), _rc(o.data), _rc(o.data.mem)\n"
-    scope = dict(ns)
     exec(probe, scope)  # noqa: S102 - a fixed probe, compiled like the generated launcher
-    _bid, alloc, _view = r.outputs[0]
     try:
-        ns["_B"] = scope["_probe"]([alloc((1,))[0]])
+        return scope["_probe"]([alloc((1,))[0]]), scope.get("_suc")
     except AttributeError:
-        return False
-    return True
+        return None
 
 
 def _reuse_cupy_output(n: int, ns: Dict[str, Any], lines: List[str]) -> None:

@@ -671,11 +671,11 @@ impl PyFusion {
         })
     }
 
-    /// Store output `t` with its non-reduction logical axes in `order` (outermost first).
-    fn set_output_order(&mut self, py: Python<'_>, t: u32, order: Vec<usize>) -> PyResult<()> {
+    /// Store output `t` dense in nvFuser's `stride_order` of its non-reduction axes.
+    fn set_output_order(&mut self, py: Python<'_>, t: u32, stride_order: Vec<usize>) -> PyResult<()> {
         guarded(py, || {
             let t = self.tv(t)?;
-            self.inner.get_mut().set_output_order(t, &order)
+            self.inner.get_mut().set_output_order(t, &stride_order)
         })
     }
 

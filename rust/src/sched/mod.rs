@@ -518,21 +518,29 @@ impl Fusion {
         Ok(())
     }
 
-    /// Store output `tv` with its logical axes in the order `order` (outermost first), dense:
-    /// a property of the definition (nvFuser's `add_output(t, stride_order)`), which leaves the
-    /// fusion to the automatic schedulers, unlike `set_allocation_domain`.
-    pub fn set_output_order(&mut self, tv: TvId, order: &[usize]) -> Result<()> {
+    /// Store output `tv` dense in nvFuser's `stride_order` (axis `i` of its non-reduction
+    /// logical domain has the `stride_order[i]`-th smallest stride): a property of the
+    /// definition (`add_output(t, stride_order)`), which leaves the fusion to the automatic
+    /// schedulers, unlike `set_allocation_domain`.
+    pub fn set_output_order(&mut self, tv: TvId, stride_order: &[usize]) -> Result<()> {
         let name = self.tv_name(tv);
         if self.tvs[tv].definition.is_none() {
             bail!("add_output {name}: stride_order applies to computed outputs, and {name} is an input");
         }
         let logical = self.no_reduction_logical(tv);
-        let mut seen = order.to_vec();
+        let mut seen = stride_order.to_vec();
         seen.sort_unstable();
         if seen != (0..logical.len()).collect::<Vec<_>>() {
-            bail!("add_output {name}: the storage order {order:?} is not a permutation of its {} axes", logical.len());
+            bail!(
+                "add_output {name}: stride_order {stride_order:?} is not a permutation of 0..{} (one entry per axis of the {}-d output)",
+                logical.len().saturating_sub(1),
+                logical.len()
+            );
         }
-        let ids: Vec<IterDomainId> = order.iter().map(|&a| logical[a]).collect();
+        // Outermost first: the axis with the largest order.
+        let mut axes: Vec<usize> = (0..logical.len()).collect();
+        axes.sort_by_key(|&a| std::cmp::Reverse(stride_order[a]));
+        let ids: Vec<IterDomainId> = axes.iter().map(|&a| logical[a]).collect();
         let contiguity: Vec<Option<bool>> =
             ids.iter().map(|&id| (self.ids[id].iter_type != IterType::Broadcast).then_some(true)).collect();
         self.check_covers_logical(tv, &ids)?;

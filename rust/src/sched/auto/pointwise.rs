@@ -50,13 +50,15 @@ pub fn kept_last_permute(f: &Fusion) -> Option<(ExprId, Vec<usize>)> {
     let l = f.no_reduction_logical(x);
     let data = |a: &usize| f.ids[l[*a]].iter_type != IterType::Broadcast;
     let last_in = (0..l.len()).rev().find(data);
-    let stored = match output_order(f) {
-        Ok(Some(order)) => order.iter().map(|&i| perm[i]).collect(),
-        Ok(None) => perm.clone(),
-        Err(_) => return None,
-    };
+    let stored = stored_through(&output_order(f).ok()?, &perm);
     let last_out = stored.iter().rev().find(|a| data(a)).copied();
     (last_in == last_out).then_some((e, perm))
+}
+
+/// The permute's input axes in the outputs' stored order: stored axis `i` is input axis
+/// `perm[stored[i]]` (`perm` itself when the outputs are stored in logical order).
+fn stored_through(stored: &Option<Vec<usize>>, perm: &[usize]) -> Vec<usize> {
+    stored.as_ref().map_or_else(|| perm.to_vec(), |o| o.iter().map(|&i| perm[i]).collect())
 }
 
 /// The storage order of the fusion's outputs when it is not their logical order: the
@@ -240,12 +242,7 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
                 );
             }
         }
-        // The stored order through the permute: stored axis i is the permute's input axis
-        // perm[stored[i]].
-        orient = match &stored {
-            Some(o) => super::moves_to(&o.iter().map(|&i| perm[i]).collect::<Vec<_>>()),
-            None => super::moves_to(perm),
-        };
+        orient = super::moves_to(&stored_through(&stored, perm));
     }
     let downstream_orient: Vec<(i64, i64)> = stored.as_ref().map(|o| super::moves_to(o)).unwrap_or_default();
     let oriented = |f: &mut Fusion, t: TvId| -> Result<()> {
