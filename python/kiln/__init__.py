@@ -3,12 +3,14 @@
 from ._errors import KilnError, KilnInternalError, KilnTypeError
 from .enums import DataType, MemoryType, ParallelType
 from .fusion import FusionDefinition, Scalar, Tensor
+from .multidevice import DeviceMesh
 from .schedule import IterDomain
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DataType",
+    "DeviceMesh",
     "FusionDefinition",
     "IterDomain",
     "KilnError",

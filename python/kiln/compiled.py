@@ -14,7 +14,7 @@ class CompiledFusion:
     """The lowerings and launchers of one fusion version, by input signature and heuristic."""
 
     __slots__ = ("version", "as_scheduled", "by_inputs", "by_heuristic", "launchers", "shape_scalars",
-                 "aliases")
+                 "aliases", "mesh")
 
     def __init__(self, version: int) -> None:
         self.version = version
@@ -30,6 +30,8 @@ class CompiledFusion:
         self.shape_scalars: Optional[List[int]] = None
         # In-place outputs: (output position, input position).
         self.aliases: Optional[List[Tuple[int, ...]]] = None
+        # A sharded fusion's mesh program and stage definitions (``multidevice.MeshRun``).
+        self.mesh: Optional[Any] = None
 
     def lowerings(self) -> List[Any]:
         """Every distinct lowering this version holds."""

@@ -31,6 +31,9 @@ class ParallelType(enum.Enum):
     Unroll = "Unroll"
     Unswitch = "Unswitch"
     Bulk = "Bulk"
+    #: Spread over the devices of the tensor's DeviceMesh (nvFuser's ``mesh_x``).
+    DIDx = "DIDx"
+    mesh_x = "DIDx"
 
 
 class MemoryType(enum.Enum):

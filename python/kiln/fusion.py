@@ -105,6 +105,15 @@ class FusionDefinition:
         self.ops = Ops(self)
         self._compiled: Optional[CompiledFusion] = None
 
+    @classmethod
+    def _from_core(cls, core: Any) -> FusionDefinition:
+        """A definition around a fusion the core built (a stage of a sharded fusion)."""
+        fd = cls.__new__(cls)
+        fd._core = core
+        fd.ops = Ops(fd)
+        fd._compiled = None
+        return fd
+
     def __enter__(self) -> FusionDefinition:
         return self
 
@@ -224,6 +233,8 @@ class FusionDefinition:
     def lower(self, inputs: Sequence[Any]) -> LoweredFusion:
         """The host program and kernels ``execute`` runs for inputs like ``inputs``."""
         inputs = plain_numbers(self, inputs)
+        if self._core.has_mesh:
+            return self._lower_mesh(inputs)
         args = check_inputs(self, inputs)
         if self._core.manually_scheduled:
             low = self._lower_program()
@@ -242,6 +253,14 @@ class FusionDefinition:
             print(low.host_program)
         return low
 
+    def _lower_mesh(self, inputs: Sequence[Any]) -> Any:
+        from .multidevice import LoweredMesh, mesh_run  # noqa: PLC0415
+
+        low = LoweredMesh(mesh_run(self), inputs)
+        if dump_enabled("host_ir"):
+            print(low.host_program)
+        return low
+
     def _lower_program(self) -> LoweredFusion:
         configure_lowering()
         program = self._core.lower_program()
@@ -256,8 +275,14 @@ class FusionDefinition:
         return c.as_scheduled
 
     def execute(self, inputs: Sequence[Any], device: Optional[str] = None,
-                as_written: bool = False) -> List[Any]:
-        """Run the fusion: on the GPU for CuPy/torch inputs, in the CPU interpreter for NumPy."""
+                as_written: bool = False, comm: Optional[Any] = None) -> List[Any]:
+        """Run the fusion: on the GPU for CuPy/torch inputs, in the CPU interpreter for NumPy.
+        A sharded fusion runs this rank's part on its local inputs, ``comm`` (default:
+        torch.distributed's group) doing the collectives."""
+        if self._core.has_mesh:
+            return self._execute_mesh(inputs, device, as_written, comm)
+        if comm is not None:
+            raise KilnError("execute: comm= is for fusions sharded over a DeviceMesh; this one is not")
         if not as_written and (device is None or device == "cuda"):
             # Fast path: a GPU input signature that ran before (validated then) goes straight
             # to its specialised launcher; anything else takes the full path below.
@@ -272,6 +297,18 @@ class FusionDefinition:
         from .execute import execute  # noqa: PLC0415
 
         return execute(self, plain_numbers(self, inputs), device, as_written)
+
+    def _execute_mesh(self, inputs: Sequence[Any], device: Optional[str], as_written: bool,
+                      comm: Any) -> List[Any]:
+        if as_written:
+            raise KilnError("as_written=True interprets a fusion on one device's whole tensors; a sharded "
+                            "fusion runs per rank (kiln.multidevice.simulate runs every rank in the "
+                            "interpreter)")
+        if not isinstance(inputs, (list, tuple)):
+            raise KilnTypeError(f"inputs must be a list of arrays, got {type(inputs).__name__}")
+        from .multidevice import execute  # noqa: PLC0415
+
+        return execute(self, plain_numbers(self, inputs), device, comm)
 
     def check_errors(self) -> None:
         """Wait for this fusion's GPU work and raise what its kernels recorded (an

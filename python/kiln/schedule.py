@@ -10,6 +10,7 @@ from .enums import MemoryType, ParallelType
 if TYPE_CHECKING:
     from ._core import IterDomainInfo
     from .fusion import FusionDefinition, Tensor
+    from .multidevice import DeviceMesh
 
 
 class IterDomain:
@@ -119,8 +120,25 @@ class ScheduleMixin:
         """How many outer loop axes the tensor shares with its consumers."""
         return int(self._fd._core.tv_memory(self._id).inline_position)
 
+    def set_device_mesh(self, mesh: DeviceMesh) -> None:
+        """Put the tensor on ``mesh`` (replicated there until an axis is parallelized over DIDx)."""
+        from .multidevice import DeviceMesh  # noqa: PLC0415
+
+        if not isinstance(mesh, DeviceMesh):
+            raise KilnTypeError(f"{self.name}: set_device_mesh expects a kiln.DeviceMesh, got {mesh!r}")
+        self._fd._core.set_device_mesh(self._id, list(mesh.devices))
+
+    @property
+    def device_mesh(self) -> Optional[DeviceMesh]:
+        """The mesh the tensor was put on, or None."""
+        from .multidevice import DeviceMesh  # noqa: PLC0415
+
+        m = self._fd._core.tv_mesh(self._id)
+        return None if m is None else DeviceMesh(m[0])
+
     def split(self, axis: int, factor: int, inner_split: bool = True) -> None:
-        """Split loop axis ``axis`` into (ceilDiv(extent, factor), factor)."""
+        """Split loop axis ``axis`` into (ceilDiv(extent, factor), factor); on a tensor with
+        a device mesh, ``inner_split=False`` by the mesh size shards that axis."""
         self._fd._core.split(self._id, _int(axis, "axis", self.name), _int(factor, "factor", self.name),
                              bool(inner_split))
 

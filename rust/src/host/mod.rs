@@ -5,6 +5,7 @@ pub mod bind;
 pub mod eval;
 pub mod ir;
 pub mod lower;
+pub mod multidevice;
 pub mod plan;
 pub mod segment;
 pub mod segmenter;

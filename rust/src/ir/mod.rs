@@ -3,6 +3,7 @@
 
 pub mod dtype;
 pub mod mapping;
+pub mod mesh;
 pub mod op_table;
 pub mod ops;
 pub mod printer;
@@ -371,6 +372,8 @@ pub struct Fusion {
     /// An intermediate that a kernel reads as an input, and the tensor the whole fusion cut
     /// or reshaped it from (see [`Fusion::reshaped_from`]), for messages.
     pub cut_from: rustc_hash::FxHashMap<TvId, TvId>,
+    /// Device meshes and DIDx shardings of tensors (`t.set_device_mesh`, see `ir::mesh`).
+    pub meshes: rustc_hash::FxHashMap<TvId, mesh::TvMesh>,
 }
 
 impl Fusion {

@@ -6,6 +6,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 mod interp;
 mod launch;
+mod mesh;
 mod versioned;
 
 use pyo3::prelude::*;
@@ -480,7 +481,11 @@ impl PyFusion {
             Ok(PyIterDomainInfo {
                 extent: f.scalars.render(d.extent),
                 iter_type,
-                parallel_type: d.parallel.enum_name(),
+                parallel_type: if f.meshes.keys().any(|&t| f.is_device_parallel(t, id)) {
+                    "DIDx"
+                } else {
+                    d.parallel.enum_name()
+                },
                 label: f.id_label(id),
             })
         })
@@ -577,6 +582,32 @@ impl PyFusion {
         self.inner.get().tvs.len()
     }
 
+    /// Put tensor `t` on a device mesh (replicated until an axis is parallelized over DIDx).
+    fn set_device_mesh(&mut self, py: Python<'_>, t: u32, devices: Vec<i64>) -> PyResult<()> {
+        guarded(py, || {
+            let t = self.tv(t)?;
+            self.inner.get_mut().set_device_mesh(t, &devices)
+        })
+    }
+
+    /// Tensor `t`'s mesh devices and DIDx-sharded logical axis, if it is on a mesh.
+    fn tv_mesh(&self, t: u32) -> Option<(Vec<i64>, Option<usize>)> {
+        let f = self.inner.get();
+        f.meshes.get(&TvId::from_u32(t)).map(|m| (m.devices.clone(), m.axis))
+    }
+
+    /// True when some tensor is on a device mesh (the fusion then runs per rank).
+    #[getter]
+    fn has_mesh(&self) -> bool {
+        self.inner.get().has_mesh()
+    }
+
+    /// The sharded fusion decomposed into local stages and collectives.
+    fn mesh_program(&self, py: Python<'_>) -> PyResult<mesh::PyMeshProgram> {
+        let p = guarded(py, || crate::host::multidevice::decompose(self.inner.get()))?;
+        Ok(mesh::PyMeshProgram { inner: std::sync::Arc::new(p) })
+    }
+
     /// True once a scheduling primitive was used.
     #[getter]
     fn manually_scheduled(&self) -> bool {
@@ -587,6 +618,10 @@ impl PyFusion {
     fn split(&mut self, py: Python<'_>, t: u32, axis: i64, factor: i64, inner_split: bool) -> PyResult<()> {
         guarded(py, || {
             let t = self.tv(t)?;
+            if !inner_split && self.inner.get().meshes.contains_key(&t) {
+                // An outer split of a tensor on a mesh shards it (inputs included).
+                return self.inner.get_mut().mesh_split(t, axis, factor);
+            }
             // The loop domain of an input is never lowered: a transform of it would be ignored.
             self.inner.get().check_not_input(t, "split")?;
             self.inner.get_mut().split(t, axis, factor, inner_split)
@@ -617,6 +652,9 @@ impl PyFusion {
     fn parallelize(&mut self, py: Python<'_>, t: u32, axis: i64, pt: &str) -> PyResult<()> {
         guarded(py, || {
             let t = self.tv(t)?;
+            if pt == "DIDx" {
+                return self.inner.get_mut().shard_axis(t, axis);
+            }
             let p = parse_enum("parallel type", pt, ParallelType::from_enum_name)?;
             self.inner.get().check_not_input(t, "parallelize")?;
             self.inner.get_mut().parallelize(t, axis, p)
@@ -1534,6 +1572,7 @@ fn elementwise_ops() -> Vec<PyElementwiseOp> {
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyFusion>()?;
+    m.add_class::<mesh::PyMeshProgram>()?;
     m.add_class::<PyKernel>()?;
     m.add_class::<PyHostProgram>()?;
     m.add_class::<PyAllocation>()?;
