@@ -265,11 +265,12 @@ fn propagate(f: &Fusion, order: &[ExprId]) -> Result<Propagation> {
                         if s == Spread::Replicated && shard_uniform(f, &mut p, t, j) {
                             continue;
                         }
+                        let root = replicated_root(f, &p, t);
                         bail!(
                             "{oname}: {} meets {}, whose axis {j} holds that axis whole on every device; shard {} the same way (set_device_mesh, split, DIDx) and pass its local slice",
                             spread_text(f, src, p.reader(src)),
                             spread_text(f, t, Spread::Replicated),
-                            f.tv_name(t)
+                            f.tv_name(root)
                         );
                     }
                 }
@@ -309,6 +310,27 @@ fn propagate(f: &Fusion, order: &[ExprId]) -> Result<Propagation> {
         }
     }
     Ok(p)
+}
+
+/// The input a replicated tensor was made from by pointwise ops and broadcasts (the one
+/// to shard), or `t` itself.
+fn replicated_root(f: &Fusion, p: &Propagation, t: TvId) -> TvId {
+    let mut t = t;
+    while let Some(e) = f.tvs[t].definition {
+        let x = &f.exprs[e];
+        if !(x.op.is_elementwise() || matches!(x.op, Op::Broadcast { .. } | Op::Squeeze { .. })) {
+            break;
+        }
+        // Follow the operand with data (an expand's mask of `full` values has none).
+        let Some(next) = x.input_tvs().find(|&i| {
+            p.reader(i) == Spread::Replicated
+                && f.tvs[i].definition.is_none_or(|d| !matches!(f.exprs[d].op, Op::Full { .. }))
+        }) else {
+            break;
+        };
+        t = next;
+    }
+    t
 }
 
 /// Shard `t` along `axis` if it holds one value everywhere (made from `full` alone by
