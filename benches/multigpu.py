@@ -113,7 +113,8 @@ def main() -> None:
 
     if rank == 0:
         print(f"{n} rank(s), {torch.cuda.get_device_name()}")
-        head = f"{'workload':44s} {'kiln us':>9s} {'kernels':>9s} {'comm':>9s} {'busbw GB/s':>10s} {'ratio':>6s}"
+        head = (f"{'workload':44s} {'kiln us':>9s} {'kernels':>9s} {'comm':>9s} {'busbw GB/s':>10s} "
+                f"{'ratio':>6s}")
         print(head)
         for name, r in rows.items():
             print(f"{name:44s} {r['kiln_us']:9.1f} {r['kernels_us']:9.1f} {r['comm_us']:9.1f} "
