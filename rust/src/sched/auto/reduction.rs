@@ -329,7 +329,10 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
         }
         let before = by_dependence(f, &rs, &late).0;
         let t = if keep_size >= 128 { 128 } else { (keep_size.max(32) as u64).next_power_of_two() as i64 };
-        let ty = 4;
+        // Rows reduced side by side in a block; fewer when there are fewer rows (a sum over
+        // one device's slice of a data-parallel gradient, one row): idle rows of threads
+        // would cut the block's bandwidth by as much.
+        let ty = (red_size.max(1) as u64).next_power_of_two().min(4) as i64;
         // Rows each thread has in flight at once: independent loads hide DRAM latency.
         let u = if red_size >= 64 * ty { 8 } else { 1 };
         let col_blocks = (keep_size + t - 1) / t;
