@@ -114,6 +114,15 @@ class Fusion:
     @property
     def manually_scheduled(self) -> bool:
         """True once a scheduling primitive was used."""
+    def set_device_mesh(self, t: int, devices: List[int]) -> None:
+        """Put tensor `t` on a device mesh (replicated until an axis is parallelized over DIDx)."""
+    def tv_mesh(self, t: int) -> Optional[Tuple[List[int], Optional[int]]]:
+        """Tensor `t`'s mesh devices and DIDx-sharded logical axis, if it is on a mesh."""
+    @property
+    def has_mesh(self) -> bool:
+        """True when some tensor is on a device mesh (the fusion then runs per rank)."""
+    def mesh_program(self) -> MeshProgram:
+        """The sharded fusion decomposed into local stages and collectives."""
     def split(self, t: int, axis: int, factor: int, inner_split: bool) -> None:
         """Split a loop axis."""
     def merge(self, t: int, a: int, b: int) -> None:
@@ -161,6 +170,43 @@ class Fusion:
         """Request the serial grid-reduction protocol."""
     def circular_buffer(self, t: int, stages: int, prefetch: Optional[int] = None) -> None:
         """Circular-buffer a tensor."""
+
+class MeshProgram:
+    """A sharded fusion decomposed into local stages and collectives."""
+
+    @property
+    def devices(self) -> List[int]:
+        """Device ids of the mesh, in mesh order."""
+    @property
+    def num_stages(self) -> int:
+        """Number of local stages."""
+    @property
+    def num_communications(self) -> int:
+        """Number of collectives."""
+    def stage_fusion(self, k: int) -> Fusion:
+        """Stage `k` as a fusion of its own (automatically scheduled like any definition)."""
+    def stage_inputs(self, k: int) -> List[int]:
+        """Tensor ids of stage `k`'s tensor inputs, in its order."""
+    def stage_outputs(self, k: int) -> List[int]:
+        """Tensor ids of stage `k`'s outputs, in its order."""
+    def instructions(self) -> List[Tuple[str, int]]:
+        """The host program as (kind, index): run / allocate / comm / wait / free."""
+    def communication(self, c: int) -> Optional[Tuple[str, str, int, int, bool]]:
+        """Collective `c`: (kind, reduction op or "", input tensor, output tensor, in place)."""
+    def inputs(self) -> List[int]:
+        """Tensor ids of the fusion's tensor inputs, in order."""
+    def outputs(self) -> List[int]:
+        """Tensor ids handed back, in output order."""
+    def name(self, t: int) -> str:
+        """Name of tensor `t` (`T5`)."""
+    def dtype(self, t: int) -> str:
+        """Dtype of tensor `t` (the enum name)."""
+    def shapes(self, sizes: List[List[int]], scalars: List[Optional[int]]) -> List[Tuple[int, List[int]]]:
+        """Sizes of every tensor the program moves, for local input `sizes` and scalar values."""
+    def text(self, stage_texts: List[str]) -> str:
+        """The program as text, with each stage's host program inlined."""
+    def spreads(self) -> str:
+        """How each tensor of the definition is spread over the mesh."""
 
 class Kernel:
     def kernel_ir(self) -> str:
