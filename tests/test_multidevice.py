@@ -429,3 +429,26 @@ def test_logsumexp_over_sharded_axis_is_refused_with_the_rewrite() -> None:
         fd.add_output(fd.ops.logsumexp(x, [1]))
     shard(x, 1, mesh)
     expect_error(lambda: fd.lower([np.zeros((2, 2), np.float32)]), r"max and a sum of exp")
+
+
+def test_independent_work_runs_between_communication_and_wait() -> None:
+    """A kernel that does not need the collective's result is issued after it and before its
+    Wait (overlapping it); the one that does comes after the Wait."""
+    mesh = DeviceMesh([0, 1])
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        y = fd.define_tensor([-1, -1])
+        s = fd.ops.sum(x, [1])
+        fd.add_output(fd.ops.mul(s, 2.0))
+        fd.add_output(fd.ops.exp(y))
+    shard(x, 1, mesh)
+    xs, ys = np.ones((4, 2), np.float32), RNG.standard_normal((3, 5)).astype(np.float32)
+    ins = instructions(fd.lower([xs, ys]).host_program)
+    comm = next(i for i, t in enumerate(ins) if t.startswith("Allreduce"))
+    wait = next(i for i, t in enumerate(ins) if t.startswith("Wait"))
+    between = [t for t in ins[comm + 1:wait] if t.startswith("Stage")]
+    after = [t for t in ins[wait + 1:] if t.startswith("Stage")]
+    assert len(between) == 1 and len(after) == 1
+    for outs in simulate(fd, [[xs, ys], [xs, ys]]):
+        np.testing.assert_allclose(outs[0], np.full(4, 8.0))
+        np.testing.assert_allclose(outs[1], np.exp(ys.astype(np.float64)), rtol=1e-6)
