@@ -452,3 +452,33 @@ def test_independent_work_runs_between_communication_and_wait() -> None:
     for outs in simulate(fd, [[xs, ys], [xs, ys]]):
         np.testing.assert_allclose(outs[0], np.full(4, 8.0))
         np.testing.assert_allclose(outs[1], np.exp(ys.astype(np.float64)), rtol=1e-6)
+
+
+def test_bad_rank_inputs_are_kiln_errors() -> None:
+    """Wrong input count, a list for an array, a wrong dtype: KilnErrors naming the input."""
+    fd = layer_norm(DeviceMesh([0]))
+    x, w = np.ones((2, 4), np.float32), np.ones(4, np.float32)
+    expect_error(lambda: fd.execute([x, w]), r"takes 3 input\(s\) \(T0, T1, T2\), got 2")
+    expect_error(lambda: fd.execute([x, w, [1.0, 2.0, 3.0, 4.0]]), r"input 2 \(T2\): expected this rank's slice")
+    expect_error(lambda: fd.execute([x, w, 3.0]), r"input 2 \(T2\)")
+    expect_error(lambda: fd.execute([x, w, np.ones(4, np.float64)]), r"T2")
+    expect_error(lambda: fd.execute([x, w, np.ones((4, 1), np.float32)]), r"T2")
+
+
+@pytest.mark.parametrize("d", [1, 2, 3])
+def test_simulated_var_mean_and_full_reduction_over_sharded_axes(d: int) -> None:
+    """var_mean over a sharded axis and a sum over every axis, one of them sharded."""
+    mesh = DeviceMesh(range(d))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], dtype=DataType.Half)
+        var, mean = fd.ops.var_mean(x, [1], correction=1)
+        fd.add_output(var)
+        fd.add_output(mean)
+        fd.add_output(fd.ops.sum(x, [0, 1]))
+    shard(x, 1, mesh)
+    x = RNG.standard_normal((3, 4 * d)).astype(np.float16)
+    x64 = x.astype(np.float64)
+    for outs in run_ranks(fd, d, [x], [1]):
+        np.testing.assert_allclose(outs[0].astype(np.float64), x64.var(1, ddof=1), rtol=2e-3, atol=2e-3)
+        np.testing.assert_allclose(outs[1].astype(np.float64), x64.mean(1), rtol=2e-3, atol=2e-3)
+        np.testing.assert_allclose(np.float64(outs[2]), x64.sum(), rtol=2e-3, atol=2e-2)

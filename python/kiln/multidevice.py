@@ -251,6 +251,18 @@ class MeshRun:
         self._checked: Dict[Any, Dict[int, List[int]]] = {}
 
     def _split(self, inputs: Sequence[Any]) -> Tuple[List[Any], List[Any]]:
+        """Tensor and scalar inputs, checked against the definition's inputs (count, kind)."""
+        specs = self.fd._core.input_specs()
+        if len(inputs) != len(specs):
+            raise KilnError(f"the fusion takes {len(specs)} input(s) ({', '.join(s.name for s in specs)}), "
+                            f"got {len(inputs)}")
+        for i, (x, spec) in enumerate(zip(inputs, specs)):
+            number = isinstance(x, (bool, int, float))
+            if spec.kind == "tensor" and (number or not (hasattr(x, "shape") and hasattr(x, "dtype"))):
+                raise KilnTypeError(f"input {i} ({spec.name}): expected this rank's slice as a NumPy or CuPy "
+                                    f"array or a torch tensor, got {type(x).__name__}")
+            if spec.kind != "tensor" and not number:
+                raise KilnTypeError(f"input {i} ({spec.name}): expected a number, got {type(x).__name__}")
         arrays = [x for x in inputs if not isinstance(x, (bool, int, float))]
         scalars = [x for x in inputs if isinstance(x, (bool, int, float))]
         return arrays, scalars
