@@ -73,7 +73,8 @@ pub struct Communication {
     pub output: TvId,
     /// Allreduce runs in place: `output` is `input`'s buffer.
     pub in_place: bool,
-    /// The user's tensor the collective produces and its axis (gathered or scattered).
+    /// The user's tensor the collective produces and its axis (gathered or scattered;
+    /// `usize::MAX` for an Allgather of partial results).
     pub of: TvId,
     pub axis: usize,
 }
@@ -172,6 +173,8 @@ enum Resolve {
     Allreduce(ReductionOp),
     ReduceScatter(ReductionOp, usize),
     Allgather(usize),
+    /// Allgather the partial results, then reduce them on every rank.
+    GatherReduce(ReductionOp),
 }
 
 /// The result of propagation over the user's fusion.
@@ -186,7 +189,7 @@ impl Propagation {
     /// The spread readers of `tv` see (after its collective, if any).
     fn reader(&self, tv: TvId) -> Spread {
         match self.resolve.get(&tv) {
-            Some(Resolve::Allreduce(_)) | Some(Resolve::Allgather(_)) => Spread::Replicated,
+            Some(Resolve::Allreduce(_) | Resolve::Allgather(_) | Resolve::GatherReduce(_)) => Spread::Replicated,
             Some(Resolve::ReduceScatter(_, k)) => Spread::Sharded(*k),
             None => self.produced.get(&tv).copied().unwrap_or(Spread::Replicated),
         }
@@ -277,14 +280,7 @@ fn propagate(f: &Fusion, order: &[ExprId]) -> Result<Propagation> {
             }
         }
         let produced = match (target.map(|t| t.0), &expr.op) {
-            (Some(Mapped::Reduced), Op::Reduction { op, .. }) => {
-                if *op == ReductionOp::LogSumExp {
-                    bail!(
-                        "{oname}: a logsumexp over a sharded axis has no collective (NCCL sums, maxes and mins); write it as a max and a sum of exp(x - max)"
-                    );
-                }
-                Spread::Partial(*op)
-            }
+            (Some(Mapped::Reduced), Op::Reduction { op, .. }) => Spread::Partial(*op),
             (Some(Mapped::Axis(b)), _) => Spread::Sharded(b),
             _ => Spread::Replicated,
         };
@@ -294,6 +290,14 @@ fn propagate(f: &Fusion, order: &[ExprId]) -> Result<Propagation> {
         p.produced.insert(out, produced);
         let decl = declared(f, out)?;
         let resolve = match (produced, decl) {
+            // No NCCL collective combines log-sum-exps: the ranks' partial results are
+            // gathered and each rank reduces them.
+            (Spread::Partial(ReductionOp::LogSumExp), None | Some(Spread::Replicated)) => {
+                Some(Resolve::GatherReduce(ReductionOp::LogSumExp))
+            }
+            (Spread::Partial(ReductionOp::LogSumExp), Some(Spread::Sharded(k))) => bail!(
+                "{oname}: a logsumexp over a sharded axis is gathered and finished on every rank; it cannot be scattered along axis {k} (declare it replicated, or write it as a max and a sum of exp(x - max))"
+            ),
             (Spread::Partial(op), None | Some(Spread::Replicated)) => Some(Resolve::Allreduce(op)),
             (Spread::Partial(op), Some(Spread::Sharded(k))) => Some(Resolve::ReduceScatter(op, k)),
             (Spread::Sharded(b), Some(Spread::Replicated)) => Some(Resolve::Allgather(b)),
@@ -654,6 +658,24 @@ pub fn decompose(f: &Fusion) -> Result<MeshProgram> {
                 replaced.insert(out, full);
                 spread_of.insert(full, Spread::Replicated);
             }
+            Some(&Resolve::GatherReduce(op)) => {
+                let mut ext = vec![(dv, IterType::Iteration)];
+                ext.extend(extents_of(&g, out));
+                let parts = free_tensor(&mut g, out, &ext);
+                comms.push(Communication {
+                    kind: CommKind::Allgather,
+                    op: None,
+                    input: out,
+                    output: parts,
+                    in_place: false,
+                    of: out,
+                    axis: usize::MAX,
+                });
+                let r = g.reduction(op, parts, &[0], false, None)?;
+                g.note_stand_in(r, out);
+                replaced.insert(out, r);
+                spread_of.insert(r, Spread::Replicated);
+            }
             Some(&Resolve::Allgather(a)) => {
                 let r = gather(&mut g, &mut comms, out, a, out)?;
                 replaced.insert(out, r);
@@ -979,6 +1001,9 @@ impl MeshProgram {
             notes.push(Self::reduction_name(op).to_string());
         }
         match x.kind {
+            CommKind::Allgather if x.axis == usize::MAX => {
+                notes.push(format!("partial results of {}, reduced on every rank", g.user_tv_name(x.of)))
+            }
             CommKind::Allgather => notes.push(format!("axis {} of {}", x.axis, g.user_tv_name(x.of))),
             CommKind::ReduceScatter => notes.push(format!("scatters axis {} of {}", x.axis, g.user_tv_name(x.of))),
             CommKind::Allreduce => {}
