@@ -489,23 +489,19 @@ fn reroute(g: &mut Fusion, e: ExprId, pos: usize, to: TvId) {
 
 /// Decompose a sharded fusion into local stages and collectives.
 pub fn decompose(f: &Fusion) -> Result<MeshProgram> {
-    let Some(first) = f.meshes.values().next() else {
-        crate::bail_internal!("decompose: the fusion has no device mesh");
-    };
-    let mut devices = first.devices.clone();
     let mut meshed: Vec<(&TvId, &crate::ir::mesh::TvMesh)> = f.meshes.iter().collect();
     meshed.sort_by_key(|(t, _)| **t);
-    if let Some((t, m)) = meshed.first() {
-        devices = m.devices.clone();
-        let _ = t;
-    }
+    let Some(&(first, m0)) = meshed.first() else {
+        crate::bail_internal!("decompose: the fusion has no device mesh");
+    };
+    let devices = m0.devices.clone();
     for (t, m) in &meshed {
         if m.devices != devices {
             bail!(
                 "{} is on mesh {:?} and {} on mesh {devices:?}; a fusion runs on one mesh",
                 f.tv_name(**t),
                 m.devices,
-                f.tv_name(meshed[0].0.to_owned())
+                f.tv_name(*first)
             );
         }
         if let Some((_, axis)) = m.pending {
