@@ -104,3 +104,58 @@ fn semaphores_that_reset_come_from_the_zeroed_pool_others_are_zeroed_per_launch(
     assert_eq!(plan.zero_pool_bytes, 0);
     assert_eq!(plan.launches[0].memsets, vec![sync]);
 }
+
+/// `sum(x, [1])` and `mean` of x's sharded axis 1 over a mesh of `d` devices.
+fn sharded_row_stats(d: usize) -> (Fusion, crate::ir::TvId) {
+    use crate::ir::ReductionOp;
+    let mut f = Fusion::new();
+    let x = f.define_tensor(&[-1, -1], DataType::Float, None).unwrap();
+    let s = f.reduction(ReductionOp::Sum, x, &[1], false, None).unwrap();
+    f.add_output(s).unwrap();
+    let devices: Vec<i64> = (0..d as i64).collect();
+    f.set_device_mesh(x, &devices).unwrap();
+    f.mesh_split(x, 1, d as i64).unwrap();
+    f.shard_axis(x, 1).unwrap();
+    (f, x)
+}
+
+#[test]
+fn sum_over_a_sharded_axis_is_a_local_sum_then_an_in_place_allreduce() {
+    use crate::host::multidevice::{decompose, CommKind, MeshInstr};
+    let (f, x) = sharded_row_stats(2);
+    assert!(!f.manually_scheduled, "a mesh split is an annotation, not a schedule");
+    assert_eq!(f.tvs[x].loop_domain.len(), 3);
+    let p = decompose(&f).unwrap();
+    assert_eq!(p.stages.len(), 1);
+    assert_eq!(p.comms.len(), 1);
+    let c = &p.comms[0];
+    assert_eq!((c.kind, c.in_place), (CommKind::Allreduce, true));
+    assert_eq!(p.instrs[0], MeshInstr::RunStage(0));
+    assert_eq!(p.instrs[1], MeshInstr::Communication(0));
+    assert_eq!(p.instrs[2], MeshInstr::Wait(0));
+    assert_eq!(p.instrs[3], MeshInstr::Deallocate(c.input));
+    assert_eq!(p.outputs, vec![c.output]);
+    // The stage reduces the local slice: its input's axis 1 is bound from the local array.
+    let shapes: std::collections::HashMap<_, _> = p.shapes(&[vec![5, 3]], &[]).unwrap().into_iter().collect();
+    assert_eq!(shapes[&c.output], vec![5]);
+    assert!(p.to_text(&[]).contains("Allreduce T1 -> T2 over mesh [0, 1] (sum, in place)"));
+}
+
+#[test]
+fn bad_mesh_annotations_are_errors_not_panics() {
+    let mut f = Fusion::new();
+    let x = f.define_tensor(&[-1, -1], DataType::Float, None).unwrap();
+    let y = f.unary(UnaryOp::Exp, Operand::Tensor(x)).unwrap();
+    f.add_output(y).unwrap();
+    assert!(f.set_device_mesh(x, &[]).is_err());
+    assert!(f.set_device_mesh(x, &[0, 0]).is_err());
+    assert!(f.set_device_mesh(x, &[-1]).is_err());
+    assert!(f.shard_axis(x, 0).unwrap_err().message.contains("needs a device mesh"));
+    f.set_device_mesh(x, &[0, 1]).unwrap();
+    assert!(f.mesh_split(x, 0, 3).unwrap_err().message.contains("factor must be 2"));
+    assert!(f.mesh_split(x, 5, 2).is_err());
+    f.mesh_split(x, 0, 2).unwrap();
+    assert!(f.mesh_split(x, 1, 2).unwrap_err().message.contains("already split"));
+    let e = crate::host::multidevice::decompose(&f).unwrap_err();
+    assert!(e.message.contains("not parallelized over DIDx"), "{}", e.message);
+}
