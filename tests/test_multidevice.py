@@ -354,17 +354,40 @@ def test_ops_on_differently_sharded_inputs_name_both() -> None:
                  r"T2: its inputs are sharded differently: T0 \(axis 0 sharded over DIDx\) and T1 \(axis 1")
 
 
-def test_replicated_weight_meeting_sharded_axis_names_the_input() -> None:
-    """A whole weight against a sharded axis: the error names the weight input to shard."""
-    mesh = DeviceMesh([0, 1])
+@pytest.mark.parametrize("d", [1, 2, 4])
+def test_whole_weight_meeting_sharded_axis_is_read_slice_by_slice(d: int) -> None:
+    """A replicated weight read beside a sharded axis: each rank reads its own slice of it
+    (the rank is a runtime argument of the stage), no collective."""
+    mesh = DeviceMesh(range(d))
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, -1])
         w = fd.define_tensor([-1])
         wb = fd.ops.broadcast_in_dim(w, shape=[fd.ops.size(x, 0), fd.ops.size(x, 1)], broadcast_dims=[1])
-        fd.add_output(fd.ops.mul(x, wb))
+        y = fd.ops.mul(x, wb)
+        fd.add_output(y)
+        fd.add_output(fd.ops.sum(y, [1]))
     shard(x, 1, mesh)
-    expect_error(lambda: fd.lower([np.zeros((2, 4), np.float32), np.zeros(8, np.float32)]),
-                 r"holds that axis whole on every device; shard T1 the same way")
+    xs = RNG.standard_normal((3, 4 * d)).astype(np.float32)
+    ws = RNG.standard_normal(4 * d).astype(np.float32)
+    outs = run_ranks(fd, d, [xs, ws], [1, None])
+    ref = xs.astype(np.float64) * ws
+    np.testing.assert_allclose(np.concatenate([o[0] for o in outs], 1), ref, rtol=1e-6)
+    for o in outs:
+        np.testing.assert_allclose(o[1], ref.sum(1), rtol=1e-5, atol=1e-5)
+    text = fd.lower([part(xs, 1, 0, d), ws]).host_program
+    assert text.count("Allreduce") == 1 and "Allgather" not in text
+    bad = [[part(xs, 1, r, d), np.ones(4 * d + 1, np.float32)] for r in range(d)]
+    with pytest.raises(KilnError, match=r"T1"):
+        simulate(fd, bad)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        w = fd.define_tensor([-1])
+        fd.add_output(fd.ops.add(x, fd.ops.broadcast(w, [True, False])))
+    shard(x, 1, mesh)
+    outs = run_ranks(fd, d, [xs, ws], [1, None])
+    np.testing.assert_allclose(np.concatenate([o[0] for o in outs], 1), xs + ws, rtol=1e-6)
+    with pytest.raises(KilnError, match=r"T2 is whole on every device and read beside a sharded axis"):
+        simulate(fd, bad)
 
 
 def test_bad_mesh_schedules_are_kiln_errors() -> None:

@@ -248,6 +248,8 @@ class MeshRun:
         self.comms = [self.program.communication(c) for c in range(self.program.num_communications)]
         self.inputs = list(self.program.inputs())
         self.outputs = list(self.program.outputs())
+        # Stages that read a whole tensor's slice take the rank as a last scalar input.
+        self.takes_rank = bool(self.program.takes_rank)
         self._checked: Dict[Any, Dict[int, List[int]]] = {}
 
     def _split(self, inputs: Sequence[Any]) -> Tuple[List[Any], List[Any]]:
@@ -293,13 +295,18 @@ class MeshRun:
                 else:
                     dt = str(np.dtype(_numpy_dtype(self.program.dtype(t))))
                     args.append(_core.RuntimeArg("tensor", dt, shapes[t], _contiguous(shapes[t])))
-            args.extend(_arg(s) for s in scalars)
+            args.extend(_arg(s) for s in self._scalars(scalars, 0))
             st._core.check_inputs(args, True)
         self._checked[key] = shapes
         return shapes
 
-    def steps(self, inputs: Sequence[Any], device: Optional[str]) -> Generator[Request, None, List[Any]]:
-        """Run the program on this rank's ``inputs``, yielding at each collective
+    def _scalars(self, scalars: Sequence[Any], rank: int) -> List[Any]:
+        """The stages' scalar arguments: the definition's, then the rank where they take it."""
+        return list(scalars) + ([rank] if self.takes_rank else [])
+
+    def steps(self, inputs: Sequence[Any], device: Optional[str],
+              rank: int = 0) -> Generator[Request, None, List[Any]]:
+        """Run the program on rank ``rank``'s ``inputs``, yielding at each collective
         (``("comm", c, kind, op, input, output)``) and wait (``("wait", c)``)."""
         arrays, scalars = self._split(inputs)
         shapes = self.shapes(inputs)
@@ -307,7 +314,7 @@ class MeshRun:
         like = arrays[0] if arrays else None
         for what, i in self.instructions:
             if what == "run":
-                args = [env[t] for t in self.stage_inputs[i]] + list(scalars)
+                args = [env[t] for t in self.stage_inputs[i]] + self._scalars(scalars, rank)
                 outs = self.stages[i].execute(args, device=device)
                 env.update(zip(self.stage_outputs[i], outs))
             elif what == "allocate":
@@ -330,7 +337,7 @@ class MeshRun:
         if comm.size != self.mesh.size:
             raise KilnError(f"the communicator spans {comm.size} rank(s) but the fusion's mesh is "
                             f"{self.mesh}")
-        gen = self.steps(inputs, device)
+        gen = self.steps(inputs, device, comm.rank)
         works: Dict[int, Work] = {}
         try:
             req = next(gen)
@@ -358,7 +365,7 @@ class MeshRun:
         for k, st in enumerate(self.stages):
             args = [given[t] if t in given else _stand_in(shapes[t], self.program.dtype(t))
                     for t in self.stage_inputs[k]]
-            lows.append(st.lower(args + list(scalars)))
+            lows.append(st.lower(args + self._scalars(scalars, 0)))
         return lows
 
 
@@ -435,7 +442,7 @@ def simulate(fd: Any, inputs_per_rank: Sequence[Sequence[Any]]) -> List[List[Any
             if not isinstance(x, (bool, int, float, np.ndarray, np.generic)):
                 raise KilnTypeError(f"simulate: rank {r}: inputs are NumPy arrays and numbers, "
                                     f"got {type(x).__name__}")
-    gens = [run.steps(list(ins), "cpu") for ins in inputs_per_rank]
+    gens = [run.steps(list(ins), "cpu", r) for r, ins in enumerate(inputs_per_rank)]
     results: List[Optional[List[Any]]] = [None] * n
     reqs: List[Optional[Request]] = [None] * n
 

@@ -29,7 +29,7 @@ use crate::bail;
 use crate::error::{KilnError, Result};
 use crate::host::segment::{segment_fusion, Segment};
 use crate::ir::scalar::{Symbol, Val};
-use crate::ir::{ExprId, Fusion, IterDomainId, IterType, MemoryType, Op, Operand, ReductionOp, TvId, ValId};
+use crate::ir::{DataType, ExprId, Fusion, IterDomainId, IterType, MemoryType, Op, Operand, ReductionOp, TvId, ValId};
 
 /// How a tensor's values are spread over the mesh.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -116,6 +116,8 @@ pub struct MeshProgram {
     pub outputs: Vec<TvId>,
     /// The spread of each tensor the definition made, for the dump.
     pub spreads: Vec<(TvId, Spread)>,
+    /// The stages take the rank's position in the mesh as their last scalar input.
+    pub takes_rank: bool,
 }
 
 /// Where an input axis of an expr lands in its output.
@@ -183,6 +185,9 @@ struct Propagation {
     resolve: FxHashMap<TvId, Resolve>,
     /// Operand reads (expr, operand position) that need the operand gathered first.
     gathers: FxHashSet<(ExprId, usize)>,
+    /// Replicated operand reads (expr, operand position) -> (operand axis, output axis):
+    /// each rank reads its slice of the operand along that axis.
+    slices: FxHashMap<(ExprId, usize), (usize, usize)>,
 }
 
 impl Propagation {
@@ -217,8 +222,12 @@ fn spread_text(f: &Fusion, tv: TvId, s: Spread) -> String {
 }
 
 fn propagate(f: &Fusion, order: &[ExprId]) -> Result<Propagation> {
-    let mut p =
-        Propagation { produced: FxHashMap::default(), resolve: FxHashMap::default(), gathers: FxHashSet::default() };
+    let mut p = Propagation {
+        produced: FxHashMap::default(),
+        resolve: FxHashMap::default(),
+        gathers: FxHashSet::default(),
+        slices: FxHashMap::default(),
+    };
     for t in tensor_inputs(f) {
         p.produced.insert(t, declared(f, t)?.unwrap_or(Spread::Replicated));
     }
@@ -268,13 +277,11 @@ fn propagate(f: &Fusion, order: &[ExprId]) -> Result<Propagation> {
                         if s == Spread::Replicated && shard_uniform(f, &mut p, t, j) {
                             continue;
                         }
-                        let root = replicated_root(f, &p, t);
-                        bail!(
-                            "{oname}: {} meets {}, whose axis {j} holds that axis whole on every device; shard {} the same way (set_device_mesh, split, DIDx) and pass its local slice",
-                            spread_text(f, src, p.reader(src)),
-                            spread_text(f, t, Spread::Replicated),
-                            f.tv_name(root)
-                        );
+                        // A whole tensor read beside a sharded one: each rank reads its own
+                        // slice of it (the offset is the rank's), no collective needed.
+                        let _ = src;
+                        p.slices.insert((e, pos), (j, b));
+                        break;
                     }
                 }
             }
@@ -316,30 +323,22 @@ fn propagate(f: &Fusion, order: &[ExprId]) -> Result<Propagation> {
     Ok(p)
 }
 
-/// The input a replicated tensor was made from by pointwise ops and broadcasts (the one
-/// to shard), or `t` itself.
-fn replicated_root(f: &Fusion, p: &Propagation, t: TvId) -> TvId {
-    let mut t = t;
-    while let Some(e) = f.tvs[t].definition {
-        let x = &f.exprs[e];
-        if !(x.op.is_elementwise() || matches!(x.op, Op::Broadcast { .. } | Op::Squeeze { .. })) {
-            break;
-        }
-        // Follow the operand with data (an expand's mask of `full` values has none).
-        let Some(next) = x.input_tvs().find(|&i| {
-            p.reader(i) == Spread::Replicated
-                && f.tvs[i].definition.is_none_or(|d| !matches!(f.exprs[d].op, Op::Full { .. }))
-        }) else {
-            break;
-        };
-        t = next;
+/// Shard `t` along `axis` if it holds one value everywhere (made from `full` alone by
+/// pointwise ops and broadcasts, and not handed back or resolved by a collective).
+fn shard_uniform(f: &Fusion, p: &mut Propagation, t: TvId, axis: usize) -> bool {
+    let mut marks = Vec::new();
+    if !uniform(f, p, t, axis, &mut marks) {
+        return false;
     }
-    t
+    for (x, a) in marks {
+        p.produced.insert(x, Spread::Sharded(a));
+    }
+    true
 }
 
-/// Shard `t` along `axis` if it holds one value everywhere (made from `full` alone by
-/// pointwise ops and broadcasts, read by nothing else yet that needs it whole).
-fn shard_uniform(f: &Fusion, p: &mut Propagation, t: TvId, axis: usize) -> bool {
+/// True when `t` is uniform along `axis` (see [`shard_uniform`]); `marks` collects the
+/// tensors to shard and their axes.
+fn uniform(f: &Fusion, p: &Propagation, t: TvId, axis: usize, marks: &mut Vec<(TvId, usize)>) -> bool {
     let Some(e) = f.tvs[t].definition else { return false };
     if f.is_output(t) || p.resolve.contains_key(&t) {
         return false;
@@ -347,23 +346,17 @@ fn shard_uniform(f: &Fusion, p: &mut Propagation, t: TvId, axis: usize) -> bool 
     let expr = &f.exprs[e];
     let ok = match &expr.op {
         Op::Full { .. } => true,
-        op if op.is_elementwise() || matches!(op, Op::Broadcast { .. }) => {
-            let ins: Vec<TvId> = expr.input_tvs().collect();
-            ins.iter().all(|&x| {
-                let rank = f.no_reduction_logical(x).len();
-                match (0..rank).find(|&j| map_axis(f, e, x, j) == Mapped::Axis(axis)) {
-                    Some(j) => {
-                        let id = f.no_reduction_logical(x)[j];
-                        f.ids[id].iter_type == IterType::Broadcast || shard_uniform(f, p, x, j)
-                    }
-                    None => true,
-                }
-            })
-        }
+        op if op.is_elementwise() || matches!(op, Op::Broadcast { .. }) => expr.input_tvs().all(|x| {
+            let ids = f.no_reduction_logical(x);
+            match (0..ids.len()).find(|&j| map_axis(f, e, x, j) == Mapped::Axis(axis)) {
+                Some(j) => f.ids[ids[j]].iter_type == IterType::Broadcast || uniform(f, p, x, j, marks),
+                None => true,
+            }
+        }),
         _ => false,
     };
     if ok {
-        p.produced.insert(t, Spread::Sharded(axis));
+        marks.push((t, axis));
     }
     ok
 }
@@ -583,6 +576,10 @@ pub fn decompose(f: &Fusion) -> Result<MeshProgram> {
     let mut replaced: FxHashMap<TvId, TvId> = FxHashMap::default();
     let mut gathered: FxHashMap<TvId, TvId> = FxHashMap::default();
     let mut spread_of: FxHashMap<TvId, Spread> = prop.produced.clone();
+    // The rank's position in the mesh, a scalar input the executor appends (only when some
+    // replicated tensor is read slice by slice).
+    let mut rank: Option<ValId> = None;
+    let mut sliced: FxHashMap<(TvId, usize, ValId), TvId> = FxHashMap::default();
     let gather = |g: &mut Fusion, comms: &mut Vec<Communication>, x: TvId, a: usize, of: TvId| -> Result<TvId> {
         let mut ext = vec![(dv, IterType::Iteration)];
         ext.extend(extents_of(g, x));
@@ -619,7 +616,19 @@ pub fn decompose(f: &Fusion) -> Result<MeshProgram> {
         for (pos, o) in inputs.iter().enumerate() {
             let Operand::Tensor(t) = *o else { continue };
             let src = replaced.get(&t).copied().unwrap_or(t);
-            let to = if prop.gathers.contains(&(e, pos)) {
+            let to = if let Some(&(j, b)) = prop.slices.get(&(e, pos)) {
+                let out_id = g.no_reduction_logical(g.exprs[e].output)[b];
+                let local = g.ids[out_id].extent;
+                let key = (src, j, local);
+                if let Some(&x) = sliced.get(&key) {
+                    x
+                } else {
+                    let r = *rank.get_or_insert_with(|| g.define_scalar_input(DataType::Int));
+                    let x = local_slice(&mut g, src, j, local, r, dv, t)?;
+                    sliced.insert(key, x);
+                    x
+                }
+            } else if prop.gathers.contains(&(e, pos)) {
                 if let Some(&x) = gathered.get(&src) {
                     x
                 } else {
@@ -726,7 +735,36 @@ pub fn decompose(f: &Fusion) -> Result<MeshProgram> {
     g.outputs = outputs.clone();
     let mut spreads: Vec<(TvId, Spread)> = prop.produced.iter().map(|(&t, &s)| (t, s)).collect();
     spreads.sort_by_key(|(t, _)| *t);
-    build_program(g, devices, comms, outputs, spreads)
+    let mut p = build_program(g, devices, comms, outputs, spreads)?;
+    p.takes_rank = rank.is_some();
+    Ok(p)
+}
+
+/// Rank `rank`'s slice along axis `j` of the whole tensor `t`: `local` elements from
+/// `rank * local`, with a check that the mesh's slices cover the axis exactly.
+fn local_slice(g: &mut Fusion, t: TvId, j: usize, local: ValId, rank: ValId, dv: ValId, of: TvId) -> Result<TvId> {
+    let ext: Vec<ValId> = g.no_reduction_logical(t).iter().map(|&id| g.ids[id].extent).collect();
+    let start = g.scalars.mul(rank, local);
+    let mut index = Vec::with_capacity(ext.len());
+    let mut extents = ext.clone();
+    for k in 0..ext.len() {
+        let o = g.scalars.symbol(Symbol::OutAxis(k as u32));
+        index.push(if k == j { g.scalars.add(o, start) } else { o });
+    }
+    extents[j] = local;
+    let whole = g.scalars.mul(local, dv);
+    let holds = g.scalars.binary(crate::ir::scalar::ScalarOp::Eq, whole, ext[j]);
+    let name = g.user_tv_name(of);
+    g.size_checks.push(crate::ir::shape_ops::SizeCheck {
+        holds,
+        values: vec![ext[j], local],
+        what: format!(
+            "{name} is whole on every device and read beside a sharded axis: its axis {j} must hold the mesh's slices exactly (size = devices x local slice)"
+        ),
+    });
+    let x = g.remap(t, "slice", &extents, index, None)?;
+    g.note_stand_in(x, of);
+    Ok(x)
 }
 
 /// Cut the local fusion into stages around its collectives, and order the host program.
@@ -898,7 +936,7 @@ fn build_program(
         }
     }
     let instrs = with_deallocates(&g, &stages, &comms, &outputs, instrs);
-    Ok(MeshProgram { devices, local: g, stages, comms, instrs, outputs, spreads })
+    Ok(MeshProgram { devices, local: g, stages, comms, instrs, outputs, spreads, takes_rank: false })
 }
 
 /// One stage: the exprs `part` of `g` as a fusion of their own.

@@ -82,6 +82,12 @@ impl PyMeshProgram {
         })
     }
 
+    /// True when the stages take the rank's position in the mesh as a last scalar input.
+    #[getter]
+    fn takes_rank(&self) -> bool {
+        self.inner.takes_rank
+    }
+
     /// Number of collectives.
     #[getter]
     fn num_communications(&self) -> usize {
