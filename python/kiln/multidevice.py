@@ -135,7 +135,11 @@ class TorchCommunicator(Communicator):
         self.rank = mesh.devices.index(me)
         self.size = mesh.size
         if group is None and list(mesh.devices) != list(range(dist.get_world_size())):
-            group = _subgroups.setdefault(mesh.devices, dist.new_group(list(mesh.devices)))
+            # dist.new_group must be called by every rank of the world, the ones off the mesh
+            # too: kiln cannot make it from inside one rank's execute without a hang.
+            raise KilnError(f"{mesh} spans part of the {dist.get_world_size()} ranks: create its group "
+                            f"on every rank (group = torch.distributed.new_group({list(mesh.devices)})) "
+                            f"and pass comm=kiln.multidevice.TorchCommunicator(mesh, group)")
         self.group = group
         self._ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
                      "prod": dist.ReduceOp.PRODUCT}
@@ -180,9 +184,6 @@ class TorchCommunicator(Communicator):
         o, t = self._tensor(out), self._tensor(x)
         return self._issue(x, lambda: self._dist.reduce_scatter_tensor(o, t, op=self._ops[op],
                                                                        group=self.group, async_op=True))
-
-
-_subgroups: Dict[Tuple[int, ...], Any] = {}
 
 
 class _TorchWork(Work):
