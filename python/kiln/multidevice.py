@@ -414,6 +414,10 @@ def mesh_run(fd: Any) -> MeshRun:
     c = compiled(fd)
     if c.mesh is None:
         c.mesh = MeshRun(fd)
+        from ._env import dump_enabled  # noqa: PLC0415
+
+        if dump_enabled("sharding"):
+            print(c.mesh.program.spreads())
     return c.mesh  # type: ignore[no-any-return]
 
 
