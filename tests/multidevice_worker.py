@@ -101,6 +101,23 @@ def main() -> int:
     (y,) = fd.execute([dev(part(x, 0, rank, world))])
     check("reduce_scatter", [y], [part(x.astype(np.float64).sum(0), 1, rank, world)], 1e-5, 1e-5)
 
+    # A whole weight read beside a sharded axis (each rank reads its slice), and a
+    # logsumexp over the sharded axis (partial results gathered, finished on every rank).
+    with FusionDefinition() as fd:
+        xt = fd.define_tensor([-1, -1])
+        wt = fd.define_tensor([-1])
+        yt = fd.ops.mul(xt, fd.ops.broadcast(wt, [True, False]))
+        fd.add_output(yt)
+        fd.add_output(fd.ops.logsumexp(yt, [1]))
+    shard(xt, 1, mesh)
+    x = rng.standard_normal((64, 40 * world)).astype(np.float32)
+    w = rng.standard_normal(40 * world).astype(np.float32)
+    y64 = x.astype(np.float64) * w
+    m = y64.max(1)
+    lse = m + np.log(np.exp(y64 - m[:, None]).sum(1))
+    outs = fd.execute([dev(part(x, 1, rank, world)), dev(w)])
+    check("whole_weight_and_logsumexp", outs, [part(y64, 1, rank, world), lse], 1e-5, 1e-5)
+
     ok = torch.tensor([0 if failures else 1], device="cuda")
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     if rank == 0 and int(ok.item()) == 1:
