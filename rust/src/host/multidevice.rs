@@ -324,7 +324,8 @@ fn propagate(f: &Fusion, order: &[ExprId]) -> Result<Propagation> {
 }
 
 /// Shard `t` along `axis` if it holds one value everywhere (made from `full` alone by
-/// pointwise ops and broadcasts, and not handed back or resolved by a collective).
+/// pointwise ops and broadcasts, each read once, none handed back or resolved by a
+/// collective).
 fn shard_uniform(f: &Fusion, p: &mut Propagation, t: TvId, axis: usize) -> bool {
     let mut marks = Vec::new();
     if !uniform(f, p, t, axis, &mut marks) {
@@ -340,7 +341,9 @@ fn shard_uniform(f: &Fusion, p: &mut Propagation, t: TvId, axis: usize) -> bool 
 /// tensors to shard and their axes.
 fn uniform(f: &Fusion, p: &Propagation, t: TvId, axis: usize, marks: &mut Vec<(TvId, usize)>) -> bool {
     let Some(e) = f.tvs[t].definition else { return false };
-    if f.is_output(t) || p.resolve.contains_key(&t) {
+    // Another reader may need it whole (a reduction over that axis, read earlier): only a
+    // tensor read once, by the chain being sharded, is made slice by slice.
+    if f.is_output(t) || p.resolve.contains_key(&t) || f.tvs[t].uses.len() != 1 {
         return false;
     }
     let expr = &f.exprs[e];

@@ -1,0 +1,538 @@
+"""Property test of sharded fusions: random fusions written on global shapes as a user writes
+them (a main input sharded along one axis over a mesh of 1-4 devices, extra inputs either
+sharded the same way or replicated and broadcast along the sharded axis, a chain of unary,
+scalar, binary and keepdim reduction ops, an optional rank-reducing reduction at the end whose
+output may be declared replicated or sharded on a kept axis) simulated rank by rank with
+``kiln.multidevice.simulate`` and checked against float64 NumPy of the unsharded fusion.
+
+Every rank's output is checked: a sharded output's slices are concatenated in mesh order, a
+replicated one must be the whole result on every rank. The tolerance is a running bound of
+float32 rounding error carried along the NumPy reference (sums scale it by their length).
+
+Deterministic tests cover the KilnErrors of bad shardings, and known bugs as strict xfails.
+
+CI runs ``KILN_MULTIDEVICE_EXAMPLES`` (default 50) derandomized examples.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kiln import DeviceMesh, FusionDefinition, KilnError, ParallelType
+from kiln.multidevice import simulate
+
+N_EXAMPLES = int(os.environ.get("KILN_MULTIDEVICE_EXAMPLES", "50"))
+UNARY = ("exp", "neg", "abs", "tanh", "sigmoid")
+BINARY = ("add", "sub", "mul")
+REDUCE = ("sum", "max", "min", "mean")
+SCALARS = (-1.5, -0.5, 0.25, 1.0, 2.0)
+INPUT_BOUND = 2.0  # inputs are uniform in [-2, 2]
+EXP_BOUND = 3.0  # exp only of values known to lie in [-3, 3]
+MAX_BOUND = 1e9  # no value grows past this (float32 holds the results)
+# A float32 op's rounding error, relative to its result (a few units in the last place, for
+# the transcendental functions too).
+EPS = 4 * 2.0**-24
+
+# How a tensor's values lie along the main input's sharded axis ``a`` (the model of
+# propagation the generator keeps, so that it writes only fusions kiln accepts):
+# "sharded": sharded along a; "bcast": replicated with a broadcast (size one) axis a;
+# "uniform": replicated, axis a expanded to its global size by broadcast_in_dim from
+# broadcast values only (kiln lets each rank make its slice of it); "whole": replicated with
+# a real axis a (a sharded operand may not meet it).
+SHARDED, BCAST, UNIFORM, WHOLE = "sharded", "bcast", "uniform", "whole"
+
+
+# -- the cases ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Extra:
+    """An extra input holding the main input's axes ``axes`` (in order); sharded the same way
+    when it holds the sharded axis, else replicated (``on_mesh``: also declared on the mesh)."""
+
+    axes: Tuple[int, ...]
+    on_mesh: bool
+
+
+# Steps: ("unary", name) | ("scalar", op, c, scalar_first) | ("binary", op, extra, cur_first, style)
+# | ("reduce", op, axes, style, combine, cur_first): ``style`` is how a lower-rank operand is
+# broadcast back to the main input's rank: "keepdim" (reductions only), "implicit"
+# (broadcast_in_dim to [-1] * rank: size-one axes) or "size" (broadcast_in_dim to the main
+# input's sizes from fd.ops.size: expanded axes); ``combine`` None makes the (broadcast)
+# reduction the current tensor, else ``combine(cur, r)`` is.
+Step = Tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Final:
+    """A rank-reducing reduction ending the chain (``op`` over ``axes``, keepdim False) whose
+    output is declared ``decl`` (None, "replicated", or ("shard", logical axis k)), then an
+    optional pointwise ``post`` step, whose output may be declared replicated (``post_repl``)."""
+
+    op: str
+    axes: Tuple[int, ...]
+    decl: Any
+    post: Optional[Step]
+    post_repl: bool
+
+
+@dataclass(frozen=True)
+class Case:
+    d: int
+    shape: Tuple[int, ...]
+    axis: int
+    extras: Tuple[Extra, ...]
+    steps: Tuple[Step, ...]
+    final: Optional[Final]
+    out_repl: bool  # without a final reduction: the output is declared replicated
+    seed: int
+
+
+def _combine_state(s: str, t: str) -> str:
+    """The spread state of a pointwise op of operands in states ``s`` and ``t``."""
+    for state in (SHARDED, WHOLE, UNIFORM):
+        if state in (s, t):
+            return state
+    return BCAST
+
+
+def _reduced_state(s: str, a_reduced: bool, style: str) -> str:
+    """The state of a reduction (broadcast back by ``style``) of a tensor in state ``s``."""
+    if a_reduced or s == BCAST:
+        return UNIFORM if style == "size" else BCAST
+    return SHARDED if s == SHARDED else WHOLE
+
+
+def _pointwise_bound(op: str, b: float, c: float) -> float:
+    return b * c if op == "mul" else b + c
+
+
+def _ops_within(ops: Sequence[str], b: float, c: float) -> List[str]:
+    """The ops of ``ops`` whose result of operands bounded by ``b`` and ``c`` stays far from
+    float32's range."""
+    return [op for op in ops if _pointwise_bound(op, b, c) <= MAX_BOUND]
+
+
+@st.composite
+def cases(draw: Any) -> Case:
+    d = draw(st.integers(1, 4))
+    rank = draw(st.sampled_from([2, 3]))
+    a = draw(st.integers(0, rank - 1))
+    shape = tuple(d * draw(st.integers(1, 4)) if i == a else draw(st.integers(1, 5)) for i in range(rank))
+    extras = []
+    for _ in range(draw(st.integers(1, 2))):
+        axes = draw(st.lists(st.integers(0, rank - 1), min_size=1, max_size=rank, unique=True))
+        extras.append(Extra(tuple(sorted(axes)), draw(st.booleans())))
+    n_ops = draw(st.integers(2, 6))
+    with_final = draw(st.integers(0, 2)) == 0
+    state, cur, bound = SHARDED, list(shape), INPUT_BOUND
+    steps: List[Step] = []
+    while len(steps) < n_ops - int(with_final):
+        kind = draw(st.sampled_from(["unary", "scalar", "binary", "binary", "reduce", "reduce"]))
+        usable = [i for i, e in enumerate(extras) if a not in e.axes or state != WHOLE]
+        if kind == "binary" and not usable:
+            kind = "scalar"
+        if kind == "unary":
+            name = draw(st.sampled_from([u for u in UNARY if u != "exp" or bound <= EXP_BOUND]))
+            steps.append(("unary", name))
+            if name == "exp":
+                bound = math.exp(bound)
+            elif name in ("tanh", "sigmoid"):
+                bound = 1.0
+        elif kind == "scalar":
+            c = draw(st.sampled_from(SCALARS))
+            op = draw(st.sampled_from(_ops_within(BINARY, bound, abs(c))))
+            steps.append(("scalar", op, c, draw(st.booleans())))
+            bound = _pointwise_bound(op, bound, abs(c))
+        elif kind == "binary":
+            op = draw(st.sampled_from(_ops_within(BINARY, bound, INPUT_BOUND)))
+            i = draw(st.sampled_from(usable))
+            style = draw(st.sampled_from(["implicit", "size"]))
+            steps.append(("binary", op, i, draw(st.booleans()), style))
+            axes = extras[i].axes
+            if a in axes:
+                estate = SHARDED
+            else:
+                estate = UNIFORM if style == "size" else BCAST
+            state = _combine_state(state, estate)
+            full = [s if (j in axes or style == "size") else 1 for j, s in enumerate(shape)]
+            cur = list(np.broadcast_shapes(tuple(cur), tuple(full)))
+            bound = _pointwise_bound(op, bound, INPUT_BOUND)
+        else:
+            axes = tuple(sorted(draw(st.lists(st.integers(0, rank - 1), min_size=1, max_size=rank,
+                                               unique=True))))
+            n = math.prod(cur[j] for j in axes)
+            op = draw(st.sampled_from([r for r in REDUCE if r != "sum" or bound * n <= MAX_BOUND]))
+            rbound = bound * n if op == "sum" else bound
+            style = draw(st.sampled_from(["keepdim", "implicit", "size"]))
+            combine = draw(st.sampled_from([None, *_ops_within(BINARY, bound, rbound)]))
+            steps.append(("reduce", op, axes, style, combine, draw(st.booleans())))
+            rstate = _reduced_state(state, a in axes, style)
+            rshape = list(shape) if style == "size" else [1 if j in axes else s for j, s in enumerate(cur)]
+            if combine is None:
+                state, cur, bound = rstate, rshape, rbound
+            else:
+                state = _combine_state(state, rstate)
+                cur = list(np.broadcast_shapes(tuple(cur), tuple(rshape)))
+                bound = _pointwise_bound(combine, bound, rbound)
+    final = None
+    if with_final:
+        op = draw(st.sampled_from(REDUCE))
+        axes = tuple(sorted(draw(st.lists(st.integers(0, rank - 1), min_size=1, max_size=rank, unique=True))))
+        decls: List[Any] = [None, "replicated"]
+        if state == SHARDED and a in axes and op != "mean":
+            # A reduction over the sharded axis into an output sharded on a kept axis whose
+            # global size splits evenly: a ReduceScatter.
+            decls += [("shard", k) for k in range(rank) if k not in axes and cur[k] % d == 0]
+        decl = draw(st.sampled_from(decls))
+        post: Optional[Step] = None
+        if draw(st.booleans()):
+            if draw(st.booleans()):
+                rbound = bound * math.prod(cur[j] for j in axes) if op == "sum" else bound
+                names = [u for u in UNARY if u != "exp" or rbound <= EXP_BOUND]
+                post = ("unary", draw(st.sampled_from(names)))
+            else:
+                post = ("scalar", draw(st.sampled_from(BINARY)), draw(st.sampled_from(SCALARS)),
+                        draw(st.booleans()))
+        final = Final(op, axes, decl, post, post is not None and draw(st.booleans()))
+    out_repl = final is None and draw(st.booleans())
+    return Case(d, shape, a, tuple(extras), tuple(steps), final, out_repl, draw(st.integers(0, 2**16)))
+
+
+# -- the float64 reference, with a bound of the float32 rounding error -------------------------
+
+
+@dataclass
+class Ref:
+    """A float64 value and a bound of the absolute error a float32 computation of it has."""
+
+    v: np.ndarray
+    e: np.ndarray
+
+
+def ref_unary(name: str, x: Ref) -> Ref:
+    """``name(x)`` and its error (the input's error through the function's slope)."""
+    if name == "exp":
+        v = np.exp(x.v)
+        return Ref(v, v * np.expm1(x.e) + EPS * v)
+    if name == "neg":
+        return Ref(-x.v, x.e)
+    if name == "abs":
+        return Ref(np.abs(x.v), x.e)
+    if name == "tanh":
+        v = np.tanh(x.v)
+        return Ref(v, x.e + EPS * np.abs(v))
+    v = 1.0 / (1.0 + np.exp(-x.v))
+    return Ref(v, x.e / 4 + EPS * v)
+
+
+def ref_binary(op: str, x: Ref, y: Ref) -> Ref:
+    """``op(x, y)`` with NumPy broadcasting and its error."""
+    if op == "mul":
+        v = x.v * y.v
+        e = np.abs(x.v) * y.e + np.abs(y.v) * x.e + x.e * y.e
+    else:
+        v = x.v + y.v if op == "add" else x.v - y.v
+        e = x.e + y.e
+    return Ref(v, e + EPS * np.abs(v))
+
+
+def ref_reduce(op: str, x: Ref, axes: Tuple[int, ...]) -> Ref:
+    """``op`` over ``axes`` with keepdims, and its error (a sum of n terms rounds n times)."""
+    n = math.prod(x.v.shape[j] for j in axes)
+    if op in ("max", "min"):
+        v = x.v.max(axes, keepdims=True) if op == "max" else x.v.min(axes, keepdims=True)
+        return Ref(v, np.broadcast_to(x.e, x.v.shape).max(axes, keepdims=True))
+    v = x.v.sum(axes, keepdims=True)
+    e = np.broadcast_to(x.e, x.v.shape).sum(axes, keepdims=True)
+    e = e + n * EPS * np.abs(x.v).sum(axes, keepdims=True)
+    if op == "mean":
+        return Ref(v / n, e / n + EPS * np.abs(v / n))
+    return Ref(v, e)
+
+
+def exact(a: np.ndarray) -> Ref:
+    """An input: float32 values, exact in float64."""
+    return Ref(a.astype(np.float64), np.zeros(a.shape))
+
+
+# -- building and running ----------------------------------------------------------------------
+
+
+def shard(t: Any, axis: int, mesh: DeviceMesh) -> None:
+    """Put ``t`` on ``mesh`` and shard logical axis ``axis`` over DIDx."""
+    t.set_device_mesh(mesh)
+    t.split(axis, mesh.size, inner_split=False)
+    t.axis(axis).parallelize(ParallelType.DIDx)
+
+
+def part(a: np.ndarray, axis: int, r: int, d: int) -> np.ndarray:
+    """Rank ``r``'s slice of ``a`` along ``axis`` on a mesh of ``d``."""
+    return np.ascontiguousarray(np.split(a, d, axis=axis)[r])
+
+
+@dataclass
+class Built:
+    fd: FusionDefinition
+    inputs: List[np.ndarray]
+    in_axes: List[Optional[int]]  # the sharded axis of each input (None: replicated)
+    ref: Ref
+    out_axis: Optional[int]  # the output's sharded axis (None: replicated on every rank)
+
+
+def build(case: Case) -> Built:
+    """The fusion of ``case``, its global inputs and the NumPy reference of its output."""
+    mesh = DeviceMesh(range(case.d))
+    rng = np.random.default_rng(case.seed)
+    rank, a = len(case.shape), case.axis
+    xv = rng.uniform(-INPUT_BOUND, INPUT_BOUND, case.shape).astype(np.float32)
+    evs = [rng.uniform(-INPUT_BOUND, INPUT_BOUND, [case.shape[j] for j in e.axes]).astype(np.float32)
+           for e in case.extras]
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1] * rank)
+        ets = [fd.define_tensor([-1] * len(e.axes)) for e in case.extras]
+        sizes = [fd.ops.size(x, j) for j in range(rank)]
+
+        def full(t: Any, kept: Sequence[int], style: str) -> Any:
+            """``t`` (holding main axes ``kept``) broadcast back to the main input's rank."""
+            if len(kept) == rank:
+                return t
+            shape = sizes if style == "size" else [-1] * rank
+            return fd.ops.broadcast_in_dim(t, shape=shape, broadcast_dims=list(kept))
+
+        def ref_full(r: Ref, kept: Sequence[int], style: str) -> Ref:
+            """The reference of ``full``: size-one axes, or expanded ones for "size"."""
+            shape = [r.v.shape[kept.index(j)] if j in kept else 1 for j in range(rank)]
+            v, e = r.v.reshape(shape), np.broadcast_to(r.e, r.v.shape).reshape(shape)
+            if style == "size":
+                target = np.broadcast_shapes(tuple(shape), case.shape)
+                v, e = np.broadcast_to(v, target), np.broadcast_to(e, target)
+            return Ref(v, e)
+
+        def pointwise(step: Step, t: Any, r: Ref) -> Tuple[Any, Ref]:
+            if step[0] == "unary":
+                return getattr(fd.ops, step[1])(t), ref_unary(step[1], r)
+            _, op, c, scalar_first = step
+            cr = Ref(np.float64(c), np.zeros(()))
+            if scalar_first:
+                return getattr(fd.ops, op)(c, t), ref_binary(op, cr, r)
+            return getattr(fd.ops, op)(t, c), ref_binary(op, r, cr)
+
+        cur, ref = x, exact(xv)
+        for step in case.steps:
+            if step[0] in ("unary", "scalar"):
+                cur, ref = pointwise(step, cur, ref)
+            elif step[0] == "binary":
+                _, op, i, cur_first, style = step
+                kept = case.extras[i].axes
+                other, oref = full(ets[i], kept, style), ref_full(exact(evs[i]), kept, style)
+                if cur_first:
+                    cur, ref = getattr(fd.ops, op)(cur, other), ref_binary(op, ref, oref)
+                else:
+                    cur, ref = getattr(fd.ops, op)(other, cur), ref_binary(op, oref, ref)
+            else:
+                _, op, axes, style, combine, cur_first = step
+                kept = [j for j in range(rank) if j not in axes]
+                rref = ref_reduce(op, ref, axes)
+                if style == "keepdim":
+                    r = getattr(fd.ops, op)(cur, list(axes), keepdim=True)
+                else:
+                    r = full(getattr(fd.ops, op)(cur, list(axes)), kept, style)
+                    rref = ref_full(Ref(rref.v.squeeze(axes), rref.e.squeeze(axes)), kept, style)
+                if combine is None:
+                    cur, ref = r, rref
+                elif cur_first:
+                    cur, ref = getattr(fd.ops, combine)(cur, r), ref_binary(combine, ref, rref)
+                else:
+                    cur, ref = getattr(fd.ops, combine)(r, cur), ref_binary(combine, rref, ref)
+        state = spread(case)
+        out_axis: Optional[int] = a if state == SHARDED else None
+        out = cur
+        f = case.final
+        if f is not None:
+            s = getattr(fd.ops, f.op)(cur, list(f.axes))
+            rref = ref_reduce(f.op, ref, f.axes)
+            ref = Ref(rref.v.squeeze(f.axes), rref.e.squeeze(f.axes))
+            out_axis = None
+            if state == SHARDED and a not in f.axes:
+                out_axis = a - sum(j < a for j in f.axes)
+            if f.decl == "replicated":
+                s.set_device_mesh(mesh)
+                out_axis = None
+            elif f.decl is not None:
+                k = f.decl[1]
+                shard(s, k, mesh)
+                out_axis = k - sum(j < k for j in f.axes)
+            out = s
+            if f.post is not None:
+                out, ref = pointwise(f.post, s, ref)
+                if f.post_repl:
+                    out.set_device_mesh(mesh)
+                    out_axis = None
+        elif case.out_repl:
+            out.set_device_mesh(mesh)
+            out_axis = None
+        fd.add_output(out)
+    shard(x, a, mesh)
+    in_axes: List[Optional[int]] = [a]
+    for e, t in zip(case.extras, ets):
+        if a in e.axes:
+            shard(t, e.axes.index(a), mesh)
+            in_axes.append(e.axes.index(a))
+        else:
+            if e.on_mesh:
+                t.set_device_mesh(mesh)
+            in_axes.append(None)
+    return Built(fd, [xv, *evs], in_axes, ref, out_axis)
+
+
+def spread(case: Case) -> str:
+    """The state of the chain's last tensor along the sharded axis (as ``cases`` tracks it)."""
+    state = SHARDED
+    for step in case.steps:
+        if step[0] == "binary":
+            axes = case.extras[step[2]].axes
+            estate = SHARDED if case.axis in axes else (UNIFORM if step[4] == "size" else BCAST)
+            state = _combine_state(state, estate)
+        elif step[0] == "reduce":
+            rstate = _reduced_state(state, case.axis in step[2], step[3])
+            state = rstate if step[4] is None else _combine_state(state, rstate)
+    return state
+
+
+def run_ranks(b: Built, d: int) -> List[List[np.ndarray]]:
+    """``simulate`` with each rank's slices of the sharded inputs and the replicated ones whole."""
+    return simulate(b.fd, [[x if ax is None else part(x, ax, r, d) for x, ax in zip(b.inputs, b.in_axes)]
+                           for r in range(d)])
+
+
+def check(got: np.ndarray, ref: Ref, what: str) -> None:
+    """``got`` is ``ref.v`` within a few times its error bound."""
+    want = np.broadcast_to(ref.v, ref.v.shape)
+    assert got.shape == want.shape, f"{what}: shape {got.shape}, expected {want.shape}"
+    tol = 1e-6 + 1e-5 * np.abs(want) + 8 * np.broadcast_to(ref.e, want.shape)
+    err = np.abs(got.astype(np.float64) - want)
+    bad = ~(err <= tol)
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.size} elements differ; first at "
+                           f"{np.argwhere(bad)[0].tolist()}: got {got[tuple(np.argwhere(bad)[0])]}, "
+                           f"expected {want[tuple(np.argwhere(bad)[0])]}\ngot {got}\nexpected {want}")
+
+
+def check_ranks(outs: List[List[np.ndarray]], ref: Ref, out_axis: Optional[int]) -> None:
+    """Every rank's one output: slice r of the reference along ``out_axis``, or all of it."""
+    assert all(len(o) == 1 for o in outs), [len(o) for o in outs]
+    if out_axis is None:
+        for r, o in enumerate(outs):
+            check(np.asarray(o[0]), ref, f"rank {r} (replicated output)")
+        return
+    want = ref.v.shape
+    for r, o in enumerate(outs):
+        local = list(want)
+        local[out_axis] //= len(outs)
+        assert tuple(np.shape(o[0])) == tuple(local), f"rank {r}: shape {np.shape(o[0])}, expected {local}"
+    check(np.concatenate([np.asarray(o[0]) for o in outs], axis=out_axis), ref,
+          f"outputs concatenated along axis {out_axis}")
+
+
+@settings(max_examples=N_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_random_sharded_fusions_match_numpy(case: Case) -> None:
+    """Random sharded fusions: every simulated rank's output matches the unsharded float64 NumPy."""
+    b = build(case)
+    check_ranks(run_ranks(b, case.d), b.ref, b.out_axis)
+
+
+# -- deterministic cases -------------------------------------------------------------------------
+
+
+def test_generator_model_matches_a_layer_norm_like_chain() -> None:
+    """A hand-written case through the same builder: x sharded on 1, mean over it, a sharded weight."""
+    case = Case(d=2, shape=(3, 4), axis=1, extras=(Extra((1,), False),),
+                steps=(("reduce", "mean", (1,), "keepdim", "sub", True), ("binary", "mul", 0, True, "size")),
+                final=None, out_repl=False, seed=1)
+    b = build(case)
+    assert b.out_axis == 1
+    check_ranks(run_ranks(b, 2), b.ref, b.out_axis)
+
+
+def test_differently_sharded_operands_of_one_op_are_a_kiln_error() -> None:
+    """Two operands of one op sharded on different axes: a KilnError naming both."""
+    mesh = DeviceMesh([0, 1])
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        y = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.mul(x, y))
+    shard(x, 1, mesh)
+    shard(y, 0, mesh)
+    with pytest.raises(KilnError, match=r"T2: its inputs are sharded differently: T0 \(axis 1 sharded over "
+                                        r"DIDx\) and T1 \(axis 0 sharded over DIDx\)"):
+        simulate(fd, [[np.ones((4, 2), np.float32), np.ones((2, 4), np.float32)]] * 2)
+
+
+def test_replicated_real_axis_meeting_a_sharded_one_is_read_slice_by_slice() -> None:
+    """A replicated [rows, cols] input against x sharded on cols: each rank reads its slice;
+    a replicated input that does not cover the mesh's slices is a KilnError naming it."""
+    mesh = DeviceMesh([0, 1])
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        w = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.add(x, w))
+    shard(x, 1, mesh)
+    w.set_device_mesh(mesh)
+    xs = np.arange(12, dtype=np.float32).reshape(3, 4)
+    ws = np.arange(12, dtype=np.float32).reshape(3, 4) * 10
+    outs = simulate(fd, [[np.ascontiguousarray(xs[:, 2 * r:2 * r + 2]), ws] for r in range(2)])
+    np.testing.assert_allclose(np.concatenate([o[0] for o in outs], 1), xs + ws)
+    with pytest.raises(KilnError, match=r"T1 is whole on every device and read beside a sharded axis"):
+        simulate(fd, [[np.ones((3, 2), np.float32), np.ones((3, 5), np.float32)]] * 2)
+
+
+def test_a_value_read_whole_elsewhere_is_not_made_slice_by_slice() -> None:
+    """Found by the property test: an expanded reduction result read whole by a second
+    reduction and, through pointwise ops, beside the sharded axis (was a size mismatch)."""
+    case = Case(d=2, shape=(2, 1), axis=0, extras=(Extra(axes=(0,), on_mesh=False),),
+                steps=(("reduce", "sum", (0,), "size", None, False),
+                       ("reduce", "sum", (0,), "keepdim", "add", False),
+                       ("unary", "neg"), ("unary", "neg"), ("binary", "add", 0, False, "implicit")),
+                final=None, out_repl=False, seed=0)
+    b = build(case)
+    check_ranks(run_ranks(b, 2), b.ref, b.out_axis)
+
+
+def test_split_by_other_than_the_mesh_size_is_a_kiln_error() -> None:
+    """An outer split by 3 of a tensor on a 2-device mesh: the factor must be the mesh size."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.neg(x))
+    x.set_device_mesh(DeviceMesh([0, 1]))
+    with pytest.raises(KilnError, match=r"T0: an outer split .* its factor must be 2, got 3"):
+        x.split(1, 3, inner_split=False)
+
+
+def test_didx_without_a_mesh_is_a_kiln_error() -> None:
+    """Parallelizing over DIDx a tensor that is on no mesh: a KilnError."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.neg(x))
+    with pytest.raises(KilnError, match=r"T0: DIDx needs a device mesh"):
+        x.axis(0).parallelize(ParallelType.DIDx)
+
+
+@pytest.mark.parametrize("n", [0, 1, 3])
+def test_simulate_wants_one_input_list_per_rank(n: int) -> None:
+    """``simulate`` of a 2-device fusion given other than two rank input lists: a KilnError."""
+    mesh = DeviceMesh([0, 1])
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.sum(x, [1]))
+    shard(x, 1, mesh)
+    with pytest.raises(KilnError, match=rf"the fusion's mesh is DeviceMesh\(\[0, 1\]\); pass one input list "
+                                        rf"per rank \(2\), got {n}"):
+        simulate(fd, [[np.ones((2, 2), np.float32)]] * n)
