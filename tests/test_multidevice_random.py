@@ -1,9 +1,11 @@
 """Property test of sharded fusions: random fusions written on global shapes as a user writes
-them (a main input sharded along one axis over a mesh of 1-4 devices, extra inputs either
-sharded the same way or replicated and broadcast along the sharded axis, a chain of unary,
-scalar, binary and keepdim reduction ops, an optional rank-reducing reduction at the end whose
-output may be declared replicated or sharded on a kept axis) simulated rank by rank with
-``kiln.multidevice.simulate`` and checked against float64 NumPy of the unsharded fusion.
+them (a main input sharded along one axis over a mesh of 1-4 devices, extra inputs sharded
+the same way, replicated and broadcast along the sharded axis, or replicated and holding it
+whole (read slice by slice), a chain of unary, scalar, binary and keepdim reduction ops
+(logsumexp included), an optional rank-reducing reduction at the end whose output may be
+declared replicated or sharded on a kept axis, and maybe an intermediate handed back too)
+simulated rank by rank with ``kiln.multidevice.simulate`` and checked against float64 NumPy of
+the unsharded fusion.
 
 Every rank's output is checked: a sharded output's slices are concatenated in mesh order, a
 replicated one must be the whole result on every rank. The tolerance is a running bound of
@@ -31,7 +33,7 @@ from kiln.multidevice import simulate
 N_EXAMPLES = int(os.environ.get("KILN_MULTIDEVICE_EXAMPLES", "50"))
 UNARY = ("exp", "neg", "abs", "tanh", "sigmoid")
 BINARY = ("add", "sub", "mul")
-REDUCE = ("sum", "max", "min", "mean")
+REDUCE = ("sum", "max", "min", "mean", "logsumexp")
 SCALARS = (-1.5, -0.5, 0.25, 1.0, 2.0)
 INPUT_BOUND = 2.0  # inputs are uniform in [-2, 2]
 EXP_BOUND = 3.0  # exp only of values known to lie in [-3, 3]
@@ -45,7 +47,7 @@ EPS = 4 * 2.0**-24
 # "sharded": sharded along a; "bcast": replicated with a broadcast (size one) axis a;
 # "uniform": replicated, axis a expanded to its global size by broadcast_in_dim from
 # broadcast values only (kiln lets each rank make its slice of it); "whole": replicated with
-# a real axis a (a sharded operand may not meet it).
+# a real axis a (a sharded operand beside it reads it slice by slice).
 SHARDED, BCAST, UNIFORM, WHOLE = "sharded", "bcast", "uniform", "whole"
 
 
@@ -55,10 +57,18 @@ SHARDED, BCAST, UNIFORM, WHOLE = "sharded", "bcast", "uniform", "whole"
 @dataclass(frozen=True)
 class Extra:
     """An extra input holding the main input's axes ``axes`` (in order); sharded the same way
-    when it holds the sharded axis, else replicated (``on_mesh``: also declared on the mesh)."""
+    when it holds the sharded axis, unless ``whole`` (then replicated: every rank passes all of
+    it); a replicated one may also be declared on the mesh (``on_mesh``)."""
 
     axes: Tuple[int, ...]
     on_mesh: bool
+    whole: bool = False
+
+    def state(self, a: int, style: str) -> str:
+        """Its state along the sharded axis ``a`` once broadcast to the main rank by ``style``."""
+        if a in self.axes:
+            return WHOLE if self.whole else SHARDED
+        return UNIFORM if style == "size" else BCAST
 
 
 # Steps: ("unary", name) | ("scalar", op, c, scalar_first) | ("binary", op, extra, cur_first, style)
@@ -93,6 +103,7 @@ class Case:
     final: Optional[Final]
     out_repl: bool  # without a final reduction: the output is declared replicated
     seed: int
+    also_out: Optional[int] = None  # the result of this step is handed back too (a second output)
 
 
 def _combine_state(s: str, t: str) -> str:
@@ -114,6 +125,11 @@ def _pointwise_bound(op: str, b: float, c: float) -> float:
     return b * c if op == "mul" else b + c
 
 
+def _reduced_bound(op: str, b: float, n: int) -> float:
+    """A bound of ``op`` over ``n`` values bounded by ``b``."""
+    return b * n if op == "sum" else b + math.log(n) if op == "logsumexp" else b
+
+
 def _ops_within(ops: Sequence[str], b: float, c: float) -> List[str]:
     """The ops of ``ops`` whose result of operands bounded by ``b`` and ``c`` stays far from
     float32's range."""
@@ -125,20 +141,21 @@ def cases(draw: Any) -> Case:
     d = draw(st.integers(1, 4))
     rank = draw(st.sampled_from([2, 3]))
     a = draw(st.integers(0, rank - 1))
-    shape = tuple(d * draw(st.integers(1, 4)) if i == a else draw(st.integers(1, 5)) for i in range(rank))
+    # Other axes: small, half the time multiples of d (a reduce-scatter's axis splits evenly).
+    shape = tuple(d * draw(st.integers(1, 4)) if i == a
+                  else d * draw(st.integers(1, 2)) if draw(st.booleans()) else draw(st.integers(1, 5))
+                  for i in range(rank))
     extras = []
     for _ in range(draw(st.integers(1, 2))):
         axes = draw(st.lists(st.integers(0, rank - 1), min_size=1, max_size=rank, unique=True))
-        extras.append(Extra(tuple(sorted(axes)), draw(st.booleans())))
+        whole = a in axes and draw(st.integers(0, 2)) == 0
+        extras.append(Extra(tuple(sorted(axes)), draw(st.booleans()), whole))
     n_ops = draw(st.integers(2, 6))
-    with_final = draw(st.integers(0, 2)) == 0
+    with_final = draw(st.booleans())
     state, cur, bound = SHARDED, list(shape), INPUT_BOUND
     steps: List[Step] = []
     while len(steps) < n_ops - int(with_final):
         kind = draw(st.sampled_from(["unary", "scalar", "binary", "binary", "reduce", "reduce"]))
-        usable = [i for i, e in enumerate(extras) if a not in e.axes or state != WHOLE]
-        if kind == "binary" and not usable:
-            kind = "scalar"
         if kind == "unary":
             name = draw(st.sampled_from([u for u in UNARY if u != "exp" or bound <= EXP_BOUND]))
             steps.append(("unary", name))
@@ -153,15 +170,11 @@ def cases(draw: Any) -> Case:
             bound = _pointwise_bound(op, bound, abs(c))
         elif kind == "binary":
             op = draw(st.sampled_from(_ops_within(BINARY, bound, INPUT_BOUND)))
-            i = draw(st.sampled_from(usable))
+            i = draw(st.integers(0, len(extras) - 1))
             style = draw(st.sampled_from(["implicit", "size"]))
             steps.append(("binary", op, i, draw(st.booleans()), style))
             axes = extras[i].axes
-            if a in axes:
-                estate = SHARDED
-            else:
-                estate = UNIFORM if style == "size" else BCAST
-            state = _combine_state(state, estate)
+            state = _combine_state(state, extras[i].state(a, style))
             full = [s if (j in axes or style == "size") else 1 for j, s in enumerate(shape)]
             cur = list(np.broadcast_shapes(tuple(cur), tuple(full)))
             bound = _pointwise_bound(op, bound, INPUT_BOUND)
@@ -170,7 +183,7 @@ def cases(draw: Any) -> Case:
                                                unique=True))))
             n = math.prod(cur[j] for j in axes)
             op = draw(st.sampled_from([r for r in REDUCE if r != "sum" or bound * n <= MAX_BOUND]))
-            rbound = bound * n if op == "sum" else bound
+            rbound = _reduced_bound(op, bound, n)
             style = draw(st.sampled_from(["keepdim", "implicit", "size"]))
             combine = draw(st.sampled_from([None, *_ops_within(BINARY, bound, rbound)]))
             steps.append(("reduce", op, axes, style, combine, draw(st.booleans())))
@@ -185,17 +198,23 @@ def cases(draw: Any) -> Case:
     final = None
     if with_final:
         op = draw(st.sampled_from(REDUCE))
-        axes = tuple(sorted(draw(st.lists(st.integers(0, rank - 1), min_size=1, max_size=rank, unique=True))))
-        decls: List[Any] = [None, "replicated"]
-        if state == SHARDED and a in axes and op != "mean":
+        # Over the sharded axis more often than not, and over few others.
+        axes = [j for j in range(rank) if j != a and draw(st.integers(0, 2)) == 0]
+        if not axes or draw(st.integers(0, 3)) > 0:
+            axes.append(a)
+        axes = tuple(sorted(axes))
+        decl: Any = draw(st.sampled_from([None, "replicated"]))
+        scatter = [k for k in range(rank) if k not in axes and cur[k] % d == 0]
+        if state == SHARDED and a in axes and op in ("sum", "max", "min") and scatter and \
+                draw(st.integers(0, 2)) > 0:
             # A reduction over the sharded axis into an output sharded on a kept axis whose
-            # global size splits evenly: a ReduceScatter.
-            decls += [("shard", k) for k in range(rank) if k not in axes and cur[k] % d == 0]
-        decl = draw(st.sampled_from(decls))
+            # global size splits evenly: a ReduceScatter (kiln refuses one of a mean and of a
+            # logsumexp).
+            decl = ("shard", draw(st.sampled_from(scatter)))
         post: Optional[Step] = None
         if draw(st.booleans()):
             if draw(st.booleans()):
-                rbound = bound * math.prod(cur[j] for j in axes) if op == "sum" else bound
+                rbound = _reduced_bound(op, bound, math.prod(cur[j] for j in axes))
                 names = [u for u in UNARY if u != "exp" or rbound <= EXP_BOUND]
                 post = ("unary", draw(st.sampled_from(names)))
             else:
@@ -203,7 +222,11 @@ def cases(draw: Any) -> Case:
                         draw(st.booleans()))
         final = Final(op, axes, decl, post, post is not None and draw(st.booleans()))
     out_repl = final is None and draw(st.booleans())
-    return Case(d, shape, a, tuple(extras), tuple(steps), final, out_repl, draw(st.integers(0, 2**16)))
+    seed = draw(st.integers(0, 2**16))
+    # An intermediate handed back too (not the last tensor: that is the output already).
+    last = len(steps) - (final is None)
+    also_out = draw(st.none() | st.integers(0, last - 1)) if last > 0 else None
+    return Case(d, shape, a, tuple(extras), tuple(steps), final, out_repl, seed, also_out)
 
 
 # -- the float64 reference, with a bound of the float32 rounding error -------------------------
@@ -245,8 +268,13 @@ def ref_binary(op: str, x: Ref, y: Ref) -> Ref:
 
 
 def ref_reduce(op: str, x: Ref, axes: Tuple[int, ...]) -> Ref:
-    """``op`` over ``axes`` with keepdims, and its error (a sum of n terms rounds n times)."""
+    """``op`` over ``axes`` with keepdims, and its error (a sum of n terms rounds n times; a
+    logsumexp's slopes are softmax weights, which sum to one)."""
     n = math.prod(x.v.shape[j] for j in axes)
+    if op == "logsumexp":
+        m = x.v.max(axes, keepdims=True)
+        v = m + np.log(np.exp(x.v - m).sum(axes, keepdims=True))
+        return Ref(v, np.broadcast_to(x.e, x.v.shape).max(axes, keepdims=True) + n * EPS * (np.abs(v) + 1))
     if op in ("max", "min"):
         v = x.v.max(axes, keepdims=True) if op == "max" else x.v.min(axes, keepdims=True)
         return Ref(v, np.broadcast_to(x.e, x.v.shape).max(axes, keepdims=True))
@@ -283,8 +311,8 @@ class Built:
     fd: FusionDefinition
     inputs: List[np.ndarray]
     in_axes: List[Optional[int]]  # the sharded axis of each input (None: replicated)
-    ref: Ref
-    out_axis: Optional[int]  # the output's sharded axis (None: replicated on every rank)
+    refs: List[Ref]
+    out_axes: List[Optional[int]]  # each output's sharded axis (None: replicated on every rank)
 
 
 def build(case: Case) -> Built:
@@ -326,6 +354,7 @@ def build(case: Case) -> Built:
             return getattr(fd.ops, op)(t, c), ref_binary(op, r, cr)
 
         cur, ref = x, exact(xv)
+        trail: List[Tuple[Any, Ref]] = []  # each step's result
         for step in case.steps:
             if step[0] in ("unary", "scalar"):
                 cur, ref = pointwise(step, cur, ref)
@@ -352,7 +381,9 @@ def build(case: Case) -> Built:
                     cur, ref = getattr(fd.ops, combine)(cur, r), ref_binary(combine, ref, rref)
                 else:
                     cur, ref = getattr(fd.ops, combine)(r, cur), ref_binary(combine, rref, ref)
-        state = spread(case)
+            trail.append((cur, ref))
+        states = spread(case)
+        state = states[-1] if states else SHARDED
         out_axis: Optional[int] = a if state == SHARDED else None
         out = cur
         f = case.final
@@ -380,31 +411,36 @@ def build(case: Case) -> Built:
             out.set_device_mesh(mesh)
             out_axis = None
         fd.add_output(out)
+        refs, out_axes = [ref], [out_axis]
+        if case.also_out is not None:
+            t, r = trail[case.also_out]
+            fd.add_output(t)
+            refs.append(r)
+            out_axes.append(a if states[case.also_out] == SHARDED else None)
     shard(x, a, mesh)
     in_axes: List[Optional[int]] = [a]
     for e, t in zip(case.extras, ets):
-        if a in e.axes:
+        if a in e.axes and not e.whole:
             shard(t, e.axes.index(a), mesh)
             in_axes.append(e.axes.index(a))
         else:
             if e.on_mesh:
                 t.set_device_mesh(mesh)
             in_axes.append(None)
-    return Built(fd, [xv, *evs], in_axes, ref, out_axis)
+    return Built(fd, [xv, *evs], in_axes, refs, out_axes)
 
 
-def spread(case: Case) -> str:
-    """The state of the chain's last tensor along the sharded axis (as ``cases`` tracks it)."""
-    state = SHARDED
+def spread(case: Case) -> List[str]:
+    """The state of each step's result along the sharded axis (as ``cases`` tracks it)."""
+    state, states = SHARDED, []
     for step in case.steps:
         if step[0] == "binary":
-            axes = case.extras[step[2]].axes
-            estate = SHARDED if case.axis in axes else (UNIFORM if step[4] == "size" else BCAST)
-            state = _combine_state(state, estate)
+            state = _combine_state(state, case.extras[step[2]].state(case.axis, step[4]))
         elif step[0] == "reduce":
             rstate = _reduced_state(state, case.axis in step[2], step[3])
             state = rstate if step[4] is None else _combine_state(state, rstate)
-    return state
+        states.append(state)
+    return states
 
 
 def run_ranks(b: Built, d: int) -> List[List[np.ndarray]]:
@@ -425,20 +461,21 @@ def check(got: np.ndarray, ref: Ref, what: str) -> None:
                            f"expected {want[tuple(np.argwhere(bad)[0])]}\ngot {got}\nexpected {want}")
 
 
-def check_ranks(outs: List[List[np.ndarray]], ref: Ref, out_axis: Optional[int]) -> None:
-    """Every rank's one output: slice r of the reference along ``out_axis``, or all of it."""
-    assert all(len(o) == 1 for o in outs), [len(o) for o in outs]
-    if out_axis is None:
+def check_ranks(outs: List[List[np.ndarray]], refs: Sequence[Ref], out_axes: Sequence[Optional[int]]) -> None:
+    """Every rank's output k: slice r of ``refs[k]`` along ``out_axes[k]``, or all of it."""
+    assert all(len(o) == len(refs) for o in outs), [len(o) for o in outs]
+    for k, (ref, out_axis) in enumerate(zip(refs, out_axes)):
+        if out_axis is None:
+            for r, o in enumerate(outs):
+                check(np.asarray(o[k]), ref, f"output {k}, rank {r} (replicated)")
+            continue
         for r, o in enumerate(outs):
-            check(np.asarray(o[0]), ref, f"rank {r} (replicated output)")
-        return
-    want = ref.v.shape
-    for r, o in enumerate(outs):
-        local = list(want)
-        local[out_axis] //= len(outs)
-        assert tuple(np.shape(o[0])) == tuple(local), f"rank {r}: shape {np.shape(o[0])}, expected {local}"
-    check(np.concatenate([np.asarray(o[0]) for o in outs], axis=out_axis), ref,
-          f"outputs concatenated along axis {out_axis}")
+            local = list(ref.v.shape)
+            local[out_axis] //= len(outs)
+            assert tuple(np.shape(o[k])) == tuple(local), \
+                f"output {k}, rank {r}: shape {np.shape(o[k])}, expected {local} (sharded on {out_axis})"
+        check(np.concatenate([np.asarray(o[k]) for o in outs], axis=out_axis), ref,
+              f"output {k}: ranks concatenated along axis {out_axis}")
 
 
 @settings(max_examples=N_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -446,7 +483,7 @@ def check_ranks(outs: List[List[np.ndarray]], ref: Ref, out_axis: Optional[int])
 def test_random_sharded_fusions_match_numpy(case: Case) -> None:
     """Random sharded fusions: every simulated rank's output matches the unsharded float64 NumPy."""
     b = build(case)
-    check_ranks(run_ranks(b, case.d), b.ref, b.out_axis)
+    check_ranks(run_ranks(b, case.d), b.refs, b.out_axes)
 
 
 # -- deterministic cases -------------------------------------------------------------------------
@@ -458,8 +495,8 @@ def test_generator_model_matches_a_layer_norm_like_chain() -> None:
                 steps=(("reduce", "mean", (1,), "keepdim", "sub", True), ("binary", "mul", 0, True, "size")),
                 final=None, out_repl=False, seed=1)
     b = build(case)
-    assert b.out_axis == 1
-    check_ranks(run_ranks(b, 2), b.ref, b.out_axis)
+    assert b.out_axes == [1]
+    check_ranks(run_ranks(b, 2), b.refs, b.out_axes)
 
 
 def test_differently_sharded_operands_of_one_op_are_a_kiln_error() -> None:
@@ -503,7 +540,7 @@ def test_a_value_read_whole_elsewhere_is_not_made_slice_by_slice() -> None:
                        ("unary", "neg"), ("unary", "neg"), ("binary", "add", 0, False, "implicit")),
                 final=None, out_repl=False, seed=0)
     b = build(case)
-    check_ranks(run_ranks(b, 2), b.ref, b.out_axis)
+    check_ranks(run_ranks(b, 2), b.refs, b.out_axes)
 
 
 def test_split_by_other_than_the_mesh_size_is_a_kiln_error() -> None:

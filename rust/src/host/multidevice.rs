@@ -263,8 +263,8 @@ fn propagate(f: &Fusion, order: &[ExprId]) -> Result<Propagation> {
                 }
             }
         }
-        if let Some((Mapped::Axis(b), src)) = target {
-            // A replicated operand holding the sharded axis whole cannot be read slice by slice.
+        if let Some((Mapped::Axis(b), _)) = target {
+            // Replicated operands that hold the output's sharded axis whole.
             for &(pos, t, s) in &reads {
                 if matches!(s, Spread::Sharded(_)) && !p.gathers.contains(&(e, pos)) {
                     continue;
@@ -279,7 +279,6 @@ fn propagate(f: &Fusion, order: &[ExprId]) -> Result<Propagation> {
                         }
                         // A whole tensor read beside a sharded one: each rank reads its own
                         // slice of it (the offset is the rank's), no collective needed.
-                        let _ = src;
                         p.slices.insert((e, pos), (j, b));
                         break;
                     }
@@ -578,7 +577,6 @@ pub fn decompose(f: &Fusion) -> Result<MeshProgram> {
     let mut comms: Vec<Communication> = Vec::new();
     let mut replaced: FxHashMap<TvId, TvId> = FxHashMap::default();
     let mut gathered: FxHashMap<TvId, TvId> = FxHashMap::default();
-    let mut spread_of: FxHashMap<TvId, Spread> = prop.produced.clone();
     // The rank's position in the mesh, a scalar input the executor appends (only when some
     // replicated tensor is read slice by slice).
     let mut rank: Option<ValId> = None;
@@ -640,7 +638,6 @@ pub fn decompose(f: &Fusion) -> Result<MeshProgram> {
                     };
                     let x = gather(&mut g, &mut comms, src, a, t)?;
                     gathered.insert(src, x);
-                    spread_of.insert(x, Spread::Replicated);
                     x
                 }
             } else {
@@ -664,7 +661,6 @@ pub fn decompose(f: &Fusion) -> Result<MeshProgram> {
                     axis: 0,
                 });
                 replaced.insert(out, full);
-                spread_of.insert(full, Spread::Replicated);
             }
             Some(&Resolve::GatherReduce(op)) => {
                 let mut ext = vec![(dv, IterType::Iteration)];
@@ -682,12 +678,10 @@ pub fn decompose(f: &Fusion) -> Result<MeshProgram> {
                 let r = g.reduction(op, parts, &[0], false, None)?;
                 g.note_stand_in(r, out);
                 replaced.insert(out, r);
-                spread_of.insert(r, Spread::Replicated);
             }
             Some(&Resolve::Allgather(a)) => {
                 let r = gather(&mut g, &mut comms, out, a, out)?;
                 replaced.insert(out, r);
-                spread_of.insert(r, Spread::Replicated);
             }
             Some(&Resolve::ReduceScatter(op, k)) => {
                 let ext = extents_of(&g, out);
@@ -725,7 +719,6 @@ pub fn decompose(f: &Fusion) -> Result<MeshProgram> {
                     axis: k,
                 });
                 replaced.insert(out, local);
-                spread_of.insert(local, Spread::Sharded(k));
             }
         }
     }
