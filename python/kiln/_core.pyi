@@ -183,6 +183,9 @@ class MeshProgram:
     @property
     def num_communications(self) -> int:
         """Number of collectives."""
+    @property
+    def takes_rank(self) -> bool:
+        """True when the stages take the rank's position in the mesh as a last scalar input."""
     def stage_fusion(self, k: int) -> Fusion:
         """Stage `k` as a fusion of its own (automatically scheduled like any definition)."""
     def stage_inputs(self, k: int) -> List[int]:
