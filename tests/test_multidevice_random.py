@@ -30,6 +30,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from kiln import DeviceMesh, FusionDefinition, KilnError, ParallelType
 from kiln.multidevice import simulate
+from test_multidevice import part, shard
 
 N_EXAMPLES = int(os.environ.get("KILN_MULTIDEVICE_EXAMPLES", "50"))
 UNARY = ("exp", "neg", "abs", "tanh", "sigmoid")
@@ -297,18 +298,6 @@ def exact(a: np.ndarray) -> Ref:
 
 
 # -- building and running ----------------------------------------------------------------------
-
-
-def shard(t: Any, axis: int, mesh: DeviceMesh) -> None:
-    """Put ``t`` on ``mesh`` and shard logical axis ``axis`` over DIDx."""
-    t.set_device_mesh(mesh)
-    t.split(axis, mesh.size, inner_split=False)
-    t.axis(axis).parallelize(ParallelType.DIDx)
-
-
-def part(a: np.ndarray, axis: int, r: int, d: int) -> np.ndarray:
-    """Rank ``r``'s slice of ``a`` along ``axis`` on a mesh of ``d``."""
-    return np.ascontiguousarray(np.split(a, d, axis=axis)[r])
 
 
 @dataclass

@@ -19,11 +19,12 @@ process on the CPU interpreter, with the collectives done in NumPy.
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, Generator, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Generator, Iterable, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
 from ._errors import KilnError, KilnTypeError
+from .host import _contiguous_strides
 
 Request = Tuple[Any, ...]
 
@@ -75,28 +76,32 @@ class Work:
         """Wait for the collective (a finished one returns at once)."""
 
 
-class Communicator:
-    """Runs a mesh program's collectives for one rank. ``rank`` is the position in the
-    mesh, ``size`` the mesh size; arrays are this rank's buffers, contiguous."""
+class Communicator(Protocol):
+    """What runs a mesh program's collectives for one rank (``comm=`` of ``fd.execute``).
+    ``rank`` is the position in the mesh, ``size`` the mesh size; arrays are this rank's
+    buffers, contiguous."""
 
-    rank: int = 0
-    size: int = 1
+    rank: int
+    size: int
 
     def allreduce(self, x: Any, op: str) -> Work:
         """Reduce ``x`` over the ranks with ``op`` (sum, max, min, prod), in place."""
-        raise NotImplementedError
+        ...
 
     def allgather(self, out: Any, x: Any) -> Work:
         """``out[i] = x`` of rank ``i`` (``out`` has shape ``[size, *x.shape]``)."""
-        raise NotImplementedError
+        ...
 
     def reduce_scatter(self, out: Any, x: Any, op: str) -> Work:
         """``out = op`` over ranks ``j`` of ``x[rank]`` of rank ``j`` (``x``: ``[size, *out.shape]``)."""
-        raise NotImplementedError
+        ...
 
 
-class LocalCommunicator(Communicator):
+class LocalCommunicator:
     """The communicator of a one-device mesh: every collective is a copy or nothing."""
+
+    rank = 0
+    size = 1
 
     def allreduce(self, x: Any, op: str) -> Work:
         """Nothing to combine on one device."""
@@ -113,7 +118,7 @@ class LocalCommunicator(Communicator):
         return Work()
 
 
-class TorchCommunicator(Communicator):
+class TorchCommunicator:
     """Collectives through ``torch.distributed`` (NCCL for CUDA tensors, gloo for CPU ones),
     issued asynchronously after the current stream's work."""
 
@@ -224,14 +229,6 @@ def _numpy_dtype(name: str) -> Any:
     return np_dtype(name)
 
 
-def _contiguous(shape: Sequence[int]) -> List[int]:
-    out, acc = [], 1
-    for s in reversed(shape):
-        out.append(acc)
-        acc *= max(int(s), 1)
-    return out[::-1]
-
-
 class MeshRun:
     """A sharded fusion's mesh program with one ``FusionDefinition`` per stage."""
 
@@ -295,7 +292,7 @@ class MeshRun:
                     args.append(_arg(given[t]))
                 else:
                     dt = str(np.dtype(_numpy_dtype(self.program.dtype(t))))
-                    args.append(_core.RuntimeArg("tensor", dt, shapes[t], _contiguous(shapes[t])))
+                    args.append(_core.RuntimeArg("tensor", dt, shapes[t], _contiguous_strides(shapes[t])))
             args.extend(_arg(s) for s in self._scalars(scalars, 0))
             st._core.check_inputs(args, True)
         self._checked[key] = shapes
@@ -375,7 +372,7 @@ def _stand_in(shape: Sequence[int], dtype: str) -> Any:
     only shapes, dtypes and strides."""
     dt = np.dtype(_numpy_dtype(dtype))
     base = np.zeros(1, dtype=dt)
-    strides = [s * dt.itemsize for s in _contiguous(shape)]
+    strides = [s * dt.itemsize for s in _contiguous_strides(shape)]
     return np.lib.stride_tricks.as_strided(base, shape=tuple(shape), strides=strides, writeable=False)
 
 
