@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from typing import Any, List, Sequence
 
 import numpy as np
@@ -43,7 +44,7 @@ def main() -> int:
             print(f"RANK {rank} OK {name}", flush=True)
         except AssertionError as e:
             failures.append(name)
-            print(f"RANK {rank} FAIL {name}: {e}", flush=True)
+            print(f"RANK {rank} FAIL {name}: {e!r}\n{traceback.format_exc()}", flush=True)
 
     # Row sum over a sharded axis.
     fd, _ = row_sum(mesh)
