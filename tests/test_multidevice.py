@@ -321,6 +321,79 @@ def test_reduce_scatter_of_an_uneven_axis_is_a_kiln_error() -> None:
         run_ranks(fd, 2, [x], [0])
 
 
+@pytest.mark.parametrize("d", MESHES)
+@pytest.mark.parametrize("op", ["mean", "logsumexp", "var"])
+def test_simulated_statistic_over_sharded_axis_into_sharded_output(d: int, op: str) -> None:
+    """A mean, logsumexp or variance over the sharded axis, declared sharded on a kept axis: the
+    statistic is finished on every rank (an Allreduce, or gathered partial results) and each rank
+    keeps its slice of it."""
+    mesh = DeviceMesh(range(d))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        s = getattr(fd.ops, op)(x, [1])
+        fd.add_output(s)
+    shard(x, 1, mesh)
+    shard(s, 0, mesh)
+    x = RNG.standard_normal((4 * d, 3 * d)).astype(np.float32)
+    x64 = x.astype(np.float64)
+    m = x64.max(1, keepdims=True)
+    want = {"mean": x64.mean(1), "var": x64.var(1, ddof=1),
+            "logsumexp": (m + np.log(np.exp(x64 - m).sum(1, keepdims=True)))[:, 0]}[op]
+    outs = run_ranks(fd, d, [x], [1])
+    for r, o in enumerate(outs):
+        np.testing.assert_allclose(o[0], part(want, 0, r, d), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("d", MESHES)
+def test_simulated_replicated_value_into_sharded_output(d: int) -> None:
+    """A value computed whole on every rank (from replicated inputs) declared sharded: each rank
+    keeps its slice, with no collective, and readers inside the fusion read that slice."""
+    mesh = DeviceMesh(range(d))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        y = fd.ops.tanh(x)
+        fd.add_output(fd.ops.sum(y, [1]))  # a reader of the slice: a sum of this rank's rows
+    shard(y, 0, mesh)
+    x = RNG.standard_normal((2 * d, 5)).astype(np.float32)
+    if d == 2:
+        text = fd.lower([x]).host_program
+        assert "Allreduce" not in text and "Allgather" not in text, text
+    want = np.tanh(x.astype(np.float64)).sum(1)
+    for r, o in enumerate(run_ranks(fd, d, [x], [None])):
+        np.testing.assert_allclose(o[0], part(want, 0, r, d), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("d", MESHES)
+def test_simulated_sharding_moved_to_another_axis(d: int) -> None:
+    """x sharded on axis 0, its exp declared sharded on axis 1: an Allgather, then each rank
+    keeps its slice along axis 1."""
+    mesh = DeviceMesh(range(d))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        y = fd.ops.exp(x)
+        fd.add_output(y)
+    shard(x, 0, mesh)
+    shard(y, 1, mesh)
+    x = RNG.standard_normal((2 * d, 3 * d)).astype(np.float32)
+    if d == 2:
+        assert "Allgather" in fd.lower([part(x, 0, 0, d)]).host_program
+    want = np.exp(x.astype(np.float64))
+    for r, o in enumerate(run_ranks(fd, d, [x], [0])):
+        np.testing.assert_allclose(o[0], part(want, 1, r, d), rtol=1e-5, atol=1e-6)
+
+
+def test_sharded_output_of_an_uneven_whole_value_is_a_kiln_error() -> None:
+    """A whole value declared sharded on an axis the mesh does not divide: a KilnError naming it."""
+    mesh = DeviceMesh([0, 1])
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        y = fd.ops.tanh(x)
+        fd.add_output(y)
+    shard(y, 0, mesh)
+    with pytest.raises(KilnError, match=r"T1 is declared sharded on axis 0: that axis must split evenly"):
+        run_ranks(fd, 2, [np.ones((3, 4), np.float32)], [None])
+
+
 def test_one_device_mesh_runs_without_a_process_group() -> None:
     """A mesh of one device runs through ``fd.execute`` with the local communicator."""
     fd = layer_norm(DeviceMesh([0]))

@@ -202,13 +202,16 @@ def cases(draw: Any) -> Case:
         # (Not a size-one axis: after a keepdim reduction it is a broadcast, which kiln does not shard.)
         can_scatter = [k for k in range(rank) if k != a and cur[k] % d == 0 and cur[k] > 1]
         decl: Any = draw(st.sampled_from([None, "replicated"]))
-        if state == SHARDED and can_scatter and draw(st.integers(0, 3)) > 0:
-            # A reduction over the sharded axis into an output sharded on a kept axis whose
-            # global size splits evenly: a ReduceScatter (kiln refuses one of a mean and of a
-            # logsumexp).
-            op = draw(st.sampled_from(["sum", "max", "min"]))
+        if can_scatter and draw(st.integers(0, 3)) > 0:
+            # An output declared sharded on a kept axis whose global size splits evenly: a
+            # ReduceScatter of a sum, max or min over the sharded axis; the rank's slice of a
+            # mean or logsumexp finished on every rank, of a value computed whole, or of one
+            # still sharded on the other axis (gathered first).
+            op = draw(st.sampled_from(REDUCE))
             k = draw(st.sampled_from(can_scatter))
-            axes = [j for j in range(rank) if j not in (a, k) and draw(st.booleans())] + [a]
+            axes = [j for j in range(rank) if j not in (a, k) and draw(st.booleans())]
+            if not axes or draw(st.integers(0, 3)) > 0:
+                axes.append(a)
             decl = ("shard", k)
         else:
             op = draw(st.sampled_from(REDUCE))
@@ -393,7 +396,10 @@ def build(case: Case) -> Built:
                 out_axis = None
             elif f.decl is not None:
                 k = f.decl[1]
-                shard(s, k, mesh)
+                # A reduction's loop domain keeps the reduced axes; a mean's (a division
+                # after the sum) has only the kept ones.
+                loop_k = k if len(s.loop_domain) > s.ndim else k - sum(j < k for j in f.axes)
+                shard(s, loop_k, mesh)
                 out_axis = k - sum(j < k for j in f.axes)
             out = s
             if f.post is not None:
@@ -480,7 +486,15 @@ def test_random_sharded_fusions_match_numpy(case: Case) -> None:
     # What the examples cover (pytest --hypothesis-show-statistics).
     event(f"mesh of {case.d}")
     if case.final is not None and isinstance(case.final.decl, tuple):
-        event("reduce-scatter")
+        state = (spread(case) or [SHARDED])[-1]
+        if state != SHARDED:
+            event("output sharded from a value computed whole")
+        elif case.axis not in case.final.axes:
+            event("output sharding moved to another axis")
+        elif case.final.op in ("mean", "logsumexp"):
+            event(f"{case.final.op} over the sharded axis into a sharded output")
+        else:
+            event("reduce-scatter")
     if any(e.whole for e in case.extras):
         event("whole extra input read slice by slice")
     if any(step[0] == "reduce" and case.axis in step[2] for step in case.steps):

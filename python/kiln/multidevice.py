@@ -150,11 +150,20 @@ class TorchCommunicator:
                      "prod": dist.ReduceOp.PRODUCT}
 
     def _tensor(self, x: Any) -> Any:
+        """A torch view of ``x`` sharing its memory (collectives write in place)."""
         torch = self._torch
         if isinstance(x, torch.Tensor):
             return x
         if hasattr(x, "__cuda_array_interface__"):
-            return torch.as_tensor(x, device="cuda")
+            # No device argument: torch keeps the array on the device its pointer is on;
+            # naming one could make a copy on another device, which the in-place collective
+            # would then fill instead of the array.
+            t = torch.as_tensor(x)
+            ptr = int(x.__cuda_array_interface__["data"][0])
+            if t.data_ptr() != ptr or not t.is_cuda:
+                raise KilnError(f"a collective's buffer ({type(x).__name__} at {ptr:#x}) could not be viewed "
+                                f"in place by torch (it made a copy on {t.device})")
+            return t
         return torch.from_numpy(np.asarray(x))
 
     def _on_stream(self, x: Any) -> Any:
@@ -162,7 +171,8 @@ class TorchCommunicator:
         if type(x).__module__.startswith("cupy"):
             import cupy  # noqa: PLC0415
 
-            return self._torch.cuda.ExternalStream(cupy.cuda.get_current_stream().ptr)
+            return self._torch.cuda.ExternalStream(cupy.cuda.get_current_stream().ptr,
+                                                   device=self._torch.device("cuda", int(x.device.id)))
         return None
 
     def _issue(self, x: Any, call: Any) -> Work:

@@ -177,6 +177,21 @@ enum Resolve {
     Allgather(usize),
     /// Allgather the partial results, then reduce them on every rank.
     GatherReduce(ReductionOp),
+    /// A tensor declared sharded on axis `to` that is not computed so: each rank keeps
+    /// its slice along `to` of the whole value (made as [`Whole`] says), and its readers
+    /// read that slice.
+    Scatter(Whole, usize),
+}
+
+/// How a [`Resolve::Scatter`] gets the whole value it slices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Whole {
+    /// Computed whole on every rank already.
+    Computed,
+    /// Sharded along this axis: gathered.
+    Gathered(usize),
+    /// Partial results no collective combines: gathered and reduced on every rank.
+    GatherReduced(ReductionOp),
 }
 
 /// The result of propagation over the user's fusion.
@@ -195,7 +210,7 @@ impl Propagation {
     fn reader(&self, tv: TvId) -> Spread {
         match self.resolve.get(&tv) {
             Some(Resolve::Allreduce(_) | Resolve::Allgather(_) | Resolve::GatherReduce(_)) => Spread::Replicated,
-            Some(Resolve::ReduceScatter(_, k)) => Spread::Sharded(*k),
+            Some(Resolve::ReduceScatter(_, k) | Resolve::Scatter(_, k)) => Spread::Sharded(*k),
             None => self.produced.get(&tv).copied().unwrap_or(Spread::Replicated),
         }
     }
@@ -301,18 +316,17 @@ fn propagate(f: &Fusion, order: &[ExprId]) -> Result<Propagation> {
             (Spread::Partial(ReductionOp::LogSumExp), None | Some(Spread::Replicated)) => {
                 Some(Resolve::GatherReduce(ReductionOp::LogSumExp))
             }
-            (Spread::Partial(ReductionOp::LogSumExp), Some(Spread::Sharded(k))) => bail!(
-                "{oname}: a logsumexp over a sharded axis is gathered and finished on every rank; it cannot be scattered along axis {k} (declare it replicated, or write it as a max and a sum of exp(x - max))"
-            ),
+            (Spread::Partial(ReductionOp::LogSumExp), Some(Spread::Sharded(k))) => {
+                Some(Resolve::Scatter(Whole::GatherReduced(ReductionOp::LogSumExp), k))
+            }
             (Spread::Partial(op), None | Some(Spread::Replicated)) => Some(Resolve::Allreduce(op)),
             (Spread::Partial(op), Some(Spread::Sharded(k))) => Some(Resolve::ReduceScatter(op, k)),
             (Spread::Sharded(b), Some(Spread::Replicated)) => Some(Resolve::Allgather(b)),
-            (Spread::Sharded(b), Some(Spread::Sharded(k))) if b != k => bail!(
-                "{oname}: is declared sharded on axis {k} but its inputs make it sharded on axis {b}; kiln does not move a sharding between axes"
-            ),
-            (Spread::Replicated, Some(Spread::Sharded(k))) => bail!(
-                "{oname}: is declared sharded on axis {k} but is computed whole on every device; shard its inputs instead (kiln does not scatter replicated data)"
-            ),
+            // Moving a sharding to another axis: gather, then each rank keeps its slice.
+            (Spread::Sharded(b), Some(Spread::Sharded(k))) if b != k => Some(Resolve::Scatter(Whole::Gathered(b), k)),
+            // Computed whole on every rank (a mean's division after its allreduce, a
+            // function of replicated inputs): each rank keeps its slice, no collective.
+            (Spread::Replicated, Some(Spread::Sharded(k))) => Some(Resolve::Scatter(Whole::Computed, k)),
             _ => None,
         };
         if let Some(r) = resolve {
@@ -625,7 +639,11 @@ pub fn decompose(f: &Fusion) -> Result<MeshProgram> {
                     x
                 } else {
                     let r = *rank.get_or_insert_with(|| g.define_scalar_input(DataType::Int));
-                    let x = local_slice(&mut g, src, j, local, r, dv, t)?;
+                    let what = format!(
+                        "{} is whole on every device and read beside a sharded axis: its axis {j} must hold the mesh's slices exactly (size = devices x local slice)",
+                        g.user_tv_name(t)
+                    );
+                    let x = local_slice(&mut g, src, j, local, r, dv, t, what)?;
                     sliced.insert(key, x);
                     x
                 }
@@ -663,20 +681,7 @@ pub fn decompose(f: &Fusion) -> Result<MeshProgram> {
                 replaced.insert(out, full);
             }
             Some(&Resolve::GatherReduce(op)) => {
-                let mut ext = vec![(dv, IterType::Iteration)];
-                ext.extend(extents_of(&g, out));
-                let parts = free_tensor(&mut g, out, &ext);
-                comms.push(Communication {
-                    kind: CommKind::Allgather,
-                    op: None,
-                    input: out,
-                    output: parts,
-                    in_place: false,
-                    of: out,
-                    axis: usize::MAX,
-                });
-                let r = g.reduction(op, parts, &[0], false, None)?;
-                g.note_stand_in(r, out);
+                let r = gather_reduce(&mut g, &mut comms, out, op, dv)?;
                 replaced.insert(out, r);
             }
             Some(&Resolve::Allgather(a)) => {
@@ -720,6 +725,22 @@ pub fn decompose(f: &Fusion) -> Result<MeshProgram> {
                 });
                 replaced.insert(out, local);
             }
+            Some(&Resolve::Scatter(from, k)) => {
+                let whole = match from {
+                    Whole::Gathered(b) => gather(&mut g, &mut comms, out, b, out)?,
+                    Whole::GatherReduced(op) => gather_reduce(&mut g, &mut comms, out, op, dv)?,
+                    Whole::Computed => out,
+                };
+                let ext = extents_of(&g, whole);
+                let local = g.scalars.div(ext[k].0, dv);
+                let r = *rank.get_or_insert_with(|| g.define_scalar_input(DataType::Int));
+                let what = format!(
+                    "{} is declared sharded on axis {k}: that axis must split evenly over the {d} devices of the mesh",
+                    g.user_tv_name(out)
+                );
+                let x = local_slice(&mut g, whole, k, local, r, dv, out, what)?;
+                replaced.insert(out, x);
+            }
         }
     }
     let outputs: Vec<TvId> = f.outputs.iter().map(|o| replaced.get(o).copied().unwrap_or(*o)).collect();
@@ -736,9 +757,45 @@ pub fn decompose(f: &Fusion) -> Result<MeshProgram> {
     Ok(p)
 }
 
+/// Every rank's partial results of `out` gathered along a new first axis and reduced by
+/// `op` on every rank (for reductions no NCCL collective combines).
+fn gather_reduce(
+    g: &mut Fusion,
+    comms: &mut Vec<Communication>,
+    out: TvId,
+    op: ReductionOp,
+    dv: ValId,
+) -> Result<TvId> {
+    let mut ext = vec![(dv, IterType::Iteration)];
+    ext.extend(extents_of(g, out));
+    let parts = free_tensor(g, out, &ext);
+    comms.push(Communication {
+        kind: CommKind::Allgather,
+        op: None,
+        input: out,
+        output: parts,
+        in_place: false,
+        of: out,
+        axis: usize::MAX,
+    });
+    let r = g.reduction(op, parts, &[0], false, None)?;
+    g.note_stand_in(r, out);
+    Ok(r)
+}
+
 /// Rank `rank`'s slice along axis `j` of the whole tensor `t`: `local` elements from
 /// `rank * local`, with a check that the mesh's slices cover the axis exactly.
-fn local_slice(g: &mut Fusion, t: TvId, j: usize, local: ValId, rank: ValId, dv: ValId, of: TvId) -> Result<TvId> {
+#[allow(clippy::too_many_arguments)]
+fn local_slice(
+    g: &mut Fusion,
+    t: TvId,
+    j: usize,
+    local: ValId,
+    rank: ValId,
+    dv: ValId,
+    of: TvId,
+    what: String,
+) -> Result<TvId> {
     let ext: Vec<ValId> = g.no_reduction_logical(t).iter().map(|&id| g.ids[id].extent).collect();
     let start = g.scalars.mul(rank, local);
     let mut index = Vec::with_capacity(ext.len());
@@ -750,14 +807,7 @@ fn local_slice(g: &mut Fusion, t: TvId, j: usize, local: ValId, rank: ValId, dv:
     extents[j] = local;
     let whole = g.scalars.mul(local, dv);
     let holds = g.scalars.binary(crate::ir::scalar::ScalarOp::Eq, whole, ext[j]);
-    let name = g.user_tv_name(of);
-    g.size_checks.push(crate::ir::shape_ops::SizeCheck {
-        holds,
-        values: vec![ext[j], local],
-        what: format!(
-            "{name} is whole on every device and read beside a sharded axis: its axis {j} must hold the mesh's slices exactly (size = devices x local slice)"
-        ),
-    });
+    g.size_checks.push(crate::ir::shape_ops::SizeCheck { holds, values: vec![ext[j], local], what });
     let x = g.remap(t, "slice", &extents, index, None)?;
     g.note_stand_in(x, of);
     Ok(x)
