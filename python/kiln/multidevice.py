@@ -217,12 +217,20 @@ class _TorchWork(Work):
         self._work = None
 
 
+_TORCH_COMMS: Dict[Tuple[Tuple[int, ...], int], "TorchCommunicator"] = {}
+
+
 def default_communicator(mesh: DeviceMesh) -> Communicator:
     """torch.distributed's default group when it is initialised, a local one for a mesh of
     one device; otherwise a KilnError saying how to start the ranks."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
-        return TorchCommunicator(mesh)
+        # One per mesh and default group (a new init_process_group is a new group).
+        key = (tuple(mesh.devices), id(dist.group.WORLD))
+        comm = _TORCH_COMMS.get(key)
+        if comm is None:
+            comm = _TORCH_COMMS[key] = TorchCommunicator(mesh)
+        return comm
     if mesh.size == 1:
         return LocalCommunicator()
     raise KilnError(f"this fusion is sharded over {mesh} ({mesh.size} devices): start one process per "
@@ -279,16 +287,27 @@ class MeshRun:
 
     def shapes(self, inputs: Sequence[Any]) -> Dict[int, List[int]]:
         """Sizes of every tensor the program moves for these inputs; the first time for a
-        signature, every stage's inputs are checked against its fusion before anything runs."""
+        signature, the inputs are validated and every stage's inputs are checked against its
+        fusion before anything runs."""
+        try:
+            # Int and bool scalars by value (they may be sizes), floats by type only.
+            key = tuple((type(x), None if type(x) is float else x) if isinstance(x, (bool, int, float))
+                        else (x.shape, x.dtype) for x in inputs) if type(inputs) in (list, tuple) else None
+            hit = self._checked.get(key)
+        except (AttributeError, TypeError):  # not arrays: _split names the bad input
+            key, hit = None, None
+        if hit is not None:
+            return hit
+        shapes = self._check(inputs)
+        if key is not None:
+            self._checked[key] = shapes
+        return shapes
+
+    def _check(self, inputs: Sequence[Any]) -> Dict[int, List[int]]:
+        """Validate ``inputs`` and every stage's inputs; the sizes of every tensor."""
         from .lowering import _arg  # noqa: PLC0415
 
         arrays, scalars = self._split(inputs)
-        key = (tuple(tuple(int(s) for s in x.shape) for x in arrays),
-               tuple(str(x.dtype) for x in arrays), tuple(type(s) for s in scalars),
-               tuple(s for s in scalars if isinstance(s, int)))
-        hit = self._checked.get(key)
-        if hit is not None:
-            return hit
         ints: List[Optional[int]] = [int(s) if isinstance(s, int) and not isinstance(s, bool) else None
                                      for s in scalars]
         shapes = {t: list(s) for t, s in self.program.shapes([list(x.shape) for x in arrays], ints)}
@@ -305,7 +324,6 @@ class MeshRun:
                     args.append(_core.RuntimeArg("tensor", dt, shapes[t], _contiguous_strides(shapes[t])))
             args.extend(_arg(s) for s in self._scalars(scalars, 0))
             st._core.check_inputs(args, True)
-        self._checked[key] = shapes
         return shapes
 
     def _scalars(self, scalars: Sequence[Any], rank: int) -> List[Any]:
@@ -316,8 +334,9 @@ class MeshRun:
               rank: int = 0) -> Generator[Request, None, List[Any]]:
         """Run the program on rank ``rank``'s ``inputs``, yielding at each collective
         (``("comm", c, kind, op, input, output)``) and wait (``("wait", c)``)."""
-        arrays, scalars = self._split(inputs)
-        shapes = self.shapes(inputs)
+        shapes = self.shapes(inputs)  # validates the inputs on a new signature
+        arrays = [x for x in inputs if not isinstance(x, (bool, int, float))]
+        scalars = [x for x in inputs if isinstance(x, (bool, int, float))]
         env: Dict[int, Any] = dict(zip(self.inputs, arrays))
         like = arrays[0] if arrays else None
         for what, i in self.instructions:
