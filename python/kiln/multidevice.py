@@ -171,8 +171,15 @@ class TorchCommunicator:
         if type(x).__module__.startswith("cupy"):
             import cupy  # noqa: PLC0415
 
-            return self._torch.cuda.ExternalStream(cupy.cuda.get_current_stream().ptr,
-                                                   device=self._torch.device("cuda", int(x.device.id)))
+            ptr = int(cupy.cuda.get_current_stream().ptr)
+            device = self._torch.device("cuda", int(x.device.id))
+            if ptr in (0, 1):
+                # The legacy default stream (CuPy's null stream). torch's ExternalStream(0)
+                # is not it (torch reads id 0 as one of its pool's streams), so the
+                # collective would be ordered after the wrong stream; torch's default
+                # stream is the legacy one.
+                return self._torch.cuda.default_stream(device)
+            return self._torch.cuda.ExternalStream(ptr, device=device)
         return None
 
     def _issue(self, x: Any, call: Any) -> Work:
@@ -217,7 +224,7 @@ class _TorchWork(Work):
         self._work = None
 
 
-_TORCH_COMMS: Dict[Tuple[Tuple[int, ...], int], "TorchCommunicator"] = {}
+_TORCH_COMMS: Dict[Tuple[Tuple[int, ...], int], TorchCommunicator] = {}
 
 
 def default_communicator(mesh: DeviceMesh) -> Communicator:

@@ -519,6 +519,20 @@ impl Scalars {
                         return Some(self.boolean(true));
                     }
                 }
+                // x / k < ceilDiv(n, k) when x < n: the tile of an index below n (a split's
+                // bounds check of a position that is already in range).
+                if let (Val::Binary(Div, x, k1), Val::Binary(CeilDiv, n, k2)) = (self.nodes[a], self.nodes[b]) {
+                    let same_k = k1 == k2 || (self.as_int(k1).is_some() && self.as_int(k1) == self.as_int(k2));
+                    // (Indices are non-negative: a remainder of one lies in [0, n).)
+                    let below = match self.nodes[x] {
+                        Val::Binary(Mod, i, y) => y == n && self.range(i).0 >= 0,
+                        Val::Symbol(sym) => self.sym_bounds.get(&sym) == Some(&n),
+                        _ => false,
+                    };
+                    if same_k && below && self.as_int(k1).is_some_and(|k| k > 0) {
+                        return Some(self.boolean(true));
+                    }
+                }
                 let ((al, ah), (bl, _)) = (self.range(a), self.range(b));
                 if al >= 0 && ah.is_some_and(|h| h < bl) {
                     return Some(self.boolean(true));
@@ -791,6 +805,28 @@ mod tests {
         assert!(s.is_const(m0, 0));
         let d = s.sub(x, x);
         assert!(s.is_const(d, 0));
+    }
+
+    #[test]
+    fn split_bound_of_an_index_already_in_range_is_true() {
+        // (b % n) / k < ceilDiv(n, k): the bounds check of a split of a position below n.
+        let mut s = Scalars::new();
+        let b = s.symbol(Symbol::Extent(1));
+        let n = s.symbol(Symbol::Extent(0));
+        let four = s.int(4);
+        let r = s.rem(b, n);
+        let q = s.div(r, four);
+        let e = s.ceil_div(n, four);
+        let c = s.lt(q, e);
+        assert!(matches!(s.get(c), Val::Bool(true)), "{}", s.render(c));
+        // Not for another divisor, nor for an index that may reach n.
+        let eight = s.int(8);
+        let e8 = s.ceil_div(n, eight);
+        let c8 = s.lt(q, e8);
+        assert!(!matches!(s.get(c8), Val::Bool(true)));
+        let q2 = s.div(b, four);
+        let c2 = s.lt(q2, e);
+        assert!(!matches!(s.get(c2), Val::Bool(true)));
     }
 
     #[test]

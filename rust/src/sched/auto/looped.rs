@@ -132,7 +132,14 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     let weight = |f: &Fusion, t: TvId| super::row_weight(f, t, &kept_axes);
 
     let (tx, ty) = if inner {
-        (pow2(((row + v - 1) / v).clamp(32, 512)), 1)
+        let tx = pow2(((row + v - 1) / v).clamp(32, 512));
+        // Wave quantization: rows that two 512-thread blocks per SM cannot hold in one wave
+        // but four 256-thread blocks can (at up to 64 registers each) run as one wave of
+        // the smaller blocks rather than a full wave and a tail of a few SMs (GroupNorm's
+        // 512 groups on 132 SMs).
+        let sms = cx.device.sm_count;
+        let tx = if tx == 512 && cols > 2 * sms && cols <= 4 * sms { 256 } else { tx };
+        (tx, 1)
     } else {
         let tx = pow2(cols.clamp(1, 32));
         (tx, pow2(row.clamp(1, 512 / tx)).min(512 / tx))
