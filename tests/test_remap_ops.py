@@ -610,3 +610,32 @@ def test_index_select_with_a_0d_index_keeps_the_axis() -> None:
     x = np.arange(6, dtype=np.float32).reshape(3, 2)
     (got,) = fd.execute([x, np.array(2)])
     np.testing.assert_array_equal(got, x[[2]])
+
+
+@pytest.mark.parametrize("half", [8, 6])
+def test_cat_of_halves_reads_each_vector_whole_or_pads_it(half: int) -> None:
+    """rotate_half (RoPE): ``cat([-x[:, h:], x[:, :h]])`` times a weight, plus x. Where the halves
+    meet at a multiple of the vector width each vector of a half is read whole or is all padding
+    (no element loop in the kernel); otherwise the element loop stays. Values against NumPy,
+    and the CUDA compiles where NVRTC is installed."""
+    d = 2 * half
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, d])
+        c = fd.define_tensor([d])
+        a = fd.ops.slice(x, [0, 0], [None, half])
+        b = fd.ops.slice(x, [0, half], [None, d])
+        rot = fd.ops.cat([fd.ops.neg(b), a], -1)
+        fd.add_output(fd.ops.add(x, fd.ops.mul(rot, fd.ops.broadcast(c, [True, False]))))
+    rng = np.random.default_rng(3)
+    xv, cv = _f32(rng, 37, d), _f32(rng, d)
+    (got,) = fd.execute([xv, cv])
+    x64 = _d(xv)
+    want = x64 + np.concatenate([-x64[:, half:], x64[:, :half]], -1) * _d(cv)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    low = fd.lower([xv, cv])
+    text = "\n".join(k.kernel_ir for k in low.kernels)
+    aligned = "else zeros if" in text
+    assert aligned == (half % 4 == 0), text
+    if nvrtc_available():
+        for k in low.kernels:
+            compile_cubin(k.cuda_source, "k.cu", arch="sm_90")

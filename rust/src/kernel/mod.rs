@@ -106,6 +106,11 @@ pub struct VectorCopy {
     /// multiples of the width), and neither side checks its alignment at run time: where
     /// `first` fails every element is out of range, so there is no element loop to run.
     pub whole: bool,
+    /// A guarded remap into Local memory (a cat's or a pad's read) whose predicate and guard
+    /// each hold on the whole vector or on none of it: where the guard fails on an in-range
+    /// vector the whole vector is the pad value 0. Holds the predicate (without the guard)
+    /// at the first element; then there is no element loop either.
+    pub pad_else: Option<ValId>,
     pub fallback: ForLoop,
 }
 
@@ -793,6 +798,8 @@ impl IrText<'_> {
                 let sc = &f.scalars;
                 let when = if v.whole {
                     format!("{} (whole or none)", sc.render(v.first))
+                } else if let Some(p) = v.pad_else {
+                    format!("{} (whole), else zeros if {}", sc.render(v.first), sc.render(p))
                 } else {
                     format!("{} and {}; else:", sc.render(v.first), sc.render(v.last))
                 };
@@ -805,7 +812,7 @@ impl IrText<'_> {
                     sc.render(v.input),
                     v.access,
                 );
-                if !v.whole {
+                if !v.whole && v.pad_else.is_none() {
                     self.write_node(&Node::Loop(v.fallback.clone()), depth + 1, s);
                 }
             }

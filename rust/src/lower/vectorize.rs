@@ -97,6 +97,7 @@ fn vector_copy(f: &mut Fusion, l: &ForLoop) -> Option<VectorCopy> {
     let (n, expr, ix, src, sym) = copy_shape(f, l)?;
     let ix = ix.clone();
     let out_tv = f.exprs[expr].output;
+    let local_remap = matches!(f.exprs[expr].op, Op::Remap { .. }) && f.tvs[out_tv].memory == MemoryType::Local;
     let sc = &mut f.scalars;
     let (zero, last) = (sc.int(0), sc.int(n - 1));
     let in_off = ix.inputs[0]?;
@@ -139,10 +140,20 @@ fn vector_copy(f: &mut Fusion, l: &ForLoop) -> Option<VectorCopy> {
     // A guarded remap's element loop also writes where its guard fails (a pad value, the
     // other input of a cat): only an unguarded copy has nothing to do out of range.
     let whole = unchecked && ix.element.is_none() && whole_or_none(sc, ix.predicate, sym, n);
-    let last = if whole { first } else { at_end };
+    // A cat or pad read whose guard switches at a multiple of the width (RoPE's halves): each
+    // vector is read whole or is all padding, never split element by element.
+    let pad_else = match ix.element {
+        Some(g)
+            if unchecked && local_remap && whole_or_none(sc, ix.predicate, sym, n) && whole_or_none(sc, g, sym, n) =>
+        {
+            Some(sc.substitute(ix.predicate, sym, zero))
+        }
+        _ => None,
+    };
+    let last = if whole || pad_else.is_some() { first } else { at_end };
     let mut fallback = l.clone();
     fallback.parallel = ParallelType::Unroll;
-    Some(VectorCopy { expr, width: n, out, input, first, last, gathers, access, load_hints, whole, fallback })
+    Some(VectorCopy { expr, width: n, out, input, first, last, gathers, access, load_hints, whole, pad_else, fallback })
 }
 
 /// True when predicate `live` holds at every element of the vector `sym` in `[0, n)` or at
@@ -160,6 +171,16 @@ fn whole_or_none(sc: &mut crate::ir::Scalars, live: crate::ir::ValId, sym: Symbo
         Val::Binary(ScalarOp::Lt, a, b) => match (linear_coeff(sc, a, sym), linear_coeff(sc, b, sym)) {
             (Some(0), Some(0)) => true,
             (Some(1), Some(0)) => {
+                let start = sc.substitute(a, sym, zero);
+                sc.known_multiple(start) % n == 0 && sc.known_multiple(b) % n == 0
+            }
+            _ => false,
+        },
+        // `b <= a`, `a` stepping by one from a multiple of `n`, `b` a multiple of `n`: at the
+        // first element `a >= b` holds throughout, and `a < b` means `a + n - 1 < b` too.
+        Val::Binary(ScalarOp::Le, b, a) => match (linear_coeff(sc, b, sym), linear_coeff(sc, a, sym)) {
+            (Some(0), Some(0)) => true,
+            (Some(0), Some(1)) => {
                 let start = sc.substitute(a, sym, zero);
                 sc.known_multiple(start) % n == 0 && sc.known_multiple(b) % n == 0
             }
