@@ -127,8 +127,10 @@ def _compile_generated_kernels():
                 src = k.cuda_source_for(index32)
             except KilnError:
                 break  # codegen refused the schedule with a user-facing error: nothing to compile
+            # Tensor-memory kernels are compiled for Blackwell (sm_100a), the rest for sm_90.
+            arch = "sm_100a" if "kiln::tmemAlloc<" in src else "sm_90"
             if src not in _COMPILED:
-                _COMPILED[src] = compile_cubin(src, k.kernel_name, arch="sm_90", pch_dir=_PCH_DIR.name)
+                _COMPILED[src] = compile_cubin(src, k.kernel_name, arch=arch, pch_dir=_PCH_DIR.name)
             res = _COMPILED[src]
             spills = {n: s for n, s in res.spills.items() if s}
             assert not spills, f"kernel spills registers: {spills}\n{res.log}"
@@ -139,5 +141,5 @@ def _compile_generated_kernels():
                 threads = int(block[0]) * int(block[1]) * int(block[2])
                 if res.registers.get(k.kernel_name, 0) * threads > 65536:
                     cap = max(16, 65536 // threads // 8 * 8)
-                    compile_cubin(src, k.kernel_name, arch="sm_90", extra_options=[f"--maxrregcount={cap}"],
+                    compile_cubin(src, k.kernel_name, arch=arch, extra_options=[f"--maxrregcount={cap}"],
                                   pch_dir=_PCH_DIR.name)

@@ -42,3 +42,6 @@ class MemoryType(enum.Enum):
     Global = "Global"
     Shared = "Shared"
     Local = "Local"
+    #: Blackwell's Tensor memory (sm_100a; tcgen05): per-thread 32-bit cells, one lane per
+    #: thread of a block of at most 128 threads. Kernels using it do not run on sm_90.
+    Tensor = "Tensor"

@@ -165,8 +165,25 @@ def cubin_for(source: str, arch: str, options: Sequence[str] = ()) -> Tuple[byte
     return cubin, key
 
 
+#: Architectures with Tensor memory (tcgen05), compiled for their arch-specific target.
+_TMEM_ARCHS = ("sm_100", "sm_101", "sm_103")
+
+
+def tensor_memory_arch(source: str, arch: str) -> str:
+    """``arch`` for a kernel; for one that keeps tensors in Tensor memory (MemoryType.Tensor)
+    its arch-specific ``sm_10Xa`` target, or a KilnError on a GPU without Tensor memory."""
+    if "kiln::tmemAlloc<" not in source:
+        return arch
+    base = arch[:-1] if arch.endswith("a") else arch
+    if base not in _TMEM_ARCHS:
+        raise KilnError(f"this kernel keeps tensors in Tensor memory (MemoryType.Tensor), which needs a "
+                        f"Blackwell GPU (sm_100a, tcgen05); the target is {arch}: keep them in Local memory")
+    return base + "a"
+
+
 def _cubin(source: str, opts: Tuple[str, ...],
            arch: str) -> Tuple[bytes, str, Dict[str, int], Dict[str, int]]:
+    arch = tensor_memory_arch(source, arch)
     key = _cache_key(source, opts, arch)
     path = cache_dir() / f"{key}.cubin"
     cubin: Optional[bytes] = None

@@ -19,7 +19,7 @@ use crate::ir::{
     ValId,
 };
 use crate::kernel::{
-    AccessIndex, AllocTarget, BarrierOp, BarrierRef, CpAsyncOp, IfKind, Kernel, Node, SyncKind, VectorAccess,
+    AccessIndex, AllocTarget, BarrierOp, BarrierRef, CpAsyncOp, IfKind, Kernel, Node, SyncKind, TmemOp, VectorAccess,
     VectorCopy,
 };
 use crate::lower::predicate::conjuncts;
@@ -118,7 +118,7 @@ fn node_vals(n: &Node, f: &Fusion, acc: &mut Vec<ValId>) {
                 acc.extend([g.at, g.extent]);
             }
         }
-        Node::Sync(_) | Node::CpAsync(_) => {}
+        Node::Sync(_) | Node::CpAsync(_) | Node::TensorMemory(_) => {}
         Node::Barrier(op) => match op {
             BarrierOp::Init { bar, arrivals } => acc.extend([bar.index, *arrivals]),
             BarrierOp::Inval { bar } | BarrierOp::Arrive { bar } => acc.push(bar.index),
@@ -227,6 +227,10 @@ pub fn generate(k: &Kernel, index32: bool) -> Result<CudaKernel> {
     let _ = writeln!(g.out, "typedef {} kiln_index_t;", if index32 { "int" } else { "int64_t" });
     let _ = writeln!(g.out, "extern \"C\" __global__ void {KERNEL_NAME}({}) {{", sig.join(", "));
     g.out.push_str("  extern __shared__ __align__(16) char kiln_smem[];\n");
+    if k.summary.tensor_memory.is_some() {
+        // tcgen05.alloc writes the region's address here.
+        g.out.push_str("  __shared__ uint32_t kiln_tmem_slot;\n");
+    }
     // Which threads hold each grid reduction's finished result (`Symbol::GridDone`).
     for tv in f.tvs.keys() {
         let sync = format!("{}_sync", f.tv_name(tv));
@@ -437,6 +441,22 @@ impl Gen<'_> {
                                 dims.join(", ")
                             );
                         };
+                        if self.f.tvs[tv].tensor_memory {
+                            // Columns of the region in this thread's lane (the warp's lanes).
+                            let place = self
+                                .k
+                                .summary
+                                .tensor_memory
+                                .as_ref()
+                                .and_then(|r| r.tensors.iter().find(|p| p.tv == tv));
+                            let Some(p) = place else { crate::bail_internal!("{name}: not placed in Tensor memory") };
+                            let _ = writeln!(
+                                self.out,
+                                "{pad}const kiln::TmemTensor<{ty}> {name}{{kiln::tmemAddress(kiln_tmem_slot, {}, {})}};  // Tensor memory, {size} column(s)",
+                                p.lane_offset, p.column_offset
+                            );
+                            return Ok(());
+                        }
                         // 16-byte alignment lets vectorized copies skip a run-time address check.
                         let _ = writeln!(self.out, "{pad}__align__(16) {ty} {name}[{size}];");
                     }
@@ -496,6 +516,16 @@ impl Gen<'_> {
                     CpAsyncOp::Commit => writeln!(self.out, "{pad}kiln::cpAsyncCommit();"),
                     CpAsyncOp::Wait(n) => writeln!(self.out, "{pad}kiln::cpAsyncWait<{n}>();"),
                 };
+            }
+            Node::TensorMemory(op) => {
+                let cols = self.k.summary.tensor_memory.as_ref().map_or(0, |r| r.columns);
+                let call = match op {
+                    TmemOp::Alloc => format!("kiln::tmemAlloc<{cols}>(&kiln_tmem_slot);"),
+                    TmemOp::Relinquish => "kiln::tmemRelinquish();".to_string(),
+                    TmemOp::Dealloc => format!("kiln::tmemDealloc<{cols}>(kiln_tmem_slot);"),
+                };
+                // tcgen05.alloc/dealloc are warp-wide (.sync.aligned): the whole first warp.
+                let _ = writeln!(self.out, "{pad}if (kiln::isFirstWarp()) {{ {call} }}");
             }
             Node::Sync(k) => {
                 let _ =

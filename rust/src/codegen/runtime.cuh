@@ -30,6 +30,7 @@
 //   gridReduce, gridReduceSerial                           grid reductions (semaphores)
 //   cpAsyncElem, cpAsyncBytes, cpAsyncCommit, cpAsyncWait   asynchronous copies (cp.async), sm_80+
 //   mbarrierInit/Inval/Arrive/Wait, bulkLoad               mbarriers and bulk (TMA) copies, sm_90+
+//   tmemAlloc/Relinquish/Dealloc/Address, TmemTensor        Tensor memory (tcgen05), sm_100a
 //
 // Conventions shared by the reductions:
 //   * Linearisation is always x fastest, then y, then z, restricted to the chosen dims.
@@ -1579,6 +1580,97 @@ KILN_DEVICE void mbarrierArrive(B*) {}
 template <typename B>
 KILN_DEVICE void mbarrierWait(B*, unsigned) {}
 #endif
+
+// ---------------------------------------------------------------------------------------
+// Tensor memory (Blackwell, sm_100a/sm_101a/sm_103a; tcgen05). A CTA allocates a region of
+// 32-bit columns (a power of two from 32 to 512) across its 128 lanes; tcgen05.alloc writes
+// the region's address (lane in bits 31:16, column in 15:0) to Shared memory. Alloc,
+// relinquish and dealloc are warp-wide (.sync.aligned): the whole first warp runs them.
+// A kernel keeps a tensor in Tensor memory as thread-private cells: thread t of a block of
+// at most 128 threads owns lane t, so warp w reads and writes lanes 32*w.. (the 32x32b
+// shape gives each thread of a warp its own lane). Every ld/st is warp-wide too, and each is
+// waited for at once (the value is in a register, or the store done, when it returns).
+// Elsewhere each call is a static assertion naming what is needed.
+#if defined(__CUDA_ARCH_FEAT_SM100_ALL) || defined(__CUDA_ARCH_FEAT_SM101_ALL) || defined(__CUDA_ARCH_FEAT_SM103_ALL)
+#define KILN_HAS_TMEM 1
+#endif
+KILN_DEVICE bool isFirstWarp() { return (threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) / 32 == 0; }
+template <int COLS>
+KILN_DEVICE void tmemAlloc(uint32_t* slot) {
+  static_assert(COLS >= 32 && COLS <= 512 && (COLS & (COLS - 1)) == 0, "tcgen05.alloc takes 32..512 columns, a power of two");
+#ifdef KILN_HAS_TMEM
+  asm volatile("tcgen05.alloc.cta_group::1.sync.aligned.shared::cta.b32 [%0], %1;" ::"r"(smemAddress(slot)), "n"(COLS)
+               : "memory");
+#else
+  static_assert(COLS == 0, "kiln: MemoryType.Tensor (tcgen05) needs an sm_100a GPU; compile for sm_100a");
+#endif
+}
+template <int N = 0>
+KILN_DEVICE void tmemRelinquish() {
+#ifdef KILN_HAS_TMEM
+  asm volatile("tcgen05.relinquish_alloc_permit.cta_group::1.sync.aligned;" ::: "memory");
+#else
+  static_assert(N != 0, "kiln: MemoryType.Tensor (tcgen05) needs an sm_100a GPU; compile for sm_100a");
+#endif
+}
+template <int COLS>
+KILN_DEVICE void tmemDealloc(uint32_t addr) {
+#ifdef KILN_HAS_TMEM
+  asm volatile("tcgen05.fence::after_thread_sync;" ::: "memory");
+  asm volatile("tcgen05.dealloc.cta_group::1.sync.aligned.b32 %0, %1;" ::"r"(addr), "n"(COLS) : "memory");
+#else
+  static_assert(COLS == 0, "kiln: MemoryType.Tensor (tcgen05) needs an sm_100a GPU; compile for sm_100a");
+#endif
+}
+// The address of this thread's warp's lanes of a tensor at `lane_offset`/`column_offset` in
+// the region whose base address is `base`.
+KILN_DEVICE uint32_t tmemAddress(uint32_t base, uint32_t lane_offset, uint32_t column_offset) {
+  const uint32_t warp = (threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) / 32;
+  return base + ((lane_offset + 32u * (warp % 4u)) << 16) + column_offset;
+}
+template <typename T>
+struct TmemRef {
+  uint32_t addr;
+  static_assert(sizeof(T) == 4, "Tensor memory holds 32-bit cells");
+  KILN_DEVICE T load() const {
+#ifdef KILN_HAS_TMEM
+    uint32_t u;
+    asm volatile("tcgen05.ld.sync.aligned.32x32b.x1.b32 {%0}, [%1];" : "=r"(u) : "r"(addr) : "memory");
+    asm volatile("tcgen05.wait::ld.sync.aligned;" ::: "memory");
+    T v;
+    memcpy(&v, &u, 4);
+    return v;
+#else
+    static_assert(sizeof(T) == 0, "kiln: MemoryType.Tensor (tcgen05) needs an sm_100a GPU; compile for sm_100a");
+    return T();
+#endif
+  }
+  KILN_DEVICE operator T() const { return load(); }
+  KILN_DEVICE const TmemRef& operator=(T v) const {
+#ifdef KILN_HAS_TMEM
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    asm volatile("tcgen05.st.sync.aligned.32x32b.x1.b32 [%0], {%1};" ::"r"(addr), "r"(u) : "memory");
+    asm volatile("tcgen05.wait::st.sync.aligned;" ::: "memory");
+#else
+    static_assert(sizeof(T) == 0, "kiln: MemoryType.Tensor (tcgen05) needs an sm_100a GPU; compile for sm_100a");
+#endif
+    return *this;
+  }
+};
+// A Tensor-memory tensor indexed like a Local array: element i is column i of the lane.
+template <typename T>
+struct TmemTensor {
+  uint32_t base;
+  template <typename I>
+  KILN_DEVICE TmemRef<T> operator[](I i) const {
+    return TmemRef<T>{base + static_cast<uint32_t>(i)};
+  }
+};
+template <typename To, typename T>
+KILN_DEVICE To cast(TmemRef<T> x) {
+  return cast<To>(x.load());
+}
 
 }  // namespace kiln
 

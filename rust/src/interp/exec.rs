@@ -99,6 +99,7 @@ enum CNode {
     Barrier(Box<CBarrier>),
     Bulk(Box<CBulk>),
     CpAsync(CpAsyncOp),
+    TensorMemory(crate::kernel::TmemOp),
 }
 
 /// An mbarrier operation with its compiled values (entry, then the op's argument).
@@ -153,6 +154,7 @@ fn compile(k: &Kernel, body: &[Node], stack: &mut Vec<(ParallelType, bool)>) -> 
             Node::Alloc(a) => CNode::Alloc(a.clone()),
             Node::Sync(_) => CNode::Sync,
             Node::CpAsync(op) => CNode::CpAsync(*op),
+            Node::TensorMemory(op) => CNode::TensorMemory(*op),
             Node::Barrier(op) => {
                 let mut prog = Prog::default();
                 let (bar, arg) = match op {
@@ -499,10 +501,25 @@ struct Mem<'b> {
     /// `Symbol::GridDone` reads it): index 0 of every reduced dimension. Which block
     /// finishes a grid reduction is up to the GPU; the result is the same.
     done: FxHashMap<TvId, Vec<bool>>,
+    /// The Tensor-memory region: not allocated yet, allocated, or deallocated.
+    tmem: TmemState,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TmemState {
+    Unallocated,
+    Allocated,
+    Deallocated,
 }
 
 impl Mem<'_> {
     fn slot(&self, f: &Fusion, tv: TvId) -> Result<&Slot> {
+        if f.tvs[tv].tensor_memory && self.tmem == TmemState::Deallocated {
+            return Err(KilnError::value(format!(
+                "{} is in Tensor memory and is read or written after its region was deallocated (tcgen05.dealloc)",
+                f.tv_name(tv)
+            )));
+        }
         self.slots.get(&tv).ok_or_else(|| {
             KilnError::internal(format!("interpreter: {} is accessed before its Allocate", f.tv_name(tv)))
         })
@@ -949,6 +966,7 @@ pub fn run(kernel: &Kernel, bindings: &Bindings, buffers: &mut [Buffer]) -> Resu
         global_writers: FxHashMap::default(),
         epoch: 0,
         done: FxHashMap::default(),
+        tmem: TmemState::Unallocated,
     };
     let body = compile(kernel, &kernel.body, &mut Vec::new())?;
     let mut ex = Exec {
@@ -961,6 +979,12 @@ pub fn run(kernel: &Kernel, bindings: &Bindings, buffers: &mut [Buffer]) -> Resu
         stats: Stats { threads: total as u64, ..Stats::default() },
     };
     ex.nodes(&body)?;
+    if ex.mem.tmem == TmemState::Allocated {
+        return Err(KilnError::value(format!(
+            "kernel {}: its Tensor-memory region is never deallocated (a block must tcgen05.dealloc before it exits)",
+            ex.kname
+        )));
+    }
     mem = ex.mem;
     drop(mem);
     Ok(ex.stats)
@@ -993,6 +1017,23 @@ impl Exec<'_, '_> {
         for n in body {
             self.mem.bars.step += 1;
             match n {
+                CNode::TensorMemory(op) => {
+                    use crate::kernel::TmemOp;
+                    let (want, next) = match op {
+                        TmemOp::Alloc => (TmemState::Unallocated, TmemState::Allocated),
+                        TmemOp::Relinquish | TmemOp::Dealloc => (
+                            TmemState::Allocated,
+                            if *op == TmemOp::Dealloc { TmemState::Deallocated } else { TmemState::Allocated },
+                        ),
+                    };
+                    if self.mem.tmem != want {
+                        return Err(KilnError::value(format!(
+                            "kernel {}: {op:?} of the Tensor-memory region when it is {:?}",
+                            self.kname, self.mem.tmem
+                        )));
+                    }
+                    self.mem.tmem = next;
+                }
                 CNode::CpAsync(op) => {
                     let epoch = self.mem.epoch;
                     for &l in &self.ctx.active {
@@ -1440,6 +1481,12 @@ impl Exec<'_, '_> {
                 let Some(tv) = tv else {
                     bail_internal!("interpreter: {name} is a non-tensor buffer in on-chip memory");
                 };
+                if f.tvs[tv].tensor_memory && self.mem.tmem != TmemState::Allocated {
+                    return Err(KilnError::value(format!(
+                        "kernel {}: {name} is in Tensor memory but its Allocate runs where the region is {:?}",
+                        self.kname, self.mem.tmem
+                    )));
+                }
                 let instances =
                     if a.memory == MemoryType::Local { self.ctx.all.len() } else { self.ctx.all.len() / self.ctx.nt };
                 let n = size.checked_mul(instances).filter(|&n| n <= 1 << 31).ok_or_else(|| {

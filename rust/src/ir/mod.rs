@@ -117,6 +117,11 @@ pub struct TensorView {
     /// Its definition reads a Global input whose lines should outlive other data in L2:
     /// vector loads carry an L2 evict_last hint (`set_evict_last`).
     pub evict_last_load: bool,
+    /// Kept in Blackwell's Tensor memory (`MemoryType.Tensor`, sm_100a): `memory` stays
+    /// Local, since each thread reads only the cells it wrote (its lane), and every analysis
+    /// treats it as such; allocation, codegen and the interpreter place it in a Tensor-memory
+    /// region (tcgen05.alloc/ld/st/dealloc).
+    pub tensor_memory: bool,
     /// An input whose contiguity the definition declared: arrays must honour it. An input
     /// without one takes the layout of the arrays it is run with (the automatic path
     /// specialises its kernels on their stride pattern).
@@ -422,6 +427,7 @@ impl Fusion {
             circular_buffer: None,
             serial_grid_reduction: false,
             streaming_load: false,
+            tensor_memory: false,
             evict_last_load: false,
             declared_contiguity: false,
         })

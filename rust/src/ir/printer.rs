@@ -17,7 +17,8 @@ impl Fusion {
     /// A tensor as `T3_l_float[iS6{i0}, rS7{i1}]` (its loop domain, `ca` marks the inline position).
     pub fn tv_label(&self, tv: TvId) -> String {
         let t = &self.tvs[tv];
-        let mut s = format!("T{}_{}_{}[", tv.as_u32(), t.memory.tag(), t.dtype);
+        let tag = if t.tensor_memory { "t" } else { t.memory.tag() };
+        let mut s = format!("T{}_{}_{}[", tv.as_u32(), tag, t.dtype);
         for (i, &id) in t.loop_domain.iter().enumerate() {
             if i > 0 {
                 s.push_str(", ");

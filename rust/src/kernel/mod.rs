@@ -221,6 +221,37 @@ pub enum CpAsyncOp {
     Wait(u32),
 }
 
+/// Tensor-memory management (Blackwell's tcgen05, seed 000's `AllocTMem` and the asm it
+/// inserts): every op runs on the block's first warp, whole, and uses the kernel's region
+/// (`KernelSummary::tensor_memory`) whose address a Shared slot holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TmemOp {
+    /// `tcgen05.alloc` of the region's columns; the address lands in the Shared slot.
+    Alloc,
+    /// `tcgen05.relinquish_alloc_permit`: this block allocates no more.
+    Relinquish,
+    /// `tcgen05.dealloc` of the region (after a barrier: every thread is done with it).
+    Dealloc,
+}
+
+/// The kernel's Tensor-memory region: `columns` 32-bit columns of 128 lanes (a power of two
+/// from 32 to 512, as tcgen05.alloc takes them), and where each tensor lies in it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TmemRegion {
+    pub columns: i64,
+    pub tensors: Vec<TmemPlacement>,
+}
+
+/// A tensor's place in the region: each thread's cells are columns
+/// `column_offset .. column_offset + columns` of lane `lane_offset + thread`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TmemPlacement {
+    pub tv: TvId,
+    pub lane_offset: i64,
+    pub column_offset: i64,
+    pub columns: i64,
+}
+
 /// A Shared array of mbarriers the kernel uses, and the tensors whose loads it orders.
 #[derive(Clone, Debug)]
 pub struct BarrierArray {
@@ -282,6 +313,8 @@ pub enum Node {
     /// Asynchronous copies (`cp.async`) of this thread: close its current group, or wait
     /// until at most `n` of its groups are still in flight.
     CpAsync(CpAsyncOp),
+    /// Tensor-memory allocation, relinquish or deallocation (the block's first warp).
+    TensorMemory(TmemOp),
     /// The block/grid reduction of the register into the output at `index` (after the
     /// hoisted loops). `complete`: no serial loop over the reduction's own axes encloses
     /// the hoist, so the result is final and stored rather than combined with the
@@ -358,7 +391,11 @@ impl Node {
                 }
             }
             Node::Expr { index: Some(ix), .. } => index(ix, g),
-            Node::Expr { index: None, .. } | Node::Sync(_) | Node::AccumulatorInit(_) | Node::CpAsync(_) => {}
+            Node::Expr { index: None, .. }
+            | Node::Sync(_)
+            | Node::AccumulatorInit(_)
+            | Node::CpAsync(_)
+            | Node::TensorMemory(_) => {}
             Node::Barrier(op) => match op {
                 BarrierOp::Init { bar, arrivals } => {
                     bar.index = g(bar.index);
@@ -491,6 +528,8 @@ pub struct KernelSummary {
     pub barriers: Vec<BarrierArray>,
     /// Shared tensors whose copies from Global memory are asynchronous (`cp.async`).
     pub async_copies: Vec<TvId>,
+    /// The Tensor-memory region (tensors with `tensor_memory`), if any.
+    pub tensor_memory: Option<TmemRegion>,
 }
 
 /// Where and how a tensor is allocated; what indexing reads.
@@ -757,14 +796,31 @@ impl IrText<'_> {
                     AllocTarget::Barriers(i) => format!("mbar{i} (mbarriers)"),
                 };
                 let shape: Vec<String> = a.shape.iter().map(|&v| f.scalars.render(v)).collect();
+                // A Tensor-memory tensor: its lane and columns in the region.
+                let place = match a.target {
+                    AllocTarget::Tensor(tv) => {
+                        self.summary.tensor_memory.as_ref().and_then(|r| r.tensors.iter().find(|p| p.tv == tv)).map(
+                            |p| {
+                                format!(
+                                    " at lane offset {} columns {}..{}",
+                                    p.lane_offset,
+                                    p.column_offset,
+                                    p.column_offset + p.columns
+                                )
+                            },
+                        )
+                    }
+                    _ => None,
+                };
                 let _ = writeln!(
                     s,
-                    "{pad}ALLOCATE {name} {} {} [{}]{}{}",
-                    a.memory.enum_name(),
+                    "{pad}ALLOCATE {name} {} {} [{}]{}{}{}",
+                    if place.is_some() { "Tensor" } else { a.memory.enum_name() },
                     a.dtype,
                     shape.join(", "),
                     if a.zero_init { " zero_init" } else { "" },
-                    if a.resets_to_zero { " resets_to_zero" } else { "" }
+                    if a.resets_to_zero { " resets_to_zero" } else { "" },
+                    place.unwrap_or_default()
                 );
             }
             Node::Init { tv, value, index } => {
@@ -834,6 +890,14 @@ impl IrText<'_> {
                 let _ = match op {
                     CpAsyncOp::Commit => writeln!(s, "{pad}CP_ASYNC_COMMIT"),
                     CpAsyncOp::Wait(n) => writeln!(s, "{pad}CP_ASYNC_WAIT {n}"),
+                };
+            }
+            Node::TensorMemory(op) => {
+                let cols = self.summary.tensor_memory.as_ref().map_or(0, |r| r.columns);
+                let _ = match op {
+                    TmemOp::Alloc => writeln!(s, "{pad}TMEM_ALLOC {cols} columns -> smem slot  // first warp"),
+                    TmemOp::Relinquish => writeln!(s, "{pad}TMEM_RELINQUISH_ALLOC_PERMIT  // first warp"),
+                    TmemOp::Dealloc => writeln!(s, "{pad}TMEM_DEALLOC {cols} columns  // first warp"),
                 };
             }
             Node::BulkLoad(bl) => {

@@ -105,9 +105,12 @@ impl Effects {
             // end with one, so their shared workspace may be reused in any order.
             Node::Sync(_) => {}
             // Made after fusion; pinned should one ever come earlier.
-            Node::If(_) | Node::Vector(_) | Node::Barrier(_) | Node::BulkLoad(_) | Node::CpAsync(_) => {
-                self.pinned = true
-            }
+            Node::If(_)
+            | Node::Vector(_)
+            | Node::Barrier(_)
+            | Node::BulkLoad(_)
+            | Node::CpAsync(_)
+            | Node::TensorMemory(_) => self.pinned = true,
         }
     }
 

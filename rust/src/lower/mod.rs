@@ -37,6 +37,7 @@ pub mod precision;
 pub mod predicate;
 pub mod reduction_hoist;
 pub mod syncs;
+pub mod tensor_memory;
 pub mod unswitch;
 pub mod validate;
 pub mod vectorize;
@@ -131,6 +132,13 @@ pub const PASSES: &[Pass] = &[
     Pass { name: "unswitch", run: |c| unswitch::run(&mut c.f, &c.lg, &mut c.body) },
     Pass { name: "vectorize", run: |c| vectorize::run(&mut c.f, &mut c.body) },
     Pass { name: "group_reductions", run: |c| group_reductions::run(&c.f, &c.lg, &mut c.body) },
+    Pass {
+        name: "tensor_memory",
+        run: |c| {
+            let Some(launch) = c.launch.as_ref() else { crate::bail_internal!("tensor_memory runs after launch") };
+            tensor_memory::run(&c.f, &mut c.body, launch, &mut c.summary)
+        },
+    },
 ];
 
 /// What lowering records beside the kernel: IR dumps after the named passes, and whether

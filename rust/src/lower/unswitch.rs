@@ -172,7 +172,8 @@ fn only_local_statements(f: &Fusion, lg: &LoopGraph, body: &[Node]) -> bool {
         | Node::ReduceAccumulator { .. }
         | Node::Barrier(_)
         | Node::BulkLoad(_)
-        | Node::CpAsync(_) => false,
+        | Node::CpAsync(_)
+        | Node::TensorMemory(_) => false,
     })
 }
 

@@ -463,7 +463,8 @@ impl PyFusion {
     fn tv_memory(&self, py: Python<'_>, t: u32) -> PyResult<PyTensorMemory> {
         guarded(py, || {
             let tv = &self.inner.get().tvs[self.tv(t)?];
-            Ok(PyTensorMemory { memory_type: tv.memory.enum_name(), inline_position: tv.inline_pos })
+            let memory_type = if tv.tensor_memory { "Tensor" } else { tv.memory.enum_name() };
+            Ok(PyTensorMemory { memory_type, inline_position: tv.inline_pos })
         })
     }
 
@@ -665,6 +666,9 @@ impl PyFusion {
     fn set_memory_type(&mut self, py: Python<'_>, t: u32, mt: &str) -> PyResult<()> {
         guarded(py, || {
             let t = self.tv(t)?;
+            if mt == "Tensor" {
+                return self.inner.get_mut().set_tensor_memory(t);
+            }
             let m = parse_enum("memory type", mt, MemoryType::from_enum_name)?;
             self.inner.get_mut().set_memory_type(t, m)
         })

@@ -255,7 +255,21 @@ impl Fusion {
             );
         }
         self.tvs[tv].memory = mt;
+        self.tvs[tv].tensor_memory = false;
         self.manually_scheduled = true;
+        Ok(())
+    }
+
+    /// Keep `tv` in Tensor memory (Blackwell, sm_100a): thread-private cells like Local
+    /// memory, one lane per thread, 32-bit cells.
+    pub fn set_tensor_memory(&mut self, tv: TvId) -> Result<()> {
+        self.set_memory_type(tv, MemoryType::Local)?;
+        let name = self.tv_name(tv);
+        let dt = self.tvs[tv].dtype;
+        if dt.size_bytes() != 4 {
+            bail!("set_memory_type {name}: Tensor memory holds 32-bit cells; {name} is {}", dt.enum_name());
+        }
+        self.tvs[tv].tensor_memory = true;
         Ok(())
     }
 
