@@ -515,7 +515,7 @@ def test_kernel_ir_after_a_pass_is_dumped(monkeypatch: pytest.MonkeyPatch,
     tile has no branch, after it the unswitched arms; an unknown pass is named."""
     from kiln import _core
 
-    assert _core.lower_passes()[-3:] == ["unswitch", "vectorize", "group_reductions"]
+    assert _core.lower_passes()[-4:] == ["unswitch", "vectorize", "group_reductions", "tensor_memory"]
     fd = _unscheduled(lambda fd, x: fd.ops.mul(x, 2.0))
     x = np.zeros((64, 1000), np.float32)
     monkeypatch.setenv("KILN_DUMP", "after:launch,after:unswitch")
