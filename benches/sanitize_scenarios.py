@@ -1,4 +1,9 @@
-"""Run every GPU scenario once (for compute-sanitizer memcheck / racecheck) and check results."""
+"""Run every GPU scenario once (for compute-sanitizer memcheck / racecheck) and check results.
+
+    compute-sanitizer --tool racecheck python3 benches/sanitize_scenarios.py [families]
+
+``families`` runs the model families only (the quickest set of automatic schedules).
+"""
 
 from __future__ import annotations
 
@@ -69,7 +74,11 @@ def model_families() -> int:
     cases = [(fams.cross_entropy, (64, 32000)), (fams.cross_entropy, (8, 128256)),
              (fams.log_softmax, (8, 128256)), (fams.logsumexp, (64, 32000)),
              (fams.layernorm_backward, (256, 1024)), (fams.batchnorm_nchw_train, (4, 8, 28, 28)),
-             (fams.attention_softmax_padding_mask, (2, 2, 64))]
+             (fams.attention_softmax_padding_mask, (2, 2, 64)),
+             # 320 groups of 2048: 256-thread blocks (one wave of them on 132 SMs).
+             (fams.group_norm_nchw, (10, 64, 32, 32)),
+             # rotate_half's halves read as whole vectors or zeros.
+             (fams.llama_rope_view, (2, 16, 4, 64))]
     for make, sizes in cases:
         fam = make(sizes)
         name = f"family {fam.name} {'x'.join(map(str, sizes))}"
@@ -108,4 +117,4 @@ def circular_buffers() -> int:
     return bad
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(model_families() if sys.argv[1:] == ["families"] else main())
