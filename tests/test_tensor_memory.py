@@ -224,6 +224,7 @@ def test_access_under_a_thread_condition_is_a_kiln_error() -> None:
     y.axis(0).parallelize(ParallelType.BIDx)
     y.axis(1).parallelize(ParallelType.TIDx)
     e.inline_at(2)
-    with pytest.raises(KilnError, match=r"T1 is in Tensor memory, whose loads and stores every thread of a warp "
-                                        r"runs together, but its access here runs only where .*threadIdx.x"):
+    with pytest.raises(KilnError, match=r"T1 is in Tensor memory, whose loads and stores every thread of "
+                                        r"a warp runs together, but its access here runs only where "
+                                        r".*threadIdx.x"):
         fd.execute([np.ones((4, 130), np.float32)])
