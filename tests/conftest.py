@@ -119,6 +119,7 @@ def _compile_generated_kernels():
     kernels = take_generated()
     if not kernels or not _nvrtc_ready():
         return
+    from kiln.runtime.executor import uses_tensor_memory
     from kiln.runtime.nvrtc import compile_cubin
 
     for k in kernels:
@@ -128,7 +129,7 @@ def _compile_generated_kernels():
             except KilnError:
                 break  # codegen refused the schedule with a user-facing error: nothing to compile
             # Tensor-memory kernels are compiled for Blackwell (sm_100a), the rest for sm_90.
-            arch = "sm_100a" if "kiln::tmemAlloc<" in src else "sm_90"
+            arch = "sm_100a" if uses_tensor_memory(src) else "sm_90"
             if src not in _COMPILED:
                 _COMPILED[src] = compile_cubin(src, k.kernel_name, arch=arch, pch_dir=_PCH_DIR.name)
             res = _COMPILED[src]

@@ -169,10 +169,15 @@ def cubin_for(source: str, arch: str, options: Sequence[str] = ()) -> Tuple[byte
 _TMEM_ARCHS = ("sm_100", "sm_101", "sm_103")
 
 
+def uses_tensor_memory(source: str) -> bool:
+    """Whether a generated kernel keeps tensors in Tensor memory (MemoryType.Tensor)."""
+    return "kiln::tmemAlloc<" in source
+
+
 def tensor_memory_arch(source: str, arch: str) -> str:
     """``arch`` for a kernel; for one that keeps tensors in Tensor memory (MemoryType.Tensor)
     its arch-specific ``sm_10Xa`` target, or a KilnError on a GPU without Tensor memory."""
-    if "kiln::tmemAlloc<" not in source:
+    if not uses_tensor_memory(source):
         return arch
     base = arch[:-1] if arch.endswith("a") else arch
     if base not in _TMEM_ARCHS:

@@ -757,22 +757,19 @@ impl Gen<'_> {
             };
             let _ = writeln!(self.out, "{load}\n{store}");
         }
-        if v.whole {
-            // Out of range as a whole: nothing to copy element by element.
-            let _ = writeln!(self.out, "{pad}  }}");
-            let _ = writeln!(self.out, "{pad}}}");
-            return Ok(());
-        }
-        if let Some(in_range) = v.pad_else {
-            // In range but outside the remap's guard as a whole: all padding.
-            let _ = writeln!(self.out, "{pad}  }} else if ({}) {{", self.pred(in_range));
-            let _ = writeln!(self.out, "{pad}    kiln::Array<{ty}, {n}> kiln_vec;");
-            let _ = writeln!(self.out, "{pad}    #pragma unroll");
-            let _ = writeln!(
-                self.out,
-                "{pad}    for (int kiln_j = 0; kiln_j < {n}; ++kiln_j) kiln_vec[kiln_j] = kiln::cast<{ty}>(0);"
-            );
-            let _ = writeln!(self.out, "{pad}    kiln::storeVec<{ty}, {n}>(&{ob}[kiln_ob], kiln_vec);");
+        if v.whole || v.pad_else.is_some() {
+            // Out of range as a whole: nothing to copy element by element. In range but
+            // outside a remap's guard as a whole: all padding.
+            if let Some(in_range) = v.pad_else {
+                let _ = writeln!(self.out, "{pad}  }} else if ({}) {{", self.pred(in_range));
+                let _ = writeln!(self.out, "{pad}    kiln::Array<{ty}, {n}> kiln_vec;");
+                let _ = writeln!(self.out, "{pad}    #pragma unroll");
+                let _ = writeln!(
+                    self.out,
+                    "{pad}    for (int kiln_j = 0; kiln_j < {n}; ++kiln_j) kiln_vec[kiln_j] = kiln::cast<{ty}>(0);"
+                );
+                let _ = writeln!(self.out, "{pad}    kiln::storeVec<{ty}, {n}>(&{ob}[kiln_ob], kiln_vec);");
+            }
             let _ = writeln!(self.out, "{pad}  }}");
             let _ = writeln!(self.out, "{pad}}}");
             return Ok(());

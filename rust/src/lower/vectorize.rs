@@ -167,25 +167,21 @@ fn whole_or_none(sc: &mut crate::ir::Scalars, live: crate::ir::ValId, sym: Symbo
     let mut parts = Vec::new();
     crate::lower::predicate::conjuncts(sc, live, &mut parts);
     let zero = sc.int(0);
-    parts.into_iter().all(|c| match sc.get(c) {
-        Val::Binary(ScalarOp::Lt, a, b) => match (linear_coeff(sc, a, sym), linear_coeff(sc, b, sym)) {
+    parts.into_iter().all(|c| {
+        // `a < b` and `b <= a` alike: `a` steps by one from a multiple of `n` and `b` is a
+        // multiple of `n`, so the comparison at the first element holds for the whole vector
+        // (`a < b` at the first means `a + n - 1 < b` at the last; `b <= a` only grows).
+        let (a, b) = match sc.get(c) {
+            Val::Binary(ScalarOp::Lt, a, b) | Val::Binary(ScalarOp::Le, b, a) => (a, b),
+            _ => return linear_coeff(sc, c, sym) == Some(0),
+        };
+        match (linear_coeff(sc, a, sym), linear_coeff(sc, b, sym)) {
             (Some(0), Some(0)) => true,
             (Some(1), Some(0)) => {
                 let start = sc.substitute(a, sym, zero);
                 sc.known_multiple(start) % n == 0 && sc.known_multiple(b) % n == 0
             }
             _ => false,
-        },
-        // `b <= a`, `a` stepping by one from a multiple of `n`, `b` a multiple of `n`: at the
-        // first element `a >= b` holds throughout, and `a < b` means `a + n - 1 < b` too.
-        Val::Binary(ScalarOp::Le, b, a) => match (linear_coeff(sc, b, sym), linear_coeff(sc, a, sym)) {
-            (Some(0), Some(0)) => true,
-            (Some(0), Some(1)) => {
-                let start = sc.substitute(a, sym, zero);
-                sc.known_multiple(start) % n == 0 && sc.known_multiple(b) % n == 0
-            }
-            _ => false,
-        },
-        _ => linear_coeff(sc, c, sym) == Some(0),
+        }
     })
 }
