@@ -8,7 +8,8 @@ Workloads: LayerNorm over a sharded hidden axis (x [8192, 16384] float32, weight
 sharded, two Allreduces of the row statistics), and a data-parallel step (each rank's
 float32 gradient of 64M parameters averaged by an Allreduce, then a fused AdamW update).
 Times are per call, back to back on the rank's stream (CUDA events, host overhead
-included), the slowest rank's. The collective alone is torch.distributed's NCCL call on
+included), the slowest rank's; "host" is the host time to issue one call, and "no comm" the
+whole program with collectives that do nothing. The collective alone is torch.distributed's NCCL call on
 buffers of the same size; its bus bandwidth is NCCL's definition (allreduce:
 bytes * 2(n-1)/n / time).
 """
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from typing import Any, Callable, Dict, List
 
 import numpy as np
@@ -28,7 +30,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 from kiln import DeviceMesh  # noqa: E402
-from kiln.multidevice import mesh_run  # noqa: E402
+from kiln.multidevice import Work, mesh_run  # noqa: E402
 from test_multidevice import adamw_ddp, layer_norm, part  # noqa: E402
 
 
@@ -49,6 +51,37 @@ def timed(fn: Callable[[], Any], iters: int = 20, warm: int = 3) -> float:
     return float(t.item())
 
 
+class NoComm:
+    """A communicator whose collectives do nothing: the program's time without them."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+    def allreduce(self, x: Any, op: str) -> Work:
+        """Skip the reduction."""
+        return Work()
+
+    def allgather(self, out: Any, x: Any) -> Work:
+        """Skip the gather."""
+        return Work()
+
+    def reduce_scatter(self, out: Any, x: Any, op: str) -> Work:
+        """Skip the reduce-scatter."""
+        return Work()
+
+
+def host_us(fn: Callable[[], Any], iters: int = 20) -> float:
+    """Microseconds of host time per call of ``fn`` (issue only, no synchronisation inside)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) * 1e6 / iters
+
+
 def parts(fd: Any, inputs: List[Any]) -> Dict[str, float]:
     """Time the whole program, each local stage alone, and each collective alone."""
     run = mesh_run(fd)
@@ -66,6 +99,9 @@ def parts(fd: Any, inputs: List[Any]) -> Dict[str, float]:
         del st.execute
     torch.cuda.synchronize()
     whole = timed(lambda: fd.execute(inputs))
+    host = host_us(lambda: fd.execute(inputs))
+    nocomm = NoComm(dist.get_rank(), dist.get_world_size())
+    without = timed(lambda: fd.execute(inputs, comm=nocomm))
     kernels = sum(timed(lambda st=st, a=a: st.execute(a)) for st, a in zip(run.stages, captured))
     comm = 0.0
     comm_bytes = 0
@@ -83,8 +119,9 @@ def parts(fd: Any, inputs: List[Any]) -> Dict[str, float]:
             comm += timed(lambda b=buf, o=out: dist.reduce_scatter_tensor(o, b))
     n = dist.get_world_size()
     busbw = comm_bytes * 2 * (n - 1) / n / (comm * 1e-6) / 1e9 if comm > 0 and n > 1 else 0.0
-    return {"kiln_us": whole, "kernels_us": kernels, "comm_us": comm, "comm_bytes": comm_bytes,
-            "busbw_GBps": busbw, "ratio": whole / (kernels + comm)}
+    return {"kiln_us": whole, "host_us": host, "no_comm_us": without, "kernels_us": kernels,
+            "comm_us": comm, "comm_bytes": comm_bytes, "busbw_GBps": busbw,
+            "ratio": whole / (kernels + comm)}
 
 
 def main() -> None:
@@ -113,12 +150,12 @@ def main() -> None:
 
     if rank == 0:
         print(f"{n} rank(s), {torch.cuda.get_device_name()}")
-        head = (f"{'workload':44s} {'kiln us':>9s} {'kernels':>9s} {'comm':>9s} {'busbw GB/s':>10s} "
-                f"{'ratio':>6s}")
+        head = (f"{'workload':44s} {'kiln us':>9s} {'host':>9s} {'no comm':>9s} {'kernels':>9s} "
+                f"{'comm':>9s} {'busbw GB/s':>10s} {'ratio':>6s}")
         print(head)
         for name, r in rows.items():
-            print(f"{name:44s} {r['kiln_us']:9.1f} {r['kernels_us']:9.1f} {r['comm_us']:9.1f} "
-                  f"{r['busbw_GBps']:10.1f} {r['ratio']:6.3f}")
+            print(f"{name:44s} {r['kiln_us']:9.1f} {r['host_us']:9.1f} {r['no_comm_us']:9.1f} "
+                  f"{r['kernels_us']:9.1f} {r['comm_us']:9.1f} {r['busbw_GBps']:10.1f} {r['ratio']:6.3f}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"ranks": n, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
