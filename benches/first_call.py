@@ -7,7 +7,8 @@ kernel.
   segmentation and kernel-IR lowering of every kernel, median over fresh fusion objects)
   divided by its kernel count, plus that kernel's own CUDA code generation.
 * NVRTC = ``kiln.runtime.executor.cubin_for`` with an empty ``KILN_CACHE_DIR`` (a temporary
-  directory, the memory cache cleared), checked to have run exactly one compile; the
+  directory, the memory cache cleared), checked to have run exactly one compile, the
+  fastest of three; the
   architecture is the GPU's own ``sm_XX``, else the default target's (``sm_90``).
 
 Runs on a CPU-only machine too (NVRTC comes with the ``cuda-bindings`` and
@@ -37,6 +38,9 @@ from kiln.runtime import executor  # noqa: E402
 FUSIONS = ("layernorm", "softmax_first_axis", "cross_entropy", "grad_norm_clip", "adamw",
            "bsh_to_bhs_silu", "llama_rope", "index_select_shifted_ids")
 LOWER_REPEATS = 5
+# Each cold compile is repeated and the fastest kept: other work on the machine only ever
+# adds time.
+COMPILE_REPEATS = 3
 LOWER_SHARE_MAX = 0.02
 COMPILE_MAX_MS = 150.0
 
@@ -90,17 +94,21 @@ def main() -> None:
                 source = kernel.cuda_source_for(False)
                 times = []
                 for pch in ("1", "0"):
-                    # Each compile cold: no CUBIN of this source in memory or on disk.
-                    executor.clear_memory_cache()
-                    for f in Path(cache).glob("*.cubin"):
-                        f.unlink()
                     os.environ["KILN_NVRTC_PCH"] = pch
-                    before = executor.compile_count()
-                    t0 = time.perf_counter()
-                    executor.cubin_for(source, arch)
-                    times.append((time.perf_counter() - t0) * 1e3)
-                    if executor.compile_count() != before + 1:
-                        raise SystemExit(f"{name} kernel {k}: the compile was not cold (a cache served it)")
+                    best = float("inf")
+                    for _ in range(COMPILE_REPEATS):
+                        # Each compile cold: no CUBIN of this source in memory or on disk.
+                        executor.clear_memory_cache()
+                        for f in Path(cache).glob("*.cubin"):
+                            f.unlink()
+                        before = executor.compile_count()
+                        t0 = time.perf_counter()
+                        executor.cubin_for(source, arch)
+                        best = min(best, (time.perf_counter() - t0) * 1e3)
+                        if executor.compile_count() != before + 1:
+                            raise SystemExit(f"{name} kernel {k}: the compile was not cold "
+                                             "(a cache served it)")
+                    times.append(best)
                 os.environ.pop("KILN_NVRTC_PCH")
                 rows.append((f"{name}[{k}]", n, lower_s * 1e3, times[0], times[1]))
     worst_share = max(lo / nv for _, _, lo, nv, _ in rows)
@@ -112,7 +120,8 @@ def main() -> None:
     print(f"check: cold NVRTC compile <= {COMPILE_MAX_MS:.0f} ms per kernel: "
           f"{'met' if compile_ok else 'NOT met'} (worst {worst_ms:.1f} ms)")
     width = max(len(r[0]) for r in rows) + 2
-    lines = [f"first call per kernel, {arch}, bench sizes of tests/families.py, cold CUBIN caches; "
+    lines = [f"first call per kernel, {arch}, bench sizes of tests/families.py, cold CUBIN caches "
+             f"(fastest of {COMPILE_REPEATS}); "
              f"nvrtc ms: with the runtime header precompiled (made once per machine: {pch_ms:.0f} ms), "
              "no pch: parsed from source (KILN_NVRTC_PCH=0)",
              f"{'kernel':<{width}} {'kernels':>7} {'lower ms':>9} {'nvrtc ms':>9} {'no pch ms':>9} "

@@ -4,6 +4,9 @@
 // s (linear index over the non-reduced dims). Dynamic smem: nthreads * sizeof(T).
 // block_allreduce_...: every thread writes its segment's result to out[b*nthreads + tid].
 
+// The block's extents as launched (runtime.cuh, KILN_BLOCK_SHAPE).
+KILN_BLOCK_SHAPE(blockDim.x, blockDim.y, blockDim.z)
+
 extern __shared__ __align__(16) unsigned char kiln_test_smem[];
 
 template <bool X, bool Y, bool Z, typename T, typename Op>

@@ -1,6 +1,9 @@
 // kiln::cast<To>(From) for all 49 pairs of {bool, int32, int64, half, bf16, float, double}.
 // cast_from_<src>(in, o_bool, o_i32, o_i64, o_f16, o_bf16, o_f32, o_f64, n).
 
+// The block's extents as launched (runtime.cuh, KILN_BLOCK_SHAPE).
+KILN_BLOCK_SHAPE(blockDim.x, blockDim.y, blockDim.z)
+
 template <typename From>
 __device__ void castAll(const From* in, bool* ob, int* oi, int64_t* ol, __half* oh, __nv_bfloat16* obf,
                         float* of, double* od, int64_t n) {

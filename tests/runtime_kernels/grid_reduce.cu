@@ -1,6 +1,9 @@
 // Grid reductions, both semaphore protocols (see runtime.cuh for buffer sizes).
 // Dynamic smem for every kernel here: nthreads * sizeof(T).
 
+// The block's extents as launched (runtime.cuh, KILN_BLOCK_SHAPE).
+KILN_BLOCK_SHAPE(blockDim.x, blockDim.y, blockDim.z)
+
 extern __shared__ __align__(16) unsigned char kiln_test_smem[];
 
 // Sum of n floats into out[0]: any 1-D grid and block. work: gridDim.x floats

@@ -1,6 +1,9 @@
 // Every math function of runtime.cuh for every floating dtype, and the integer subset.
 // Output layout: out[k * n + i] for function k (see MATH_FUNCS in test_runtime_header.py).
 
+// The block's extents as launched (runtime.cuh, KILN_BLOCK_SHAPE).
+KILN_BLOCK_SHAPE(blockDim.x, blockDim.y, blockDim.z)
+
 template <typename T>
 __device__ void mathFloating(const T* a, const T* b, T* out, int64_t n) {
   const int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;

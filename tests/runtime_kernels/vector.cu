@@ -2,6 +2,9 @@
 // vec_copy_<type>x<N>(in, out, nvec): out[i*N .. i*N+N) = in[i*N .. i*N+N), through a
 // shared-memory round trip (also vectorized) so both global and shared accesses are used.
 
+// The block's extents as launched (runtime.cuh, KILN_BLOCK_SHAPE).
+KILN_BLOCK_SHAPE(blockDim.x, blockDim.y, blockDim.z)
+
 template <typename T, int N>
 __device__ void vecCopy(const T* in, T* out, int64_t nvec) {
   __shared__ kiln::Array<T, N> stage[128];

@@ -224,6 +224,17 @@ pub fn generate(k: &Kernel, index32: bool) -> Result<CudaKernel> {
             _ => format!("{} {name}", dt.c_type()),
         })
         .collect();
+    // A block fixed at generation time is given to the runtime header as constants: its
+    // block reductions then fold their shape and path (faster kernels and compiles).
+    let dims: Vec<String> = ["x", "y", "z"]
+        .iter()
+        .zip(k.launch.block)
+        .map(|(d, v)| match f.scalars.get(v) {
+            Val::Int(n) if n > 0 && n <= i64::from(u32::MAX) => format!("{n}"),
+            _ => format!("blockDim.{d}"),
+        })
+        .collect();
+    let _ = writeln!(g.out, "KILN_BLOCK_SHAPE({})", dims.join(", "));
     let _ = writeln!(g.out, "typedef {} kiln_index_t;", if index32 { "int" } else { "int64_t" });
     let _ = writeln!(g.out, "extern \"C\" __global__ void {KERNEL_NAME}({}) {{", sig.join(", "));
     g.out.push_str("  extern __shared__ __align__(16) char kiln_smem[];\n");

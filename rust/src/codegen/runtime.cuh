@@ -25,6 +25,7 @@
 //   loadVecStreaming, loadVecEvictLast loadVec with L1 / L2 cache hints (read-only inputs)
 //   loadVolatile, storeVolatile        bitwise volatile accesses for any T of 1/2/4/8 bytes
 //   Sum, Prod, Max, Min                reduction functors (with identity<T>())
+//   blockX/Y/Z (KILN_BLOCK_SHAPE), tidX/Y/Z                the block's extents, fixed or not
 //   threadIndex/threadCount/blockIndex/blockCount<X,Y,Z>   linearisation helpers
 //   warpReduce, warpAllReduce, blockReduce, blockAllReduce(2)  block reductions
 //   gridReduce, gridReduceSerial                           grid reductions (semaphores)
@@ -1052,22 +1053,39 @@ struct LogSumExp {
 // ---------------------------------------------------------------------------------------
 // Index helpers. X/Y/Z select the dims; linearisation is x fastest.
 
+// The block's extents. Declared here and defined by the source after this header with
+// KILN_BLOCK_SHAPE(x, y, z): a generated kernel whose block is fixed when it is generated
+// passes constants, so every block reduction folds its shape and its path at compile time
+// (less code to run and to compile); otherwise blockDim.x, blockDim.y, blockDim.z.
+KILN_DEVICE unsigned blockX();
+KILN_DEVICE unsigned blockY();
+KILN_DEVICE unsigned blockZ();
+// threadIdx in a dim, 0 where the block's extent there is 1 (known at compile time with a
+// fixed block). This and every other function that reads blockX/Y/Z is a template, so a
+// source that never calls them need not define the extents.
+template <int = 0>
+KILN_DEVICE unsigned tidX() { return blockX() == 1u ? 0u : threadIdx.x; }
+template <int = 0>
+KILN_DEVICE unsigned tidY() { return blockY() == 1u ? 0u : threadIdx.y; }
+template <int = 0>
+KILN_DEVICE unsigned tidZ() { return blockZ() == 1u ? 0u : threadIdx.z; }
+
 template <bool X, bool Y, bool Z>
 KILN_DEVICE unsigned threadCount() {
-  return (X ? blockDim.x : 1u) * (Y ? blockDim.y : 1u) * (Z ? blockDim.z : 1u);
+  return (X ? blockX() : 1u) * (Y ? blockY() : 1u) * (Z ? blockZ() : 1u);
 }
 template <bool X, bool Y, bool Z>
 KILN_DEVICE unsigned threadIndex() {
   unsigned idx = 0, stride = 1;
   if (X) {
-    idx += threadIdx.x;
-    stride *= blockDim.x;
+    idx += tidX();
+    stride *= blockX();
   }
   if (Y) {
-    idx += threadIdx.y * stride;
-    stride *= blockDim.y;
+    idx += tidY() * stride;
+    stride *= blockY();
   }
-  if (Z) idx += threadIdx.z * stride;
+  if (Z) idx += tidZ() * stride;
   return idx;
 }
 template <bool X, bool Y, bool Z>
@@ -1088,7 +1106,8 @@ KILN_DEVICE int64_t blockIndex() {
   if (Z) idx += (int64_t)blockIdx.z * stride;
   return idx;
 }
-KILN_DEVICE bool isFirstThread() { return threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0; }
+template <int = 0>
+KILN_DEVICE bool isFirstThread() { return tidX() == 0 && tidY() == 0 && tidZ() == 0; }
 
 // ---------------------------------------------------------------------------------------
 // Warp shuffles for any T of at most 8 bytes.
@@ -1174,8 +1193,8 @@ KILN_DEVICE T warpReduceLanes(T val, Op op, unsigned lanes, unsigned lane) {
 template <bool X_REDUCE, bool Y_REDUCE, bool Z_REDUCE>
 KILN_DEVICE bool reducedContiguous() {
   bool contiguous = true;
-  if (!X_REDUCE && (Y_REDUCE || Z_REDUCE)) contiguous = contiguous && blockDim.x == 1;
-  if (!Y_REDUCE && Z_REDUCE) contiguous = contiguous && blockDim.y == 1;
+  if (!X_REDUCE && (Y_REDUCE || Z_REDUCE)) contiguous = contiguous && blockX() == 1u;
+  if (!Y_REDUCE && Z_REDUCE) contiguous = contiguous && blockY() == 1u;
   return contiguous;
 }
 
@@ -1203,7 +1222,7 @@ __device__ T blockReduce(T val, Op op, T init, T* smem) {
     const unsigned R = threadCount<X_REDUCE, Y_REDUCE, Z_REDUCE>();
     const unsigned r = threadIndex<X_REDUCE, Y_REDUCE, Z_REDUCE>();
     const unsigned s = threadIndex<!X_REDUCE, !Y_REDUCE, !Z_REDUCE>();
-    const unsigned nthreads = blockDim.x * blockDim.y * blockDim.z;
+    const unsigned nthreads = blockX() * blockY() * blockZ();
     if (R == 1) return val;
     const bool contiguous = reducedContiguous<X_REDUCE, Y_REDUCE, Z_REDUCE>();
 
@@ -1315,7 +1334,7 @@ __device__ void blockAllReduce2(T& a, Op1 op1, T init1, T& b, Op2 op2, T init2, 
     const unsigned r = threadIndex<X_REDUCE, Y_REDUCE, Z_REDUCE>();
     const unsigned s = threadIndex<!X_REDUCE, !Y_REDUCE, !Z_REDUCE>();
     const unsigned W = R / 32;
-    const unsigned second = (blockDim.x * blockDim.y * blockDim.z) / 32;
+    const unsigned second = (blockX() * blockY() * blockZ()) / 32;
     a = warpAllReduce(a, op1);
     b = warpAllReduce(b, op2);
     if (W == 1) return;
@@ -1594,7 +1613,8 @@ KILN_DEVICE void mbarrierWait(B*, unsigned) {}
 #if defined(__CUDA_ARCH_FEAT_SM100_ALL) || defined(__CUDA_ARCH_FEAT_SM101_ALL) || defined(__CUDA_ARCH_FEAT_SM103_ALL)
 #define KILN_HAS_TMEM 1
 #endif
-KILN_DEVICE bool isFirstWarp() { return (threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) / 32 == 0; }
+template <int = 0>
+KILN_DEVICE bool isFirstWarp() { return (tidX() + blockX() * (tidY() + blockY() * tidZ())) / 32 == 0; }
 template <int COLS>
 KILN_DEVICE void tmemAlloc(uint32_t* slot) {
   static_assert(COLS >= 32 && COLS <= 512 && (COLS & (COLS - 1)) == 0, "tcgen05.alloc takes 32..512 columns, a power of two");
@@ -1624,8 +1644,9 @@ KILN_DEVICE void tmemDealloc(uint32_t addr) {
 }
 // The address of this thread's warp's lanes of a tensor at `lane_offset`/`column_offset` in
 // the region whose base address is `base`.
+template <int = 0>
 KILN_DEVICE uint32_t tmemAddress(uint32_t base, uint32_t lane_offset, uint32_t column_offset) {
-  const uint32_t warp = (threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) / 32;
+  const uint32_t warp = (tidX() + blockX() * (tidY() + blockY() * tidZ())) / 32;
   return base + ((lane_offset + 32u * (warp % 4u)) << 16) + column_offset;
 }
 template <typename T>
@@ -1673,6 +1694,14 @@ KILN_DEVICE To cast(TmemRef<T> x) {
 }
 
 }  // namespace kiln
+
+// Defines kiln::blockX/Y/Z (see their declaration): constants, or blockDim's fields.
+#define KILN_BLOCK_SHAPE(X, Y, Z)                                             \
+  namespace kiln {                                                            \
+  __device__ __forceinline__ unsigned blockX() { return (unsigned)(X); } \
+  __device__ __forceinline__ unsigned blockY() { return (unsigned)(Y); } \
+  __device__ __forceinline__ unsigned blockZ() { return (unsigned)(Z); } \
+  }
 
 #undef KILN_DEVICE
 #endif  // KILN_RUNTIME_CUH
