@@ -160,6 +160,8 @@ class Fusion:
         """Lower the fusion to one kernel."""
     def segment_after(self, t: int) -> None:
         """Start a new segment (kernel) after the definition of tensor `t`."""
+    def set_cluster(self, pt: str, size: int) -> None:
+        """Launch the kernel's blocks in clusters along a block dimension."""
     def lower_program(self) -> HostProgram:
         """Lower the fusion to its kernels (one per segment) and host program."""
     def set_streaming_load(self, t: int) -> None:

@@ -9,7 +9,7 @@ from . import _core
 from ._env import dump_enabled
 from ._errors import KilnError, KilnTypeError
 from .compiled import CompiledFusion, compiled
-from .enums import DataType
+from .enums import DataType, ParallelType
 from .host import signature_key
 from .lowering import LoweredFusion, LoweredKernel, check_inputs, configure_lowering, plain_numbers
 from .schedule import ScheduleMixin
@@ -228,6 +228,17 @@ class FusionDefinition:
         """Split the fusion after ``t``'s definition: what depends on ``t`` runs in a later
         kernel, and tensors crossing segments become Global intermediates of the host program."""
         self._core.segment_after(self._tensor(t, "segment_after"))
+
+    def set_cluster(self, pt: ParallelType, size: int) -> None:
+        """Launch the kernel's blocks in clusters of ``size`` (2 to 8) along block dimension
+        ``pt`` (sm_90+): the grid along ``pt`` must be exactly ``size`` blocks, and a
+        reduction over ``pt`` combines them through distributed Shared memory, leaving the
+        result in every block."""
+        if not isinstance(pt, ParallelType):
+            raise KilnError(f"set_cluster: pt must be a ParallelType (BIDx, BIDy or BIDz), got {pt!r}")
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise KilnError(f"set_cluster: size must be an int, got {size!r}")
+        self._core.set_cluster(pt.name, size)
 
     # -- lowering --------------------------------------------------------------------
     def lower(self, inputs: Sequence[Any]) -> LoweredFusion:

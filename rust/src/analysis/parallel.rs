@@ -90,7 +90,9 @@ pub fn reduced_dims(f: &Fusion, lg: &LoopGraph, tv: TvId) -> Vec<ParallelType> {
         .map(|a| lg.groups[lg.group(tv, a)].parallel)
         .filter(|p| p.is_thread_or_block())
         .collect();
-    let grid = axes.iter().any(|p| p.is_block());
+    // A reduction over the clusters' block dimension alone is a block reduction that
+    // spans the cluster: every block holds its result, as every thread holds a block's.
+    let grid = axes.iter().any(|&p| f.is_grid_dim(p));
     let used = used_dims(lg);
     DIMS.into_iter()
         .filter(|&p| axes.contains(&p) || (grid && p.is_thread() && used.contains(&p) && !runs_on(f, lg, tv, p)))
@@ -102,7 +104,7 @@ pub fn reduced_dims(f: &Fusion, lg: &LoopGraph, tv: TvId) -> Vec<ParallelType> {
 /// result.
 pub fn grid_reduced_dims(f: &Fusion, lg: &LoopGraph, tv: TvId) -> Vec<ParallelType> {
     let dims = reduced_dims(f, lg, tv);
-    if dims.iter().any(|p| p.is_block()) {
+    if dims.iter().any(|&p| f.is_grid_dim(p)) {
         dims
     } else {
         Vec::new()

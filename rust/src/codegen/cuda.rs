@@ -236,7 +236,20 @@ pub fn generate(k: &Kernel, index32: bool) -> Result<CudaKernel> {
         .collect();
     let _ = writeln!(g.out, "KILN_BLOCK_SHAPE({})", dims.join(", "));
     let _ = writeln!(g.out, "typedef {} kiln_index_t;", if index32 { "int" } else { "int64_t" });
-    let _ = writeln!(g.out, "extern \"C\" __global__ void {KERNEL_NAME}({}) {{", sig.join(", "));
+    // Clusters are fixed at compile time: a plain launch then forms them.
+    let cluster = match f.cluster {
+        Some((p, n)) => {
+            let mut dims = [1u32; 3];
+            dims[match p {
+                ParallelType::BIDy => 1,
+                ParallelType::BIDz => 2,
+                _ => 0,
+            }] = n;
+            format!("__cluster_dims__({}, {}, {}) ", dims[0], dims[1], dims[2])
+        }
+        None => String::new(),
+    };
+    let _ = writeln!(g.out, "extern \"C\" __global__ void {cluster}{KERNEL_NAME}({}) {{", sig.join(", "));
     g.out.push_str("  extern __shared__ __align__(16) char kiln_smem[];\n");
     if k.summary.tensor_memory.is_some() {
         // tcgen05.alloc writes the region's address here.
@@ -1023,7 +1036,20 @@ impl Gen<'_> {
         let _ = writeln!(self.out, "{pad}{{");
         let _ = writeln!(self.out, "{pad}  {ty}* kiln_ws = reinterpret_cast<{ty}*>(kiln_smem + {});", self.c(ws));
         let _ = writeln!(self.out, "{pad}  {pre}const {ty} {v} = {value};");
-        if red.iter().any(|p| p.is_block()) {
+        if red.iter().any(|&p| f.clustered(p)) && !red.iter().any(|&p| f.is_grid_dim(p)) {
+            // Every thread of every block of the cluster gets the result.
+            let _ = writeln!(
+                self.out,
+                "{pad}  const {ty} {r} = kiln::clusterAllReduce<{tflags}>({v}, {functor}, {init_c}, kiln_ws);"
+            );
+            if f.tvs[out_tv].memory == MemoryType::Local {
+                let _ = writeln!(self.out, "{pad}  if ({wpred}) {{ {store} }}");
+            } else {
+                let holder: Vec<String> =
+                    red.iter().map(|p| format!("{} == 0", crate::ir::scalar::parallel_index_name(*p))).collect();
+                let _ = writeln!(self.out, "{pad}  if ({} && ({wpred})) {{ {store} }}", holder.join(" && "));
+            }
+        } else if red.iter().any(|p| p.is_block()) {
             let names = &self.k.summary.global_allocations;
             let tname = f.tv_name(out_tv);
             let work = names.iter().find(|b| b.name == format!("{tname}_work")).map(|b| b.name.clone());

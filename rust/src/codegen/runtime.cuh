@@ -32,6 +32,7 @@
 //   cpAsyncElem, cpAsyncBytes, cpAsyncCommit, cpAsyncWait   asynchronous copies (cp.async), sm_80+
 //   mbarrierInit/Inval/Arrive/Wait, bulkLoad               mbarriers and bulk (TMA) copies, sm_90+
 //   tmemAlloc/Relinquish/Dealloc/Address, TmemTensor        Tensor memory (tcgen05), sm_100a
+//   clusterAllReduce, clusterSync, loadFromClusterBlock     cluster reductions (distributed Shared memory), sm_90+
 //
 // Conventions shared by the reductions:
 //   * Linearisation is always x fastest, then y, then z, restricted to the chosen dims.
@@ -1691,6 +1692,77 @@ struct TmemTensor {
 template <typename To, typename T>
 KILN_DEVICE To cast(TmemRef<T> x) {
   return cast<To>(x.load());
+}
+
+// ---------------------------------------------------------------------------------------
+// Cluster reductions (sm_90+). A kernel launched in clusters along one block dimension
+// (`__cluster_dims__`, the grid along it exactly one cluster) reduces over that dimension
+// through distributed Shared memory: each block reduces its threads, writes its partial
+// to its own workspace, and after a cluster barrier every thread reads the partials of
+// all blocks in rank order (so every block computes the same bits). A second barrier
+// keeps each block's workspace, and the block itself, alive until its peers have read it.
+// `smem` is the block-reduction workspace (blockDim.x*blockDim.y*blockDim.z elements of T).
+
+template <int = 0>
+KILN_DEVICE void clusterSync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+#endif
+}
+
+// `*p` in the Shared memory of the cluster's block `rank` (p: an address of this block's).
+template <typename T>
+KILN_DEVICE T loadFromClusterBlock(const T* p, unsigned rank) {
+  static_assert(sizeof(T) == 1 || sizeof(T) == 2 || sizeof(T) == 4 || sizeof(T) == 8,
+                "kiln::loadFromClusterBlock: T must be 1, 2, 4 or 8 bytes");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smemAddress(p)), "r"(rank));
+  if constexpr (sizeof(T) == 8) {
+    unsigned long long u;
+    asm volatile("ld.shared::cluster.u64 %0, [%1];" : "=l"(u) : "r"(remote) : "memory");
+    return bitCast<T>(u);
+  } else if constexpr (sizeof(T) == 4) {
+    unsigned u;
+    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(u) : "r"(remote) : "memory");
+    return bitCast<T>(u);
+  } else if constexpr (sizeof(T) == 2) {
+    unsigned short u;
+    asm volatile("ld.shared::cluster.u16 %0, [%1];" : "=h"(u) : "r"(remote) : "memory");
+    return bitCast<T>(u);
+  } else {
+    unsigned u;
+    asm volatile("ld.shared::cluster.u8 %0, [%1];" : "=r"(u) : "r"(remote) : "memory");
+    return bitCast<T>(static_cast<unsigned char>(u));
+  }
+#else
+  static_assert(sizeof(T) == 0, "kiln: cluster reductions need sm_90 or newer");
+  return *p;
+#endif
+}
+
+template <int = 0>
+KILN_DEVICE unsigned clusterBlocks() {
+  unsigned n = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+#endif
+  return n;
+}
+
+// The reduction of `val` over the threads X/Y/Z select and over every block of the
+// cluster; the result is in every thread. Every thread of every block must call it.
+template <bool X_REDUCE, bool Y_REDUCE, bool Z_REDUCE, typename T, typename Op>
+__device__ T clusterAllReduce(T val, Op op, T init, T* smem) {
+  const T part = blockAllReduce<X_REDUCE, Y_REDUCE, Z_REDUCE>(val, op, init, smem);
+  const unsigned s = threadIndex<!X_REDUCE, !Y_REDUCE, !Z_REDUCE>();
+  if (threadIndex<X_REDUCE, Y_REDUCE, Z_REDUCE>() == 0) smem[s] = part;
+  clusterSync();
+  const unsigned n = clusterBlocks();
+  T r = loadFromClusterBlock(&smem[s], 0);
+  for (unsigned b = 1; b < n; ++b) r = op(r, loadFromClusterBlock(&smem[s], b));
+  clusterSync();
+  return r;
 }
 
 }  // namespace kiln

@@ -1734,10 +1734,12 @@ impl Exec<'_, '_> {
         let f = &self.k.fusion;
         let kname = self.kname;
         let out_dt = f.tvs[a.out_tv].dtype;
-        let grid = a.reduced.iter().any(|p| p.is_block());
-        if grid && self.ctx.active.len() != self.ctx.all.len() {
+        let grid = a.reduced.iter().any(|&p| f.is_grid_dim(p));
+        // A cluster reduction waits at a cluster barrier: every block must reach it.
+        if a.reduced.iter().any(|p| p.is_block()) && self.ctx.active.len() != self.ctx.all.len() {
             return Err(KilnError::value(format!(
-                "kernel {kname}: divergent grid reduction of {}: inside a branch only some threads take",
+                "kernel {kname}: divergent {} reduction of {}: inside a branch only some threads take",
+                if grid { "grid" } else { "cluster" },
                 f.tv_name(a.out_tv)
             )));
         }

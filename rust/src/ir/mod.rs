@@ -364,6 +364,12 @@ pub struct Fusion {
     /// order, so its loads vectorize like any input's instead of going through the
     /// reshape's index arithmetic.
     pub input_views: Vec<(TvId, TvId)>,
+    /// Thread-block clusters (sm_90+): the block dimension whose blocks form one cluster,
+    /// and its size, which the launch grid along that dimension must equal. A reduction
+    /// over that dimension combines the cluster's blocks through their Shared memory
+    /// (distributed Shared memory) and leaves the result in every block, like a block
+    /// reduction; it needs no Global work buffers or semaphores.
+    pub cluster: Option<(ParallelType, u32)>,
     /// Sizes the definition needs equal at run time (reshape's element counts, cat's kept
     /// axes), checked when the inputs are bound.
     pub size_checks: Vec<shape_ops::SizeCheck>,
@@ -382,6 +388,17 @@ pub struct Fusion {
 }
 
 impl Fusion {
+    /// True when `p` is the block dimension of the kernel's clusters.
+    pub fn clustered(&self, p: ParallelType) -> bool {
+        matches!(self.cluster, Some((c, _)) if c == p)
+    }
+
+    /// True when a reduction over `p` combines blocks through Global memory (a grid
+    /// reduction): a block dimension that is not the clusters'.
+    pub fn is_grid_dim(&self, p: ParallelType) -> bool {
+        p.is_block() && !self.clustered(p)
+    }
+
     /// An empty fusion.
     pub fn new() -> Self {
         Self::default()

@@ -593,6 +593,27 @@ impl Kernel {
         let l = &self.launch;
         let grid = l.grid.map(&eval);
         let block = l.block.map(&eval);
+        if let Some((pt, n)) = self.fusion.cluster {
+            // A cluster reduction combines one cluster's blocks: the grid along the
+            // clusters' dimension must be that one cluster.
+            let d = crate::analysis::parallel::DIMS.iter().position(|&p| p == pt).unwrap_or(0);
+            if let Some(g) = grid[d].filter(|&g| g != i64::from(n)) {
+                let f = &self.fusion;
+                let by: Vec<String> = self
+                    .loops
+                    .groups
+                    .iter()
+                    .filter(|gr| gr.parallel == pt)
+                    .filter_map(|gr| gr.members.last().map(|&(tv, a)| format!("{} axis {a}", f.tv_name(tv))))
+                    .collect();
+                crate::bail!(
+                    "the kernel runs in clusters of {n} blocks along {}, so its grid along {} must be {n} blocks (one cluster); the schedule launches {g} ({})",
+                    pt.enum_name(),
+                    pt.enum_name(),
+                    if by.is_empty() { format!("no axis runs {}", pt.enum_name()) } else { by.join(", ") }
+                );
+            }
+        }
         self.check_memory(&eval, false)?;
         check_launch_dims(grid, block, eval(l.smem_bytes)).map_err(|e| {
             // The axes that set each parallel dimension (the widest loop of its type).

@@ -72,7 +72,7 @@ fn after_grid_reduction(f: &Fusion, tv: TvId) -> bool {
             && f.tvs[t]
                 .loop_domain
                 .iter()
-                .any(|&id| f.ids[id].iter_type == crate::ir::IterType::Reduction && f.ids[id].parallel.is_block());
+                .any(|&id| f.ids[id].iter_type == crate::ir::IterType::Reduction && f.is_grid_dim(f.ids[id].parallel));
         if grid {
             return true;
         }

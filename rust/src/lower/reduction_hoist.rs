@@ -168,7 +168,7 @@ fn consider(
     if !reduced.iter().any(|p| p.is_thread_or_block()) {
         return Ok(());
     }
-    let is_grid = reduced.iter().any(|p| p.is_block());
+    let is_grid = reduced.iter().any(|&p| f.is_grid_dim(p));
     let own_groups: FxHashSet<usize> =
         (0..ld.len()).filter(|&a| f.ids[ld[a]].iter_type == IterType::Reduction).map(|a| lg.group(c, a)).collect();
     // Walk outward over loops that are this reduction's axes or thread/block loops.

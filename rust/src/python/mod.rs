@@ -799,6 +799,14 @@ impl PyFusion {
         })
     }
 
+    /// Launch the kernel's blocks in clusters along a block dimension.
+    fn set_cluster(&mut self, py: Python<'_>, pt: &str, size: u32) -> PyResult<()> {
+        guarded(py, || {
+            let p = parse_enum("parallel type", pt, ParallelType::from_enum_name)?;
+            self.inner.get_mut().set_cluster(p, size)
+        })
+    }
+
     /// Lower the fusion to its kernels (one per segment) and host program.
     fn lower_program(&self, py: Python<'_>) -> PyResult<PyHostProgram> {
         guarded(py, || {

@@ -16,6 +16,9 @@ use crate::ir::{
 };
 use crate::{bail, bail_type};
 
+/// The largest cluster every sm_90+ GPU launches (larger ones need an opt-in per kernel).
+pub const MAX_CLUSTER: u32 = 8;
+
 impl Fusion {
     /// Largest inline position of any producer of `tv`: axes left of it are shared.
     pub fn max_producer_inline_pos(&self, tv: TvId) -> usize {
@@ -671,6 +674,21 @@ impl Fusion {
             bail!("set_serial_grid_reduction {name}: {name} is not the output of a reduction");
         }
         self.tvs[tv].serial_grid_reduction = true;
+        self.manually_scheduled = true;
+        Ok(())
+    }
+
+    /// Launch the kernel's blocks in clusters of `size` along block dimension `pt` (sm_90+).
+    /// The grid along `pt` must then be exactly `size` blocks, and reductions over `pt`
+    /// become cluster reductions whose result every block holds.
+    pub fn set_cluster(&mut self, pt: ParallelType, size: u32) -> Result<()> {
+        if !pt.is_block() {
+            bail!("set_cluster: {} is not a block dimension (expected BIDx, BIDy or BIDz)", pt.enum_name());
+        }
+        if !(2..=MAX_CLUSTER).contains(&size) {
+            bail!("set_cluster: a cluster of {size} blocks along {}; expected 2 to {MAX_CLUSTER} (the portable cluster sizes)", pt.enum_name());
+        }
+        self.cluster = Some((pt, size));
         self.manually_scheduled = true;
         Ok(())
     }

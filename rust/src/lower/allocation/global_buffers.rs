@@ -34,7 +34,7 @@ pub fn launch_extent(f: &mut Fusion, lg: &LoopGraph, pt: ParallelType) -> ValId 
 /// and there is one int64 semaphore per segment.
 pub fn grid_reduction_buffers(f: &mut Fusion, lg: &LoopGraph, tv: TvId) -> Result<Vec<GlobalBuffer>> {
     let reduced = crate::analysis::parallel::reduced_dims(f, lg, tv);
-    if !reduced.iter().any(|p| p.is_block()) {
+    if !reduced.iter().any(|&p| f.is_grid_dim(p)) {
         return Ok(Vec::new());
     }
     let name = f.tv_name(tv);
