@@ -43,6 +43,21 @@ pub fn evict_last_inputs() -> bool {
     })
 }
 
+/// Rows longer than a block holds in registers: `KILN_CLUSTER_ROWS=0` (`false`, `off`, `no`)
+/// never splits them over a cluster of blocks, `1` does wherever a cluster can hold them,
+/// unset picks per row (see `normalization::schedule`). For comparing; read once per
+/// process.
+pub fn clustered_rows() -> Option<bool> {
+    static ON: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var("KILN_CLUSTER_ROWS").ok().and_then(|v| match v.trim().to_ascii_lowercase().as_str() {
+            "1" | "true" | "on" | "yes" => Some(true),
+            "0" | "false" | "off" | "no" => Some(false),
+            _ => None,
+        })
+    })
+}
+
 /// Where normalization rows that both the register-persistent and the Shared-persistent
 /// schedules can hold go: `KILN_ROWS_IN_SHARED=1` (`true`, `on`, `yes`) sends every such row
 /// to Shared memory, `0` (`false`, `off`, `no`) keeps each in registers whenever they hold
@@ -90,8 +105,10 @@ pub enum Params {
     /// of each further reduction (of another shape) sharing the grid.
     FullReduction { threads: i64, vector: i64, grid: i64, serial: i64, unroll: i64, others: Vec<i64> },
     /// The row kept in registers, `per_thread` vectors of `vector` per thread: one block
-    /// per row, or one warp per row and `rows_per_block` rows per block (TIDy).
-    Normalization { vector: i64, per_thread: i64, rows_per_block: i64 },
+    /// per row, or one warp per row and `rows_per_block` rows per block (TIDy), or with
+    /// `cluster` above one, a cluster of that many blocks per row (BIDy), each holding its
+    /// part, the row's reductions combined through distributed Shared memory.
+    Normalization { vector: i64, per_thread: i64, rows_per_block: i64, cluster: i64 },
     /// The row's full-size inputs copied once into Shared memory, `threads` per block,
     /// `per_thread` vectors of `vector` each; every pass reads the copy.
     SharedNormalization { vector: i64, per_thread: i64, threads: i64 },
@@ -163,7 +180,9 @@ impl Heuristic {
             Params::FullReduction { threads, vector, grid, serial, unroll, others } => {
                 [vec![*threads, *vector, *grid, *serial, *unroll], others.clone()].concat()
             }
-            Params::Normalization { vector, per_thread, rows_per_block } => vec![*vector, *per_thread, *rows_per_block],
+            Params::Normalization { vector, per_thread, rows_per_block, cluster } => {
+                vec![*vector, *per_thread, *rows_per_block, *cluster]
+            }
             Params::SharedNormalization { vector, per_thread, threads } => vec![*vector, *per_thread, *threads],
             Params::ColumnPartials { vector, per_thread } => vec![*vector, *per_thread],
             Params::LoopedNormalization { outer, unroll, vector, threads_x, threads_y } => {

@@ -7,6 +7,7 @@
 //! and again after it stay in registers (inlined at 2); weights broadcast over rows load
 //! one vector at a time (inlined at 3, vectorized); the rest inline fully.
 
+use crate::sched::MAX_CLUSTER;
 use rustc_hash::FxHashMap;
 
 use crate::bail;
@@ -134,11 +135,14 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     let row: i64 = sizes[n - k..].iter().product();
     let widest = widest_moved(f, n);
     let v = if row % (16 / widest) == 0 { 16 / widest } else { 1 };
+    let cluster = cluster_size(cx, totals.is_empty(), row, v);
+    // Each block's part of the row (the whole row without a cluster).
+    let part = row / cluster;
     // Vectors per thread: enough that a row fits in at most 512 threads (measured faster
     // on the H200 than 128 threads with longer per-thread loops).
-    let mut p = ((row / v + 511) / 512).clamp(1, 16);
-    if (row / v + p - 1) / p > 1024 {
-        bail!("rows of {row} elements are too long for a register-persistent normalization (at most {} here); segment the fusion with segment_after", 16 * 1024 * v);
+    let mut p = ((part / v + 511) / 512).clamp(1, 16);
+    if (part / v + p - 1) / p > 1024 {
+        bail!("rows of {row} elements are too long for a register-persistent normalization (at most {} here); segment the fusion with segment_after", 16 * 1024 * v * i64::from(MAX_CLUSTER));
     }
     // Rows of 64 to 128 vectors: one warp per row, `rows_per_block` rows per block (TIDy).
     // Its reductions are warp shuffles with no block barrier, where a block per row waits at
@@ -146,8 +150,11 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     // [32, 16, 512, 512] fp32: 446 -> 378 us). At 256 vectors a warp's eight loads per
     // thread lose to a block of 256 threads (LayerNorm over 1024 columns: 63.4 -> 78.3 us).
     let rows_total: i64 = sizes[..n - k].iter().product();
-    let rows_per_block =
-        if totals.is_empty() && (64..=128).contains(&(row / v)) && rows_total >= 64 * cx.device.sm_count {
+    let rows_per_block = if cluster == 1
+        && totals.is_empty()
+        && (64..=128).contains(&(row / v))
+        && rows_total >= 64 * cx.device.sm_count
+    {
             p = (row / v + 31) / 32;
             4
         } else {
@@ -170,6 +177,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     let row_inputs =
         f.inputs.iter().filter(|op| matches!(op, Operand::Tensor(x) if super::full_size_input(f, *x, n))).count();
     if super::rows_in_shared() != Some(false)
+        && cluster == 1
         && rows_per_block == 1
         && ((p == 1 && vectors >= 256 && row_inputs <= 1) || p >= 8)
         && super::shared::fits_twice(f, cx, n, row)
@@ -180,6 +188,11 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
         );
     }
     let shift = usize::from(rows_per_block > 1);
+    // Loop positions: the row's threads (TIDx), then the values each thread holds.
+    let base = (1 + shift + usize::from(cluster > 1)) as i64;
+    if cluster > 1 {
+        f.set_cluster(ParallelType::BIDy, cluster as u32)?;
+    }
     // Every full-rank tensor takes part; narrower inputs (weights) are read in place.
     let mut caches = Vec::new();
     for op in f.inputs.clone() {
@@ -232,22 +245,30 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
         }
         check_rank(f, t, n)?;
         rows_and_row(f, t, k)?;
-        f.split(t, 1, v, true)?; // [rows, K/v, v]
+        // With a cluster, `[rows, C, K/C]`: block C of the cluster holds part C of the row.
+        let a = if cluster > 1 {
+            f.split(t, 1, cluster, false)?;
+            f.parallelize(t, 1, ParallelType::BIDy)?;
+            2
+        } else {
+            1
+        };
+        f.split(t, a, v, true)?; // [rows, K/v, v]
         if rows_per_block > 1 {
             // A whole warp per row (its lanes a power of two for the shuffles).
-            f.split(t, 1, 32, true)?; // [rows, ceilDiv(K/v, 32), 32, v]
+            f.split(t, a, 32, true)?; // [rows, ceilDiv(K/v, 32), 32, v]
         } else {
-            f.split(t, 1, p, false)?; // [rows, p, ceilDiv(K/v, p), v]
+            f.split(t, a, p, false)?; // [rows, p, ceilDiv(K/v, p), v]
         }
-        f.reorder(t, &[(2, 1)])?; // [rows, T, p, v]
+        f.reorder(t, &[(a + 1, a)])?; // [rows, T, p, v]
         if rows_per_block > 1 {
             f.split(t, 0, rows_per_block, true)?; // [rows/R, R, T, p, v]
             f.parallelize(t, 1, ParallelType::TIDy)?;
         }
         f.parallelize(t, 0, ParallelType::BIDx)?;
-        f.parallelize(t, 1 + shift as i64, ParallelType::TIDx)?;
+        f.parallelize(t, base, ParallelType::TIDx)?;
         if v > 1 && (caches.contains(&t) || outs.contains(&t) || weight(f, t)) {
-            f.parallelize(t, 3 + shift as i64, ParallelType::Vectorize)?;
+            f.parallelize(t, base + 2, ParallelType::Vectorize)?;
         }
     }
     // Totals first: the per-row values they read are inlined into their loops.
@@ -261,11 +282,11 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
         let pos = if is_reduction(f, t) || per_row(f, t) {
             1 + shift as i64 // the row's result, shared by every thread of the row
         } else if v > 1 && weight(f, t) {
-            3 + shift as i64 // a weight broadcast over rows: its own vector loop, so it loads 16 bytes at once
+            base + 2 // a weight broadcast over rows: its own vector loop, so it loads 16 bytes at once
         } else if f.consumers(t).len() > 1 {
             // Read on both sides of a reduction (or by two chains): keep it in registers
             // and let each consumer run its own loops over it.
-            2 + shift as i64
+            base + 1
         } else {
             -1
         };
@@ -280,7 +301,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     // needs) is the most a thread holds at once.
     let order = f.topo_exprs();
     let at: FxHashMap<TvId, usize> = order.iter().enumerate().map(|(i, &e)| (f.exprs[e].output, i)).collect();
-    let held: Vec<TvId> = tensors.iter().copied().filter(|&t| f.tvs[t].inline_pos == 2 + shift).collect();
+    let held: Vec<TvId> = tensors.iter().copied().filter(|&t| f.tvs[t].inline_pos as i64 == base + 1).collect();
     let last_use = |t: TvId| f.tvs[t].uses.iter().filter_map(|u| at.get(&f.exprs[*u].output)).max().copied();
     let kept = order
         .iter()
@@ -290,11 +311,11 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
         .max()
         .unwrap_or(0)
         .max(held.len().min(1)) as i64;
-    let threads = (row / v + p - 1) / p * rows_per_block;
+    let threads = (part / v + p - 1) / p * rows_per_block;
     // A weight along the row loads its `p` vectors ahead of their use in the last pass: about
     // half a row tensor more (NVRTC for sm_90, softmax * w over rows of 40000: 128 registers
     // at 625 threads where `kept * p * v + 32` said 96, and the block did not launch).
-    let row_weight = tensors.iter().any(|&t| f.tvs[t].inline_pos == 3 + shift);
+    let row_weight = tensors.iter().any(|&t| f.tvs[t].inline_pos as i64 == base + 2);
     let regs = kept.max(1) * p * v + 32 + if row_weight { p * v / 2 } else { 0 };
     if regs > 255 || threads * regs > cx.device.registers_per_block {
         bail!(
@@ -303,7 +324,26 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
             cx.device.registers_per_block
         );
     }
-    Ok(Heuristic::new(Params::Normalization { vector: v, per_thread: p, rows_per_block }))
+    Ok(Heuristic::new(Params::Normalization { vector: v, per_thread: p, rows_per_block, cluster }))
+}
+
+/// Blocks per row: 1, or on sm_90+ for rows longer than four vectors per thread of 512
+/// threads, the smallest cluster whose blocks' parts are at most that long (the largest,
+/// `MAX_CLUSTER`, for longer rows), each part a whole number of vectors. Registers hold
+/// each part; the row's reductions combine the cluster's blocks through distributed
+/// Shared memory. A total over the rows (`totals`) keeps one block per row.
+fn cluster_size(cx: &Ctx, no_totals: bool, row: i64, v: i64) -> i64 {
+    let wanted = super::clustered_rows();
+    if !no_totals || cx.device.arch < 90 || wanted == Some(false) {
+        return 1;
+    }
+    let vectors = row / v;
+    let most = if wanted == Some(true) { 512 } else { 4 * 512 };
+    if vectors <= most {
+        return 1;
+    }
+    let sizes: Vec<i64> = (1..=MAX_CLUSTER.trailing_zeros()).map(|b| 1i64 << b).filter(|&c| row % (c * v) == 0).collect();
+    sizes.iter().copied().find(|&c| vectors / c <= most).or_else(|| sizes.last().copied()).unwrap_or(1)
 }
 
 /// Bytes per element of the widest tensor a row schedule of rank `n` may move with vectors:
