@@ -235,6 +235,14 @@ pub fn generate(k: &Kernel, index32: bool) -> Result<CudaKernel> {
         })
         .collect();
     let _ = writeln!(g.out, "KILN_BLOCK_SHAPE({})", dims.join(", "));
+    // ptxas then also knows the block's size: it budgets registers for it (65536 / threads)
+    // instead of guessing, which keeps a pipelined loop's prefetch loads ahead of its block
+    // reductions (LayerNorm backward's 16 rows per block, H200: 246.1 -> 214.5 us).
+    let threads: Option<i64> = k.launch.block.iter().map(|&v| f.scalars.as_int(v)).product();
+    let bounds = match threads {
+        Some(n) if n > 0 => format!("__launch_bounds__({n}, 1) "),
+        _ => String::new(),
+    };
     let _ = writeln!(g.out, "typedef {} kiln_index_t;", if index32 { "int" } else { "int64_t" });
     // Clusters are fixed at compile time: a plain launch then forms them.
     let cluster = match f.cluster {
@@ -249,7 +257,7 @@ pub fn generate(k: &Kernel, index32: bool) -> Result<CudaKernel> {
         }
         None => String::new(),
     };
-    let _ = writeln!(g.out, "extern \"C\" __global__ void {cluster}{KERNEL_NAME}({}) {{", sig.join(", "));
+    let _ = writeln!(g.out, "extern \"C\" __global__ void {bounds}{cluster}{KERNEL_NAME}({}) {{", sig.join(", "));
     g.out.push_str("  extern __shared__ __align__(16) char kiln_smem[];\n");
     if k.summary.tensor_memory.is_some() {
         // tcgen05.alloc writes the region's address here.

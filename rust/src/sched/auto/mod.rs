@@ -43,10 +43,10 @@ pub fn evict_last_inputs() -> bool {
     })
 }
 
-/// Rows longer than a block holds in registers: `KILN_CLUSTER_ROWS=0` (`false`, `off`, `no`)
-/// never splits them over a cluster of blocks, `1` does wherever a cluster can hold them,
-/// unset picks per row (see `normalization::schedule`). For comparing; read once per
-/// process.
+/// Rows longer than four vectors per thread of a 512-thread block: `KILN_CLUSTER_ROWS=1`
+/// (`true`, `on`, `yes`) splits them over a cluster of blocks in the register-persistent
+/// normalization (sm_90+, see `normalization::cluster_size`); unset or `0`, they go to the
+/// Shared or looped schedules. Read once per process.
 pub fn clustered_rows() -> Option<bool> {
     static ON: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {

@@ -155,11 +155,11 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
         && (64..=128).contains(&(row / v))
         && rows_total >= 64 * cx.device.sm_count
     {
-            p = (row / v + 31) / 32;
-            4
-        } else {
-            1
-        };
+        p = (row / v + 31) / 32;
+        4
+    } else {
+        1
+    };
     // One vector per thread (rows of 256 to 512 vectors) or eight and more: the registers
     // let too few loads be in flight per SM, where rows copied into Shared memory keep every
     // resident row's loads in flight. H200, bf16, fraction of a copy (registers / Shared):
@@ -327,22 +327,25 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     Ok(Heuristic::new(Params::Normalization { vector: v, per_thread: p, rows_per_block, cluster }))
 }
 
-/// Blocks per row: 1, or on sm_90+ for rows longer than four vectors per thread of 512
-/// threads, the smallest cluster whose blocks' parts are at most that long (the largest,
-/// `MAX_CLUSTER`, for longer rows), each part a whole number of vectors. Registers hold
-/// each part; the row's reductions combine the cluster's blocks through distributed
-/// Shared memory. A total over the rows (`totals`) keeps one block per row.
+/// Blocks per row: 1, or with `KILN_CLUSTER_ROWS=1` on sm_90+ for rows longer than four
+/// vectors per thread of 512 threads, the smallest cluster whose blocks' parts are at most
+/// that long (the largest, `MAX_CLUSTER`, for longer rows), each part a whole number of
+/// vectors. Registers hold each part; the row's reductions combine the cluster's blocks
+/// through distributed Shared memory. A total over the rows (`totals`) keeps one block per
+/// row. Not the default: on the H200 it lost to the Shared and looped schedules at every
+/// length (bf16 softmax, fraction of a copy, 32k / 65k / 131k / 262k columns: 0.667 / 0.588 /
+/// 0.378 / 0.349 in clusters, against 0.877 / 0.67 / 0.66 / 0.66 without; DEVELOPERS.md).
 fn cluster_size(cx: &Ctx, no_totals: bool, row: i64, v: i64) -> i64 {
-    let wanted = super::clustered_rows();
-    if !no_totals || cx.device.arch < 90 || wanted == Some(false) {
+    if !no_totals || cx.device.arch < 90 || super::clustered_rows() != Some(true) {
         return 1;
     }
     let vectors = row / v;
-    let most = if wanted == Some(true) { 512 } else { 4 * 512 };
+    let most = 4 * 512;
     if vectors <= most {
         return 1;
     }
-    let sizes: Vec<i64> = (1..=MAX_CLUSTER.trailing_zeros()).map(|b| 1i64 << b).filter(|&c| row % (c * v) == 0).collect();
+    let sizes: Vec<i64> =
+        (1..=MAX_CLUSTER.trailing_zeros()).map(|b| 1i64 << b).filter(|&c| row % (c * v) == 0).collect();
     sizes.iter().copied().find(|&c| vectors / c <= most).or_else(|| sizes.last().copied()).unwrap_or(1)
 }
 

@@ -1,0 +1,202 @@
+"""Thread-block clusters (``fd.set_cluster``): a reduction over the clusters' block dimension
+combines the cluster's blocks through distributed Shared memory and leaves the result in
+every block. Values through the interpreter against NumPy (float64), the CUDA it emits,
+the KilnErrors of schedules a cluster cannot run, the automatic normalization's cluster
+path (``KILN_CLUSTER_ROWS=1``) in a child process, and the same on the GPU (``-m gpu``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gpu_util import cupy_or_skip
+from kiln import DataType, FusionDefinition, KilnError, ParallelType
+
+RNG = np.random.default_rng(5)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def scaled_rows(rows: int, cols: int, cluster: int, threads: int, op: str = "sum",
+                along: ParallelType = ParallelType.BIDy) -> FusionDefinition:
+    """``y = x * reduce(x * x, 1)[:, None]`` over [rows, cols]: the row split over a cluster of
+    ``cluster`` blocks along ``along`` (``[rows, cluster, threads, rest]``), each thread
+    holding its cells of ``x`` in registers across the cluster reduction."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([rows, cols], dtype=DataType.Float)
+        sq = fd.ops.mul(x, x)
+        s = getattr(fd.ops, op)(sq, [1])
+        sb = fd.ops.broadcast_in_dim(s, shape=[-1, -1], broadcast_dims=[0])
+        y = fd.ops.mul(x, sb)
+        fd.add_output(y)
+    xc = x.cache_after()
+    for t in (xc, sq, s, sb, y):
+        t.split(1, cluster, inner_split=False)  # [rows, C, cols / C]
+        t.split(2, threads, inner_split=False)  # [rows, C, T, rest]
+        t.axis(0).parallelize(ParallelType.BIDx if along != ParallelType.BIDx else ParallelType.BIDy)
+        t.axis(1).parallelize(along)
+        t.axis(2).parallelize(ParallelType.TIDx)
+    fd.set_cluster(along, cluster)
+    xc.inline_at(3)
+    sq.inline_at(-1)
+    s.inline_at(1)
+    sb.inline_at(-1)
+    return fd
+
+
+def reference(x: np.ndarray, op: str) -> np.ndarray:
+    x64 = x.astype(np.float64)
+    r = getattr(np, op)(x64 * x64, axis=1, keepdims=True)
+    return x64 * r
+
+
+@pytest.mark.parametrize("rows, cols, cluster, threads, op", [
+    (3, 1000, 4, 32, "sum"),
+    (2, 4096, 2, 128, "sum"),
+    (5, 777, 8, 32, "max"),
+    (1, 96, 3, 32, "sum"),
+    (4, 2048, 8, 64, "min"),
+])
+def test_cluster_reduction_values(rows: int, cols: int, cluster: int, threads: int, op: str) -> None:
+    """Every block of a row's cluster computes the row's whole reduction: odd sizes, a cluster
+    of 3, sizes the split does not divide (the last block's part is short)."""
+    fd = scaled_rows(rows, cols, cluster, threads, op)
+    x = RNG.standard_normal((rows, cols)).astype(np.float32)
+    (got,) = fd.execute([x])
+    np.testing.assert_allclose(got, reference(x, op), rtol=2e-5, atol=1e-5)
+
+
+def test_cluster_along_bidx() -> None:
+    """The clusters may run along BIDx (rows then on BIDy)."""
+    fd = scaled_rows(3, 512, 4, 32, along=ParallelType.BIDx)
+    x = RNG.standard_normal((3, 512)).astype(np.float32)
+    (got,) = fd.execute([x])
+    np.testing.assert_allclose(got, reference(x, "sum"), rtol=2e-5, atol=1e-5)
+    (k,) = fd.lower([x]).kernels
+    assert "__cluster_dims__(4, 1, 1)" in k.cuda_source
+
+
+def test_emitted_cuda() -> None:
+    """The kernel declares its cluster shape and block size, reduces with clusterAllReduce,
+    and needs no Global work buffers or semaphores (those of a grid reduction)."""
+    fd = scaled_rows(3, 1000, 4, 32)
+    x = np.zeros((3, 1000), np.float32)
+    low = fd.lower([x])
+    (k,) = low.kernels
+    src = k.cuda_source
+    assert "__launch_bounds__(32, 1) __cluster_dims__(1, 4, 1) kiln_kernel(" in src
+    assert "kiln::clusterAllReduce<true, false, false>(" in src
+    assert "gridReduce" not in src.split("#endif  // KILN_RUNTIME_CUH")[1]
+    assert "_sync" not in str(low.host_program) and "_work" not in str(low.host_program)
+
+
+def test_bad_cluster_requests_are_kiln_errors() -> None:
+    """A thread dimension, a size outside 2..8, or a non-ParallelType is refused at once."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 64], dtype=DataType.Float)
+        fd.add_output(fd.ops.sum(x, [1]))
+    with pytest.raises(KilnError, match=r"TIDx is not a block dimension"):
+        fd.set_cluster(ParallelType.TIDx, 2)
+    for size in (0, 1, 9, 16):
+        with pytest.raises(KilnError, match=rf"a cluster of {size} blocks along BIDy; expected 2 to 8"):
+            fd.set_cluster(ParallelType.BIDy, size)
+    with pytest.raises(KilnError, match=r"pt must be a ParallelType"):
+        fd.set_cluster("BIDy", 2)  # type: ignore[arg-type]
+    with pytest.raises(KilnError, match=r"size must be an int"):
+        fd.set_cluster(ParallelType.BIDy, 2.0)  # type: ignore[arg-type]
+
+
+def test_grid_must_be_one_cluster() -> None:
+    """A grid along the clusters' dimension other than the cluster size is a KilnError naming
+    the axis, raised when the fusion is lowered (before anything runs)."""
+    fd = scaled_rows(3, 1000, 4, 32)
+    fd.set_cluster(ParallelType.BIDy, 2)  # the schedule splits the row into 4 blocks
+    x = np.zeros((3, 1000), np.float32)
+    msg = r"clusters of 2 blocks along BIDy.*must be 2 blocks.*launches 4 \(T\d+ axis 1"
+    with pytest.raises(KilnError, match=msg):
+        fd.execute([x])
+
+
+def _child(code: str) -> str:
+    env = dict(os.environ, KILN_CLUSTER_ROWS="1")
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                         env=env, cwd=str(ROOT), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout
+
+
+def test_automatic_clusters_for_long_rows() -> None:
+    """With ``KILN_CLUSTER_ROWS=1`` the register-persistent normalization splits rows longer
+    than 2048 vectors over a cluster (softmax, RMSNorm and a float LayerNorm-like chain),
+    values against float64 NumPy; shorter rows keep one block."""
+    out = _child("""
+        import sys
+        import numpy as np, ml_dtypes
+        sys.path.insert(0, "benches")
+        import long_rows as L
+        from kiln import DataType, FusionDefinition
+        from kiln.execute import lowered_for
+        rng = np.random.default_rng(0)
+        def clusters(fd, ins):
+            srcs = [k.cuda_source_for(False) for k in lowered_for(fd, ins).kernels]
+            return [s[s.index("__cluster_dims__("):].split(")")[0] + ")" if "__cluster_dims__(" in s else "-"
+                    for s in srcs]
+        for m, n in [(3, 65536), (2, 262144), (2, 20480), (4, 8192)]:
+            x = rng.standard_normal((m, n)).astype(ml_dtypes.bfloat16)
+            h = x.astype(np.float64)
+            e = np.exp(h - h.max(1, keepdims=True))
+            ref = e / e.sum(1, keepdims=True)
+            fd = L.softmax()
+            got = fd.execute([x])[0].astype(np.float64)
+            assert np.abs(got - ref).max() <= 2 ** -8 * np.abs(ref).max(), ("softmax", m, n)
+            print("softmax", n, clusters(fd, [x]))
+            w = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
+            fd = L.rmsnorm(n)
+            ref = w.astype(np.float64) * (h / np.sqrt((h * h).mean(1, keepdims=True) + 1e-6))
+            got = fd.execute([x, w])[0].astype(np.float64)
+            assert np.abs(got - ref).max() <= 2 ** -6 * np.abs(ref).max(), ("rmsnorm", m, n)
+            print("rmsnorm", n, clusters(fd, [x, w]))
+        # float, mean and variance (two reductions, one read after the other)
+        with FusionDefinition() as fd:
+            x = fd.define_tensor([-1, -1], dtype=DataType.Float)
+            mu = fd.ops.mean(x, [1])
+            d = fd.ops.sub(x, fd.ops.broadcast_in_dim(mu, shape=[-1, -1], broadcast_dims=[0]))
+            var = fd.ops.mean(fd.ops.mul(d, d), [1])
+            fd.add_output(fd.ops.mul(d, fd.ops.rsqrt(fd.ops.broadcast_in_dim(
+                fd.ops.add(var, 1e-5), shape=[-1, -1], broadcast_dims=[0]))))
+        xv = rng.standard_normal((3, 40000)).astype(np.float32)
+        h = xv.astype(np.float64)
+        dd = h - h.mean(1, keepdims=True)
+        ref = dd / np.sqrt((dd * dd).mean(1, keepdims=True) + 1e-5)
+        got = fd.execute([xv])[0]
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+        print("layernorm", 40000, clusters(fd, [xv]))
+    """)
+    lines = dict((" ".join(line.split()[:2]), line.split(None, 2)[2]) for line in out.splitlines())
+    assert lines["softmax 65536"] == "['__cluster_dims__(1, 4, 1)']"
+    assert lines["softmax 262144"] == "['__cluster_dims__(1, 8, 1)']"
+    assert lines["rmsnorm 262144"] == "['__cluster_dims__(1, 8, 1)']"
+    assert lines["softmax 20480"] == "['__cluster_dims__(1, 2, 1)']"
+    assert lines["softmax 8192"] == "['-']"
+    assert lines["layernorm 40000"] == "['__cluster_dims__(1, 8, 1)']"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, cols, cluster, threads, op", [
+    (64, 65536, 4, 256, "sum"),
+    (7, 4099, 8, 32, "max"),
+    (33, 12288, 2, 128, "sum"),
+])
+def test_cluster_reduction_on_gpu(rows: int, cols: int, cluster: int, threads: int, op: str) -> None:
+    """The cluster reduction on the GPU against NumPy."""
+    cp = cupy_or_skip()
+    if cp.cuda.Device().compute_capability < "90":
+        pytest.skip("clusters need sm_90")
+    fd = scaled_rows(rows, cols, cluster, threads, op)
+    x = RNG.standard_normal((rows, cols)).astype(np.float32)
+    (got,) = fd.execute([cp.asarray(x)])
+    np.testing.assert_allclose(cp.asnumpy(got), reference(x, op), rtol=2e-5, atol=1e-5)
