@@ -235,12 +235,15 @@ pub fn generate(k: &Kernel, index32: bool) -> Result<CudaKernel> {
         })
         .collect();
     let _ = writeln!(g.out, "KILN_BLOCK_SHAPE({})", dims.join(", "));
-    // ptxas then also knows the block's size: it budgets registers for it (65536 / threads)
-    // instead of guessing, which keeps a pipelined loop's prefetch loads ahead of its block
-    // reductions (LayerNorm backward's 16 rows per block, H200: 246.1 -> 214.5 us).
+    // A kernel that pipelines loads through register stages tells ptxas its block size, so
+    // that it budgets the registers the stages need instead of issuing the prefetch loads
+    // late, after the block reductions they should overlap (LayerNorm backward's 16 rows per
+    // block, H200: 246.1 -> 214.5 us). Not for other kernels: given the bound, ptxas grows
+    // them to what one block per SM allows (a row sum's 34 registers became 128) and
+    // occupancy falls.
     let threads: Option<i64> = k.launch.block.iter().map(|&v| f.scalars.as_int(v)).product();
     let bounds = match threads {
-        Some(n) if n > 0 => format!("__launch_bounds__({n}, 1) "),
+        Some(n) if n > 0 && g.register_stages().is_some() => format!("__launch_bounds__({n}, 1) "),
         _ => String::new(),
     };
     let _ = writeln!(g.out, "typedef {} kiln_index_t;", if index32 { "int" } else { "int64_t" });
