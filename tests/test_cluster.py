@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gpu_util import cupy_or_skip
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kiln import DataType, FusionDefinition, KilnError, ParallelType
 
 RNG = np.random.default_rng(5)
@@ -65,6 +67,21 @@ def test_cluster_reduction_values(rows: int, cols: int, cluster: int, threads: i
     """Every block of a row's cluster computes the row's whole reduction: odd sizes, a cluster
     of 3, sizes the split does not divide (the last block's part is short)."""
     fd = scaled_rows(rows, cols, cluster, threads, op)
+    x = RNG.standard_normal((rows, cols)).astype(np.float32)
+    (got,) = fd.execute([x])
+    np.testing.assert_allclose(got, reference(x, op), rtol=2e-5, atol=1e-5)
+
+
+@settings(max_examples=int(os.environ.get("KILN_CLUSTER_EXAMPLES", "25")), deadline=None, database=None)
+@given(rows=st.integers(1, 4), cols=st.integers(1, 3000), cluster=st.integers(2, 8),
+       threads=st.sampled_from([32, 64, 96, 128, 256]), op=st.sampled_from(["sum", "max", "min"]),
+       along=st.sampled_from([ParallelType.BIDx, ParallelType.BIDy]))
+def test_random_cluster_reductions(rows: int, cols: int, cluster: int, threads: int, op: str,
+                                   along: ParallelType) -> None:
+    """Any row length, cluster size, block size and reduction: every block of a cluster holds
+    its row's reduction, whichever parts of the row are empty (more blocks or threads than
+    cells). The CUDA compiles (tests/conftest.py compiles what the tests generate)."""
+    fd = scaled_rows(rows, cols, cluster, threads, op, along)
     x = RNG.standard_normal((rows, cols)).astype(np.float32)
     (got,) = fd.execute([x])
     np.testing.assert_allclose(got, reference(x, op), rtol=2e-5, atol=1e-5)
