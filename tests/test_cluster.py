@@ -148,58 +148,65 @@ def _child(code: str) -> str:
 
 def test_automatic_clusters_for_long_rows() -> None:
     """With ``KILN_CLUSTER_ROWS=1`` the register-persistent normalization splits rows longer
-    than 2048 vectors over a cluster (softmax, RMSNorm and a float LayerNorm-like chain),
-    values against float64 NumPy; shorter rows keep one block."""
+    than 2048 vectors over the smallest cluster whose blocks' parts are at most that long
+    (softmax, RMSNorm with a weight, LayerNorm: one, one and two reductions), values against
+    float64 NumPy; shorter rows keep one block per row."""
     out = _child("""
-        import sys
-        import numpy as np, ml_dtypes
-        sys.path.insert(0, "benches")
-        import long_rows as L
+        import numpy as np
         from kiln import DataType, FusionDefinition
         from kiln.execute import lowered_for
         rng = np.random.default_rng(0)
+        def rows(fd, v):
+            return fd.ops.broadcast_in_dim(v, shape=[-1, -1], broadcast_dims=[0])
         def clusters(fd, ins):
             srcs = [k.cuda_source_for(False) for k in lowered_for(fd, ins).kernels]
             return [s[s.index("__cluster_dims__("):].split(")")[0] + ")" if "__cluster_dims__(" in s else "-"
                     for s in srcs]
-        for m, n in [(3, 65536), (2, 262144), (2, 20480), (4, 8192)]:
-            x = rng.standard_normal((m, n)).astype(ml_dtypes.bfloat16)
+        def softmax():
+            with FusionDefinition() as fd:
+                x = fd.define_tensor([-1, -1], dtype=DataType.Float)
+                e = fd.ops.exp(fd.ops.sub(x, rows(fd, fd.ops.max(x, [1]))))
+                fd.add_output(fd.ops.div(e, rows(fd, fd.ops.sum(e, [1]))))
+            return fd
+        def rmsnorm():
+            with FusionDefinition() as fd:
+                x = fd.define_tensor([-1, -1], dtype=DataType.Float)
+                w = fd.define_tensor([-1], dtype=DataType.Float)
+                ms = fd.ops.mean(fd.ops.mul(x, x), [1])
+                h = fd.ops.mul(x, rows(fd, fd.ops.rsqrt(fd.ops.add(ms, 1e-6))))
+                fd.add_output(fd.ops.mul(h, fd.ops.broadcast_in_dim(w, shape=[-1, -1], broadcast_dims=[1])))
+            return fd
+        def layernorm():
+            with FusionDefinition() as fd:
+                x = fd.define_tensor([-1, -1], dtype=DataType.Float)
+                d = fd.ops.sub(x, rows(fd, fd.ops.mean(x, [1])))
+                var = fd.ops.mean(fd.ops.mul(d, d), [1])
+                fd.add_output(fd.ops.mul(d, rows(fd, fd.ops.rsqrt(fd.ops.add(var, 1e-5)))))
+            return fd
+        for m, n in [(3, 65536), (2, 20480), (4, 8192), (3, 40000)]:
+            x = rng.standard_normal((m, n)).astype(np.float32)
             h = x.astype(np.float64)
             e = np.exp(h - h.max(1, keepdims=True))
-            ref = e / e.sum(1, keepdims=True)
-            fd = L.softmax()
-            got = fd.execute([x])[0].astype(np.float64)
-            assert np.abs(got - ref).max() <= 2 ** -8 * np.abs(ref).max(), ("softmax", m, n)
+            fd = softmax()
+            np.testing.assert_allclose(fd.execute([x])[0], e / e.sum(1, keepdims=True), rtol=1e-5, atol=1e-8)
             print("softmax", n, clusters(fd, [x]))
-            w = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
-            fd = L.rmsnorm(n)
-            ref = w.astype(np.float64) * (h / np.sqrt((h * h).mean(1, keepdims=True) + 1e-6))
-            got = fd.execute([x, w])[0].astype(np.float64)
-            assert np.abs(got - ref).max() <= 2 ** -6 * np.abs(ref).max(), ("rmsnorm", m, n)
+            w = rng.standard_normal(n).astype(np.float32)
+            fd = rmsnorm()
+            ref = w * (h / np.sqrt((h * h).mean(1, keepdims=True) + 1e-6))
+            np.testing.assert_allclose(fd.execute([x, w])[0], ref, rtol=1e-4, atol=1e-5)
             print("rmsnorm", n, clusters(fd, [x, w]))
-        # float, mean and variance (two reductions, one read after the other)
-        with FusionDefinition() as fd:
-            x = fd.define_tensor([-1, -1], dtype=DataType.Float)
-            mu = fd.ops.mean(x, [1])
-            d = fd.ops.sub(x, fd.ops.broadcast_in_dim(mu, shape=[-1, -1], broadcast_dims=[0]))
-            var = fd.ops.mean(fd.ops.mul(d, d), [1])
-            fd.add_output(fd.ops.mul(d, fd.ops.rsqrt(fd.ops.broadcast_in_dim(
-                fd.ops.add(var, 1e-5), shape=[-1, -1], broadcast_dims=[0]))))
-        xv = rng.standard_normal((3, 40000)).astype(np.float32)
-        h = xv.astype(np.float64)
-        dd = h - h.mean(1, keepdims=True)
-        ref = dd / np.sqrt((dd * dd).mean(1, keepdims=True) + 1e-5)
-        got = fd.execute([xv])[0]
-        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
-        print("layernorm", 40000, clusters(fd, [xv]))
+            fd = layernorm()
+            dd = h - h.mean(1, keepdims=True)
+            ref = dd / np.sqrt((dd * dd).mean(1, keepdims=True) + 1e-5)
+            np.testing.assert_allclose(fd.execute([x])[0], ref, rtol=1e-4, atol=1e-4)
+            print("layernorm", n, clusters(fd, [x]))
     """)
-    lines = dict((" ".join(line.split()[:2]), line.split(None, 2)[2]) for line in out.splitlines())
-    assert lines["softmax 65536"] == "['__cluster_dims__(1, 4, 1)']"
-    assert lines["softmax 262144"] == "['__cluster_dims__(1, 8, 1)']"
-    assert lines["rmsnorm 262144"] == "['__cluster_dims__(1, 8, 1)']"
-    assert lines["softmax 20480"] == "['__cluster_dims__(1, 2, 1)']"
-    assert lines["softmax 8192"] == "['-']"
-    assert lines["layernorm 40000"] == "['__cluster_dims__(1, 8, 1)']"
+    got = {" ".join(line.split()[:2]): line.split(None, 2)[2] for line in out.splitlines()}
+    want = {65536: "['__cluster_dims__(1, 8, 1)']", 20480: "['__cluster_dims__(1, 4, 1)']", 8192: "['-']",
+            40000: "['__cluster_dims__(1, 8, 1)']"}
+    for name in ("softmax", "rmsnorm", "layernorm"):
+        for n, w in want.items():
+            assert got[f"{name} {n}"] == w, (name, n, got)
 
 
 @pytest.mark.gpu
