@@ -142,7 +142,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     // on the H200 than 128 threads with longer per-thread loops).
     let mut p = ((part / v + 511) / 512).clamp(1, 16);
     if (part / v + p - 1) / p > 1024 {
-        bail!("rows of {row} elements are too long for a register-persistent normalization (at most {} here); segment the fusion with segment_after", 16 * 1024 * v * i64::from(MAX_CLUSTER));
+        bail!("rows of {row} elements are too long for a register-persistent normalization (at most {} here); segment the fusion with segment_after", 16 * 1024 * v * cluster);
     }
     // Rows of 64 to 128 vectors: one warp per row, `rows_per_block` rows per block (TIDy).
     // Its reductions are warp shuffles with no block barrier, where a block per row waits at
