@@ -251,11 +251,7 @@ pub fn generate(k: &Kernel, index32: bool) -> Result<CudaKernel> {
     let cluster = match f.cluster {
         Some((p, n)) => {
             let mut dims = [1u32; 3];
-            dims[match p {
-                ParallelType::BIDy => 1,
-                ParallelType::BIDz => 2,
-                _ => 0,
-            }] = n;
+            dims[crate::analysis::parallel::DIMS.iter().position(|&q| q == p).unwrap_or(0)] = n;
             format!("__cluster_dims__({}, {}, {}) ", dims[0], dims[1], dims[2])
         }
         None => String::new(),

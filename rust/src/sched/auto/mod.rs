@@ -36,10 +36,16 @@ use crate::ir::{ExprId, Fusion, IterDomainId, IterType, Op, ParallelType, Symbol
 /// under one setting never serve the other.
 pub fn evict_last_inputs() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        std::env::var("KILN_L2_EVICT_LAST")
-            .map(|v| !matches!(v.trim().to_ascii_lowercase().as_str(), "0" | "false" | "off" | "no"))
-            .unwrap_or(true)
+    *ON.get_or_init(|| env_switch("KILN_L2_EVICT_LAST") != Some(false))
+}
+
+/// An on/off environment switch: Some(true) for `1`, `true`, `on`, `yes`, Some(false) for
+/// `0`, `false`, `off`, `no` (any case, spaces trimmed), None when unset or anything else.
+pub(crate) fn env_switch(name: &str) -> Option<bool> {
+    std::env::var(name).ok().and_then(|v| match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "on" | "yes" => Some(true),
+        "0" | "false" | "off" | "no" => Some(false),
+        _ => None,
     })
 }
 
@@ -47,15 +53,9 @@ pub fn evict_last_inputs() -> bool {
 /// (`true`, `on`, `yes`) splits them over a cluster of blocks in the register-persistent
 /// normalization (sm_90+, see `normalization::cluster_size`); unset or `0`, they go to the
 /// Shared or looped schedules. Read once per process.
-pub fn clustered_rows() -> Option<bool> {
-    static ON: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        std::env::var("KILN_CLUSTER_ROWS").ok().and_then(|v| match v.trim().to_ascii_lowercase().as_str() {
-            "1" | "true" | "on" | "yes" => Some(true),
-            "0" | "false" | "off" | "no" => Some(false),
-            _ => None,
-        })
-    })
+pub fn clustered_rows() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| env_switch("KILN_CLUSTER_ROWS") == Some(true))
 }
 
 /// Where normalization rows that both the register-persistent and the Shared-persistent
@@ -65,13 +65,7 @@ pub fn clustered_rows() -> Option<bool> {
 /// per process, like [`evict_last_inputs`].
 pub fn rows_in_shared() -> Option<bool> {
     static ON: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        std::env::var("KILN_ROWS_IN_SHARED").ok().and_then(|v| match v.trim().to_ascii_lowercase().as_str() {
-            "1" | "true" | "on" | "yes" => Some(true),
-            "0" | "false" | "off" | "no" => Some(false),
-            _ => None,
-        })
-    })
+    *ON.get_or_init(|| env_switch("KILN_ROWS_IN_SHARED"))
 }
 
 /// `reorder` moves that put old loop axis `perm[i]` at position `i`.

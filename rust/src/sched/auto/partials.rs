@@ -13,10 +13,7 @@ use rustc_hash::FxHashMap;
 /// serve the other.
 pub fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        !std::env::var("KILN_COLUMN_PARTIALS")
-            .is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "0" | "false" | "off" | "no"))
-    })
+    *ON.get_or_init(|| super::env_switch("KILN_COLUMN_PARTIALS") != Some(false))
 }
 
 use crate::error::Result;
