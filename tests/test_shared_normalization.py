@@ -91,14 +91,16 @@ def _softmax(dtype: DataType = DataType.Float) -> FusionDefinition:
 @pytest.mark.parametrize("cols,kind", [(1000, "normalization"), (1536, "shared_normalization"),
                                        (4096, "normalization"), (20000, "shared_normalization"),
                                        (28000, "shared_normalization"), (30000, "normalization"),
-                                       (40000, "looped_normalization"), (300_000, "looped_normalization")])
+                                       (40000, "shared_normalization"), (300_000, "looped_normalization")])
 def test_the_row_goes_to_registers_then_shared_memory_then_memory(cols: int, kind: str) -> None:
     # Float rows: 250 vectors of 4 fit one per thread in registers (too short for Shared
     # memory to help); 384 vectors, one per thread, keep more loads in flight from Shared
     # memory; 1024 vectors are two per thread in registers; from 3585 vectors (eight and
     # more per thread) Shared memory again, while two blocks' rows fit in an SM's 232 448
     # bytes (28000 floats: 112 000 bytes each); past that, registers while they hold the row
-    # (30000: fifteen vectors per thread), then streamed from memory.
+    # (30000: fifteen vectors per thread), then split over a cluster's blocks in Shared memory
+    # (40000: sm_90), then streamed from memory (300 000 floats: more than a cluster of eight
+    # blocks holds with two blocks per SM).
     assert _softmax()._core.auto_program([[2, cols]]).heuristic == kind
 
 

@@ -269,7 +269,15 @@ pub fn generate(k: &Kernel, index32: bool) -> Result<CudaKernel> {
             let _ = writeln!(g.out, "  bool kiln_done_{} = false;", f.tv_name(tv));
         }
     }
+    if f.cluster.is_some() {
+        // A cluster reduction's second barrier, arrived at but not yet waited for.
+        g.out.push_str("  bool kiln_cluster_pending = false;\n");
+    }
     g.nodes(&k.body, 1)?;
+    if f.cluster.is_some() {
+        // No block leaves while a peer may still read its partial.
+        g.out.push_str("  kiln::clusterSettle(kiln_cluster_pending);\n");
+    }
     g.out.push_str("}\n");
     Ok(CudaKernel { name: KERNEL_NAME.to_string(), body: g.out, params })
 }
@@ -277,6 +285,14 @@ pub fn generate(k: &Kernel, index32: bool) -> Result<CudaKernel> {
 impl Gen<'_> {
     fn pad(depth: usize) -> String {
         "  ".repeat(depth)
+    }
+
+    /// In a clustered kernel, completes the cluster barrier the last cluster reduction
+    /// arrived at before the reduction workspace is written again (peers may still read it).
+    fn settle_cluster(&mut self, pad: &str) {
+        if self.f.cluster.is_some() {
+            let _ = writeln!(self.out, "{pad}  kiln::clusterSettle(kiln_cluster_pending);");
+        }
     }
 
     /// C expression of an integer/bool scalar.
@@ -379,6 +395,7 @@ impl Gen<'_> {
         let tflags = format!("{}, {}, {}", has(ParallelType::TIDx), has(ParallelType::TIDy), has(ParallelType::TIDz));
         let Some(ws) = self.k.launch.reduction_workspace else { crate::bail_internal!("reduction without workspace") };
         let _ = writeln!(self.out, "{pad}{{");
+        self.settle_cluster(&pad);
         let _ = writeln!(self.out, "{pad}  {ty}* kiln_ws = reinterpret_cast<{ty}*>(kiln_smem + {});", self.c(ws));
         let mut names = Vec::new();
         for &(id, _, _, _, _, _) in &parts {
@@ -1041,13 +1058,19 @@ impl Gen<'_> {
         let r = format!("kiln_r{}", self.scratch);
         let store = if complete { format!("{out} = {r};") } else { format!("{out} = {functor}({out}, {r});") };
         let _ = writeln!(self.out, "{pad}{{");
+        let cluster_reduction = red.iter().any(|&p| f.clustered(p)) && !red.iter().any(|&p| f.is_grid_dim(p));
+        if !cluster_reduction {
+            self.settle_cluster(&pad);
+        }
         let _ = writeln!(self.out, "{pad}  {ty}* kiln_ws = reinterpret_cast<{ty}*>(kiln_smem + {});", self.c(ws));
         let _ = writeln!(self.out, "{pad}  {pre}const {ty} {v} = {value};");
-        if red.iter().any(|&p| f.clustered(p)) && !red.iter().any(|&p| f.is_grid_dim(p)) {
+        if cluster_reduction {
             // Every thread of every block of the cluster gets the result.
+            // The cluster's size as a constant lets the peers' partials load all at once.
+            let blocks = f.cluster.map_or(0, |(_, n)| n);
             let _ = writeln!(
                 self.out,
-                "{pad}  const {ty} {r} = kiln::clusterAllReduce<{tflags}>({v}, {functor}, {init_c}, kiln_ws);"
+                "{pad}  const {ty} {r} = kiln::clusterAllReduce<{tflags}, {blocks}>({v}, {functor}, {init_c}, kiln_ws, kiln_cluster_pending);"
             );
             if f.tvs[out_tv].memory == MemoryType::Local {
                 let _ = writeln!(self.out, "{pad}  if ({wpred}) {{ {store} }}");

@@ -1710,6 +1710,30 @@ KILN_DEVICE void clusterSync() {
 #endif
 }
 
+// The two halves of a cluster barrier: arrive, then (later) wait for every block to arrive.
+template <int = 0>
+KILN_DEVICE void clusterArrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+#endif
+}
+template <int = 0>
+KILN_DEVICE void clusterWait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
+#endif
+}
+// Completes the cluster barrier a reduction arrived at (`pending`): before this block's
+// reduction workspace is written again, and before the block exits, every peer has read
+// the partial it holds.
+template <int = 0>
+KILN_DEVICE void clusterSettle(bool& pending) {
+  if (pending) {
+    clusterWait();
+    pending = false;
+  }
+}
+
 // `*p` in the Shared memory of the cluster's block `rank` (p: an address of this block's).
 template <typename T>
 KILN_DEVICE T loadFromClusterBlock(const T* p, unsigned rank) {
@@ -1751,17 +1775,43 @@ KILN_DEVICE unsigned clusterBlocks() {
 }
 
 // The reduction of `val` over the threads X/Y/Z select and over every block of the
-// cluster; the result is in every thread. Every thread of every block must call it.
-template <bool X_REDUCE, bool Y_REDUCE, bool Z_REDUCE, typename T, typename Op>
-__device__ T clusterAllReduce(T val, Op op, T init, T* smem) {
+// cluster; the result is in every thread. Every thread of every block must call it. With
+// `BLOCKS` (the cluster's size, 0: read at run time) known, the peers' partials are loaded
+// together before they are combined, not one load's latency after another.
+//
+// With `pending` (kernels that end with `clusterSettle(pending)` and settle it before every
+// other use of the workspace), the second barrier is only arrived at here: its wait comes
+// at the next settle, so a block goes on with its row while slower peers read its partial.
+template <bool X_REDUCE, bool Y_REDUCE, bool Z_REDUCE, unsigned BLOCKS = 0, typename T, typename Op>
+__device__ T clusterAllReduce(T val, Op op, T init, T* smem, bool& pending) {
+  clusterSettle(pending);
   const T part = blockAllReduce<X_REDUCE, Y_REDUCE, Z_REDUCE>(val, op, init, smem);
   const unsigned s = threadIndex<!X_REDUCE, !Y_REDUCE, !Z_REDUCE>();
   if (threadIndex<X_REDUCE, Y_REDUCE, Z_REDUCE>() == 0) smem[s] = part;
   clusterSync();
-  const unsigned n = clusterBlocks();
-  T r = loadFromClusterBlock(&smem[s], 0);
-  for (unsigned b = 1; b < n; ++b) r = op(r, loadFromClusterBlock(&smem[s], b));
-  clusterSync();
+  T r;
+  if constexpr (BLOCKS > 0) {
+    T parts[BLOCKS];
+#pragma unroll
+    for (unsigned b = 0; b < BLOCKS; ++b) parts[b] = loadFromClusterBlock(&smem[s], b);
+    r = parts[0];
+#pragma unroll
+    for (unsigned b = 1; b < BLOCKS; ++b) r = op(r, parts[b]);
+  } else {
+    const unsigned n = clusterBlocks();
+    r = loadFromClusterBlock(&smem[s], 0);
+    for (unsigned b = 1; b < n; ++b) r = op(r, loadFromClusterBlock(&smem[s], b));
+  }
+  clusterArrive();
+  pending = true;
+  return r;
+}
+
+template <bool X_REDUCE, bool Y_REDUCE, bool Z_REDUCE, unsigned BLOCKS = 0, typename T, typename Op>
+__device__ T clusterAllReduce(T val, Op op, T init, T* smem) {
+  bool pending = false;
+  const T r = clusterAllReduce<X_REDUCE, Y_REDUCE, Z_REDUCE, BLOCKS>(val, op, init, smem, pending);
+  clusterSettle(pending);
   return r;
 }
 

@@ -129,6 +129,10 @@ fn vector_copy(f: &mut Fusion, l: &ForLoop) -> Option<VectorCopy> {
         access[k] = match f.tvs[tv].memory {
             MemoryType::Local if multiple => VectorAccess::Wide,
             MemoryType::Shared if !multiple => VectorAccess::Elements,
+            // Every Shared tensor starts 16-byte aligned (`launch`): an offset that is a
+            // multiple of the width is an aligned vector, with no run-time check (which, in
+            // an unrolled copy, kept each load from issuing before the last one's store).
+            MemoryType::Shared => VectorAccess::Wide,
             MemoryType::Global if f.aligned_bases && multiple => VectorAccess::Wide,
             MemoryType::Global if f.aligned_bases => VectorAccess::WideIfOffsetAligned,
             _ => VectorAccess::WideIfAddressAligned,

@@ -487,12 +487,72 @@ pub fn online_logsumexp(f: &mut Fusion, long_row: &dyn Fn(&Fusion, ExprId) -> bo
             replace_tensor(f, s, sum);
             if let Some(ex) = f.exprs[e].inputs[0].tensor() {
                 f.tvs[ex].uses.retain(|&u| u != e);
+                drop_the_maximum(f, ex, sum, x, lse)?;
             }
             drop_dead_uses(f);
             continue 'again;
         }
         return Ok(());
     }
+}
+
+/// With `s = sum(ex)`, `ex = exp(d)`, `d = x - broadcast(max(x))`, and `lse` its
+/// log-sum-exp (`s` is now computed from it): the softmax's quotient `exp(d) / broadcast(s)` becomes `exp(x -
+/// broadcast(lse))` and the log-softmax's difference `d - broadcast(log(s))` becomes `x -
+/// broadcast(lse)`. Both are exact in real arithmetic, and where nothing else reads the
+/// maximum its reduction goes: a row that is split over a cluster or streamed pays a
+/// cluster barrier or a pass over memory for each reduction.
+fn drop_the_maximum(f: &mut Fusion, ex: TvId, s: TvId, x: TvId, lse: TvId) -> Result<()> {
+    let Some(d) = f.tvs[ex].definition.and_then(|de| f.exprs[de].inputs[0].tensor()) else { return Ok(()) };
+    // Every reader of `broadcast(s)`, `log(broadcast(s))` or `broadcast(log(s))`: (reader,
+    // broadcast flags, through a log).
+    fn readers(
+        f: &Fusion,
+        v: TvId,
+        is_new: Option<&Vec<bool>>,
+        logged: bool,
+        out: &mut Vec<(ExprId, Vec<bool>, bool)>,
+    ) {
+        for &u in &f.tvs[v].uses {
+            let next = f.exprs[u].output;
+            match (&f.exprs[u].op, is_new) {
+                (Op::Broadcast { is_new }, None) => readers(f, next, Some(is_new), logged, out),
+                (Op::Unary(UnaryOp::Log), _) if !logged => readers(f, next, is_new, true, out),
+                (_, Some(b)) => out.push((u, b.clone(), logged)),
+                _ => {}
+            }
+        }
+    }
+    let mut all = Vec::new();
+    readers(f, s, None, false, &mut all);
+    let mut found: Vec<(ExprId, Vec<bool>, UnaryOp)> = Vec::new();
+    for (r, is_new, logged) in all {
+        let (op, first) = (&f.exprs[r].op, &f.exprs[r].inputs[0]);
+        if !logged && *op == Op::Binary(BinaryOp::Div) && *first == Operand::Tensor(ex) {
+            found.push((r, is_new, UnaryOp::Exp));
+        } else if logged && *op == Op::Binary(BinaryOp::Sub) && *first == Operand::Tensor(d) {
+            // No unary op: the difference itself.
+            found.push((r, is_new, UnaryOp::Neg));
+        }
+    }
+    for (r, is_new, then) in found {
+        let old = f.exprs[r].output;
+        if f.tvs[old].dtype != f.tvs[x].dtype || f.tvs[old].logical.len() != f.tvs[x].logical.len() {
+            continue;
+        }
+        let b = f.broadcast(lse, is_new)?;
+        let mut new = f.binary(BinaryOp::Sub, Operand::Tensor(x), Operand::Tensor(b))?;
+        if then == UnaryOp::Exp {
+            new = f.unary(UnaryOp::Exp, Operand::Tensor(new))?;
+        }
+        replace_tensor(f, old, new);
+        for i in f.exprs[r].inputs.clone() {
+            if let Operand::Tensor(t) = i {
+                f.tvs[t].uses.retain(|&u| u != r);
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Move gathers through element-wise ops towards the inputs (see the module docs).
@@ -642,9 +702,12 @@ pub fn squeeze_broadcasts(f: &mut Fusion) -> Result<()> {
     Ok(())
 }
 
-/// The longest row, in bytes, that the register-persistent normalization keeps on chip
-/// (16,384 vectors of 16 bytes; `normalization::schedule` refuses longer ones).
-pub const ROW_ON_CHIP_BYTES: i64 = 16 * 1024 * 16;
+/// The longest row, in bytes of its reduction's input, that one block keeps on chip, where a
+/// running maximum costs more arithmetic than the second reduction it saves. Longer rows
+/// are split over a cluster's blocks (`shared::cluster_size`: bf16 beyond 32k columns, whose
+/// float row is 128 KiB) or streamed from memory, and each reduction costs a cluster barrier
+/// or a pass over the row.
+pub const ROW_ON_CHIP_BYTES: i64 = 128 * 1024;
 
 /// Take per-row terms out of masked sums (see the module docs) where `long_row` holds for
 /// the sum.

@@ -49,13 +49,14 @@ pub(crate) fn env_switch(name: &str) -> Option<bool> {
     })
 }
 
-/// Rows longer than four vectors per thread of a 512-thread block: `KILN_CLUSTER_ROWS=1`
-/// (`true`, `on`, `yes`) splits them over a cluster of blocks in the register-persistent
-/// normalization (sm_90+, see `normalization::cluster_size`); unset or `0`, they go to the
-/// Shared or looped schedules. Read once per process.
-pub fn clustered_rows() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| env_switch("KILN_CLUSTER_ROWS") == Some(true))
+/// Rows split over thread-block clusters (sm_90+). Unset: rows too long for two blocks' Shared
+/// memory per SM are split over a cluster in the Shared-persistent normalization
+/// (`shared::cluster_size`). `KILN_CLUSTER_ROWS=1` (`true`, `on`, `yes`) also splits rows longer
+/// than four vectors per thread of a 512-thread block in the register-persistent normalization
+/// (`normalization::cluster_size`); `0` splits no row. Read once per process.
+pub fn clustered_rows() -> Option<bool> {
+    static ON: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| env_switch("KILN_CLUSTER_ROWS"))
 }
 
 /// Where normalization rows that both the register-persistent and the Shared-persistent
@@ -104,8 +105,9 @@ pub enum Params {
     /// part, the row's reductions combined through distributed Shared memory.
     Normalization { vector: i64, per_thread: i64, rows_per_block: i64, cluster: i64 },
     /// The row's full-size inputs copied once into Shared memory, `threads` per block,
-    /// `per_thread` vectors of `vector` each; every pass reads the copy.
-    SharedNormalization { vector: i64, per_thread: i64, threads: i64 },
+    /// `per_thread` vectors of `vector` each; every pass reads the copy. With `cluster` above
+    /// one, a cluster of that many blocks per row (BIDy), each copying its part.
+    SharedNormalization { vector: i64, per_thread: i64, threads: i64, cluster: i64 },
     /// Row reductions and column partials of `[G, S, N]` tensors (`partials`): one block per
     /// group (BIDx), a serial loop over its rows, each row as `[T (TIDx), per_thread, vector]`.
     ColumnPartials { vector: i64, per_thread: i64 },
@@ -177,7 +179,9 @@ impl Heuristic {
             Params::Normalization { vector, per_thread, rows_per_block, cluster } => {
                 vec![*vector, *per_thread, *rows_per_block, *cluster]
             }
-            Params::SharedNormalization { vector, per_thread, threads } => vec![*vector, *per_thread, *threads],
+            Params::SharedNormalization { vector, per_thread, threads, cluster } => {
+                vec![*vector, *per_thread, *threads, *cluster]
+            }
             Params::ColumnPartials { vector, per_thread } => vec![*vector, *per_thread],
             Params::LoopedNormalization { outer, unroll, vector, threads_x, threads_y } => {
                 vec![*outer, *unroll, *vector, *threads_x, *threads_y]

@@ -336,7 +336,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
 /// length (bf16 softmax, fraction of a copy, 32k / 65k / 131k / 262k columns: 0.667 / 0.588 /
 /// 0.378 / 0.349 in clusters, against 0.877 / 0.67 / 0.66 / 0.66 without; DEVELOPERS.md).
 fn cluster_size(cx: &Ctx, no_totals: bool, row: i64, v: i64) -> i64 {
-    if !no_totals || cx.device.arch < 90 || !super::clustered_rows() {
+    if !no_totals || cx.device.arch < 90 || super::clustered_rows() != Some(true) {
         return 1;
     }
     let vectors = row / v;

@@ -17,6 +17,7 @@ use crate::bail;
 use crate::error::Result;
 use crate::ir::{ExprId, Fusion, MemoryType, Op, Operand, ParallelType, TvId};
 use crate::sched::auto::{looped, normalization, tensor_sizes, Ctx, Heuristic, Params};
+use crate::sched::MAX_CLUSTER;
 
 /// Threads a streaming multiprocessor runs at once (every kiln target since sm_70).
 const THREADS_PER_SM: i64 = 2048;
@@ -47,6 +48,50 @@ fn blocks_per_sm(cx: &Ctx, row_bytes: i64) -> i64 {
     cx.device.shared_per_block / (row_bytes + workspace_bytes(128))
 }
 
+/// Blocks per row: 1 where two blocks' row copies fit in an SM; beyond that, on sm_90+ and
+/// without a total over the rows, the smallest cluster (at most `MAX_CLUSTER`) whose blocks'
+/// parts of the row take at most `CLUSTER_PART_BYTES`, or the largest that leaves two blocks
+/// per SM, each part a whole number of vectors; 1 where none does (the looped schedule then
+/// streams the row). Many small parts keep every SM's loads in flight where one block per SM
+/// would copy, reduce and write in turn (H200, bf16, hand-written kernels in clusters, fraction
+/// of a copy at 65k / 131k / 262k columns: RMSNorm 0.90 / 0.90 / 0.86 and softmax 0.93 / 0.92 /
+/// 0.87 with 32 KiB parts, 0.89 / 0.87 / 0.86 and 0.91 / 0.89 / 0.87 with 64 KiB).
+fn cluster_size(f: &Fusion, cx: &Ctx, held: &[TvId], row: i64, v: i64, no_totals: bool) -> i64 {
+    let whole = row_copy_bytes(f, held, row);
+    if v == 1
+        || blocks_per_sm(cx, whole) >= 2
+        || !no_totals
+        || cx.device.arch < 90
+        || super::clustered_rows() == Some(false)
+    {
+        return 1;
+    }
+    let sizes: Vec<i64> = (1..=MAX_CLUSTER.trailing_zeros())
+        .map(|b| 1i64 << b)
+        .filter(|&c| row % (c * v) == 0 && blocks_per_sm(cx, whole / c) >= 2)
+        .collect();
+    // A part that whole warps divide first: a thread's predicated last steps issue their
+    // loads one at a time (see `threads_and_steps`).
+    let whole_warps = |c: i64| threads_and_steps(row / c / v, thread_target(cx, whole / c)).2;
+    let small = |c: &i64| whole / c <= CLUSTER_PART_BYTES;
+    sizes
+        .iter()
+        .copied()
+        .find(|c| small(c) && whole_warps(*c))
+        .or_else(|| sizes.iter().copied().find(|&c| whole_warps(c)))
+        .or_else(|| sizes.iter().copied().find(small))
+        .or_else(|| sizes.last().copied())
+        .unwrap_or(1)
+}
+
+/// Threads per block that keep an SM's loads in flight when each block holds `row_bytes`.
+fn thread_target(cx: &Ctx, row_bytes: i64) -> i64 {
+    (THREADS_PER_SM / blocks_per_sm(cx, row_bytes).max(1)).clamp(128, cx.device.max_threads_per_block.min(1024))
+}
+
+/// Bytes of row copies per block that a cluster's split aims at (see `cluster_size`).
+const CLUSTER_PART_BYTES: i64 = 32 * 1024;
+
 /// Whether this schedule would place rows of `row` elements of the rank-`n` fusion `f`
 /// with at least two blocks per SM (the register-persistent schedule asks, see there).
 pub(super) fn fits_twice(f: &Fusion, cx: &Ctx, n: usize, row: i64) -> bool {
@@ -54,23 +99,24 @@ pub(super) fn fits_twice(f: &Fusion, cx: &Ctx, n: usize, row: i64) -> bool {
     !held.is_empty() && blocks_per_sm(cx, row_copy_bytes(f, &held, row)) >= 2
 }
 
-/// Threads per block and vectors per thread for a row of `vectors`, about `target` threads.
+/// Threads per block and vectors per thread for a row of `vectors`, about `target` threads,
+/// and whether whole warps divide the row.
 /// A whole number of warps that divides the row where one exists near the target: a
 /// thread's last steps are then never out of bounds, and the unrolled copy issues all its
 /// loads before its first store (predicated steps issued them one at a time: bf16 softmax
 /// over 8192 columns, 293 threads of seven steps, 0.39 of copy against 0.86 at 4096
 /// columns with four whole steps, H200).
-fn threads_and_steps(vectors: i64, target: i64) -> (i64, i64) {
+fn threads_and_steps(vectors: i64, target: i64) -> (i64, i64, bool) {
     let whole = (1..=32)
         .map(|w| 32 * w)
         .filter(|&t| vectors % t == 0 && t >= target / 2 && t <= 2 * target)
         .min_by_key(|&t| (t - target).abs());
     match whole {
-        Some(t) => (t, vectors / t),
+        Some(t) => (t, vectors / t, true),
         None => {
             let t = target.min(32 * ((vectors + 31) / 32));
             let p = (vectors + t - 1) / t;
-            ((vectors + p - 1) / p, p)
+            ((vectors + p - 1) / p, p, false)
         }
     }
 }
@@ -91,7 +137,6 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     let row: i64 = sizes[n - k..].iter().product();
     let widest = normalization::widest_moved(f, n);
     let v = if row % (16 / widest) == 0 { 16 / widest } else { 1 };
-    let vectors = (row + v - 1) / v;
 
     let per_row = |f: &Fusion, t: TvId| super::row_value(f, t, &is_red);
     let row_tensors = |f: &Fusion| -> Vec<TvId> {
@@ -105,7 +150,11 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     if held.is_empty() {
         bail!("{}: no full-size input to keep in Shared memory; the row is computed, not read", f.tv_name(r0));
     }
-    let row_bytes = row_copy_bytes(f, &held, row);
+    let cluster = cluster_size(f, cx, &held, row, v, totals.is_empty());
+    // Each block's part of the row (the whole row without a cluster).
+    let part = row / cluster;
+    let vectors = (part + v - 1) / v;
+    let row_bytes = row_copy_bytes(f, &held, part);
     // Threads: enough per SM to keep loads in flight once Shared memory caps the blocks an
     // SM runs. One block per SM would copy, reduce and write each row in turn with nothing
     // to overlap (H200, bf16 softmax over 65536 columns: 0.61 of copy, where the looped
@@ -117,8 +166,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
             f.tv_name(r0)
         );
     }
-    let target = (THREADS_PER_SM / blocks_per_sm).clamp(128, cx.device.max_threads_per_block.min(1024));
-    let (threads, p) = threads_and_steps(vectors, target);
+    let (threads, p, _) = threads_and_steps(vectors, thread_target(cx, row_bytes));
     let smem = row_bytes + workspace_bytes(threads);
     if smem > cx.device.shared_per_block {
         bail!(
@@ -129,6 +177,11 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
         );
     }
 
+    if cluster > 1 {
+        f.set_cluster(ParallelType::BIDy, cluster as u32)?;
+    }
+    // Loop positions: the row's threads (TIDx), then each thread's vectors and their lanes.
+    let base = 1 + usize::from(cluster > 1) as i64;
     let mut copies = Vec::new();
     let mut locals = Vec::new();
     for &x in &held {
@@ -169,13 +222,18 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
         }
         normalization::check_rank(f, t, n)?;
         normalization::rows_and_row(f, t, k)?;
-        f.split(t, 1, v, true)?; // [rows, K/v, v]
-        f.split(t, 1, p, false)?; // [rows, p, T, v]
-        f.reorder(t, &[(2, 1)])?; // [rows, T, p, v]
+        // With a cluster, `[rows, C, K/C]`: block C of the cluster holds part C of the row.
+        if cluster > 1 {
+            f.split(t, 1, cluster, false)?;
+            f.parallelize(t, 1, ParallelType::BIDy)?;
+        }
+        f.split(t, base, v, true)?; // [rows, K/v, v]
+        f.split(t, base, p, false)?; // [rows, p, T, v]
+        f.reorder(t, &[(base + 1, base)])?; // [rows, T, p, v]
         f.parallelize(t, 0, ParallelType::BIDx)?;
-        f.parallelize(t, 1, ParallelType::TIDx)?;
+        f.parallelize(t, base, ParallelType::TIDx)?;
         if v > 1 && (copies.contains(&t) || is_local(f, t) || outs.contains(&t) || weight(f, t)) {
-            f.parallelize(t, 3, ParallelType::Vectorize)?;
+            f.parallelize(t, base + 2, ParallelType::Vectorize)?;
         }
     }
     super::schedule_totals(f, cx, &totals, &post, sizes[..n - k].iter().product())?;
@@ -184,14 +242,16 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
             continue;
         }
         let reduction = matches!(f.tvs[t].definition.map(|e| &f.exprs[e].op), Some(Op::Reduction { .. }));
-        let pos = if reduction || per_row(f, t) || copies.contains(&t) {
+        let pos = if reduction || per_row(f, t) {
             1 // once per row, read by every pass
+        } else if copies.contains(&t) {
+            base - 1 // once per block's part of the row
         } else if v > 1 && (is_local(f, t) || weight(f, t)) {
-            3 // 16 bytes at once, in the pass's own vector loop
+            base + 2 // 16 bytes at once, in the pass's own vector loop
         } else {
             -1
         };
         f.inline_at(t, pos)?;
     }
-    Ok(Heuristic::new(Params::SharedNormalization { vector: v, per_thread: p, threads }))
+    Ok(Heuristic::new(Params::SharedNormalization { vector: v, per_thread: p, threads, cluster }))
 }
