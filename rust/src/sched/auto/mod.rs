@@ -59,6 +59,14 @@ pub fn clustered_rows() -> Option<bool> {
     *ON.get_or_init(|| env_switch("KILN_CLUSTER_ROWS"))
 }
 
+/// How a row part split over a cluster reaches Shared memory: unset or `KILN_BULK_ROWS=1`,
+/// one bulk copy (`cp.async.bulk`) per block; `0`, every thread copies its own vectors.
+/// Read once per process.
+pub fn bulk_rows() -> Option<bool> {
+    static ON: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| env_switch("KILN_BULK_ROWS"))
+}
+
 /// Where normalization rows that both the register-persistent and the Shared-persistent
 /// schedules can hold go: `KILN_ROWS_IN_SHARED=1` (`true`, `on`, `yes`) sends every such row
 /// to Shared memory, `0` (`false`, `off`, `no`) keeps each in registers whenever they hold

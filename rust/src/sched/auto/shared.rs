@@ -52,10 +52,9 @@ fn blocks_per_sm(cx: &Ctx, row_bytes: i64) -> i64 {
 /// without a total over the rows, the smallest cluster (at most `MAX_CLUSTER`) whose blocks'
 /// parts of the row take at most `CLUSTER_PART_BYTES`, or the largest that leaves two blocks
 /// per SM, each part a whole number of vectors; 1 where none does (the looped schedule then
-/// streams the row). Many small parts keep every SM's loads in flight where one block per SM
-/// would copy, reduce and write in turn (H200, bf16, hand-written kernels in clusters, fraction
-/// of a copy at 65k / 131k / 262k columns: RMSNorm 0.90 / 0.90 / 0.86 and softmax 0.93 / 0.92 /
-/// 0.87 with 32 KiB parts, 0.89 / 0.87 / 0.86 and 0.91 / 0.89 / 0.87 with 64 KiB).
+/// streams the row). Each block holds its part for its whole life, so an SM streams as many
+/// parts at once as its Shared memory holds: three of 64 KiB keep it busy where one block
+/// per SM would copy, reduce and write in turn.
 fn cluster_size(f: &Fusion, cx: &Ctx, held: &[TvId], row: i64, v: i64, no_totals: bool) -> i64 {
     let whole = row_copy_bytes(f, held, row);
     if v == 1
@@ -70,27 +69,20 @@ fn cluster_size(f: &Fusion, cx: &Ctx, held: &[TvId], row: i64, v: i64, no_totals
         .map(|b| 1i64 << b)
         .filter(|&c| row % (c * v) == 0 && blocks_per_sm(cx, whole / c) >= 2)
         .collect();
-    // A part that whole warps divide first: a thread's predicated last steps issue their
-    // loads one at a time (see `threads_and_steps`).
-    let whole_warps = |c: i64| threads_and_steps(row / c / v, thread_target(cx, whole / c)).2;
-    let small = |c: &i64| whole / c <= CLUSTER_PART_BYTES;
-    sizes
-        .iter()
-        .copied()
-        .find(|c| small(c) && whole_warps(*c))
-        .or_else(|| sizes.iter().copied().find(|&c| whole_warps(c)))
-        .or_else(|| sizes.iter().copied().find(small))
-        .or_else(|| sizes.last().copied())
-        .unwrap_or(1)
+    sizes.iter().copied().find(|&c| whole / c <= CLUSTER_PART_BYTES).or_else(|| sizes.last().copied()).unwrap_or(1)
 }
 
 /// Threads per block that keep an SM's loads in flight when each block holds `row_bytes`.
 fn thread_target(cx: &Ctx, row_bytes: i64) -> i64 {
-    (THREADS_PER_SM / blocks_per_sm(cx, row_bytes).max(1)).clamp(128, cx.device.max_threads_per_block.min(1024))
+    (THREADS_PER_SM / blocks_per_sm(cx, row_bytes)).clamp(128, cx.device.max_threads_per_block.min(1024))
 }
 
 /// Bytes of row copies per block that a cluster's split aims at (see `cluster_size`).
-const CLUSTER_PART_BYTES: i64 = 32 * 1024;
+const CLUSTER_PART_BYTES: i64 = 64 * 1024;
+
+/// Threads per block where a bulk copy fills the row's part: they issue no loads, so more
+/// of them would only add warps to every block reduction.
+const BULK_THREADS: i64 = 256;
 
 /// Whether this schedule would place rows of `row` elements of the rank-`n` fusion `f`
 /// with at least two blocks per SM (the register-persistent schedule asks, see there).
@@ -99,24 +91,23 @@ pub(super) fn fits_twice(f: &Fusion, cx: &Ctx, n: usize, row: i64) -> bool {
     !held.is_empty() && blocks_per_sm(cx, row_copy_bytes(f, &held, row)) >= 2
 }
 
-/// Threads per block and vectors per thread for a row of `vectors`, about `target` threads,
-/// and whether whole warps divide the row.
+/// Threads per block and vectors per thread for a row of `vectors`, about `target` threads.
 /// A whole number of warps that divides the row where one exists near the target: a
 /// thread's last steps are then never out of bounds, and the unrolled copy issues all its
 /// loads before its first store (predicated steps issued them one at a time: bf16 softmax
 /// over 8192 columns, 293 threads of seven steps, 0.39 of copy against 0.86 at 4096
 /// columns with four whole steps, H200).
-fn threads_and_steps(vectors: i64, target: i64) -> (i64, i64, bool) {
+fn threads_and_steps(vectors: i64, target: i64) -> (i64, i64) {
     let whole = (1..=32)
         .map(|w| 32 * w)
         .filter(|&t| vectors % t == 0 && t >= target / 2 && t <= 2 * target)
         .min_by_key(|&t| (t - target).abs());
     match whole {
-        Some(t) => (t, vectors / t, true),
+        Some(t) => (t, vectors / t),
         None => {
             let t = target.min(32 * ((vectors + 31) / 32));
             let p = (vectors + t - 1) / t;
-            ((vectors + p - 1) / p, p, false)
+            ((vectors + p - 1) / p, p)
         }
     }
 }
@@ -166,7 +157,12 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
             f.tv_name(r0)
         );
     }
-    let (threads, p, _) = threads_and_steps(vectors, thread_target(cx, row_bytes));
+    // A part split over a cluster arrives by one bulk copy per block (see `bulk_rows`).
+    // (A bulk copy moves a multiple of 16 bytes.)
+    let whole_bytes = held.iter().all(|&x| (part * f.tvs[x].dtype.size_bytes() as i64) % 16 == 0);
+    let bulk = cluster > 1 && whole_bytes && super::bulk_rows() != Some(false);
+    let target = if bulk { BULK_THREADS } else { thread_target(cx, row_bytes) };
+    let (threads, p) = threads_and_steps(vectors, target);
     let smem = row_bytes + workspace_bytes(threads);
     if smem > cx.device.shared_per_block {
         bail!(
@@ -222,6 +218,14 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
         }
         normalization::check_rank(f, t, n)?;
         normalization::rows_and_row(f, t, k)?;
+        if bulk && copies.contains(&t) {
+            // `[rows, C, K/C]`: one bulk copy of the block's part, issued by one thread.
+            f.split(t, 1, cluster, false)?;
+            f.parallelize(t, 1, ParallelType::BIDy)?;
+            f.parallelize(t, 0, ParallelType::BIDx)?;
+            f.parallelize(t, base, ParallelType::Bulk)?;
+            continue;
+        }
         // With a cluster, `[rows, C, K/C]`: block C of the cluster holds part C of the row.
         if cluster > 1 {
             f.split(t, 1, cluster, false)?;
@@ -245,7 +249,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
         let pos = if reduction || per_row(f, t) {
             1 // once per row, read by every pass
         } else if copies.contains(&t) {
-            base - 1 // once per block's part of the row
+            base - 1 + i64::from(bulk) // once per block's part of the row
         } else if v > 1 && (is_local(f, t) || weight(f, t)) {
             base + 2 // 16 bytes at once, in the pass's own vector loop
         } else {
