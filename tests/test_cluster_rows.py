@@ -93,7 +93,8 @@ def test_the_kernel_copies_each_part_in_one_bulk_copy_and_reduces_over_the_clust
     ir, src = k.kernel_ir, k.cuda_source
     # One bulk copy of the block's 32768 elements (64 KiB), one barrier, waited on before reads.
     assert re.search(r"ALLOCATE (T\d+) Shared bfloat16 \[32768\]", ir), ir
-    assert len(re.findall(r"BULK T\d+\[0\] <- T0\[blockIdx\.x \* 65536 \+ blockIdx\.y \* 32768\] x 32768", ir)) == 1
+    bulk = r"BULK T\d+\[0\] <- T0\[blockIdx\.x \* 65536 \+ blockIdx\.y \* 32768\] x 32768"
+    assert len(re.findall(bulk, ir)) == 1
     assert "MBARRIER_INIT" in ir and "MBARRIER_WAIT" in ir and "MBARRIER_INVAL" in ir
     # The softmax needs the log-sum-exp alone: one reduction, no maximum.
     assert len(re.findall(r"reduce_\w+", ir)) == 1 and "reduce_logsumexp" in ir
@@ -212,16 +213,19 @@ _CHILD = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("env,want", [({}, "shared_normalization [4, 16, 256, 4] True True"),
-                                      ({"KILN_BULK_ROWS": "0"}, "shared_normalization [4, 8, 512, 4] False True"),
-                                      ({"KILN_CLUSTER_ROWS": "0"}, "looped_normalization")])
+SWITCHES = [({}, "shared_normalization [4, 16, 256, 4] True True"),
+            ({"KILN_BULK_ROWS": "0"}, "shared_normalization [4, 8, 512, 4] False True"),
+            ({"KILN_CLUSTER_ROWS": "0"}, "looped_normalization")]
+
+
+@pytest.mark.parametrize("env,want", SWITCHES)
 def test_switches_pick_the_copy_and_the_cluster(env: dict, want: str) -> None:
     full = dict(os.environ)
     for k in ("KILN_BULK_ROWS", "KILN_CLUSTER_ROWS", "KILN_ROWS_IN_SHARED"):
         full.pop(k, None)
     full.update(env)
-    out = subprocess.run([sys.executable, "-c", _CHILD], env=full, capture_output=True, text=True, timeout=300,
-                         cwd=Path(__file__).parent)
+    out = subprocess.run([sys.executable, "-c", _CHILD], env=full, capture_output=True, text=True,
+                         timeout=300, cwd=Path(__file__).parent)
     assert out.returncode == 0, out.stderr
     line = out.stdout.strip().splitlines()[-1]
     assert line.startswith(want), line
