@@ -38,11 +38,16 @@ test or a long-running process can change it between calls).
   backward) then runs one kernel per class of reductions instead of one that computes the
   column sums as register partials beside the rows, plus small kernels that total them
   (``sched::auto::partials``); read once per process by the Rust core.
-- ``KILN_CLUSTER_ROWS``: ``1``/``true``/``on``/``yes`` lets the register-persistent
-  normalization split rows longer than four vectors per thread of a 512-thread block over a
-  cluster of up to 8 blocks (sm_90+, ``sched::auto::normalization::cluster_size``); unset or
-  ``0`` they go to the Shared or looped schedules. Off by default: slower on the H200 (see
-  DEVELOPERS.md, "Thread-block clusters"); read once per process by the Rust core.
+- ``KILN_CLUSTER_ROWS``: unset, the Shared-persistent normalization splits rows too long for
+  two blocks' Shared memory per SM over a cluster of up to 8 blocks (sm_90+,
+  ``sched::auto::shared::cluster_size``); ``1``/``true``/``on``/``yes`` also lets the
+  register-persistent normalization split rows longer than four vectors per thread of a
+  512-thread block (``sched::auto::normalization::cluster_size``, slower on the H200: see
+  DEVELOPERS.md, "Thread-block clusters"); ``0`` splits no row. Read once per process by the
+  Rust core.
+- ``KILN_BULK_ROWS``: unset or ``1``, each block of a row split over a cluster copies its part
+  into Shared memory with one bulk copy (``cp.async.bulk``); ``0``, every thread copies its
+  own vectors. Read once per process by the Rust core.
 """
 
 from __future__ import annotations
