@@ -45,7 +45,8 @@ class Case:
 
 def _long_row(seed: int) -> Tuple[int, ...]:
     rng = np.random.default_rng(seed)
-    return (int(rng.integers(1, 3)), int(rng.choice([33_001, 40_000, 65_537])))
+    # 40000 and 65536 and 131072 split over clusters (sm_90); odd lengths are streamed.
+    return (int(rng.integers(1, 3)), int(rng.choice([33_001, 40_000, 65_537, 65_536, 131_072])))
 
 
 @st.composite
