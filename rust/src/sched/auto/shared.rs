@@ -157,10 +157,11 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
             f.tv_name(r0)
         );
     }
-    // A part split over a cluster arrives by one bulk copy per block (see `bulk_rows`).
-    // (A bulk copy moves a multiple of 16 bytes.)
+    // A part split over a cluster arrives by one bulk copy per block (see `bulk_rows`): a
+    // multiple of 16 bytes from a 16-byte aligned address (an input the host found aligned;
+    // any other address would make the bulk copy one thread's element loop).
     let whole_bytes = held.iter().all(|&x| (part * f.tvs[x].dtype.size_bytes() as i64) % 16 == 0);
-    let bulk = cluster > 1 && whole_bytes && super::bulk_rows() != Some(false);
+    let bulk = cluster > 1 && whole_bytes && f.aligned_bases && super::bulk_rows() != Some(false);
     let target = if bulk { BULK_THREADS } else { thread_target(cx, row_bytes) };
     let (threads, p) = threads_and_steps(vectors, target);
     let smem = row_bytes + workspace_bytes(threads);
