@@ -1,14 +1,17 @@
 //! Shared-persistent normalization: the normalizations over trailing axes whose rows the
 //! register-persistent scheduler cannot hold (long rows, several full-size inputs, wide
-//! types), up to what a block's Shared memory holds. One block per row; each full-size
-//! input of the row is copied once into Shared memory and every pass over the row reads it
-//! from there, so the input crosses DRAM once whatever the row's length (the looped
-//! scheduler reads it once per pass).
+//! types), up to what a block's Shared memory holds, or a cluster's (`cluster_size`). One
+//! block per row, or a cluster of blocks each holding its part; each full-size input of the
+//! row is copied once into Shared memory and every pass over the row reads it from there, so
+//! the input crosses DRAM once whatever the row's length (the looped scheduler reads it once
+//! per pass).
 //!
-//! Every `[rows, K]` tensor becomes `[rows (BIDx), T (TIDx), p, v]` as in `normalization`:
-//! thread `t` owns vectors `t, t + T, ...` of the row. The Shared copy `s` of an input is
-//! computed at the row level (inlined at 1) with those loops, vectorized, so each thread
-//! reads back only what it wrote and no barrier separates the copy from the passes. Each
+//! Every `[rows, K]` tensor becomes `[rows (BIDx), T (TIDx), p, v]` as in `normalization`
+//! (`[rows (BIDx), C (BIDy), T (TIDx), p, v]` in a cluster): thread `t` owns vectors `t, t +
+//! T, ...` of the row (of its block's part). The Shared copy `s` of an input is computed at
+//! the row level (the part's, in a cluster) with those loops, vectorized, so each thread
+//! reads back only what it wrote and no barrier separates the copy from the passes; in a
+//! cluster it is one bulk copy of the part instead, which every thread waits for. Each
 //! pass reads `s` through its own Local vector copy (16-byte Shared loads, not one element
 //! at a time) and recomputes its element-wise chain from there: nothing but the row's
 //! inputs is kept across a reduction, so registers stay free for loads in flight.
