@@ -1,7 +1,8 @@
 """Normalizations whose rows are split over a thread-block cluster (the Shared-persistent
 schedule's clusters, each block's part filled by one bulk copy) on the GPU against float64
-NumPy: seven model families at float rows of 40000 to 131136 and half/bfloat16 rows of 65536
-and 131136 columns. Small enough to run under compute-sanitizer, from the repository root::
+NumPy: nine model families (two with two row inputs, streamed at 131136) at float rows of
+40000 to 131136 and half/bfloat16 rows of 65536 and 131136 columns. Small enough to run under
+compute-sanitizer, from the repository root::
 
     compute-sanitizer --tool racecheck python3 benches/cluster_rows_check.py
     compute-sanitizer --tool synccheck python3 benches/cluster_rows_check.py
@@ -20,7 +21,7 @@ from families import SPECS, output_f64  # noqa: E402
 B = {s.name: s.build for s in SPECS}
 bad = 0
 NAMES = ["softmax_long_rows", "log_softmax", "layernorm", "rmsnorm_t5", "layernorm_bf16",
-         "rmsnorm_llama_half", "layernorm_half"]
+         "rmsnorm_llama_half", "layernorm_half", "bert_residual_layernorm", "softmax_backward"]
 for name in NAMES:
     for sizes in [(3, 40000), (2, 65536), (2, 131072 + 64)]:
         fam = B[name](sizes)

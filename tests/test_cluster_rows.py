@@ -33,10 +33,13 @@ BUILDERS = {s.name: s.build for s in SPECS}
 # float rows of 40000 (160 KB) to 131136 (512 KB) and half/bfloat16 rows of 65536 to 262144:
 # more than two blocks' Shared memory per SM (227 KiB on sm_90), at most a cluster of eight.
 FLOAT = ["layernorm", "rmsnorm_t5", "log_softmax", "softmax_long_rows", "layernorm_var_mean"]
+# Two float row inputs: twice the bytes per row, up to what eight blocks hold.
+TWO_INPUTS = ["bert_residual_layernorm", "softmax_backward"]
 LOWP = ["layernorm_bf16", "rmsnorm_llama_half", "layernorm_half", "rmsnorm_gemma_bf16"]
 CASES: List[Tuple[str, Tuple[int, int]]] = (
     [(name, sizes) for name in FLOAT for sizes in [(3, 40000), (2, 65536), (2, 131136)]]
     + [(name, sizes) for name in LOWP for sizes in [(2, 65536), (2, 131136), (1, 262144)]]
+    + [(name, sizes) for name in TWO_INPUTS for sizes in [(3, 40000), (2, 65536)]]
 )
 
 
@@ -238,8 +241,12 @@ def test_switches_pick_the_copy_and_the_cluster(env: dict, want: str) -> None:
 
 
 # ----------------------------------------------------------------------------- GPU
+# Two row inputs (a residual added before the LayerNorm, a softmax's backward) take two bulk
+# copies per block, each on its own mbarrier.
 GPU_CASES = [("softmax_long_rows", (5, 65536)), ("layernorm_bf16", (7, 131072)),
-             ("rmsnorm_llama_half", (3, 262144)), ("log_softmax", (4, 131136)), ("layernorm", (6, 40000))]
+             ("rmsnorm_llama_half", (3, 262144)), ("log_softmax", (4, 131136)), ("layernorm", (6, 40000)),
+             ("bert_residual_layernorm", (3, 65536)), ("prenorm_residual_layernorm_half", (2, 65536)),
+             ("softmax_backward", (3, 65536))]
 
 
 @pytest.mark.gpu
