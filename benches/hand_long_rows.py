@@ -58,6 +58,22 @@ __device__ __forceinline__ P warp_comb(P p){
   #pragma unroll
   for(int o=16;o>0;o>>=1){ P q{__shfl_xor_sync(0xffffffff,p.m,o), __shfl_xor_sync(0xffffffff,p.s,o)}; p = comb(p,q);} return p;
 }
+// One 8-element vector into a thread's pair: softmax's (max, sum of exp) rescaled once per
+// vector, RMSNorm's sum of squares.
+__device__ __forceinline__ void accumulate(P& acc, const float* f){
+#if OP==1
+  float m = acc.m;
+  #pragma unroll
+  for(int j=0;j<8;j++) m = fmaxf(m, f[j]);
+  float s = acc.s * __expf(acc.m - m);
+  #pragma unroll
+  for(int j=0;j<8;j++) s += __expf(f[j]-m);
+  acc = {m, s};
+#else
+  #pragma unroll
+  for(int j=0;j<8;j++) acc.s += f[j]*f[j];
+#endif
+}
 extern "C" __global__ void __cluster_dims__(CL,1,1) __launch_bounds__(NTH) kern(
     const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y, float eps){
   extern __shared__ __align__(128) uint4 sm[];
@@ -91,18 +107,7 @@ extern "C" __global__ void __cluster_dims__(CL,1,1) __launch_bounds__(NTH) kern(
   }
   #pragma unroll
   for (int k = 0; k < VPT; k++) { int i = tid + k*NTH; if (NV % NTH == 0 || i < NV) { float f[8]; unpack(sm[i], f);
-#if OP==1
-    float m = acc.m;
-    #pragma unroll
-    for(int j=0;j<8;j++) m = fmaxf(m, f[j]);
-    float s = acc.s * __expf(acc.m - m);
-    #pragma unroll
-    for(int j=0;j<8;j++) s += __expf(f[j]-m);
-    acc = {m, s};
-#else
-    #pragma unroll
-    for(int j=0;j<8;j++) acc.s += f[j]*f[j];
-#endif
+    accumulate(acc, f);
   } }
 #else
   uint4 r[VPT];
@@ -110,18 +115,7 @@ extern "C" __global__ void __cluster_dims__(CL,1,1) __launch_bounds__(NTH) kern(
   for (int k = 0; k < VPT; k++) { int i = tid + k*NTH; if (NV % NTH == 0 || i < NV) r[k] = xs[i]; }
   #pragma unroll
   for (int k = 0; k < VPT; k++) { int i = tid + k*NTH; if (NV % NTH == 0 || i < NV) { sm[i] = r[k]; float f[8]; unpack(r[k], f);
-#if OP==1
-    float m = acc.m;
-    #pragma unroll
-    for(int j=0;j<8;j++) m = fmaxf(m, f[j]);
-    float s = acc.s * __expf(acc.m - m);
-    #pragma unroll
-    for(int j=0;j<8;j++) s += __expf(f[j]-m);
-    acc = {m, s};
-#else
-    #pragma unroll
-    for(int j=0;j<8;j++) acc.s += f[j]*f[j];
-#endif
+    accumulate(acc, f);
   } }
 #endif
   acc = warp_comb(acc);

@@ -11,11 +11,14 @@ including rows of more than 48 KiB of Shared memory (the launch raises the kerne
 from __future__ import annotations
 
 import re
-from typing import Any, List, Sequence, Tuple
+from typing import List, Tuple
 
 import numpy as np
 import pytest
-from families import SPECS, Family, output_f64
+from families import SPECS, output_f64
+from family_checks import array_shapes as _shapes
+from family_checks import check_outputs as _check
+from family_checks import family_inputs as _inputs
 from gpu_util import cupy_or_skip
 from kiln import DataType, FusionDefinition
 
@@ -35,25 +38,6 @@ CASES: List[Tuple[str, Tuple[int, int]]] = (
     # The logits and an int64 column index.
     + [("cross_entropy", (3, 20000)), ("cross_entropy", (4, 1000))]
 )
-
-
-def _inputs(fam: Family) -> List[Any]:
-    if "BFloat16" in fam.dtypes:
-        pytest.importorskip("ml_dtypes", reason="NumPy bfloat16 arrays need ml_dtypes")
-    return fam.inputs()
-
-
-def _shapes(inputs: Sequence[Any]) -> List[List[int]]:
-    return [list(np.shape(a)) for a in inputs if isinstance(a, np.ndarray)]
-
-
-def _check(fam: Family, outs: Sequence[Any], wants: Sequence[np.ndarray]) -> None:
-    assert len(outs) == len(wants)
-    for i, (out, want) in enumerate(zip(outs, wants)):
-        got = output_f64(out)
-        assert got.shape == want.shape, f"{fam.name} output {i}: shape {got.shape}, expected {want.shape}"
-        rtol, atol = fam.tol(i)
-        np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=f"{fam.name} output {i}")
 
 
 @pytest.mark.parametrize("name,sizes", CASES, ids=[f"{n}-{a}x{b}" for n, (a, b) in CASES])

@@ -32,7 +32,8 @@
 //   cpAsyncElem, cpAsyncBytes, cpAsyncCommit, cpAsyncWait   asynchronous copies (cp.async), sm_80+
 //   mbarrierInit/Inval/Arrive/Wait, bulkLoad               mbarriers and bulk (TMA) copies, sm_90+
 //   tmemAlloc/Relinquish/Dealloc/Address, TmemTensor        Tensor memory (tcgen05), sm_100a
-//   clusterAllReduce, clusterSync, loadFromClusterBlock     cluster reductions (distributed Shared memory), sm_90+
+//   clusterAllReduce, clusterSync/Arrive/Wait/Settle,       cluster reductions (distributed Shared memory), sm_90+
+//   loadFromClusterBlock
 //
 // Conventions shared by the reductions:
 //   * Linearisation is always x fastest, then y, then z, restricted to the chosen dims.
@@ -1700,15 +1701,9 @@ KILN_DEVICE To cast(TmemRef<T> x) {
 // through distributed Shared memory: each block reduces its threads, writes its partial
 // to its own workspace, and after a cluster barrier every thread reads the partials of
 // all blocks in rank order (so every block computes the same bits). A second barrier
-// keeps each block's workspace, and the block itself, alive until its peers have read it.
+// keeps each block's workspace, and the block itself, alive until its peers have read it
+// (its wait deferred with `pending`, below).
 // `smem` is the block-reduction workspace (blockDim.x*blockDim.y*blockDim.z elements of T).
-
-template <int = 0>
-KILN_DEVICE void clusterSync() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
-#endif
-}
 
 // The two halves of a cluster barrier: arrive, then (later) wait for every block to arrive.
 template <int = 0>
@@ -1722,6 +1717,11 @@ KILN_DEVICE void clusterWait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
 #endif
+}
+template <int = 0>
+KILN_DEVICE void clusterSync() {
+  clusterArrive();
+  clusterWait();
 }
 // Completes the cluster barrier a reduction arrived at (`pending`): before this block's
 // reduction workspace is written again, and before the block exits, every peer has read

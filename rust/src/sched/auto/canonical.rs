@@ -525,24 +525,24 @@ fn drop_the_maximum(f: &mut Fusion, ex: TvId, s: TvId, x: TvId, lse: TvId) -> Re
     }
     let mut all = Vec::new();
     readers(f, s, None, false, &mut all);
-    let mut found: Vec<(ExprId, Vec<bool>, UnaryOp)> = Vec::new();
+    // (reader, broadcast flags, whether `exp` follows the difference).
+    let mut found: Vec<(ExprId, Vec<bool>, bool)> = Vec::new();
     for (r, is_new, logged) in all {
         let (op, first) = (&f.exprs[r].op, &f.exprs[r].inputs[0]);
         if !logged && *op == Op::Binary(BinaryOp::Div) && *first == Operand::Tensor(ex) {
-            found.push((r, is_new, UnaryOp::Exp));
+            found.push((r, is_new, true));
         } else if logged && *op == Op::Binary(BinaryOp::Sub) && *first == Operand::Tensor(d) {
-            // No unary op: the difference itself.
-            found.push((r, is_new, UnaryOp::Neg));
+            found.push((r, is_new, false));
         }
     }
-    for (r, is_new, then) in found {
+    for (r, is_new, exp) in found {
         let old = f.exprs[r].output;
         if f.tvs[old].dtype != f.tvs[x].dtype || f.tvs[old].logical.len() != f.tvs[x].logical.len() {
             continue;
         }
         let b = f.broadcast(lse, is_new)?;
         let mut new = f.binary(BinaryOp::Sub, Operand::Tensor(x), Operand::Tensor(b))?;
-        if then == UnaryOp::Exp {
+        if exp {
             new = f.unary(UnaryOp::Exp, Operand::Tensor(new))?;
         }
         replace_tensor(f, old, new);

@@ -77,7 +77,7 @@ fn cluster_size(f: &Fusion, cx: &Ctx, held: &[TvId], row: i64, v: i64, no_totals
 
 /// Threads per block that keep an SM's loads in flight when each block holds `row_bytes`.
 fn thread_target(cx: &Ctx, row_bytes: i64) -> i64 {
-    (THREADS_PER_SM / blocks_per_sm(cx, row_bytes)).clamp(128, cx.device.max_threads_per_block.min(1024))
+    (THREADS_PER_SM / blocks_per_sm(cx, row_bytes).max(1)).clamp(128, cx.device.max_threads_per_block.min(1024))
 }
 
 /// Bytes of row copies per block that a cluster's split aims at (see `cluster_size`).
