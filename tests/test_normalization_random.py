@@ -17,13 +17,14 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from itertools import combinations
 from typing import Any, Callable, List, Sequence, Tuple
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kiln import FusionDefinition
+from kiln import FusionDefinition, KilnError
 
 N_EXAMPLES = int(os.environ.get("KILN_NORM_EXAMPLES", "40"))
 SIZES = [1, 2, 3, 5, 7, 8, 13, 16, 31, 64, 97, 128, 257]
@@ -207,6 +208,38 @@ def test_random_normalizations_match_numpy_in_one_kernel(case: Case) -> None:
 ], ids=["softmax_dim0", "batchnorm_nchw", "middle_axis", "long_rows", "row_mean", "size_one_axes"])
 def test_named_normalizations(case: Case) -> None:
     check(case)
+
+
+# Shapes with size-one axes in every position, every kind,
+# keepdim, weight and statistic output: a weight broadcast to the fixed shape [1, R, N]
+# expands its size-one axes, and the rows must still be one loop with x's [B, R] rows.
+# (Four of the twelve forms per shape: each NVRTC-compiles its kernels after the test.)
+SIZE_ONE_SHAPES = [(1, 3, 2), (2, 1, 2), (5, 1, 64), (1, 2, 1, 3), (2, 1, 1)]
+FORMS = [(True, "reduced", True), (False, "kept", True), (True, "kept", False), (False, "reduced", False)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", SIZE_ONE_SHAPES, ids=str)
+def test_size_one_axes_in_every_form_stay_one_kernel(kind: str, shape: Tuple[int, ...]) -> None:
+    for r in range(1, len(shape)):
+        for dims in combinations(range(len(shape)), r):
+            for keepdim, weight, stat in FORMS:
+                check(Case(shape, dims, kind, keepdim, weight, stat, False, 7))
+
+
+def test_an_expanded_weight_still_fixes_its_axis_and_broadcasts_the_others() -> None:
+    case = Case((5, 1, 64), (2,), "rmsnorm", True, "reduced", True, False, 8)
+    fd, ref, (x, w) = build(case)
+    with pytest.raises(KilnError, match=r"axis 0 has size 6 but the definition fixes it to 5"):
+        fd.execute([np.ones((6, 1, 64), np.float32), w])
+    # The weight was broadcast to [5, 1, 64]: its size-one axis meets any size of x's.
+    x2 = np.random.default_rng(9).standard_normal((5, 3, 64)).astype(np.float32)
+    got = fd.execute([x2, w])
+    d = x2.astype(np.float64)
+    rstd = 1 / np.sqrt((d * d).mean(2, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(np.asarray(got[0], np.float64), d * rstd * w.astype(np.float64), rtol=2e-5,
+                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got[1], np.float64), rstd, rtol=2e-5)
 
 
 @pytest.mark.gpu

@@ -111,6 +111,7 @@ pub fn auto_program_strided(
         crate::host::bind::specialize_layout(&mut g, &descs);
     }
     crate::sched::auto::canonical::expand_small_powers(&mut g)?;
+    crate::sched::auto::canonical::read_through_expands(&mut g)?;
     crate::sched::auto::canonical::hoist_output_reshapes(&mut g)?;
     crate::sched::auto::canonical::sink_remaps(&mut g)?;
     crate::sched::auto::canonical::view_input_reshapes(&mut g);

@@ -50,6 +50,14 @@
 //! - **A squeeze of a broadcast is its source** when it removes exactly the axes the
 //!   broadcast added (`x.max(-1, keepdim=True)` squeezed back): the per-row value is then
 //!   read as such, not through a full-rank tensor a row schedule spreads over threads.
+//! - **Element-wise readers read through expands.** `broadcast_in_dim(w, [B, 1, N], [2])`
+//!   with a fixed `B` selects the broadcast under an all-true mask of that shape, so the
+//!   expanded axis is an iteration axis of size `B`. An element-wise reader whose other
+//!   operand has an iteration axis there (`x * w` with `x` of `[B, S, N]`) gets its size
+//!   from that operand (the input contract still checks it is `B`) and reads the broadcast
+//!   instead: otherwise a row schedule that merges `B` with `S` of size one runs the
+//!   expand's `[B, 1]` rows in the loop of `x`'s `[B, S]` rows, which are the same rows
+//!   only while `S` is one, and refuses.
 //! - **Mapped extents share one symbol.** Axes the definition aligns (a running mean `[C]`
 //!   added to a statistic over x's `C` axis) have sizes the input contract checks equal at
 //!   run time (`host::bind`); giving them one extent symbol lets their loops be one loop.
@@ -140,6 +148,59 @@ pub fn sink_broadcasts(f: &mut Fusion) -> Result<()> {
         }
         return Ok(());
     }
+}
+
+/// The source of an expand, `where(full(true), a, a)` (how `broadcast_in_dim` to a fixed
+/// shape gives `a`'s size-one axes their asked sizes), else None.
+fn expand_source(f: &Fusion, t: TvId) -> Option<TvId> {
+    let e = f.tvs[t].definition?;
+    let ins = &f.exprs[e].inputs;
+    if f.exprs[e].op != Op::Where || ins[1] != ins[2] {
+        return None;
+    }
+    let mask = ins[0].tensor()?;
+    let Op::Full { value } = f.exprs[f.tvs[mask].definition?].op else { return None };
+    (f.scalars.get(value) == Val::Bool(true)).then_some(())?;
+    ins[1].tensor()
+}
+
+/// Element-wise readers of an expand read its source where another operand gives every
+/// expanded axis its size (see the module docs).
+pub fn read_through_expands(f: &mut Fusion) -> Result<()> {
+    for t in f.tvs.keys().collect::<Vec<_>>() {
+        let Some(src) = expand_source(f, t) else { continue };
+        let (te, se) = (f.no_reduction_logical(t), f.no_reduction_logical(src));
+        if te.len() != se.len() {
+            continue;
+        }
+        let bcast = |f: &Fusion, id| f.ids[id].iter_type == IterType::Broadcast;
+        let expanded: Vec<usize> = (0..te.len()).filter(|&a| bcast(f, se[a]) && !bcast(f, te[a])).collect();
+        for u in f.tvs[t].uses.clone() {
+            if !f.exprs[u].op.is_elementwise() || matches!(f.exprs[u].op, Op::Set) {
+                continue;
+            }
+            let others: Vec<TvId> = f.exprs[u].inputs.iter().filter_map(|o| o.tensor()).filter(|&o| o != t).collect();
+            let sized = expanded.iter().all(|&a| {
+                others.iter().any(|&o| {
+                    let l = f.no_reduction_logical(o);
+                    l.len() == te.len() && !bcast(f, l[a])
+                })
+            });
+            if !sized {
+                continue;
+            }
+            for o in f.exprs[u].inputs.iter_mut() {
+                if *o == Operand::Tensor(t) {
+                    *o = Operand::Tensor(src);
+                }
+            }
+            f.tvs[t].uses.retain(|&x| x != u);
+            if !f.tvs[src].uses.contains(&u) {
+                f.tvs[src].uses.push(u);
+            }
+        }
+    }
+    Ok(())
 }
 
 /// `pow(x, c)` of a floating `x` by a constant `c` in {2, 3, 4} becomes multiplications
