@@ -111,7 +111,7 @@ def test_in_place_shape_mismatch_leaves_the_input_untouched() -> None:
         b = fd.define_tensor([-1, -1])
         fd.add_output(fd.ops.sum(b, [1]), alias_input=a)
     x, y = np.zeros(3, np.float32), np.ones((4, 2), np.float32)
-    msg = r"input 0: has shape \(3,\) but the output written into it in place has shape \(4,\)"
+    msg = r"input 0 \(T0\): has shape \(3,\) but output 0, written into it in place, has shape \(4,\)"
     with pytest.raises(KilnError, match=msg):
         fd.execute([x, y])
     np.testing.assert_array_equal(x, 0)

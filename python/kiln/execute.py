@@ -43,6 +43,13 @@ def execute(fd: Any, inputs: Sequence[Any], device: Optional[str], as_written: b
     if as_written and device != "cpu":
         raise KilnError("as_written=True interprets the fusion as defined, without a schedule: "
                         "it runs on the CPU only (device='cpu' or NumPy inputs)")
+    if device == "cpu":
+        # Checked before a kernel is compiled for them: the NumPy bindings convert at most 32.
+        for i, x in enumerate(inputs):
+            if getattr(x, "ndim", 0) > 32:
+                name = fd._core.input_specs()[i].name
+                raise KilnError(f"input {i} ({name}) has {x.ndim} axes; the CPU interpreter takes arrays of "
+                                f"at most 32 axes")
     # Every path runs the program the GPU would run for these inputs (so the interpreter
     # checks the automatic schedules), unless the caller asks for the fusion as written.
     low = fd._lowered() if (fd._core.manually_scheduled or as_written) else lowered_for(fd, inputs, args)
@@ -69,11 +76,39 @@ def execute(fd: Any, inputs: Sequence[Any], device: Optional[str], as_written: b
         if not hasattr(_core, "execute_cpu"):
             raise KilnError("this build of kiln has no CPU interpreter (kiln._core.execute_cpu); "
                             "run on a GPU with CuPy arrays or torch CUDA tensors")
+        if not as_written:  # (the fusion as written has no launches to plan)
+            _check_before_launch(fd, low, inputs, "numpy")
         return in_place(fd, inputs, run_on_cpu(low, inputs, _core.execute_cpu))
     ev = low.evaluator()
-    outs = ev.run(inputs)
+    outs = ev.run(inputs, validate=lambda: _check_before_launch(fd, low, inputs, _kind(next(
+        (x for x in inputs if _kind(x) != "scalar"), None))))
     _remember(fd, inputs, ev)
     return in_place(fd, inputs, outs)
+
+
+def _check_before_launch(fd: Any, low: Any, inputs: Sequence[Any], kind: str) -> None:
+    """Plan every launch of ``low`` for ``inputs`` (launch limits of every kernel) and check
+    the shapes of the in-place outputs, before any kernel runs."""
+    from .host import plan_program  # noqa: PLC0415
+
+    c = compiled(fd)
+    if c.aliases is None:
+        c.aliases = [tuple(p) for p in fd._core.aliases()]
+    if low.program is None:
+        return
+    arrays = [x for x in inputs if _kind(x) != "scalar"]
+    scalars = [x for x in inputs if _kind(x) == "scalar"]
+    plan = plan_program(low.program, arrays, scalars, "torch" if kind == "torch" else "numpy")
+    if not c.aliases:
+        return
+    names = low.program.output_names()
+    specs = fd._core.input_specs()
+    for o, i in c.aliases:
+        want = tuple(plan.buffer(names[o]).sizes)
+        if tuple(inputs[i].shape) != want:
+            name = f" ({specs[i].name})" if i < len(specs) else ""
+            raise KilnError(f"input {i}{name}: has shape {tuple(inputs[i].shape)} but output {o}, written "
+                            f"into it in place, has shape {want}; nothing was run")
 
 
 def _check_writable(fd: Any, inputs: Sequence[Any]) -> None:

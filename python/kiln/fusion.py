@@ -153,6 +153,13 @@ class FusionDefinition:
             if not -1 <= s < 2**63:
                 raise KilnError(f"define_tensor {name}: axis {axis} has size {s}; expected -1 (symbolic), "
                                 f"1 (broadcast) or a size in [0, 2**63)")
+        if isinstance(contiguity, bool):  # one flag for every axis, as set_allocation_domain takes
+            contiguity = [contiguity] * len(shape)
+        if contiguity is not None and (not isinstance(contiguity, (list, tuple)) or not all(
+                c is None or isinstance(c, numbers.Integral) or type(c).__name__ == "bool_"
+                for c in contiguity)):
+            raise KilnTypeError(f"define_tensor {name}: contiguity must be a bool or a list of bools "
+                                f"(or None), got {contiguity!r}")
         contig = None if contiguity is None else [None if c is None else bool(c) for c in contiguity]
         if contig is not None and len(contig) == len(shape) and any(
                 c is None and s != 1 for c, s in zip(contig, shape)):
@@ -189,7 +196,11 @@ class FusionDefinition:
                     raise KilnError(f"define_scalar: {value} does not fit a {dtype.name} constant "
                                     f"(range [{lo}, {hi}))")
             else:
-                value = float(value)
+                try:
+                    value = float(value)
+                except OverflowError as e:
+                    raise KilnError(f"define_scalar: the integer is too large for a {dtype.name} constant "
+                                     "(beyond 1.8e308)") from e
         return self._const(value)
 
     def _const(self, value: Union[int, float, bool]) -> Scalar:
@@ -238,6 +249,8 @@ class FusionDefinition:
             raise KilnError(f"set_cluster: pt must be a ParallelType (BIDx, BIDy or BIDz), got {pt!r}")
         if isinstance(size, bool) or not isinstance(size, int):
             raise KilnError(f"set_cluster: size must be an int, got {size!r}")
+        if not 0 <= size < 2**31:
+            raise KilnError(f"set_cluster: a cluster of {size} blocks along {pt.name}; expected 2 to 8")
         self._core.set_cluster(pt.name, size)
 
     # -- lowering --------------------------------------------------------------------

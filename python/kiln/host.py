@@ -483,10 +483,10 @@ class HostEvaluator:
             k = self._error_kernels.get(slot, 0)
             gathers = {g.site: (g.index, g.table) for g in self.lowered.kernels[k]._core.gathers()}
             ix, table = gathers.get(site - 1, ("the index tensor", "the table"))
-            raise KilnError(f"index_select in kernel {k} of an earlier call of this fusion: "
-                            f"the index tensor {ix} "
+            raise KilnError(f"a gather (index_select, take_along_axis) in kernel {k} of an earlier call of "
+                            f"this fusion: the index tensor {ix} "
                             f"held {value} at element {element}; {table} has {extent} entries along the "
-                            f"selected axis (indices must be in [0, {extent})); entry 0 was read instead")
+                            f"gathered axis (indices must be in [0, {extent})); entry 0 was read instead")
 
     def check_errors(self) -> None:
         """Synchronize each device this program ran on and raise what its kernels recorded."""

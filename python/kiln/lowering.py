@@ -239,6 +239,13 @@ def _arg(x: Any) -> RuntimeArg:
         item = getattr(x, "itemsize", None) or getattr(x.dtype, "itemsize", None)
         if raw is None or not isinstance(item, int) or item <= 0:
             return RuntimeArg("other", type(x).__name__)
+        odd = [k for k, (n, s) in enumerate(zip(shape, raw)) if int(n) > 1 and int(s) % item]
+        if odd:
+            # A field of a structured array, say: no element stride describes it.
+            k = odd[0]
+            return RuntimeArg("other", f"an array whose axis {k} stride of {int(raw[k])} bytes is not a "
+                                       f"multiple of its {item}-byte elements (pass a copy, "
+                                       f"np.ascontiguousarray(x))")
         strides = [int(s) // item for s in raw]
     return RuntimeArg("tensor", name, [int(s) for s in shape], strides)
 

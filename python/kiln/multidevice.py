@@ -43,8 +43,8 @@ class DeviceMesh:
         self.devices: Tuple[int, ...] = tuple(int(d) for d in devs)
         if not self.devices:
             raise KilnError("DeviceMesh: the mesh has no devices")
-        if any(d < 0 for d in self.devices):
-            raise KilnError(f"DeviceMesh: ranks are >= 0, got {list(self.devices)}")
+        if any(not 0 <= d < 2**31 for d in self.devices):
+            raise KilnError(f"DeviceMesh: ranks are in [0, 2**31), got {list(self.devices)}")
         if len(set(self.devices)) != len(self.devices):
             raise KilnError(f"DeviceMesh: a rank is listed twice in {list(self.devices)}")
 
@@ -457,6 +457,9 @@ def mesh_run(fd: Any) -> MeshRun:
 def execute(fd: Any, inputs: Sequence[Any], device: Optional[str], comm: Optional[Communicator]) -> List[Any]:
     """Run a sharded fusion on this rank's local inputs."""
     run = mesh_run(fd)
+    if comm is not None and not all(hasattr(comm, a) for a in ("rank", "size", "allreduce", "allgather")):
+        raise KilnTypeError(f"execute: comm= takes a kiln.multidevice.Communicator (rank, size, allreduce, "
+                            f"allgather, reduce_scatter), got {type(comm).__name__}")
     return run.run(inputs, comm if comm is not None else default_communicator(run.mesh), device)
 
 
@@ -476,6 +479,8 @@ def simulate(fd: Any, inputs_per_rank: Sequence[Sequence[Any]]) -> List[List[Any
         raise KilnError(f"simulate: the fusion's mesh is {run.mesh}; pass one input list per rank ({n}), "
                         f"got {got}")
     for r, ins in enumerate(inputs_per_rank):
+        if not isinstance(ins, (list, tuple)):
+            raise KilnTypeError(f"simulate: rank {r}: expected a list of inputs, got {type(ins).__name__}")
         for x in ins:
             if not isinstance(x, (bool, int, float, np.ndarray, np.generic)):
                 raise KilnTypeError(f"simulate: rank {r}: inputs are NumPy arrays and numbers, "
@@ -501,6 +506,10 @@ def simulate(fd: Any, inputs_per_rank: Sequence[Sequence[Any]]) -> List[List[Any
             _, _c, kind, op, _x, _o = first
             xs = [np.asarray(q[4]) for q in live]  # type: ignore[index]
             outs = [q[5] for q in live]  # type: ignore[index]
+            if len({x.shape for x in xs}) != 1:
+                # Each rank's slice has the shape of its own inputs: they must agree.
+                raise KilnError(f"simulate: the ranks' {kind.lower()} operands have shapes "
+                                f"{[x.shape for x in xs]}; every rank's inputs must have the same sizes")
             if kind == "Allreduce":
                 total = _REDUCE[op].reduce(np.stack(xs), axis=0).astype(xs[0].dtype)
                 for o in outs:

@@ -701,7 +701,7 @@ impl Gen<'_> {
         for gth in &ix.gathers {
             let _ = write!(
                 pre,
-                "const kiln_index_t g{} = kiln::checkedIndex(({}) ? (kiln_index_t){}[{}] : 0, {}, {}, {}, {}); ",
+                "const kiln_index_t g{} = kiln::checkedIndex(({}) ? (int64_t){}[{}] : 0, {}, {}, {}, {}); ",
                 gth.id,
                 pred,
                 self.buf(gth.index_tv),
@@ -750,7 +750,7 @@ impl Gen<'_> {
             // dereferenced only then.
             let _ = writeln!(
                 self.out,
-                "{pad}  const kiln_index_t g{} = kiln::checkedIndex(({}) ? (kiln_index_t){}[{}] : 0, {}, {}, {}, {});",
+                "{pad}  const kiln_index_t g{} = kiln::checkedIndex(({}) ? (int64_t){}[{}] : 0, {}, {}, {}, {});",
                 g.id,
                 self.pred(v.first),
                 self.buf(g.index_tv),

@@ -84,7 +84,8 @@ KILN_DEVICE constexpr int64_t ceilDiv(int a, int64_t b) { return (a + b - 1) / b
 // An index_select value outside [0, n) selects entry 0 instead of reading outside the
 // table: bad data never becomes a wild address. The first such value is recorded in the
 // kernel's error word `err` (host memory the device writes; the host reports it as an
-// error later): [site + 1, element of the index tensor, value, n].
+// error later): [site + 1, element of the index tensor, value, n]. The value is checked
+// as read (64-bit), before a 32-bit kernel narrows it.
 template <typename I, typename N, typename E>
 KILN_DEVICE I checkedIndex(I v, N n, int64_t* err, int site, E element) {
   if (v >= 0 && v < (I)n) {

@@ -396,7 +396,9 @@ fn check_tensor_sizes(f: &Fusion, b: &Bindings) -> Result<()> {
 /// scalar) that disagrees with an input's is refused before any schedule is picked,
 /// naming the tensors as the definition does.
 fn check_aligned_sizes(f: &Fusion, b: &Bindings) -> Result<()> {
-    for (e, ex) in f.exprs.iter() {
+    // Only what the outputs need runs (a definition's unused op is not even sharded).
+    for e in f.topo_exprs() {
+        let ex = &f.exprs[e];
         // Element-wise ops and broadcasts line their operands up axis by axis; the others
         // (reductions keep their reduced ids, gathers and remaps read computed positions)
         // are the lowering's to check.

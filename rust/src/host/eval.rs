@@ -165,6 +165,7 @@ pub fn kernel_launch(kernel: &Kernel, cuda: &CudaKernel, b: &Bindings) -> Result
     for &e in &b.extents {
         span = span.max(e);
     }
+    span = span.max(largest_tensor(&kernel.fusion, b));
     let index32 = span.saturating_mul(2) < i64::from(i32::MAX);
     if index32 {
         for ((_, kind, _), (_, dt)) in cuda
@@ -219,7 +220,7 @@ pub fn plan(kernel: &Kernel, cuda: &CudaKernel, inputs: &[InputDesc], scalars: &
         });
     }
     let l = kernel_launch(kernel, cuda, &b)?;
-    let index32 = fits_int32(inputs, &outputs, &buffers, &b, &l);
+    let index32 = fits_int32(f, inputs, &outputs, &buffers, &b, &l);
     Ok(Plan {
         outputs,
         buffers,
@@ -231,10 +232,26 @@ pub fn plan(kernel: &Kernel, cuda: &CudaKernel, inputs: &[InputDesc], scalars: &
     })
 }
 
+/// Elements of the largest tensor of `f` (unknown sizes count as unbounded): a reshape or
+/// slice of an expanded input, and random numbers, index by row-major positions that pass
+/// any buffer's span.
+fn largest_tensor(f: &crate::ir::Fusion, b: &Bindings) -> i64 {
+    f.tvs
+        .values()
+        .map(|t| {
+            t.logical.iter().fold(1i64, |n, &id| {
+                n.saturating_mul(b.eval(&f.scalars, f.ids[id].extent).map_or(i64::MAX, |e| e.max(1)))
+            })
+        })
+        .max()
+        .unwrap_or(0)
+}
+
 /// True when every element offset the kernel can form fits in 32 bits: tensor spans,
-/// buffers, sizes, and the linear thread index (loops may round up past a tensor's end
+/// buffers, sizes, every tensor's element count, and the linear thread index (loops may round up past a tensor's end
 /// before predicates apply, hence the 2x margin).
 fn fits_int32(
+    f: &crate::ir::Fusion,
     inputs: &[InputDesc],
     outputs: &[OutputPlan],
     buffers: &[BufferPlan],
@@ -256,5 +273,5 @@ fn fits_int32(
     for &e in &b.extents {
         span = span.max(e);
     }
-    span.saturating_mul(2) < i64::from(i32::MAX)
+    span.max(largest_tensor(f, b)).saturating_mul(2) < i64::from(i32::MAX)
 }

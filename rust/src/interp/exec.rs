@@ -1873,7 +1873,7 @@ fn bad_index(ctx: &Ctx, extent: ValId, vals: &[i64]) -> Result<Option<usize>> {
 fn index_error(f: &Fusion, ctx: &Ctx, tv: TvId, table: TvId, extent: ValId, value: i64, element: i64) -> KilnError {
     let n = ctx.value(extent).map(|v| v.as_i64()).unwrap_or(0);
     KilnError::value(format!(
-        "index_select: the index tensor {} holds {value} at element {element}; {} has {n} entries along the selected axis (indices must be in [0, {n}))",
+        "gather: the index tensor {} holds {value} at element {element}; {} has {n} entries along the gathered axis (indices must be in [0, {n}))",
         f.user_tv_name(tv),
         f.table_name(table)
     ))

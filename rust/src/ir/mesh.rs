@@ -39,8 +39,18 @@ impl Fusion {
         if let Some(w) = seen.windows(2).find(|w| w[0] == w[1]) {
             bail!("set_device_mesh {name}: device {} is listed twice in {devices:?}", w[0]);
         }
-        let keep = self.meshes.get(&tv).filter(|m| m.devices.len() == devices.len()).and_then(|m| m.axis);
-        self.meshes.insert(tv, TvMesh { devices: devices.to_vec(), axis: keep, pending: None });
+        if let Some(old) = self.meshes.get(&tv) {
+            if (old.axis.is_some() || old.pending.is_some()) && old.devices.len() != devices.len() {
+                bail!(
+                    "set_device_mesh {name}: the tensor is split over its mesh of {} devices; a mesh of {} would drop that sharding (define the tensor again to shard it over another mesh)",
+                    old.devices.len(),
+                    devices.len()
+                );
+            }
+        }
+        let keep = self.meshes.get(&tv).and_then(|m| m.axis);
+        let pending = self.meshes.get(&tv).and_then(|m| m.pending);
+        self.meshes.insert(tv, TvMesh { devices: devices.to_vec(), axis: keep, pending });
         Ok(())
     }
 

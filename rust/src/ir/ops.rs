@@ -199,6 +199,22 @@ impl Fusion {
             .collect()
     }
 
+    /// A constant operand of `op` that `dt` (the type it is converted to) cannot hold: an
+    /// integer outside Int32's range, or an infinite or NaN float, for an integer type.
+    /// NumPy and PyTorch refuse these too; a silent wrap would change the answer.
+    pub(crate) fn check_constant_fits(&self, op: &str, o: Operand, dt: DataType) -> Result<()> {
+        let Operand::Scalar(v) = o else { return Ok(()) };
+        match self.scalars.get(v) {
+            crate::ir::scalar::Val::Int(n) if dt == DataType::Int32 && i32::try_from(n).is_err() => bail!(
+                "{op}: the constant {n} does not fit Int32, the dtype it meets; cast the tensor to Int (int64) first"
+            ),
+            crate::ir::scalar::Val::Float(bits) if dt.is_integer() && !f64::from_bits(bits).is_finite() => {
+                bail!("{op}: the constant {} has no {dt} value", f64::from_bits(bits))
+            }
+            _ => Ok(()),
+        }
+    }
+
     fn describe(&self, o: Operand) -> String {
         match o {
             Operand::Tensor(t) => self.tv_name(t),
@@ -328,6 +344,9 @@ impl Fusion {
             BinaryClass::Float | BinaryClass::Promote => promoted,
         };
         let cd = op.compute_dtype(promoted, out_dt);
+        for o in [a, b] {
+            self.check_constant_fits(op.name(), o, promoted)?;
+        }
         let defined = op.is_comparison()
             || match cd.category() {
                 Category::Bool => op.eval_bool(false, false).is_some(),
@@ -415,6 +434,9 @@ impl Fusion {
                 _ => DataType::Int,
             }
         };
+        for o in [a, b] {
+            self.check_constant_fits("where", o, out_dt)?;
+        }
         self.pointwise("where", Op::Where, smallvec![cond, a, b], out_dt)
     }
 
@@ -748,6 +770,7 @@ impl Fusion {
         let Operand::Scalar(v) = value else {
             bail_type!("full: the fill value must be a scalar, got {}", self.describe(value));
         };
+        self.check_constant_fits("full", value, dtype)?;
         self.source("full", shape, Op::Full { value: v }, dtype)
     }
 
@@ -810,6 +833,13 @@ impl Fusion {
             bail!("{name}: shape [{}] has more than 2^63 elements", dims.join(", "));
         }
         for (axis, &e) in shape.iter().enumerate() {
+            let dt = self.scalars.dtype(e, &self.scalar_input_dtypes);
+            if !dt.is_integer() || dt == DataType::Bool {
+                bail_type!(
+                    "{name}: the size of axis {axis} ({}) has dtype {dt}; sizes must be Int scalars",
+                    self.scalars.render(e)
+                );
+            }
             let it = match self.scalars.as_int(e) {
                 Some(1) => IterType::Broadcast,
                 Some(n) if n < 0 => bail!("{name}: axis {axis} has size {n}; expected a size >= 0"),

@@ -337,7 +337,9 @@ impl Fusion {
                 None => n,
             };
             let lo = if self.scalars.as_int(start[a]) == Some(0) { start[a] } else { self.scalars.min(start[a], hi) };
-            let st = self.scalars.int(step[a]);
+            // A step past 2^40 takes one element of any axis that fits in memory, as 2^40
+            // does; the clamp keeps the size arithmetic (len + step - 1) inside 64 bits.
+            let st = self.scalars.int(step[a].min(1 << 40));
             let span = self.scalars.sub(hi, lo);
             extents.push(self.scalars.ceil_div(span, st));
             let o = self.out_axis(a);
@@ -401,6 +403,7 @@ impl Fusion {
         }
         let mask = self.mask(&mask_extents, valid)?;
         let dt = self.tvs[x].dtype;
+        self.check_constant_fits("pad", value, dt)?;
         let filled = self.where_(Operand::Tensor(mask), Operand::Tensor(read), value)?;
         if self.tvs[filled].dtype != dt {
             return self.cast(Operand::Tensor(filled), dt);
@@ -505,7 +508,9 @@ impl Fusion {
         mask_extents[rank - 2] = ext[rank - 2];
         mask_extents[rank - 1] = ext[rank - 1];
         let (row, col) = (self.out_axis(rank - 2), self.out_axis(rank - 1));
-        let d = self.scalars.int(diagonal);
+        // Past +-2^62 every diagonal keeps (or drops) the same elements of any tensor that
+        // fits in memory; clamping keeps row + diagonal from overflowing 64 bits.
+        let d = self.scalars.int(diagonal.clamp(-(1 << 62), 1 << 62));
         let shifted = self.scalars.add(row, d);
         let valid = self.scalars.binary(ScalarOp::Le, shifted, col);
         let keep = self.mask(&mask_extents, valid)?;

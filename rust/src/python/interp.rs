@@ -3,7 +3,7 @@
 
 use half::{bf16, f16};
 use numpy::ndarray::{ArrayD, IxDyn, ShapeBuilder};
-use numpy::{Element, PyArray, PyArrayDyn, PyArrayMethods, PyUntypedArray};
+use numpy::{Element, PyArray, PyArrayDyn, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyFloat, PyInt};
 
@@ -50,7 +50,10 @@ fn read_array<T: Element + Copy + Default>(
 }
 
 fn to_value(py: Python<'_>, i: usize, what: &str, x: &Bound<'_, PyAny>, bf16_bits: bool) -> PyResult<HostValue> {
-    if x.downcast::<PyUntypedArray>().is_ok() {
+    if let Ok(a) = x.downcast::<PyUntypedArray>() {
+        if a.ndim() > MAX_RANK {
+            return Err(to_py(py, rank_error(what, a.ndim())));
+        }
         let name: String = x.getattr("dtype")?.getattr("name")?.extract()?;
         // Without ml_dtypes a bfloat16 result comes back as its uint16 bits; the next kernel
         // of a host program reads it so.
@@ -114,7 +117,18 @@ fn owned<'py, T: Element>(
     Ok(PyArray::from_owned_array(py, a).into_any())
 }
 
+/// The most axes an array the interpreter reads or returns may have (what the NumPy
+/// bindings convert; NumPy 2 arrays may have up to 64).
+const MAX_RANK: usize = 32;
+
+fn rank_error(what: &str, rank: usize) -> KilnError {
+    KilnError::value(format!("{what} has {rank} axes; the CPU interpreter takes arrays of at most {MAX_RANK} axes"))
+}
+
 fn to_numpy(py: Python<'_>, t: HostTensor) -> PyResult<PyObject> {
+    if t.shape.len() > MAX_RANK {
+        return Err(to_py(py, rank_error("an output", t.shape.len())));
+    }
     let strides: Vec<usize> = t.strides.iter().map(|&s| s.max(0) as usize).collect();
     let shape = t.shape;
     let a = match t.data {
