@@ -655,6 +655,7 @@ impl Gen<'_> {
                 let ty = self.f.tvs[self.f.exprs[a.expr].output].dtype.c_type();
                 if op == ReductionOp::LogSumExp {
                     // A running (maximum, sum) pair: one exp per element (see kiln::LseAcc).
+                    let ty = lse_element_dtype(self.f, a.expr).c_type();
                     let _ = writeln!(self.out, "{pad}kiln::LseAcc<{ty}> kiln_acc{} = kiln::lseEmpty<{ty}>();", a.id);
                 } else {
                     let _ = writeln!(self.out, "{pad}{ty} kiln_acc{} = kiln::cast<{ty}>({});", a.id, self.c(init));
@@ -664,7 +665,10 @@ impl Gen<'_> {
                 let Op::Reduction { op, .. } = self.f.exprs[acc.expr].op else {
                     crate::bail_internal!("accumulate of a non-reduction")
                 };
-                let dt = self.f.tvs[self.f.exprs[acc.expr].output].dtype;
+                let dt = match op {
+                    ReductionOp::LogSumExp => lse_element_dtype(self.f, acc.expr),
+                    _ => self.f.tvs[self.f.exprs[acc.expr].output].dtype,
+                };
                 let pre = self.gather_reads(index);
                 let input = self.operand(acc.expr, index, 0, dt);
                 let _ = writeln!(
@@ -684,7 +688,7 @@ impl Gen<'_> {
                 let init_c = format!("kiln::cast<{ty}>({})", self.c(init));
                 let red = crate::analysis::parallel::reduced_dims(self.f, &self.k.loops, self.f.exprs[acc.expr].output);
                 let value = if op == ReductionOp::LogSumExp {
-                    format!("kiln::lseFinish(kiln_acc{})", acc.id)
+                    format!("kiln::lseFinish<{ty}>(kiln_acc{})", acc.id)
                 } else {
                     format!("kiln_acc{}", acc.id)
                 };
@@ -1121,6 +1125,21 @@ impl Gen<'_> {
 }
 
 /// The combining functor of a reduction in the runtime header.
+/// The type a log-sum-exp accumulates its row in: the input's compute type (float for
+/// float, half and bfloat16 rows) where that is narrower than the result. A float row whose
+/// log-sum-exp is a double (the automatic schedules' softmax, see
+/// `sched::auto::canonical::online_logsumexp`) pays for a float exp per element, and its
+/// maximum and sum are finished and merged in double.
+fn lse_element_dtype(f: &Fusion, e: ExprId) -> DataType {
+    let out = f.tvs[f.exprs[e].output].dtype;
+    let input = f.exprs[e].inputs[0].tensor().map_or(out, |x| f.tvs[x].dtype.compute_dtype());
+    if input.size_bytes() < out.size_bytes() {
+        input
+    } else {
+        out
+    }
+}
+
 fn functor(op: ReductionOp) -> &'static str {
     match op {
         ReductionOp::Sum => "kiln::Sum()",

@@ -1026,9 +1026,12 @@ KILN_DEVICE LseAcc<T> lseEmpty() {
 }
 // The log-sum-exp of an accumulator: +-inf where the maximum is (an infinite input, or no
 // finite one: m at its floor with s = 0 gives -inf), NaN once a NaN was seen.
-template <typename T>
-KILN_DEVICE T lseFinish(LseAcc<T> a) {
-  return a.m == numeric<T>::highest() ? a.m : a.m + log(a.s);
+// R: the result type, T or wider. A double result of a float row keeps log(s) next to a
+// maximum of any size (a row masked to -1e9 has lse = -1e9 + log(n), which float rounds
+// to -1e9): exp(x - lse) then still sums to one.
+template <typename R, typename T>
+KILN_DEVICE R lseFinish(LseAcc<T> a) {
+  return a.m == numeric<T>::highest() ? R(a.m) : R(a.m) + log(R(a.s));
 }
 struct LogSumExp {
   // Merge two log-sum-exp values.

@@ -542,8 +542,14 @@ pub fn online_logsumexp(f: &mut Fusion, long_row: &dyn Fn(&Fusion, ExprId) -> bo
             }
             let s = f.exprs[e].output;
             let dims: Vec<i64> = reduced_axes(f, e).into_iter().map(|a| a as i64).collect();
-            let lse = f.reduction(ReductionOp::LogSumExp, x, &dims, false, None)?;
+            // A float row's log-sum-exp is kept in double: `x - lse` must keep log(n) next to
+            // a maximum of any size (a masked row of -1e9 has lse = -1e9 + log(n), which float
+            // rounds to -1e9, and its softmax would sum to n), and every merge of partial
+            // results would add an ulp of |lse|. The elements still accumulate in float.
+            let wide = (f.tvs[x].dtype.compute_dtype() == DataType::Float).then_some(DataType::Double);
+            let lse = f.reduction(ReductionOp::LogSumExp, x, &dims, false, wide)?;
             let diff = f.binary(BinaryOp::Sub, Operand::Tensor(lse), Operand::Tensor(m))?;
+            let diff = cast_to(f, diff, f.tvs[s].dtype)?;
             let sum = f.unary(UnaryOp::Exp, Operand::Tensor(diff))?;
             replace_tensor(f, s, sum);
             if let Some(ex) = f.exprs[e].inputs[0].tensor() {
@@ -601,11 +607,31 @@ fn drop_the_maximum(f: &mut Fusion, ex: TvId, s: TvId, x: TvId, lse: TvId) -> Re
         if f.tvs[old].dtype != f.tvs[x].dtype || f.tvs[old].logical.len() != f.tvs[x].logical.len() {
             continue;
         }
-        let b = f.broadcast(lse, is_new)?;
+        // `x - lse` as `(x - hi) - lo`, the double lse split into two of the row's floats
+        // (hi its rounding, lo the rest, such as the log(n) that float loses next to a large
+        // maximum): two float subtractions per element. A row with +inf (or only -inf, or a
+        // NaN) has a non-finite lse, whose lo (inf - inf) is NaN: the whole row is NaN, as
+        // `x - max` makes it in the written form.
+        let ct = f.tvs[x].dtype.compute_dtype();
+        let hi = cast_to(f, lse, ct)?;
+        let lo = if f.tvs[lse].dtype == ct {
+            None
+        } else {
+            let back = f.cast(Operand::Tensor(hi), f.tvs[lse].dtype)?;
+            let rest = f.binary(BinaryOp::Sub, Operand::Tensor(lse), Operand::Tensor(back))?;
+            Some(f.cast(Operand::Tensor(rest), ct)?)
+        };
+        let b = f.broadcast(hi, is_new.clone())?;
         let mut new = f.binary(BinaryOp::Sub, Operand::Tensor(x), Operand::Tensor(b))?;
+        if let Some(lo) = lo {
+            let b = f.broadcast(lo, is_new)?;
+            new = f.binary(BinaryOp::Sub, Operand::Tensor(new), Operand::Tensor(b))?;
+        }
+        new = cast_to(f, new, ct)?;
         if exp {
             new = f.unary(UnaryOp::Exp, Operand::Tensor(new))?;
         }
+        let new = cast_to(f, new, f.tvs[old].dtype)?;
         replace_tensor(f, old, new);
         for i in f.exprs[r].inputs.clone() {
             if let Operand::Tensor(t) = i {
@@ -614,6 +640,15 @@ fn drop_the_maximum(f: &mut Fusion, ex: TvId, s: TvId, x: TvId, lse: TvId) -> Re
         }
     }
     Ok(())
+}
+
+/// `t` converted to `dtype` (itself when it has that type).
+fn cast_to(f: &mut Fusion, t: TvId, dtype: DataType) -> Result<TvId> {
+    if f.tvs[t].dtype == dtype {
+        Ok(t)
+    } else {
+        f.cast(Operand::Tensor(t), dtype)
+    }
 }
 
 /// Move gathers through element-wise ops towards the inputs (see the module docs).
