@@ -464,16 +464,26 @@ fn pure_reshape(f: &mut Fusion, e: ExprId) -> bool {
 /// True when `x` is a reshape of a tensor computed in the fusion, or an element-wise op
 /// whose operands lead to one.
 fn leads_to_reshape(f: &Fusion, x: TvId) -> bool {
-    let Some(d) = f.tvs[x].definition else { return false };
-    match &f.exprs[d].op {
-        Op::Remap { name: "reshape", valid: None, .. } => {
-            f.exprs[d].inputs[0].tensor().is_some_and(|y| f.tvs[y].definition.is_some())
+    // A DAG walk with a visited set: a chain that reads each value twice would otherwise
+    // be walked as a tree, 2^k paths after k steps.
+    let mut seen = FxHashSet::default();
+    let mut stack = vec![x];
+    while let Some(t) = stack.pop() {
+        if !seen.insert(t) {
+            continue;
         }
-        op if op.is_elementwise() => {
-            f.exprs[d].inputs.iter().filter_map(|o| o.tensor()).any(|y| leads_to_reshape(f, y))
+        let Some(d) = f.tvs[t].definition else { continue };
+        match &f.exprs[d].op {
+            Op::Remap { name: "reshape", valid: None, .. } => {
+                if f.exprs[d].inputs[0].tensor().is_some_and(|y| f.tvs[y].definition.is_some()) {
+                    return true;
+                }
+            }
+            op if op.is_elementwise() => stack.extend(f.exprs[d].inputs.iter().filter_map(|o| o.tensor())),
+            _ => {}
         }
-        _ => false,
     }
+    false
 }
 
 /// Merge a reduction of a reduction's result into one reduction of the inner input over

@@ -29,9 +29,12 @@ fn merge_range(f: &mut Fusion, t: TvId, start: usize, count: usize) -> Result<()
     Ok(())
 }
 
-/// Give every reader of a row tensor its own copy of it, so that each tensor is computed in
-/// the pass that reads it. Reductions and the tensors `shared` accepts (per-row values, one
-/// per block) stay single: every pass reads them.
+/// Give every pass that reads a row tensor its own copy of it, so that each tensor is
+/// computed in the pass that reads it. Reductions and the tensors `shared` accepts (per-row
+/// values, one per block) stay single: every pass reads them. Readers that lead to the same
+/// reductions and outputs share one copy: they run in one loop nest anyway, and a copy per
+/// reader would unfold a chain that reads each value twice (`x = x + h * (tanh(x) - x)`,
+/// Newton steps) into a tree, 3^k copies after k steps.
 pub(super) fn recompute_per_reader(f: &mut Fusion, shared: &dyn Fn(&Fusion, TvId) -> bool) -> Result<()> {
     // Readers first: a copy adds readers to its producers, which come later in this order.
     for e in f.topo_exprs().into_iter().rev() {
@@ -39,18 +42,49 @@ pub(super) fn recompute_per_reader(f: &mut Fusion, shared: &dyn Fn(&Fusion, TvId
         if matches!(f.exprs[e].op, Op::Reduction { .. }) || shared(f, t) {
             continue;
         }
-        let uses = f.tvs[t].uses.clone();
-        // An output is stored by its own loop nest; every reader then takes a copy.
+        // The readers, grouped by the reductions and outputs they lead to.
+        let mut groups: Vec<(Vec<TvId>, Vec<ExprId>)> = Vec::new();
+        for u in f.tvs[t].uses.clone() {
+            let key = sinks(f, f.exprs[u].output);
+            match groups.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, us)) => us.push(u),
+                None => groups.push((key, vec![u])),
+            }
+        }
+        // An output is stored by its own loop nest; every group of readers then takes a copy.
         let first = usize::from(!f.is_output(t));
-        if uses.len() > first && matches!(f.exprs[e].op, Op::Permute { .. }) {
+        if groups.len() > first && matches!(f.exprs[e].op, Op::Permute { .. }) {
             bail!("{}: read by several passes over the row, and not recomputed per pass", f.tv_name(t));
         }
-        for &u in uses.iter().skip(first) {
+        for (_, us) in groups.iter().skip(first) {
             let c = canonical::recompute(f, t)?;
-            f.redirect_use(u, t, c);
+            for &u in us {
+                f.redirect_use(u, t, c);
+            }
         }
     }
     Ok(())
+}
+
+/// The reductions and fusion outputs that `t` flows into (itself included), sorted.
+fn sinks(f: &Fusion, t: TvId) -> Vec<TvId> {
+    let mut out = Vec::new();
+    let mut seen = rustc_hash::FxHashSet::default();
+    let mut stack = vec![t];
+    while let Some(x) = stack.pop() {
+        if !seen.insert(x) {
+            continue;
+        }
+        let reduced = f.tvs[x].definition.is_some_and(|d| matches!(f.exprs[d].op, Op::Reduction { .. }));
+        if reduced || f.is_output(x) {
+            out.push(x);
+        }
+        if !reduced {
+            stack.extend(f.tvs[x].uses.iter().map(|&u| f.exprs[u].output));
+        }
+    }
+    out.sort_unstable();
+    out
 }
 
 /// Schedule a normalization as loops over each row (see the module docs).
