@@ -474,10 +474,10 @@ fn leads_to_reshape(f: &Fusion, x: TvId) -> bool {
         }
         let Some(d) = f.tvs[t].definition else { continue };
         match &f.exprs[d].op {
-            Op::Remap { name: "reshape", valid: None, .. } => {
-                if f.exprs[d].inputs[0].tensor().is_some_and(|y| f.tvs[y].definition.is_some()) {
-                    return true;
-                }
+            Op::Remap { name: "reshape", valid: None, .. }
+                if f.exprs[d].inputs[0].tensor().is_some_and(|y| f.tvs[y].definition.is_some()) =>
+            {
+                return true;
             }
             op if op.is_elementwise() => stack.extend(f.exprs[d].inputs.iter().filter_map(|o| o.tensor())),
             _ => {}
