@@ -373,7 +373,8 @@ def test_compositions_clamp_lerp_addcmul_threshold() -> None:
     np.testing.assert_allclose(lerp, want, rtol=1e-5, atol=1e-5, equal_nan=True)
     np.testing.assert_allclose(lerp_c, y64 - (y64 - x64) * 0.25, rtol=1e-5, atol=1e-5, equal_nan=True)
     np.testing.assert_allclose(addcmul, x64 + 0.5 * y64 * w64, rtol=1e-5, atol=1e-5, equal_nan=True)
-    np.testing.assert_array_equal(thr, np.where(x > 0.5, x, -7.0).astype(np.float32))
+    # ATen's threshold kernel: `x <= threshold ? value : x`, so NaN stays NaN.
+    np.testing.assert_array_equal(thr, np.where(x <= 0.5, -7.0, x).astype(np.float32))
 
 
 def test_clamp_with_one_bound_open_as_torch() -> None:

@@ -91,6 +91,9 @@ def _seq(v: object, what: str) -> List[Any]:
     return list(v)
 
 
+_NARROW_FLOATS = ("Half", "BFloat16")
+
+
 def _check_dtype(dtype: object, what: str) -> str:
     if not isinstance(dtype, DataType):
         raise KilnTypeError(f"{what}: dtype must be a kiln.DataType, got {dtype!r}")
@@ -418,8 +421,8 @@ class Ops:
         return self.add(x, self.mul(self.mul(a, b), value))
 
     def threshold(self, x: Operand, threshold: Operand, value: Operand) -> Tensor:
-        """``x`` where ``x > threshold``, else ``value`` (torch.nn.functional.threshold)."""
-        return self.where(self.gt(x, threshold), x, value)
+        """``value`` where ``x <= threshold``, else ``x`` (torch.nn.functional.threshold; NaN stays NaN)."""
+        return self.where(self.le(x, threshold), value, x)
 
     def size(self, x: Tensor, dim: int) -> Scalar:
         """The size of axis ``dim`` of ``x`` as a Scalar (usable in shapes and arithmetic)."""
@@ -446,6 +449,9 @@ class Ops:
         t = fd._tensor(x, op)
         axes = _ints(dims, f"{op}: dims")
         dt = None if dtype is None else _check_dtype(dtype, op)
+        if dt is not None and dt in _NARROW_FLOATS and x.dtype.value in ("Float", "Double"):
+            # PyTorch casts the input to a half or bfloat16 `dtype` before reducing.
+            t = fd._tensor(self.cast(x, DataType(dt)), op)
         return Tensor(fd, fd._core.reduction(op, t, axes, bool(keepdim), dt))
 
     def sum(self, x: Tensor, dims: Optional[Sequence[int]] = None, keepdim: bool = False,
@@ -551,7 +557,15 @@ class Ops:
             raise KilnTypeError(f"mean: {x.name} has dtype {x.dtype.name}; expected a floating type "
                                 f"(cast it first)")
         n = self._count(x, list(dims), "mean")
-        return self.div(self.sum(x, dims, keepdim, dtype), n)
+        out = x.dtype if dtype is None else DataType(_check_dtype(dtype, "mean"))
+        if out.value not in ("Float", "Double", "Half", "BFloat16"):
+            raise KilnTypeError(f"mean: dtype {out.name} is not a floating type")
+        if out.value not in _NARROW_FLOATS:
+            return self.div(self.sum(x, dims, keepdim, out if dtype is not None else None), n)
+        # A half or bfloat16 mean is summed and divided in float and rounded once, as in
+        # PyTorch: a sum rounded to half first overflows past 65504 (a mean of 1000 hundreds).
+        src = x if x.dtype == out else self.cast(x, out)
+        return self.cast(self.div(self.sum(src, dims, keepdim, DataType.Float), n), out)
 
     def var(self, x: Tensor, dims: Sequence[int], correction: int = 1, keepdim: bool = False) -> Tensor:
         """Variance over ``dims`` (see ``var_mean``)."""

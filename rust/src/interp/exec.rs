@@ -1800,11 +1800,24 @@ impl Exec<'_, '_> {
                 }
             }
         }
-        let mut acc = v.select(&members[..n_grp].iter().map(|&l| l as usize).collect::<Vec<_>>());
-        for j in 1..n_red {
-            let sel: Vec<usize> = members[j * n_grp..(j + 1) * n_grp].iter().map(|&l| l as usize).collect();
-            acc = values::combine(rop, acc, v.select(&sel), out_dt)?;
+        // Combined pairwise, as the GPU's butterflies and trees do: a chain over 50,000
+        // threads' partial sums in float would drift by 1e-4 relative where the GPU's
+        // result is within a few ulps.
+        let mut parts: Vec<Col> = (0..n_red)
+            .map(|j| v.select(&members[j * n_grp..(j + 1) * n_grp].iter().map(|&l| l as usize).collect::<Vec<_>>()))
+            .collect();
+        while parts.len() > 1 {
+            let mut next = Vec::with_capacity(parts.len().div_ceil(2));
+            let mut it = parts.into_iter();
+            while let Some(a) = it.next() {
+                next.push(match it.next() {
+                    Some(b) => values::combine(rop, a, b, out_dt)?,
+                    None => a,
+                });
+            }
+            parts = next;
         }
+        let Some(acc) = parts.pop() else { bail_internal!("interpreter: a collective reduction over no threads") };
         if grid {
             if let Some(&(_, at)) = mem.buffers.iter().find(|(n, _)| *n == work_name) {
                 if let Some(w) = &mut mem.caller[at].written {

@@ -66,11 +66,27 @@ pub trait Real: Copy + PartialOrd + From<i8> + std::ops::Add<Output = Self> + st
     /// The inverse hyperbolic cosine (libm's: std's `acosh` loses digits near 1, about 16
     /// ulp of float32 at acosh(1.0005)).
     fn acosh_(self) -> Self;
+    /// The inverse hyperbolic sine (libm's: std's overflows to inf past about 1.8e19 of
+    /// float32, where asinh(3e38) is 89.3).
+    fn asinh_(self) -> Self;
+    /// The inverse hyperbolic tangent (libm's: std's is 6 ulp off near 1 in float32).
+    fn atanh_(self) -> Self;
 }
 
 impl Real for f32 {
     fn acosh_(self) -> f32 {
-        libm::acoshf(self)
+        // Below 1 (negative inputs included, which libm maps to finite values) it is NaN.
+        if self < 1.0 {
+            f32::NAN
+        } else {
+            libm::acoshf(self)
+        }
+    }
+    fn asinh_(self) -> f32 {
+        libm::asinhf(self)
+    }
+    fn atanh_(self) -> f32 {
+        libm::atanhf(self)
     }
     fn erf_(self) -> f32 {
         libm::erff(self)
@@ -94,7 +110,17 @@ impl Real for f32 {
 
 impl Real for f64 {
     fn acosh_(self) -> f64 {
-        libm::acosh(self)
+        if self < 1.0 {
+            f64::NAN
+        } else {
+            libm::acosh(self)
+        }
+    }
+    fn asinh_(self) -> f64 {
+        libm::asinh(self)
+    }
+    fn atanh_(self) -> f64 {
+        libm::atanh(self)
     }
     fn erf_(self) -> f64 {
         libm::erf(self)
@@ -564,13 +590,13 @@ unary_ops! {
         float(a) => Some(a.tanh()), int(a) => None, bool(a) => None;
     /// Inverse hyperbolic sine.
     Asinh = "asinh", Float, Cuda::Libm("asinhf", "asinh"),
-        float(a) => Some(a.asinh()), int(a) => None, bool(a) => None;
+        float(a) => Some(a.asinh_()), int(a) => None, bool(a) => None;
     /// Inverse hyperbolic cosine.
     Acosh = "acosh", Float, Cuda::Libm("acoshf", "acosh"),
         float(a) => Some(a.acosh_()), int(a) => None, bool(a) => None;
     /// Inverse hyperbolic tangent.
     Atanh = "atanh", Float, Cuda::Libm("atanhf", "atanh"),
-        float(a) => Some(a.atanh()), int(a) => None, bool(a) => None;
+        float(a) => Some(a.atanh_()), int(a) => None, bool(a) => None;
     /// 1 / (1 + e**-x).
     Sigmoid = "sigmoid", Float, Cuda::Runtime,
         float(a) => Some(1.0 / (1.0 + (-a).exp())), int(a) => None, bool(a) => None;

@@ -1,0 +1,76 @@
+"""PyTorch's semantics in corners a table-driven sweep over every op and dtype found wrong:
+half and bfloat16 means (summed and divided in float, rounded once), reductions to a
+narrower ``dtype`` (the input cast first), ``threshold`` of NaN, and the interpreter's
+inverse hyperbolic functions at the edges of their domains. References are float64 NumPy
+models of what PyTorch documents.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kiln import DataType, FusionDefinition
+
+try:
+    import ml_dtypes
+
+    NARROW = [(DataType.Half, np.float16), (DataType.BFloat16, ml_dtypes.bfloat16)]
+except ImportError:  # bfloat16 arrays need ml_dtypes
+    NARROW = [(DataType.Half, np.float16)]
+
+
+@pytest.mark.parametrize("dt,np_dt", NARROW)
+def test_a_narrow_mean_does_not_round_its_sum_first(dt: DataType, np_dt: type) -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], dt)
+        fd.add_output(fd.ops.mean(x, [1]))
+        fd.add_output(fd.ops.mean(x, [0, 1], keepdim=True))
+    rng = np.random.default_rng(3)
+    a = np.concatenate([np.full((1, 1000), 100.0), rng.uniform(0, 3, (5, 1000))]).astype(np_dt)
+    rows, total = fd.execute([a])
+    d = a.astype(np.float64)
+    # Summed in float (exactly enough here), divided, then rounded once to the narrow type.
+    for got, want in ((rows, d.mean(1)), (total, d.mean(keepdims=True))):
+        got = np.asarray(got).astype(np.float64)
+        np.testing.assert_array_equal(got, want.astype(np_dt).astype(np.float64))
+
+
+def test_reducing_to_a_narrower_dtype_casts_the_input_first() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1])
+        fd.add_output(fd.ops.sum(x, [0], dtype=DataType.Half))
+        fd.add_output(fd.ops.mean(x, [0], dtype=DataType.Half))
+    a = np.full(1000, 1.0003, np.float32)
+    s, m = fd.execute([a])
+    as_half = a.astype(np.float16).astype(np.float64)  # 1.0 each: the cast comes first
+    assert float(np.asarray(s, np.float64)) == float(np.float16(as_half.sum()))
+    big = np.full(3, 30000.0, np.float32)
+    assert float(np.asarray(fd.execute([big])[1]).astype(np.float64)) == 30000.0  # not inf
+
+
+def test_threshold_keeps_nan() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1])
+        fd.add_output(fd.ops.threshold(x, 1.0, 7.0))
+    got = fd.execute([np.array([np.nan, 0.5, 1.0, 2.0], np.float32)])[0]
+    np.testing.assert_array_equal(got, [np.nan, 7.0, 7.0, 2.0])
+
+
+@pytest.mark.parametrize("dt,np_dt", [(DataType.Float, np.float32), (DataType.Double, np.float64)])
+def test_inverse_hyperbolics_at_the_edges_of_their_domains(dt: DataType, np_dt: type) -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1], dt)
+        for op in ("acosh", "asinh", "atanh"):
+            fd.add_output(getattr(fd.ops, op)(x))
+    big = 3e38 if np_dt is np.float32 else 1.7e308
+    a = np.array([-100.0, 0.5, 1.0, 1.0005, big, -0.9918804, 0.999999, np.nan], np_dt)
+    d = a.astype(np.float64)
+    ulps = 4 if np_dt is np.float32 else 64
+    with np.errstate(invalid="ignore", divide="ignore"):
+        wants = (np.arccosh(d), np.arcsinh(d), np.arctanh(d))
+    for got, want in zip(fd.execute([a]), wants):
+        got = np.asarray(got, np.float64)
+        assert np.array_equal(np.isnan(got), np.isnan(want))
+        ok = np.isfinite(want)
+        tol = ulps * np.spacing(np.abs(want[ok]).astype(np_dt)).astype(np.float64)
+        assert np.all(np.abs(got[ok] - want[ok]) <= tol), (got, want)
