@@ -74,3 +74,24 @@ def test_inverse_hyperbolics_at_the_edges_of_their_domains(dt: DataType, np_dt: 
         ok = np.isfinite(want)
         tol = ulps * np.spacing(np.abs(want[ok]).astype(np_dt)).astype(np.float64)
         assert np.all(np.abs(got[ok] - want[ok]) <= tol), (got, want)
+
+
+@pytest.mark.parametrize("ranked,zero_dim,want", [
+    (DataType.Int32, DataType.Double, np.float64),  # a higher category: the 0-d tensor's own dtype
+    (DataType.Bool, DataType.Int32, np.int32),
+    (DataType.Int32, DataType.Half, np.float16),
+    (DataType.Half, DataType.Double, np.float16),  # the same category: the ranked operand's
+    (DataType.Int32, DataType.Int, np.int32),
+])
+def test_a_zero_dim_tensor_promotes_as_pytorch(ranked: DataType, zero_dim: DataType, want: type) -> None:
+    np_of = {DataType.Int32: np.int32, DataType.Bool: np.bool_, DataType.Half: np.float16,
+             DataType.Double: np.float64, DataType.Int: np.int64}
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1], ranked)
+        s = fd.define_tensor([], zero_dim)
+        fd.add_output(fd.ops.add(x, s))
+    a = np.array([1, 0, 1], np_of[ranked])
+    b = np.array(3, np_of[zero_dim])
+    got = fd.execute([a, b])[0]
+    assert got.dtype == want
+    np.testing.assert_array_equal(got, (a.astype(np.float64) + float(b)).astype(want))

@@ -902,6 +902,7 @@ impl Gen<'_> {
                     .map(|&o| crate::ir::dtype::PromotionOperand {
                         dtype: self.operand_dtype(o),
                         is_tensor: o.tensor().is_some(),
+                        zero_dim: false,
                     })
                     .collect();
                 let cd = b.compute_dtype(crate::ir::dtype::promote(&dts), out_dt);

@@ -1646,6 +1646,7 @@ impl Exec<'_, '_> {
                             .map(|&o| PromotionOperand {
                                 dtype: self_dtype(f, ctx, o),
                                 is_tensor: o.tensor().is_some(),
+                                zero_dim: false,
                             })
                             .collect();
                         let cd = b.compute_dtype(promote(&ops), out_dt);

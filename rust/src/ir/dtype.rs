@@ -213,12 +213,22 @@ pub fn promote_tensor_types(a: DataType, b: DataType) -> DataType {
 pub struct PromotionOperand {
     pub dtype: DataType,
     pub is_tensor: bool,
+    /// A 0-d tensor beside ranked ones (with `is_tensor` false): PyTorch's middle tier,
+    /// which lifts the category with its own dtype where a Python number gives the default.
+    pub zero_dim: bool,
 }
 
 /// Result dtype of an arithmetic op over tensors and scalars (PyTorch `result_type`).
 pub fn promote(operands: &[PromotionOperand]) -> DataType {
-    let tensor_type = operands.iter().filter(|o| o.is_tensor).map(|o| o.dtype).reduce(promote_tensor_types);
-    let scalar_type = operands.iter().filter(|o| !o.is_tensor).map(|o| o.dtype).reduce(promote_tensor_types);
+    let ranked = operands.iter().filter(|o| o.is_tensor).map(|o| o.dtype).reduce(promote_tensor_types);
+    let zero_dim = operands.iter().filter(|o| o.zero_dim).map(|o| o.dtype).reduce(promote_tensor_types);
+    let tensor_type = match (ranked, zero_dim) {
+        (Some(t), Some(z)) if z.category() > t.category() => Some(z),
+        (Some(t), _) => Some(t),
+        (None, z) => z,
+    };
+    let scalar_type =
+        operands.iter().filter(|o| !o.is_tensor && !o.zero_dim).map(|o| o.dtype).reduce(promote_tensor_types);
     match (tensor_type, scalar_type) {
         (Some(t), None) => t,
         (None, Some(s)) => s,
@@ -434,10 +444,26 @@ mod tests {
     use DataType::*;
 
     fn t(d: DataType) -> PromotionOperand {
-        PromotionOperand { dtype: d, is_tensor: true }
+        PromotionOperand { dtype: d, is_tensor: true, zero_dim: false }
     }
     fn s(d: DataType) -> PromotionOperand {
-        PromotionOperand { dtype: d, is_tensor: false }
+        PromotionOperand { dtype: d, is_tensor: false, zero_dim: false }
+    }
+    fn z(d: DataType) -> PromotionOperand {
+        PromotionOperand { dtype: d, is_tensor: false, zero_dim: true }
+    }
+
+    #[test]
+    fn zero_dim_tensors_lift_the_category_with_their_own_dtype() {
+        assert_eq!(promote(&[t(Int32), z(Double)]), Double);
+        assert_eq!(promote(&[t(Bool), z(Int32)]), Int32);
+        assert_eq!(promote(&[t(Int32), z(Half)]), Half);
+        // Within the category the ranked operand's dtype stands.
+        assert_eq!(promote(&[t(Half), z(Double)]), Half);
+        assert_eq!(promote(&[t(Int32), z(Int)]), Int32);
+        // A Python number above both categories still gives its category's default.
+        assert_eq!(promote(&[t(Bool), z(Int32), s(Double)]), Float);
+        assert_eq!(promote(&[z(Int32), s(Int)]), Int32);
     }
 
     #[test]

@@ -143,10 +143,12 @@ impl Fusion {
 
     fn operand_dtype(&self, o: Operand) -> PromotionOperand {
         match o {
-            Operand::Tensor(t) => PromotionOperand { dtype: self.tvs[t].dtype, is_tensor: true },
-            Operand::Scalar(v) => {
-                PromotionOperand { dtype: self.scalars.dtype(v, &self.scalar_input_dtypes), is_tensor: false }
-            }
+            Operand::Tensor(t) => PromotionOperand { dtype: self.tvs[t].dtype, is_tensor: true, zero_dim: false },
+            Operand::Scalar(v) => PromotionOperand {
+                dtype: self.scalars.dtype(v, &self.scalar_input_dtypes),
+                is_tensor: false,
+                zero_dim: false,
+            },
         }
     }
 
@@ -193,6 +195,7 @@ impl Fusion {
                 let mut p = self.operand_dtype(o);
                 if let Operand::Tensor(t) = o {
                     p.is_tensor = !ranked || !self.no_reduction_logical(t).is_empty();
+                    p.zero_dim = !p.is_tensor;
                 }
                 p
             })
