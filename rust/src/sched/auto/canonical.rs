@@ -457,8 +457,11 @@ fn pure_reshape(f: &mut Fusion, e: ExprId) -> bool {
     let Op::Remap { name: "reshape", index, valid: None } = f.exprs[e].op.clone() else { return false };
     let Some(x) = f.exprs[e].inputs[0].tensor() else { return false };
     let ins: Vec<ValId> = f.no_reduction_logical(x).iter().map(|&id| f.ids[id].extent).collect();
-    let outs: Vec<ValId> = f.no_reduction_logical(f.exprs[e].output).iter().map(|&id| f.ids[id].extent).collect();
-    f.reshape_index(&ins, &outs) == index
+    let out = f.exprs[e].output;
+    let outs: Vec<ValId> = f.no_reduction_logical(out).iter().map(|&id| f.ids[id].extent).collect();
+    // A remap of a broadcast source (`iota(5)` under a [5, 4] mask, sunk from a reshape of
+    // the mask) reads fewer elements than it writes: not a reshape of its positions.
+    same_element_count(f, x, out) && f.reshape_index(&ins, &outs) == index
 }
 
 /// True when `x` is a reshape of a tensor computed in the fusion, or an element-wise op
@@ -1285,14 +1288,24 @@ fn replace_tensor(f: &mut Fusion, old: TvId, new: TvId) {
             f.tvs[new].uses.push(u);
         }
     }
+    // An output that becomes a fusion input (`squeeze(broadcast(x))`) is still written: by
+    // a copy, as `add_output(x)` is.
+    let out_new = if f.is_output(old) && f.is_input(new) {
+        match f.set(new) {
+            Ok(c) => c,
+            Err(_) => new,
+        }
+    } else {
+        new
+    };
     for o in f.outputs.iter_mut() {
         if *o == old {
-            *o = new;
+            *o = out_new;
         }
     }
     for (o, _) in f.output_views.iter_mut() {
         if *o == old {
-            *o = new;
+            *o = out_new;
         }
     }
     for (v, _) in f.input_views.iter_mut() {
@@ -1300,8 +1313,8 @@ fn replace_tensor(f: &mut Fusion, old: TvId, new: TvId) {
             *v = new;
         }
     }
-    if f.is_output(new) {
-        f.tvs[new].memory = crate::ir::MemoryType::Global;
+    if f.is_output(out_new) {
+        f.tvs[out_new].memory = crate::ir::MemoryType::Global;
     }
     for t in f.segment_after.iter_mut() {
         if *t == old {

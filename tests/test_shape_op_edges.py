@@ -1,0 +1,57 @@
+"""Shape ops around position-dependent sources and views, found by a random generator of
+shape-op chains: a mask built from ``iota`` along one axis and then reshaped (a causal mask
+viewed as ``[1, S, S]``) must keep each element's row, and an output that is only a view of
+an input (``squeeze(broadcast_in_dim(x))``) is still written. Checked against NumPy.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import numpy as np
+import pytest
+from kiln import FusionDefinition
+
+
+@pytest.mark.parametrize("shape", [[5, 1, 4], [5, 2, 2], [1, 5, 4], [20], [10, 2], None], ids=str)
+@pytest.mark.parametrize("along", [0, 1])
+def test_an_iota_mask_keeps_its_positions_through_a_reshape(shape: List[int], along: int) -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        n = 5 if along == 0 else 4
+        pos = fd.ops.broadcast_in_dim(fd.ops.iota(n), shape=[-1, -1], broadcast_dims=[along])
+        y = fd.ops.where(fd.ops.lt(pos, 2), x, -1.0)
+        fd.add_output(fd.ops.reshape(y, shape) if shape else y)
+    a = np.arange(20, dtype=np.float32).reshape(5, 4)
+    idx = np.arange(5)[:, None] if along == 0 else np.arange(4)[None, :]
+    want = np.where(idx < 2, a, -1.0)
+    np.testing.assert_array_equal(fd.execute([a])[0], want.reshape(shape) if shape else want)
+
+
+def test_a_causal_mask_viewed_with_a_batch_axis_masks_the_softmax() -> None:
+    s = 7
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        i = fd.ops.broadcast_in_dim(fd.ops.iota(s), [-1, -1], [0])
+        j = fd.ops.broadcast_in_dim(fd.ops.iota(s), [-1, -1], [1])
+        y = fd.ops.reshape(fd.ops.where(fd.ops.ge(i, j), x, -1e9), [1, s, s])
+        e = fd.ops.exp(fd.ops.sub(y, fd.ops.max(y, [2], keepdim=True)))
+        fd.add_output(fd.ops.div(e, fd.ops.sum(e, [2], keepdim=True)))
+    a = np.random.default_rng(0).standard_normal((s, s)).astype(np.float32)
+    z = np.where(np.tril(np.ones((s, s), bool)), a.astype(np.float64), -1e9)
+    want = np.exp(z - z.max(1, keepdims=True))
+    want /= want.sum(1, keepdims=True)
+    np.testing.assert_allclose(fd.execute([a])[0], want[None], rtol=1e-5, atol=1e-7)
+
+
+def test_an_output_that_is_a_view_of_an_input_is_written() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.squeeze(fd.ops.broadcast_in_dim(x, [-1, 1, -1], [0, 2]), [1]))
+        fd.add_output(fd.ops.squeeze(fd.ops.broadcast_in_dim(x, [1, -1, -1], [1, 2]), [0]))
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    outs = fd.execute([a])
+    assert len(outs) == 2
+    for o in outs:
+        np.testing.assert_array_equal(o, a)
+    np.testing.assert_array_equal(fd.execute([a.T.copy()])[0], a.T)
