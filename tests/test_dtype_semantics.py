@@ -95,3 +95,26 @@ def test_a_zero_dim_tensor_promotes_as_pytorch(ranked: DataType, zero_dim: DataT
     got = fd.execute([a, b])[0]
     assert got.dtype == want
     np.testing.assert_array_equal(got, (a.astype(np.float64) + float(b)).astype(want))
+
+
+def test_tensors_meeting_a_half_are_rounded_to_half_first() -> None:
+    # PyTorch converts every tensor operand to the common half type before the op: an
+    # Int32 70000 becomes inf and 2049 becomes 2048; a 0-d float 0.3 becomes half(0.3).
+    with FusionDefinition() as fd:
+        i = fd.define_tensor([-1], DataType.Int32)
+        h = fd.define_tensor([-1], DataType.Half)
+        s = fd.define_tensor([], DataType.Float)
+        fd.add_output(fd.ops.mul(i, h))
+        fd.add_output(fd.ops.sub(i, h))
+        fd.add_output(fd.ops.eq(h, s))
+        fd.add_output(fd.ops.mul(h, s))
+    iv = np.array([2049, 70000, 2049], np.int32)
+    hv = np.array([1.5, 0.0, 2048], np.float16)
+    sv = np.array(0.3, np.float32)
+    mul, sub, eq, scaled = fd.execute([iv, hv, sv])
+    ih, sh = iv.astype(np.float16).astype(np.float32), np.float32(np.float16(sv))
+    with np.errstate(invalid="ignore", over="ignore"):
+        np.testing.assert_array_equal(mul, (ih * hv.astype(np.float32)).astype(np.float16))
+        np.testing.assert_array_equal(sub, (ih - hv.astype(np.float32)).astype(np.float16))
+    np.testing.assert_array_equal(eq, hv.astype(np.float32) == sh)
+    np.testing.assert_array_equal(scaled, (hv.astype(np.float32) * sh).astype(np.float16))

@@ -341,6 +341,21 @@ impl Fusion {
     /// An element-wise binary op.
     pub fn binary(&mut self, op: BinaryOp, a: Operand, b: Operand) -> Result<TvId> {
         let promoted = promote(&self.promotion_operands(&[a, b]));
+        // PyTorch converts tensor operands to a half or bfloat16 common type before the op
+        // (an Int32 70000 becomes inf, 2049 becomes 2048) and then computes in float; a
+        // direct conversion to float would skip that rounding. (Python numbers are not
+        // rounded first, as in PyTorch's CUDA kernels.)
+        let (a, b) = if matches!(promoted, DataType::Half | DataType::BFloat16) {
+            let mut round = |o: Operand| -> Result<Operand> {
+                match o {
+                    Operand::Tensor(t) if self.tvs[t].dtype != promoted => Ok(Operand::Tensor(self.cast(o, promoted)?)),
+                    o => Ok(o),
+                }
+            };
+            (round(a)?, round(b)?)
+        } else {
+            (a, b)
+        };
         let out_dt = match op.class() {
             BinaryClass::Compare | BinaryClass::Logical => DataType::Bool,
             BinaryClass::Float if !promoted.is_float() => DataType::Float,
