@@ -1,6 +1,7 @@
 """PyTorch's semantics in corners a table-driven sweep over every op and dtype found wrong:
 half and bfloat16 means (summed and divided in float, rounded once), reductions to a
-narrower ``dtype`` (the input cast first), ``threshold`` of NaN, and the interpreter's
+narrower ``dtype`` (the input cast first), ``threshold`` of NaN, ``nextafter`` of half and
+bfloat16 (a step of the narrow type), and the interpreter's
 inverse hyperbolic functions at the edges of their domains. References are float64 NumPy
 models of what PyTorch documents.
 """
@@ -112,9 +113,52 @@ def test_tensors_meeting_a_half_are_rounded_to_half_first() -> None:
     hv = np.array([1.5, 0.0, 2048], np.float16)
     sv = np.array(0.3, np.float32)
     mul, sub, eq, scaled = fd.execute([iv, hv, sv])
-    ih, sh = iv.astype(np.float16).astype(np.float32), np.float32(np.float16(sv))
-    with np.errstate(invalid="ignore", over="ignore"):
+    with np.errstate(invalid="ignore", over="ignore"):  # 70000 is inf in half, as intended
+        ih, sh = iv.astype(np.float16).astype(np.float32), np.float32(np.float16(sv))
         np.testing.assert_array_equal(mul, (ih * hv.astype(np.float32)).astype(np.float16))
         np.testing.assert_array_equal(sub, (ih - hv.astype(np.float32)).astype(np.float16))
     np.testing.assert_array_equal(eq, hv.astype(np.float32) == sh)
     np.testing.assert_array_equal(scaled, (hv.astype(np.float32) * sh).astype(np.float16))
+
+
+def _narrow_nextafter_reference(x: np.ndarray, y: np.ndarray, np_dt: type) -> np.ndarray:
+    """IEEE nextafter in the narrow type itself: one step of the 16-bit pattern."""
+    out = np.empty(x.shape, np.float64)
+    smallest = float(np.array([1], np.uint16).view(np_dt)[0])
+    for i, (a, b, bits) in enumerate(zip(x.astype(np.float64), y.astype(np.float64), x.view(np.uint16))):
+        if np.isnan(a) or np.isnan(b):
+            out[i] = np.nan
+        elif a == b:
+            out[i] = b
+        elif a == 0:
+            out[i] = smallest if b > 0 else -smallest
+        else:
+            step = 1 if (b > a) == (a > 0) else -1
+            out[i] = float(np.array([int(bits) + step], np.uint16).view(np_dt)[0])
+    return out
+
+
+@pytest.mark.parametrize("dt,np_dt", NARROW)
+def test_nextafter_steps_in_the_narrow_type(dt: DataType, np_dt: type) -> None:
+    # Computed in float, a half's neighbour rounded straight back to the half itself.
+    with FusionDefinition() as fd:
+        a = fd.define_tensor([-1], dt)
+        b = fd.define_tensor([-1], dt)
+        fd.add_output(fd.ops.nextafter(a, b))
+    bits = np.array([1, 0x8001], np.uint16).view(np_dt).astype(np.float64)  # +- smallest subnormal
+    largest = float(np.array([0x7BFF if dt == DataType.Half else 0x7F7F], np.uint16).view(np_dt)[0])
+    edges = [0.0, -0.0, 1.0, -1.0, 2.0, -0.5, 0.1, 3.0, 1000.0, largest, -largest, *bits,
+             2.0 ** -14, 2.0 ** -126, np.inf, -np.inf, np.nan]
+    rng = np.random.default_rng(11)
+    spread = rng.standard_normal(300) * 10.0 ** rng.integers(-6, 4, 300)
+    xs = np.concatenate([np.repeat(edges, len(edges)), spread])
+    ys = np.concatenate([np.tile(edges, len(edges)), rng.standard_normal(300)])
+    with np.errstate(over="ignore"):  # the infinities
+        x, y = xs.astype(np_dt), ys.astype(np_dt)
+    (got,) = fd.execute([x, y])
+    got = np.asarray(got)
+    got = (got.view(np_dt) if got.dtype == np.uint16 else got).astype(np.float64)
+    want = _narrow_nextafter_reference(x, y, np_dt)
+    np.testing.assert_array_equal(got, want)
+    num = ~np.isnan(want)
+    np.testing.assert_array_equal(np.signbit(got[num]), np.signbit(want[num]))

@@ -356,6 +356,9 @@ impl Fusion {
         } else {
             (a, b)
         };
+        if op == BinaryOp::Nextafter && matches!(promoted, DataType::Half | DataType::BFloat16) {
+            return self.narrow_nextafter(a, b, promoted);
+        }
         let out_dt = match op.class() {
             BinaryClass::Compare | BinaryClass::Logical => DataType::Bool,
             BinaryClass::Float if !promoted.is_float() => DataType::Float,
@@ -381,6 +384,57 @@ impl Fusion {
             );
         }
         self.pointwise(op.name(), Op::Binary(op), smallvec![a, b], out_dt)
+    }
+
+    /// `nextafter(a, b)` for half or bfloat16 operands: the neighbour of `a` in `dt`, not in
+    /// float, which is where the op computes (a float step would round back to `a`).
+    fn narrow_nextafter(&mut self, a: Operand, b: Operand, dt: DataType) -> Result<TvId> {
+        // One float step in b's direction, scaled by the mantissa bits `dt` lacks, is one
+        // step of `dt` (exactly: both formats halve their step below a power of two). Below
+        // `dt`'s smallest normal the step stays at its subnormal spacing, and from an
+        // infinity the neighbour is `dt`'s largest finite value.
+        let (scale, tiny, largest) = match dt {
+            DataType::Half => (2f64.powi(13), 2f64.powi(-24), 65504.0),
+            _ => (2f64.powi(16), 2f64.powi(-133), 3.389_531_389_251_535_5e38),
+        };
+        let wide = |f: &mut Self, o: Operand| -> Result<Operand> {
+            Ok(match o {
+                Operand::Tensor(_) => Operand::Tensor(f.cast(o, DataType::Float)?),
+                o => o,
+            })
+        };
+        let (af, bf) = (wide(self, a)?, wide(self, b)?);
+        let t = Operand::Tensor;
+        let scale = Operand::Scalar(self.scalars.float(scale));
+        let tiny = Operand::Scalar(self.scalars.float(tiny));
+        let largest = Operand::Scalar(self.scalars.float(largest));
+        let next = self.binary(BinaryOp::Nextafter, af, bf)?;
+        let d = self.binary(BinaryOp::Sub, t(next), af)?;
+        let mag = self.unary(UnaryOp::Abs, t(d))?;
+        let mag = self.binary(BinaryOp::Mul, t(mag), scale)?;
+        let mag = self.binary(BinaryOp::Maximum, t(mag), tiny)?;
+        let dir = self.unary(UnaryOp::Sign, t(d))?;
+        let step = self.binary(BinaryOp::Mul, t(dir), t(mag))?;
+        let finite = self.binary(BinaryOp::Add, af, t(step))?;
+        // A step to zero keeps a's sign (nextafter(-tiny, 1) is -0).
+        let zero = Operand::Scalar(self.scalars.float(0.0));
+        let at_zero = self.binary(BinaryOp::Eq, t(finite), zero)?;
+        let signed_zero = self.binary(BinaryOp::Mul, af, zero)?;
+        let finite = self.where_(t(at_zero), t(signed_zero), t(finite))?;
+        // From +-inf toward anything but itself or NaN: +-largest.
+        let a_inf = self.unary(UnaryOp::Isinf, af)?;
+        let moves = self.binary(BinaryOp::Ne, af, bf)?;
+        let b_nan = self.unary(UnaryOp::Isnan, bf)?;
+        let b_num = self.unary(UnaryOp::LogicalNot, t(b_nan))?;
+        let from_inf = self.binary(BinaryOp::LogicalAnd, t(a_inf), t(moves))?;
+        let from_inf = self.binary(BinaryOp::LogicalAnd, t(from_inf), t(b_num))?;
+        let a_sign = self.unary(UnaryOp::Sign, af)?;
+        let edge = self.binary(BinaryOp::Mul, t(a_sign), largest)?;
+        let r = self.where_(t(from_inf), t(edge), t(finite))?;
+        // Equal operands give b (nextafter(0, -0) is -0).
+        let same = self.binary(BinaryOp::Eq, af, bf)?;
+        let r = self.where_(t(same), bf, t(r))?;
+        self.cast(t(r), dt)
     }
 
     /// A unary op on any operand: a constant scalar folds to a constant, another scalar
