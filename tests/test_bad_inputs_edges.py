@@ -293,3 +293,19 @@ def test_simulated_ranks_whose_inputs_disagree_are_refused() -> None:
         simulate(fd, [None, None])  # type: ignore[list-item]
     with pytest.raises(KilnTypeError, match=r"comm= takes a kiln.multidevice.Communicator"):
         fd.execute([np.ones((2, 3), np.float32)], comm="nccl")
+
+
+@pytest.mark.parametrize("value", [True, False, np.bool_(True), np.int64(2)])
+def test_a_bool_or_numpy_integer_for_a_size_scalar_is_the_int_it_stands_for(value: Any) -> None:
+    """A Python bool is an int: it sizes a `full` and starts a slice as 1 or 0 (it was dropped
+    from the plan's shape scalars, and the schedulers saw an unbound size)."""
+    with FusionDefinition() as fd:
+        n = fd.define_scalar(dtype=DataType.Int)
+        x = fd.define_tensor([-1])
+        fd.add_output(fd.ops.full([n, 3], 2.0, DataType.Float))
+        fd.add_output(fd.ops.slice(x, [n], [fd.ops.add(n, 2)]))
+    k = int(value)
+    a = np.arange(5, dtype=np.float32)
+    full, sl = fd.execute([value, a])
+    np.testing.assert_array_equal(full, np.full((k, 3), 2.0))
+    np.testing.assert_array_equal(sl, a[k:k + 2])

@@ -148,3 +148,33 @@ def test_a_tensor_given_as_output_twice_comes_back_as_copies() -> None:
     assert len(outs) == 4 and len({id(o) for o in outs}) == 4
     for o, want in zip(outs, ([0, 2, 0], [0, 2, 0], [-1, 2, -3], [-1, 2, -3])):
         np.testing.assert_array_equal(o, want)
+
+
+@pytest.mark.parametrize("strides", [(0, 4), (4, 4), (8, 4)])
+def test_in_place_into_overlapping_elements_is_refused(strides: Tuple[int, int]) -> None:
+    """A view whose elements share memory (a broadcast, strides that do not nest) would keep
+    only the last value written to each place: refused before anything runs, as PyTorch
+    refuses in-place ops on such tensors."""
+    with FusionDefinition() as fd:
+        p = fd.define_tensor([-1, -1])
+        g = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.sub(p, g), alias_input=p)
+    base = np.arange(8, dtype=np.float32)
+    target = np.lib.stride_tricks.as_strided(base, shape=(2, 3), strides=strides, writeable=True)
+    with pytest.raises(KilnError, match=r"input 0 \(T0\): output 0 is written into it in place.*axis [01] "):
+        fd.execute([target, np.ones((2, 3), np.float32)])
+    np.testing.assert_array_equal(base, np.arange(8))
+
+
+def test_in_place_into_a_strided_view_writes_each_element() -> None:
+    with FusionDefinition() as fd:
+        p = fd.define_tensor([-1, -1])
+        g = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.sub(p, fd.ops.mul(g, 2.0)), alias_input=p)
+    base = np.arange(40, dtype=np.float32).reshape(5, 8)
+    want = base.astype(np.float64)
+    target = base[::-2, 1::3].T  # negative, stepped and transposed, no element twice
+    g = np.arange(target.size, dtype=np.float32).reshape(target.shape)
+    want[::-2, 1::3] -= 2.0 * g.T
+    assert fd.execute([target, g]) == []
+    np.testing.assert_array_equal(base, want)

@@ -153,13 +153,15 @@ def _case(draw):
     out_rank = rank - (reduce_axis is not None)
     order = draw(st.permutations(list(range(out_rank))))
     two_outputs = draw(st.booleans())
-    return shape, perm, reduce_axis, order, two_outputs
+    # An op that reads the stored output (in a later kernel where the schedulers split there).
+    reader = draw(st.sampled_from([None, "pointwise", "sum", "permute"]))
+    return shape, perm, reduce_axis, order, two_outputs, reader
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(_case())
 def test_random_fusions_with_stored_orders_match_numpy(case):
-    shape, perm, reduce_axis, order, two_outputs = case
+    shape, perm, reduce_axis, order, two_outputs, reader = case
     rank = len(shape)
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1] * rank)
@@ -172,6 +174,13 @@ def test_random_fusions_with_stored_orders_match_numpy(case):
         fd.add_output(t, stride_order=order)
         if two_outputs:
             fd.add_output(fd.ops.neg(x))
+        out_rank = len(order)
+        if reader == "pointwise":
+            fd.add_output(fd.ops.mul(fd.ops.sin(t), 3.0))
+        elif reader == "sum":
+            fd.add_output(fd.ops.sum(t, dims=[out_rank - 1]))
+        elif reader == "permute":
+            fd.add_output(fd.ops.add(fd.ops.permute(t, list(range(out_rank))[::-1]), 1.0))
     a = _rng(7).uniform(-1, 1, shape).astype(np.float32)
     bias = _rng(8).uniform(-1, 1, shape[-1]).astype(np.float32)
     want = np.exp(a.astype(np.float64)) + bias
@@ -182,9 +191,17 @@ def test_random_fusions_with_stored_orders_match_numpy(case):
     outs = fd.execute([a, bias])
     np.testing.assert_allclose(np.asarray(outs[0]), want, rtol=1e-5, atol=1e-5)
     assert outs[0].shape == want.shape
-    assert outs[0].strides == _strides(list(want.shape), order)
+    stored = [st for st, n in zip(outs[0].strides, want.shape) if n > 1]  # (size-one axes: any stride)
+    assert stored == [st for st, n in zip(_strides(list(want.shape), order), want.shape) if n > 1]
     if two_outputs:
         np.testing.assert_array_equal(np.asarray(outs[1]), -a)
+    got = np.asarray(outs[-1])
+    if reader == "pointwise":
+        np.testing.assert_allclose(got, np.sin(want) * 3.0, rtol=1e-5, atol=1e-5)
+    elif reader == "sum":
+        np.testing.assert_allclose(got, want.sum(axis=-1), rtol=1e-5, atol=1e-5)
+    elif reader == "permute":
+        np.testing.assert_allclose(got, want.transpose() + 1.0, rtol=1e-5, atol=1e-5)  # axes reversed
 
 
 @pytest.mark.gpu

@@ -118,11 +118,44 @@ def _check_writable(fd: Any, inputs: Sequence[Any]) -> None:
         c.aliases = [tuple(p) for p in fd._core.aliases()]
     for o, i in c.aliases:
         x = inputs[i] if i < len(inputs) else None
-        if _kind(x) == "numpy" and not x.flags.writeable:
-            specs = fd._core.input_specs()
-            name = f" ({specs[i].name})" if i < len(specs) else ""
+        kind = _kind(x)
+        if kind not in ("numpy", "torch", "cupy"):
+            continue
+        specs = fd._core.input_specs()
+        name = f" ({specs[i].name})" if i < len(specs) else ""
+        if kind == "numpy" and not x.flags.writeable:
             raise KilnError(f"input {i}{name}: output {o} is written into it in place "
                             f"(add_output(..., alias_input=...)), but the array is read-only")
+        axis = _overlapping_axis(x, kind)
+        if axis is not None:
+            stride = _strides(x, kind)[axis]
+            why = ("has stride 0 (a broadcast view)" if stride == 0 else
+                   f"(stride {stride} elements) steps onto elements of the axes of smaller strides")
+            raise KilnError(f"input {i}{name}: output {o} is written into it in place "
+                            f"(add_output(..., alias_input=...)), but its axis {axis} {why}, so "
+                            f"several elements share memory; pass an array whose elements do not "
+                            f"overlap")
+
+
+def _strides(x: Any, kind: str) -> List[int]:
+    """Strides of an array in elements."""
+    if kind == "torch":
+        return list(x.stride())
+    return [s // x.itemsize for s in x.strides]
+
+
+def _overlapping_axis(x: Any, kind: str) -> Optional[int]:
+    """An axis of ``x`` whose elements may be elements of other axes too (a broadcast
+    stride of 0, or strides that do not nest), else None: an in-place result written into
+    such an array would keep only the last of the values that share memory."""
+    strides = _strides(x, kind)
+    axes = sorted((abs(st), a) for a, (st, n) in enumerate(zip(strides, x.shape)) if n > 1)
+    span = 0  # the largest offset the axes of smaller strides reach
+    for st, a in axes:
+        if st <= span:
+            return a
+        span += st * (x.shape[a] - 1)
+    return None
 
 
 def in_place(fd: Any, inputs: Sequence[Any], outs: List[Any]) -> List[Any]:
@@ -207,7 +240,8 @@ def lowered_for(fd: Any, inputs: Sequence[Any], args: Optional[Sequence[Any]] = 
     scalars: List[Optional[int]] = [None] * sum(1 for x in inputs if _kind(x) == "scalar")
     values = [x for x in inputs if _kind(x) == "scalar"]
     for n in _shape_scalars(fd):
-        if n < len(values) and isinstance(values[n], int) and not isinstance(values[n], bool):
+        # (A bool is the Int it stands for, as it is where the scalar only enters math.)
+        if n < len(values) and isinstance(values[n], int):
             scalars[n] = int(values[n])
     layout_key = tuple(tuple(s) for s in strides)
     key = (tuple(tuple(s) for s in sizes), layout_key, aligned, device, tuple(scalars))

@@ -168,9 +168,43 @@ pub fn bind_args_for(f: &Fusion, args: &[Arg], any_layout: bool) -> Result<Bindi
         }
     }
     check_mapped_sizes(f, &tensors)?;
-    let b = Bindings { extents, strides, scalars };
+    let mut b = Bindings { extents, strides, scalars };
     check_tensor_sizes(f, &b)?;
+    bind_permuted_outputs(f, &mut b)?;
     Ok(b)
+}
+
+/// The allocation order of `tv` (reductions left out) where it differs from its logical
+/// order, else None.
+pub fn stored_permuted(f: &Fusion, tv: TvId) -> Option<Vec<IterDomainId>> {
+    let alloc = f.tvs[tv].allocation.as_ref()?;
+    let alloc: Vec<IterDomainId> =
+        alloc.iter().copied().filter(|&id| f.ids[id].iter_type != IterType::Reduction).collect();
+    (alloc != f.no_reduction_logical(tv)).then_some(alloc)
+}
+
+/// Strides, by logical axis, of the outputs stored in another order than their logical one
+/// (`stride_order`): a later kernel of the host program that reads one reads it as an input
+/// of these strides (see `segment::segment_fusion`).
+fn bind_permuted_outputs(f: &Fusion, b: &mut Bindings) -> Result<()> {
+    for &tv in &f.outputs {
+        let Some(alloc) = stored_permuted(f, tv) else { continue };
+        if f.is_input(tv) {
+            continue;
+        }
+        let logical = f.no_reduction_logical(tv);
+        let mut st = vec![0i64; logical.len()];
+        let mut next = 1i64;
+        for &id in alloc.iter().rev() {
+            let Some(axis) = logical.iter().position(|&l| l == id) else { continue };
+            st[axis] = next;
+            next = next.saturating_mul(b.eval(&f.scalars, f.ids[id].extent)?.max(1));
+        }
+        for (k, s) in st.into_iter().enumerate() {
+            b.strides.entry((tv, k as u32)).or_insert(s);
+        }
+    }
+    Ok(())
 }
 
 /// Input axes that the definition's ops align element by element (the exact map: an add of

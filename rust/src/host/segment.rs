@@ -197,13 +197,16 @@ pub fn segment_fusion(f: &Fusion, seg: &Segment) -> Fusion {
             t.memory = MemoryType::Global;
             t.serial_grid_reduction = false;
             let old: Vec<_> = f.no_reduction_logical(tv);
+            // An output stored in another order than its logical one (`stride_order`) is
+            // read here through its strides.
+            let permuted = crate::host::bind::stored_permuted(f, tv).is_some();
             let mut logical = Vec::with_capacity(old.len());
             let mut contiguity = Vec::with_capacity(old.len());
             for id in old {
                 let (extent, it) = (f.ids[id].extent, f.ids[id].iter_type);
                 let fresh = g.new_id(extent, it);
                 logical.push(fresh);
-                contiguity.push((it != IterType::Broadcast).then_some(true));
+                contiguity.push((it != IterType::Broadcast).then_some(!permuted));
             }
             let t = &mut g.tvs[tv];
             t.loop_domain = logical.clone();
