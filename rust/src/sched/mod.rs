@@ -360,13 +360,21 @@ impl Fusion {
         if has_reduction {
             // tv is now a plain copy: it no longer has the reduced axes, so its schedule restarts.
             let nr = self.no_reduction_logical(tv);
-            self.tvs[tv].logical = nr.clone();
-            self.tvs[tv].contiguity = nr
+            // A stored order (`stride_order`) stays, without the reduced axes.
+            let kept = self.tvs[tv]
+                .allocation
+                .take()
+                .map(|a| a.into_iter().filter(|&id| self.ids[id].iter_type != IterType::Reduction).collect::<Vec<_>>());
+            let kept = kept.filter(|a| a != &nr);
+            self.tvs[tv].contiguity = kept
+                .as_ref()
+                .unwrap_or(&nr)
                 .iter()
                 .map(|&id| if self.ids[id].iter_type == IterType::Broadcast { None } else { Some(true) })
                 .collect();
+            self.tvs[tv].logical = nr.clone();
             self.tvs[tv].loop_domain = nr;
-            self.tvs[tv].allocation = None;
+            self.tvs[tv].allocation = kept;
         }
         self.tvs[tv].definition = None;
         self.add_expr(Op::Set, smallvec![Operand::Tensor(c)], tv);
