@@ -1,9 +1,11 @@
 """Softmax and log-softmax of masked rows where the automatic schedules compute them from
 one online log-sum-exp (rows longer than a block keeps on chip, and reductions over other
 axes than the last): ``exp(x - lse)`` must give what ``exp(x - max) / sum`` gives in float64
-for rows filled with mask values of any size up to 1e9, fully masked rows included
-(1/n each, not 1: float alone rounds ``-1e9 + log(n)`` to ``-1e9``), logits in the thousands,
-and rows holding +inf, -inf or NaN (NaN over the whole row, as PyTorch gives).
+for rows filled with mask values of any size (-1e4, -1e9, -1e18, -1e30, ``finfo.min``, -inf),
+fully masked rows included (1/n each, not 1: float alone rounds ``-1e9 + log(n)`` to
+``-1e9``, and past 1e16 so does double), log-softmax values of masked entries as large as the
+mask, logits in the thousands, and rows holding +inf, -inf or NaN (NaN over the whole row, as
+PyTorch gives).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ LAYOUTS: List[Tuple[Tuple[int, ...], Tuple[int, ...]]] = [
     ((2, 6, 5), (0, 2)),
     ((16, 8, 32), (1,)),
 ]
-FILLS = [-1e4, -1e9, -np.inf]
+FINFO_MIN = float(np.finfo(np.float32).min)
+FILLS = [-1e4, -1e9, -1e18, -1e30, FINFO_MIN, -np.inf]
 
 
 def _fusion(rank: int, dims: Sequence[int], fill: float, log: bool) -> FusionDefinition:
@@ -96,9 +99,32 @@ def test_masked_softmax_rows_match_float64(case: Tuple[int, float, bool, str, in
 
 
 @pytest.mark.parametrize("shape,dims", [((1, 3, 1), (1,)), ((1, 32_769), (1,)), ((3, 2), (0,))])
-def test_a_fully_masked_slice_is_uniform(shape: Tuple[int, ...], dims: Tuple[int, ...]) -> None:
-    fd = _fusion(len(shape), dims, -1e9, False)
-    x = np.zeros(shape, np.float32)
-    got = np.asarray(fd.execute([x, np.zeros(shape, bool)])[0], np.float64)
+@pytest.mark.parametrize("fill", [-1e9, -1e18, FINFO_MIN])
+def test_a_fully_masked_slice_is_uniform(shape: Tuple[int, ...], dims: Tuple[int, ...], fill: float) -> None:
     n = int(np.prod([shape[a] for a in dims]))
-    np.testing.assert_allclose(got, 1.0 / n, rtol=1e-5)
+    x = np.zeros(shape, np.float32)
+    got = np.asarray(_fusion(len(shape), dims, fill, False).execute([x, np.zeros(shape, bool)])[0], np.float64)
+    np.testing.assert_allclose(got, 1.0 / n, rtol=1e-6)
+    got = np.asarray(_fusion(len(shape), dims, fill, True).execute([x, np.zeros(shape, bool)])[0], np.float64)
+    np.testing.assert_allclose(got, -np.log(n), rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape,dims", [((2, 33_000), (1,)), ((4, 5, 3), (1,))])
+def test_rows_of_masks_of_several_sizes(shape: Tuple[int, ...], dims: Tuple[int, ...]) -> None:
+    """Masks of different sizes in one row (a padding mask of -1e9 beside a causal -inf or
+    finfo.min): the largest value wins as in float64, and a log-softmax keeps each masked
+    entry's own size. (Values that all lie below -2^32 count as equal: one mask size
+    below that per row, see canonical::LSE_FLOOR.)"""
+    rng = np.random.default_rng(5)
+    x = rng.choice(np.array([-1e9, FINFO_MIN, -np.inf], np.float32), size=shape)
+    x[0, 0] = 2.0  # one real value in the first row (slice): the masks there are zero
+    for log in (False, True):
+        with FusionDefinition() as fd:
+            t = fd.define_tensor([-1] * len(shape), DataType.Float)
+            m = fd.ops.max(t, dims=list(dims), keepdim=True)
+            d = fd.ops.sub(t, m)
+            e = fd.ops.exp(d)
+            total = fd.ops.sum(e, dims=list(dims), keepdim=True)
+            fd.add_output(fd.ops.sub(d, fd.ops.log(total)) if log else fd.ops.div(e, total))
+        want = _reference(x, np.ones(shape, bool), dims, 0.0, log)
+        _check(fd.execute([x])[0], want, log)

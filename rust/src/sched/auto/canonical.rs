@@ -560,14 +560,16 @@ pub fn online_logsumexp(f: &mut Fusion, long_row: &dyn Fn(&Fusion, ExprId) -> bo
             // rounds to -1e9, and its softmax would sum to n), and every merge of partial
             // results would add an ulp of |lse|. The elements still accumulate in float.
             let wide = (f.tvs[x].dtype.compute_dtype() == DataType::Float).then_some(DataType::Double);
-            let lse = f.reduction(ReductionOp::LogSumExp, x, &dims, false, wide)?;
-            let diff = f.binary(BinaryOp::Sub, Operand::Tensor(lse), Operand::Tensor(m))?;
+            let xc = above_lse_floor(f, x)?;
+            let lse = f.reduction(ReductionOp::LogSumExp, xc, &dims, false, wide)?;
+            let mc = above_lse_floor(f, m)?;
+            let diff = f.binary(BinaryOp::Sub, Operand::Tensor(lse), Operand::Tensor(mc))?;
             let diff = cast_to(f, diff, f.tvs[s].dtype)?;
             let sum = f.unary(UnaryOp::Exp, Operand::Tensor(diff))?;
             replace_tensor(f, s, sum);
             if let Some(ex) = f.exprs[e].inputs[0].tensor() {
                 f.tvs[ex].uses.retain(|&u| u != e);
-                drop_the_maximum(f, ex, sum, x, lse)?;
+                drop_the_maximum(f, ex, sum, x, xc, lse)?;
             }
             drop_dead_uses(f);
             continue 'again;
@@ -576,13 +578,33 @@ pub fn online_logsumexp(f: &mut Fusion, long_row: &dyn Fn(&Fusion, ExprId) -> bo
     }
 }
 
-/// With `s = sum(ex)`, `ex = exp(d)`, `d = x - broadcast(max(x))`, and `lse` its
-/// log-sum-exp (`s` is now computed from it): the softmax's quotient `exp(d) / broadcast(s)` becomes `exp(x -
+/// Values below `-LSE_FLOOR` in a log-sum-exp's row (masks such as -1e30 or `finfo.min`)
+/// are summed as `-LSE_FLOOR`: next to a maximum that large the log-sum-exp, even in double,
+/// loses `log(n)` (from 1e16 on, a row masked whole gave 1 per element, not 1/n). Beside any
+/// value above the floor such a term is `exp(-2^32 - max)`, zero as it was; a row with
+/// nothing above it counts its finite values as equal, which they are where one mask fills
+/// it. 2^32 keeps the usual -1e9 padding mask above the floor (a padding row under a causal
+/// `finfo.min` mask shares among its -1e9 entries), and there the double's own rounding is
+/// 2^-21 of `log(n)`.
+const LSE_FLOOR: f64 = 4_294_967_296.0;
+
+/// `max(t, -LSE_FLOOR)` where `t` is not -inf (see `LSE_FLOOR`; -inf terms stay zero and a row
+/// of them stays NaN, as PyTorch gives).
+fn above_lse_floor(f: &mut Fusion, t: TvId) -> Result<TvId> {
+    let floor = Operand::Scalar(f.scalars.float(-LSE_FLOOR));
+    let raised = f.binary(BinaryOp::Maximum, Operand::Tensor(t), floor)?;
+    let neg_inf = f.unary(UnaryOp::Isneginf, Operand::Tensor(t))?;
+    let r = f.where_(Operand::Tensor(neg_inf), Operand::Tensor(t), Operand::Tensor(raised))?;
+    cast_to(f, r, f.tvs[t].dtype)
+}
+
+/// With `s = sum(ex)`, `ex = exp(d)`, `d = x - broadcast(max(x))`, and `lse` the
+/// log-sum-exp of `xc` (`x` raised to the floor, see `LSE_FLOOR`; `s` is now computed from it): the softmax's quotient `exp(d) / broadcast(s)` becomes `exp(x -
 /// broadcast(lse))` and the log-softmax's difference `d - broadcast(log(s))` becomes `x -
 /// broadcast(lse)`. Both are exact in real arithmetic, and where nothing else reads the
 /// maximum its reduction goes: a row that is split over a cluster or streamed pays a
 /// cluster barrier or a pass over memory for each reduction.
-fn drop_the_maximum(f: &mut Fusion, ex: TvId, s: TvId, x: TvId, lse: TvId) -> Result<()> {
+fn drop_the_maximum(f: &mut Fusion, ex: TvId, s: TvId, x: TvId, xc: TvId, lse: TvId) -> Result<()> {
     let Some(d) = f.tvs[ex].definition.and_then(|de| f.exprs[de].inputs[0].tensor()) else { return Ok(()) };
     // Every reader of `broadcast(s)`, `log(broadcast(s))` or `broadcast(log(s))`: (reader,
     // broadcast flags, through a log).
@@ -626,6 +648,14 @@ fn drop_the_maximum(f: &mut Fusion, ex: TvId, s: TvId, x: TvId, lse: TvId) -> Re
         // NaN) has a non-finite lse, whose lo (inf - inf) is NaN: the whole row is NaN, as
         // `x - max` makes it in the written form.
         let ct = f.tvs[x].dtype.compute_dtype();
+        // A row with nothing above the floor (its lse within log(n) <= 22 of it) subtracts from
+        // the raised values, so that its equal masked values share the row; any other row
+        // from its own values, so that a log-softmax keeps a masked value's size.
+        let near = Operand::Scalar(f.scalars.float(-LSE_FLOOR + 23.0));
+        let at_floor = f.binary(BinaryOp::Lt, Operand::Tensor(lse), near)?;
+        let at_floor = f.broadcast(at_floor, is_new.clone())?;
+        let terms = f.where_(Operand::Tensor(at_floor), Operand::Tensor(xc), Operand::Tensor(x))?;
+        let terms = cast_to(f, terms, f.tvs[x].dtype)?;
         let hi = cast_to(f, lse, ct)?;
         let lo = if f.tvs[lse].dtype == ct {
             None
@@ -635,7 +665,7 @@ fn drop_the_maximum(f: &mut Fusion, ex: TvId, s: TvId, x: TvId, lse: TvId) -> Re
             Some(f.cast(Operand::Tensor(rest), ct)?)
         };
         let b = f.broadcast(hi, is_new.clone())?;
-        let mut new = f.binary(BinaryOp::Sub, Operand::Tensor(x), Operand::Tensor(b))?;
+        let mut new = f.binary(BinaryOp::Sub, Operand::Tensor(terms), Operand::Tensor(b))?;
         if let Some(lo) = lo {
             let b = f.broadcast(lo, is_new)?;
             new = f.binary(BinaryOp::Sub, Operand::Tensor(new), Operand::Tensor(b))?;
