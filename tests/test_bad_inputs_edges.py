@@ -309,3 +309,42 @@ def test_a_bool_or_numpy_integer_for_a_size_scalar_is_the_int_it_stands_for(valu
     full, sl = fd.execute([value, a])
     np.testing.assert_array_equal(full, np.full((k, 3), 2.0))
     np.testing.assert_array_equal(sl, a[k:k + 2])
+
+
+@pytest.mark.parametrize("value", [2**31, -(2**31) - 1, 2**32 + 1, 2**40 + 7])
+def test_a_runtime_int_scalar_meeting_int32_must_fit_it(value: int) -> None:
+    """As a constant it is refused at definition; as a runtime scalar it was cast and wrapped
+    (x == 2**32 + 1 held for x == 1). PyTorch refuses such a value too."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1], I32)
+        s = fd.define_scalar(dtype=DataType.Int)
+        fd.add_output(fd.ops.eq(x, s))
+        fd.add_output(fd.ops.add(x, s))
+    a = np.array([1, 2, 3], np.int32)
+    with pytest.raises(KilnError, match=r"the Int scalar s0 meets Int32 and must fit it"):
+        fd.execute([a, value])
+    eq, add = fd.execute([a, 2**31 - 1])  # the edge itself fits
+    np.testing.assert_array_equal(eq, a == 2**31 - 1)
+    np.testing.assert_array_equal(add, (a.astype(np.int64) + 2**31 - 1).astype(np.int32))
+
+
+def test_as_written_in_place_updates_the_callers_strided_array() -> None:
+    with FusionDefinition() as fd:
+        p = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.add(p, 1.0), alias_input=p)
+    for as_written in (False, True):
+        target = np.zeros((3, 2), np.float32).T  # a transposed view
+        assert fd.execute([target], as_written=as_written) == []
+        np.testing.assert_array_equal(target, 1.0)
+
+
+@pytest.mark.parametrize("value", [np.int64(5), 5])
+def test_a_number_as_an_in_place_target_is_refused(value: Any) -> None:
+    with FusionDefinition() as fd:
+        c = fd.define_tensor([], DataType.Int)
+        fd.add_output(fd.ops.add(c, 1), alias_input=c)
+    with pytest.raises(KilnError, match=r"input 0 \(T0\): output 0 is written into it in place"):
+        fd.execute([value])
+    arr = np.array(5)
+    fd.execute([arr])
+    assert int(arr) == 6

@@ -672,3 +672,54 @@ def test_a_fully_inlined_cache_under_a_merged_broadcast_is_read_where_it_was_wri
     o.axis(1).parallelize(ParallelType.BIDy)
     (got,) = fd.execute([a0, a1])
     np.testing.assert_allclose(got, a0 + a1[:, None, :], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("factor", [2, 3, 7])
+@pytest.mark.parametrize("through_broadcast", [False, True])
+def test_a_split_broadcast_axis_runs_its_loop_once(factor: int, through_broadcast: bool) -> None:
+    """Splitting a size-one axis leaves a broadcast inner axis of the factor's extent; a
+    serial loop over it must not run the reduction inside it once per pass (it summed the
+    row `factor` times)."""
+    a = rand(8, seed=factor)
+    with FusionDefinition() as fd:
+        if through_broadcast:
+            y = fd.define_tensor([8])
+            t = fd.ops.broadcast_in_dim(y, shape=[1, 8], broadcast_dims=[1])
+        else:
+            t = fd.define_tensor([1, 8])
+        s = fd.ops.sum(t, dims=[1])
+        fd.add_output(s)
+    s.split(0, factor)
+    if through_broadcast:
+        t.inline_at(-1)
+    (got,) = fd.execute([a if through_broadcast else a.reshape(1, 8)])
+    np.testing.assert_allclose(got, [a.astype(np.float64).sum()], rtol=1e-6)
+
+
+def test_merging_two_splits_past_the_longest_loop_is_refused() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([10])
+        y = fd.ops.exp(x)
+        fd.add_output(y)
+    y.split(0, 65536)
+    y.split(0, 65536)
+    with pytest.raises(KilnError, match=r"merge T1: axes 1 and 2 would make a loop of 4294967296 iterations"):
+        y.merge(1)
+
+
+def test_cache_before_a_reduction_inlined_past_its_new_axes() -> None:
+    """inline_at on a full reduction, then cache_before: the copy has no axes left, and its
+    inline position must not point past them (lowering indexed past its loop domain)."""
+    a = rand(127)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([127])
+        s = fd.ops.sum(x, dims=[0])
+        fd.add_output(fd.ops.sub(x, fd.ops.broadcast_in_dim(s, shape=[127], broadcast_dims=[])))
+    s.inline_at(1)
+    s.cache_before()
+    try:
+        (got,) = fd.execute([a])
+    except KilnError as e:  # a refusal is fine; an internal error is not
+        assert "internal" not in type(e).__name__.lower(), e
+        return
+    np.testing.assert_allclose(got, a - a.astype(np.float64).sum(), rtol=1e-5, atol=1e-5)

@@ -63,6 +63,7 @@ def execute(fd: Any, inputs: Sequence[Any], device: Optional[str], as_written: b
         # The fusion as written is interpreted for row-major inputs: a strided NumPy view is
         # copied first (automatic kernels are specialised on the arrays' strides; a hand
         # schedule keeps the layout its definition declared).
+        targets = inputs  # (in-place outputs go into the caller's arrays, not the copies)
         if as_written:
             inputs = [np.ascontiguousarray(x) if _kind(x) == "numpy" and not x.flags.c_contiguous else x
                       for x in inputs]
@@ -78,7 +79,7 @@ def execute(fd: Any, inputs: Sequence[Any], device: Optional[str], as_written: b
                             "run on a GPU with CuPy arrays or torch CUDA tensors")
         if not as_written:  # (the fusion as written has no launches to plan)
             _check_before_launch(fd, low, inputs, "numpy")
-        return in_place(fd, inputs, run_on_cpu(low, inputs, _core.execute_cpu))
+        return in_place(fd, targets, run_on_cpu(low, inputs, _core.execute_cpu))
     ev = low.evaluator()
     outs = ev.run(inputs, validate=lambda: _check_before_launch(fd, low, inputs, _kind(next(
         (x for x in inputs if _kind(x) != "scalar"), None))))
@@ -135,6 +136,24 @@ def _check_writable(fd: Any, inputs: Sequence[Any]) -> None:
                             f"(add_output(..., alias_input=...)), but its axis {axis} {why}, so "
                             f"several elements share memory; pass an array whose elements do not "
                             f"overlap")
+
+
+def refuse_immutable_targets(fd: Any, inputs: Sequence[Any]) -> None:
+    """Refuse a number (a NumPy or Python scalar) where an output is written in place: the
+    result would go into a temporary array and be lost."""
+    import numpy as np  # noqa: PLC0415
+
+    c = compiled(fd)
+    if c.aliases is None:
+        c.aliases = [tuple(p) for p in fd._core.aliases()]
+    for o, i in c.aliases:
+        x = inputs[i] if i < len(inputs) else None
+        if isinstance(x, (np.generic, int, float, bool)):
+            specs = fd._core.input_specs()
+            name = f" ({specs[i].name})" if i < len(specs) else ""
+            raise KilnError(f"input {i}{name}: output {o} is written into it in place "
+                            f"(add_output(..., alias_input=...)), but it is a {type(x).__name__}, "
+                            f"which cannot be updated; pass a 0-d array")
 
 
 def _strides(x: Any, kind: str) -> List[int]:

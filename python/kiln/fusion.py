@@ -321,8 +321,10 @@ class FusionDefinition:
                     hit = None
                 if hit is not None:
                     return hit[0](inputs, hit[1])
-        from .execute import execute  # noqa: PLC0415
+        from .execute import execute, refuse_immutable_targets  # noqa: PLC0415
 
+        if isinstance(inputs, (list, tuple)):
+            refuse_immutable_targets(self, inputs)
         return execute(self, plain_numbers(self, inputs), device, as_written)
 
     def _execute_mesh(self, inputs: Sequence[Any], device: Optional[str], as_written: bool,

@@ -205,8 +205,24 @@ impl Fusion {
     /// A constant operand of `op` that `dt` (the type it is converted to) cannot hold: an
     /// integer outside Int32's range, or an infinite or NaN float, for an integer type.
     /// NumPy and PyTorch refuse these too; a silent wrap would change the answer.
-    pub(crate) fn check_constant_fits(&self, op: &str, o: Operand, dt: DataType) -> Result<()> {
+    pub(crate) fn check_constant_fits(&mut self, op: &str, o: Operand, dt: DataType) -> Result<()> {
         let Operand::Scalar(v) = o else { return Ok(()) };
+        let runtime_int = self.scalars.dtype(v, &self.scalar_input_dtypes) == DataType::Int
+            && !matches!(self.scalars.get(v), crate::ir::scalar::Val::Int(_));
+        if dt == DataType::Int32 && runtime_int {
+            // A runtime Int that meets Int32 must fit it too, checked when the inputs are
+            // bound (a cast would wrap it: x == 2**32 + 1 would hold for x == 1).
+            let lo = self.scalars.int(i64::from(i32::MIN));
+            let hi = self.scalars.int(i64::from(i32::MAX));
+            let above = self.scalars.binary(ScalarOp::Le, lo, v);
+            let below = self.scalars.binary(ScalarOp::Le, v, hi);
+            let holds = self.scalars.binary(ScalarOp::And, above, below);
+            let what = format!(
+                "{op}: the Int scalar {} meets Int32 and must fit it; cast the tensor to Int (int64) first",
+                self.scalars.render(v)
+            );
+            self.size_checks.push(crate::ir::shape_ops::SizeCheck { holds, values: vec![v], what });
+        }
         match self.scalars.get(v) {
             crate::ir::scalar::Val::Int(n) if dt == DataType::Int32 && i32::try_from(n).is_err() => bail!(
                 "{op}: the constant {n} does not fit Int32, the dtype it meets; cast the tensor to Int (int64) first"

@@ -9,7 +9,7 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use crate::analysis::loop_graph::LoopGraph;
 use crate::bail;
 use crate::error::Result;
-use crate::ir::{ExprId, Fusion, Symbol, TvId};
+use crate::ir::{ExprId, Fusion, IterType, ParallelType, Symbol, TvId};
 use crate::kernel::{ForLoop, Node};
 
 /// Expressions in an order that keeps inlined producers next to their consumers. With
@@ -212,7 +212,13 @@ pub fn run(f: &mut Fusion, lg: &LoopGraph, order: &[ExprId]) -> Result<(Vec<Node
                 );
             }
             let info = &lg.groups[g];
-            let extent = f.ids[info.promoted].extent;
+            // A serial loop over a broadcast axis that nothing concretizes (a split of a
+            // size-one axis leaves a broadcast inner axis of the factor's extent) runs once:
+            // every pass would compute the same element again, and a reduction inside it
+            // would add its row once per pass.
+            let trivial = f.ids[info.promoted].iter_type == IterType::Broadcast
+                && matches!(info.parallel, ParallelType::Serial | ParallelType::Unroll | ParallelType::Unswitch);
+            let extent = if trivial { f.scalars.int(1) } else { f.ids[info.promoted].extent };
             let index = if info.parallel.is_thread_or_block() {
                 f.scalars.symbol(Symbol::ParallelIndex(info.parallel))
             } else {

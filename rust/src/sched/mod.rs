@@ -118,6 +118,12 @@ impl Fusion {
             }
         }
         let extent = self.scalars.mul(self.ids[oa].extent, self.ids[ob].extent);
+        // As for a split's factor: two split factors merged back can count past any loop.
+        if let Some(n) = self.scalars.as_int(extent).filter(|&n| n > i64::from(i32::MAX)) {
+            bail!(
+                "merge {name}: axes {ia} and {ib} would make a loop of {n} iterations, more than 2^31 - 1, the longest loop a kernel runs"
+            );
+        }
         let out = self.new_id(extent, it);
         let t = self.transforms.push(Transform::Merge { outer: oa, inner: ob, out });
         self.ids[out].definition = Some(t);
@@ -373,6 +379,8 @@ impl Fusion {
                 .map(|&id| if self.ids[id].iter_type == IterType::Broadcast { None } else { Some(true) })
                 .collect();
             self.tvs[tv].logical = nr.clone();
+            // The copy keeps an inline position within its fewer axes.
+            self.tvs[tv].inline_pos = self.tvs[tv].inline_pos.min(nr.len());
             self.tvs[tv].loop_domain = nr;
             self.tvs[tv].allocation = kept;
         }
@@ -449,6 +457,9 @@ impl Fusion {
     pub fn check_inline(&self, tv: TvId, pos: usize) -> Result<()> {
         let name = self.tv_name(tv);
         let ld = &self.tvs[tv].loop_domain;
+        if pos > ld.len() {
+            bail!("inline_at {name}: position {pos} exceeds its {} loop axes", ld.len());
+        }
         for (i, &id) in ld.iter().enumerate().take(pos) {
             if self.ids[id].iter_type == IterType::Reduction {
                 bail!("inline_at {name}: position {pos} is past axis {i}, a reduction axis; a reduction must complete before consumers read it (inline at {i} or less)");
