@@ -102,10 +102,10 @@ def test_masked_softmax_rows_match_float64(case: Tuple[int, float, bool, str, in
 @pytest.mark.parametrize("fill", [-1e9, -1e18, FINFO_MIN])
 def test_a_fully_masked_slice_is_uniform(shape: Tuple[int, ...], dims: Tuple[int, ...], fill: float) -> None:
     n = int(np.prod([shape[a] for a in dims]))
-    x = np.zeros(shape, np.float32)
-    got = np.asarray(_fusion(len(shape), dims, fill, False).execute([x, np.zeros(shape, bool)])[0], np.float64)
+    ins = [np.zeros(shape, np.float32), np.zeros(shape, bool)]
+    got = np.asarray(_fusion(len(shape), dims, fill, False).execute(ins)[0], np.float64)
     np.testing.assert_allclose(got, 1.0 / n, rtol=1e-6)
-    got = np.asarray(_fusion(len(shape), dims, fill, True).execute([x, np.zeros(shape, bool)])[0], np.float64)
+    got = np.asarray(_fusion(len(shape), dims, fill, True).execute(ins)[0], np.float64)
     np.testing.assert_allclose(got, -np.log(n), rtol=1e-6)
 
 
