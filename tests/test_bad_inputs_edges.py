@@ -348,3 +348,16 @@ def test_a_number_as_an_in_place_target_is_refused(value: Any) -> None:
     arr = np.array(5)
     fd.execute([arr])
     assert int(arr) == 6
+
+
+def test_a_view_spread_past_the_interpreters_reach_is_a_kiln_error() -> None:
+    """Three elements 2^30 places apart: the interpreter keeps a view's layout, so it would
+    allocate the whole span (the process died of it); past 2^31 places it is a KilnError."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1], DataType.Bool)
+        fd.add_output(fd.ops.logical_not(x))
+    buf = np.zeros(2**31 + 2, bool)  # untouched pages: no memory
+    view = buf[:: 2**30]
+    with pytest.raises(KilnError, match=r"input 0 \(T0\): a strided view of shape \[3\].*at most 2\^31 places"):
+        fd.execute([view])
+    np.testing.assert_array_equal(fd.execute([buf[:: 2**20][:5]])[0], True)

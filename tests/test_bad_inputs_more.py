@@ -332,12 +332,6 @@ DEFINITION_ERRORS = [
         id="cat_ranks_differ",
     ),
     pytest.param(
-        _def(lambda fd, x: fd.ops.cat([x, fd.define_tensor([4, 6], dtype=DataType.Double)], 0), (4, 6)),
-        KilnTypeError,
-        (tv(1), tv(0), r"dtype"),
-        id="cat_dtypes_differ",
-    ),
-    pytest.param(
         _def(lambda fd, x: fd.ops.cat([x, fd.define_tensor([4, 5])], 0), (4, 6)),
         KilnError,
         (tv(1), tv(0), ax(1), r"\b5\b", r"\b6\b"),

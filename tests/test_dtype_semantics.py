@@ -162,3 +162,24 @@ def test_nextafter_steps_in_the_narrow_type(dt: DataType, np_dt: type) -> None:
     np.testing.assert_array_equal(got, want)
     num = ~np.isnan(want)
     np.testing.assert_array_equal(np.signbit(got[num]), np.signbit(want[num]))
+
+
+@pytest.mark.parametrize("dts,common", [((DataType.Half, DataType.Float), np.float32),
+                                        ((DataType.Int32, DataType.Double), np.float64),
+                                        ((DataType.Bool, DataType.Int32), np.int32),
+                                        ((DataType.Int, DataType.Half), np.float16)])
+def test_cat_of_different_dtypes_joins_in_their_common_type(dts: tuple, common: type) -> None:
+    """torch.cat promotes its parts to their common dtype (half and float give float)."""
+    np_of = {DataType.Half: np.float16, DataType.Float: np.float32, DataType.Double: np.float64,
+             DataType.Int32: np.int32, DataType.Int: np.int64, DataType.Bool: np.bool_}
+    with FusionDefinition() as fd:
+        a = fd.define_tensor([-1, -1], dts[0])
+        b = fd.define_tensor([-1, -1], dts[1])
+        out = fd.ops.cat([a, b], 1)
+        fd.add_output(out)
+    x = (np.arange(6).reshape(2, 3) % 3).astype(np_of[dts[0]])
+    y = (np.arange(4).reshape(2, 2) * 7 + 1).astype(np_of[dts[1]])
+    (got,) = fd.execute([x, y])
+    want = np.concatenate([x.astype(common), y.astype(common)], axis=1)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)

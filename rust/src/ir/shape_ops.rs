@@ -419,9 +419,11 @@ impl Fusion {
     /// `xs` joined along `dim`; the other axes must have equal sizes.
     pub fn cat(&mut self, xs: &[TvId], dim: i64) -> Result<TvId> {
         let Some(&first) = xs.first() else { bail!("cat: expected at least one tensor") };
+        // Parts of different dtypes join in their common type, as torch.cat promotes them.
+        let dt =
+            xs.iter().map(|&x| self.tvs[x].dtype).fold(self.tvs[first].dtype, crate::ir::dtype::promote_tensor_types);
         let rank = self.no_reduction_logical(first).len();
         let dim = self.normalize_dims("cat", first, &[dim], rank)?[0];
-        let dt = self.tvs[first].dtype;
         let base = self.extents_of(first);
         for &x in &xs[1..] {
             let e = self.extents_of(x);
@@ -430,14 +432,6 @@ impl Fusion {
                     "cat: {} has rank {} but {} has rank {rank}; expected one rank",
                     self.tv_name(x),
                     e.len(),
-                    self.tv_name(first)
-                );
-            }
-            if self.tvs[x].dtype != dt {
-                bail_type!(
-                    "cat: {} has dtype {} but {} has {dt}; expected one dtype",
-                    self.tv_name(x),
-                    self.tvs[x].dtype,
                     self.tv_name(first)
                 );
             }
@@ -461,6 +455,11 @@ impl Fusion {
                 }
             }
         }
+        let mut joined = Vec::with_capacity(xs.len());
+        for &x in xs {
+            joined.push(if self.tvs[x].dtype == dt { x } else { self.cast(Operand::Tensor(x), dt)? });
+        }
+        let xs = joined.as_slice();
         if xs.len() == 1 {
             return self.set(first);
         }

@@ -40,8 +40,27 @@ fn read_array<T: Element + Copy + Default>(
         return Ok(HostTensor::contiguous(wrap(v), shape));
     }
     // A strided view: keep its layout so the kernel's runtime strides are the array's.
-    let span = 1 + shape.iter().zip(&strides).map(|(&n, &s)| (n - 1) * s as usize).sum::<usize>();
-    let mut data = vec![T::default(); span];
+    let span = shape
+        .iter()
+        .zip(&strides)
+        .try_fold(1usize, |a, (&n, &s)| (n - 1).checked_mul(s as usize).and_then(|x| a.checked_add(x)));
+    let too_far = |n: String| {
+        crate::python::to_py(
+            x.py(),
+            KilnError::value(format!(
+                "{what}: a strided view of shape {shape:?} whose elements lie {n} places apart end to end; the CPU interpreter keeps a view's layout and takes at most 2^31 places (pass a contiguous copy, or run it on a GPU)"
+            )),
+        )
+    };
+    let span = match span {
+        Some(n) if n as i64 <= crate::interp::MAX_HOST_ELEMENTS => n,
+        Some(n) => return Err(too_far(n.to_string())),
+        None => return Err(too_far("more than 2^64".into())),
+    };
+    // (An allocation that fails is an error, not an abort of the process.)
+    let mut data: Vec<T> = Vec::new();
+    data.try_reserve_exact(span).map_err(|_| too_far(format!("{span} (more than this machine can hold)")))?;
+    data.resize(span, T::default());
     for (idx, &v) in view.indexed_iter() {
         let off: usize = (0..shape.len()).map(|k| idx[k] * strides[k] as usize).sum();
         data[off] = v;
