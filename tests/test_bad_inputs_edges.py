@@ -358,6 +358,6 @@ def test_a_view_spread_past_the_interpreters_reach_is_a_kiln_error() -> None:
         fd.add_output(fd.ops.logical_not(x))
     buf = np.zeros(2**31 + 2, bool)  # untouched pages: no memory
     view = buf[:: 2**30]
-    with pytest.raises(KilnError, match=r"input 0 \(T0\): a strided view of shape \[3\].*at most 2\^31 places"):
+    with pytest.raises(KilnError, match=r"input 0 \(T0\): a strided view of shape \[3\].*2\^31 places"):
         fd.execute([view])
     np.testing.assert_array_equal(fd.execute([buf[:: 2**20][:5]])[0], True)
