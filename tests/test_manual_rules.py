@@ -723,3 +723,80 @@ def test_cache_before_a_reduction_inlined_past_its_new_axes() -> None:
         assert "internal" not in type(e).__name__.lower(), e
         return
     np.testing.assert_allclose(got, a - a.astype(np.float64).sum(), rtol=1e-5, atol=1e-5)
+
+
+def test_unswitch_keeps_a_barrier_out_of_a_thread_dependent_branch() -> None:
+    """An Unswitch loop whose fast-path test reads threadIdx and whose body holds a
+    __syncthreads (a Shared producer) or a block reduction stays a checked loop: a branch
+    some threads of the block skip would leave the rest waiting at the barrier."""
+    a = rand(5)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([5])
+        m = fd.ops.max(x, dims=[0])
+        mb = fd.ops.broadcast_in_dim(m, shape=[-1], broadcast_dims=[])
+        y = fd.ops.add(x, mb)
+        fd.add_output(y)
+    m.set_memory_type(MemoryType.Shared)
+    mb.set_memory_type(MemoryType.Shared)
+    for t in (m, mb, y):
+        t.split(0, 3)
+        t.axis(-1).parallelize(ParallelType.TIDx)
+    mb.inline_at(-1)
+    y.axis(-2).parallelize(ParallelType.Unswitch)
+    (got,) = fd.execute([a])
+    np.testing.assert_allclose(got, a + a.max(), rtol=1e-6)
+
+    b = np.random.default_rng(0).uniform(-1, 1, [2, 5, 3]).astype(F32)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([2, 5, 3])
+        s = fd.ops.sum(x, dims=[2])
+        y = fd.ops.neg(s)
+        fd.add_output(y)
+    s.split(2, 2, inner_split=False)
+    s.axis(-2).parallelize(ParallelType.TIDx)
+    s.axis(0).parallelize(ParallelType.BIDx)
+    y.axis(0).parallelize(ParallelType.BIDx)
+    s.inline_at(-1)
+    y.axis(-1).parallelize(ParallelType.Unswitch)
+    (got,) = fd.execute([b])
+    np.testing.assert_allclose(got, -b.astype(np.float64).sum(2), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("with_cache", [False, True])
+def test_a_grid_reduction_read_over_the_blocks_it_combined_is_refused(with_cache: bool) -> None:
+    """Only the block that finishes a grid reduction holds its result; a copy of it
+    (cache_after) used to hide the read and leave the other blocks' outputs unwritten."""
+    a = rand(31, 7)
+    with FusionDefinition() as fd:
+        t0 = fd.define_tensor([31, 7])
+        t1 = fd.ops.sum(t0, dims=[1])
+        t2 = fd.ops.broadcast_in_dim(t1, shape=[-1, -1], broadcast_dims=[0])
+        t3 = fd.ops.add(t0, t2)
+        fd.add_output(t3)
+        fd.add_output(t1)
+    for t in (t1, t2, t3):
+        t.split(1, 8)
+        t.axis(-1).parallelize(ParallelType.TIDx)
+        t.axis(-2).parallelize(ParallelType.BIDy)
+        t.axis(0).parallelize(ParallelType.BIDx)
+    t2.inline_at(-1)
+    if with_cache:
+        t1.cache_after()
+    with pytest.raises(KilnError, match=r"T1|BIDy"):
+        fd.lower([a])
+
+
+def test_circular_buffering_a_computed_value_without_loops_is_refused() -> None:
+    a = rand(8)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([8])
+        m = fd.ops.max(x, dims=[0])
+        s = fd.ops.sigmoid(m)
+        fd.add_output(fd.ops.abs(fd.ops.tanh(s)))
+    s.set_memory_type(MemoryType.Shared)
+    m.split(0, 4)
+    m.axis(-1).parallelize(ParallelType.TIDx)
+    m.inline_at(-1)
+    s.circular_buffer(3)
+    with pytest.raises(KilnError, match=r"circular_buffer T2 .*only a copy of a fusion input"):
+        fd.lower([a])

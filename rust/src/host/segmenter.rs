@@ -523,18 +523,28 @@ fn merge_groups(
         })
         .collect();
     let mut refused_pairs: FxHashSet<(Vec<ExprId>, Vec<ExprId>)> = FxHashSet::default();
+    // Pairs of groups refused in this round, by index, whatever either has absorbed since:
+    // asking again after every merge that grows one of them costs a schedule per pair and
+    // merge (minutes for a gradient clip over a few dozen tensors). A round ends when no
+    // pair merges; the next round asks every pair once more with the groups grown.
+    let mut refused_this_round: FxHashSet<(usize, usize)> = FxHashSet::default();
+    let mut merged_this_round = false;
     let mut refusals: Vec<String> = Vec::new();
     loop {
         let group_of = group_index(&groups);
         let candidates = candidates(f, order, &groups, &group_of, &bytes, &pos);
         let mut merged = false;
         for (_, a, b) in candidates {
+            if refused_this_round.contains(&(a, b)) {
+                continue;
+            }
             let (ga, gb) = (groups[a].clone().unwrap_or_default(), groups[b].clone().unwrap_or_default());
             if refused_pairs.contains(&(ga.clone(), gb.clone())) {
                 continue;
             }
             if crosses_mark(f, &ga, &gb) || makes_cycle(f, &groups, &group_of, a, b) {
                 refused_pairs.insert((ga, gb));
+                refused_this_round.insert((a, b));
                 continue;
             }
             let mut union: Vec<ExprId> = ga.iter().chain(&gb).copied().collect();
@@ -545,17 +555,24 @@ fn merge_groups(
                     groups[b] = None;
                     covered[a] = Some(c);
                     covered[b] = None;
+                    absorb_partners(f, order, cx, &pos, &bytes, &refused_this_round, &mut groups, &mut covered, a)?;
                     merged = true;
+                    merged_this_round = true;
                     break;
                 }
                 Err(why) => {
                     refusals.push(format!("  {} + {}: {why}", group_text(f, &ga), group_text(f, &gb)));
                     refused_pairs.insert((ga, gb));
+                    refused_this_round.insert((a, b));
                 }
             }
         }
         if !merged {
-            break;
+            if !merged_this_round {
+                break;
+            }
+            refused_this_round.clear();
+            merged_this_round = false;
         }
     }
     for (i, g) in groups.iter().enumerate() {
@@ -617,6 +634,72 @@ fn merge_groups(
         return Err(refused(&[]));
     }
     Ok((out_groups, out_cov))
+}
+
+/// After group `a` grew: where the next pairs the greedy merge would ask all grow `a`,
+/// merge their partners in one schedule when one covers them all (else the first half),
+/// instead of one schedule per partner. A group that absorbs many (the outputs of a
+/// gradient clip over hundreds of tensors) would otherwise be scheduled and lowered once
+/// per partner, each time larger.
+#[allow(clippy::too_many_arguments)]
+fn absorb_partners(
+    f: &Fusion,
+    order: &[ExprId],
+    cx: &Ctx,
+    pos: &FxHashMap<ExprId, usize>,
+    bytes: &FxHashMap<TvId, i64>,
+    refused: &FxHashSet<(usize, usize)>,
+    groups: &mut [Option<Vec<ExprId>>],
+    covered: &mut [Option<Covered>],
+    a: usize,
+) -> Result<()> {
+    loop {
+        let group_of = group_index(groups);
+        // The pairs the greedy merge would ask next, while they all grow `a`.
+        let partners: Vec<usize> = candidates(f, order, groups, &group_of, bytes, pos)
+            .into_iter()
+            .filter(|&(_, x, y)| !refused.contains(&(x, y)))
+            .take_while(|&(_, x, y)| x == a || y == a)
+            .map(|(_, x, y)| if x == a { y } else { x })
+            .collect();
+        if partners.len() < 2 {
+            return Ok(());
+        }
+        let mut n = partners.len();
+        loop {
+            // The first n partners that keep the group graph acyclic, merged in a copy.
+            let mut scratch = groups.to_vec();
+            let mut taken = Vec::new();
+            for &p in &partners[..n] {
+                let sg = group_index(&scratch);
+                let (ga, gp) = (scratch[a].clone().unwrap_or_default(), scratch[p].clone().unwrap_or_default());
+                if crosses_mark(f, &ga, &gp) || makes_cycle(f, &scratch, &sg, a.min(p), a.max(p)) {
+                    continue;
+                }
+                let mut union: Vec<ExprId> = ga.into_iter().chain(gp).collect();
+                union.sort_by_key(|e| pos[e]);
+                scratch[a] = Some(union);
+                scratch[p] = None;
+                taken.push(p);
+            }
+            if taken.len() < 2 {
+                return Ok(());
+            }
+            let union = scratch[a].clone().unwrap_or_default();
+            match try_group(f, order, &union, cx)? {
+                Ok(c) => {
+                    groups.clone_from_slice(&scratch);
+                    covered[a] = Some(c);
+                    for p in taken {
+                        covered[p] = None;
+                    }
+                    break;
+                }
+                Err(_) if n >= 4 => n /= 2,
+                Err(_) => return Ok(()),
+            }
+        }
+    }
 }
 
 fn group_index(groups: &[Option<Vec<ExprId>>]) -> FxHashMap<ExprId, usize> {

@@ -58,7 +58,7 @@ pub fn check(f: &Fusion, lg: &LoopGraph) -> Result<()> {
     let mut loops: Vec<(LoopGroup, TvId, CircularBuffer)> = Vec::new();
     for tv in f.tvs.keys() {
         let Some(cb) = f.tvs[tv].circular_buffer else { continue };
-        if !lg.has(tv) || f.tvs[tv].definition.is_none() {
+        if f.tvs[tv].definition.is_none() {
             continue;
         }
         let t = &f.tvs[tv];
@@ -86,9 +86,13 @@ pub fn check(f: &Fusion, lg: &LoopGraph) -> Result<()> {
                 f.tv_name(src)
             );
         }
-        let Some(axis) = pipelined_axis(f, lg, tv) else {
-            let outer: Vec<String> =
-                (0..t.inline_pos.min(t.loop_domain.len())).map(|a| f.id_label(lg.promoted(tv, a))).collect();
+        let axis = if lg.has(tv) { pipelined_axis(f, lg, tv) } else { None };
+        let Some(axis) = axis else {
+            let outer: Vec<String> = if lg.has(tv) {
+                (0..t.inline_pos.min(t.loop_domain.len())).map(|a| f.id_label(lg.promoted(tv, a))).collect()
+            } else {
+                Vec::new()
+            };
             bail!(
                 "{what}: no serial loop to pipeline: {name} is inlined at position {} and its outer loops [{}] all run on threads or blocks (or have one iteration); inline {name} inside a serial loop with inline_at",
                 t.inline_pos,

@@ -33,7 +33,7 @@ pub fn run(f: &mut Fusion, lg: &LoopGraph, body: &mut [Node]) -> Result<()> {
 fn rewrite(f: &mut Fusion, lg: &LoopGraph, nodes: &mut [Node], assumed: &mut Vec<ValId>) {
     for n in nodes.iter_mut() {
         if let Node::Loop(l) = n {
-            let made = if l.parallel == ParallelType::Unswitch { unswitch(f, l, assumed) } else { None };
+            let made = if l.parallel == ParallelType::Unswitch { unswitch(f, lg, l, assumed) } else { None };
             let made = made.or_else(|| {
                 let vector_copy = crate::lower::vectorize::is_vector_copy(f, l);
                 (!l.parallel.is_thread_or_block() && !vector_copy)
@@ -61,7 +61,8 @@ fn rewrite(f: &mut Fusion, lg: &LoopGraph, nodes: &mut [Node], assumed: &mut Vec
 }
 
 /// The unswitched form of `l`, or `None` when no bounds check can be hoisted.
-fn unswitch(f: &mut Fusion, l: &ForLoop, assumed: &[ValId]) -> Option<Node> {
+fn unswitch(f: &mut Fusion, lg: &LoopGraph, l: &ForLoop, assumed: &[ValId]) -> Option<Node> {
+    let barrier_inside = !only_local_statements(f, lg, &l.body);
     let sc = &mut f.scalars;
     let mut loops: Vec<(Symbol, ValId)> = Vec::new();
     let mut preds: Vec<ValId> = Vec::new();
@@ -98,6 +99,14 @@ fn unswitch(f: &mut Fusion, l: &ForLoop, assumed: &[ValId]) -> Option<Node> {
     }
     let cond = and_all(sc, at_last);
     let cond = without(sc, cond, assumed);
+    // A condition that differs between the threads of a block would send some of them down
+    // the other arm, past a barrier or block reduction the rest wait at: that loop stays
+    // as it is, its statements checked one by one.
+    let threads: FxHashSet<Symbol> =
+        [ParallelType::TIDx, ParallelType::TIDy, ParallelType::TIDz].into_iter().map(Symbol::ParallelIndex).collect();
+    if barrier_inside && mentions(sc, cond, &threads) {
+        return None;
+    }
     let mut plain = l.clone();
     plain.parallel = ParallelType::Serial;
     let mut fast = vec![Node::Loop(plain.clone())];

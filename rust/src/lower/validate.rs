@@ -292,6 +292,27 @@ pub fn reduction_consumers(f: &Fusion, lg: &LoopGraph, order: &[crate::ir::ExprI
                 f.tv_name(waits[1])
             );
         }
+        // Only the block that finishes a grid reduction holds its result: a tensor computed
+        // from it (through copies too) that runs over a block dimension the reduction
+        // combined would leave every other block's part unwritten.
+        for &g in &waits {
+            let dims: Vec<ParallelType> = crate::analysis::parallel::grid_reduced_dims(f, lg, g)
+                .into_iter()
+                .filter(|&p| f.is_grid_dim(p))
+                .collect();
+            if let Some(a) =
+                (0..f.tvs[t].loop_domain.len()).find(|&a| dims.contains(&lg.groups[lg.group(t, a)].parallel))
+            {
+                bail!(
+                    "{} is computed from the grid reduction {} but runs {} over its axis {a} ({}), which that reduction combined: only the block that finishes it holds the result; give {} a kernel of its own",
+                    f.tv_name(t),
+                    f.tv_name(g),
+                    lg.groups[lg.group(t, a)].parallel.enum_name(),
+                    f.id_label(f.tvs[t].loop_domain[a]),
+                    f.tv_name(t)
+                );
+            }
+        }
         let Some(d) = f.tvs[t].definition else { continue };
         if matches!(f.exprs[d].op, crate::ir::Op::Reduction { .. }) {
             bail!(
