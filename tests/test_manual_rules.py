@@ -800,3 +800,26 @@ def test_circular_buffering_a_computed_value_without_loops_is_refused() -> None:
     s.circular_buffer(3)
     with pytest.raises(KilnError, match=r"circular_buffer T2 .*only a copy of a fusion input"):
         fd.lower([a])
+
+
+
+def test_a_broadcast_output_under_a_concretized_merged_loop_is_refused() -> None:
+    """An output buffer is laid out by its own loops like any Global tensor: merged like its
+    concretizing consumer, it was written once per element of the merged space, by many
+    blocks, and read back by others."""
+    x, v = rand(3, 33), rand(3, seed=1)
+    with FusionDefinition() as fd:
+        tx = fd.define_tensor([-1, -1])
+        tv = fd.define_tensor([-1])
+        b = fd.ops.broadcast_in_dim(tv, shape=[-1, -1], broadcast_dims=[0])
+        y = fd.ops.maximum(tx, b)
+        fd.add_output(y)
+        fd.add_output(b)
+    for t in (b, y):
+        t.merge(0)
+        t.split(-1, 4)
+        t.axis(-2).parallelize(ParallelType.BIDx)
+        t.axis(-1).parallelize(ParallelType.TIDx)
+    b.inline_at(-1)
+    with pytest.raises(KilnError, match=rf"{b.name} is in Global memory but inlined at position .*concretized loop"):
+        fd.lower([x, v])

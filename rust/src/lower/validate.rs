@@ -23,7 +23,7 @@ pub fn partial_inlining(f: &Fusion, lg: &LoopGraph, exact: &IdGraph) -> Result<(
         // A Shared or Global buffer is laid out by its loops: one that runs a concretized
         // space would be written at one layout and read at another (or by threads of a
         // loop it does not partition). Only registers are indexed through their consumer.
-        if t.memory != MemoryType::Local && f.tvs[tv].definition.is_some() && !f.is_output(tv) {
+        if t.memory != MemoryType::Local && f.tvs[tv].definition.is_some() {
             if let Some(a) = concretized_axis_before(f, lg, exact, tv, t.inline_pos) {
                 bail!(
                     "{} is in {:?} memory but inlined at position {}, where axis {a} ({}) runs the concretized loop {}: its buffer would be laid out by that loop; keep it in Local memory or inline it at {a}",
