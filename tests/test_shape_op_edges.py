@@ -55,3 +55,44 @@ def test_an_output_that_is_a_view_of_an_input_is_written() -> None:
     for o in outs:
         np.testing.assert_array_equal(o, a)
     np.testing.assert_array_equal(fd.execute([a.T.copy()])[0], a.T)
+
+
+# (start, stop) of a width-one slice of a runtime-sized axis: the first, a middle and the last.
+WIDTH_ONE = [(0, 1), (2, 3), (-1, None)]
+
+
+def _width_one(fd: FusionDefinition, x: object, axis: int, span: tuple) -> object:
+    """``x[..., start:stop]`` along ``axis`` (``-1``: the last element)."""
+    start, stop = span
+    rank = 3
+    starts = [0] * rank
+    ends = [fd.ops.size(x, a) for a in range(rank)]
+    if start == -1:
+        starts[axis] = fd.ops.sub(fd.ops.size(x, axis), 1)
+    else:
+        starts[axis], ends[axis] = start, stop
+    return fd.ops.slice(x, starts, ends)
+
+
+@pytest.mark.parametrize("span", WIDTH_ONE, ids=str)
+@pytest.mark.parametrize("how", ["expand", "broadcast_in_dim", "implicit"])
+def test_a_width_one_slice_broadcasts_as_in_pytorch(span: tuple, how: str) -> None:
+    """``x[:, :1].expand(-1, -1, n)``, ``x - x[:, -1:, :]`` (NLinear), a class token's column:
+    a slice of one element of a runtime-sized axis broadcasts as PyTorch broadcasts it (the
+    axis is checked to be one when the inputs are bound)."""
+    a = np.arange(2 * 5 * 4, dtype=np.float32).reshape(2, 5, 4)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1])
+        first = _width_one(fd, x, 1, span)
+        if how == "expand":
+            y = fd.ops.expand(first, [-1, 5, -1])
+        elif how == "broadcast_in_dim":
+            y = fd.ops.broadcast_in_dim(first, shape=[2, 5, 4], broadcast_dims=[0, 1, 2])
+        else:
+            y = fd.ops.sub(x, first)
+        fd.add_output(y)
+    start, stop = span
+    col = a[:, start:stop, :] if start != -1 else a[:, -1:, :]
+    want = a - col if how == "implicit" else np.broadcast_to(col, a.shape)
+    (got,) = fd.execute([a])
+    np.testing.assert_array_equal(got, want)

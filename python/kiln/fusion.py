@@ -727,7 +727,8 @@ class Ops:
         return Tensor(fd, fd._core.pad(fd._tensor(x, "pad"), pairs, fill))
 
     def cat(self, tensors: Sequence[Tensor], dim: int) -> Tensor:
-        """``tensors`` joined along ``dim`` (one dtype; the other axes of one size)."""
+        """``tensors`` joined along ``dim`` in their common dtype (as torch.cat promotes); the
+        other axes of one size."""
         fd = self._fd
         ids = [fd._tensor(t, "cat") for t in _seq(tensors, "cat: tensors")]
         return Tensor(fd, fd._core.cat(ids, _int(dim, "cat: dim")))

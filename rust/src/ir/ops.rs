@@ -324,10 +324,63 @@ impl Fusion {
                 }
             }
         }
+        self.broadcast_computed_ones(&mut operands)?;
         let logical = self.pointwise_domain(op_name, &operands)?;
         let out = self.new_tv(dtype, MemoryType::Local, logical);
         self.add_expr(op, operands, out);
         Ok(out)
+    }
+
+    /// True when axis `id` is computed with a size of at most one that is not known
+    /// (`x[:, :1]` or `x[:, k:k+1]` of a runtime size): PyTorch broadcasts it when it is one.
+    fn computed_single(&self, id: IterDomainId) -> bool {
+        let d = &self.ids[id];
+        d.iter_type == IterType::Iteration
+            && !matches!(self.scalars.get(d.extent), crate::ir::scalar::Val::Symbol(_))
+            && self.scalars.as_int(d.extent).is_none()
+            && self.scalars.range(d.extent).1.is_some_and(|hi| hi <= 1)
+    }
+
+    /// `t` with its axes `axes` (computed sizes of at most one) made broadcasts: squeezed
+    /// (checked to be one when the inputs are bound) and broadcast back.
+    fn single_axes_as_broadcasts(&mut self, t: TvId, axes: &[usize]) -> Result<TvId> {
+        let rank = self.no_reduction_logical(t).len();
+        let dims: Vec<i64> = axes.iter().map(|&a| a as i64).collect();
+        let squeezed = self.squeeze(t, &dims)?;
+        self.broadcast(squeezed, (0..rank).map(|a| axes.contains(&a)).collect())
+    }
+
+    /// Element-wise operands of one rank: an axis of a computed size of at most one meets
+    /// an axis of another size as a broadcast (`x - x[:, -1:]`), as PyTorch broadcasts it.
+    fn broadcast_computed_ones(&mut self, operands: &mut [Operand]) -> Result<()> {
+        let tensors: Vec<TvId> = operands.iter().filter_map(|o| o.tensor()).collect();
+        if tensors.len() < 2 {
+            return Ok(());
+        }
+        let doms: Vec<Vec<IterDomainId>> = tensors.iter().map(|&t| self.no_reduction_logical(t)).collect();
+        let Some(rank) = doms.first().map(|d| d.len()) else { return Ok(()) };
+        if doms.iter().any(|d| d.len() != rank) {
+            return Ok(());
+        }
+        for o in operands.iter_mut() {
+            let Operand::Tensor(t) = *o else { continue };
+            let mine = self.no_reduction_logical(t);
+            let axes: Vec<usize> = (0..rank)
+                .filter(|&a| {
+                    self.computed_single(mine[a])
+                        && doms.iter().any(|d| {
+                            let other = &self.ids[d[a]];
+                            other.iter_type == IterType::Iteration
+                                && !self.computed_single(d[a])
+                                && self.scalars.as_int(other.extent).is_none_or(|n| n != 1)
+                        })
+                })
+                .collect();
+            if !axes.is_empty() {
+                *o = Operand::Tensor(self.single_axes_as_broadcasts(t, &axes)?);
+            }
+        }
+        Ok(())
     }
 
     /// An element-wise unary op.
@@ -667,6 +720,21 @@ impl Fusion {
             );
         }
         let out_rank = shape.len();
+        // An axis of a computed size of at most one (`x[:, :1]` of a runtime size) asked for
+        // another size is expanded, as PyTorch's expand does (checked to be one at run time).
+        if broadcast_dims.len() == inp.len() {
+            let axes: Vec<usize> = (0..inp.len())
+                .filter(|&i| {
+                    let d = broadcast_dims[i];
+                    d >= 0 && (d as usize) < out_rank && shape[d as usize] >= 0 && shape[d as usize] != 1
+                        && self.computed_single(inp[i])
+                })
+                .collect();
+            if !axes.is_empty() {
+                let b = self.single_axes_as_broadcasts(x, &axes)?;
+                return self.broadcast_in_dim(b, shape, broadcast_dims);
+            }
+        }
         let mut is_new = vec![true; out_rank];
         let mut prev: i64 = -1;
         for (i, &d) in broadcast_dims.iter().enumerate() {

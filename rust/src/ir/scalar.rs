@@ -327,6 +327,18 @@ impl Scalars {
                         },
                     ),
                     ScalarOp::Max => (al.max(bl), ah.zip(bh).map(|(x, y)| x.max(y))),
+                    ScalarOp::Sub => {
+                        // `a - min(a, c)` (a slice's length after a clamped start) is
+                        // `max(a - c, 0)`.
+                        if let Val::Binary(ScalarOp::Min, x, y) = self.nodes[b] {
+                            let c = if x == a { Some(y) } else if y == a { Some(x) } else { None };
+                            if let Some(c) = c {
+                                let cl = self.range(c).0;
+                                return (0, ah.map(|h| h.saturating_sub(cl).max(0)));
+                            }
+                        }
+                        (bh.map_or(i64::MIN, |h| al.saturating_sub(h)), ah.map(|h| h.saturating_sub(bl)))
+                    }
                     ScalarOp::Lt | ScalarOp::Le | ScalarOp::Eq | ScalarOp::And => (0, Some(1)),
                     _ => (i64::MIN, None),
                 }
