@@ -361,3 +361,27 @@ def test_a_view_spread_past_the_interpreters_reach_is_a_kiln_error() -> None:
     with pytest.raises(KilnError, match=r"input 0 \(T0\): a strided view of shape \[3\].*2\^31 places"):
         fd.execute([view])
     np.testing.assert_array_equal(fd.execute([buf[:: 2**20][:5]])[0], True)
+
+
+def test_numpy_scalar_kinds_and_array_subclasses_are_taken_as_numbers_and_arrays() -> None:
+    class Tagged(np.ndarray):
+        pass
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1], DataType.Double)
+        s = fd.define_scalar(dtype=DataType.Double)
+        fd.add_output(fd.ops.mul(x, s))
+    a = np.arange(3, dtype=np.float64)
+    for arr in (a, a.view(Tagged)):
+        np.testing.assert_array_equal(fd.execute([arr, np.longdouble(1.5)])[0], a * 1.5)
+        assert len(fd.lower([arr, np.float32(2.0)]).kernels) == 1
+
+
+def test_a_scalar_names_itself_in_messages() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1])
+        n = fd.define_scalar(dtype=DataType.Int)
+        assert repr(n) == "Scalar(s0: Int)"
+        with pytest.raises(KilnError, match=r"axis 0 has a runtime Scalar stride \(s0\)"):
+            fd.ops.slice(x, [0], [4], [n])
+        fd.add_output(fd.ops.mul(x, 2.0))

@@ -128,3 +128,22 @@ def test_rows_of_masks_of_several_sizes(shape: Tuple[int, ...], dims: Tuple[int,
             fd.add_output(fd.ops.sub(d, fd.ops.log(total)) if log else fd.ops.div(e, total))
         want = _reference(x, np.ones(shape, bool), dims, 0.0, log)
         _check(fd.execute([x])[0], want, log)
+
+
+@pytest.mark.parametrize("n", [16_385, 40_000])
+def test_double_rows_past_the_chip_stay_exact(n: int) -> None:
+    """A double row has no wider type to hold log(n) beside its maximum, so it keeps the
+    written form (`x - max` is exact): softmax and log-softmax at logits near 1e8 agree with
+    float64 NumPy to a few ulp (the online form lost eps64 * |max|, 8e-9 relative)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], DataType.Double)
+        z = fd.ops.sub(x, fd.ops.max(x, dims=[1], keepdim=True))
+        total = fd.ops.sum(fd.ops.exp(z), dims=[1], keepdim=True)
+        fd.add_output(fd.ops.div(fd.ops.exp(z), total))
+        fd.add_output(fd.ops.sub(z, fd.ops.log(total)))
+    a = np.random.default_rng(n).standard_normal((2, n)) * 3 + 1e8
+    p, lp = fd.execute([a])
+    d = a - a.max(1, keepdims=True)
+    want_lp = d - np.log(np.exp(d).sum(1, keepdims=True))
+    np.testing.assert_allclose(p, np.exp(want_lp), rtol=1e-13)
+    np.testing.assert_allclose(lp, want_lp, rtol=1e-13, atol=1e-13)

@@ -82,6 +82,8 @@ class Fusion:
         """Dtype name of a tensor."""
     def scalar_dtype(self, v: int) -> str:
         """Dtype name of a scalar."""
+    def scalar_text(self, v: int) -> str:
+        """A scalar as the fusion prints it."""
     def tv_shape(self, t: int) -> List[int]:
         """Shape of a tensor: -1 symbolic, 1 broadcast, n static (reduced axes dropped)."""
     def tv_loop(self, t: int) -> List[int]:

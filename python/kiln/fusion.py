@@ -64,6 +64,14 @@ class Scalar:
         """Scalar type."""
         return DataType(self._fd._core.scalar_dtype(self._id))
 
+    @property
+    def name(self) -> str:
+        """The scalar as the fusion prints it (``s0`` for a runtime input)."""
+        return str(self._fd._core.scalar_text(self._id))
+
+    def __repr__(self) -> str:
+        return f"Scalar({self.name}: {self.dtype.name})"
+
 
 def _int(v: object, what: str) -> int:
     """An axis, position or count given as an int (a bool is not one)."""
@@ -658,6 +666,9 @@ class Ops:
             raise KilnError(f"slice: {x.name} has rank {rank}; start_indices, end_indices and strides "
                             f"need one entry per axis")
         for a, (lo, hi, st) in enumerate(zip(start_indices, end_indices, steps)):
+            if isinstance(st, Scalar):
+                raise KilnError(f"slice: axis {a} has a runtime Scalar stride ({st.name}); strides must be "
+                                f"Python ints >= 1, known when the fusion is defined (slicing {x.name})")
             if not isinstance(st, int) or isinstance(st, bool) or not 1 <= st < 2**63:
                 raise KilnError(f"slice: axis {a} has stride {st!r}; expected an int >= 1 that fits 64 bits "
                                 f"(slicing {x.name})")

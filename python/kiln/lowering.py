@@ -252,12 +252,25 @@ def _arg(x: Any) -> RuntimeArg:
 
 def plain_numbers(fd: Any, inputs: Any) -> Any:
     """``inputs`` with NumPy scalars (``np.float32(2.0)``) as what the fusion takes there: a
-    0-d array for a tensor input, the Python number for a scalar input."""
-    if not isinstance(inputs, (list, tuple)) or not any(isinstance(x, np.generic) for x in inputs):
+    0-d array for a tensor input, the Python number for a scalar input; and subclasses of
+    ``np.ndarray`` as plain arrays (views of the same memory)."""
+    if not isinstance(inputs, (list, tuple)) or not any(
+            isinstance(x, np.generic) or (isinstance(x, np.ndarray) and type(x) is not np.ndarray)
+            for x in inputs):
         return inputs
     kinds = [spec.kind for spec in fd._core.input_specs()]
-    return [(np.asarray(x) if i < len(kinds) and kinds[i] == "tensor" else x.item())
-            if isinstance(x, np.generic) else x for i, x in enumerate(inputs)]
+
+    def plain(i: int, x: Any) -> Any:
+        if isinstance(x, np.ndarray):
+            return x.view(np.ndarray)
+        if not isinstance(x, np.generic):
+            return x
+        if i < len(kinds) and kinds[i] == "tensor":
+            return np.asarray(x)
+        # (A longdouble's item() is itself; the fusion's Double takes it as a float.)
+        return float(x) if isinstance(x, np.floating) else x.item()
+
+    return [plain(i, x) for i, x in enumerate(inputs)]
 
 
 def check_inputs(fd: Any, inputs: Sequence[Any], any_layout: Optional[bool] = None) -> List[RuntimeArg]:

@@ -726,7 +726,10 @@ impl Fusion {
             let axes: Vec<usize> = (0..inp.len())
                 .filter(|&i| {
                     let d = broadcast_dims[i];
-                    d >= 0 && (d as usize) < out_rank && shape[d as usize] >= 0 && shape[d as usize] != 1
+                    d >= 0
+                        && (d as usize) < out_rank
+                        && shape[d as usize] >= 0
+                        && shape[d as usize] != 1
                         && self.computed_single(inp[i])
                 })
                 .collect();

@@ -307,6 +307,9 @@ impl Scalars {
             Val::Symbol(Symbol::ScalarInput(_)) => (i64::MIN, None),
             Val::Symbol(s) => (0, self.bounds.get(&s).map(|b| b - 1)),
             Val::Binary(op, a, b) => {
+                if let Some(r) = self.slice_length_range(op, a, b) {
+                    return r;
+                }
                 let ((al, ah), (bl, bh)) = (self.range(a), self.range(b));
                 if al < 0 || bl < 0 {
                     return (i64::MIN, None);
@@ -315,7 +318,7 @@ impl Scalars {
                     ScalarOp::Add => (al.saturating_add(bl), ah.zip(bh).map(|(x, y)| x.saturating_add(y))),
                     ScalarOp::Mul => (al.saturating_mul(bl), ah.zip(bh).map(|(x, y)| x.saturating_mul(y))),
                     ScalarOp::Div if bl > 0 => (al / bh.unwrap_or(i64::MAX).max(1), ah.map(|x| x / bl)),
-                    ScalarOp::CeilDiv if bl > 0 => (0, ah.map(|x| (x + bl - 1) / bl)),
+                    ScalarOp::CeilDiv if bl > 0 => (0, ah.map(|x| x / bl + i64::from(x % bl != 0))),
                     ScalarOp::Mod if bl > 0 => {
                         (0, Some(bh.map_or(ah.unwrap_or(i64::MAX), |m| m - 1).min(ah.unwrap_or(i64::MAX))))
                     }
@@ -327,23 +330,33 @@ impl Scalars {
                         },
                     ),
                     ScalarOp::Max => (al.max(bl), ah.zip(bh).map(|(x, y)| x.max(y))),
-                    ScalarOp::Sub => {
-                        // `a - min(a, c)` (a slice's length after a clamped start) is
-                        // `max(a - c, 0)`.
-                        if let Val::Binary(ScalarOp::Min, x, y) = self.nodes[b] {
-                            let c = if x == a { Some(y) } else if y == a { Some(x) } else { None };
-                            if let Some(c) = c {
-                                let cl = self.range(c).0;
-                                return (0, ah.map(|h| h.saturating_sub(cl).max(0)));
-                            }
-                        }
-                        (bh.map_or(i64::MIN, |h| al.saturating_sub(h)), ah.map(|h| h.saturating_sub(bl)))
-                    }
+                    ScalarOp::Sub => (bh.map_or(i64::MIN, |h| al.saturating_sub(h)), ah.map(|h| h.saturating_sub(bl))),
                     ScalarOp::Lt | ScalarOp::Le | ScalarOp::Eq | ScalarOp::And => (0, Some(1)),
                     _ => (i64::MIN, None),
                 }
             }
         }
+    }
+
+    /// The range of `a - min(a, c)` (a slice's length after a clamped start): `max(a - c,
+    /// 0)`, and `k` where `c` is `a - k` (a start counted from the end).
+    fn slice_length_range(&self, op: ScalarOp, a: ValId, b: ValId) -> Option<(i64, Option<i64>)> {
+        let (ScalarOp::Sub, Val::Binary(ScalarOp::Min, x, y)) = (op, self.nodes[b]) else { return None };
+        let c = if x == a {
+            y
+        } else if y == a {
+            x
+        } else {
+            return None;
+        };
+        if let Val::Binary(ScalarOp::Sub, ca, k) = self.nodes[c] {
+            let (kl, kh) = self.range(k);
+            if ca == a && kl >= 0 {
+                return Some((kl, kh));
+            }
+        }
+        let ((al, ah), cl) = (self.range(a), self.range(c).0);
+        (al >= 0 && cl > i64::MIN).then(|| (0, ah.map(|h| h.saturating_sub(cl).max(0))))
     }
 
     fn simplify(&mut self, op: ScalarOp, a: ValId, b: ValId) -> Option<ValId> {

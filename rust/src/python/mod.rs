@@ -428,6 +428,11 @@ impl PyFusion {
         })
     }
 
+    /// A scalar as the fusion prints it (`s0`, `2.5`, `i0 + 1`).
+    fn scalar_text(&self, py: Python<'_>, v: u32) -> PyResult<String> {
+        guarded(py, || Ok(self.inner.get().scalars.render(self.val(v)?)))
+    }
+
     /// Shape of a tensor: -1 symbolic, 1 broadcast, n static (reduced axes dropped).
     fn tv_shape(&self, py: Python<'_>, t: u32) -> PyResult<Vec<i64>> {
         guarded(py, || {

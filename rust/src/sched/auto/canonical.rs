@@ -550,7 +550,10 @@ pub fn online_logsumexp(f: &mut Fusion, long_row: &dyn Fn(&Fusion, ExprId) -> bo
     'again: loop {
         for e in f.topo_exprs() {
             let Some((x, m)) = sum_of_shifted_exp(f, e) else { continue };
-            if !long_row(f, e) {
+            // A double row has no wider type to keep `log(n)` beside its maximum in: its
+            // `x - lse` would lose the maximum's ulp (2e-12 relative at logits near 1e4),
+            // where `x - max` is exact. It keeps the written form, a pass per reduction.
+            if !long_row(f, e) || f.tvs[x].dtype == DataType::Double {
                 continue;
             }
             let s = f.exprs[e].output;
