@@ -823,3 +823,17 @@ def test_a_broadcast_output_under_a_concretized_merged_loop_is_refused() -> None
     b.inline_at(-1)
     with pytest.raises(KilnError, match=rf"{b.name} is in Global memory but inlined at .*concretized loop"):
         fd.lower([x, v])
+
+
+def test_an_outputs_allocation_domain_must_order_its_logical_axes() -> None:
+    """An output comes back as a strided array: a split in its allocation domain was taken by
+    lower() and refused only by execute(), without naming the axis."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        y = fd.ops.neg(x)
+        fd.add_output(y)
+    y.split(1, 3)
+    with pytest.raises(KilnError, match=r"set_allocation_domain T1: axis 1 .* is not one of its logical"):
+        y.set_allocation_domain([0, 2, 1], True)
+    a = rand(4, 6)
+    np.testing.assert_array_equal(fd.execute([a])[0], -a)

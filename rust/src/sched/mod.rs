@@ -548,6 +548,25 @@ impl Fusion {
             }
         }
         self.check_covers_logical(tv, ids)?;
+        // A fusion output is handed back as an array with strides: its layout can only be
+        // an order of its logical axes, not a split or merge of them.
+        if self.is_output(tv) {
+            let logical = self.no_reduction_logical(tv);
+            let kept: Vec<IterDomainId> =
+                ids.iter().copied().filter(|&id| self.ids[id].iter_type != IterType::Reduction).collect();
+            if let Some((i, &id)) = kept.iter().enumerate().find(|(_, id)| !logical.contains(id)) {
+                bail!(
+                    "set_allocation_domain {name}: axis {i} ({}) is not one of its logical axes; an output's layout is an order of its logical axes (split or merge a loop axis instead)",
+                    self.id_label(id)
+                );
+            }
+            if let Some((a, &id)) = logical.iter().enumerate().find(|(_, id)| !kept.contains(id)) {
+                bail!(
+                    "set_allocation_domain {name}: its logical axis {a} ({}) is missing; an output's layout lists every logical axis once",
+                    self.id_label(id)
+                );
+            }
+        }
         self.tvs[tv].allocation = Some(ids.to_vec());
         self.tvs[tv].contiguity = contiguity.to_vec();
         self.manually_scheduled = true;
