@@ -168,9 +168,10 @@ fn derives_from(f: &Fusion, id: crate::ir::IterDomainId, root: crate::ir::IterDo
 /// Along a dimension `pt` the read stays in the writing thread when the producer shares the
 /// `pt` loop with the consumer (inlined past it), when both run `pt` over exactly mapped ids
 /// (each index reads the element it wrote), or when the producer is Local and does not use
-/// `pt` (each index computed its own copy). A Shared or Global producer that does not use
-/// `pt` is written by index 0 of it, which only a consumer restricted to index 0 (a Shared
-/// or Global consumer that does not use `pt` either) reads back without crossing.
+/// `pt` (each index computed its own copy; so is a Shared producer along a block
+/// dimension). A Shared or Global producer that does not use `pt` is otherwise written by
+/// index 0 of it, which only a consumer restricted to index 0 (one that does not use `pt`
+/// either and is not private along it) reads back without crossing.
 pub fn cross_reads(f: &Fusion, lg: &LoopGraph, exact: &IdGraph, p: TvId, e: ExprId) -> Vec<CrossRead> {
     let c = f.exprs[e].output;
     let (pt_, ct) = (&f.tvs[p], &f.tvs[c]);
@@ -218,9 +219,12 @@ pub fn cross_reads(f: &Fusion, lg: &LoopGraph, exact: &IdGraph, p: TvId, e: Expr
                 }
                 None => true,
             },
-            None if pt_.memory == MemoryType::Local => false,
-            // Only index 0 of `pt` runs a Shared or Global consumer that does not use `pt`.
-            None => ct.memory == MemoryType::Local || runs_on(f, lg, c, pt),
+            // Memory private along `pt` (registers; a block's Shared memory along a block
+            // dimension) holds each index's own copy.
+            None if is_partitioned_across(pt_.memory, pt) => false,
+            // Only index 0 of `pt` runs a Global (or, along a thread dimension, Shared)
+            // consumer that does not use `pt`.
+            None => is_partitioned_across(ct.memory, pt) || runs_on(f, lg, c, pt),
         };
         if crosses {
             out.push(CrossRead { pt, producer_axis: pa, consumer_axis: ca });

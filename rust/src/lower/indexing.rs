@@ -541,7 +541,8 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
         }
     }
     // A Global/Shared tensor that does not use a launched thread or block dimension is
-    // computed redundantly along it: only index 0 of that dimension writes. Its broadcast
+    // computed redundantly along it: only index 0 of that dimension writes (of a block
+    // dimension, every block writes its own Shared copy, as nvFuser does). Its broadcast
     // loop axes do not partition its elements either: the threads along one would all
     // store the same element (`analysis::parallel::runs_on`).
     // Ops on a grid reduction's result run where it is held; along the dimensions the
@@ -557,7 +558,11 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
     if f.tvs[c].memory != MemoryType::Local {
         let zero = f.scalars.int(0);
         for &p in &ctx.used {
-            if !held_along.contains(&p) && !crate::analysis::parallel::runs_on(f, ctx.lg, c, p) {
+            // (Shared memory is the block's own: every block writes its copy.)
+            if !held_along.contains(&p)
+                && !crate::analysis::parallel::is_partitioned_across(f.tvs[c].memory, p)
+                && !crate::analysis::parallel::runs_on(f, ctx.lg, c, p)
+            {
                 let i = f.scalars.symbol(Symbol::ParallelIndex(p));
                 let first = f.scalars.binary(ScalarOp::Eq, i, zero);
                 pred = f.scalars.binary(ScalarOp::And, pred, first);
