@@ -8,7 +8,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 from ._env import dump_enabled
 from ._errors import KilnError, KilnTypeError
 from .compiled import compiled
-from .host import signature_key
+from .host import elem_strides, signature_key
 from .lowering import check_inputs
 
 
@@ -87,24 +87,30 @@ def execute(fd: Any, inputs: Sequence[Any], device: Optional[str], as_written: b
     return in_place(fd, inputs, outs)
 
 
+def _aliases(fd: Any) -> List[Tuple[int, int]]:
+    """``(output, input)`` pairs of ``fd``'s in-place outputs, cached with its compiled state."""
+    c = compiled(fd)
+    if c.aliases is None:
+        c.aliases = [tuple(p) for p in fd._core.aliases()]
+    return c.aliases
+
+
 def _check_before_launch(fd: Any, low: Any, inputs: Sequence[Any], kind: str) -> None:
     """Plan every launch of ``low`` for ``inputs`` (launch limits of every kernel) and check
     the shapes of the in-place outputs, before any kernel runs."""
     from .host import plan_program  # noqa: PLC0415
 
-    c = compiled(fd)
-    if c.aliases is None:
-        c.aliases = [tuple(p) for p in fd._core.aliases()]
+    aliases = _aliases(fd)
     if low.program is None:
         return
     arrays = [x for x in inputs if _kind(x) != "scalar"]
     scalars = [x for x in inputs if _kind(x) == "scalar"]
     plan = plan_program(low.program, arrays, scalars, "torch" if kind == "torch" else "numpy")
-    if not c.aliases:
+    if not aliases:
         return
     names = low.program.output_names()
     specs = fd._core.input_specs()
-    for o, i in c.aliases:
+    for o, i in aliases:
         want = tuple(plan.buffer(names[o]).sizes)
         if tuple(inputs[i].shape) != want:
             name = f" ({specs[i].name})" if i < len(specs) else ""
@@ -114,10 +120,8 @@ def _check_before_launch(fd: Any, low: Any, inputs: Sequence[Any], kind: str) ->
 
 def _check_writable(fd: Any, inputs: Sequence[Any]) -> None:
     """Refuse, before anything runs, a read-only NumPy array that an output is written into."""
-    c = compiled(fd)
-    if c.aliases is None:
-        c.aliases = [tuple(p) for p in fd._core.aliases()]
-    for o, i in c.aliases:
+    aliases = _aliases(fd)
+    for o, i in aliases:
         x = inputs[i] if i < len(inputs) else None
         kind = _kind(x)
         if kind not in ("numpy", "torch", "cupy"):
@@ -129,7 +133,7 @@ def _check_writable(fd: Any, inputs: Sequence[Any]) -> None:
                             f"(add_output(..., alias_input=...)), but the array is read-only")
         axis = _overlapping_axis(x, kind)
         if axis is not None:
-            stride = _strides(x, kind)[axis]
+            stride = elem_strides(x, kind)[axis]
             why = ("has stride 0 (a broadcast view)" if stride == 0 else
                    f"(stride {stride} elements) steps onto elements of the axes of smaller strides")
             raise KilnError(f"input {i}{name}: output {o} is written into it in place "
@@ -143,10 +147,8 @@ def refuse_immutable_targets(fd: Any, inputs: Sequence[Any]) -> None:
     result would go into a temporary array and be lost."""
     import numpy as np  # noqa: PLC0415
 
-    c = compiled(fd)
-    if c.aliases is None:
-        c.aliases = [tuple(p) for p in fd._core.aliases()]
-    for o, i in c.aliases:
+    aliases = _aliases(fd)
+    for o, i in aliases:
         x = inputs[i] if i < len(inputs) else None
         if isinstance(x, (np.generic, int, float, bool)):
             specs = fd._core.input_specs()
@@ -156,18 +158,11 @@ def refuse_immutable_targets(fd: Any, inputs: Sequence[Any]) -> None:
                             f"which cannot be updated; pass a 0-d array")
 
 
-def _strides(x: Any, kind: str) -> List[int]:
-    """Strides of an array in elements."""
-    if kind == "torch":
-        return list(x.stride())
-    return [s // x.itemsize for s in x.strides]
-
-
 def _overlapping_axis(x: Any, kind: str) -> Optional[int]:
     """An axis of ``x`` whose elements may be elements of other axes too (a broadcast
     stride of 0, or strides that do not nest), else None: an in-place result written into
     such an array would keep only the last of the values that share memory."""
-    strides = _strides(x, kind)
+    strides = elem_strides(x, kind)
     axes = sorted((abs(st), a) for a, (st, n) in enumerate(zip(strides, x.shape)) if n > 1)
     span = 0  # the largest offset the axes of smaller strides reach
     for st, a in axes:
@@ -180,17 +175,15 @@ def _overlapping_axis(x: Any, kind: str) -> Optional[int]:
 def in_place(fd: Any, inputs: Sequence[Any], outs: List[Any]) -> List[Any]:
     """Copy the in-place outputs (``add_output(t, alias_input=x)``) into their inputs' arrays,
     on the inputs' stream, and return the other outputs."""
-    c = compiled(fd)
-    if c.aliases is None:
-        c.aliases = [tuple(p) for p in fd._core.aliases()]
-    if not c.aliases:
+    aliases = _aliases(fd)
+    if not aliases:
         return outs
-    for o, i in c.aliases:
+    for o, i in aliases:
         dst, src = inputs[i], outs[o]
         if tuple(dst.shape) != tuple(src.shape):
             raise KilnError(f"input {i}: has shape {tuple(dst.shape)} but the output written into it "
                             f"in place has shape {tuple(src.shape)}")
-    for o, i in c.aliases:
+    for o, i in aliases:
         dst, src = inputs[i], outs[o]
         kind = _kind(dst)
         if kind == "numpy":
@@ -201,7 +194,7 @@ def in_place(fd: Any, inputs: Sequence[Any], outs: List[Any]) -> List[Any]:
             dst.copy_(src)
         else:
             dst[...] = src
-    dropped = {o for o, _ in c.aliases}
+    dropped = {o for o, _ in aliases}
     return [x for k, x in enumerate(outs) if k not in dropped]
 
 
@@ -216,9 +209,7 @@ def _remember(fd: Any, inputs: Sequence[Any], ev: Any) -> None:
     if launcher is None:
         return
     c = compiled(fd)
-    if c.aliases is None:
-        c.aliases = [tuple(p) for p in fd._core.aliases()]
-    if c.aliases:
+    if _aliases(fd):
         c.launchers[key] = (_in_place_launcher(fd, launcher), ev)
     else:
         c.launchers[key] = (launcher, ev)

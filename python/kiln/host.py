@@ -125,7 +125,8 @@ class ProgramPlan:
         return "\n".join(rows)
 
 
-def _elem_strides(x: Any, kind: str) -> List[int]:
+def elem_strides(x: Any, kind: str) -> List[int]:
+    """Strides of an array in elements (``kind``: "torch", else NumPy/CuPy byte strides)."""
     if kind == "torch":
         return list(x.stride())
     item = x.itemsize
@@ -136,7 +137,7 @@ def plan_program(program: Any, arrays: Sequence[Any], scalars: Sequence[Any],
                  kind: str = "cupy") -> ProgramPlan:
     """Evaluate ``program`` (a ``kiln._core.HostProgram``) for arrays like ``arrays``."""
     sizes = [[int(s) for s in x.shape] for x in arrays]
-    strides = [_elem_strides(x, kind) for x in arrays]
+    strides = [elem_strides(x, kind) for x in arrays]
     return ProgramPlan(program.plan(sizes, strides, list(scalars)))
 
 
@@ -944,7 +945,7 @@ def run_on_cpu(lowered: Any, inputs: Sequence[Any],
         env[name] = x
     # Inputs read at another shape: row-major views of the caller's arrays (the plan was
     # made for their layout, so the reshape moves no element).
-    strides = [_elem_strides(x, "torch" if callable(getattr(x, "stride", None)) else "numpy") for x in arrays]
+    strides = [elem_strides(x, "torch" if callable(getattr(x, "stride", None)) else "numpy") for x in arrays]
     for name, pos, shape in lowered.program.input_views([[int(s) for s in x.shape] for x in arrays], strides,
                                                         list(scalars)):
         env[name] = arrays[pos].reshape(shape)

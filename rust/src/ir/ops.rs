@@ -202,10 +202,11 @@ impl Fusion {
             .collect()
     }
 
-    /// A constant operand of `op` that `dt` (the type it is converted to) cannot hold: an
-    /// integer outside Int32's range, or an infinite or NaN float, for an integer type.
-    /// NumPy and PyTorch refuse these too; a silent wrap would change the answer.
-    pub(crate) fn check_constant_fits(&mut self, op: &str, o: Operand, dt: DataType) -> Result<()> {
+    /// A scalar operand of `op` that `dt` (the type it is converted to) cannot hold: a
+    /// constant integer outside Int32's range, or an infinite or NaN float, for an integer
+    /// type, is refused here; a runtime Int meeting Int32 is checked when the inputs are
+    /// bound. NumPy and PyTorch refuse these too; a silent wrap would change the answer.
+    pub(crate) fn check_scalar_fits(&mut self, op: &str, o: Operand, dt: DataType) -> Result<()> {
         let Operand::Scalar(v) = o else { return Ok(()) };
         let runtime_int = self.scalars.dtype(v, &self.scalar_input_dtypes) == DataType::Int
             && !matches!(self.scalars.get(v), crate::ir::scalar::Val::Int(_));
@@ -362,9 +363,8 @@ impl Fusion {
         if doms.iter().any(|d| d.len() != rank) {
             return Ok(());
         }
-        for o in operands.iter_mut() {
+        for (o, mine) in operands.iter_mut().filter(|o| o.tensor().is_some()).zip(&doms) {
             let Operand::Tensor(t) = *o else { continue };
-            let mine = self.no_reduction_logical(t);
             let axes: Vec<usize> = (0..rank)
                 .filter(|&a| {
                     self.computed_single(mine[a])
@@ -435,7 +435,7 @@ impl Fusion {
         };
         let cd = op.compute_dtype(promoted, out_dt);
         for o in [a, b] {
-            self.check_constant_fits(op.name(), o, promoted)?;
+            self.check_scalar_fits(op.name(), o, promoted)?;
         }
         let defined = op.is_comparison()
             || match cd.category() {
@@ -576,7 +576,7 @@ impl Fusion {
             }
         };
         for o in [a, b] {
-            self.check_constant_fits("where", o, out_dt)?;
+            self.check_scalar_fits("where", o, out_dt)?;
         }
         self.pointwise("where", Op::Where, smallvec![cond, a, b], out_dt)
     }
@@ -929,7 +929,7 @@ impl Fusion {
         let Operand::Scalar(v) = value else {
             bail_type!("full: the fill value must be a scalar, got {}", self.describe(value));
         };
-        self.check_constant_fits("full", value, dtype)?;
+        self.check_scalar_fits("full", value, dtype)?;
         self.source("full", shape, Op::Full { value: v }, dtype)
     }
 

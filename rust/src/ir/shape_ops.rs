@@ -403,7 +403,7 @@ impl Fusion {
         }
         let mask = self.mask(&mask_extents, valid)?;
         let dt = self.tvs[x].dtype;
-        self.check_constant_fits("pad", value, dt)?;
+        self.check_scalar_fits("pad", value, dt)?;
         let filled = self.where_(Operand::Tensor(mask), Operand::Tensor(read), value)?;
         if self.tvs[filled].dtype != dt {
             return self.cast(Operand::Tensor(filled), dt);
