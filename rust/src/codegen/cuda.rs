@@ -692,7 +692,8 @@ impl Gen<'_> {
                 } else {
                     format!("kiln_acc{}", acc.id)
                 };
-                self.parallel_reduce(acc.expr, index, &red, functor(op), &init_c, &value, depth, "", *complete)?;
+                let merge = merge_functor(self.f, acc.expr);
+                self.parallel_reduce(acc.expr, index, &red, merge, &init_c, &value, depth, "", *complete)?;
             }
         }
         Ok(())
@@ -975,7 +976,7 @@ impl Gen<'_> {
                     format!("kiln::cast<{out_ty}>({draw})")
                 }
             }
-            Op::Reduction { op, init } => return self.reduction(e, ix, *op, *init, depth, &pre),
+            Op::Reduction { init, .. } => return self.reduction(e, ix, *init, depth, &pre),
         };
         let _ = writeln!(self.out, "{pad}if ({pred}) {{ {pre}{out} = {value}; }}");
         Ok(())
@@ -1006,21 +1007,13 @@ impl Gen<'_> {
         })
     }
 
-    fn reduction(
-        &mut self,
-        e: ExprId,
-        ix: &AccessIndex,
-        op: ReductionOp,
-        init: ValId,
-        depth: usize,
-        pre: &str,
-    ) -> Result<()> {
+    fn reduction(&mut self, e: ExprId, ix: &AccessIndex, init: ValId, depth: usize, pre: &str) -> Result<()> {
         let pad = Self::pad(depth);
         let f = self.f;
         let out_tv = f.exprs[e].output;
         let dt = f.tvs[out_tv].dtype;
         let ty = dt.c_type();
-        let functor = functor(op);
+        let functor = merge_functor(f, e);
         let out = format!("{}[{}]", self.buf(out_tv), self.c(ix.out));
         let input = self.operand(e, ix, 0, dt);
         let init_c = format!("kiln::cast<{ty}>({})", self.c(init));
@@ -1125,7 +1118,6 @@ impl Gen<'_> {
     }
 }
 
-/// The combining functor of a reduction in the runtime header.
 /// The type a log-sum-exp accumulates its row in: the input's compute type (float for
 /// float, half and bfloat16 rows) where that is narrower than the result. A float row whose
 /// log-sum-exp is a double (the automatic schedules' softmax, see
@@ -1141,6 +1133,22 @@ fn lse_element_dtype(f: &Fusion, e: ExprId) -> DataType {
     }
 }
 
+/// The functor that merges partial results of reduction `e`: a float row's double
+/// log-sum-exp merges with a float correction (`kiln::LogSumExpOfFloats`), others with their
+/// op's functor.
+fn merge_functor(f: &Fusion, e: ExprId) -> &'static str {
+    match f.exprs[e].op {
+        Op::Reduction { op: ReductionOp::LogSumExp, .. }
+            if f.tvs[f.exprs[e].output].dtype == DataType::Double && lse_element_dtype(f, e) == DataType::Float =>
+        {
+            "kiln::LogSumExpOfFloats()"
+        }
+        Op::Reduction { op, .. } => functor(op),
+        _ => "",
+    }
+}
+
+/// The combining functor of a reduction in the runtime header.
 fn functor(op: ReductionOp) -> &'static str {
     match op {
         ReductionOp::Sum => "kiln::Sum()",
