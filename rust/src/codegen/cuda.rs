@@ -685,15 +685,32 @@ impl Gen<'_> {
                     crate::bail_internal!("reduction of an accumulator of a non-reduction")
                 };
                 let ty = self.f.tvs[self.f.exprs[acc.expr].output].dtype.c_type();
-                let init_c = format!("kiln::cast<{ty}>({})", self.c(init));
                 let red = crate::analysis::parallel::reduced_dims(self.f, &self.k.loops, self.f.exprs[acc.expr].output);
-                let value = if op == ReductionOp::LogSumExp {
-                    format!("kiln::lseFinish<{ty}>(kiln_acc{})", acc.id)
+                let grid = red.iter().any(|&p| p.is_block() && !self.f.clustered(p));
+                let partials = if merge_functor(self.f, acc.expr) == "kiln::LogSumExpOfFloats()" && !grid {
+                    // A float row's (maximum, sum) pairs merge between threads and blocks of a
+                    // cluster, finished once (see kiln::LsePair).
+                    Partials {
+                        ty: "kiln::LseAcc<float>".into(),
+                        functor: "kiln::LsePair()",
+                        init: "kiln::lseEmpty<float>()".into(),
+                        value: format!("kiln_acc{}", acc.id),
+                        finish: Some("kiln::lseFinish<double>".into()),
+                    }
                 } else {
-                    format!("kiln_acc{}", acc.id)
+                    Partials {
+                        ty: ty.into(),
+                        functor: merge_functor(self.f, acc.expr),
+                        init: format!("kiln::cast<{ty}>({})", self.c(init)),
+                        value: if op == ReductionOp::LogSumExp {
+                            format!("kiln::lseFinish<{ty}>(kiln_acc{})", acc.id)
+                        } else {
+                            format!("kiln_acc{}", acc.id)
+                        },
+                        finish: None,
+                    }
                 };
-                let merge = merge_functor(self.f, acc.expr);
-                self.parallel_reduce(acc.expr, index, &red, merge, &init_c, &value, depth, "", *complete)?;
+                self.parallel_reduce(acc.expr, index, &red, &partials, depth, "", *complete)?;
             }
         }
         Ok(())
@@ -1024,7 +1041,8 @@ impl Gen<'_> {
             return Ok(());
         }
         let value = format!("({pred}) ? {input} : {init_c}");
-        self.parallel_reduce(e, ix, &red, functor, &init_c, &value, depth, pre, false)
+        let partials = Partials { ty: ty.into(), functor, init: init_c, value, finish: None };
+        self.parallel_reduce(e, ix, &red, &partials, depth, pre, false)
     }
 
     /// The block or grid reduction of a per-thread `value`, combined into the output.
@@ -1034,9 +1052,7 @@ impl Gen<'_> {
         e: ExprId,
         ix: &AccessIndex,
         red: &[ParallelType],
-        functor: &str,
-        init_c: &str,
-        value: &str,
+        partials: &Partials,
         depth: usize,
         pre: &str,
         complete: bool,
@@ -1044,7 +1060,9 @@ impl Gen<'_> {
         let pad = Self::pad(depth);
         let f = self.f;
         let out_tv = f.exprs[e].output;
+        let Partials { ty: pty, functor: pfunctor, init: init_c, value, .. } = partials;
         let ty = f.tvs[out_tv].dtype.c_type();
+        let functor = merge_functor(f, e);
         let out = format!("{}[{}]", self.buf(out_tv), self.c(ix.out));
         let wpred = self.pred(ix.write_predicate);
         let has = |p: ParallelType| red.contains(&p);
@@ -1054,22 +1072,34 @@ impl Gen<'_> {
         self.scratch += 1;
         let v = format!("kiln_v{}", self.scratch);
         let r = format!("kiln_r{}", self.scratch);
+        // The merged partials, and the line that turns them into the output's type.
+        let (rp, finish) = match &partials.finish {
+            Some(fin) => {
+                let rp = format!("kiln_p{}", self.scratch);
+                let line = format!("{pad}  const {ty} {r} = {fin}({rp});");
+                (rp, Some(line))
+            }
+            None => (r.clone(), None),
+        };
         let store = if complete { format!("{out} = {r};") } else { format!("{out} = {functor}({out}, {r});") };
         let _ = writeln!(self.out, "{pad}{{");
         let cluster_reduction = red.iter().any(|&p| f.clustered(p)) && !red.iter().any(|&p| f.is_grid_dim(p));
         if !cluster_reduction {
             self.settle_cluster(&pad);
         }
-        let _ = writeln!(self.out, "{pad}  {ty}* kiln_ws = reinterpret_cast<{ty}*>(kiln_smem + {});", self.c(ws));
-        let _ = writeln!(self.out, "{pad}  {pre}const {ty} {v} = {value};");
+        let _ = writeln!(self.out, "{pad}  {pty}* kiln_ws = reinterpret_cast<{pty}*>(kiln_smem + {});", self.c(ws));
+        let _ = writeln!(self.out, "{pad}  {pre}const {pty} {v} = {value};");
         if cluster_reduction {
             // Every thread of every block of the cluster gets the result.
             // The cluster's size as a constant lets the peers' partials load all at once.
             let blocks = f.cluster.map_or(0, |(_, n)| n);
             let _ = writeln!(
                 self.out,
-                "{pad}  const {ty} {r} = kiln::clusterAllReduce<{tflags}, {blocks}>({v}, {functor}, {init_c}, kiln_ws, kiln_cluster_pending);"
+                "{pad}  const {pty} {rp} = kiln::clusterAllReduce<{tflags}, {blocks}>({v}, {pfunctor}, {init_c}, kiln_ws, kiln_cluster_pending);"
             );
+            if let Some(line) = &finish {
+                let _ = writeln!(self.out, "{line}");
+            }
             if f.tvs[out_tv].memory == MemoryType::Local {
                 let _ = writeln!(self.out, "{pad}  if ({wpred}) {{ {store} }}");
             } else {
@@ -1078,6 +1108,9 @@ impl Gen<'_> {
                 let _ = writeln!(self.out, "{pad}  if ({} && ({wpred})) {{ {store} }}", holder.join(" && "));
             }
         } else if red.iter().any(|p| p.is_block()) {
+            if finish.is_some() {
+                crate::bail_internal!("grid reduction of finished partials");
+            }
             let names = &self.k.summary.global_allocations;
             let tname = f.tv_name(out_tv);
             let work = names.iter().find(|b| b.name == format!("{tname}_work")).map(|b| b.name.clone());
@@ -1089,7 +1122,7 @@ impl Gen<'_> {
             let _ = writeln!(self.out, "{pad}  {ty} {r};");
             let _ = writeln!(
                 self.out,
-                "{pad}  kiln_done_{tname} = kiln::{func}<{bflags}, {tflags}>({r}, {v}, {functor}, {init_c}, {work}, {sync}, kiln_ws, true);"
+                "{pad}  kiln_done_{tname} = kiln::{func}<{bflags}, {tflags}>({r}, {v}, {pfunctor}, {init_c}, {work}, {sync}, kiln_ws, true);"
             );
             let _ = writeln!(self.out, "{pad}  if (kiln_done_{tname}) {{");
             let _ = writeln!(self.out, "{pad}    if ({wpred}) {{ {store} }}");
@@ -1098,14 +1131,20 @@ impl Gen<'_> {
             // Every thread may read a Local result later: all threads get it.
             let _ = writeln!(
                 self.out,
-                "{pad}  const {ty} {r} = kiln::blockAllReduce<{tflags}>({v}, {functor}, {init_c}, kiln_ws);"
+                "{pad}  const {pty} {rp} = kiln::blockAllReduce<{tflags}>({v}, {pfunctor}, {init_c}, kiln_ws);"
             );
+            if let Some(line) = &finish {
+                let _ = writeln!(self.out, "{line}");
+            }
             let _ = writeln!(self.out, "{pad}  if ({wpred}) {{ {store} }}");
         } else {
             let _ = writeln!(
                 self.out,
-                "{pad}  const {ty} {r} = kiln::blockReduce<{tflags}>({v}, {functor}, {init_c}, kiln_ws);"
+                "{pad}  const {pty} {rp} = kiln::blockReduce<{tflags}>({v}, {pfunctor}, {init_c}, kiln_ws);"
             );
+            if let Some(line) = &finish {
+                let _ = writeln!(self.out, "{line}");
+            }
             let holder: Vec<String> = red
                 .iter()
                 .filter(|p| p.is_thread())
@@ -1116,6 +1155,17 @@ impl Gen<'_> {
         let _ = writeln!(self.out, "{pad}}}");
         Ok(())
     }
+}
+
+/// How a reduction's per-thread partial values travel between threads and blocks: their C
+/// type, merge functor, identity and per-thread value, and the function that turns the
+/// merged value into the output's type (none where they have it already).
+struct Partials<'a> {
+    ty: String,
+    functor: &'a str,
+    init: String,
+    value: String,
+    finish: Option<String>,
 }
 
 /// The type a log-sum-exp accumulates its row in: the input's compute type (float for

@@ -1062,6 +1062,22 @@ struct LogSumExpOfFloats {
     return numeric<double>::lowest();
   }
 };
+// Merges two accumulators of float rows: the larger maximum keeps its sum, the other's is
+// scaled by exp(-|difference|), one accurate exp (1 ulp) per merge. Threads merge their
+// (maximum, sum) pairs in 8-byte shuffles and finish once (lseFinish<double>), where merging
+// finished log-sum-exps paid a log and an exp per merge. An empty side (m at its floor, s =
+// 0) adds nothing; +inf keeps m = +inf, which the finish returns; NaN sticks (max.NaN).
+struct LsePair {
+  template <typename T>
+  KILN_DEVICE LseAcc<T> operator()(LseAcc<T> a, LseAcc<T> b) const {
+    const T d = a.m - b.m;
+    const T e = exp(-abs(d));
+    LseAcc<T> r;
+    r.s = d > T(0) ? a.s + b.s * e : b.s + a.s * e;
+    r.m = maximum(a.m, b.m);
+    return r;
+  }
+};
 struct LogSumExp {
   // Merge two log-sum-exp values.
   template <typename T>
