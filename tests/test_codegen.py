@@ -528,3 +528,42 @@ def test_kernel_ir_after_a_pass_is_dumped(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("KILN_DUMP", "after:no_such_pass")
     with pytest.raises(KilnError, match="no such pass; the passes are schedule_checks, loops"):
         fd.lower([np.zeros((3, 1001), np.float32)])
+
+
+def _shifted_sum_fusion(kind: str) -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], dtype=DataType.Float)
+        m = fd.ops.max(x, dims=[1], keepdim=True)
+        if kind == "unshifted":
+            e = fd.ops.exp(x)
+        elif kind == "other_max":
+            y = fd.define_tensor([-1, -1], dtype=DataType.Float)
+            e = fd.ops.exp(fd.ops.sub(y, m))  # y - max(x) may be positive
+        else:
+            e = fd.ops.exp(fd.ops.sub(x, m))
+        s = fd.ops.sum(e, dims=[1])
+        fd.add_output(fd.ops.add(fd.ops.log(s), fd.ops.squeeze(m, [1])))
+        if kind == "exp_output":
+            fd.add_output(e)
+    return fd
+
+
+@pytest.mark.parametrize("kind, fast", [("shifted", True), ("unshifted", False), ("other_max", False),
+                                        ("exp_output", False)])
+def test_exp_terms_of_a_shifted_sum_use_the_fast_exp(kind: str, fast: bool) -> None:
+    """exp(x - max(x)) read only by a sum takes ex2.approx (kiln::lseExp); an exp that is an
+    output, or whose argument may be positive, keeps the exact expf."""
+    from kiln.execute import _auto_lowered  # noqa: PLC0415
+
+    fd = _shifted_sum_fusion(kind)
+    ins = [np.zeros((64, 1000), np.float32)] * (2 if kind == "other_max" else 1)
+    srcs = [k.cuda_source for k in _auto_lowered(fd, ins).kernels]
+    body = "".join(s[s.index("__global__"):] for s in srcs)
+    assert ("kiln::lseExp(" in body) == fast, body
+    # The result is the log-sum-exp either way (interpreter against float64).
+    x = np.random.default_rng(0).standard_normal((64, 1000)).astype(np.float32) * 4
+    got = fd.execute([x] * len(ins))[0]
+    xd = x.astype(np.float64)
+    ref = np.log(np.exp(xd - xd.max(1, keepdims=True)).sum(1)) + xd.max(1) if kind != "unshifted" else \
+        np.log(np.exp(xd).sum(1)) + xd.max(1)
+    np.testing.assert_allclose(got, ref, rtol=1e-5)

@@ -75,6 +75,9 @@ struct Gen<'a> {
     /// Float values that end as half/bfloat16 values: their `exp`, `sigmoid` and division
     /// use the hardware approximations (see `analysis::narrow`).
     narrow: FxHashSet<TvId>,
+    /// Float `exp` terms of shifted sums, computed with `ex2.approx` (see
+    /// `analysis::narrow::shifted_sum_terms`).
+    shifted: FxHashSet<TvId>,
 }
 
 fn collect_symbols(f: &Fusion, v: ValId, seen: &mut FxHashSet<ValId>, out: &mut FxHashSet<Symbol>) {
@@ -213,7 +216,8 @@ pub fn generate(k: &Kernel, index32: bool) -> Result<CudaKernel> {
     }
 
     let narrow = crate::analysis::narrow::ends_narrow(f);
-    let mut g = Gen { k, f, sc: &f.scalars, out: String::new(), names, scratch: 0, narrow };
+    let shifted = crate::analysis::narrow::shifted_sum_terms(f);
+    let mut g = Gen { k, f, sc: &f.scalars, out: String::new(), names, scratch: 0, narrow, shifted };
     let sig: Vec<String> = params
         .iter()
         .map(|(name, kind, dt)| match kind {
@@ -909,6 +913,7 @@ impl Gen<'_> {
                 let approx = cd == DataType::Float && self.narrow.contains(&out_tv);
                 let call = match u {
                     UnaryOp::Exp | UnaryOp::Sigmoid if approx => format!("kiln::{}Narrow", u.name()),
+                    UnaryOp::Exp if cd == DataType::Float && self.shifted.contains(&out_tv) => "kiln::lseExp".into(),
                     _ => Self::call(u.name(), u.cuda(), cd),
                 };
                 format!("kiln::cast<{out_ty}>({call}({}))", self.operand(e, ix, 0, cd))
