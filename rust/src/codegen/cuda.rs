@@ -691,15 +691,16 @@ impl Gen<'_> {
                 let ty = self.f.tvs[self.f.exprs[acc.expr].output].dtype.c_type();
                 let red = crate::analysis::parallel::reduced_dims(self.f, &self.k.loops, self.f.exprs[acc.expr].output);
                 let grid = red.iter().any(|&p| p.is_block() && !self.f.clustered(p));
-                let partials = if merge_functor(self.f, acc.expr) == "kiln::LogSumExpOfFloats()" && !grid {
-                    // A float row's (maximum, sum) pairs merge between threads and blocks of a
-                    // cluster, finished once (see kiln::LsePair).
+                let float_lse = op == ReductionOp::LogSumExp && lse_element_dtype(self.f, acc.expr) == DataType::Float;
+                let partials = if float_lse && !grid {
+                    // Float (maximum, sum) pairs merge between threads and blocks of a cluster
+                    // in the 8 bytes a workspace slot has, finished once (see kiln::LsePair).
                     Partials {
                         ty: "kiln::LseAcc<float>".into(),
                         functor: "kiln::LsePair()",
                         init: "kiln::lseEmpty<float>()".into(),
                         value: format!("kiln_acc{}", acc.id),
-                        finish: Some("kiln::lseFinish<double>".into()),
+                        finish: Some(format!("kiln::lseFinish<{ty}>")),
                     }
                 } else {
                     Partials {
