@@ -839,3 +839,39 @@ def test_an_outputs_allocation_domain_must_order_its_logical_axes() -> None:
         y.set_allocation_domain([0, 2, 1], True)
     a = rand(4, 6)
     np.testing.assert_array_equal(fd.execute([a])[0], -a)
+
+
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("op", ["maximum", "add", "sub", "mul"])
+@pytest.mark.parametrize("chain", [1, 2])
+def test_sibling_operands_sharing_an_inlined_broadcast_place_in_either_order(
+        swap: bool, op: str, chain: int) -> None:
+    """w = bb + bb and z = bb + f(x) share the loops of the inlined broadcast bb; f(x), a
+    tensor of its own nest, is placed before both whichever operand comes first."""
+    rng = np.random.default_rng(chain)
+    a = rng.uniform(-1, 1, (4, 8)).astype(np.float32)
+    b = rng.uniform(-1, 1, 4).astype(np.float32)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1], dtype=DataType.Float)
+        bt = fd.define_tensor(shape=[-1], dtype=DataType.Float)
+        y = fd.ops.neg(x)
+        ys = [y]
+        for _ in range(chain - 1):
+            ys.append(fd.ops.exp(ys[-1]))
+        bb = fd.ops.broadcast_in_dim(bt, shape=[-1, -1], broadcast_dims=[0])
+        z = fd.ops.add(bb, ys[-1])
+        w = fd.ops.add(bb, bb)
+        first, second = (z, w) if swap else (w, z)
+        out = getattr(fd.ops, op)(first, second)
+        fd.add_output(out)
+    for t in [*ys, z, w, out]:
+        t.axis(0).parallelize(ParallelType.BIDx)
+        t.axis(1).parallelize(ParallelType.TIDx)
+    yd = -a.astype(np.float64)
+    for _ in range(chain - 1):
+        yd = np.exp(yd)
+    bd = b.astype(np.float64)[:, None]
+    zd, wd = bd + yd, 2 * bd + 0 * yd
+    fd_, sd = (zd, wd) if swap else (wd, zd)
+    ref = {"maximum": np.maximum, "add": np.add, "sub": np.subtract, "mul": np.multiply}[op](fd_, sd)
+    np.testing.assert_allclose(fd.execute([a, b])[0], ref, rtol=1e-6, atol=1e-6)

@@ -247,13 +247,18 @@ fn plan(mut g: Fusion, cx: &Ctx) -> Result<(HostProgram, Heuristic)> {
     }
     // Empty tensors: no schedule to tune; the kernels as written do the little there is.
     if crate::sched::auto::has_empty_tensor(&g, cx) {
+        crate::sched::auto::canonical::empty_reductions_to_identity(&mut g, cx)?;
         // Intermediates in Global memory: a Local array must have a constant size, and the
         // serial kernels have no other use for registers.
         let inner: Vec<_> = g.tvs.keys().filter(|&t| g.tvs[t].definition.is_some() && !g.is_output(t)).collect();
         for t in inner {
             g.tvs[t].memory = crate::ir::MemoryType::Global;
         }
-        return Ok((crate::host::lower::lower_program(&g)?, Heuristic::new(Params::ZeroSize)));
+        // Which reductions became identities depends on which extents are zero: plans are
+        // shared only between inputs with the same zero extents.
+        let zeros = cx.extents.iter().enumerate().filter(|(_, &v)| v == 0).map(|(n, _)| (n as u32, 0)).collect();
+        let h = Heuristic { params: Params::ZeroSize, specialized: zeros };
+        return Ok((crate::host::lower::lower_program(&g)?, h));
     }
     let mut report = String::new();
     if g.segment_after.is_empty() {

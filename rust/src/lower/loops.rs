@@ -111,7 +111,7 @@ fn visit(f: &Fusion, tv: TvId, done: &mut FxHashSet<ExprId>, order: &mut Vec<Exp
 }
 
 /// Tensors upstream of `from` (not themselves) whose exprs are not placed yet and whose
-/// inline position is below `floor`, shallowest first.
+/// inline position is below `floor` or zero, shallowest first.
 fn shallower_pending(f: &Fusion, from: &[TvId], floor: usize, done: &FxHashSet<ExprId>) -> Vec<TvId> {
     let mut found = Vec::new();
     let mut seen: FxHashSet<TvId> = FxHashSet::default();
@@ -126,7 +126,9 @@ fn shallower_pending(f: &Fusion, from: &[TvId], floor: usize, done: &FxHashSet<E
         if done.contains(&e) || !seen.insert(t) {
             continue;
         }
-        if f.tvs[t].inline_pos < floor {
+        // A tensor that is not inlined closes its own nest: placed between two siblings that
+        // share an inlined producer's loops, it would close theirs.
+        if f.tvs[t].inline_pos < floor || f.tvs[t].inline_pos == 0 {
             found.push(t);
         }
         stack.extend(f.exprs[e].input_tvs());

@@ -1307,6 +1307,33 @@ pub fn broadcast_computed_indices(f: &mut Fusion) -> Result<()> {
     Ok(())
 }
 
+/// Replace each reduction over an axis that has no elements for the inputs at hand by a
+/// `full` of its identity (a sum over an empty axis is 0 everywhere): the kernels as written
+/// for empty tensors would otherwise loop over the input's other, non-empty axes for
+/// nothing (a sum of a [2^26, 0] array took a second).
+pub fn empty_reductions_to_identity(f: &mut Fusion, cx: &super::Ctx) -> Result<()> {
+    for e in f.topo_exprs() {
+        let Op::Reduction { init, .. } = f.exprs[e].op else { continue };
+        let Some(x) = f.exprs[e].inputs[0].tensor() else { continue };
+        let Ok(sizes) = super::tensor_sizes(f, cx, x) else { continue };
+        if !reduced_axes(f, e).iter().any(|&a| sizes.get(a) == Some(&0)) {
+            continue;
+        }
+        let out = f.exprs[e].output;
+        let shape: Vec<_> = f.tvs[out]
+            .logical
+            .iter()
+            .filter(|&&id| f.ids[id].iter_type != IterType::Reduction)
+            .map(|&id| f.ids[id].extent)
+            .collect();
+        let filled = f.full(&shape, Operand::Scalar(init), f.tvs[out].dtype)?;
+        f.tvs[x].uses.retain(|&u| u != e);
+        replace_tensor(f, out, filled);
+    }
+    drop_dead_uses(f);
+    Ok(())
+}
+
 /// Make every reader of `old` read `new` instead (outputs and marks included).
 fn replace_tensor(f: &mut Fusion, old: TvId, new: TvId) {
     f.note_stand_in(new, old);
