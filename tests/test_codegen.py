@@ -56,8 +56,10 @@ def test_launch_plan_is_evaluated_in_rust():
     assert plan.scalar_args == [61, 300]
     assert plan.index32, "small sizes take the 32-bit index variant"
     assert k._core.plan([[40_000_000, 300]], [[300, 1]], []).index32 is False
-    assert k.launch == {"grid": ("ceilDiv(i0, 4)", "ceilDiv(i1, 128)", "1"), "block": ("128", "4", "1"),
-                        "smem_bytes": "4096"}
+    # The reduced block axis launches at least one block: a sum over no rows is zeros.
+    assert k.launch == {"grid": ("max(ceilDiv(i0, 4), 1)", "ceilDiv(i1, 128)", "1"),
+                        "block": ("128", "4", "1"), "smem_bytes": "4096"}
+    assert k._core.plan([[0, 300]], [[300, 1]], []).grid == (1, 3, 1)
 
 
 def test_mismatched_sizes_are_rejected_before_launch():

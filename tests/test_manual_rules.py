@@ -40,7 +40,8 @@ def test_parallel_producer_inlined_into_a_serial_consumer_loop_parallelizes_the_
     a.inline_at(-1)
     k = fd.lower([X5]).kernels[0]
     assert k.kernel_ir.startswith("FOR threadIdx.x")
-    assert k.launch["block"][0] == "i0"
+    # (At least one thread: a runtime size may be 0, and the loop guards it.)
+    assert k.launch["block"][0] == "max(i0, 1)"
     np.testing.assert_array_equal(fd.execute([X5])[0], -np.abs(X5))
 
 
@@ -875,3 +876,37 @@ def test_sibling_operands_sharing_an_inlined_broadcast_place_in_either_order(
     fd_, sd = (zd, wd) if swap else (wd, zd)
     ref = {"maximum": np.maximum, "add": np.add, "sub": np.subtract, "mul": np.multiply}[op](fd_, sd)
     np.testing.assert_allclose(fd.execute([a, b])[0], ref, rtol=1e-6, atol=1e-6)
+
+
+# -- empty parallel axes --------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(4, 0), (0, 4), (4, 3), (1, 0)])
+def test_a_thread_reduction_over_an_empty_axis_writes_its_identity(shape):
+    # TIDx over a runtime size that is 0: the kernel launches one guarded thread per block
+    # (a block of no threads cannot be launched), and the sum over nothing is 0.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        s = fd.ops.sum(x, dims=[1])
+        o = fd.ops.add(s, 1.0)
+        fd.add_output(o)
+    s.axis(1).parallelize(ParallelType.TIDx)
+    s.axis(0).parallelize(ParallelType.BIDx)
+    o.axis(0).parallelize(ParallelType.BIDx)
+    s.inline_at(1)
+    a = rand(*shape)
+    np.testing.assert_allclose(fd.execute([a])[0], a.astype(np.float64).sum(1) + 1.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (3, 4), (0, 1)])
+def test_a_grid_reduction_over_an_empty_axis_writes_its_identity(shape):
+    # BIDx over the reduced rows: with no rows, one guarded block still writes the zeros.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        s = fd.ops.sum(x, dims=[0])
+        o = fd.ops.add(s, 1.0)
+        fd.add_output(o)
+    s.set_memory_type(MemoryType.Global)
+    s.axis(0).parallelize(ParallelType.BIDx)
+    s.axis(1).parallelize(ParallelType.TIDx)
+    o.axis(0).parallelize(ParallelType.TIDx)
+    a = rand(*shape)
+    np.testing.assert_allclose(fd.execute([a])[0], a.astype(np.float64).sum(0) + 1.0, rtol=1e-6)

@@ -10,7 +10,7 @@ from typing import List
 
 import numpy as np
 import pytest
-from kiln import FusionDefinition
+from kiln import DataType, FusionDefinition
 
 
 @pytest.mark.parametrize("shape", [[5, 1, 4], [5, 2, 2], [1, 5, 4], [20], [10, 2], None], ids=str)
@@ -96,3 +96,16 @@ def test_a_width_one_slice_broadcasts_as_in_pytorch(span: tuple, how: str) -> No
     want = a - col if how == "implicit" else np.broadcast_to(col, a.shape)
     (got,) = fd.execute([a])
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("rows", [5, 7])
+def test_an_empty_slice_meets_an_empty_constant_shape(rows: int) -> None:
+    """``x[5:5, ::2] - torch.full((0, k), c)``: an axis sliced to no elements (whose size the
+    compiler cannot prove to be 0) meets a constant 0 as an equal size, not as a broadcast."""
+    a = np.arange(rows * 6, dtype=np.float32).reshape(rows, 6)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        s = fd.ops.slice(x, [5, 2], [5, fd.ops.size(x, 1)], [1, 2])
+        fd.add_output(fd.ops.sub(s, fd.ops.full([0, 2], -0.75, DataType.Float)))
+    (got,) = fd.execute([a])
+    assert got.shape == (0, 2)

@@ -352,7 +352,8 @@ impl Fusion {
     }
 
     /// Element-wise operands of one rank: an axis of a computed size of at most one meets
-    /// an axis of another size as a broadcast (`x - x[:, -1:]`), as PyTorch broadcasts it.
+    /// an axis of a size other than 0 or 1 as a broadcast (`x - x[:, -1:]`), as PyTorch
+    /// broadcasts it.
     fn broadcast_computed_ones(&mut self, operands: &mut [Operand]) -> Result<()> {
         let tensors: Vec<TvId> = operands.iter().filter_map(|o| o.tensor()).collect();
         if tensors.len() < 2 {
@@ -372,7 +373,9 @@ impl Fusion {
                             let other = &self.ids[d[a]];
                             other.iter_type == IterType::Iteration
                                 && !self.computed_single(d[a])
-                                && self.scalars.as_int(other.extent).is_none_or(|n| n != 1)
+                                // Against a constant 0 both readings give no elements; an
+                                // equal-size pair keeps a 0 that a squeeze would refuse.
+                                && self.scalars.as_int(other.extent).is_none_or(|n| n > 1)
                         })
                 })
                 .collect();

@@ -31,7 +31,7 @@ struct Enclosing {
 struct Ctx<'a> {
     lg: &'a LoopGraph,
     allocs: &'a FxHashMap<TvId, AllocationInfo>,
-    /// Parallel types whose loops do not all have the same extent: those need `index < extent`.
+    /// Parallel types whose loops need `index < extent` (`ParallelExtents::ragged`).
     ragged: Vec<ParallelType>,
     /// Thread/block parallel types the kernel launches with.
     used: Vec<ParallelType>,
@@ -53,10 +53,9 @@ pub fn run(
     order: &[crate::ir::ExprId],
     body: &mut [Node],
 ) -> Result<()> {
-    let mut extents: FxHashMap<ParallelType, Vec<ValId>> = FxHashMap::default();
-    collect_parallel_extents(body, &mut extents);
-    let used = extents.keys().copied().collect();
-    let ragged = extents.into_iter().filter(|(_, v)| v.len() > 1).map(|(p, _)| p).collect();
+    let extents = crate::lower::launch::ParallelExtents::of(f, body);
+    let used = extents.0.keys().copied().collect();
+    let ragged = extents.0.keys().copied().filter(|&p| extents.ragged(f, p)).collect();
     let waits = crate::analysis::parallel::grid_waits(f, lg, order);
     let grid_dims =
         waits.values().flatten().map(|&t| (t, crate::analysis::parallel::grid_reduced_dims(f, lg, t))).collect();
@@ -64,20 +63,6 @@ pub fn run(
     let mut ctx = Ctx { lg, allocs, ragged, used, next_gather: 0, waits, grid_dims, partial };
     let mut stack = Vec::new();
     walk(f, &mut ctx, body, &mut stack)
-}
-
-fn collect_parallel_extents(body: &[Node], out: &mut FxHashMap<ParallelType, Vec<ValId>>) {
-    for n in body {
-        if let Node::Loop(l) = n {
-            if l.parallel.is_thread_or_block() {
-                let v = out.entry(l.parallel).or_default();
-                if !v.contains(&l.extent) {
-                    v.push(l.extent);
-                }
-            }
-            collect_parallel_extents(&l.body, out);
-        }
-    }
 }
 
 fn walk(f: &mut Fusion, ctx: &mut Ctx, body: &mut [Node], stack: &mut Vec<Enclosing>) -> Result<()> {

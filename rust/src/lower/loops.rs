@@ -246,20 +246,14 @@ pub fn run(f: &mut Fusion, lg: &LoopGraph, order: &[ExprId]) -> Result<(Vec<Node
         }
         cur.push(Node::Expr { expr: e, index: None });
     }
-    // A parallel type all of whose loops share one extent: its index is below it.
-    let mut extents: FxHashMap<crate::ir::ParallelType, Vec<crate::ir::ValId>> = FxHashMap::default();
-    for g in &lg.groups {
-        if g.parallel.is_thread_or_block() {
-            let e = f.ids[g.promoted].extent;
-            let v = extents.entry(g.parallel).or_default();
-            if !v.contains(&e) {
-                v.push(e);
-            }
-        }
-    }
-    for (p, v) in extents {
+    // A parallel type all of whose loops share one extent, launched with exactly that many
+    // threads or blocks: its index is below it.
+    let extents = crate::lower::launch::ParallelExtents::of(f, &body);
+    for (&p, (v, _)) in &extents.0 {
         if let [e] = v.as_slice() {
-            f.scalars.set_symbolic_bound(Symbol::ParallelIndex(p), *e);
+            if !extents.ragged(f, p) {
+                f.scalars.set_symbolic_bound(Symbol::ParallelIndex(p), *e);
+            }
         }
     }
     // Thread and block indices stay below the largest extent of their loops.

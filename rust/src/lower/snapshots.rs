@@ -356,7 +356,7 @@ fn h_grid_column_sum() {
           FOR threadIdx.y in rthreadIdx.y5{4} (TIDy):
             FOR blockIdx.y in iblockIdx.y6{ceilDiv(i1, 128)} (BIDy):
               FOR threadIdx.x in ithreadIdx.x7{128} (TIDx):
-                T1 = reduce_sum(T0)  @ [blockIdx.y * 128 + threadIdx.x] <- [(blockIdx.x * 4 + threadIdx.y) * i1 + (blockIdx.y * 128 + threadIdx.x)] if blockIdx.x * 4 + threadIdx.y < i0 && blockIdx.y * 128 + threadIdx.x < i1
+                T1 = reduce_sum(T0)  @ [blockIdx.y * 128 + threadIdx.x] <- [(blockIdx.x * 4 + threadIdx.y) * i1 + (blockIdx.y * 128 + threadIdx.x)] if blockIdx.x * 4 + threadIdx.y < i0 && blockIdx.y * 128 + threadIdx.x < i1 && blockIdx.x < ceilDiv(i0, 4)
 
         T0 Global ids=[iS0{i0}, iS1{i1}] strides=[i1, 1] contiguity=[true, true] position=0
         T1 Global ids=[iS3{i1}] strides=[1] contiguity=[true] position=0
@@ -378,7 +378,7 @@ fn h_serial_grid_column_sum() {
           FOR threadIdx.y in rthreadIdx.y5{4} (TIDy):
             FOR blockIdx.y in iblockIdx.y6{ceilDiv(i1, 128)} (BIDy):
               FOR threadIdx.x in ithreadIdx.x7{128} (TIDx):
-                T1 = reduce_sum(T0)  @ [blockIdx.y * 128 + threadIdx.x] <- [(blockIdx.x * 4 + threadIdx.y) * i1 + (blockIdx.y * 128 + threadIdx.x)] if blockIdx.x * 4 + threadIdx.y < i0 && blockIdx.y * 128 + threadIdx.x < i1
+                T1 = reduce_sum(T0)  @ [blockIdx.y * 128 + threadIdx.x] <- [(blockIdx.x * 4 + threadIdx.y) * i1 + (blockIdx.y * 128 + threadIdx.x)] if blockIdx.x * 4 + threadIdx.y < i0 && blockIdx.y * 128 + threadIdx.x < i1 && blockIdx.x < ceilDiv(i0, 4)
 
         T0 Global ids=[iS0{i0}, iS1{i1}] strides=[i1, 1] contiguity=[true, true] position=0
         T1 Global ids=[iS3{i1}] strides=[1] contiguity=[true] position=0
@@ -407,7 +407,7 @@ fn h_grid_column_sum_hoisted() {
         FOR blockIdx.x in rblockIdx.x4{ceilDiv(i0, 16)} (BIDx):
           FOR threadIdx.y in rthreadIdx.y6{4} (TIDy):
             acc0 = identity  // register of T1
-            IF blockIdx.y * 128 + threadIdx.x < i1:  // invariant bounds
+            IF blockIdx.y * 128 + threadIdx.x < i1 && blockIdx.x < ceilDiv(i0, 16):  // invariant bounds
               FOR idx0 in rS7{4}:
                 FOR blockIdx.y in iblockIdx.y8{ceilDiv(i1, 128)} (BIDy):
                   FOR threadIdx.x in ithreadIdx.x9{128} (TIDx):
