@@ -527,7 +527,13 @@ fn merge_groups(
             (t, n.max(1) * f.tvs[t].dtype.size_bytes() as i64)
         })
         .collect();
-    let mut refused_pairs: FxHashSet<(Vec<ExprId>, Vec<ExprId>)> = FxHashSet::default();
+    // Pairs refused as they were, by index and size: a group only grows (a merge puts the
+    // union at one index and empties the other), so its size names its contents.
+    let mut refused_pairs: FxHashSet<(usize, usize, usize, usize)> = FxHashSet::default();
+    let sized = |groups: &[Option<Vec<ExprId>>], a: usize, b: usize| {
+        let len = |i: usize| groups[i].as_ref().map_or(0, |g| g.len());
+        (a, len(a), b, len(b))
+    };
     // Pairs of groups refused in this round, by index, whatever either has absorbed since:
     // asking again after every merge that grows one of them costs a schedule per pair and
     // merge (minutes for a gradient clip over a few dozen tensors). A round ends when no
@@ -543,16 +549,17 @@ fn merge_groups(
             if refused_this_round.contains(&(a, b)) {
                 continue;
             }
-            let (ga, gb) = (groups[a].clone().unwrap_or_default(), groups[b].clone().unwrap_or_default());
-            if refused_pairs.contains(&(ga.clone(), gb.clone())) {
+            let key = sized(&groups, a, b);
+            if refused_pairs.contains(&key) {
                 continue;
             }
-            if crosses_mark(f, &ga, &gb) || makes_cycle(f, &groups, &group_of, a, b) {
-                refused_pairs.insert((ga, gb));
+            let (ga, gb) = (groups[a].as_deref().unwrap_or_default(), groups[b].as_deref().unwrap_or_default());
+            if crosses_mark(f, ga, gb) || makes_cycle(f, &groups, &group_of, a, b) {
+                refused_pairs.insert(key);
                 refused_this_round.insert((a, b));
                 continue;
             }
-            let mut union: Vec<ExprId> = ga.iter().chain(&gb).copied().collect();
+            let mut union: Vec<ExprId> = ga.iter().chain(gb).copied().collect();
             union.sort_by_key(|e| pos[e]);
             match try_group(f, order, &union, cx)? {
                 Ok(c) => {
@@ -566,8 +573,8 @@ fn merge_groups(
                     break;
                 }
                 Err(why) => {
-                    refusals.push(format!("  {} + {}: {why}", group_text(f, &ga), group_text(f, &gb)));
-                    refused_pairs.insert((ga, gb));
+                    refusals.push(format!("  {} + {}: {why}", group_text(f, ga), group_text(f, gb)));
+                    refused_pairs.insert(key);
                     refused_this_round.insert((a, b));
                 }
             }
@@ -756,11 +763,15 @@ fn candidates(
                 *saved.entry((p.min(c), p.max(c))).or_default() += b + if write_too { b } else { 0 };
             }
         }
-        for (x, &i) in rs.iter().enumerate() {
-            for &j in &rs[x + 1..] {
-                if Some(i) != producer && Some(j) != producer {
-                    *saved.entry((i.min(j), i.max(j))).or_default() += b;
-                }
+        // Readers pair with the first reader and with the next one, not every other: a
+        // tensor many groups read (a clip coefficient that scales k gradients) would give
+        // k^2 pairs per round of merging, and merging the readers one at a time into the
+        // first reaches the same group.
+        let rs: Vec<usize> = rs.iter().copied().filter(|&i| Some(i) != producer).collect();
+        for (x, &j) in rs.iter().enumerate().skip(1) {
+            let (first, prev) = (rs[0], rs[x - 1]);
+            for i in if first == prev { vec![first] } else { vec![first, prev] } {
+                *saved.entry((i.min(j), i.max(j))).or_default() += b;
             }
         }
     }
@@ -789,15 +800,16 @@ fn candidates(
         cs.sort_unstable();
     }
     for ps in fed_by.values().chain(feeds.values()) {
-        for (x, &i) in ps.iter().enumerate() {
-            for &j in &ps[x + 1..] {
+        // With the first and the next, as readers pair above.
+        for (x, &j) in ps.iter().enumerate().skip(1) {
+            for i in [ps[0], ps[x - 1]] {
                 saved.entry((i.min(j), i.max(j))).or_insert(0);
             }
         }
     }
-    let first = |i: usize| pos[&groups[i].as_ref().expect("alive")[0]];
+    let first: Vec<usize> = groups.iter().map(|g| g.as_ref().map_or(usize::MAX, |g| pos[&g[0]])).collect();
     let mut out: Vec<(i64, usize, usize)> = saved.into_iter().map(|((a, b), s)| (s, a, b)).collect();
-    out.sort_by_key(|&(s, a, b)| (-s, first(a).min(first(b)), first(a).max(first(b))));
+    out.sort_unstable_by_key(|&(s, a, b)| (-s, first[a].min(first[b]), first[a].max(first[b])));
     out
 }
 

@@ -462,15 +462,15 @@ impl Fusion {
         e
     }
 
-    /// Replace the symbolic input extent `i{n}` by `value` in every IterDomain, so that
-    /// index arithmetic and bounds checks over it fold to constants.
-    pub fn specialize_extent(&mut self, n: u32, value: i64) {
-        let sym = crate::ir::Symbol::Extent(n);
-        let c = self.scalars.int(value);
+    /// Make input extents `Extent(n)` the constants `value` of `(n, value)` everywhere.
+    pub fn specialize_extents(&mut self, values: &[(u32, i64)]) {
+        let by: rustc_hash::FxHashMap<crate::ir::Symbol, ValId> =
+            values.iter().map(|&(n, v)| (crate::ir::Symbol::Extent(n), self.scalars.int(v))).collect();
+        let mut memo = rustc_hash::FxHashMap::default();
         let ids: Vec<IterDomainId> = self.ids.keys().collect();
         for id in ids {
             let e = self.ids[id].extent;
-            self.ids[id].extent = self.scalars.substitute(e, sym, c);
+            self.ids[id].extent = self.scalars.substitute_all(e, &by, &mut memo);
         }
     }
 

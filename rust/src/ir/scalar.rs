@@ -650,6 +650,33 @@ impl Scalars {
         self.substitute_memo(v, sym, by, &mut memo)
     }
 
+    /// `v` with each symbol of `by` replaced by its value there, simplified; `memo` carries
+    /// the rewritten nodes from one call to the next (many values, one substitution).
+    pub fn substitute_all(
+        &mut self,
+        v: ValId,
+        by: &FxHashMap<Symbol, ValId>,
+        memo: &mut FxHashMap<ValId, ValId>,
+    ) -> ValId {
+        if let Some(&r) = memo.get(&v) {
+            return r;
+        }
+        let r = match self.nodes[v] {
+            Val::Symbol(s) => by.get(&s).copied().unwrap_or(v),
+            Val::Binary(op, a, b) => {
+                let (na, nb) = (self.substitute_all(a, by, memo), self.substitute_all(b, by, memo));
+                if na == a && nb == b {
+                    v
+                } else {
+                    self.binary(op, na, nb)
+                }
+            }
+            _ => v,
+        };
+        memo.insert(v, r);
+        r
+    }
+
     fn substitute_memo(&mut self, v: ValId, sym: Symbol, by: ValId, memo: &mut FxHashMap<ValId, ValId>) -> ValId {
         if let Some(&r) = memo.get(&v) {
             return r;

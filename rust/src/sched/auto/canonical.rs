@@ -10,6 +10,10 @@
 //!   nothing next to the memory traffic of these kernels. The original op stays where
 //!   something else (an output) reads it. Fills, masks, iotas and random numbers are made
 //!   at the broadcast's rank instead (size-one new axes keep every element's position).
+//!   A value of the whole tensor computed from totals (rank 0) that several ops read stays
+//!   where it is, computed once where the totals are finished: copied into each reader it
+//!   would grow with readers times its chain (a gradient clip's coefficient over k
+//!   tensors).
 //! - **Nested reductions merge.** `sum(sum(x, [1]), [0])` (a per-row loss averaged over
 //!   the rows) becomes `sum(x, [0, 1])` when nothing else reads the inner result: one
 //!   reduction the schedulers cover in one kernel instead of two. Sums reassociate (the
@@ -127,6 +131,9 @@ pub fn sink_broadcasts(f: &mut Fusion) -> Result<()> {
             if !op.is_elementwise() {
                 continue;
             }
+            if shared_total(f, x) {
+                continue;
+            }
             let mut operands = Vec::new();
             for o in f.exprs[d].inputs.clone() {
                 operands.push(match o {
@@ -148,6 +155,31 @@ pub fn sink_broadcasts(f: &mut Fusion) -> Result<()> {
         }
         return Ok(());
     }
+}
+
+/// True when `x` is a value of a whole tensor computed from totals (rank 0, downstream of
+/// a reduction) that several ops read: it is computed once where the totals are finished
+/// (in the block that finishes them), not copied into every reader's broadcast. Copies
+/// would grow with readers times the chain's length: a gradient clip over k tensors
+/// copied its k-term sum of squares into each of its k scaled outputs (k^2 ops to
+/// schedule, and k adds per element of every output).
+fn shared_total(f: &Fusion, x: TvId) -> bool {
+    if !f.no_reduction_logical(x).is_empty() || f.tvs[x].uses.len() < 2 {
+        return false;
+    }
+    let mut stack = vec![x];
+    let mut seen: FxHashSet<TvId> = FxHashSet::default();
+    while let Some(t) = stack.pop() {
+        if !seen.insert(t) {
+            continue;
+        }
+        let Some(d) = f.tvs[t].definition else { continue };
+        if matches!(f.exprs[d].op, Op::Reduction { .. }) {
+            return true;
+        }
+        stack.extend(f.exprs[d].input_tvs());
+    }
+    false
 }
 
 /// The source of an expand, `where(full(true), a, a)` (how `broadcast_in_dim` to a fixed

@@ -446,7 +446,18 @@ fn broadcast_input(f: &Fusion, t: TvId) -> bool {
 /// are fine: each tensor indexes with its own extents (two sums over `[B]` rows that a
 /// kernel boundary separated from each other's definitions).
 pub(crate) fn misaligned(f: &Fusion, cx: &Ctx, reference: &[IterDomainId], tensors: &[TvId]) -> Option<TvId> {
-    let graph = crate::analysis::id_graph::IdGraph::permissive(f);
+    misaligned_in(&crate::analysis::id_graph::IdGraph::permissive(f), f, cx, reference, tensors)
+}
+
+/// `misaligned` with the fusion's permissive id graph built once by the caller (who asks
+/// for many tensors and references).
+pub(crate) fn misaligned_in(
+    graph: &crate::analysis::id_graph::IdGraph,
+    f: &Fusion,
+    cx: &Ctx,
+    reference: &[IterDomainId],
+    tensors: &[TvId],
+) -> Option<TvId> {
     let env = |s: Symbol| match s {
         Symbol::Extent(n) => cx.extents.get(n as usize).copied(),
         Symbol::ScalarInput(n) => cx.scalars.get(n as usize).copied().flatten(),
@@ -509,23 +520,22 @@ pub(crate) fn specialize_reduced_extents(f: &mut Fusion, reductions: &[ExprId], 
 /// the kernel; returns `(n, value)` pairs for the heuristic's cache key.
 pub(crate) fn specialize_extents(f: &mut Fusion, ids: &[IterDomainId], extents: &[i64]) -> Vec<(u32, i64)> {
     let graph = crate::analysis::id_graph::IdGraph::exact(f);
+    let roots: rustc_hash::FxHashSet<IterDomainId> = ids.iter().map(|&r| graph.find(r)).collect();
     let mut syms: Vec<u32> = Vec::new();
     for id in f.ids.keys() {
-        if !ids.iter().any(|&r| graph.same(r, id)) {
+        if !roots.contains(&graph.find(id)) {
             continue;
         }
         if let crate::ir::scalar::Val::Symbol(Symbol::Extent(n)) = f.scalars.get(f.ids[id].extent) {
-            if !syms.contains(&n) && (n as usize) < extents.len() {
+            if (n as usize) < extents.len() {
                 syms.push(n);
             }
         }
     }
     syms.sort_unstable();
-    let mut key = Vec::new();
-    for n in syms {
-        f.specialize_extent(n, extents[n as usize]);
-        key.push((n, extents[n as usize]));
-    }
+    syms.dedup();
+    let key: Vec<(u32, i64)> = syms.into_iter().map(|n| (n, extents[n as usize])).collect();
+    f.specialize_extents(&key);
     key
 }
 

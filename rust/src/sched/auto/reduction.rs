@@ -17,6 +17,7 @@ use crate::bail;
 use crate::error::Result;
 use crate::ir::{ExprId, Fusion, IterType, Op, Operand, ParallelType, TvId};
 use crate::sched::auto::{tensor_sizes, Ctx, Heuristic, Params};
+use rustc_hash::{FxHashMap, FxHashSet};
 
 fn merge_range(f: &mut Fusion, t: TvId, start: usize, count: usize) -> Result<()> {
     for _ in 1..count {
@@ -31,17 +32,23 @@ fn merge_range(f: &mut Fusion, t: TvId, start: usize, count: usize) -> Result<()
 /// both (totals of the rows and what they compute); neither list holds them.
 fn by_dependence(f: &Fusion, rs: &[TvId], late: &[TvId]) -> (Vec<TvId>, Vec<TvId>) {
     let (mut before, mut after) = (Vec::new(), Vec::new());
-    for e in f.topo_exprs() {
+    let order = f.topo_exprs();
+    let skipped: FxHashSet<TvId> = rs.iter().chain(late).copied().collect();
+    // Tensors that a reduction or a tensor after one reaches (for membership tests).
+    let mut later: FxHashSet<TvId> = rs.iter().copied().collect();
+    for &e in &order {
         let o = f.exprs[e].output;
-        if rs.contains(&o) || late.contains(&o) {
+        if skipped.contains(&o) {
             continue;
         }
-        if f.exprs[e].input_tvs().any(|t| rs.contains(&t) || after.contains(&t)) {
+        if f.exprs[e].input_tvs().any(|t| later.contains(&t)) {
             after.push(o);
+            later.insert(o);
         } else {
             before.push(o);
         }
     }
+    let late_set: FxHashSet<TvId> = late.iter().copied().collect();
     // A tensor of lower rank than the reduction's input that only ops after the reduction
     // (or the totals) read runs in their space: a running statistic's
     // `(1 - momentum) * running_mean`, cross-entropy's per-row `label != ignore_index`
@@ -67,14 +74,15 @@ fn by_dependence(f: &Fusion, rs: &[TvId], late: &[TvId]) -> (Vec<TvId>, Vec<TvId
             && f.producers(t).iter().all(|&p| !reduced(p))
             && per_row(t)
             && (f.is_output(t) || !consumers.is_empty())
-            && consumers.iter().all(|c| after.contains(c) || late.contains(c))
+            && consumers.iter().all(|c| (later.contains(c) && !rs.contains(c)) || late_set.contains(c))
         {
             before.remove(i);
             after.push(t);
+            later.insert(t);
         }
     }
-    let order = f.topo_exprs();
-    after.sort_by_key(|t| order.iter().position(|&e| f.exprs[e].output == *t));
+    let at: FxHashMap<TvId, usize> = order.iter().enumerate().map(|(i, &e)| (f.exprs[e].output, i)).collect();
+    after.sort_by_key(|t| at.get(t).copied());
     (before, after)
 }
 
@@ -142,7 +150,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
             f.tv_name(totals[0])
         );
     }
-    if let Some(o) = rs.iter().copied().find(|&o| by_dependence(f, &[o], &[]).1.iter().any(|t| rs.contains(t))) {
+    if let Some(o) = read_by_a_reduction(f, &rs) {
         bail!("{}: a reduction reads it; reductions of reductions need a kernel each", f.tv_name(o));
     }
     let checked: Vec<TvId> = before.iter().chain(&rs[1..]).copied().collect();
@@ -443,12 +451,33 @@ fn inline_into_after(f: &mut Fusion, rs: &[TvId], after: &[TvId]) -> Result<()> 
     Ok(())
 }
 
+/// The first of `rs` (in their order) that another of `rs` is computed from, if any.
+fn read_by_a_reduction(f: &Fusion, rs: &[TvId]) -> Option<TvId> {
+    // Per tensor, the reductions of `rs` it is computed from (itself included).
+    let mut from: FxHashMap<TvId, Vec<TvId>> = rs.iter().map(|&r| (r, vec![r])).collect();
+    let mut read = FxHashSet::default();
+    for e in f.topo_exprs() {
+        let o = f.exprs[e].output;
+        let mut srcs: Vec<TvId> = f.exprs[e].input_tvs().filter_map(|t| from.get(&t)).flatten().copied().collect();
+        if srcs.is_empty() {
+            continue;
+        }
+        srcs.sort_unstable();
+        srcs.dedup();
+        if rs.contains(&o) {
+            read.extend(srcs.iter().copied());
+        }
+        from.entry(o).or_default().extend(srcs);
+    }
+    rs.iter().copied().find(|r| read.contains(r))
+}
+
 /// Everything reduced: a grid of blocks each summing a strided share, one loop nest per
 /// reduction (several totals of tensors of different shapes share the grid: the squares of
 /// a weight's and a bias's gradients summed into one norm).
 fn full(f: &mut Fusion, cx: &Ctx, rs: &[TvId]) -> Result<Heuristic> {
     let (before, after) = by_dependence(f, rs, &[]);
-    if let Some(o) = rs.iter().copied().find(|&o| by_dependence(f, &[o], &[]).1.iter().any(|t| rs.contains(t))) {
+    if let Some(o) = read_by_a_reduction(f, rs) {
         bail!("{}: a reduction reads it; reductions of reductions need a kernel each", f.tv_name(o));
     }
     if let Some(&t) = after.iter().find(|&&t| !f.no_reduction_logical(t).is_empty()) {
@@ -459,8 +488,10 @@ fn full(f: &mut Fusion, cx: &Ctx, rs: &[TvId]) -> Result<Heuristic> {
     }
     // Each tensor before the reductions runs in the loops of the first one it lines up with.
     let mut groups: Vec<Vec<TvId>> = vec![Vec::new(); rs.len()];
+    let graph = crate::analysis::id_graph::IdGraph::permissive(f);
     for &t in &before {
-        let Some(i) = rs.iter().position(|&r| super::misaligned(f, cx, &f.tvs[r].logical, &[t]).is_none()) else {
+        let Some(i) = rs.iter().position(|&r| super::misaligned_in(&graph, f, cx, &f.tvs[r].logical, &[t]).is_none())
+        else {
             bail!(
                 "{}: its axes do not line up with those of any reduction's input; it needs a kernel of its own",
                 f.tv_name(t)
