@@ -910,3 +910,20 @@ def test_a_grid_reduction_over_an_empty_axis_writes_its_identity(shape):
     o.axis(0).parallelize(ParallelType.TIDx)
     a = rand(*shape)
     np.testing.assert_allclose(fd.execute([a])[0], a.astype(np.float64).sum(0) + 1.0, rtol=1e-6)
+
+
+def test_a_broadcast_axis_on_bidx_is_computed_by_every_block():
+    # The broadcast's own loop has extent one on BIDx while its reader runs BIDx over 42
+    # rows: each block computes its own copy of the on-chip tensor (guarding it to block 0
+    # left the other blocks' Shared copies unwritten).
+    x, w = rand(42, 5), rand(5, seed=1)
+    with FusionDefinition() as fd:
+        t0 = fd.define_tensor([42, 5])
+        t1 = fd.define_tensor([5])
+        b = fd.ops.broadcast_in_dim(fd.ops.mul(t1, 2.0), shape=[-1, -1], broadcast_dims=[1])
+        o = fd.ops.add(b, t0)
+        fd.add_output(o)
+    b.set_memory_type(MemoryType.Shared)
+    b.axis(0).parallelize(ParallelType.BIDx)
+    o.axis(0).parallelize(ParallelType.BIDx)
+    np.testing.assert_allclose(fd.execute([x, w])[0], x + 2.0 * w.astype(np.float64), rtol=1e-6)

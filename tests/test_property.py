@@ -239,8 +239,9 @@ def test_random_fusions_match_numpy(c: Case) -> None:
     try:
         got = core.execute_cpu(kernel, list(arrays))
     except KilnError as e:
-        # A launch over the GPU's limits for these sizes is refused before it runs, by name.
-        if "the GPU allows at most" not in str(e):
+        # A launch over the GPU's limits for these sizes (threads, or Shared memory that a
+        # Shared cache of a split-padded axis needs) is refused before it runs, by name.
+        if "the GPU allows at most" not in str(e) and "bytes of Shared memory per block" not in str(e):
             raise
         STATS["lowering_rejected"] += 1
         assume(False)

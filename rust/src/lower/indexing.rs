@@ -218,6 +218,13 @@ fn predicate(
         if skip_reductions && reduced {
             continue;
         }
+        // A broadcast loop (extent one) on a thread or block dimension: every thread or block
+        // computes the one element of an on-chip tensor for itself (its readers run that
+        // dimension over a larger axis and read it there); only a Global write is made once.
+        let broadcast = l.group.is_some_and(|g| f.ids[ctx.lg.groups[g].promoted].iter_type == IterType::Broadcast);
+        if broadcast && f.tvs[tv].memory != crate::ir::MemoryType::Global {
+            continue;
+        }
         if ctx.ragged.contains(&l.parallel) {
             let c = f.scalars.lt(l.index, l.extent);
             pred = f.scalars.binary(ScalarOp::And, pred, c);
