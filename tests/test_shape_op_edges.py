@@ -10,7 +10,7 @@ from typing import List
 
 import numpy as np
 import pytest
-from kiln import DataType, FusionDefinition
+from kiln import DataType, FusionDefinition, KilnError
 
 
 @pytest.mark.parametrize("shape", [[5, 1, 4], [5, 2, 2], [1, 5, 4], [20], [10, 2], None], ids=str)
@@ -109,3 +109,13 @@ def test_an_empty_slice_meets_an_empty_constant_shape(rows: int) -> None:
         fd.add_output(fd.ops.sub(s, fd.ops.full([0, 2], -0.75, DataType.Float)))
     (got,) = fd.execute([a])
     assert got.shape == (0, 2)
+
+
+def test_a_pad_past_64_bits_is_refused_by_name() -> None:
+    """Pad widths whose sum overflows int64 are reported as such, not as a wrapped,
+    negative size."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.pad(x, [2**62, 2**62, 0, 0]))
+    with pytest.raises(KilnError, match=r"T1 axis 1: its size .* has no 64-bit value for these inputs"):
+        fd.execute([np.ones((2, 3), np.float32)])

@@ -358,9 +358,20 @@ fn check_tensor_sizes(f: &Fusion, b: &Bindings) -> Result<()> {
             if f.ids[id].iter_type == IterType::Reduction {
                 continue;
             }
-            let Ok(s) = b.eval(&f.scalars, f.ids[id].extent) else {
-                sizes.clear();
-                break;
+            let s = match b.eval(&f.scalars, f.ids[id].extent) {
+                Ok(s) => s,
+                // A size the inputs do determine, past 2^63 (a pad of huge widths).
+                Err(e) if e.to_string().contains("overflow") => bail!(
+                    "{} axis {}: its size {} has no 64-bit value for these inputs ({e})",
+                    f.tv_name(tv),
+                    sizes.len(),
+                    f.scalars.render(f.ids[id].extent)
+                ),
+                // A size these bindings do not determine (a symbol of another kernel).
+                Err(_) => {
+                    sizes.clear();
+                    break;
+                }
             };
             if s < 0 {
                 bail!(

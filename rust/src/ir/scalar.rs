@@ -393,16 +393,23 @@ impl Scalars {
                 _ => {}
             }
         }
-        // Re-associate constants: (x op c1) op c2 -> x op (c1 op c2).
+        // Re-associate constants: (x op c1) op c2 -> x op (c1 op c2), unless c1 op c2
+        // overflows (the expression then stays as written, and evaluating it reports the
+        // overflow instead of a wrapped size).
         if let (Some(c2), Val::Binary(inner, x, c1)) = (cb, self.nodes[a]) {
             if let Some(c1) = self.as_int(c1) {
+                let (sum, diff, prod) = (c1.checked_add(c2), c1.checked_sub(c2), c1.checked_mul(c2));
                 match (op, inner) {
-                    (Add, Add) => return Some(self.binary_with_const(Add, x, c1 + c2)),
-                    (Sub, Add) => return Some(self.binary_with_const(Add, x, c1 - c2)),
-                    (Mul, Mul) => return Some(self.binary_with_const(Mul, x, c1 * c2)),
+                    (Add, Add) if sum.is_some() => return Some(self.binary_with_const(Add, x, sum?)),
+                    (Sub, Add) if diff.is_some() => return Some(self.binary_with_const(Add, x, diff?)),
+                    (Mul, Mul) if prod.is_some() => return Some(self.binary_with_const(Mul, x, prod?)),
                     // ceil(ceil(x / a) / b) == ceil(x / (a * b)) for positive a, b.
-                    (CeilDiv, CeilDiv) if c1 > 0 && c2 > 0 => return Some(self.binary_with_const(CeilDiv, x, c1 * c2)),
-                    (Div, Div) if c1 > 0 && c2 > 0 => return Some(self.binary_with_const(Div, x, c1 * c2)),
+                    (CeilDiv, CeilDiv) if c1 > 0 && c2 > 0 && prod.is_some() => {
+                        return Some(self.binary_with_const(CeilDiv, x, prod?))
+                    }
+                    (Div, Div) if c1 > 0 && c2 > 0 && prod.is_some() => {
+                        return Some(self.binary_with_const(Div, x, prod?))
+                    }
                     // (x * c1) / c2 when c2 divides c1: merge-then-split of the same factor.
                     (CeilDiv | Div, Mul) if c2 > 0 && c1 % c2 == 0 => {
                         return Some(self.binary_with_const(Mul, x, c1 / c2))
