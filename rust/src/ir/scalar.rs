@@ -714,10 +714,12 @@ impl Scalars {
             Val::Binary(op, a, b) => {
                 let (x, y) = (self.eval(a, env)?, self.eval(b, env)?);
                 op.apply(x, y).ok_or_else(|| {
-                    KilnError::value(format!(
-                        "cannot evaluate {}: {x} and {y} overflow or divide by zero",
-                        self.render(v)
-                    ))
+                    let why = if y == 0 && matches!(op, ScalarOp::Div | ScalarOp::Mod | ScalarOp::CeilDiv) {
+                        "divide by zero"
+                    } else {
+                        "overflow 64 bits"
+                    };
+                    KilnError::value(format!("cannot evaluate {}: {x} and {y} {why}", self.render(v)))
                 })
             }
         }
