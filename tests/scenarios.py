@@ -308,3 +308,33 @@ ALL = [a_pointwise, b_shared, b_local, c_inlined_unroll, d_non_contiguous, e_nhw
        lambda: f_transpose(50, 70), g_index_select, h_block_row_sum, h_grid_column_sum,
        h_serial_grid_column_sum, h_grid_column_sum_hoisted, h_row_sum_partial_hoist, v_vectorized,
        lambda: v_vectorized(37, 129), i_partial_broadcast]
+
+
+def empty_axis_row_sum() -> FusionDefinition:
+    """``sum(x, 1) + 1`` with the reduced axis on TIDx and the rows on BIDx, for inputs whose
+    reduced axis may have no elements (not in ``ALL``: built for sizes given at run time)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        s = fd.ops.sum(x, dims=[1])
+        o = fd.ops.add(s, 1.0)
+        fd.add_output(o)
+    s.axis(1).parallelize(ParallelType.TIDx)
+    s.axis(0).parallelize(ParallelType.BIDx)
+    o.axis(0).parallelize(ParallelType.BIDx)
+    s.inline_at(1)
+    return fd
+
+
+def empty_axis_column_sum() -> FusionDefinition:
+    """``sum(x, 0) + 1`` with the reduced rows on BIDx (a grid reduction into Global) and the
+    columns on TIDx, for inputs that may have no rows."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        c = fd.ops.sum(x, dims=[0])
+        p = fd.ops.add(c, 1.0)
+        fd.add_output(p)
+    c.set_memory_type(MemoryType.Global)
+    c.axis(0).parallelize(ParallelType.BIDx)
+    c.axis(1).parallelize(ParallelType.TIDx)
+    p.axis(0).parallelize(ParallelType.TIDx)
+    return fd

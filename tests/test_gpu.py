@@ -132,26 +132,7 @@ def test_hand_schedules_over_an_empty_axis_launch(shape):
     """TIDx over a row of no elements, BIDx over no rows being reduced: the kernels launch
     one guarded thread or block and write the sum's identity."""
     cp = cupy_or_skip()
-    from kiln import FusionDefinition, MemoryType, ParallelType
-
-    with FusionDefinition() as rows:
-        x = rows.define_tensor([-1, -1])
-        s = rows.ops.sum(x, dims=[1])
-        o = rows.ops.add(s, 1.0)
-        rows.add_output(o)
-    s.axis(1).parallelize(ParallelType.TIDx)
-    s.axis(0).parallelize(ParallelType.BIDx)
-    o.axis(0).parallelize(ParallelType.BIDx)
-    s.inline_at(1)
-    with FusionDefinition() as cols:
-        x = cols.define_tensor([-1, -1])
-        c = cols.ops.sum(x, dims=[0])
-        p = cols.ops.add(c, 1.0)
-        cols.add_output(p)
-    c.set_memory_type(MemoryType.Global)
-    c.axis(0).parallelize(ParallelType.BIDx)
-    c.axis(1).parallelize(ParallelType.TIDx)
-    p.axis(0).parallelize(ParallelType.TIDx)
+    rows, cols = scenarios.empty_axis_row_sum(), scenarios.empty_axis_column_sum()
     a = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
     got = rows.execute([cp.asarray(a)])[0]
     np.testing.assert_allclose(cp.asnumpy(got), a.astype(np.float64).sum(1) + 1.0, rtol=1e-5)

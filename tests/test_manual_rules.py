@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+import scenarios
 from kiln import DataType, FusionDefinition, KilnError, MemoryType, ParallelType
 
 F32 = np.float32
@@ -883,15 +884,7 @@ def test_sibling_operands_sharing_an_inlined_broadcast_place_in_either_order(
 def test_a_thread_reduction_over_an_empty_axis_writes_its_identity(shape):
     # TIDx over a runtime size that is 0: the kernel launches one guarded thread per block
     # (a block of no threads cannot be launched), and the sum over nothing is 0.
-    with FusionDefinition() as fd:
-        x = fd.define_tensor([-1, -1])
-        s = fd.ops.sum(x, dims=[1])
-        o = fd.ops.add(s, 1.0)
-        fd.add_output(o)
-    s.axis(1).parallelize(ParallelType.TIDx)
-    s.axis(0).parallelize(ParallelType.BIDx)
-    o.axis(0).parallelize(ParallelType.BIDx)
-    s.inline_at(1)
+    fd = scenarios.empty_axis_row_sum()
     a = rand(*shape)
     np.testing.assert_allclose(fd.execute([a])[0], a.astype(np.float64).sum(1) + 1.0, rtol=1e-6)
 
@@ -899,15 +892,7 @@ def test_a_thread_reduction_over_an_empty_axis_writes_its_identity(shape):
 @pytest.mark.parametrize("shape", [(0, 4), (3, 4), (0, 1)])
 def test_a_grid_reduction_over_an_empty_axis_writes_its_identity(shape):
     # BIDx over the reduced rows: with no rows, one guarded block still writes the zeros.
-    with FusionDefinition() as fd:
-        x = fd.define_tensor([-1, -1])
-        s = fd.ops.sum(x, dims=[0])
-        o = fd.ops.add(s, 1.0)
-        fd.add_output(o)
-    s.set_memory_type(MemoryType.Global)
-    s.axis(0).parallelize(ParallelType.BIDx)
-    s.axis(1).parallelize(ParallelType.TIDx)
-    o.axis(0).parallelize(ParallelType.TIDx)
+    fd = scenarios.empty_axis_column_sum()
     a = rand(*shape)
     np.testing.assert_allclose(fd.execute([a])[0], a.astype(np.float64).sum(0) + 1.0, rtol=1e-6)
 

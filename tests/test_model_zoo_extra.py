@@ -24,24 +24,14 @@ from typing import Any, Callable, Dict, Sequence, Tuple, Union
 import numpy as np
 import pytest
 from kiln import DataType, FusionDefinition
+from test_model_zoo import F32, F32_MIN, Shape, Tol, _bc, _d, _erf, _lse, _randn, _softmax, _sqrt_n, _t
 
-F32 = DataType.Float
 F16 = DataType.Half
-F32_MIN = float(np.finfo(np.float32).min)
-Shape = Tuple[int, ...]
-Tol = Tuple[float, float]
-
-_erf = np.vectorize(math.erf, otypes=[np.float64])
 
 
 # ----------------------------------------------------------------------------- helpers
 def _rng(name: str, shape: Sequence[int]) -> np.random.Generator:
     return np.random.default_rng(zlib.crc32(f"extra-{name}{tuple(shape)}".encode()))
-
-
-def _randn(rng: np.random.Generator, shape: Sequence[int], scale: float = 1.0, shift: float = 0.0,
-           dtype: Any = np.float32) -> np.ndarray:
-    return (rng.standard_normal(tuple(shape)) * scale + shift).astype(dtype)
 
 
 def _view(rng: np.random.Generator, shape: Sequence[int], layout: str, scale: float = 1.0,
@@ -63,19 +53,6 @@ def _view(rng: np.random.Generator, shape: Sequence[int], layout: str, scale: fl
     raise ValueError(layout)
 
 
-def _t(fd: FusionDefinition, rank: int, dtype: DataType = F32) -> Any:
-    return fd.define_tensor([-1] * rank, dtype)
-
-
-def _bc(fd: FusionDefinition, t: Any, rank: int, dims: Sequence[int]) -> Any:
-    return fd.ops.broadcast_in_dim(t, shape=[-1] * rank, broadcast_dims=list(dims))
-
-
-def _d(a: Any) -> np.ndarray:
-    """An input as float64 (exactly the values kiln reads)."""
-    return np.asarray(a).astype(np.float64)
-
-
 def _check(outs: Sequence[Any], wants: Sequence[Any], tols: Union[Tol, Sequence[Tol]]) -> None:
     assert len(outs) == len(wants), f"{len(outs)} outputs, expected {len(wants)}"
     per = [tols] * len(wants) if isinstance(tols[0], float) else list(tols)  # type: ignore[list-item]
@@ -87,23 +64,8 @@ def _check(outs: Sequence[Any], wants: Sequence[Any], tols: Union[Tol, Sequence[
         np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=f"output {i}")
 
 
-def _lse(x: np.ndarray, axis: int = -1, keepdims: bool = False) -> np.ndarray:
-    m = x.max(axis=axis, keepdims=True)
-    out = np.log(np.exp(x - m).sum(axis=axis, keepdims=True)) + m
-    return out if keepdims else np.squeeze(out, axis=axis)
-
-
-def _softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
-    e = np.exp(x - x.max(axis=axis, keepdims=True))
-    return e / e.sum(axis=axis, keepdims=True)
-
-
 def _sigmoid(x: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * x))
-
-
-def _sqrt_n(n: int) -> float:
-    return math.sqrt(max(1, n))
 
 
 def _layernorm_fd(fd: FusionDefinition, x: Any, axis: int, eps: float) -> Any:

@@ -88,15 +88,7 @@ pub fn run(f: &mut Fusion, body: &[Node]) -> LaunchParams {
     let mut has_reduction = false;
     collect(body, f, &mut has_reduction);
     let extents = ParallelExtents::of(f, body);
-    let out = [
-        ParallelType::BIDx,
-        ParallelType::BIDy,
-        ParallelType::BIDz,
-        ParallelType::TIDx,
-        ParallelType::TIDy,
-        ParallelType::TIDz,
-    ]
-    .map(|pt| extents.dim(f, pt));
+    let out = crate::analysis::parallel::DIMS.map(|pt| extents.dim(f, pt));
     // Shared tensors first, each 16-byte aligned, then the reduction workspace.
     let mut offset = f.scalars.int(0);
     let mut smem_offsets = Vec::new();
