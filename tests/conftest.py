@@ -109,8 +109,10 @@ def _nvrtc_ready() -> bool:
 
 
 @pytest.fixture(autouse=True)
-def _compile_generated_kernels():
-    """After each test, compile each kernel it lowered; a compile error or spill fails it."""
+def _compile_generated_kernels(request: pytest.FixtureRequest):
+    """After each test, compile each kernel it lowered; a compile error or spill fails it
+    (a spill only without the ``may_spill`` marker: random hand schedules may ask for Local
+    arrays larger than the registers hold, which is the schedule's cost, not a defect)."""
     from kiln import KilnError
     from kiln.lowering import take_generated
 
@@ -134,7 +136,8 @@ def _compile_generated_kernels():
                 _COMPILED[src] = compile_cubin(src, k.kernel_name, arch=arch, pch_dir=_PCH_DIR.name)
             res = _COMPILED[src]
             spills = {n: s for n, s in res.spills.items() if s}
-            assert not spills, f"kernel spills registers: {spills}\n{res.log}"
+            assert not spills or request.node.get_closest_marker("may_spill"), \
+                f"kernel spills registers: {spills}\n{res.log}"
             # A block needing more registers than a block may have is compiled again with a
             # register cap at launch (runtime.executor.load_module): that compile must work.
             block = k.launch["block"]

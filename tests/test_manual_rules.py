@@ -912,3 +912,27 @@ def test_a_broadcast_axis_on_bidx_is_computed_by_every_block():
     b.axis(0).parallelize(ParallelType.BIDx)
     o.axis(0).parallelize(ParallelType.BIDx)
     np.testing.assert_allclose(fd.execute([x, w])[0], x + 2.0 * w.astype(np.float64), rtol=1e-6)
+
+
+def test_a_split_broadcast_on_bidy_is_computed_by_every_block():
+    # A broadcast split by 16 keeps a broadcast outer loop of extent one on BIDy, while its
+    # reader runs BIDy over ceil(n / 16) blocks. The loop's own axis is the broadcast one
+    # (its loop group promotes to the reader's iteration axis), and each block still computes
+    # its own Shared copy.
+    n = 128
+    a, b = rand(seed=3), rand(n, seed=4)
+    with FusionDefinition() as fd:
+        s = fd.define_tensor([], dtype=DataType.Float)
+        x = fd.define_tensor([-1])
+        t = fd.ops.add(s, s)
+        bc = fd.ops.broadcast_in_dim(t, shape=[-1], broadcast_dims=[])
+        o = fd.ops.add(bc, x)
+        fd.add_output(o)
+    t.set_memory_type(MemoryType.Shared)
+    bc.set_memory_type(MemoryType.Shared)
+    bc.split(0, 16)
+    bc.axis(-2).parallelize(ParallelType.BIDy)
+    o.split(0, 16)
+    o.axis(-1).parallelize(ParallelType.BIDx)
+    o.axis(-2).parallelize(ParallelType.BIDy)
+    np.testing.assert_allclose(fd.execute([a, b])[0], 2.0 * float(a) + b.astype(np.float64), rtol=1e-6)

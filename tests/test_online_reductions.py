@@ -447,7 +447,9 @@ def _tile_order(source: str) -> List[Tuple[int, int]]:
             if depth == 0:
                 break
         loads = [j for j, s in body if "kiln::loadVec" in s]
-        accs = [j for j, s in body if re.search(r"kiln_acc\d+ = kiln::\w+\(\)\(", s)]
+        # An accumulation: into the register, or staged for a block of log-sum-exp elements.
+        acc = r"kiln_acc\d+ = kiln::\w+\(\)\(|kiln_blk\d+\[\w+\] = kiln::cast"
+        accs = [j for j, s in body if re.search(acc, s)]
         if loads and accs:
             tiles.append((max(loads), min(accs)))
     return tiles

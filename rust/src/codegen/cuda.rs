@@ -19,8 +19,8 @@ use crate::ir::{
     ValId,
 };
 use crate::kernel::{
-    AccessIndex, AllocTarget, BarrierOp, BarrierRef, CpAsyncOp, IfKind, Kernel, Node, PipelinePart, SyncKind, TmemOp,
-    VectorAccess, VectorCopy,
+    AccessIndex, AllocTarget, BarrierOp, BarrierRef, CpAsyncOp, ForLoop, IfKind, Kernel, Node, PipelinePart, SyncKind,
+    TmemOp, VectorAccess, VectorCopy,
 };
 use crate::lower::predicate::conjuncts;
 
@@ -457,6 +457,9 @@ impl Gen<'_> {
                     let unroll = c.is_some()
                         && (matches!(l.parallel, ParallelType::Unroll | ParallelType::Vectorize)
                             || (c.is_some_and(|n| n <= 16) && !over_tiles && !self.waits_for_block(&l.body)));
+                    if let Some(block) = self.lse_block(l).filter(|_| unroll) {
+                        return self.lse_block_loop(l, block, depth);
+                    }
                     if unroll {
                         let _ = writeln!(self.out, "{pad}#pragma unroll");
                     } else if let Some(n) = self.register_stages().filter(|_| l.pipeline == Some(PipelinePart::Main)) {
@@ -1017,6 +1020,59 @@ impl Gen<'_> {
 
     /// True when `nodes` hold a block-wide barrier: a `__syncthreads`, or a block or grid
     /// reduction.
+    /// The register accumulator of a float or double log-sum-exp that loop `l` (constant, 2 to
+    /// 16 steps) feeds with one element per step, as the last statement of its body: those
+    /// elements then update the running (maximum, sum) pair once per loop instead of once
+    /// per element (`lse_block_loop`).
+    fn lse_block(&self, l: &ForLoop) -> Option<(u32, i64)> {
+        let n = self.f.scalars.as_int(l.extent).filter(|n| (2..=16).contains(n))?;
+        let Some(Node::Accumulate { acc, .. }) = l.body.last() else { return None };
+        let Op::Reduction { op: ReductionOp::LogSumExp, .. } = self.f.exprs[acc.expr].op else { return None };
+        if !matches!(lse_element_dtype(self.f, acc.expr), DataType::Float | DataType::Double) {
+            return None;
+        }
+        // The body's other statements must not feed the same register (it is read only here).
+        fn feeds(nodes: &[Node], id: u32) -> bool {
+            nodes.iter().any(|n| match n {
+                Node::Accumulate { acc, .. } | Node::ReduceAccumulator { acc, .. } => acc.id == id,
+                _ => n.bodies().iter().any(|b| feeds(b, id)),
+            })
+        }
+        (!feeds(&l.body[..l.body.len() - 1], acc.id)).then_some((acc.id, n))
+    }
+
+    /// Loop `l` whose steps each add one element to a log-sum-exp register (`lse_block`): the
+    /// steps stage their elements, and `kiln::lseAddBlock` takes their maximum first, so each
+    /// element costs a maximum, an exponential and an add, where adding it alone also
+    /// rescales the sum (a compare, a select and a multiply more). An element whose predicate
+    /// fails stages -inf, which adds nothing.
+    fn lse_block_loop(&mut self, l: &ForLoop, (id, n): (u32, i64), depth: usize) -> Result<()> {
+        let pad = Self::pad(depth);
+        let Some((Node::Accumulate { acc, index }, rest)) = l.body.split_last() else {
+            crate::bail_internal!("log-sum-exp block without its accumulate")
+        };
+        let ty = lse_element_dtype(self.f, acc.expr);
+        let c = ty.c_type();
+        let idx = self.c(l.index);
+        let _ = writeln!(self.out, "{pad}{c} kiln_blk{id}[{n}];");
+        let _ = writeln!(self.out, "{pad}#pragma unroll");
+        let _ = writeln!(
+            self.out,
+            "{pad}for (kiln_index_t {idx} = 0; {idx} < {n}; ++{idx}) {{  // {}, log-sum-exp block",
+            self.f.id_label(l.id)
+        );
+        self.nodes(rest, depth + 1)?;
+        let inner = Self::pad(depth + 1);
+        let pre = self.gather_reads(index);
+        let input = self.operand(acc.expr, index, 0, ty);
+        let _ = writeln!(self.out, "{inner}kiln_blk{id}[{idx}] = kiln::numeric<{c}>::lowest();");
+        let _ =
+            writeln!(self.out, "{inner}if ({}) {{ {pre}kiln_blk{id}[{idx}] = {input}; }}", self.pred(index.predicate));
+        let _ = writeln!(self.out, "{pad}}}");
+        let _ = writeln!(self.out, "{pad}kiln_acc{id} = kiln::lseAddBlock(kiln_acc{id}, kiln_blk{id});");
+        Ok(())
+    }
+
     fn waits_for_block(&self, nodes: &[Node]) -> bool {
         let parallel = |e: ExprId| {
             matches!(self.f.exprs[e].op, Op::Reduction { .. })

@@ -1103,6 +1103,22 @@ struct LogSumExp {
   }
 };
 
+// Adds N elements to an accumulator at once: the maximum of them and the running one first,
+// then each element's exp(x - m) and one rescale of the old sum, where adding them one by
+// one rescales per element. Same values as one by one (each term exp(x - m) <= 1 of the
+// final maximum, ex2.approx as lseExp): -inf elements add 0, a NaN makes m and s NaN, and
+// +inf makes m +inf, which the finish returns.
+template <int N, typename T>
+KILN_DEVICE LseAcc<T> lseAddBlock(LseAcc<T> a, const T (&v)[N]) {
+  T m = a.m;
+#pragma unroll
+  for (int i = 0; i < N; ++i) m = maximum(m, v[i]);
+  T s = a.s * lseExp(a.m - m);
+#pragma unroll
+  for (int i = 0; i < N; ++i) s += lseExp(v[i] - m);
+  return LseAcc<T>{m, s};
+}
+
 // ---------------------------------------------------------------------------------------
 // Index helpers. X/Y/Z select the dims; linearisation is x fastest.
 

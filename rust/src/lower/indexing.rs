@@ -22,6 +22,8 @@ use crate::kernel::{AccessIndex, AllocationInfo, Gather, Node};
 #[derive(Clone, Copy)]
 struct Enclosing {
     group: Option<usize>,
+    /// The loop runs a broadcast axis (its own, whatever its group promotes to).
+    broadcast: bool,
     init_axis: Option<usize>,
     index: ValId,
     extent: ValId,
@@ -71,6 +73,7 @@ fn walk(f: &mut Fusion, ctx: &mut Ctx, body: &mut [Node], stack: &mut Vec<Enclos
             Node::Loop(l) => {
                 stack.push(Enclosing {
                     group: l.group,
+                    broadcast: f.ids[l.id].iter_type == IterType::Broadcast,
                     init_axis: l.init_axis,
                     index: l.index,
                     extent: l.extent,
@@ -190,6 +193,38 @@ fn needs_bound(f: &Fusion, l: IterDomainId) -> bool {
     false
 }
 
+/// True when the bounds `split_bounds` puts on the inputs of non-divisible splits below
+/// `id` already keep `id`'s index below its extent, so its own bound would be redundant: a
+/// divisible split's input is in range when both parts are, a merge's inner part is a
+/// remainder (always in range) and its outer part is in range when the merge's output is,
+/// and a loop id is in range by its loop. (A row split evenly over a cluster and unevenly
+/// over its threads' steps then checks each element once, not twice.)
+fn implied_bound(
+    f: &Fusion,
+    tv: TvId,
+    id: IterDomainId,
+    idx: &FxHashMap<IterDomainId, ValId>,
+    skip_reductions: bool,
+) -> bool {
+    let Some(t) = f.ids[id].use_ else { return true };
+    match f.transforms[t] {
+        Transform::Split { input, factor, outer, inner, .. } => {
+            let divisible = matches!((f.scalars.as_int(f.ids[input].extent), f.scalars.as_int(factor)), (Some(e), Some(k)) if k > 0 && e % k == 0);
+            if divisible {
+                return implied_bound(f, tv, outer, idx, skip_reductions)
+                    && implied_bound(f, tv, inner, idx, skip_reductions);
+            }
+            // Bounded by `split_bounds` itself (which leaves logical ids to `predicate`).
+            let it = f.ids[input].iter_type;
+            !f.tvs[tv].logical.contains(&input)
+                && it != IterType::Broadcast
+                && !(skip_reductions && it == IterType::Reduction)
+                && idx.contains_key(&input)
+        }
+        Transform::Merge { inner, out, .. } => id == inner || implied_bound(f, tv, out, idx, skip_reductions),
+    }
+}
+
 /// Bounds on `tv`'s logical ids and idle-thread guards of the enclosing loops.
 fn predicate(
     f: &mut Fusion,
@@ -202,7 +237,11 @@ fn predicate(
     let mut pred = f.scalars.boolean(true);
     for l in f.tvs[tv].logical.clone() {
         let it = f.ids[l].iter_type;
-        if it == IterType::Broadcast || (skip_reductions && it == IterType::Reduction) || !needs_bound(f, l) {
+        if it == IterType::Broadcast
+            || (skip_reductions && it == IterType::Reduction)
+            || !needs_bound(f, l)
+            || implied_bound(f, tv, l, idx, skip_reductions)
+        {
             continue;
         }
         if let Some(&i) = idx.get(&l) {
@@ -221,7 +260,8 @@ fn predicate(
         // A broadcast loop (extent one) on a thread or block dimension: every thread or block
         // computes the one element of an on-chip tensor for itself (its readers run that
         // dimension over a larger axis and read it there); only a Global write is made once.
-        let broadcast = l.group.is_some_and(|g| f.ids[ctx.lg.groups[g].promoted].iter_type == IterType::Broadcast);
+        let broadcast =
+            l.broadcast || l.group.is_some_and(|g| f.ids[ctx.lg.groups[g].promoted].iter_type == IterType::Broadcast);
         if broadcast && f.tvs[tv].memory != crate::ir::MemoryType::Global {
             continue;
         }
@@ -576,7 +616,70 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
     } else {
         guard
     };
+    // Offsets are dereferenced only where their predicate holds: a remainder or quotient of an
+    // index the predicate bounds by the same divisor is the index itself, or zero.
+    let read_bounds = lt_bounds(&f.scalars, pred);
+    let inputs = inputs.into_iter().map(|o| o.map(|v| within_bounds(&mut f.scalars, v, &read_bounds))).collect();
+    let write_bounds: Vec<(ValId, ValId)> =
+        lt_bounds(&f.scalars, write_pred).into_iter().filter(|b| read_bounds.contains(b)).collect();
+    let out = within_bounds(&mut f.scalars, out, &write_bounds);
     Ok(AccessIndex { out, inputs, predicate: pred, write_predicate: write_pred, gathers, element })
+}
+
+/// The `(a, b)` of each conjunct `a < b` of `pred` with `a` non-negative and `b` positive.
+fn lt_bounds(sc: &crate::ir::Scalars, pred: ValId) -> Vec<(ValId, ValId)> {
+    let mut parts = Vec::new();
+    crate::lower::predicate::conjuncts(sc, pred, &mut parts);
+    parts
+        .into_iter()
+        .filter_map(|c| match sc.get(c) {
+            crate::ir::scalar::Val::Binary(ScalarOp::Lt, a, b) if sc.range(a).0 >= 0 && sc.range(b).0 > 0 => {
+                Some((a, b))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// `v` with `a % b` read as `a` and `a / b` as 0 for each `(a, b)` of `bounds` (`0 <= a < b`
+/// holds wherever `v` is used): the remainders a producer's split takes of an index that a
+/// non-divisible split already bounds, which cost a 64-bit division per access.
+fn within_bounds(sc: &mut crate::ir::Scalars, v: ValId, bounds: &[(ValId, ValId)]) -> ValId {
+    if bounds.is_empty() {
+        return v;
+    }
+    fn go(
+        sc: &mut crate::ir::Scalars,
+        v: ValId,
+        bounds: &[(ValId, ValId)],
+        memo: &mut FxHashMap<ValId, ValId>,
+    ) -> ValId {
+        if let Some(&r) = memo.get(&v) {
+            return r;
+        }
+        let r = match sc.get(v) {
+            crate::ir::scalar::Val::Binary(op, a, b) => {
+                if matches!(op, ScalarOp::Mod | ScalarOp::Div) && bounds.contains(&(a, b)) {
+                    if op == ScalarOp::Mod {
+                        go(sc, a, bounds, memo)
+                    } else {
+                        sc.int(0)
+                    }
+                } else {
+                    let (na, nb) = (go(sc, a, bounds, memo), go(sc, b, bounds, memo));
+                    if (na, nb) == (a, b) {
+                        v
+                    } else {
+                        sc.binary(op, na, nb)
+                    }
+                }
+            }
+            _ => v,
+        };
+        memo.insert(v, r);
+        r
+    }
+    go(sc, v, bounds, &mut FxHashMap::default())
 }
 
 /// The index of each logical axis of `c` (reductions left out, 0 on broadcast axes).

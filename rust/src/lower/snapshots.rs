@@ -54,11 +54,11 @@ fn a_pointwise() {
           FOR threadIdx.x in ithreadIdx.x21{32} (TIDx):
             ALLOCATE T1 Local float [4]
             FOR idx0 in iS12{4}:
-              T1 = exp(T0)  @ [idx0] <- [blockIdx.x * 128 + (threadIdx.x * 4 + idx0)] if blockIdx.x * 128 + (threadIdx.x * 4 + idx0) < i0 * i1 && blockIdx.x * 128 + (threadIdx.x * 4 + idx0) < i0 * i1
+              T1 = exp(T0)  @ [idx0] <- [blockIdx.x * 128 + (threadIdx.x * 4 + idx0)] if blockIdx.x * 128 + (threadIdx.x * 4 + idx0) < i0 * i1
             FOR idx1 in iS22{4}:
               ALLOCATE T2 Local float [1]
-              T2 = mul(T1, 2.0)  @ [0] <- [idx1] if blockIdx.x * 128 + (threadIdx.x * 4 + idx1) < i0 * i1 && blockIdx.x * 128 + (threadIdx.x * 4 + idx1) < i0 * i1
-              T3 = sub(T2, 1.5)  @ [blockIdx.x * 128 + (threadIdx.x * 4 + idx1)] <- [0] if blockIdx.x * 128 + (threadIdx.x * 4 + idx1) < i0 * i1 && blockIdx.x * 128 + (threadIdx.x * 4 + idx1) < i0 * i1
+              T2 = mul(T1, 2.0)  @ [0] <- [idx1] if blockIdx.x * 128 + (threadIdx.x * 4 + idx1) < i0 * i1
+              T3 = sub(T2, 1.5)  @ [blockIdx.x * 128 + (threadIdx.x * 4 + idx1)] <- [0] if blockIdx.x * 128 + (threadIdx.x * 4 + idx1) < i0 * i1
 
         T0 Global ids=[iS0{i0}, iS1{i1}] strides=[i1, 1] contiguity=[true, true] position=0
         T1 Local ids=[iS12{4}] strides=[1] contiguity=[true] position=2
@@ -145,15 +145,16 @@ fn c_inlined_unroll() {
         FOR idx0 in iUR12{4} (Unroll):
           FOR idx1 in iS13{8}:
             T2 = exp(T0)  @ [idx0 * 8 + idx1] <- [(idx0 * 8 + idx1) / 5] if idx0 * 8 + idx1 < 30
-            T3 = broadcast(T2)  @ [idx0 * 8 + idx1] <- [idx0 * 8 + idx1] if idx0 * 8 + idx1 < 30 && idx0 * 8 + idx1 < 30
-            T4 = add(T3, T1)  @ [idx0 * 8 + idx1] <- [idx0 * 8 + idx1], [idx0 * 8 + idx1] if idx0 * 8 + idx1 < 30 && idx0 * 8 + idx1 < 30
+            T3 = broadcast(T2)  @ [idx0 * 8 + idx1] <- [idx0 * 8 + idx1] if idx0 * 8 + idx1 < 30
+            T4 = add(T3, T1)  @ [idx0 * 8 + idx1] <- [idx0 * 8 + idx1], [idx0 * 8 + idx1] if idx0 * 8 + idx1 < 30
 
         T0 Global ids=[iS0{6}] strides=[1] contiguity=[true] position=0
         T1 Global ids=[iS1{6}, iS2{5}] strides=[5, 1] contiguity=[true, true] position=0
         T2 Local ids=[iUR12{4}, iS13{8}] strides=[8, 1] contiguity=[true, true] position=0
         T3 Local ids=[iUR12{4}, iS13{8}] strides=[8, 1] contiguity=[true, true] position=0
         T4 Global ids=[iS6{6}, iS7{5}] strides=[5, 1] contiguity=[true, true] position=0
-    "#]].assert_eq(&snapshot(&f));
+    "#]]
+    .assert_eq(&snapshot(&f));
 }
 
 /// An input whose last axis is not contiguous is indexed through its run-time stride.
@@ -478,24 +479,24 @@ fn v_vectorized() {
         FOR blockIdx.x in iblockIdx.x39{ceilDiv(i0 * i1, 512)} (BIDx):
           FOR threadIdx.x in ithreadIdx.x40{128} (TIDx):
             ALLOCATE T6 Local float [4]
-            VECTOR x4 T6 = set(T0)  @ [0] <- [(blockIdx.x * 128 + threadIdx.x) * 4] [Wide, WideIfAddressAligned] if (blockIdx.x * 128 + threadIdx.x) * 4 < i0 * i1 && ((blockIdx.x * 128 + threadIdx.x) * 4 < i0 * i1 && blockIdx.x * 128 + threadIdx.x < ceilDiv(i0 * i1, 4)) and (blockIdx.x * 128 + threadIdx.x) * 4 + 3 < i0 * i1 && ((blockIdx.x * 128 + threadIdx.x) * 4 + 3 < i0 * i1 && blockIdx.x * 128 + threadIdx.x < ceilDiv(i0 * i1, 4)); else:
+            VECTOR x4 T6 = set(T0)  @ [0] <- [(blockIdx.x * 128 + threadIdx.x) * 4] [Wide, WideIfAddressAligned] if (blockIdx.x * 128 + threadIdx.x) * 4 < i0 * i1 && blockIdx.x * 128 + threadIdx.x < ceilDiv(i0 * i1, 4) and (blockIdx.x * 128 + threadIdx.x) * 4 + 3 < i0 * i1 && blockIdx.x * 128 + threadIdx.x < ceilDiv(i0 * i1, 4); else:
               FOR idx0 in iV43{4} (Unroll):
-                T6 = set(T0)  @ [idx0] <- [(blockIdx.x * 128 + threadIdx.x) * 4 + idx0] if (blockIdx.x * 128 + threadIdx.x) * 4 + idx0 < i0 * i1 && ((blockIdx.x * 128 + threadIdx.x) * 4 + idx0 < i0 * i1 && blockIdx.x * 128 + threadIdx.x < ceilDiv(i0 * i1, 4))
+                T6 = set(T0)  @ [idx0] <- [(blockIdx.x * 128 + threadIdx.x) * 4 + idx0] if (blockIdx.x * 128 + threadIdx.x) * 4 + idx0 < i0 * i1 && blockIdx.x * 128 + threadIdx.x < ceilDiv(i0 * i1, 4)
             ALLOCATE T7 Local float [4]
             IF blockIdx.x * 128 + threadIdx.x < ceilDiv(i0 * i1, 4):  // invariant bounds
               FOR idx1 in iS48{4}:
                 ALLOCATE T1 Local float [1]
-                T1 = mul(T6, 1.5)  @ [0] <- [idx1] if (blockIdx.x * 128 + threadIdx.x) * 4 + idx1 < i0 * i1 && (blockIdx.x * 128 + threadIdx.x) * 4 + idx1 < i0 * i1
+                T1 = mul(T6, 1.5)  @ [0] <- [idx1] if (blockIdx.x * 128 + threadIdx.x) * 4 + idx1 < i0 * i1
                 ALLOCATE T2 Local float [1]
-                T2 = add(T1, 0.5)  @ [0] <- [0] if (blockIdx.x * 128 + threadIdx.x) * 4 + idx1 < i0 * i1 && (blockIdx.x * 128 + threadIdx.x) * 4 + idx1 < i0 * i1
+                T2 = add(T1, 0.5)  @ [0] <- [0] if (blockIdx.x * 128 + threadIdx.x) * 4 + idx1 < i0 * i1
                 ALLOCATE T3 Local float [1]
-                T3 = relu(T2)  @ [0] <- [0] if (blockIdx.x * 128 + threadIdx.x) * 4 + idx1 < i0 * i1 && (blockIdx.x * 128 + threadIdx.x) * 4 + idx1 < i0 * i1
+                T3 = relu(T2)  @ [0] <- [0] if (blockIdx.x * 128 + threadIdx.x) * 4 + idx1 < i0 * i1
                 ALLOCATE T4 Local float [1]
-                T4 = sigmoid(T6)  @ [0] <- [idx1] if (blockIdx.x * 128 + threadIdx.x) * 4 + idx1 < i0 * i1 && (blockIdx.x * 128 + threadIdx.x) * 4 + idx1 < i0 * i1
-                T7 = mul(T3, T4)  @ [idx1] <- [0], [0] if (blockIdx.x * 128 + threadIdx.x) * 4 + idx1 < i0 * i1 && (blockIdx.x * 128 + threadIdx.x) * 4 + idx1 < i0 * i1
-            VECTOR x4 T5 = set(T7)  @ [(blockIdx.x * 128 + threadIdx.x) * 4] <- [0] [WideIfAddressAligned, Wide] if (blockIdx.x * 128 + threadIdx.x) * 4 < i0 * i1 && ((blockIdx.x * 128 + threadIdx.x) * 4 < i0 * i1 && blockIdx.x * 128 + threadIdx.x < ceilDiv(i0 * i1, 4)) and (blockIdx.x * 128 + threadIdx.x) * 4 + 3 < i0 * i1 && ((blockIdx.x * 128 + threadIdx.x) * 4 + 3 < i0 * i1 && blockIdx.x * 128 + threadIdx.x < ceilDiv(i0 * i1, 4)); else:
+                T4 = sigmoid(T6)  @ [0] <- [idx1] if (blockIdx.x * 128 + threadIdx.x) * 4 + idx1 < i0 * i1
+                T7 = mul(T3, T4)  @ [idx1] <- [0], [0] if (blockIdx.x * 128 + threadIdx.x) * 4 + idx1 < i0 * i1
+            VECTOR x4 T5 = set(T7)  @ [(blockIdx.x * 128 + threadIdx.x) * 4] <- [0] [WideIfAddressAligned, Wide] if (blockIdx.x * 128 + threadIdx.x) * 4 < i0 * i1 && blockIdx.x * 128 + threadIdx.x < ceilDiv(i0 * i1, 4) and (blockIdx.x * 128 + threadIdx.x) * 4 + 3 < i0 * i1 && blockIdx.x * 128 + threadIdx.x < ceilDiv(i0 * i1, 4); else:
               FOR idx2 in iV38{4} (Unroll):
-                T5 = set(T7)  @ [(blockIdx.x * 128 + threadIdx.x) * 4 + idx2] <- [idx2] if (blockIdx.x * 128 + threadIdx.x) * 4 + idx2 < i0 * i1 && ((blockIdx.x * 128 + threadIdx.x) * 4 + idx2 < i0 * i1 && blockIdx.x * 128 + threadIdx.x < ceilDiv(i0 * i1, 4))
+                T5 = set(T7)  @ [(blockIdx.x * 128 + threadIdx.x) * 4 + idx2] <- [idx2] if (blockIdx.x * 128 + threadIdx.x) * 4 + idx2 < i0 * i1 && blockIdx.x * 128 + threadIdx.x < ceilDiv(i0 * i1, 4)
 
         T0 Global ids=[iS0{i0}, iS1{i1}] strides=[i1, 1] contiguity=[true, true] position=0
         T1 Local ids=[] strides=[] contiguity=[] position=3
