@@ -111,6 +111,24 @@ def test_an_empty_slice_meets_an_empty_constant_shape(rows: int) -> None:
     assert got.shape == (0, 2)
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 1, 3), (2, 6, 2, 5)])
+def test_a_slice_ending_at_zero_is_empty_not_a_broadcast(shape: tuple) -> None:
+    """``t[:, :1, :0]`` of a slice: an axis whose size is ``min(n, 0)`` is always empty, so it
+    meets the other operand's axis as an equal size (it was taken for a possible broadcast
+    and refused at run time: "sizes 0 and 1 must be equal")."""
+    a = np.random.default_rng(5).uniform(-1, 1, shape).astype(np.float32)
+    with FusionDefinition() as fd:
+        t0 = fd.define_tensor([-1, -1, -1, -1])
+        t3 = fd.ops.slice(t0, [0, 0, 2, 0], [None, fd.ops.size(t0, 1), None, 2], [1, 5, 1, 1])
+        t6 = fd.ops.slice(t3, [0, 0, 0, 0], [None, 1, 0, 4])
+        fd.add_output(fd.ops.add(t6, t3))
+    t3n = a[:, ::5, 2:, :2]
+    want = t3n[:, :1, :0, :4] + t3n
+    (got,) = fd.execute([a])
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 def test_a_pad_past_64_bits_is_refused_by_name() -> None:
     """Pad widths whose sum overflows int64 are reported as such, not as a wrapped,
     negative size."""

@@ -448,6 +448,26 @@ impl Scalars {
                         }
                     }
                 }
+                // (x / y) * (y * s) + (x % y) * s == x * s: the offset of a merged index in a
+                // row-major tensor with an inner stride s (rows of [B, H, S, 512] at row r:
+                // r * 512, not three divisions of r).
+                for (p, q) in [(a, b), (b, a)] {
+                    let (Val::Binary(Mul, m1, m2), Val::Binary(Mul, n1, n2)) = (self.nodes[p], self.nodes[q]) else {
+                        continue;
+                    };
+                    for (d, big) in [(m1, m2), (m2, m1)] {
+                        let Val::Binary(Div, x, y) = self.nodes[d] else { continue };
+                        for (r, s) in [(n1, n2), (n2, n1)] {
+                            if self.nodes[r] != Val::Binary(Mod, x, y) {
+                                continue;
+                            }
+                            if matches!(self.nodes[big], Val::Binary(Mul, u, v) if (u, v) == (y, s) || (u, v) == (s, y))
+                            {
+                                return Some(self.mul(x, s));
+                            }
+                        }
+                    }
+                }
             }
             Mod | Div if self.as_int(b).is_none() => {
                 // (x * y + r) / y == x and (x * y + r) % y == r when r is an index known
@@ -531,6 +551,20 @@ impl Scalars {
                         }
                     }
                 }
+            }
+            // min(a, b) is a and max(a, b) is b when a's largest value is at most b's smallest
+            // (a slice's `min(i2 - min(i2, 2), 0)` is the constant 0, an empty axis, not one
+            // that may be a broadcast).
+            Min | Max => {
+                let ((al, ah), (bl, bh)) = (self.range(a), self.range(b));
+                let (lo, hi) = if ah.is_some_and(|h| h <= bl) {
+                    (a, b)
+                } else if bh.is_some_and(|h| h <= al) {
+                    (b, a)
+                } else {
+                    return None;
+                };
+                return Some(if op == Min { lo } else { hi });
             }
             // a <= b whenever a's largest value is at most b's smallest.
             Le => {
@@ -946,6 +980,32 @@ mod tests {
         let d = s.div(m, n);
         let c = s.lt(d, x);
         assert_eq!(s.render(c), "i0 * 4 + idx0 < i1 * i0");
+    }
+
+    #[test]
+    fn merged_row_offsets_fold_through_strides() {
+        // Row r of a row-major [B, H, S, 512] at strides (H * S * 512, S * 512, 512): the
+        // indices (r / S) / H, (r / S) % H and r % S give back r * 512.
+        let mut s = Scalars::new();
+        let r = s.symbol(Symbol::LoopIndex(0));
+        let (h, sl) = (s.symbol(Symbol::Extent(1)), s.symbol(Symbol::Extent(2)));
+        let c = s.int(512);
+        let s2 = c;
+        let s1 = s.mul(sl, s2);
+        let s0 = s.mul(s1, h);
+        let q = s.div(r, sl);
+        let (b, hh, ss) = (s.div(q, h), s.rem(q, h), s.rem(r, sl));
+        let terms = [s.mul(b, s0), s.mul(hh, s1), s.mul(ss, s2)];
+        let off = terms.into_iter().fold(s.int(0), |acc, t| s.add(acc, t));
+        let want = s.mul(r, c);
+        assert_eq!(off, want, "{}", s.render(off));
+        // Other strides do not fold: a padded row (stride 520 per S row) keeps its divisions.
+        let pad = s.int(520);
+        let p1 = s.mul(sl, pad);
+        let t0 = s.mul(hh, p1);
+        let t1 = s.mul(ss, c);
+        let off = s.add(t0, t1);
+        assert!(s.render(off).contains('%'), "{}", s.render(off));
     }
 
     #[test]
