@@ -427,7 +427,7 @@ pub(crate) fn row_weight(f: &Fusion, t: TvId, kept: &[usize]) -> bool {
 }
 
 /// True when `t` is a broadcast of a fusion input (a weight or bias read by every row).
-fn broadcast_input(f: &Fusion, t: TvId) -> bool {
+pub(crate) fn broadcast_input(f: &Fusion, t: TvId) -> bool {
     let Some(def) = f.tvs[t].definition else { return false };
     matches!(f.exprs[def].op, Op::Broadcast { .. }) && f.exprs[def].inputs[0].tensor().is_some_and(|x| f.is_input(x))
 }

@@ -223,11 +223,17 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
         order.iter().map(|&e| f.exprs[e].output).filter(|t| !totals.contains(t) && !post.contains(t)).collect();
     // Per-row values computed from the reductions (a mean or rstd that is also an output):
     // `[rows (BIDx)]`, inlined into the row's loop like the reductions themselves.
-    // A weight: an input broadcast along every row axis, the same for every row. It loads
-    // in its own vector loop; a broadcast that varies by row (a mask [B, S] over
-    // [B, H, S, S]) is read element-wise in the row's loops instead.
+    // A weight: an input broadcast along every row axis, the same for every row, or one that
+    // varies by row but spans the whole row (an additive mask [B, S] over scores
+    // [B, H, S, S]). It loads in its own vector loop (the mask was read element-wise: 16
+    // scalar loads a thread where 4 vectors do).
     let kept_axes: Vec<usize> = (0..n - k).collect();
-    let weight = |f: &Fusion, t: TvId| super::row_weight(f, t, &kept_axes);
+    let weight = |f: &Fusion, t: TvId| {
+        super::row_weight(f, t, &kept_axes)
+            || (super::broadcast_input(f, t)
+                && (n - k..n)
+                    .all(|a| f.tvs[t].logical.get(a).is_some_and(|&id| f.ids[id].iter_type == IterType::Iteration)))
+    };
     let per_row = |f: &Fusion, t: TvId| super::row_value(f, t, &is_red);
     let (rows, full_rank): (Vec<TvId>, Vec<TvId>) = tensors.iter().partition(|&&t| f.tvs[t].logical.len() == n - k);
     check_aligned(f, cx, r0, &rows, &full_rank)?;
