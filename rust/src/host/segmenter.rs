@@ -279,7 +279,11 @@ fn plan(mut g: Fusion, cx: &Ctx) -> Result<(HostProgram, Heuristic)> {
             }
         }
     }
-    let (groups, mut covered) = match rows_then_totals(&g, &order, cx, &mut report)? {
+    let first_split = match rows_then_totals(&g, &order, cx, &mut report)? {
+        Some(split) => Some(split),
+        None => full_reductions_then_readers(&g, &order, cx, &mut report)?,
+    };
+    let (groups, mut covered) = match first_split {
         Some(split) => split,
         None => {
             let split = merge_groups(&g, &order, cx, &mut report)?;
@@ -496,6 +500,57 @@ fn rows_then_totals(f: &Fusion, order: &[ExprId], cx: &Ctx, report: &mut String)
         }
     };
     let _ = writeln!(report, "the rows, then their totals: covered");
+    Ok(Some((vec![first, second], vec![a, b])))
+}
+
+/// Two groups: the full reductions (to rank 0) with everything they need and the rank-0
+/// math on their results, then the tensors that read those results. A tensor read in every
+/// block needs the total finished first, which takes a kernel boundary; a gradient clip over
+/// k parameters (k sums of squares, one coefficient, k scaled outputs) is planned with two
+/// schedules here, where merging pair by pair lowers a reduction group that grows by one
+/// parameter per step (k^2 work). None when there is no such reader, the first group would
+/// read the second, or either group has no schedule.
+fn full_reductions_then_readers(
+    f: &Fusion,
+    order: &[ExprId],
+    cx: &Ctx,
+    report: &mut String,
+) -> Result<Option<Segmentation>> {
+    let full = |e: ExprId| {
+        matches!(f.exprs[e].op, crate::ir::Op::Reduction { .. }) && f.no_reduction_logical(f.exprs[e].output).is_empty()
+    };
+    let mut downstream: FxHashSet<TvId> = FxHashSet::default();
+    let mut second: FxHashSet<ExprId> = FxHashSet::default();
+    for &e in order {
+        let out = f.exprs[e].output;
+        let reads_total = f.exprs[e].input_tvs().any(|t| downstream.contains(&t));
+        if full(e) || reads_total {
+            downstream.insert(out);
+        }
+        if reads_total && !f.no_reduction_logical(out).is_empty() {
+            second.insert(e);
+        }
+    }
+    if second.is_empty() {
+        return Ok(None);
+    }
+    let (second, first): (Vec<ExprId>, Vec<ExprId>) = order.iter().partition(|e| second.contains(e));
+    let second_out: FxHashSet<TvId> = second.iter().map(|&e| f.exprs[e].output).collect();
+    if first.is_empty() || first.iter().any(|&e| f.exprs[e].input_tvs().any(|t| second_out.contains(&t))) {
+        return Ok(None);
+    }
+    let mut covered = Vec::new();
+    for (what, group) in [("the full reductions", &first), ("their readers", &second)] {
+        match try_group(f, order, group, cx)? {
+            Ok(c) => covered.push(c),
+            Err(why) => {
+                let _ = writeln!(report, "{what}, apart: refused ({why})");
+                return Ok(None);
+            }
+        }
+    }
+    let (Some(b), Some(a)) = (covered.pop(), covered.pop()) else { return Ok(None) };
+    let _ = writeln!(report, "the full reductions, then their readers: covered");
     Ok(Some((vec![first, second], vec![a, b])))
 }
 
