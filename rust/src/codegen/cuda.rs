@@ -1054,6 +1054,9 @@ impl Gen<'_> {
         let ty = lse_element_dtype(self.f, acc.expr);
         let c = ty.c_type();
         let idx = self.c(l.index);
+        // A scope of its own: two such loops of one register in one body (a tile and its
+        // remainder) each declare the staging array.
+        let _ = writeln!(self.out, "{pad}{{");
         let _ = writeln!(self.out, "{pad}{c} kiln_blk{id}[{n}];");
         let _ = writeln!(self.out, "{pad}#pragma unroll");
         let _ = writeln!(
@@ -1070,6 +1073,7 @@ impl Gen<'_> {
             writeln!(self.out, "{inner}if ({}) {{ {pre}kiln_blk{id}[{idx}] = {input}; }}", self.pred(index.predicate));
         let _ = writeln!(self.out, "{pad}}}");
         let _ = writeln!(self.out, "{pad}kiln_acc{id} = kiln::lseAddBlock(kiln_acc{id}, kiln_blk{id});");
+        let _ = writeln!(self.out, "{pad}}}");
         Ok(())
     }
 
