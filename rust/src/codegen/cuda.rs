@@ -1047,7 +1047,8 @@ impl Gen<'_> {
     /// rescales the sum (a compare, a select and a multiply more). An element whose predicate
     /// fails stages -inf, which adds nothing.
     fn lse_block_loop(&mut self, l: &ForLoop, (id, n): (u32, i64), depth: usize) -> Result<()> {
-        let pad = Self::pad(depth);
+        let outer = Self::pad(depth);
+        let pad = Self::pad(depth + 1);
         let Some((Node::Accumulate { acc, index }, rest)) = l.body.split_last() else {
             crate::bail_internal!("log-sum-exp block without its accumulate")
         };
@@ -1056,7 +1057,7 @@ impl Gen<'_> {
         let idx = self.c(l.index);
         // A scope of its own: two such loops of one register in one body (a tile and its
         // remainder) each declare the staging array.
-        let _ = writeln!(self.out, "{pad}{{");
+        let _ = writeln!(self.out, "{outer}{{");
         let _ = writeln!(self.out, "{pad}{c} kiln_blk{id}[{n}];");
         let _ = writeln!(self.out, "{pad}#pragma unroll");
         let _ = writeln!(
@@ -1064,8 +1065,8 @@ impl Gen<'_> {
             "{pad}for (kiln_index_t {idx} = 0; {idx} < {n}; ++{idx}) {{  // {}, log-sum-exp block",
             self.f.id_label(l.id)
         );
-        self.nodes(rest, depth + 1)?;
-        let inner = Self::pad(depth + 1);
+        self.nodes(rest, depth + 2)?;
+        let inner = Self::pad(depth + 2);
         let pre = self.gather_reads(index);
         let input = self.operand(acc.expr, index, 0, ty);
         let _ = writeln!(self.out, "{inner}kiln_blk{id}[{idx}] = kiln::numeric<{c}>::lowest();");
@@ -1073,7 +1074,7 @@ impl Gen<'_> {
             writeln!(self.out, "{inner}if ({}) {{ {pre}kiln_blk{id}[{idx}] = {input}; }}", self.pred(index.predicate));
         let _ = writeln!(self.out, "{pad}}}");
         let _ = writeln!(self.out, "{pad}kiln_acc{id} = kiln::lseAddBlock(kiln_acc{id}, kiln_blk{id});");
-        let _ = writeln!(self.out, "{pad}}}");
+        let _ = writeln!(self.out, "{outer}}}");
         Ok(())
     }
 
