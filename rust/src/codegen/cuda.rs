@@ -1018,8 +1018,6 @@ impl Gen<'_> {
             .max()
     }
 
-    /// True when `nodes` hold a block-wide barrier: a `__syncthreads`, or a block or grid
-    /// reduction.
     /// The register accumulator of a float or double log-sum-exp that loop `l` (constant, 2 to
     /// 16 steps) feeds with one element per step, as the last statement of its body: those
     /// elements then update the running (maximum, sum) pair once per loop instead of once
@@ -1078,6 +1076,8 @@ impl Gen<'_> {
         Ok(())
     }
 
+    /// True when `nodes` hold a block-wide barrier: a `__syncthreads`, or a block or grid
+    /// reduction.
     fn waits_for_block(&self, nodes: &[Node]) -> bool {
         let parallel = |e: ExprId| {
             matches!(self.f.exprs[e].op, Op::Reduction { .. })

@@ -485,22 +485,33 @@ fn rows_then_totals(f: &Fusion, order: &[ExprId], cx: &Ctx, report: &mut String)
     let post: FxHashSet<TvId> = crate::sched::auto::downstream(f, &roots).into_iter().chain(roots).collect();
     let (second, first): (Vec<ExprId>, Vec<ExprId>) =
         order.iter().copied().partition(|&e| post.contains(&f.exprs[e].output));
-    let a = match try_group(f, order, &first, cx)? {
-        Ok(a) => a,
-        Err(why) => {
-            let _ = writeln!(report, "the rows without their totals: refused ({why})");
-            return Ok(None);
+    let names = ["the rows without their totals", "the totals of the rows", "the rows, then their totals"];
+    two_groups(f, order, cx, report, first, second, names)
+}
+
+/// `first` then `second` as two kernels when both have a schedule, reported under `names`
+/// (each group, then the pair); None (with the refusal in the report) otherwise.
+fn two_groups(
+    f: &Fusion,
+    order: &[ExprId],
+    cx: &Ctx,
+    report: &mut String,
+    first: Vec<ExprId>,
+    second: Vec<ExprId>,
+    names: [&str; 3],
+) -> Result<Option<Segmentation>> {
+    let mut covered = Vec::with_capacity(2);
+    for (what, group) in [(names[0], &first), (names[1], &second)] {
+        match try_group(f, order, group, cx)? {
+            Ok(c) => covered.push(c),
+            Err(why) => {
+                let _ = writeln!(report, "{what}: refused ({why})");
+                return Ok(None);
+            }
         }
-    };
-    let b = match try_group(f, order, &second, cx)? {
-        Ok(b) => b,
-        Err(why) => {
-            let _ = writeln!(report, "the totals of the rows: refused ({why})");
-            return Ok(None);
-        }
-    };
-    let _ = writeln!(report, "the rows, then their totals: covered");
-    Ok(Some((vec![first, second], vec![a, b])))
+    }
+    let _ = writeln!(report, "{}: covered", names[2]);
+    Ok(Some((vec![first, second], covered)))
 }
 
 /// Two groups: the full reductions (to rank 0) with everything they need and the rank-0
@@ -539,19 +550,8 @@ fn full_reductions_then_readers(
     if first.is_empty() || first.iter().any(|&e| f.exprs[e].input_tvs().any(|t| second_out.contains(&t))) {
         return Ok(None);
     }
-    let mut covered = Vec::new();
-    for (what, group) in [("the full reductions", &first), ("their readers", &second)] {
-        match try_group(f, order, group, cx)? {
-            Ok(c) => covered.push(c),
-            Err(why) => {
-                let _ = writeln!(report, "{what}, apart: refused ({why})");
-                return Ok(None);
-            }
-        }
-    }
-    let (Some(b), Some(a)) = (covered.pop(), covered.pop()) else { return Ok(None) };
-    let _ = writeln!(report, "the full reductions, then their readers: covered");
-    Ok(Some((vec![first, second], vec![a, b])))
+    let names = ["the full reductions, apart", "their readers, apart", "the full reductions, then their readers"];
+    two_groups(f, order, cx, report, first, second, names)
 }
 
 /// `{T3 = sum(T2), T4 = mul(T3, ..)}`-style short listing of a group's results.

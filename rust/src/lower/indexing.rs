@@ -12,7 +12,7 @@ use crate::analysis::loop_graph::LoopGraph;
 use crate::bail_internal;
 use crate::error::Result;
 use crate::ir::mapping::logical_pairs;
-use crate::ir::scalar::ScalarOp;
+use crate::ir::scalar::{ScalarOp, Val};
 use crate::ir::{
     ExprId, Fusion, IterDomainId, IterType, MemoryType, Op, Operand, ParallelType, Symbol, Transform, TvId, ValId,
 };
@@ -173,6 +173,11 @@ fn offset(
     Ok(acc)
 }
 
+/// True when splitting `input` by `factor` leaves no partial last part (both constants).
+fn divisible(f: &Fusion, input: IterDomainId, factor: ValId) -> bool {
+    matches!((f.scalars.as_int(f.ids[input].extent), f.scalars.as_int(factor)), (Some(e), Some(k)) if k > 0 && e % k == 0)
+}
+
 /// True when the split chain below logical id `l` may produce indices past its extent.
 fn needs_bound(f: &Fusion, l: IterDomainId) -> bool {
     let mut stack = vec![l];
@@ -180,8 +185,7 @@ fn needs_bound(f: &Fusion, l: IterDomainId) -> bool {
         let Some(t) = f.ids[id].use_ else { continue };
         match f.transforms[t] {
             Transform::Split { input, factor, outer, inner, .. } => {
-                let divisible = matches!((f.scalars.as_int(f.ids[input].extent), f.scalars.as_int(factor)), (Some(e), Some(k)) if k > 0 && e % k == 0);
-                if !divisible {
+                if !divisible(f, input, factor) {
                     return true;
                 }
                 stack.push(outer);
@@ -209,8 +213,7 @@ fn implied_bound(
     let Some(t) = f.ids[id].use_ else { return true };
     match f.transforms[t] {
         Transform::Split { input, factor, outer, inner, .. } => {
-            let divisible = matches!((f.scalars.as_int(f.ids[input].extent), f.scalars.as_int(factor)), (Some(e), Some(k)) if k > 0 && e % k == 0);
-            if divisible {
+            if divisible(f, input, factor) {
                 return implied_bound(f, tv, outer, idx, skip_reductions)
                     && implied_bound(f, tv, inner, idx, skip_reductions);
             }
@@ -286,8 +289,7 @@ fn split_bounds(f: &mut Fusion, tv: TvId, idx: &FxHashMap<IterDomainId, ValId>, 
             if it == IterType::Broadcast || (skip_reductions && it == IterType::Reduction) {
                 continue;
             }
-            let divisible = matches!((f.scalars.as_int(f.ids[input].extent), f.scalars.as_int(factor)), (Some(e), Some(k)) if k > 0 && e % k == 0);
-            if let (false, Some(&i)) = (divisible, idx.get(&input)) {
+            if let (false, Some(&i)) = (divisible(f, input, factor), idx.get(&input)) {
                 let e = f.ids[input].extent;
                 let c = f.scalars.lt(i, e);
                 pred = f.scalars.binary(ScalarOp::And, pred, c);
@@ -633,9 +635,7 @@ fn lt_bounds(sc: &crate::ir::Scalars, pred: ValId) -> Vec<(ValId, ValId)> {
     parts
         .into_iter()
         .filter_map(|c| match sc.get(c) {
-            crate::ir::scalar::Val::Binary(ScalarOp::Lt, a, b) if sc.range(a).0 >= 0 && sc.range(b).0 > 0 => {
-                Some((a, b))
-            }
+            Val::Binary(ScalarOp::Lt, a, b) if sc.range(a).0 >= 0 && sc.range(b).0 > 0 => Some((a, b)),
             _ => None,
         })
         .collect()
@@ -658,7 +658,7 @@ fn within_bounds(sc: &mut crate::ir::Scalars, v: ValId, bounds: &[(ValId, ValId)
             return r;
         }
         let r = match sc.get(v) {
-            crate::ir::scalar::Val::Binary(op, a, b) => {
+            Val::Binary(op, a, b) => {
                 if matches!(op, ScalarOp::Mod | ScalarOp::Div) && bounds.contains(&(a, b)) {
                     if op == ScalarOp::Mod {
                         go(sc, a, bounds, memo)

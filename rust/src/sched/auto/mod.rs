@@ -426,8 +426,17 @@ pub(crate) fn row_weight(f: &Fusion, t: TvId, kept: &[usize]) -> bool {
         && kept.iter().all(|&a| f.tvs[t].logical.get(a).is_some_and(|&id| f.ids[id].iter_type == IterType::Broadcast))
 }
 
+/// True when `t` is a broadcast of a fusion input that varies by row but has every axis of
+/// `row` (an attention mask [B, S] over scores [B, H, S, S]): it can load a row in vectors.
+pub(crate) fn row_spanning_broadcast(f: &Fusion, t: TvId, row: std::ops::Range<usize>) -> bool {
+    broadcast_input(f, t)
+        && row
+            .into_iter()
+            .all(|a| f.tvs[t].logical.get(a).is_some_and(|&id| f.ids[id].iter_type == IterType::Iteration))
+}
+
 /// True when `t` is a broadcast of a fusion input (a weight or bias read by every row).
-pub(crate) fn broadcast_input(f: &Fusion, t: TvId) -> bool {
+fn broadcast_input(f: &Fusion, t: TvId) -> bool {
     let Some(def) = f.tvs[t].definition else { return false };
     matches!(f.exprs[def].op, Op::Broadcast { .. }) && f.exprs[def].inputs[0].tensor().is_some_and(|x| f.is_input(x))
 }

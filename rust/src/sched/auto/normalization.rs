@@ -228,12 +228,8 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
     // [B, H, S, S]). It loads in its own vector loop (the mask was read element-wise: 16
     // scalar loads a thread where 4 vectors do).
     let kept_axes: Vec<usize> = (0..n - k).collect();
-    let weight = |f: &Fusion, t: TvId| {
-        super::row_weight(f, t, &kept_axes)
-            || (super::broadcast_input(f, t)
-                && (n - k..n)
-                    .all(|a| f.tvs[t].logical.get(a).is_some_and(|&id| f.ids[id].iter_type == IterType::Iteration)))
-    };
+    let weight =
+        |f: &Fusion, t: TvId| super::row_weight(f, t, &kept_axes) || super::row_spanning_broadcast(f, t, n - k..n);
     let per_row = |f: &Fusion, t: TvId| super::row_value(f, t, &is_red);
     let (rows, full_rank): (Vec<TvId>, Vec<TvId>) = tensors.iter().partition(|&&t| f.tvs[t].logical.len() == n - k);
     check_aligned(f, cx, r0, &rows, &full_rank)?;
