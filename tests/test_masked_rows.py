@@ -114,7 +114,7 @@ def test_rows_of_masks_of_several_sizes(shape: Tuple[int, ...], dims: Tuple[int,
     """Masks of different sizes in one row (a padding mask of -1e9 beside a causal -inf or
     finfo.min): the largest value wins as in float64, and a log-softmax keeps each masked
     entry's own size. (Values that all lie below -2^32 count as equal: one mask size
-    below that per row, see canonical::LSE_FLOOR.)"""
+    below that per row, see ir::LSE_FLOOR.)"""
     rng = np.random.default_rng(5)
     x = rng.choice(np.array([-1e9, FINFO_MIN, -np.inf], np.float32), size=shape)
     x[0, 0] = 2.0  # one real value in the first row (slice): the masks there are zero
@@ -147,3 +147,48 @@ def test_double_rows_past_the_chip_stay_exact(n: int) -> None:
     want_lp = d - np.log(np.exp(d).sum(1, keepdims=True))
     np.testing.assert_allclose(p, np.exp(want_lp), rtol=1e-13)
     np.testing.assert_allclose(lp, want_lp, rtol=1e-13, atol=1e-13)
+
+
+# ----------------------------------------------------------------------------- GPU
+# Long rows on the GPU take the floored log-sum-exp block by block (kiln::lseAddBlockRaised):
+# a block's elements are raised to the floor only where the running maximum is near it, so
+# rows masked whole, rows whose first half is masked (the maximum jumps from the mask to the
+# logits), masks of several sizes and non-finite values must all give float64's answer.
+# (shape, reduced axes); the mixed-mask case sets axis 1 of every row.
+GPU_LAYOUTS = [((3, 33_000), (1,)), ((2, 131_072), (1,)), ((2, 300_000), (1,)), ((16, 8, 32), (1,))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", range(len(GPU_LAYOUTS)))
+@pytest.mark.parametrize("fill", [-1e9, -1e30, FINFO_MIN, -np.inf])
+@pytest.mark.parametrize("mask_kind", ["random", "fully_masked", "masked_prefix", "mixed_masks", "special"])
+@pytest.mark.parametrize("log", [False, True])
+def test_masked_rows_on_the_gpu(layout: int, fill: float, mask_kind: str, log: bool) -> None:
+    from gpu_util import cupy_or_skip
+
+    cp = cupy_or_skip()
+    shape, dims = GPU_LAYOUTS[layout]
+    rng = np.random.default_rng(layout * 100 + len(mask_kind))
+    x = (rng.standard_normal(shape) * 30.0).astype(np.float32)
+    keep = rng.random(shape) < 0.7
+    last = shape[-1]
+    if mask_kind == "fully_masked":
+        keep[0] = False
+    elif mask_kind == "masked_prefix":
+        keep[..., : last // 2] = False
+        keep[..., last // 2:] = True
+    elif mask_kind == "mixed_masks":
+        x = rng.choice(np.array([-1e9, -1e30, FINFO_MIN, -np.inf], np.float32), size=shape)
+        keep[:] = True
+        # Every row holds a -1e9 (rows of different sizes all below -2^32 and nothing else
+        # count them as equal, see LSE_FLOOR), the first one real value too.
+        x[:, 1] = -1e9
+        x[0, 0] = 2.0
+    elif mask_kind == "special":
+        flat = x.reshape(-1)
+        for v in (np.inf, -np.inf, np.nan):
+            flat[rng.integers(0, flat.size)] = v
+        keep[:] = True
+    fd = _fusion(len(shape), dims, fill, log)
+    got = fd.execute([cp.asarray(x), cp.asarray(keep)])[0]
+    _check(cp.asnumpy(got), _reference(x, keep, dims, fill, log), log)

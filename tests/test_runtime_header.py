@@ -124,6 +124,25 @@ def test_mangled_names_and_name_expressions():
     assert res.registers["plain_cpp"] == res.registers[low]
 
 
+def test_the_floored_log_sum_exp_threshold_is_above_the_floor_in_float():
+    """``kiln::lseAddBlockRaised`` skips raising a block's elements when its maximum is far
+    enough above -2^32 that a raised element's term is zero. The threshold must stay above
+    the floor once rounded to float (spacing 512 at 2^32): -2^32 + 128 rounded back onto it,
+    and rows masked whole with -1e30 then summed to a fifth of their count on the GPU."""
+    import re
+
+    src = HEADER.read_text()
+    body = src[src.index("lseAddBlockRaised(LseAcc<T> a"):]
+    m = re.search(r"m >= T\(-4294967296\.0 \+ ([0-9.]+)\)", body)
+    assert m, "threshold not found"
+    margin = float(m.group(1))
+    floor = np.float32(-4294967296.0)
+    threshold = np.float32(-4294967296.0 + margin)
+    assert threshold > floor
+    # A raised element's term at the threshold is zero in float, as its raw term is.
+    assert np.exp(np.float64(floor) - np.float64(threshold)) < np.finfo(np.float32).tiny
+
+
 def test_parse_ptxas_log():
     log = """ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function 'k1' for 'sm_90'

@@ -660,7 +660,7 @@ impl Gen<'_> {
                     crate::bail_internal!("accumulator of a non-reduction")
                 };
                 let ty = self.f.tvs[self.f.exprs[a.expr].output].dtype.c_type();
-                if op == ReductionOp::LogSumExp {
+                if op.is_log_sum_exp() {
                     // A running (maximum, sum) pair: one exp per element (see kiln::LseAcc).
                     let ty = lse_element_dtype(self.f, a.expr).c_type();
                     let _ = writeln!(self.out, "{pad}kiln::LseAcc<{ty}> kiln_acc{} = kiln::lseEmpty<{ty}>();", a.id);
@@ -673,7 +673,7 @@ impl Gen<'_> {
                     crate::bail_internal!("accumulate of a non-reduction")
                 };
                 let dt = match op {
-                    ReductionOp::LogSumExp => lse_element_dtype(self.f, acc.expr),
+                    op if op.is_log_sum_exp() => lse_element_dtype(self.f, acc.expr),
                     _ => self.f.tvs[self.f.exprs[acc.expr].output].dtype,
                 };
                 let pre = self.gather_reads(index);
@@ -694,7 +694,7 @@ impl Gen<'_> {
                 let ty = self.f.tvs[self.f.exprs[acc.expr].output].dtype.c_type();
                 let red = crate::analysis::parallel::reduced_dims(self.f, &self.k.loops, self.f.exprs[acc.expr].output);
                 let grid = red.iter().any(|&p| p.is_block() && !self.f.clustered(p));
-                let float_lse = op == ReductionOp::LogSumExp && lse_element_dtype(self.f, acc.expr) == DataType::Float;
+                let float_lse = op.is_log_sum_exp() && lse_element_dtype(self.f, acc.expr) == DataType::Float;
                 let partials = if float_lse && !grid {
                     // Float (maximum, sum) pairs merge between threads and blocks of a cluster
                     // in the 8 bytes a workspace slot has, finished once (see kiln::LsePair).
@@ -710,7 +710,7 @@ impl Gen<'_> {
                         ty: ty.into(),
                         functor: merge_functor(self.f, acc.expr),
                         init: format!("kiln::cast<{ty}>({})", self.c(init)),
-                        value: if op == ReductionOp::LogSumExp {
+                        value: if op.is_log_sum_exp() {
                             format!("kiln::lseFinish<{ty}>(kiln_acc{})", acc.id)
                         } else {
                             format!("kiln_acc{}", acc.id)
@@ -1025,7 +1025,10 @@ impl Gen<'_> {
     fn lse_block(&self, l: &ForLoop) -> Option<(u32, i64)> {
         let n = self.f.scalars.as_int(l.extent).filter(|n| (2..=16).contains(n))?;
         let Some(Node::Accumulate { acc, .. }) = l.body.last() else { return None };
-        let Op::Reduction { op: ReductionOp::LogSumExp, .. } = self.f.exprs[acc.expr].op else { return None };
+        let Op::Reduction { op, .. } = self.f.exprs[acc.expr].op else { return None };
+        if !op.is_log_sum_exp() {
+            return None;
+        }
         if !matches!(lse_element_dtype(self.f, acc.expr), DataType::Float | DataType::Double) {
             return None;
         }
@@ -1071,7 +1074,13 @@ impl Gen<'_> {
         let _ =
             writeln!(self.out, "{inner}if ({}) {{ {pre}kiln_blk{id}[{idx}] = {input}; }}", self.pred(index.predicate));
         let _ = writeln!(self.out, "{pad}}}");
-        let _ = writeln!(self.out, "{pad}kiln_acc{id} = kiln::lseAddBlock(kiln_acc{id}, kiln_blk{id});");
+        // A floored log-sum-exp raises its elements only where the block's maximum is near the
+        // floor: anywhere else a raised element's term is zero as the raw one's is.
+        let add = match self.f.exprs[acc.expr].op {
+            Op::Reduction { op: ReductionOp::LogSumExpFloored, .. } => "lseAddBlockRaised",
+            _ => "lseAddBlock",
+        };
+        let _ = writeln!(self.out, "{pad}kiln_acc{id} = kiln::{add}(kiln_acc{id}, kiln_blk{id});");
         let _ = writeln!(self.out, "{outer}}}");
         Ok(())
     }
@@ -1255,7 +1264,7 @@ fn lse_element_dtype(f: &Fusion, e: ExprId) -> DataType {
 /// op's functor.
 fn merge_functor(f: &Fusion, e: ExprId) -> &'static str {
     match f.exprs[e].op {
-        Op::Reduction { op: ReductionOp::LogSumExp, .. }
+        Op::Reduction { op: ReductionOp::LogSumExp | ReductionOp::LogSumExpFloored, .. }
             if f.tvs[f.exprs[e].output].dtype == DataType::Double && lse_element_dtype(f, e) == DataType::Float =>
         {
             "kiln::LogSumExpOfFloats()"
@@ -1273,6 +1282,7 @@ fn functor(op: ReductionOp) -> &'static str {
         ReductionOp::Prod => "kiln::Prod()",
         ReductionOp::Min => "kiln::Min()",
         ReductionOp::LogSumExp => "kiln::LogSumExp()",
+        ReductionOp::LogSumExpFloored => "kiln::LogSumExpFloored()",
     }
 }
 

@@ -25,6 +25,7 @@
 //   loadVecStreaming, loadVecEvictLast loadVec with L1 / L2 cache hints (read-only inputs)
 //   loadVolatile, storeVolatile        bitwise volatile accesses for any T of 1/2/4/8 bytes
 //   Sum, Prod, Max, Min                reduction functors (with identity<T>())
+//   LseAcc, LogSumExp(Floored), LsePair, lseAddBlock(Raised)   log-sum-exp accumulation
 //   blockX/Y/Z (KILN_BLOCK_SHAPE), tidX/Y/Z                the block's extents, fixed or not
 //   threadIndex/threadCount/blockIndex/blockCount<X,Y,Z>   linearisation helpers
 //   warpReduce, warpAllReduce, blockReduce, blockAllReduce(2)  block reductions
@@ -1103,6 +1104,29 @@ struct LogSumExp {
   }
 };
 
+// The elements of a floored log-sum-exp: raised to -2^32 unless -inf or NaN
+// (ReductionOp::LogSumExpFloored, LSE_FLOOR in the IR).
+template <typename T>
+KILN_DEVICE T lseRaise(T x) {
+  return isneginf(x) ? x : maximum(x, T(-4294967296.0));
+}
+// A log-sum-exp of raised elements. Its partial results are at or above the floor (or -inf,
+// or NaN) already, so raising the operands of a merge leaves them as they are.
+struct LogSumExpFloored {
+  template <typename T>
+  KILN_DEVICE T operator()(T a, T b) const {
+    return LogSumExp()(lseRaise(a), lseRaise(b));
+  }
+  template <typename T>
+  KILN_DEVICE LseAcc<T> operator()(LseAcc<T> a, T x) const {
+    return LogSumExp()(a, lseRaise(x));
+  }
+  template <typename T>
+  static KILN_DEVICE T identity() {
+    return numeric<T>::lowest();
+  }
+};
+
 // Adds N elements to an accumulator at once: the maximum of them and the running one first,
 // then each element's exp(x - m) and one rescale of the old sum, where adding them one by
 // one rescales per element. Same values as one by one (each term exp(x - m) <= 1 of the
@@ -1117,6 +1141,25 @@ KILN_DEVICE LseAcc<T> lseAddBlock(LseAcc<T> a, const T (&v)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) s += lseExp(v[i] - m);
   return LseAcc<T>{m, s};
+}
+
+// lseAddBlock of raised elements (LogSumExpFloored). With the maximum at least 2048 above the
+// floor, a raised element's term exp(-2^32 - m) is zero in float, and in double less than an
+// ulp of the sum (at least 1, from the maximum's own term), as its raw term is; so the
+// elements are raised only when the maximum is nearer (or NaN), not one by one. (2048, not
+// less: float's spacing at 2^32 is 512, and -2^32 + 128 would round back to the floor.)
+template <int N, typename T>
+KILN_DEVICE LseAcc<T> lseAddBlockRaised(LseAcc<T> a, const T (&v)[N]) {
+  T m = a.m;
+#pragma unroll
+  for (int i = 0; i < N; ++i) m = maximum(m, v[i]);
+  if (!(m >= T(-4294967296.0 + 2048.0))) {
+    T r[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) r[i] = lseRaise(v[i]);
+    return lseAddBlock(a, r);
+  }
+  return lseAddBlock(a, v);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -313,11 +313,11 @@ fn propagate(f: &Fusion, order: &[ExprId]) -> Result<Propagation> {
         let resolve = match (produced, decl) {
             // No NCCL collective combines log-sum-exps: the ranks' partial results are
             // gathered and each rank reduces them.
-            (Spread::Partial(ReductionOp::LogSumExp), None | Some(Spread::Replicated)) => {
-                Some(Resolve::GatherReduce(ReductionOp::LogSumExp))
+            (Spread::Partial(op), None | Some(Spread::Replicated)) if op.is_log_sum_exp() => {
+                Some(Resolve::GatherReduce(op))
             }
-            (Spread::Partial(ReductionOp::LogSumExp), Some(Spread::Sharded(k))) => {
-                Some(Resolve::Scatter(Whole::GatherReduced(ReductionOp::LogSumExp), k))
+            (Spread::Partial(op), Some(Spread::Sharded(k))) if op.is_log_sum_exp() => {
+                Some(Resolve::Scatter(Whole::GatherReduced(op), k))
             }
             (Spread::Partial(op), None | Some(Spread::Replicated)) => Some(Resolve::Allreduce(op)),
             (Spread::Partial(op), Some(Spread::Sharded(k))) => Some(Resolve::ReduceScatter(op, k)),
@@ -1069,6 +1069,7 @@ impl MeshProgram {
             ReductionOp::Min => "min",
             ReductionOp::Prod => "prod",
             ReductionOp::LogSumExp => "logsumexp",
+            ReductionOp::LogSumExpFloored => "logsumexp_floored",
         }
     }
 

@@ -390,6 +390,17 @@ pub fn combine(op: ReductionOp, a: Col, b: Col, dt: DataType) -> Result<Col> {
         ReductionOp::Max => BinaryOp::Maximum,
         ReductionOp::Prod => BinaryOp::Mul,
         ReductionOp::Min => BinaryOp::Minimum,
+        ReductionOp::LogSumExpFloored => {
+            // Raising a partial result (at or above the floor, or -inf) leaves it as it is.
+            let raise = |c: Col| -> Result<Col> {
+                Ok(match c.convert(dt) {
+                    Col::F32(v) => Col::F32(v.iter().map(|&x| crate::ir::lse_raise(x as f64) as f32).collect()),
+                    Col::F64(v) => Col::F64(v.iter().map(|&x| crate::ir::lse_raise(x)).collect()),
+                    c => bail_internal!("interpreter: logsumexp of a {} column", c.kind()),
+                })
+            };
+            return combine(ReductionOp::LogSumExp, raise(a)?, raise(b)?, dt);
+        }
         ReductionOp::LogSumExp => {
             return Ok(match (a.convert(dt), b.convert(dt)) {
                 (Col::F32(a), Col::F32(b)) => {

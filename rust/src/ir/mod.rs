@@ -161,6 +161,38 @@ pub enum ReductionOp {
     Prod,
     /// `log(sum(exp(x)))`, floating point only: one pass with a running maximum.
     LogSumExp,
+    /// `LogSumExp` of the elements raised to `-LSE_FLOOR` unless they are -inf (not in the
+    /// Python API: the online log-sum-exp of `sched::auto::canonical`, see `LSE_FLOOR`).
+    /// Its partial results are at or above the floor already (or -inf), so they merge as
+    /// `LogSumExp`'s do, and raising them again leaves them as they are.
+    LogSumExpFloored,
+}
+
+impl ReductionOp {
+    /// Both log-sum-exps, plain and floored.
+    pub fn is_log_sum_exp(self) -> bool {
+        matches!(self, ReductionOp::LogSumExp | ReductionOp::LogSumExpFloored)
+    }
+}
+
+/// Values below `-LSE_FLOOR` in a floored log-sum-exp's row (masks such as -1e30 or
+/// `finfo.min`) are summed as `-LSE_FLOOR`: next to a maximum that large the log-sum-exp,
+/// even in double, loses `log(n)` (from 1e16 on, a row masked whole gave 1 per element, not
+/// 1/n). Beside any value above the floor such a term is `exp(-2^32 - max)`, zero as it was;
+/// a row with nothing above it counts its finite values as equal, which they are where one
+/// mask fills it. 2^32 keeps the usual -1e9 padding mask above the floor (a padding row under
+/// a causal `finfo.min` mask shares among its -1e9 entries), and there the double's own
+/// rounding is 2^-21 of `log(n)`.
+pub const LSE_FLOOR: f64 = 4_294_967_296.0;
+
+/// `x` raised to `-LSE_FLOOR` unless it is -inf or NaN (the elements of
+/// `ReductionOp::LogSumExpFloored`).
+pub fn lse_raise(x: f64) -> f64 {
+    if x.is_nan() || x == f64::NEG_INFINITY {
+        x
+    } else {
+        x.max(-LSE_FLOOR)
+    }
 }
 
 /// What a tensor expression computes.

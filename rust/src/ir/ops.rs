@@ -637,7 +637,7 @@ impl Fusion {
             ReductionOp::Sum | ReductionOp::Prod if !in_dt.is_float() => DataType::Int,
             _ => in_dt,
         });
-        if op == ReductionOp::LogSumExp && !(in_dt.is_float() && out_dt.is_float()) {
+        if op.is_log_sum_exp() && !(in_dt.is_float() && out_dt.is_float()) {
             bail!(
                 "{name}: {}: needs a floating-point tensor and result, got {} -> {}",
                 self.tv_name(x),
@@ -647,7 +647,7 @@ impl Fusion {
         }
         // A half or bfloat16 sum (or product, or log-sum-exp) accumulates in float and rounds
         // once at the end (as PyTorch does): rounding every partial result loses digits fast.
-        let widened = matches!(op, ReductionOp::Sum | ReductionOp::Prod | ReductionOp::LogSumExp);
+        let widened = matches!(op, ReductionOp::Sum | ReductionOp::Prod) || op.is_log_sum_exp();
         if widened && matches!(out_dt, DataType::Half | DataType::BFloat16) {
             let wide = self.cast(Operand::Tensor(x), DataType::Float)?;
             let r = self.reduction(op, wide, &dims.iter().map(|&d| d as i64).collect::<Vec<_>>(), keepdim, None)?;
@@ -671,7 +671,7 @@ impl Fusion {
                 self.scalars.int(if out_dt == DataType::Int32 { i32::MIN as i64 } else { i64::MIN })
             }
             (ReductionOp::Min, true) => self.scalars.float(f64::INFINITY),
-            (ReductionOp::LogSumExp, _) => self.scalars.float(f64::NEG_INFINITY),
+            (ReductionOp::LogSumExp | ReductionOp::LogSumExpFloored, _) => self.scalars.float(f64::NEG_INFINITY),
             (ReductionOp::Min, false) => {
                 self.scalars.int(if out_dt == DataType::Int32 { i32::MAX as i64 } else { i64::MAX })
             }
@@ -1023,6 +1023,7 @@ pub fn reduction_name(op: ReductionOp) -> &'static str {
         ReductionOp::Prod => "prod",
         ReductionOp::Min => "min",
         ReductionOp::LogSumExp => "logsumexp",
+        ReductionOp::LogSumExpFloored => "logsumexp_floored",
     }
 }
 

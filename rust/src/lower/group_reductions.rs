@@ -15,7 +15,7 @@
 use crate::analysis::loop_graph::LoopGraph;
 use crate::analysis::parallel::reduced_dims;
 use crate::error::Result;
-use crate::ir::{Fusion, MemoryType, Op, ReductionOp};
+use crate::ir::{Fusion, MemoryType, Op};
 use crate::kernel::Node;
 
 /// Mark groupable pairs of adjacent block reductions throughout `body`.
@@ -83,7 +83,7 @@ fn key(f: &Fusion, lg: &LoopGraph, n: &Node) -> Option<(Vec<crate::ir::ParallelT
     let Node::ReduceAccumulator { acc, .. } = n else { return None };
     let out = f.exprs[acc.expr].output;
     let Op::Reduction { op, .. } = f.exprs[acc.expr].op else { return None };
-    if op == ReductionOp::LogSumExp || f.tvs[out].memory != MemoryType::Local {
+    if op.is_log_sum_exp() || f.tvs[out].memory != MemoryType::Local {
         return None;
     }
     let dims = reduced_dims(f, lg, out);

@@ -76,6 +76,7 @@ impl PyMeshProgram {
                 Some(crate::ir::ReductionOp::Min) => "min",
                 Some(crate::ir::ReductionOp::Prod) => "prod",
                 Some(crate::ir::ReductionOp::LogSumExp) => "logsumexp",
+                Some(crate::ir::ReductionOp::LogSumExpFloored) => "logsumexp_floored",
                 None => "",
             };
             (x.kind.name(), op, x.input.as_u32(), x.output.as_u32(), x.in_place)

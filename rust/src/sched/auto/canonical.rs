@@ -87,7 +87,9 @@ use crate::analysis::id_graph::IdGraph;
 use crate::error::Result;
 use crate::ir::mapping::logical_pairs;
 use crate::ir::scalar::Val;
-use crate::ir::{BinaryOp, DataType, ExprId, Fusion, IterType, Op, Operand, ReductionOp, TvId, UnaryOp, ValId};
+use crate::ir::{
+    BinaryOp, DataType, ExprId, Fusion, IterType, Op, Operand, ReductionOp, TvId, UnaryOp, ValId, LSE_FLOOR,
+};
 
 /// Rewrite `f` (unscheduled) into canonical form; semantics are unchanged.
 pub fn sink_broadcasts(f: &mut Fusion) -> Result<()> {
@@ -595,8 +597,9 @@ pub fn online_logsumexp(f: &mut Fusion, long_row: &dyn Fn(&Fusion, ExprId) -> bo
             // rounds to -1e9, and its softmax would sum to n), and every merge of partial
             // results would add an ulp of |lse|. The elements still accumulate in float.
             let wide = (f.tvs[x].dtype.compute_dtype() == DataType::Float).then_some(DataType::Double);
-            let xc = above_lse_floor(f, x)?;
-            let lse = f.reduction(ReductionOp::LogSumExp, xc, &dims, false, wide)?;
+            // Raised to the floor (see `crate::ir::LSE_FLOOR`) inside the reduction, which checks it per
+            // block of elements rather than per element.
+            let lse = f.reduction(ReductionOp::LogSumExpFloored, x, &dims, false, wide)?;
             let mc = above_lse_floor(f, m)?;
             let diff = f.binary(BinaryOp::Sub, Operand::Tensor(lse), Operand::Tensor(mc))?;
             let diff = cast_to(f, diff, f.tvs[s].dtype)?;
@@ -604,7 +607,7 @@ pub fn online_logsumexp(f: &mut Fusion, long_row: &dyn Fn(&Fusion, ExprId) -> bo
             replace_tensor(f, s, sum);
             if let Some(ex) = f.exprs[e].inputs[0].tensor() {
                 f.tvs[ex].uses.retain(|&u| u != e);
-                drop_the_maximum(f, ex, sum, x, xc, lse)?;
+                drop_the_maximum(f, ex, sum, x, lse)?;
             }
             drop_dead_uses(f);
             continue 'again;
@@ -613,17 +616,7 @@ pub fn online_logsumexp(f: &mut Fusion, long_row: &dyn Fn(&Fusion, ExprId) -> bo
     }
 }
 
-/// Values below `-LSE_FLOOR` in a log-sum-exp's row (masks such as -1e30 or `finfo.min`)
-/// are summed as `-LSE_FLOOR`: next to a maximum that large the log-sum-exp, even in double,
-/// loses `log(n)` (from 1e16 on, a row masked whole gave 1 per element, not 1/n). Beside any
-/// value above the floor such a term is `exp(-2^32 - max)`, zero as it was; a row with
-/// nothing above it counts its finite values as equal, which they are where one mask fills
-/// it. 2^32 keeps the usual -1e9 padding mask above the floor (a padding row under a causal
-/// `finfo.min` mask shares among its -1e9 entries), and there the double's own rounding is
-/// 2^-21 of `log(n)`.
-const LSE_FLOOR: f64 = 4_294_967_296.0;
-
-/// `max(t, -LSE_FLOOR)` where `t` is not -inf (see `LSE_FLOOR`; -inf terms stay zero and a row
+/// `max(t, -LSE_FLOOR)` where `t` is not -inf (see `crate::ir::LSE_FLOOR`; -inf terms stay zero and a row
 /// of them stays NaN, as PyTorch gives).
 fn above_lse_floor(f: &mut Fusion, t: TvId) -> Result<TvId> {
     let floor = Operand::Scalar(f.scalars.float(-LSE_FLOOR));
@@ -633,13 +626,14 @@ fn above_lse_floor(f: &mut Fusion, t: TvId) -> Result<TvId> {
     cast_to(f, r, f.tvs[t].dtype)
 }
 
-/// With `s = sum(ex)`, `ex = exp(d)`, `d = x - broadcast(max(x))`, and `lse` the
-/// log-sum-exp of `xc` (`x` raised to the floor, see `LSE_FLOOR`; `s` is now computed from it): the softmax's quotient `exp(d) / broadcast(s)` becomes `exp(x -
+/// With `s = sum(ex)`, `ex = exp(d)`, `d = x - broadcast(max(x))`, and `lse` the floored
+/// log-sum-exp of `x` (see `crate::ir::LSE_FLOOR`; `s` is now computed from it): the softmax's quotient
+/// `exp(d) / broadcast(s)` becomes `exp(x -
 /// broadcast(lse))` and the log-softmax's difference `d - broadcast(log(s))` becomes `x -
 /// broadcast(lse)`. Both are exact in real arithmetic, and where nothing else reads the
 /// maximum its reduction goes: a row that is split over a cluster or streamed pays a
 /// cluster barrier or a pass over memory for each reduction.
-fn drop_the_maximum(f: &mut Fusion, ex: TvId, s: TvId, x: TvId, xc: TvId, lse: TvId) -> Result<()> {
+fn drop_the_maximum(f: &mut Fusion, ex: TvId, s: TvId, x: TvId, lse: TvId) -> Result<()> {
     let Some(d) = f.tvs[ex].definition.and_then(|de| f.exprs[de].inputs[0].tensor()) else { return Ok(()) };
     // Every reader of `broadcast(s)`, `log(broadcast(s))` or `broadcast(log(s))`: (reader,
     // broadcast flags, through a log).
@@ -672,6 +666,7 @@ fn drop_the_maximum(f: &mut Fusion, ex: TvId, s: TvId, x: TvId, xc: TvId, lse: T
             found.push((r, is_new, false));
         }
     }
+    let mut xc = None;
     for (r, is_new, exp) in found {
         let old = f.exprs[r].output;
         if f.tvs[old].dtype != f.tvs[x].dtype || f.tvs[old].logical.len() != f.tvs[x].logical.len() {
@@ -689,6 +684,10 @@ fn drop_the_maximum(f: &mut Fusion, ex: TvId, s: TvId, x: TvId, xc: TvId, lse: T
         let near = Operand::Scalar(f.scalars.float(-LSE_FLOOR + 23.0));
         let at_floor = f.binary(BinaryOp::Lt, Operand::Tensor(lse), near)?;
         let at_floor = f.broadcast(at_floor, is_new.clone())?;
+        let xc = match xc {
+            Some(t) => t,
+            None => *xc.insert(above_lse_floor(f, x)?),
+        };
         let terms = f.where_(Operand::Tensor(at_floor), Operand::Tensor(xc), Operand::Tensor(x))?;
         let terms = cast_to(f, terms, f.tvs[x].dtype)?;
         let hi = cast_to(f, lse, ct)?;
