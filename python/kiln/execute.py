@@ -162,6 +162,8 @@ def _overlapping_axis(x: Any, kind: str) -> Optional[int]:
     """An axis of ``x`` whose elements may be elements of other axes too (a broadcast
     stride of 0, or strides that do not nest), else None: an in-place result written into
     such an array would keep only the last of the values that share memory."""
+    if 0 in tuple(x.shape):
+        return None  # no element, none to share (NumPy gives fresh empty arrays zero strides)
     strides = elem_strides(x, kind)
     axes = sorted((abs(st), a) for a, (st, n) in enumerate(zip(strides, x.shape)) if n > 1)
     span = 0  # the largest offset the axes of smaller strides reach

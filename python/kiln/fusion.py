@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import operator
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple, Union
 
 from . import _core
@@ -73,11 +74,31 @@ class Scalar:
         return f"Scalar({self.name}: {self.dtype.name})"
 
 
+def _index(v: object) -> Optional[int]:
+    """``v`` as an int where it is one (Python and NumPy integers, 0-d integer arrays; not a
+    bool), else None. (An array of several elements has ``__index__`` too, which raises.)"""
+    if isinstance(v, bool):
+        return None
+    try:
+        return operator.index(v)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _listed(v: object) -> object:
+    """A NumPy (or other array library's) 1-d array of axes as a list; anything else as is."""
+    listable = callable(getattr(v, "tolist", None))
+    if listable and not isinstance(v, (list, tuple, str, bytes)) and _index(v) is None:
+        out = v.tolist()  # type: ignore[attr-defined]
+        return out if isinstance(out, list) else v
+    return v
+
+
 def _int(v: object, what: str) -> int:
     """An axis, position or count given as an int (a bool is not one)."""
-    if isinstance(v, bool) or not hasattr(v, "__index__"):
+    i = _index(v)
+    if i is None:
         raise KilnTypeError(f"{what}: expected an int, got {v!r}")
-    i = int(v.__index__())  # type: ignore[attr-defined]
     if not -(2**63) <= i < 2**63:
         raise KilnError(f"{what}: {i} does not fit 64 bits")
     return i
@@ -85,8 +106,9 @@ def _int(v: object, what: str) -> int:
 
 def _ints(v: object, what: str) -> List[int]:
     """Axes given as a list or tuple of ints (one int is a list of one)."""
-    if not isinstance(v, bool) and hasattr(v, "__index__"):
+    if _index(v) is not None:
         return [_int(v, what)]
+    v = _listed(v)
     if not isinstance(v, (list, tuple)):
         raise KilnTypeError(f"{what}: expected a list of ints, got {v!r}")
     return [_int(d, what) for d in v]
@@ -231,6 +253,8 @@ class FusionDefinition:
         that input's array instead of being returned (an in-place update); with
         ``stride_order`` (nvFuser's: axis ``i`` has the ``stride_order[i]``-th smallest
         stride), it is stored in that order and handed back as a strided view."""
+        if not isinstance(t, Tensor):
+            raise KilnTypeError(f"add_output: expected a Tensor of this fusion, got {t!r}")
         if stride_order is not None:
             if alias_input is not None:
                 raise KilnError(f"add_output {t.name}: stride_order and alias_input exclude each other "
@@ -314,6 +338,10 @@ class FusionDefinition:
         """Run the fusion: on the GPU for CuPy/torch inputs, in the CPU interpreter for NumPy.
         A sharded fusion runs this rank's part on its local inputs, ``comm`` (default:
         torch.distributed's group) doing the collectives."""
+        if device is not None and not isinstance(device, str):
+            shown = repr(device) if len(repr(device)) <= 40 else f"a {type(device).__name__}"
+            raise KilnTypeError(f"execute: device must be 'cuda', 'cpu' or None, got {shown} "
+                                f"(pass the inputs as one list: fd.execute([a, b]))")
         if self._core.has_mesh:
             return self._execute_mesh(inputs, device, as_written, comm)
         if comm is not None:
@@ -523,17 +551,19 @@ class Ops:
 
     def _dim(self, x: Tensor, d: object, what: str, label: str = "dim") -> int:
         """Axis ``d`` of ``x`` (negative counts from the end) as given, checked against its rank."""
-        if isinstance(d, bool) or not hasattr(d, "__index__"):
+        j = _index(d)
+        if j is None:
             raise KilnTypeError(f"{what}: {label}: expected an int, got {d!r}")
-        i = int(d.__index__())  # type: ignore[attr-defined]
+        i = j
         if not -x.ndim <= i < max(x.ndim, 1):
             raise KilnError(f"{what}: axis {i} is out of range for {x.name} of rank {x.ndim}")
         return i
 
     def _axes(self, x: Tensor, dims: Sequence[int], what: str) -> List[int]:
         """``dims`` of ``x`` as sorted non-negative axes; out-of-range or repeated axes refused."""
-        if not isinstance(dims, bool) and hasattr(dims, "__index__"):
+        if _index(dims) is not None:
             dims = [dims]  # type: ignore[list-item]
+        dims = _listed(dims)  # type: ignore[assignment]
         if not isinstance(dims, (list, tuple)):
             raise KilnTypeError(f"{what}: dims: expected a list of ints, got {dims!r}")
         axes: List[int] = []
@@ -560,6 +590,7 @@ class Ops:
              dtype: Optional[DataType] = None) -> Tensor:
         """Mean over ``dims``: the sum divided by the number of reduced elements."""
         self._fd._tensor(x, "mean")
+        dims = _listed(dims)  # type: ignore[assignment]
         for d in ([dims] if not isinstance(dims, (list, tuple)) else dims):
             self._dim(x, d, "mean", "dims")
         dims = _ints(dims, "mean: dims")

@@ -177,6 +177,9 @@ class ScheduleMixin:
     def set_allocation_domain(self, axes: Sequence[Union[int, IterDomain]],
                               contiguity: Union[bool, Sequence[Optional[bool]]]) -> None:
         """Lay the tensor out in memory in the order of ``axes`` (loop axis ints or IterDomains)."""
+        if not isinstance(axes, (list, tuple)):
+            raise KilnTypeError(f"{self.name}: set_allocation_domain: axes: expected a list of loop axes "
+                                f"(ints or IterDomains), got {axes!r}")
         loop = self._fd._core.tv_loop(self._id)
         ids: List[int] = []
         for a in axes:

@@ -39,8 +39,28 @@ pub struct Compiled {
     pub heuristic: Option<Heuristic>,
 }
 
+/// Stack for a compile: the passes recurse along chains of expressions (and of scalar
+/// expressions), so a fusion thousands of ops deep overflowed the caller's 8 MiB stack and
+/// crashed the process. Reserved, not committed: untouched pages cost nothing.
+const COMPILE_STACK_BYTES: usize = 1 << 30;
+
 /// Compile `f` with `schedule`.
 pub fn compile(f: &Fusion, schedule: &Schedule) -> Result<Compiled> {
+    std::thread::scope(|s| {
+        let worker = std::thread::Builder::new()
+            .name("kiln-compile".into())
+            .stack_size(COMPILE_STACK_BYTES)
+            .spawn_scoped(s, || compile_here(f, schedule));
+        match worker {
+            // A panic in the worker goes on in the caller, which turns it into an error.
+            Ok(h) => h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
+            // No thread to be had: compile on this one.
+            Err(_) => compile_here(f, schedule),
+        }
+    })
+}
+
+fn compile_here(f: &Fusion, schedule: &Schedule) -> Result<Compiled> {
     match schedule {
         Schedule::AsScheduled => Ok(Compiled { program: crate::host::lower::lower_program(f)?, heuristic: None }),
         Schedule::Automatic(seen) => {

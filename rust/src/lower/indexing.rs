@@ -6,6 +6,8 @@
 //! allocation; out-of-range elements of non-divisible splits and idle threads are
 //! predicated off.
 
+use std::cell::RefCell;
+
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::analysis::loop_graph::LoopGraph;
@@ -19,7 +21,7 @@ use crate::ir::{
 use crate::kernel::{AccessIndex, AllocationInfo, Gather, Node};
 
 /// An enclosing loop as indexing sees it.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
 struct Enclosing {
     group: Option<usize>,
     /// The loop runs a broadcast axis (its own, whatever its group promotes to).
@@ -29,6 +31,9 @@ struct Enclosing {
     extent: ValId,
     parallel: ParallelType,
 }
+
+/// A `consumer_indices` question: the tensor, whether loops may be missing, the loops.
+type IndicesKey = (TvId, bool, Vec<Enclosing>);
 
 struct Ctx<'a> {
     lg: &'a LoopGraph,
@@ -44,6 +49,13 @@ struct Ctx<'a> {
     grid_dims: FxHashMap<TvId, Vec<ParallelType>>,
     /// Partly inlined tensors indexed through their consumer (`validate::through_consumer`).
     partial: FxHashSet<TvId>,
+    /// `consumer_indices` per (tensor, partial, enclosing loops). A chain of n inlined
+    /// element-wise ops indexes each tensor through every consumer after it: without the
+    /// memo that was n^2 index computations per chain, each walking the chain again
+    /// (`broadcast_concretized`), and a 2000-op chain took minutes to lower.
+    indices: RefCell<FxHashMap<IndicesKey, FxHashMap<IterDomainId, ValId>>>,
+    /// `broadcast_concretized` per tensor.
+    concretized: RefCell<FxHashMap<TvId, bool>>,
 }
 
 /// Fill `AccessIndex` into every Expr and Init node of `body`.
@@ -62,7 +74,18 @@ pub fn run(
     let grid_dims =
         waits.values().flatten().map(|&t| (t, crate::analysis::parallel::grid_reduced_dims(f, lg, t))).collect();
     let partial = crate::lower::validate::through_consumer(f, lg, exact);
-    let mut ctx = Ctx { lg, allocs, ragged, used, next_gather: 0, waits, grid_dims, partial };
+    let mut ctx = Ctx {
+        lg,
+        allocs,
+        ragged,
+        used,
+        next_gather: 0,
+        waits,
+        grid_dims,
+        partial,
+        indices: RefCell::default(),
+        concretized: RefCell::default(),
+    };
     let mut stack = Vec::new();
     walk(f, &mut ctx, body, &mut stack)
 }
@@ -394,6 +417,22 @@ fn consumer_indices(
     stack: &[Enclosing],
     partial: bool,
 ) -> Result<FxHashMap<IterDomainId, ValId>> {
+    let key = (tv, partial, stack.to_vec());
+    if let Some(hit) = ctx.indices.borrow().get(&key) {
+        return Ok(hit.clone());
+    }
+    let idx = consumer_indices_uncached(f, ctx, tv, stack, partial)?;
+    ctx.indices.borrow_mut().insert(key, idx.clone());
+    Ok(idx)
+}
+
+fn consumer_indices_uncached(
+    f: &mut Fusion,
+    ctx: &Ctx,
+    tv: TvId,
+    stack: &[Enclosing],
+    partial: bool,
+) -> Result<FxHashMap<IterDomainId, ValId>> {
     if let Some((e, pos)) = inlined_reference(f, ctx.lg, &ctx.partial, tv) {
         // Index through the consumer's logical indices, exactly as the consumer reads tv;
         // tv's own extents may be smaller where it has broadcasts the consumer concretizes.
@@ -436,7 +475,12 @@ fn consumer_indices(
             // logical indices instead, a merge with a broadcast outer wraps its inner index
             // (`% extent`), and the bound of an overrunning thread would be lost.
             let mut from_loops: FxHashMap<IterDomainId, ValId> = FxHashMap::default();
-            let mut own = !broadcast_concretized(f, ctx.lg, &ctx.partial, tv);
+            let concretized = *ctx
+                .concretized
+                .borrow_mut()
+                .entry(tv)
+                .or_insert_with(|| broadcast_concretized(f, ctx.lg, &ctx.partial, tv));
+            let mut own = !concretized;
             for (a, &id) in f.tvs[tv].loop_domain.clone().iter().enumerate() {
                 let g = ctx.lg.group(tv, a);
                 if let Some(l) = stack.iter().rev().find(|l| l.group == Some(g)) {

@@ -120,10 +120,27 @@ fn to_value(py: Python<'_>, i: usize, what: &str, x: &Bound<'_, PyAny>, bf16_bit
 
 fn owned<'py, T: Element>(
     py: Python<'py>,
+    what: &str,
     v: Vec<T>,
     shape: &[usize],
     strides: &[usize],
 ) -> PyResult<Bound<'py, PyAny>> {
+    // NumPy refuses (and its refusal, unchecked by the bindings, crashed the process) an array
+    // whose non-empty axes span more than isize::MAX bytes, even with another axis empty.
+    let span = shape
+        .iter()
+        .filter(|&&n| n != 0)
+        .try_fold(std::mem::size_of::<T>(), |a, &n| a.checked_mul(n))
+        .filter(|&b| b <= isize::MAX as usize);
+    if span.is_none() {
+        return Err(to_py(
+            py,
+            KilnError::value(format!(
+                "{what} of shape {shape:?}: NumPy cannot hold an array whose non-empty axes span more than \
+                 2^63 bytes, even with no element"
+            )),
+        ));
+    }
     // ndarray refuses explicit strides for an empty shape: an empty array takes its default.
     let a = if shape.contains(&0) {
         ArrayD::from_shape_vec(IxDyn(shape), v)
@@ -144,25 +161,25 @@ fn rank_error(what: &str, rank: usize) -> KilnError {
     KilnError::value(format!("{what} has {rank} axes; the CPU interpreter takes arrays of at most {MAX_RANK} axes"))
 }
 
-fn to_numpy(py: Python<'_>, t: HostTensor) -> PyResult<PyObject> {
+fn to_numpy(py: Python<'_>, what: &str, t: HostTensor) -> PyResult<PyObject> {
     if t.shape.len() > MAX_RANK {
         return Err(to_py(py, rank_error("an output", t.shape.len())));
     }
     let strides: Vec<usize> = t.strides.iter().map(|&s| s.max(0) as usize).collect();
     let shape = t.shape;
     let a = match t.data {
-        Data::F32(v) => owned(py, v, &shape, &strides)?,
-        Data::F64(v) => owned(py, v, &shape, &strides)?,
-        Data::I64(v) => owned(py, v, &shape, &strides)?,
-        Data::I32(v) => owned(py, v, &shape, &strides)?,
-        Data::Bool(v) => owned(py, v, &shape, &strides)?,
+        Data::F32(v) => owned(py, what, v, &shape, &strides)?,
+        Data::F64(v) => owned(py, what, v, &shape, &strides)?,
+        Data::I64(v) => owned(py, what, v, &shape, &strides)?,
+        Data::I32(v) => owned(py, what, v, &shape, &strides)?,
+        Data::Bool(v) => owned(py, what, v, &shape, &strides)?,
         Data::F16(v) => {
             let bits: Vec<u16> = v.into_iter().map(f16::to_bits).collect();
-            owned(py, bits, &shape, &strides)?.call_method1("view", ("float16",))?
+            owned(py, what, bits, &shape, &strides)?.call_method1("view", ("float16",))?
         }
         Data::BF16(v) => {
             let bits: Vec<u16> = v.into_iter().map(bf16::to_bits).collect();
-            let a = owned(py, bits, &shape, &strides)?;
+            let a = owned(py, what, bits, &shape, &strides)?;
             match py.import("ml_dtypes").and_then(|m| m.getattr("bfloat16")) {
                 Ok(dt) => a.call_method1("view", (dt,))?,
                 Err(_) => a,
@@ -189,7 +206,11 @@ fn execute_cpu(py: Python<'_>, kernel: &PyKernel, inputs: Vec<Bound<'_, PyAny>>)
         vals.push(to_value(py, i, &what, x, bf16_bits)?);
     }
     let outs = guarded(py, || execute(&kernel.inner, vals))?;
-    outs.into_iter().map(|t| to_numpy(py, t)).collect()
+    let names: Vec<String> = f.outputs.iter().map(|&t| format!("output {}", f.user_tv_name(t))).collect();
+    outs.into_iter()
+        .enumerate()
+        .map(|(i, t)| to_numpy(py, names.get(i).map_or("an output", String::as_str), t))
+        .collect()
 }
 
 /// Register the interpreter's functions on the extension module.
