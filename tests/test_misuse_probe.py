@@ -1441,11 +1441,6 @@ def test_a_very_long_op_chain_does_not_crash() -> None:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: a tensor op on a runtime scalar built from 100000 scalar "
-    "adds crashes the process (SIGSEGV in fd._core.binary_value, deep recursion)",
-)
 def test_a_very_deep_scalar_expression_does_not_crash() -> None:
     child_must_not_crash(
         """

@@ -1,6 +1,7 @@
 //! Builders for tensor ops: each checks its operands, infers the output's shape and
 //! dtype (PyTorch promotion), creates fresh output ids and records the expr.
 
+use rustc_hash::{FxHashMap, FxHashSet};
 use smallvec::{smallvec, SmallVec};
 
 use crate::error::Result;
@@ -155,34 +156,66 @@ impl Fusion {
     /// `t`, a 0-d tensor computed from scalars alone (`1 - beta`), recomputed with `rank`
     /// size-one axes: like `full`, it then fuses into the kernel that reads it instead of
     /// being a kernel of its own. None when `t` reads a tensor (a reduction's result).
+    /// Iterative: a chain of 100000 scalar ops overflowed the stack when this recursed.
     fn rerank_scalar_math(&mut self, t: TvId, rank: usize) -> Option<TvId> {
-        if !self.is_scalar_math(t) {
-            return None;
-        }
-        let e = self.tvs[t].definition?;
-        let (op, inputs) = (self.exprs[e].op.clone(), self.exprs[e].inputs.clone());
-        let mut new_inputs: SmallVec<[Operand; 3]> = SmallVec::new();
-        for o in inputs {
-            new_inputs.push(match o {
-                Operand::Scalar(_) => o,
-                Operand::Tensor(i) => Operand::Tensor(self.rerank_scalar_math(i, rank)?),
-            });
-        }
+        let order = self.scalar_math_order(t)?;
         let one = self.scalars.int(1);
-        let logical = (0..rank).map(|_| self.new_id(one, IterType::Broadcast)).collect();
-        let out = self.new_tv(self.tvs[t].dtype, MemoryType::Local, logical);
-        self.add_expr(op, new_inputs, out);
-        Some(out)
+        let mut new: FxHashMap<TvId, TvId> = FxHashMap::default();
+        for old in order {
+            let e = self.tvs[old].definition?;
+            let (op, inputs) = (self.exprs[e].op.clone(), self.exprs[e].inputs.clone());
+            let new_inputs: SmallVec<[Operand; 3]> = inputs
+                .iter()
+                .map(|&o| match o {
+                    Operand::Tensor(i) => Operand::Tensor(new[&i]),
+                    Operand::Scalar(_) => o,
+                })
+                .collect();
+            let logical = (0..rank).map(|_| self.new_id(one, IterType::Broadcast)).collect();
+            let out = self.new_tv(self.tvs[old].dtype, MemoryType::Local, logical);
+            self.add_expr(op, new_inputs, out);
+            new.insert(old, out);
+        }
+        new.get(&t).copied()
     }
 
-    /// True for a 0-d tensor computed by element-wise ops from scalars alone.
-    fn is_scalar_math(&self, t: TvId) -> bool {
-        let Some(e) = self.tvs[t].definition else { return false };
-        let ex = &self.exprs[e];
-        matches!(ex.op, Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast(_) | Op::Full { .. })
-            && self.no_reduction_logical(t).is_empty()
-            && self.tvs[t].logical.is_empty()
-            && ex.inputs.iter().all(|o| o.tensor().is_none_or(|i| self.is_scalar_math(i)))
+    /// The 0-d tensors `t` is computed from by element-wise ops from scalars alone, each after
+    /// its inputs (`t` last), or None where one of them reads anything else.
+    fn scalar_math_order(&self, t: TvId) -> Option<Vec<TvId>> {
+        let math = |x: TvId| {
+            self.tvs[x].definition.is_some_and(|e| {
+                matches!(self.exprs[e].op, Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast(_) | Op::Full { .. })
+            }) && self.no_reduction_logical(x).is_empty()
+                && self.tvs[x].logical.is_empty()
+        };
+        let mut order = Vec::new();
+        let mut done: FxHashSet<TvId> = FxHashSet::default();
+        // (tensor, whether its inputs are already on the stack)
+        let mut stack = vec![(t, false)];
+        while let Some((x, expanded)) = stack.pop() {
+            if done.contains(&x) {
+                continue;
+            }
+            if expanded {
+                done.insert(x);
+                order.push(x);
+                continue;
+            }
+            if !math(x) {
+                return None;
+            }
+            stack.push((x, true));
+            let e = self.tvs[x].definition?;
+            // Reversed, so the first input's chain comes first, as a recursion takes them.
+            for o in self.exprs[e].inputs.iter().rev() {
+                if let Operand::Tensor(i) = *o {
+                    if !done.contains(&i) {
+                        stack.push((i, false));
+                    }
+                }
+            }
+        }
+        Some(order)
     }
 
     /// Operands as promotion sees them: a 0-d tensor beside ranked tensors ranks with the
@@ -1134,4 +1167,32 @@ fn fold_binary(op: BinaryOp, sc: &mut Scalars, a: Val, b: Val) -> Option<ValId> 
     };
     let out = if op.class() == BinaryClass::Logical { DataType::Bool } else { cd };
     Some(constant(sc, r, out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A 0-d tensor computed from scalars through a long chain is recomputed at the rank of
+    /// the tensor it meets, one copy per link, without recursing (the test thread's stack
+    /// is 2 MiB: a recursion over the chain overflowed it).
+    #[test]
+    fn long_scalar_math_chains_rerank_without_recursion() {
+        let mut f = Fusion::new();
+        let x = f.define_tensor(&[-1, -1], DataType::Float, None).unwrap();
+        let s = f.define_scalar_input(DataType::Float);
+        let mut t = f.full(&[], Operand::Scalar(s), DataType::Float).unwrap();
+        let n = 50_000;
+        for _ in 0..n {
+            let c = f.scalars.float(1.5);
+            t = f.binary(BinaryOp::Add, Operand::Tensor(t), Operand::Scalar(c)).unwrap();
+        }
+        let before = f.tvs.len();
+        let y = f.binary(BinaryOp::Add, Operand::Tensor(x), Operand::Tensor(t)).unwrap();
+        // The chain (n adds and the full) recomputed with two size-one axes, then the add.
+        assert_eq!(f.tvs.len() - before, n + 2);
+        let Some(e) = f.tvs[y].definition else { panic!("y has no definition") };
+        let Some(r) = f.exprs[e].inputs[1].tensor() else { panic!("the chain is not a tensor operand") };
+        assert_eq!(f.tvs[r].logical.len(), 2);
+    }
 }
