@@ -777,26 +777,14 @@ def test_add_output_of_a_number_with_stride_order() -> None:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: contiguity=[2, 3] is accepted as [True, True] (any integer "
-    "passes the bool check in define_tensor)",
-)
 def test_define_tensor_contiguity_of_ints_other_than_0_1() -> None:
     expect(_define(shape=[-1, -1], contiguity=[2, 3]), KilnTypeError, tv(0), r"contiguity")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: sum(x, dims, axes=...) silently drops dims (the two names of one argument may disagree)",
-)
 def test_sum_with_both_dims_and_axes() -> None:
     expect(_def(lambda fd, x: fd.ops.sum(x, [0], axes=[1])), KilnError, r"dims", r"axes")
 
 
-@pytest.mark.xfail(
-    strict=True, reason="defect: broadcast_in_dim(shape=..., output_shape=...) silently drops shape"
-)
 def test_broadcast_in_dim_with_both_shape_and_output_shape() -> None:
     expect(
         _def(lambda fd, x: fd.ops.broadcast_in_dim(x, [2, -1, -1], [1, 2], output_shape=[5, -1, -1])),
@@ -2053,11 +2041,6 @@ def test_allocation_domain_axes_not_a_list(axes: Any) -> None:
     expect(lambda: z.set_allocation_domain(axes, True), KilnTypeError, tv(2), r"axes|list")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: set_allocation_domain takes contiguity ['a', 'b'] as "
-    "[True, True] (define_tensor refuses the same list)",
-)
 def test_allocation_domain_contiguity_of_strings() -> None:
     fd, x, y, z = _chain()
     expect(lambda: z.set_allocation_domain([0, 1], ["a", "b"]), KilnTypeError, tv(2), r"contiguity")

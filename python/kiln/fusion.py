@@ -13,7 +13,7 @@ from .compiled import CompiledFusion, compiled
 from .enums import DataType, ParallelType
 from .host import signature_key
 from .lowering import LoweredFusion, LoweredKernel, check_inputs, configure_lowering, plain_numbers
-from .schedule import ScheduleMixin
+from .schedule import ScheduleMixin, is_flag
 
 Operand = Union["Tensor", "Scalar", int, float, bool]
 
@@ -188,9 +188,8 @@ class FusionDefinition:
                                 f"1 (broadcast) or a size in [0, 2**63)")
         if isinstance(contiguity, bool):  # one flag for every axis, as set_allocation_domain takes
             contiguity = [contiguity] * len(shape)
-        if contiguity is not None and (not isinstance(contiguity, (list, tuple)) or not all(
-                c is None or isinstance(c, numbers.Integral) or type(c).__name__ == "bool_"
-                for c in contiguity)):
+        if contiguity is not None and (not isinstance(contiguity, (list, tuple))
+                                       or not all(is_flag(c) for c in contiguity)):
             raise KilnTypeError(f"define_tensor {name}: contiguity must be a bool or a list of bools "
                                 f"(or None), got {contiguity!r}")
         contig = None if contiguity is None else [None if c is None else bool(c) for c in contiguity]
@@ -234,6 +233,8 @@ class FusionDefinition:
                 except OverflowError as e:
                     raise KilnError(f"define_scalar: the integer is too large for a {dtype.name} constant "
                                      "(beyond 1.8e308)") from e
+        elif not isinstance(value, (bool, int, float)):  # a NumPy scalar: its Python value
+            value = int(value) if isinstance(value, numbers.Integral) else float(value)
         return self._const(value)
 
     def _const(self, value: Union[int, float, bool]) -> Scalar:
@@ -492,23 +493,30 @@ class Ops:
             t = fd._tensor(self.cast(x, DataType(dt)), op)
         return Tensor(fd, fd._core.reduction(op, t, axes, bool(keepdim), dt))
 
+    @staticmethod
+    def _one_of(op: str, new: Any, old: Any, names: str) -> Any:
+        """An argument given under its name or its older one, not both (they may disagree)."""
+        if new is not None and old is not None:
+            raise KilnTypeError(f"{op}: got both {names}; pass one")
+        return new if old is None else old
+
     def sum(self, x: Tensor, dims: Optional[Sequence[int]] = None, keepdim: bool = False,
             dtype: Optional[DataType] = None, *, axes: Optional[Sequence[int]] = None,
             keep_dim: Optional[bool] = None) -> Tensor:
         """Sum over ``dims``. (``axes``/``keep_dim``: nvFuser's older names)."""
-        return self._reduce("sum", x, dims if axes is None else axes,
+        return self._reduce("sum", x, self._one_of("sum", dims, axes, "dims and axes"),
                             keepdim if keep_dim is None else keep_dim, dtype)
 
     def max(self, x: Tensor, dims: Optional[Sequence[int]] = None, keepdim: bool = False, *,
             axes: Optional[Sequence[int]] = None, keep_dim: Optional[bool] = None) -> Tensor:
         """Max over ``dims``. (``axes``/``keep_dim``: nvFuser's older names)."""
-        return self._reduce("max", x, dims if axes is None else axes,
+        return self._reduce("max", x, self._one_of("max", dims, axes, "dims and axes"),
                             keepdim if keep_dim is None else keep_dim, None)
 
     def min(self, x: Tensor, dims: Optional[Sequence[int]] = None, keepdim: bool = False, *,
             axes: Optional[Sequence[int]] = None, keep_dim: Optional[bool] = None) -> Tensor:
         """Min over ``dims``. (``axes``/``keep_dim``: nvFuser's older names)."""
-        return self._reduce("min", x, dims if axes is None else axes,
+        return self._reduce("min", x, self._one_of("min", dims, axes, "dims and axes"),
                             keepdim if keep_dim is None else keep_dim, None)
 
     def prod(self, x: Tensor, dims: Sequence[int], keepdim: bool = False,
@@ -629,7 +637,7 @@ class Ops:
         """Place input axis ``i`` at output axis ``broadcast_dims[i]``; other axes are broadcasts
         (``output_shape``: nvFuser's older name of ``shape``)."""
         fd = self._fd
-        shape = shape if output_shape is None else output_shape
+        shape = self._one_of("broadcast_in_dim", shape, output_shape, "shape and output_shape")
         if shape is None:
             raise KilnTypeError("broadcast_in_dim: shape is required")
         t = fd._tensor(x, "broadcast_in_dim")

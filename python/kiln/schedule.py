@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Union
 
 from ._errors import KilnError, KilnTypeError
@@ -11,6 +12,13 @@ if TYPE_CHECKING:
     from ._core import IterDomainInfo
     from .fusion import FusionDefinition, Tensor
     from .multidevice import DeviceMesh
+
+
+def is_flag(c: object) -> bool:
+    """A contiguity entry: None, a bool (Python's or NumPy's), or the integer 0 or 1."""
+    if c is None or isinstance(c, bool) or type(c).__name__ == "bool_":
+        return True
+    return isinstance(c, numbers.Integral) and int(c) in (0, 1)
 
 
 class IterDomain:
@@ -195,9 +203,9 @@ class ScheduleMixin:
                 ids.append(loop[i])
         if isinstance(contiguity, bool):  # one flag for every axis, as nvFuser takes it
             contiguity = [contiguity] * len(ids)
-        if not isinstance(contiguity, (list, tuple)):
+        if not isinstance(contiguity, (list, tuple)) or not all(is_flag(c) for c in contiguity):
             raise KilnTypeError(f"{self.name}: set_allocation_domain: contiguity must be a bool or a list "
-                                f"of bool/None, got {type(contiguity).__name__}")
+                                f"of bool/None, got {contiguity!r} ({type(contiguity).__name__})")
         contig = [None if c is None else bool(c) for c in contiguity]
         self._fd._core.set_allocation_domain(self._id, ids, contig)
 
