@@ -56,6 +56,8 @@ struct Ctx<'a> {
     indices: RefCell<FxHashMap<IndicesKey, FxHashMap<IterDomainId, ValId>>>,
     /// `broadcast_concretized` per tensor.
     concretized: RefCell<FxHashMap<TvId, bool>>,
+    /// `reference_bounds` per (chain end, enclosing loops).
+    bounds: RefCell<FxHashMap<(TvId, Vec<Enclosing>), ValId>>,
 }
 
 /// Fill `AccessIndex` into every Expr and Init node of `body`.
@@ -85,6 +87,7 @@ pub fn run(
         partial,
         indices: RefCell::default(),
         concretized: RefCell::default(),
+        bounds: RefCell::default(),
     };
     let mut stack = Vec::new();
     walk(f, &mut ctx, body, &mut stack)
@@ -341,8 +344,14 @@ fn reference_bounds(f: &mut Fusion, ctx: &Ctx, tv: TvId, stack: &[Enclosing]) ->
         let Some((e, _)) = inlined_reference(f, ctx.lg, &ctx.partial, t) else { break };
         let d = f.exprs[e].output;
         if inlined_reference(f, ctx.lg, &ctx.partial, d).is_none() {
+            let key = (d, stack.to_vec());
+            if let Some(&v) = ctx.bounds.borrow().get(&key) {
+                return Ok(v);
+            }
             let didx = consumer_indices(f, ctx, d, stack, true)?;
-            return Ok(split_bounds(f, d, &didx, false));
+            let v = split_bounds(f, d, &didx, false);
+            ctx.bounds.borrow_mut().insert(key, v);
+            return Ok(v);
         }
         t = d;
     }
@@ -386,24 +395,38 @@ fn squeezed(f: &Fusion, e: ExprId, pos: usize) -> Vec<IterDomainId> {
 
 /// True when a broadcast axis of `tv` meets an iteration axis along its chain of fully
 /// inlined consumers: its loops then run the consumer's larger extent, not its own.
-fn broadcast_concretized(f: &Fusion, lg: &LoopGraph, partial: &FxHashSet<TvId>, tv: TvId) -> bool {
-    let mut t = tv;
-    let mut seen = 0;
-    while let Some((e, pos)) = inlined_reference(f, lg, partial, t) {
-        for (pid, cid) in logical_pairs(f, e, pos) {
+fn broadcast_concretized(f: &Fusion, ctx: &Ctx, tv: TvId) -> bool {
+    // Whether the link from `t` to its inlined consumer concretizes a broadcast of `t`;
+    // the answer for `tv` is whether any link of its chain does. Each tensor walked
+    // remembers its own answer, so a chain is walked once however many of its tensors ask.
+    let link = |e: ExprId, pos: usize| {
+        logical_pairs(f, e, pos).into_iter().any(|(pid, cid)| {
             // A reduction of a broadcast axis is size one too: it concretizes nothing.
             let one = f.scalars.as_int(f.ids[cid].extent) == Some(1);
-            if f.ids[pid].iter_type == IterType::Broadcast && f.ids[cid].iter_type != IterType::Broadcast && !one {
-                return true;
-            }
-        }
-        t = f.exprs[e].output;
-        seen += 1;
-        if seen > f.tvs.len() {
+            f.ids[pid].iter_type == IterType::Broadcast && f.ids[cid].iter_type != IterType::Broadcast && !one
+        })
+    };
+    let mut path = Vec::new();
+    let mut t = tv;
+    let mut answer = false;
+    for _ in 0..=f.tvs.len() {
+        if let Some(&hit) = ctx.concretized.borrow().get(&t) {
+            answer = hit;
             break;
         }
+        let Some((e, pos)) = inlined_reference(f, ctx.lg, &ctx.partial, t) else { break };
+        path.push((t, link(e, pos)));
+        t = f.exprs[e].output;
     }
-    false
+    let mut memo = ctx.concretized.borrow_mut();
+    for &(p, own) in path.iter().rev() {
+        answer = answer || own;
+        memo.insert(p, answer);
+    }
+    if path.is_empty() {
+        memo.insert(tv, answer);
+    }
+    answer
 }
 
 /// Indices of `tv`'s ids at the loops of `stack`. With `partial`, loops of `tv` that do
@@ -475,12 +498,7 @@ fn consumer_indices_uncached(
             // logical indices instead, a merge with a broadcast outer wraps its inner index
             // (`% extent`), and the bound of an overrunning thread would be lost.
             let mut from_loops: FxHashMap<IterDomainId, ValId> = FxHashMap::default();
-            let concretized = *ctx
-                .concretized
-                .borrow_mut()
-                .entry(tv)
-                .or_insert_with(|| broadcast_concretized(f, ctx.lg, &ctx.partial, tv));
-            let mut own = !concretized;
+            let mut own = !broadcast_concretized(f, ctx, tv);
             for (a, &id) in f.tvs[tv].loop_domain.clone().iter().enumerate() {
                 let g = ctx.lg.group(tv, a);
                 if let Some(l) = stack.iter().rev().find(|l| l.group == Some(g)) {
