@@ -809,15 +809,16 @@ def test_reshape_with_a_wrong_original_shape() -> None:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: define_scalar(np.float32(2.0)) says 'expected a Tensor, "
-    "Scalar, int, float or bool' without naming define_scalar or its value argument",
-)
-def test_define_scalar_of_a_numpy_float_names_define_scalar() -> None:
-    expect(
-        _def(lambda fd, x: fd.ops.mul(x, fd.define_scalar(np.float32(2.0)))), KilnTypeError, r"define_scalar"
-    )
+@pytest.mark.parametrize("value", [np.float32(2.0), np.float64(2.0), np.int64(2), np.int32(2)])
+def test_define_scalar_takes_numpy_scalars(value: Any) -> None:
+    """A NumPy scalar is a constant of its Python value (it was refused, naming no call)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1], dtype=F)
+        fd.add_output(fd.ops.mul(x, fd.define_scalar(value)))
+    xs = np.arange(5, dtype=np.float32)
+    np.testing.assert_allclose(fd.execute([xs])[0], xs.astype(np.float64) * 2.0, rtol=0)
+    with pytest.raises(KilnTypeError, match=r"define_scalar"):
+        fd.define_scalar(np.array([1.0, 2.0]))
 
 
 def test_python_call_errors_stay_type_errors() -> None:
