@@ -63,6 +63,14 @@ def _check(got: Any, want: np.ndarray, log: bool) -> None:
         np.testing.assert_allclose(got[ok], want[ok], rtol=1e-4, atol=1e-7)
 
 
+def _plant_non_finite(x: np.ndarray, keep: np.ndarray, rng: np.random.Generator) -> None:
+    """One +inf, one -inf and one NaN at random places of ``x``, nothing masked."""
+    flat = x.reshape(-1)
+    for v in (np.inf, -np.inf, np.nan):
+        flat[rng.integers(0, flat.size)] = v
+    keep[:] = True
+
+
 @st.composite
 def cases(draw: Any) -> Tuple[int, float, bool, str, int, float]:
     return (draw(st.integers(0, len(LAYOUTS) - 1)), draw(st.sampled_from(FILLS)), draw(st.booleans()),
@@ -86,10 +94,7 @@ def test_masked_softmax_rows_match_float64(case: Tuple[int, float, bool, str, in
         sl[kept] = slice(0, None, 2)
         keep[tuple(sl)] = False
     elif mask_kind == "special":
-        flat = x.reshape(-1)
-        for v in (np.inf, -np.inf, np.nan):
-            flat[rng.integers(0, flat.size)] = v
-        keep[:] = True
+        _plant_non_finite(x, keep, rng)
     fd = _fusion(len(shape), dims, fill, log)
     low = fd.lower([x, keep])
     src = "".join(k.cuda_source_for(False) for k in low.kernels)
@@ -185,10 +190,7 @@ def test_masked_rows_on_the_gpu(layout: int, fill: float, mask_kind: str, log: b
         x[:, 1] = -1e9
         x[0, 0] = 2.0
     elif mask_kind == "special":
-        flat = x.reshape(-1)
-        for v in (np.inf, -np.inf, np.nan):
-            flat[rng.integers(0, flat.size)] = v
-        keep[:] = True
+        _plant_non_finite(x, keep, rng)
     fd = _fusion(len(shape), dims, fill, log)
     got = fd.execute([cp.asarray(x), cp.asarray(keep)])[0]
     _check(cp.asnumpy(got), _reference(x, keep, dims, fill, log), log)
