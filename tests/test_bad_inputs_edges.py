@@ -144,6 +144,37 @@ def test_element_counts_past_2_to_31_choose_64_bit_offsets() -> None:
     assert not any(la.index32 for la in fd3.lower([]).plan([]).launches)
 
 
+def test_32_bit_offsets_follow_how_far_a_schedule_rounds_past_an_extent() -> None:
+    # 2^30 elements whose splits divide every extent: no offset passes 2^30, so 32 bits.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.exp(x))
+    a = as_strided(np.zeros(1, np.float32), shape=(2**15, 2**15), strides=(0, 0))
+    assert all(la.index32 for la in fd.lower([a]).plan([a]).launches)
+    # An axis of 5 split by 128 is looped over 128 positions before its predicate applies:
+    # a [5, 2^28] tensor's rows then reach 128 * 2^28 elements, past 32 bits.
+    rows = 5
+
+    def manual(columns: int) -> FusionDefinition:
+        from kiln import ParallelType
+
+        with FusionDefinition() as fd2:
+            y = fd2.define_tensor([-1, -1], contiguity=[False, False])
+            z = fd2.ops.neg(y)
+            fd2.add_output(z)
+        z.split(0, 128)
+        z.split(2, 256)
+        z.axis(0).parallelize(ParallelType.BIDy)
+        z.axis(2).parallelize(ParallelType.BIDx)
+        z.axis(3).parallelize(ParallelType.TIDx)
+        return fd2
+
+    big = as_strided(np.zeros(1, np.float32), shape=(rows, 2**28), strides=(0, 0))
+    assert not any(la.index32 for la in manual(2**28).lower([big]).plan([big]).launches)
+    small = as_strided(np.zeros(1, np.float32), shape=(rows, 2**20), strides=(0, 0))
+    assert all(la.index32 for la in manual(2**20).lower([small]).plan([small]).launches)
+
+
 def test_a_gathered_index_is_checked_before_a_32_bit_kernel_narrows_it() -> None:
     with FusionDefinition() as fd:
         t = fd.define_tensor([-1, -1])

@@ -53,6 +53,8 @@ class Fusion:
         """index_select along dim."""
     def reshape(self, x: int, shape: List[Optional[int]]) -> int:
         """`x` in a new shape (scalar ids; `None` is the inferred size)."""
+    def require_shape(self, x: int, sizes: List[Optional[int]], op: str) -> None:
+        """Requires `x`'s sizes to be `sizes` (scalar ids; `None` is not checked), as `op` was told."""
     def slice(self, x: int, start: List[int], end: List[Optional[int]], step: List[int]) -> int:
         """`x[start:end:step]` per axis (scalar ids; an end of `None` is the size)."""
     def pad(self, x: int, widths: List[Tuple[int, int]], value: Operand) -> int:

@@ -166,7 +166,7 @@ pub fn kernel_launch(kernel: &Kernel, cuda: &CudaKernel, b: &Bindings) -> Result
         span = span.max(e);
     }
     span = span.max(largest_tensor(&kernel.fusion, b));
-    let index32 = span.saturating_mul(2) < i64::from(i32::MAX);
+    let index32 = offsets_fit_int32(span, &kernel.fusion, b);
     if index32 {
         for ((_, kind, _), (_, dt)) in cuda
             .params
@@ -248,8 +248,8 @@ fn largest_tensor(f: &crate::ir::Fusion, b: &Bindings) -> i64 {
 }
 
 /// True when every element offset the kernel can form fits in 32 bits: tensor spans,
-/// buffers, sizes, every tensor's element count, and the linear thread index (loops may round up past a tensor's end
-/// before predicates apply, hence the 2x margin).
+/// buffers, sizes, every tensor's element count, and the linear thread index, each scaled
+/// by how far rounded-up loops reach past a tensor's end before predicates apply.
 fn fits_int32(
     f: &crate::ir::Fusion,
     inputs: &[InputDesc],
@@ -273,5 +273,45 @@ fn fits_int32(
     for &e in &b.extents {
         span = span.max(e);
     }
-    span.max(largest_tensor(f, b)).saturating_mul(2) < i64::from(i32::MAX)
+    offsets_fit_int32(span.max(largest_tensor(f, b)), f, b)
+}
+
+/// True when offsets up to `span` elements, scaled by `f`'s loop rounding under `b`, fit
+/// in 32 bits (with the headroom of a predicate's `index + 1`).
+fn offsets_fit_int32(span: i64, f: &Fusion, b: &Bindings) -> bool {
+    let reach = (span.max(1) as f64) * loop_rounding(f, b);
+    reach * (1.0 + 1e-9) + 2.0 < f64::from(i32::MAX)
+}
+
+/// How far a loop nest can index past a tensor's extents, as a factor of them: the largest
+/// over tensors of the product, over the splits their loop and allocation domains come
+/// from, of `ceil(n / factor) * factor / n` (1 where every split divides its extent). An
+/// extent or factor not known under `b` counts as unbounded.
+fn loop_rounding(f: &Fusion, b: &Bindings) -> f64 {
+    use crate::ir::Transform;
+    let mut worst = 1.0f64;
+    let mut seen = rustc_hash::FxHashSet::default();
+    for tv in f.tvs.values() {
+        seen.clear();
+        let mut stack: Vec<_> = tv.loop_domain.iter().chain(tv.maybe_allocation()).copied().collect();
+        let mut factor = 1.0f64;
+        while let Some(id) = stack.pop() {
+            let Some(t) = f.ids[id].definition else { continue };
+            if !seen.insert(t) {
+                continue;
+            }
+            if let Transform::Split { input, factor: by, .. } = f.transforms[t] {
+                let (n, by) = match (b.eval(&f.scalars, f.ids[input].extent), b.eval(&f.scalars, by)) {
+                    (Ok(n), Ok(by)) if by > 0 => (n, by),
+                    _ => return f64::INFINITY,
+                };
+                if n > 0 && n % by != 0 {
+                    factor *= (n.div_euclid(by) + 1) as f64 * by as f64 / n as f64;
+                }
+            }
+            stack.extend(f.transforms[t].inputs());
+        }
+        worst = worst.max(factor);
+    }
+    worst
 }

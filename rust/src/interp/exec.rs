@@ -1888,7 +1888,7 @@ fn index_error(f: &Fusion, ctx: &Ctx, tv: TvId, table: TvId, extent: ValId, valu
     let n = ctx.value(extent).map(|v| v.as_i64()).unwrap_or(0);
     KilnError::value(format!(
         "gather: the index tensor {} holds {value} at element {element}; {} has {n} entries along the gathered axis (indices must be in [0, {n}))",
-        f.user_tv_name(tv),
+        f.index_name(tv),
         f.table_name(table)
     ))
 }

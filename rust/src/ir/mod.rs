@@ -659,6 +659,41 @@ impl Fusion {
         src
     }
 
+    /// How messages name a gather's index tensor: [`Fusion::user_tv_name`] of the tensor
+    /// it was copied from through ops that keep its elements in row-major order (a 0-d
+    /// index that `index_select` gave an axis of one, a squeeze), so that an element
+    /// position in the message is one of the tensor the user passed.
+    pub fn index_name(&self, tv: TvId) -> String {
+        let mut t = tv;
+        for _ in 0..self.tvs.len() {
+            let Some(d) = self.tvs[t].definition else {
+                match self.user_tv(t) {
+                    u if u != t => {
+                        t = u;
+                        continue;
+                    }
+                    _ => break,
+                }
+            };
+            let ex = &self.exprs[d];
+            let same_order = match &ex.op {
+                Op::Set | Op::Squeeze { .. } => true,
+                // New axes of one element each keep every element's row-major position.
+                Op::Broadcast { is_new } => self
+                    .no_reduction_logical(ex.output)
+                    .iter()
+                    .zip(is_new)
+                    .all(|(&id, &new)| !new || self.scalars.as_int(self.ids[id].extent) == Some(1)),
+                _ => false,
+            };
+            match ex.inputs.first().and_then(|o| o.tensor()).filter(|_| same_order) {
+                Some(x) => t = x,
+                None => break,
+            }
+        }
+        self.user_tv_name(t)
+    }
+
     /// [`Fusion::tv_name`] of [`Fusion::user_tv`]: what messages about user data print.
     pub fn user_tv_name(&self, tv: TvId) -> String {
         self.tv_name(self.user_tv(tv))

@@ -153,6 +153,38 @@ impl Fusion {
         self.no_reduction_logical(x).iter().map(|&id| self.ids[id].extent).collect()
     }
 
+    /// Requires `x`'s sizes to be `sizes` (what `op` was told `x`'s shape is, as nvFuser's
+    /// `reshape(x, original_shape, new_shape)` is): refused now where both are known, else
+    /// checked before a kernel runs.
+    /// A `None` size (-1) is not checked.
+    pub fn require_shape(&mut self, x: TvId, sizes: &[Option<ValId>], op: &str) -> Result<()> {
+        let ins = self.extents_of(x);
+        let told = sizes
+            .iter()
+            .map(|v| v.map_or_else(|| "-1".into(), |v| self.scalars.render(v)))
+            .collect::<Vec<_>>()
+            .join(", ");
+        if ins.len() != sizes.len() {
+            bail!("{op}: [{told}] has {} entries but {} has rank {}", sizes.len(), self.tv_name(x), ins.len());
+        }
+        for (axis, (&have, want)) in ins.iter().zip(sizes).enumerate() {
+            let Some(want) = *want else { continue };
+            match (self.scalars.as_int(have), self.scalars.as_int(want)) {
+                (Some(a), Some(b)) if a != b => bail!(
+                    "{op}: [{told}] gives axis {axis} of {} size {b}, but that axis has size {a}",
+                    self.tv_name(x)
+                ),
+                (Some(_), Some(_)) => {}
+                _ if have == want => {}
+                _ => {
+                    let what = format!("{op}: [{told}] must be the shape of {}, axis {axis} differs", self.tv_name(x));
+                    self.require_equal(have, want, what);
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// `x` with the same elements in row-major order and the shape `shape` (`None`: the
     /// one size inferred from the others).
     pub fn reshape(&mut self, x: TvId, shape: &[Option<ValId>]) -> Result<TvId> {

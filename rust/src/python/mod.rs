@@ -283,6 +283,16 @@ impl PyFusion {
         })
     }
 
+    /// Requires `x`'s sizes to be `sizes` (scalar ids; `None` is not checked), as `op` was told.
+    fn require_shape(&mut self, py: Python<'_>, x: u32, sizes: Vec<Option<u32>>, op: &str) -> PyResult<()> {
+        guarded(py, || {
+            let x = self.tv(x)?;
+            let sizes =
+                sizes.into_iter().map(|s| s.map(|v| self.val(v)).transpose()).collect::<crate::Result<Vec<_>>>()?;
+            self.inner.get_mut().require_shape(x, &sizes, op)
+        })
+    }
+
     /// `x[start:end:step]` per axis (scalar ids; an end of `None` is the size).
     fn slice(
         &mut self,
@@ -1269,7 +1279,7 @@ impl PyKernel {
         self.inner
             .gathers()
             .into_iter()
-            .map(|(site, ix, table)| PyGather { site, index: f.user_tv_name(ix), table: f.table_name(table) })
+            .map(|(site, ix, table)| PyGather { site, index: f.index_name(ix), table: f.table_name(table) })
             .collect()
     }
 

@@ -1318,7 +1318,8 @@ pub fn unify_mapped_extents(f: &mut Fusion) {
 }
 
 /// Give every computed rank-1 gather index of a higher-rank gather the output's rank, size
-/// one off the selected axis (the broadcast then sinks through its element-wise chain).
+/// one off the selected axis (the broadcast then sinks through its element-wise chain; a
+/// 0-d index is broadcast to size one everywhere).
 pub fn broadcast_computed_indices(f: &mut Fusion) -> Result<()> {
     for e in f.topo_exprs() {
         let Op::IndexSelect { dim } = f.exprs[e].op else { continue };
@@ -1327,7 +1328,18 @@ pub fn broadcast_computed_indices(f: &mut Fusion) -> Result<()> {
         if f.tvs[index].definition.is_none() || f.no_reduction_logical(index).len() != 1 || rank < 2 {
             continue;
         }
-        let b = f.broadcast(index, (0..rank).map(|a| a != dim).collect())?;
+        // A 0-d index that `index_select` gave its one axis is broadcast from the 0-d tensor
+        // itself: a broadcast of a broadcast does not sink, and would keep a rank-1 tensor
+        // in the output's kernel.
+        let scalar_source = f.tvs[index]
+            .definition
+            .filter(|&d| matches!(f.exprs[d].op, Op::Broadcast { .. }))
+            .and_then(|d| f.exprs[d].inputs[0].tensor())
+            .filter(|&s| f.no_reduction_logical(s).is_empty());
+        let b = match scalar_source {
+            Some(s) => f.broadcast(s, vec![true; rank])?,
+            None => f.broadcast(index, (0..rank).map(|a| a != dim).collect())?,
+        };
         f.note_stand_in(b, index);
         f.exprs[e].inputs[1] = Operand::Tensor(b);
         f.tvs[index].uses.retain(|&u| u != e);
