@@ -247,6 +247,7 @@ fn plan(mut g: Fusion, cx: &Ctx) -> Result<(HostProgram, Heuristic)> {
     }
     // Empty tensors: no schedule to tune; the kernels as written do the little there is.
     if crate::sched::auto::has_empty_tensor(&g, cx) {
+        crate::sched::auto::canonical::empty_outputs_to_full(&mut g, cx)?;
         crate::sched::auto::canonical::empty_reductions_to_identity(&mut g, cx)?;
         // Intermediates in Global memory: a Local array must have a constant size, and the
         // serial kernels have no other use for registers.
@@ -258,7 +259,21 @@ fn plan(mut g: Fusion, cx: &Ctx) -> Result<(HostProgram, Heuristic)> {
         // shared only between inputs with the same zero extents.
         let zeros = cx.extents.iter().enumerate().filter(|(_, &v)| v == 0).map(|(n, _)| (n as u32, 0)).collect();
         let h = Heuristic { params: Params::ZeroSize, specialized: zeros };
-        return Ok((crate::host::lower::lower_program(&g)?, h));
+        // Outputs with no elements in a kernel of their own, which never launches: in one
+        // with the others, a serial loop over a large axis of an empty output would still
+        // run its iterations ([2^40, 0, 3] next to a sum).
+        let order = g.topo_exprs();
+        let (none, some): (Vec<ExprId>, Vec<ExprId>) = order.iter().partition(|&&e| {
+            let o = g.exprs[e].output;
+            g.is_output(o)
+                && g.tvs[o].uses.is_empty()
+                && crate::sched::auto::tensor_sizes(&g, cx, o).is_ok_and(|s| s.contains(&0))
+        });
+        if none.is_empty() || some.is_empty() {
+            return Ok((crate::host::lower::lower_program(&g)?, h));
+        }
+        let segs = crate::host::segment::segments_from_groups(&g, &[some, none])?;
+        return Ok((lower_segments(&g, &segs, &mut |_, _| Ok(None))?, h));
     }
     let mut report = String::new();
     if g.segment_after.is_empty() {

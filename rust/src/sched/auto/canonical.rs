@@ -1377,6 +1377,32 @@ pub fn empty_reductions_to_identity(f: &mut Fusion, cx: &super::Ctx) -> Result<(
     Ok(())
 }
 
+/// Replace each output with no elements for the inputs at hand by a `full` of its shape:
+/// nothing need be computed for it, and what it was computed from (a broadcast's expanding
+/// mask, an intermediate of 2^40 elements) need not be allocated. In-place outputs keep
+/// their definition (their alias names them).
+pub fn empty_outputs_to_full(f: &mut Fusion, cx: &super::Ctx) -> Result<()> {
+    for o in f.outputs.clone() {
+        if f.tvs[o].definition.is_none() || f.aliases.iter().any(|&(out, _)| out == o) {
+            continue;
+        }
+        if !super::tensor_sizes(f, cx, o).is_ok_and(|s| s.contains(&0)) {
+            continue;
+        }
+        let shape: Vec<_> = f.no_reduction_logical(o).iter().map(|&id| f.ids[id].extent).collect();
+        let zero = f.scalars.int(0);
+        let filled = f.full(&shape, Operand::Scalar(zero), f.tvs[o].dtype)?;
+        if let Some(d) = f.tvs[o].definition {
+            for t in f.exprs[d].input_tvs() {
+                f.tvs[t].uses.retain(|&u| u != d);
+            }
+        }
+        replace_tensor(f, o, filled);
+    }
+    drop_dead_uses(f);
+    Ok(())
+}
+
 /// Make every reader of `old` read `new` instead (outputs and marks included).
 fn replace_tensor(f: &mut Fusion, old: TvId, new: TvId) {
     f.note_stand_in(new, old);

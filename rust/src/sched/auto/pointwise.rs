@@ -198,7 +198,27 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
     // One vector per thread for 4-byte types, two for 2-byte types when there are many
     // more vectors than the GPU runs at once (measured on the H200, 16384x4096: fp32 127.3 us
     // unrolled by 1, 129.7 by 2, 131.7 by 4; bf16 69.0 us by 2, 74.3 by 1).
-    let unroll = if v >= 8 && numel / (v * threads) >= 2 * cx.device.sm_count * 16 { 2 } else { 1 };
+    let mut unroll = if v >= 8 && numel / (v * threads) >= 2 * cx.device.sm_count * 16 { 2 } else { 1 };
+    // The loads of every vectorized tensor go out before the math that reads them, so each
+    // holds `v * unroll` elements in registers at once. Past about 192 registers of them the
+    // kernel spills (a sum of 64 fp32 inputs in 4-wide vectors holds 256; 48 inputs, 192,
+    // do not spill): a wide fusion gets narrower vectors instead.
+    let held_bytes: i64 = f
+        .inputs
+        .iter()
+        .filter_map(|o| o.tensor())
+        .filter(|&x| !f.tvs[x].uses.is_empty())
+        .chain(f.outputs.iter().copied())
+        .filter(|&x| vectorized(f, x))
+        .map(|x| f.tvs[x].dtype.size_bytes() as i64)
+        .sum();
+    while held_bytes * v * unroll / 4 > 192 && (unroll > 1 || v > 1) {
+        if unroll > 1 {
+            unroll = 1;
+        } else {
+            v /= 2;
+        }
+    }
 
     // Vectorized read caches for full-size inputs read element-wise (not through indices).
     let mut vec_tensors = Vec::new();
