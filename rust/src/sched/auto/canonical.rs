@@ -1386,7 +1386,7 @@ pub fn empty_outputs_to_full(f: &mut Fusion, cx: &super::Ctx) -> Result<()> {
         if f.tvs[o].definition.is_none() || f.aliases.iter().any(|&(out, _)| out == o) {
             continue;
         }
-        if !super::tensor_sizes(f, cx, o).is_ok_and(|s| s.contains(&0)) {
+        if !super::holds_nothing(f, cx, o) {
             continue;
         }
         let shape: Vec<_> = f.no_reduction_logical(o).iter().map(|&id| f.ids[id].extent).collect();

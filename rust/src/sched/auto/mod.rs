@@ -234,6 +234,17 @@ pub fn extent_values(f: &Fusion, inputs: &[Vec<i64>]) -> Result<Vec<i64>> {
     Ok(out)
 }
 
+/// True when `tv` holds no element for the inputs at hand (a reduction's reduced axes
+/// aside: a sum over an empty axis has its other axes' elements).
+pub fn holds_nothing(f: &Fusion, cx: &Ctx, tv: TvId) -> bool {
+    let env = |s: Symbol| match s {
+        Symbol::Extent(n) => cx.extents.get(n as usize).copied(),
+        Symbol::ScalarInput(n) => cx.scalars.get(n as usize).copied().flatten(),
+        _ => None,
+    };
+    f.no_reduction_logical(tv).iter().any(|&id| f.scalars.eval(f.ids[id].extent, &env).is_ok_and(|n| n == 0))
+}
+
 /// Concrete sizes of every logical axis of `tv` for the inputs at hand.
 pub fn tensor_sizes(f: &Fusion, cx: &Ctx, tv: TvId) -> Result<Vec<i64>> {
     let env = |s: Symbol| match s {
