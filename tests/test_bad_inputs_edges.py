@@ -144,15 +144,15 @@ def test_element_counts_past_2_to_31_choose_64_bit_offsets() -> None:
     assert not any(la.index32 for la in fd3.lower([]).plan([]).launches)
 
 
-def test_32_bit_offsets_follow_how_far_a_schedule_rounds_past_an_extent() -> None:
+def test_32_bit_offsets_leave_room_only_for_loops_that_round_up() -> None:
     # 2^30 elements whose splits divide every extent: no offset passes 2^30, so 32 bits.
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, -1])
         fd.add_output(fd.ops.exp(x))
     a = as_strided(np.zeros(1, np.float32), shape=(2**15, 2**15), strides=(0, 0))
     assert all(la.index32 for la in fd.lower([a]).plan([a]).launches)
-    # An axis of 5 split by 128 is looped over 128 positions before its predicate applies:
-    # a [5, 2^28] tensor's rows then reach 128 * 2^28 elements, past 32 bits.
+    # A split that does not divide its extent (5 rows by 128) loops past the tensor's end
+    # before its predicate applies: such a kernel keeps 32 bits only below 2^30 elements.
     rows = 5
 
     def manual(columns: int) -> FusionDefinition:

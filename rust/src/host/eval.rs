@@ -248,8 +248,8 @@ fn largest_tensor(f: &crate::ir::Fusion, b: &Bindings) -> i64 {
 }
 
 /// True when every element offset the kernel can form fits in 32 bits: tensor spans,
-/// buffers, sizes, every tensor's element count, and the linear thread index, each scaled
-/// by how far rounded-up loops reach past a tensor's end before predicates apply.
+/// buffers, sizes, every tensor's element count, and the linear thread index (see
+/// [`offsets_fit_int32`] for the room left to rounded-up loops).
 fn fits_int32(
     f: &crate::ir::Fusion,
     inputs: &[InputDesc],
@@ -276,42 +276,26 @@ fn fits_int32(
     offsets_fit_int32(span.max(largest_tensor(f, b)), f, b)
 }
 
-/// True when offsets up to `span` elements, scaled by `f`'s loop rounding under `b`, fit
-/// in 32 bits (with the headroom of a predicate's `index + 1`).
+/// True when offsets up to `span` elements fit in 32 bits: with room for loops that round
+/// up past a tensor's end before predicates apply (twice `span`), unless every split of
+/// `f` divides its extent under `b`, when no loop passes an end.
 fn offsets_fit_int32(span: i64, f: &Fusion, b: &Bindings) -> bool {
-    let reach = (span.max(1) as f64) * loop_rounding(f, b);
-    reach * (1.0 + 1e-9) + 2.0 < f64::from(i32::MAX)
+    let margin = if loops_round_up(f, b) { 2 } else { 1 };
+    span.max(1).saturating_mul(margin).saturating_add(2) < i64::from(i32::MAX)
 }
 
-/// How far a loop nest can index past a tensor's extents, as a factor of them: the largest
-/// over tensors of the product, over the splits their loop and allocation domains come
-/// from, of `ceil(n / factor) * factor / n` (1 where every split divides its extent). An
-/// extent or factor not known under `b` counts as unbounded.
-fn loop_rounding(f: &Fusion, b: &Bindings) -> f64 {
-    use crate::ir::Transform;
-    let mut worst = 1.0f64;
-    let mut seen = rustc_hash::FxHashSet::default();
-    for tv in f.tvs.values() {
-        seen.clear();
-        let mut stack: Vec<_> = tv.loop_domain.iter().chain(tv.maybe_allocation()).copied().collect();
-        let mut factor = 1.0f64;
-        while let Some(id) = stack.pop() {
-            let Some(t) = f.ids[id].definition else { continue };
-            if !seen.insert(t) {
-                continue;
-            }
-            if let Transform::Split { input, factor: by, .. } = f.transforms[t] {
-                let (n, by) = match (b.eval(&f.scalars, f.ids[input].extent), b.eval(&f.scalars, by)) {
-                    (Ok(n), Ok(by)) if by > 0 => (n, by),
-                    _ => return f64::INFINITY,
-                };
-                if n > 0 && n % by != 0 {
-                    factor *= (n.div_euclid(by) + 1) as f64 * by as f64 / n as f64;
-                }
-            }
-            stack.extend(f.transforms[t].inputs());
+/// True when some split of `f` (of an axis that advances an index: not a broadcast) does
+/// not divide its extent under `b`, or either is not known.
+fn loops_round_up(f: &Fusion, b: &Bindings) -> bool {
+    use crate::ir::{IterType, Transform};
+    f.transforms.values().any(|t| {
+        let Transform::Split { input, factor, .. } = *t else { return false };
+        if f.ids[input].iter_type == IterType::Broadcast {
+            return false;
         }
-        worst = worst.max(factor);
-    }
-    worst
+        match (b.eval(&f.scalars, f.ids[input].extent), b.eval(&f.scalars, factor)) {
+            (Ok(n), Ok(by)) => by <= 0 || n % by != 0,
+            _ => true,
+        }
+    })
 }
