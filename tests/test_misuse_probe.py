@@ -732,6 +732,17 @@ def test_reshape_with_a_wrong_original_shape() -> None:
     )
 
 
+def test_reshape_original_shape_is_checked_when_the_sizes_are_known_at_run_time() -> None:
+    a = rnd(3, 4)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        s = fd.define_scalar(dtype=D.Int)
+        fd.add_output(fd.ops.reshape(x, [s, -1], [12]))
+    close(fd.execute([a, 3])[0], f64(a).reshape(12))
+    expect(lambda: fd.execute([a, 4]), KilnError, tv(0), r"original_shape", r"axis 0")
+    expect(_def(lambda fd, x: fd.ops.reshape(x, [3, -2], [12])), KilnError, tv(0), r"original_shape", r"-2")
+
+
 @pytest.mark.parametrize("value", [np.float32(2.0), np.float64(2.0), np.int64(2), np.int32(2)])
 def test_define_scalar_takes_numpy_scalars(value: Any) -> None:
     """A NumPy scalar is a constant of its Python value (it was refused, naming no call)."""

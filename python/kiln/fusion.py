@@ -745,6 +745,10 @@ class Ops:
             raise KilnError(f"reshape: original_shape {list(original_shape)} has {len(original_shape)} "
                             f"entries but {x.name} has rank {x.ndim}")
         if original_shape is not None:
+            for s in original_shape:
+                if isinstance(s, int) and not isinstance(s, bool) and s < -1:
+                    raise KilnError(f"reshape: original_shape {list(original_shape)} has size {s}; "
+                                    f"expected {x.name}'s sizes (or -1 for any)")
             sizes = [None if isinstance(s, int) and not isinstance(s, bool) and s == -1
                      else self._index_value(s, "reshape: original_shape") for s in original_shape]
             fd._core.require_shape(fd._tensor(x, "reshape"), sizes, "reshape: original_shape")
