@@ -58,6 +58,8 @@ struct Ctx<'a> {
     concretized: RefCell<FxHashMap<TvId, bool>>,
     /// `reference_bounds` per (chain end, enclosing loops).
     bounds: RefCell<FxHashMap<(TvId, Vec<Enclosing>), ValId>>,
+    /// `chain_end` per tensor.
+    chain_ends: RefCell<FxHashMap<TvId, Option<TvId>>>,
 }
 
 /// Fill `AccessIndex` into every Expr and Init node of `body`.
@@ -88,6 +90,7 @@ pub fn run(
         indices: RefCell::default(),
         concretized: RefCell::default(),
         bounds: RefCell::default(),
+        chain_ends: RefCell::default(),
     };
     let mut stack = Vec::new();
     walk(f, &mut ctx, body, &mut stack)
@@ -339,23 +342,48 @@ fn and_new(sc: &mut crate::ir::Scalars, pred: ValId, extra: ValId) -> ValId {
 /// from the consumer's logical indices, which stay in range where the consumer's split
 /// loops overrun, so `tv` would be computed (or stored) at an aliasing element.
 fn reference_bounds(f: &mut Fusion, ctx: &Ctx, tv: TvId, stack: &[Enclosing]) -> Result<ValId> {
-    let mut t = tv;
-    for _ in 0..f.tvs.len() {
-        let Some((e, _)) = inlined_reference(f, ctx.lg, &ctx.partial, t) else { break };
-        let d = f.exprs[e].output;
-        if inlined_reference(f, ctx.lg, &ctx.partial, d).is_none() {
-            let key = (d, stack.to_vec());
-            if let Some(&v) = ctx.bounds.borrow().get(&key) {
-                return Ok(v);
-            }
-            let didx = consumer_indices(f, ctx, d, stack, true)?;
-            let v = split_bounds(f, d, &didx, false);
-            ctx.bounds.borrow_mut().insert(key, v);
-            return Ok(v);
-        }
-        t = d;
+    let Some(d) = chain_end(f, ctx, tv) else { return Ok(f.scalars.boolean(true)) };
+    let key = (d, stack.to_vec());
+    if let Some(&v) = ctx.bounds.borrow().get(&key) {
+        return Ok(v);
     }
-    Ok(f.scalars.boolean(true))
+    let didx = consumer_indices(f, ctx, d, stack, true)?;
+    let v = split_bounds(f, d, &didx, false);
+    ctx.bounds.borrow_mut().insert(key, v);
+    Ok(v)
+}
+
+/// The last consumer along `tv`'s chain of `inlined_reference`s (the first one that has no
+/// reference of its own), or `None` when `tv` has none. Each tensor walked remembers its
+/// answer, so a chain is walked once however many of its tensors ask.
+fn chain_end(f: &Fusion, ctx: &Ctx, tv: TvId) -> Option<TvId> {
+    let mut path = Vec::new();
+    let mut t = tv;
+    // The end for every tensor on `path`: the end of the tensor the walk stopped at, or
+    // that tensor itself where it has no reference.
+    let mut end = None;
+    for _ in 0..=f.tvs.len() {
+        if let Some(&hit) = ctx.chain_ends.borrow().get(&t) {
+            end = Some(hit.unwrap_or(t));
+            break;
+        }
+        match inlined_reference(f, ctx.lg, &ctx.partial, t) {
+            Some((e, _)) => {
+                path.push(t);
+                t = f.exprs[e].output;
+            }
+            None => {
+                ctx.chain_ends.borrow_mut().insert(t, None);
+                end = Some(t);
+                break;
+            }
+        }
+    }
+    let mut memo = ctx.chain_ends.borrow_mut();
+    for p in path {
+        memo.insert(p, end);
+    }
+    memo.get(&tv).copied().flatten()
 }
 
 /// The consumer that a fully inlined `tv` is indexed through: its loops are all shared

@@ -40,6 +40,7 @@ pub fn run(
     let mut allocations: FxHashMap<TvId, AllocationInfo> = FxHashMap::default();
     let mut summary = KernelSummary::default();
     let mut top: Vec<Node> = Vec::new();
+    let mut placed = placement::Insertions::new(body);
 
     // Inputs are read as given: their layout is their logical (or set) domain.
     for op in f.inputs.clone() {
@@ -135,7 +136,7 @@ pub fn run(
         }
         if !nodes.is_empty() {
             // Local allocations and every init sit at the allocation position in the nest.
-            placement::insert_before_expr(f, body, lg, tv, alloc_pos, e, nodes)?;
+            placed.before_expr(f, body, lg, tv, alloc_pos, e, nodes)?;
         }
         allocations.insert(tv, info);
     }
@@ -164,6 +165,7 @@ pub fn run(
             resets_to_zero: false,
         }));
     }
+    placed.apply(body);
     top.append(body);
     *body = top;
     Ok(AllocationResult { allocations, summary })
