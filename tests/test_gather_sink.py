@@ -188,3 +188,38 @@ def test_a_gather_of_a_broadcast_table_keeps_its_extent_and_check(op: str) -> No
         np.testing.assert_allclose(got.reshape(-1), np.full(7, np.tanh(0.3)), rtol=1e-6)
         with pytest.raises(KilnError, match="index"):
             fd.execute([s0, np.array([0, 1], np.int64)], as_written=as_written)
+
+
+def _nll_fixed_shapes(rows: int, vocab: int) -> FusionDefinition:
+    """Cross-entropy as a traced model writes it: `broadcast_in_dim` to fixed sizes (of
+    symbolic inputs), which makes the label index an expand that only names sizes."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], dtype=DataType.Half)
+        labels = fd.define_tensor([-1], dtype=DataType.Int)
+        xf = fd.ops.cast(x, DataType.Float)
+        lse = fd.ops.logsumexp(xf, [1])
+        logp = fd.ops.sub(xf, fd.ops.broadcast_in_dim(lse, [rows, vocab], [0]))
+        picked = fd.ops.take_along_axis(logp, fd.ops.broadcast_in_dim(labels, [rows, 1], [0]), 1)
+        nll = fd.ops.neg(fd.ops.squeeze(picked, [1]))
+        fd.add_output(fd.ops.mean(nll, [0]))
+        fd.add_output(nll)
+    return fd
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(9, 1000), (5, 33)])
+def test_fixed_broadcast_shapes_keep_the_gather_in_the_rows_kernel(rows: int, vocab: int) -> None:
+    from kiln.execute import lowered_for
+
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, vocab)).astype(np.float16)
+    labels = rng.integers(0, vocab, rows)
+    fd = _nll_fixed_shapes(rows, vocab)
+    xf = x.astype(np.float64)
+    nll = -(xf - _lse(xf))[np.arange(rows), labels]
+    mean, each = fd.execute([x, labels])
+    np.testing.assert_allclose(np.float64(mean), nll.mean(), rtol=1e-5)
+    np.testing.assert_allclose(each.astype(np.float64), nll, rtol=1e-5, atol=1e-6)
+    # One kernel, as with -1 sizes (the fixed ones made the label index a kernel of its own).
+    assert len(lowered_for(fd, [x, labels]).kernels) == 1
+    with pytest.raises(KilnError, match=r"input 1 \(T1\): axis 0 has size"):
+        fd.execute([x, labels[:-1]])

@@ -209,8 +209,12 @@ pub fn read_through_expands(f: &mut Fusion) -> Result<()> {
         }
         let bcast = |f: &Fusion, id| f.ids[id].iter_type == IterType::Broadcast;
         let expanded: Vec<usize> = (0..te.len()).filter(|&a| bcast(f, se[a]) && !bcast(f, te[a])).collect();
+        // An expand that gives no axis a new size only names sizes (a fixed 9 for an input
+        // size the input contract checks is 9): every reader, a gather's index too, reads the
+        // source. Kept, it is a computed tensor where its source is an input's broadcast.
+        let names_only = expanded.is_empty() && !f.is_output(t);
         for u in f.tvs[t].uses.clone() {
-            if !f.exprs[u].op.is_elementwise() || matches!(f.exprs[u].op, Op::Set) {
+            if !names_only && (!f.exprs[u].op.is_elementwise() || matches!(f.exprs[u].op, Op::Set)) {
                 continue;
             }
             let others: Vec<TvId> = f.exprs[u].inputs.iter().filter_map(|o| o.tensor()).filter(|&o| o != t).collect();
@@ -220,7 +224,7 @@ pub fn read_through_expands(f: &mut Fusion) -> Result<()> {
                     l.len() == te.len() && !bcast(f, l[a])
                 })
             });
-            if !sized {
+            if !sized && !names_only {
                 continue;
             }
             for o in f.exprs[u].inputs.iter_mut() {
