@@ -247,6 +247,47 @@ def _index(rng: np.random.Generator, n: int, shape: Tuple[int, ...]) -> np.ndarr
     return rng.integers(0, n, size=shape).astype(np.int64)
 
 
+# --- remaps broadcast into a larger tensor's loops ------------------------------------------
+
+
+def _positions_added() -> FusionDefinition:
+    """GPT-2's learned positions as `x + wpe[:S]`, the slice broadcast over the batch."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1])
+        wpe = fd.define_tensor([-1, -1])
+        pos = fd.ops.slice(wpe, [0, 0], [6, 5])
+        fd.add_output(fd.ops.add(x, fd.ops.broadcast_in_dim(pos, [-1, -1, -1], [1, 2])))
+    return fd
+
+
+def _padded_scale() -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1])
+        b = fd.define_tensor([-1, -1])
+        p = fd.ops.pad(fd.ops.exp(b), [1, 2], 0.5)
+        fd.add_output(fd.ops.mul(x, fd.ops.broadcast_in_dim(p, [-1, -1, -1], [1, 2])))
+    return fd
+
+
+def _cat_broadcast() -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        a = fd.define_tensor([-1])
+        b = fd.define_tensor([-1])
+        c = fd.ops.cat([a, fd.ops.neg(b)], 0)
+        fd.add_output(fd.ops.sub(x, fd.ops.broadcast_in_dim(c, [-1, -1], [1])))
+    return fd
+
+
+def _slice_broadcast_row_sum() -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        w = fd.define_tensor([-1])
+        ws = fd.ops.slice(w, [1], [8], [2])
+        fd.add_output(fd.ops.sum(fd.ops.mul(x, fd.ops.broadcast_in_dim(ws, [-1, -1], [1])), [1]))
+    return fd
+
+
 CASES: Dict[str, Case] = {
     "reshape_split_heads": (_reshape_split_heads, lambda r: [_f32(r, 2, 5, 12)],
                             lambda a: [(2 * _d(a[0])).reshape(2, 5, 3, 4).transpose(0, 2, 1, 3)], 1),
@@ -286,6 +327,15 @@ CASES: Dict[str, Case] = {
                             lambda r: [_f32(r, 2, 8, 4, 4), _f32(r, 8), _f32(r, 8)],
                             _group_norm_ref(2, np.float16), 1),
     "instance_norm_flat": (_instance_norm_flat, lambda r: [_f32(r, 2, 3, 5, 6)], _instance_norm_ref, 1),
+    "positions_added": (_positions_added, lambda r: [_f32(r, 3, 6, 5), _f32(r, 10, 7)],
+                        lambda a: [_d(a[0]) + _d(a[1])[:6, :5][None]], 1),
+    "padded_scale": (_padded_scale, lambda r: [_f32(r, 2, 4, 7), _f32(r, 4, 4)],
+                     lambda a: [_d(a[0]) * np.pad(np.exp(_d(a[1])), ((0, 0), (1, 2)),
+                                                  constant_values=0.5)[None]], 1),
+    "cat_broadcast": (_cat_broadcast, lambda r: [_f32(r, 5, 7), _f32(r, 3), _f32(r, 4)],
+                      lambda a: [_d(a[0]) - np.concatenate([_d(a[1]), -_d(a[2])])[None]], 1),
+    "slice_broadcast_row_sum": (_slice_broadcast_row_sum, lambda r: [_f32(r, 6, 4), _f32(r, 9)],
+                                lambda a: [(_d(a[0]) * _d(a[1])[1:8:2][None]).sum(1)], 1),
     "stepped_slice_reshape_of_reduction": (
         _stepped_slice_reshape_of_reduction, lambda r: [_f32(r, 5, 3, 1)],
         lambda a: [_d(a[0]).min(1, keepdims=True)[::2].reshape(1, -1, 1)], 2),

@@ -130,6 +130,29 @@ pub fn sink_broadcasts(f: &mut Fusion) -> Result<()> {
                 f.tvs[x].uses.retain(|&u| u != e);
                 continue 'again;
             }
+            // A slice, pad or reshape (a remap: positions of its input) is made at the
+            // broadcast's rank instead, reading the same positions: `x + wpe[:S]` broadcast
+            // over the batch reads `wpe` in the output's loops, where a rank-2 slice kept
+            // apart needed a kernel (and a Global copy) of its own.
+            if let Op::Remap { name, index, valid } = &op {
+                let Some(y) = f.exprs[d].inputs[0].tensor() else { continue };
+                let old = f.exprs[e].output;
+                let one = f.scalars.int(1);
+                let extents: Vec<_> = f
+                    .no_reduction_logical(old)
+                    .iter()
+                    .zip(&is_new)
+                    .map(|(&id, &n)| if n { one } else { f.ids[id].extent })
+                    .collect();
+                let kept: Vec<_> = (0..is_new.len()).filter(|&a| !is_new[a]).collect();
+                let at: Vec<_> = kept.iter().map(|&a| f.scalars.symbol(crate::ir::Symbol::OutAxis(a as u32))).collect();
+                let index: Vec<_> = index.iter().map(|&v| f.compose(v, &at)).collect();
+                let valid = valid.map(|v| f.compose(v, &at));
+                let moved = f.remap(y, name, &extents, index, valid)?;
+                replace_tensor(f, old, moved);
+                f.tvs[x].uses.retain(|&u| u != e);
+                continue 'again;
+            }
             if !op.is_elementwise() {
                 continue;
             }
