@@ -288,6 +288,22 @@ def _slice_broadcast_row_sum() -> FusionDefinition:
     return fd
 
 
+def _qkv_split() -> FusionDefinition:
+    """A fused QKV projection split into q, k, v heads: reshape, permute, then a squeezed
+    slice per output."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1])
+        p = fd.ops.permute(fd.ops.reshape(x, [2, 3, 3, 2, 4]), [2, 0, 3, 1, 4])
+        for k in range(3):
+            fd.add_output(fd.ops.squeeze(fd.ops.slice(p, [k, 0, 0, 0, 0], [k + 1, 2, 2, 3, 4]), [0]))
+    return fd
+
+
+def _qkv_ref(a: List[np.ndarray]) -> List[np.ndarray]:
+    p = _d(a[0]).reshape(2, 3, 3, 2, 4).transpose(2, 0, 3, 1, 4)
+    return [p[0], p[1], p[2]]
+
+
 CASES: Dict[str, Case] = {
     "reshape_split_heads": (_reshape_split_heads, lambda r: [_f32(r, 2, 5, 12)],
                             lambda a: [(2 * _d(a[0])).reshape(2, 5, 3, 4).transpose(0, 2, 1, 3)], 1),
@@ -336,6 +352,7 @@ CASES: Dict[str, Case] = {
                       lambda a: [_d(a[0]) - np.concatenate([_d(a[1]), -_d(a[2])])[None]], 1),
     "slice_broadcast_row_sum": (_slice_broadcast_row_sum, lambda r: [_f32(r, 6, 4), _f32(r, 9)],
                                 lambda a: [(_d(a[0]) * _d(a[1])[1:8:2][None]).sum(1)], 1),
+    "qkv_split": (_qkv_split, lambda r: [_f32(r, 2, 3, 24)], _qkv_ref, 1),
     "stepped_slice_reshape_of_reduction": (
         _stepped_slice_reshape_of_reduction, lambda r: [_f32(r, 5, 3, 1)],
         lambda a: [_d(a[0]).min(1, keepdims=True)[::2].reshape(1, -1, 1)], 2),

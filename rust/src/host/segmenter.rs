@@ -121,6 +121,7 @@ pub fn auto_program_strided(
     crate::sched::auto::canonical::sink_gathers(&mut g)?;
     crate::sched::auto::canonical::reduce_broadcast_axes(&mut g)?;
     crate::sched::auto::canonical::squeeze_broadcasts(&mut g)?;
+    crate::sched::auto::canonical::squeeze_remaps(&mut g)?;
     // Rows longer than a block keeps on chip (sizes unknown here: not long).
     let long_row = |g: &Fusion, e: ExprId| {
         let out = g.exprs[e].output;

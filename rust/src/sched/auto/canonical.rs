@@ -902,6 +902,54 @@ pub fn squeeze_broadcasts(f: &mut Fusion) -> Result<()> {
     Ok(())
 }
 
+/// A squeeze of a remap (slice, reshape, pad) is the remap at the squeezed rank, its removed
+/// axes at position 0: `squeeze(slice(permute(reshape(qkv))), [0])` reads `qkv` in its
+/// output's loops, where the rank-5 slice was a kernel (and a Global copy) of its own.
+pub fn squeeze_remaps(f: &mut Fusion) -> Result<()> {
+    let mut changed = false;
+    for e in f.topo_exprs() {
+        let Op::Squeeze { removed } = f.exprs[e].op.clone() else { continue };
+        let Some(r) = f.exprs[e].inputs[0].tensor() else { continue };
+        let Some(d) = f.tvs[r].definition else { continue };
+        let Op::Remap { name, index, valid } = f.exprs[d].op.clone() else { continue };
+        let Some(y) = f.exprs[d].inputs[0].tensor() else { continue };
+        let out = f.exprs[e].output;
+        let rl = f.no_reduction_logical(r);
+        if f.tvs[y].dtype != f.tvs[out].dtype || removed.len() != rl.len() {
+            continue;
+        }
+        // Only axes known to be one: a computed size that must be one is checked by the
+        // squeeze's kernel (`lower::size_constraints`), which this would remove.
+        if removed.iter().zip(&rl).any(|(&gone, &id)| gone && f.scalars.as_int(f.ids[id].extent) != Some(1)) {
+            continue;
+        }
+        let zero = f.scalars.int(0);
+        let mut next = 0u32;
+        let at: Vec<ValId> = removed
+            .iter()
+            .map(|&gone| {
+                if gone {
+                    zero
+                } else {
+                    next += 1;
+                    f.scalars.symbol(crate::ir::Symbol::OutAxis(next - 1))
+                }
+            })
+            .collect();
+        let index: Vec<_> = index.iter().map(|&v| f.compose(v, &at)).collect();
+        let valid = valid.map(|v| f.compose(v, &at));
+        let extents: Vec<_> = f.no_reduction_logical(out).iter().map(|&id| f.ids[id].extent).collect();
+        let moved = f.remap(y, name, &extents, index, valid)?;
+        replace_tensor(f, out, moved);
+        f.tvs[r].uses.retain(|&u| u != e);
+        changed = true;
+    }
+    if changed {
+        drop_dead_uses(f);
+    }
+    Ok(())
+}
+
 /// The longest row, in bytes of its reduction's input, that one block keeps on chip, where a
 /// running maximum costs more arithmetic than the second reduction it saves. Longer rows
 /// are split over a cluster's blocks (`shared::cluster_size`: bf16 beyond 32k columns, whose
