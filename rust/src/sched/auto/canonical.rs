@@ -61,7 +61,15 @@
 //!   from that operand (the input contract still checks it is `B`) and reads the broadcast
 //!   instead: otherwise a row schedule that merges `B` with `S` of size one runs the
 //!   expand's `[B, 1]` rows in the loop of `x`'s `[B, S]` rows, which are the same rows
-//!   only while `S` is one, and refuses.
+//!   only while `S` is one, and refuses. An expand that gives no axis a new size (fixed
+//!   sizes of symbolic axes, as traced models write `broadcast_in_dim(labels, [B, 1], [0])`)
+//!   only names sizes: every reader reads its source, a gather's index too.
+//! - **Remaps take their reader's rank.** A broadcast of a slice, pad, cat or reshape is the
+//!   remap at the broadcast's rank (`x + wpe[:S]` over the batch), and a squeeze of one is
+//!   the remap at the squeezed rank (a QKV split into heads): the remap reads its input in
+//!   the output's loops, where a lower-rank remap kept apart was a kernel of its own.
+//! - **Empty outputs are fills** (`empty_outputs_to_full`): nothing computes them, so what
+//!   they were computed from is neither allocated nor looped over.
 //! - **Mapped extents share one symbol.** Axes the definition aligns (a running mean `[C]`
 //!   added to a statistic over x's `C` axis) have sizes the input contract checks equal at
 //!   run time (`host::bind`); giving them one extent symbol lets their loops be one loop.
