@@ -115,20 +115,11 @@ pub fn sink_broadcasts(f: &mut Fusion) -> Result<()> {
             // new axes keep: every element keeps its value.
             if op.is_source() {
                 let old = f.exprs[e].output;
-                let one = f.scalars.int(1);
-                let extents: Vec<_> = f
-                    .no_reduction_logical(old)
-                    .iter()
-                    .zip(&is_new)
-                    .map(|(&id, &n)| if n { one } else { f.ids[id].extent })
-                    .collect();
+                let extents = broadcast_extents(f, old, &is_new);
                 let moved = match op {
                     Op::Full { value } => f.full(&extents, Operand::Scalar(value), f.tvs[x].dtype)?,
                     Op::Mask { valid } => {
-                        // Source axis k is output axis kept[k].
-                        let kept: Vec<_> = (0..is_new.len()).filter(|&a| !is_new[a]).collect();
-                        let at: Vec<_> =
-                            kept.iter().map(|&a| f.scalars.symbol(crate::ir::Symbol::OutAxis(a as u32))).collect();
+                        let at = kept_positions(f, &is_new);
                         let v = f.compose(valid, &at);
                         f.mask(&extents, v)?
                     }
@@ -145,15 +136,8 @@ pub fn sink_broadcasts(f: &mut Fusion) -> Result<()> {
             if let Op::Remap { name, index, valid } = &op {
                 let Some(y) = f.exprs[d].inputs[0].tensor() else { continue };
                 let old = f.exprs[e].output;
-                let one = f.scalars.int(1);
-                let extents: Vec<_> = f
-                    .no_reduction_logical(old)
-                    .iter()
-                    .zip(&is_new)
-                    .map(|(&id, &n)| if n { one } else { f.ids[id].extent })
-                    .collect();
-                let kept: Vec<_> = (0..is_new.len()).filter(|&a| !is_new[a]).collect();
-                let at: Vec<_> = kept.iter().map(|&a| f.scalars.symbol(crate::ir::Symbol::OutAxis(a as u32))).collect();
+                let extents = broadcast_extents(f, old, &is_new);
+                let at = kept_positions(f, &is_new);
                 let index: Vec<_> = index.iter().map(|&v| f.compose(v, &at)).collect();
                 let valid = valid.map(|v| f.compose(v, &at));
                 let moved = f.remap(y, name, &extents, index, valid)?;
@@ -188,6 +172,19 @@ pub fn sink_broadcasts(f: &mut Fusion) -> Result<()> {
         }
         return Ok(());
     }
+}
+
+/// The extents of broadcast output `old` with its new axes at size one: the shape a source
+/// or remap takes when it is made at the broadcast's rank.
+fn broadcast_extents(f: &mut Fusion, old: TvId, is_new: &[bool]) -> Vec<ValId> {
+    let one = f.scalars.int(1);
+    f.no_reduction_logical(old).iter().zip(is_new).map(|(&id, &n)| if n { one } else { f.ids[id].extent }).collect()
+}
+
+/// The output positions of a broadcast's kept axes: source axis k is output axis kept[k],
+/// for composing the source's position expressions at the broadcast's rank.
+fn kept_positions(f: &mut Fusion, is_new: &[bool]) -> Vec<ValId> {
+    (0..is_new.len()).filter(|&a| !is_new[a]).map(|a| f.scalars.symbol(crate::ir::Symbol::OutAxis(a as u32))).collect()
 }
 
 /// True when `x` is a value of a whole tensor computed from totals (rank 0, downstream of

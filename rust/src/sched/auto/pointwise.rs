@@ -171,16 +171,17 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
         let indexed = f.tvs[x].uses.iter().any(|&e| f.exprs[e].indexed_tensor() == Some(x));
         full_size(f, x, rank) && !indexed && (!f.is_input(x) || super::dense(f, x))
     };
-    let widest = f
+    // Element sizes of the tensors read or written with vectors.
+    let vector_bytes: Vec<i64> = f
         .inputs
         .iter()
         .filter_map(|o| o.tensor())
         .filter(|&x| !f.tvs[x].uses.is_empty())
         .chain(f.outputs.iter().copied())
         .filter(|&x| vectorized(f, x))
-        .map(|x| f.tvs[x].dtype.size_bytes())
-        .max()
-        .unwrap_or(4) as i64;
+        .map(|x| f.tvs[x].dtype.size_bytes() as i64)
+        .collect();
+    let widest = vector_bytes.iter().copied().max().unwrap_or(4);
     let mut v = (16 / widest).clamp(1, 8);
     // Across a permute the flat order is not the memory order of the tensors before it: a
     // vector must stay within one row of the kept last axis.
@@ -203,15 +204,7 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
     // holds `v * unroll` elements in registers at once. Past about 192 registers of them the
     // kernel spills (a sum of 64 fp32 inputs in 4-wide vectors holds 256; 48 inputs, 192,
     // do not spill): a wide fusion gets narrower vectors instead.
-    let held_bytes: i64 = f
-        .inputs
-        .iter()
-        .filter_map(|o| o.tensor())
-        .filter(|&x| !f.tvs[x].uses.is_empty())
-        .chain(f.outputs.iter().copied())
-        .filter(|&x| vectorized(f, x))
-        .map(|x| f.tvs[x].dtype.size_bytes() as i64)
-        .sum();
+    let held_bytes: i64 = vector_bytes.iter().sum();
     while held_bytes * v * unroll / 4 > 192 && (unroll > 1 || v > 1) {
         if unroll > 1 {
             unroll = 1;
