@@ -15,11 +15,12 @@ log-softmax and cross-entropy over 32000 and 128256 vocabularies, a [B, S, H] ->
 permute with SiLU, BERT's residual + LayerNorm, a pre-LN residual + LayerNorm with two
 outputs, Gemma's RMSNorm, BERT and GPT-2 attention softmaxes, BatchNorm2d in training,
 AdamW and SGD-momentum steps and gradient-norm clipping over 64M parameters, GPT-2's
-embedding + positions, Megatron's [S, B, H] -> [B, S, H] + bias + residual, ReLU backward
-with the bias gradient and LayerNorm backward. The kiln side reuses ``tests/families.py``
-where a family exists (an unscheduled ``FusionDefinition``, an input maker, a float64
-reference, the minimum traffic) and defines the rest here in the same form; every fusion is
-left unscheduled, so kiln's automatic schedulers pick the schedule. Each peer is the torch
+embedding + positions (also of a [B, S] batch as ATen writes it), Megatron's [S, B, H] ->
+[B, S, H] + bias + residual, ReLU backward with the bias gradient and LayerNorm backward.
+The kiln side reuses ``tests/families.py`` where a family exists (an unscheduled
+``FusionDefinition``, an input maker, a float64 reference, the minimum traffic) and defines
+the rest here in the same form; every fusion is left unscheduled, so kiln's automatic
+schedulers pick the schedule. Each peer is the torch
 code the model runs, written the way the model's code writes it (HF transformers,
 ``torch.nn.functional``, ``torch.optim``'s single-tensor steps, which update their state in
 place, and the ATen backward that autograd calls), eager and under
@@ -478,6 +479,13 @@ def peer_gpt2_embedding(ins: Sequence[Any]) -> Peer:
     return embed, list(ins)
 
 
+def peer_gpt2_embedding_batched(ins: Sequence[Any]) -> Peer:
+    """GPT2Model's embeddings of a [B, S] batch: ``wte(input_ids) + wpe(position_ids)``."""
+    def embed(wte: Any, input_ids: Any, wpe: Any, position_ids: Any) -> Any:
+        return F.embedding(input_ids, wte) + F.embedding(position_ids, wpe)
+    return embed, list(ins)
+
+
 def peer_megatron(ins: Sequence[Any]) -> Peer:
     """Megatron's bias-dropout-add (inference, no dropout) with the [S, B, H] sublayer output
     brought to the batch-first residual: ``residual + (x.transpose(0, 1) + bias)``."""
@@ -645,6 +653,9 @@ WORKLOADS: List[Workload] = [
              (31, 97), peer_grad_norm_clip, mutates=(0,), fix=fix_grad_norm_clip),
     Workload("gpt2_embedding", "GPT-2 embeddings", fams.embedding_plus_positions, (16384, 50257, 768),
              (4096, 50257, 768), (13, 100, 97), peer_gpt2_embedding, fix=fix_token_ids),
+    Workload("gpt2_embedding_batched", "GPT-2 embeddings [B, S] (ATen)", fams.gpt2_embedding_batched,
+             (16, 1024, 50257, 768), (4, 1024, 50257, 768), (2, 13, 100, 97), peer_gpt2_embedding_batched,
+             fix=fix_token_ids),
     Workload("megatron_sbh_to_bsh", "Megatron bias-add-residual", fams.megatron_sbh_to_bsh_bias_residual,
              (4096, 8, 4096), (1024, 8, 4096), (33, 3, 65), peer_megatron),
     Workload("relu_backward_bias_grad", "MLP backward", relu_backward_bias_grad, (16384, 4096),

@@ -1281,6 +1281,39 @@ def embedding_plus_positions(sizes: Sizes) -> Family:
                   min_bytes=traffic)
 
 
+@family(((1, 1, 1, 1), (2, 3, 11, 5), (3, 7, 50, 33), (2, 64, 100, 97)),
+        ((1, 1, 1, 1), (2, 5, 11, 7), (4, 512, 50257, 768), (8, 1024, 50257, 768)), (16, 1024, 50257, 768))
+def gpt2_embedding_batched(sizes: Sizes) -> Family:
+    """GPT2Model's embeddings of a [B, S] batch as ATen writes them:
+    ``index_select(wte, ids.reshape(-1), 0).view(B, S, H) + wpe[position_ids]`` (the
+    traced sizes as constants, the position rows gathered and broadcast over the batch);
+    sizes (B, S, V, H)."""
+    b, s, _, h = sizes
+    with FusionDefinition() as fd:
+        wte = _tensor(fd, 2)
+        ids = _tensor(fd, 2, DataType.Int)
+        wpe = _tensor(fd, 2)
+        pos = _tensor(fd, 1, DataType.Int)
+        tokens = fd.ops.reshape(fd.ops.index_select(wte, fd.ops.reshape(ids, [-1]), 0), [b, s, h])
+        positions = fd.ops.broadcast_in_dim(fd.ops.index_select(wpe, pos, 0), [b, s, h], [1, 2])
+        fd.add_output(fd.ops.add(tokens, positions))
+
+    def make(sizes: Sizes, seed: int = 0) -> List[Any]:
+        b, s, v, h = sizes
+        rng = _rng("gpt2_embedding_batched", sizes, seed)
+        return [_randn(rng, (v, h)), rng.integers(0, v, size=(b, s)).astype(np.int64),
+                _randn(rng, (s + 5, h), scale=0.1), np.arange(s, dtype=np.int64)]
+
+    def ref(wte: np.ndarray, ids: np.ndarray, wpe: np.ndarray, pos: np.ndarray) -> List[np.ndarray]:
+        return [wte[ids] + wpe[pos][None]]
+
+    def traffic(ins: Sequence[Any], outs: Sequence[Any]) -> int:
+        # The ids, the gathered token rows and position rows, the output.
+        pos_rows = _nbytes(outs[0]) // max(1, ins[1].shape[0])
+        return _nbytes(ins[1]) + _nbytes(ins[3]) + 2 * _nbytes(outs[0]) + pos_rows
+    return Family("gpt2_embedding_batched", sizes, fd, make, ref, rtol=1e-6, atol=1e-7, min_bytes=traffic)
+
+
 @family(((1, 1, 1), (7, 11, 5), (100, 13, 97), (3, 1000, 3), (64, 50, 1031)),
         ((1, 1, 1), (7, 11, 5), (4096, 30522, 768), (8192, 30522, 1024)), (16384, 30522, 1024))
 def bert_embeddings(sizes: Sizes) -> Family:

@@ -224,3 +224,24 @@ def test_sibling_tiles_of_one_loop_are_fused(spec: Any):
     for k, kernel in enumerate(low.kernels):
         repeated = _repeated_tile(kernel.cuda_source_for(False))
         assert not repeated, f"{spec.name} kernel {k}: two unswitched tiles of {repeated[:120]}"
+
+
+@pytest.mark.parametrize("shape", [[3, 1], [-1, 1], [2, 1, 5]])
+def test_statistics_over_a_static_size_one_axis_stay_in_one_kernel(shape: List[int]) -> None:
+    """A keepdim max or sum over an axis declared with size one is the element itself (a
+    squeeze), broadcast straight back: the squeezed tensor is read as it is, in one kernel
+    with the rest (two softmaxes over the size-one axis took 8 kernels)."""
+    from kiln.execute import lowered_for
+
+    with FusionDefinition() as fd:
+        t = fd.define_tensor(shape)
+        p = t
+        for _ in range(2):
+            e = fd.ops.exp(fd.ops.sub(p, fd.ops.max(p, dims=[1], keepdim=True)))
+            p = fd.ops.div(e, fd.ops.sum(e, dims=[1], keepdim=True))
+        fd.add_output(fd.ops.mul(p, t))
+    sizes = [4 if n == -1 else n for n in shape]
+    x = np.random.default_rng(11).standard_normal(sizes).astype(np.float32)
+    (got,) = fd.execute([x])
+    np.testing.assert_allclose(got, x.astype(np.float64), rtol=1e-6)
+    assert len(lowered_for(fd, [x]).kernels) == 1

@@ -415,6 +415,33 @@ def test_runtime_pad_widths() -> None:
         np.testing.assert_array_equal(got, np.pad(x, (w, 1), constant_values=2.0))
 
 
+def test_size_arithmetic_stays_a_scalar() -> None:
+    """A sequence padded to a multiple of 8 as models compute it from its size, `(8 - s % 8)
+    % 8` (remainder with Python's sign), and the sizes `neg`, `abs` and `fmod` give: Scalars
+    usable in shapes, one definition for every size."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        d = fd.define_scalar(dtype=DataType.Int)
+        s = fd.ops.size(x, 1)
+        pad = fd.ops.remainder(fd.ops.sub(8, fd.ops.remainder(s, 8)), 8)
+        fd.add_output(fd.ops.pad(x, [0, pad], 0.0))
+        # `remainder` of a negative runtime scalar takes the divisor's sign; `fmod` truncates.
+        fd.add_output(fd.ops.iota(fd.ops.remainder(d, 5), 0, 1, DataType.Int))
+        fd.add_output(fd.ops.iota(fd.ops.add(fd.ops.fmod(d, 5), 5), 0, 1, DataType.Int))
+        fd.add_output(fd.ops.iota(fd.ops.abs(d), 0, 1, DataType.Int))
+        fd.add_output(fd.ops.full([fd.ops.add(fd.ops.neg(s), 20)], 1.5, DataType.Float))
+    rng = np.random.default_rng(6)
+    for cols, dv in [(5, -7), (8, 3), (13, -12), (16, 9)]:
+        xv = _f32(rng, 3, cols)
+        got = fd.execute([xv, dv])
+        pad = (8 - cols % 8) % 8
+        want = [np.pad(xv, ((0, 0), (0, pad))), np.arange(dv % 5), np.arange(int(np.fmod(dv, 5)) + 5),
+                np.arange(abs(dv)), np.full(20 - cols, 1.5)]
+        assert [g.shape for g in got] == [w.shape for w in want]
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+
+
 def test_half_and_bool_keep_their_dtype() -> None:
     with FusionDefinition() as fd:
         h = fd.define_tensor([-1], DataType.Half)

@@ -66,7 +66,7 @@ class Fusion:
     def triu(self, x: int, diagonal: int) -> int:
         """The upper triangle of the last two axes."""
     def take_along_axis(self, x: int, index: int, dim: int) -> int:
-        """`x` read along `dim` at the positions of `index`, which has `x`'s rank."""
+        """`x` read along `dim` at `index`'s positions; `index` has `x`'s rank (size-one axes broadcast)."""
     def full(self, shape: List[int], value: Operand, dtype: str) -> int:
         """A filled tensor; `shape` holds scalar ids of the extents."""
     def iota(self, length: int, start: Operand, step: Operand, dtype: str) -> int:

@@ -798,7 +798,8 @@ class Ops:
 
     def take_along_axis(self, x: Tensor, index: Tensor, dim: int) -> Tensor:
         """``out[..., i, ...] = x[..., index[..., i, ...], ...]`` along ``dim``; ``index`` has
-        ``x``'s rank and, off ``dim``, its sizes (or size one) (nvFuser's take_along_axis)."""
+        ``x``'s rank and, off ``dim``, its sizes, or either has size one where the other does
+        not and the output takes the other's size (NumPy's take_along_axis)."""
         fd = self._fd
         return Tensor(fd, fd._core.take_along_axis(fd._tensor(x, "take_along_axis"),
                                                    fd._tensor(index, "take_along_axis"),

@@ -110,6 +110,16 @@ pub fn auto_program_strided(
             .collect();
         crate::host::bind::specialize_layout(&mut g, &descs);
     }
+    let pinned = crate::sched::auto::canonical::concretize_reshapes(&mut g, &cx)?;
+    let (program, mut h) = plan_canonical(g, &cx)?;
+    h.specialized.extend(pinned);
+    Ok((program, h))
+}
+
+/// [`auto_program_strided`] from the specialized fusion `g`: the canonical rewrites, then
+/// the plans with and without the rewrites for long rows and column partials.
+fn plan_canonical(mut g: Fusion, cx: &Ctx) -> Result<(HostProgram, Heuristic)> {
+    let cx = cx.clone();
     crate::sched::auto::canonical::expand_small_powers(&mut g)?;
     crate::sched::auto::canonical::read_through_expands(&mut g)?;
     crate::sched::auto::canonical::hoist_output_reshapes(&mut g)?;
@@ -458,6 +468,7 @@ fn finish_canonical(g: &mut Fusion, long_row: &dyn Fn(&Fusion, ExprId) -> bool) 
     crate::sched::auto::canonical::sink_remaps(g)?;
     crate::sched::auto::canonical::broadcast_computed_indices(g)?;
     crate::sched::auto::canonical::sink_broadcasts(g)?;
+    crate::sched::auto::canonical::view_gather_tables(g);
     crate::sched::auto::canonical::unify_mapped_extents(g);
     Ok(())
 }

@@ -548,6 +548,20 @@ impl Fusion {
         if let Some(v) = self.fold(|sc, vals| fold_unary(op, sc, vals[0]), &[x]) {
             return Ok(Operand::Scalar(v));
         }
+        if let Operand::Scalar(v) = x {
+            // Shape arithmetic on Int scalars stays a scalar (`-size`, `abs(a - b)`).
+            if self.scalars.dtype(v, &self.scalar_input_dtypes) == DataType::Int {
+                let zero = self.scalars.int(0);
+                match op {
+                    UnaryOp::Neg => return Ok(Operand::Scalar(self.scalars.binary(ScalarOp::Sub, zero, v))),
+                    UnaryOp::Abs => {
+                        let neg = self.scalars.binary(ScalarOp::Sub, zero, v);
+                        return Ok(Operand::Scalar(self.scalars.binary(ScalarOp::Max, v, neg)));
+                    }
+                    _ => {}
+                }
+            }
+        }
         Ok(Operand::Tensor(self.unary(op, x)?))
     }
 
@@ -568,10 +582,19 @@ impl Fusion {
                 BinaryOp::Div => Some(ScalarOp::Div),
                 BinaryOp::Maximum => Some(ScalarOp::Max),
                 BinaryOp::Minimum => Some(ScalarOp::Min),
+                // Truncating, as `fmod` of integers.
+                BinaryOp::Fmod => Some(ScalarOp::Mod),
                 _ => None,
             };
             if let (true, Some(sop)) = (ints, index_op) {
                 return Ok(Operand::Scalar(self.scalars.binary(sop, x, y)));
+            }
+            if ints && op == BinaryOp::Remainder {
+                // The sign of `y`, as Python's `%`: `((x % y) + y) % y` of truncating
+                // remainders (the padding `(8 - s % 8) % 8` a model computes from a size).
+                let r = self.scalars.binary(ScalarOp::Mod, x, y);
+                let r = self.scalars.binary(ScalarOp::Add, r, y);
+                return Ok(Operand::Scalar(self.scalars.binary(ScalarOp::Mod, r, y)));
             }
         }
         Ok(Operand::Tensor(self.binary(op, a, b)?))
@@ -908,7 +931,8 @@ impl Fusion {
     }
 
     /// `out[..., i, ...] = x[..., index[..., i, ...], ...]` along `dim`: `index` has `x`'s
-    /// rank and, off `dim`, `x`'s sizes or size one (nvFuser's take_along_axis).
+    /// rank and, off `dim`, `x`'s sizes, or either has size one (broadcast) where the other
+    /// does not and the output takes the other's size (NumPy's take_along_axis).
     pub fn take_along_axis(&mut self, x: TvId, index: TvId, dim: i64) -> Result<TvId> {
         let inp = self.no_reduction_logical(x);
         let idx = self.no_reduction_logical(index);
@@ -928,7 +952,9 @@ impl Fusion {
         let d = self.normalize_dims("take_along_axis", x, &[dim], inp.len())?[0];
         for (a, (&i, &t)) in idx.iter().zip(&inp).enumerate() {
             let (ie, te) = (self.ids[i].extent, self.ids[t].extent);
-            if a == d || self.ids[i].iter_type == IterType::Broadcast {
+            // Either side may be broadcast (size one) off `dim`: the output takes the other's
+            // size there, as NumPy's take_along_axis broadcasts.
+            if a == d || self.ids[i].iter_type == IterType::Broadcast || self.ids[t].iter_type == IterType::Broadcast {
                 continue;
             }
             if let (Some(u), Some(v)) = (self.scalars.as_int(ie), self.scalars.as_int(te)) {
@@ -949,9 +975,19 @@ impl Fusion {
         let idx = self.no_reduction_logical(index);
         let dim = self.normalize_dims(what, x, &[dim], inp.len())?[0];
         let sel = if idx.len() == 1 { idx[0] } else { idx[dim] };
+        let full_rank_index = idx.len() == inp.len();
+        let bcast = |f: &Self, id: IterDomainId| f.ids[id].iter_type == IterType::Broadcast;
         let mut logical = Vec::with_capacity(inp.len());
         for (axis, &id) in inp.iter().enumerate() {
-            let src = if axis == dim { self.ids[sel].clone() } else { self.ids[id].clone() };
+            let src = if axis == dim {
+                self.ids[sel].clone()
+            } else if full_rank_index && bcast(self, id) && !bcast(self, idx[axis]) {
+                // A table broadcast along an axis the index is not: the output varies with the
+                // index there (an embedding's rows gathered for a [B, S] batch of ids).
+                self.ids[idx[axis]].clone()
+            } else {
+                self.ids[id].clone()
+            };
             logical.push(self.new_id(src.extent, src.iter_type));
         }
         let dt = self.tvs[x].dtype;

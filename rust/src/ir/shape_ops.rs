@@ -149,7 +149,8 @@ impl Fusion {
     }
 
     /// Extents of `x`'s axes (without reduced ones).
-    fn extents_of(&self, x: TvId) -> Vec<ValId> {
+    /// The sizes of `x`'s axes (reduced axes left out).
+    pub(crate) fn extents_of(&self, x: TvId) -> Vec<ValId> {
         self.no_reduction_logical(x).iter().map(|&id| self.ids[id].extent).collect()
     }
 
@@ -267,11 +268,14 @@ impl Fusion {
     /// Input positions of a row-major reshape from `ins` to `outs`. Runs of axes whose
     /// sizes multiply to the same value are mapped run by run (a kept axis is its own
     /// position, a split axis `o1 * D + o2`), so most reshapes need no division at all.
+    /// Runs are matched from both ends; what is left between them is one run, whose sizes
+    /// multiply to the same value because the whole reshape's do (a symbolic `[5, n, 6]` to
+    /// `[5, 3, 4, 6]` reads `o1 * 4 + o2` along `n` and `o3` along the 6).
     pub(crate) fn reshape_index(&mut self, ins: &[ValId], outs: &[ValId]) -> Vec<ValId> {
+        let runs = self.reshape_runs(ins, outs);
         let mut index: Vec<ValId> = Vec::with_capacity(ins.len());
         let (mut i, mut j) = (0usize, 0usize);
-        while i < ins.len() || j < outs.len() {
-            let (a, b) = self.next_run(ins, outs, i, j);
+        for (a, b) in runs {
             // Row-major position within the run of output axes, then its digits in the
             // run of input axes.
             let mut lin = self.scalars.int(0);
@@ -297,6 +301,26 @@ impl Fusion {
         index
     }
 
+    /// The runs of [`Fusion::reshape_index`], in order: (input axes, output axes) of each.
+    pub(crate) fn reshape_runs(&mut self, ins: &[ValId], outs: &[ValId]) -> Vec<(usize, usize)> {
+        let (mut i, mut j) = (0usize, 0usize);
+        let mut front: Vec<(usize, usize)> = Vec::new();
+        while i < ins.len() || j < outs.len() {
+            let Some((a, b)) = self.next_run(ins, outs, (i, ins.len()), (j, outs.len()), false) else { break };
+            front.push((a, b));
+            (i, j) = (i + a, j + b);
+        }
+        let (mut ie, mut je) = (ins.len(), outs.len());
+        let mut back: Vec<(usize, usize)> = Vec::new();
+        while ie > i || je > j {
+            let Some((a, b)) = self.next_run(ins, outs, (i, ie), (j, je), true) else { break };
+            back.push((a, b));
+            (ie, je) = (ie - a, je - b);
+        }
+        let middle = (ie > i || je > j).then_some((ie - i, je - j));
+        front.into_iter().chain(middle).chain(back.into_iter().rev()).collect()
+    }
+
     /// `v` where it is at least one, else one: a divisor of position arithmetic. An extent
     /// is zero only in an empty tensor, where nothing is read, and a zero divisor would
     /// fault the index arithmetic of lanes that read nothing.
@@ -308,26 +332,35 @@ impl Fusion {
         self.scalars.max(v, one)
     }
 
-    /// The shortest run of `a` input axes from `i` and `b` output axes from `j` whose
-    /// sizes have equal products (every remaining axis when none is found).
-    fn next_run(&mut self, ins: &[ValId], outs: &[ValId], i: usize, j: usize) -> (usize, usize) {
-        let (ra, rb) = (ins.len() - i, outs.len() - j);
-        for total in 1..=ra + rb {
+    /// The shortest run of `a` input axes and `b` output axes at the start of the ranges
+    /// `ins[i.0..i.1]` and `outs[j.0..j.1]` (at their end with `from_end`) whose sizes have
+    /// equal products; None when there is none short of the whole ranges.
+    fn next_run(
+        &mut self,
+        ins: &[ValId],
+        outs: &[ValId],
+        i: (usize, usize),
+        j: (usize, usize),
+        from_end: bool,
+    ) -> Option<(usize, usize)> {
+        let (ra, rb) = (i.1 - i.0, j.1 - j.0);
+        for total in 1..ra + rb {
             for a in 0..=total.min(ra) {
                 let b = total - a;
                 if b > rb {
                     continue;
                 }
-                let p = self.scalars.product(ins[i..i + a].iter().copied());
-                let q = self.scalars.product(outs[j..j + b].iter().copied());
+                let (si, sj) = if from_end { (i.1 - a, j.1 - b) } else { (i.0, j.0) };
+                let p = self.scalars.product(ins[si..si + a].iter().copied());
+                let q = self.scalars.product(outs[sj..sj + b].iter().copied());
                 let equal =
                     p == q || matches!((self.scalars.as_int(p), self.scalars.as_int(q)), (Some(x), Some(y)) if x == y);
                 if equal {
-                    return (a, b);
+                    return Some((a, b));
                 }
             }
         }
-        (ra, rb)
+        None
     }
 
     /// `x[start:end:step]` on every axis; `end` past the size is clamped to it (`None`:
@@ -578,6 +611,24 @@ mod tests {
         let z = f.reshape(y, &[Some(b), Some(s), Some(m)]).unwrap();
         assert_eq!(positions(&f, z).0, ["o0", "o1", "o2"]);
         assert_eq!(f.exprs[f.tvs[z].definition.unwrap()].inputs[0], Operand::Tensor(x));
+    }
+
+    #[test]
+    fn reshape_matches_runs_from_both_ends() {
+        let mut f = Fusion::new();
+        let x = f.define_tensor(&[5, -1, 6], DataType::Float, None).unwrap();
+        let sizes: Vec<_> = [5, 3, 4, 6].iter().map(|&n| Some(f.scalars.int(n))).collect();
+        let y = f.reshape(x, &sizes).unwrap();
+        // The runtime size in the middle is the run between the matched ends.
+        assert_eq!(positions(&f, y).0, ["o0", "o1 * 4 + o2", "o3"]);
+        // Ends that only the sizes at hand match leave one run, divided.
+        let x = f.define_tensor(&[-1, -1], DataType::Float, None).unwrap();
+        let sizes: Vec<_> = [3, 7, 33].iter().map(|&n| Some(f.scalars.int(n))).collect();
+        let y = f.reshape(x, &sizes).unwrap();
+        assert_eq!(
+            positions(&f, y).0,
+            ["((o0 * 7 + o1) * 33 + o2) / max(i2, 1)", "((o0 * 7 + o1) * 33 + o2) % max(i2, 1)"]
+        );
     }
 
     #[test]

@@ -345,7 +345,7 @@ impl PyFusion {
         })
     }
 
-    /// `x` read along `dim` at the positions of `index`, which has `x`'s rank.
+    /// `x` read along `dim` at `index`'s positions; `index` has `x`'s rank (size-one axes broadcast).
     fn take_along_axis(&mut self, py: Python<'_>, x: u32, index: u32, dim: i64) -> PyResult<u32> {
         guarded(py, || {
             let (x, i) = (self.tv(x)?, self.tv(index)?);

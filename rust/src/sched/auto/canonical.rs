@@ -68,6 +68,16 @@
 //!   remap at the broadcast's rank (`x + wpe[:S]` over the batch), and a squeeze of one is
 //!   the remap at the squeezed rank (a QKV split into heads): the remap reads its input in
 //!   the output's loops, where a lower-rank remap kept apart was a kernel of its own.
+//! - **Gathers take their reader's rank.** A broadcast of a gather from an input table
+//!   (`x + wpe[pos]` over the batch, `x * w[labels][:, None]`) is the gather of the table
+//!   broadcast the same way, with the index at the new rank (size one off the gathered
+//!   axis); a reshape that splits the gathered axis (ATen's embedding,
+//!   `index_select(w, ids.reshape(-1), 0).view(B, S, H)`) is the gather at the reshape's
+//!   rank, its index reshaped, the table broadcast along the new axes before the gathered
+//!   one (whose sizes the output takes from the index, as NumPy's take_along_axis
+//!   broadcasts). The broadcast table is the input's buffer at another shape
+//!   (`view_gather_tables`): the rows are gathered in the output's loops instead of stored
+//!   whole by a kernel of their own first.
 //! - **Empty outputs are fills** (`empty_outputs_to_full`): nothing computes them, so what
 //!   they were computed from is neither allocated nor looped over.
 //! - **Mapped extents share one symbol.** Axes the definition aligns (a running mean `[C]`
@@ -96,7 +106,7 @@ use crate::error::Result;
 use crate::ir::mapping::logical_pairs;
 use crate::ir::scalar::Val;
 use crate::ir::{
-    BinaryOp, DataType, ExprId, Fusion, IterType, Op, Operand, ReductionOp, TvId, UnaryOp, ValId, LSE_FLOOR,
+    BinaryOp, DataType, ExprId, Fusion, IterType, Op, Operand, ReductionOp, Symbol, TvId, UnaryOp, ValId, LSE_FLOOR,
 };
 
 /// Rewrite `f` (unscheduled) into canonical form; semantics are unchanged.
@@ -141,6 +151,52 @@ pub fn sink_broadcasts(f: &mut Fusion) -> Result<()> {
                 let index: Vec<_> = index.iter().map(|&v| f.compose(v, &at)).collect();
                 let valid = valid.map(|v| f.compose(v, &at));
                 let moved = f.remap(y, name, &extents, index, valid)?;
+                replace_tensor(f, old, moved);
+                f.tvs[x].uses.retain(|&u| u != e);
+                continue 'again;
+            }
+            // A broadcast that puts back exactly the size-one axes a squeeze removed is the
+            // squeezed tensor (a keepdim max or sum over a static size-one axis, which
+            // `reduce_broadcast_axes` made a squeeze): left as it is, a rank-lower tensor
+            // between two full-rank ones is a kernel of its own.
+            if let Op::Squeeze { removed } = &op {
+                let Some(y) = f.exprs[d].inputs[0].tensor() else { continue };
+                let yl = f.no_reduction_logical(y);
+                let size_one = |a: usize| f.ids[yl[a]].iter_type == IterType::Broadcast;
+                if *removed == is_new && yl.len() == removed.len() && (0..yl.len()).all(|a| !removed[a] || size_one(a))
+                {
+                    let old = f.exprs[e].output;
+                    replace_tensor(f, old, y);
+                    f.tvs[x].uses.retain(|&u| u != e);
+                    continue 'again;
+                }
+                continue;
+            }
+            // A gather from an input's table is made at the broadcast's rank: the table
+            // broadcast the same way (read as a view of the input, `view_gather_tables`)
+            // and the index at the new rank, size one off the gathered axis. `x +
+            // wpe[pos]` over the batch, or `x * w[labels][:, None]`, then gather in the
+            // output's loops, where the gathered rows were a kernel (and a Global copy)
+            // of their own.
+            if let Op::IndexSelect { dim } = op {
+                let (Some(t), Some(idx)) = (f.exprs[d].inputs[0].tensor(), f.exprs[d].inputs[1].tensor()) else {
+                    continue;
+                };
+                if !viewable_input(f, t) {
+                    continue;
+                }
+                let old = f.exprs[e].output;
+                let Some(at) = (0..is_new.len()).filter(|&a| !is_new[a]).nth(dim) else { continue };
+                let table = f.broadcast(t, is_new.clone())?;
+                f.note_stand_in(table, t);
+                let rank_one_index = f.no_reduction_logical(idx).len() == 1;
+                let index = if rank_one_index {
+                    f.broadcast(idx, (0..is_new.len()).map(|a| a != at).collect())?
+                } else {
+                    f.broadcast(idx, is_new.clone())?
+                };
+                f.note_stand_in(index, idx);
+                let moved = f.take_along_axis(table, index, at as i64)?;
                 replace_tensor(f, old, moved);
                 f.tvs[x].uses.retain(|&u| u != e);
                 continue 'again;
@@ -361,6 +417,10 @@ pub fn sink_remaps(f: &mut Fusion) -> Result<()> {
                     let at = f.compose(m, &index);
                     f.mask(&extents, at)?
                 }
+                Op::IndexSelect { dim } => match reshaped_gather(f, e, d, dim, &index, &extents)? {
+                    Some(t) => t,
+                    None => continue,
+                },
                 _ => continue,
             };
             replace_tensor(f, out, moved);
@@ -369,6 +429,144 @@ pub fn sink_remaps(f: &mut Fusion) -> Result<()> {
         }
         return Ok(());
     }
+}
+
+/// `reshape(gather(t, idx, dim))`, remap `e` of gather `d`, where the reshape splits the
+/// gathered axis into k axes and keeps every other axis, as one gather at the reshape's
+/// rank from an input table `t`: the index reshaped to the k axes (size one elsewhere, or
+/// read at the reshape's positions where it has the gather's rank) and the table broadcast
+/// along the first k - 1 of them, whose sizes the output then takes from the index. ATen's
+/// embedding, `index_select(w, ids.reshape(-1), 0).view(B, S, H)`, is then one gather in the
+/// output's loops instead of a gather stored whole for a reshape to read. None where the
+/// reshape is anything else or the table is not an input read as a view.
+fn reshaped_gather(
+    f: &mut Fusion,
+    e: ExprId,
+    d: ExprId,
+    dim: usize,
+    index: &[ValId],
+    extents: &[ValId],
+) -> Result<Option<TvId>> {
+    let (Some(t), Some(idx)) = (f.exprs[d].inputs[0].tensor(), f.exprs[d].inputs[1].tensor()) else {
+        return Ok(None);
+    };
+    let (r, r2) = (index.len(), extents.len());
+    if !viewable_input(f, t) || r2 < r || !pure_reshape(f, e) {
+        return Ok(None);
+    }
+    let k = r2 - r + 1;
+    let split = dim..dim + k;
+    // The reshape's output axis of each kept gather axis.
+    let kept = |j: usize| if j < dim { j } else { j + k - 1 };
+    let gathered = f.extents_of(f.exprs[d].output);
+    for j in (0..r).filter(|&j| j != dim) {
+        // (An axis of size one on both sides is read at 0, whichever run it fell in.)
+        let ones = [gathered[j], extents[kept(j)], index[j]].map(|v| f.scalars.as_int(v));
+        if index[j] != f.scalars.symbol(Symbol::OutAxis(kept(j) as u32)) && ones != [Some(1), Some(1), Some(0)] {
+            return Ok(None);
+        }
+    }
+    let others: FxHashSet<Symbol> = (0..r2).filter(|a| !split.contains(a)).map(|a| Symbol::OutAxis(a as u32)).collect();
+    if crate::lower::predicate::mentions(&f.scalars, index[dim], &others) {
+        return Ok(None);
+    }
+    let one = f.scalars.int(1);
+    let il = f.no_reduction_logical(idx);
+    let (ext, at): (Vec<ValId>, Vec<ValId>) = if il.len() == 1 {
+        ((0..r2).map(|a| if split.contains(&a) { extents[a] } else { one }).collect(), vec![index[dim]])
+    } else {
+        let bcast: Vec<bool> = il.iter().map(|&id| f.ids[id].iter_type == IterType::Broadcast).collect();
+        if bcast[dim] {
+            return Ok(None);
+        }
+        // The gather axis each output axis comes from.
+        let source = |a: usize| {
+            if a < dim {
+                a
+            } else if a < dim + k {
+                dim
+            } else {
+                a + 1 - k
+            }
+        };
+        (
+            (0..r2).map(|a| if bcast[source(a)] { one } else { extents[a] }).collect(),
+            broadcast_axes_at_zero(f, idx, index),
+        )
+    };
+    let new_index = f.remap(idx, "reshape", &ext, at, None)?;
+    f.note_stand_in(new_index, idx);
+    let last = dim + k - 1;
+    let table = f.broadcast(t, (0..r2).map(|a| a >= dim && a < last).collect())?;
+    f.note_stand_in(table, t);
+    Ok(Some(f.take_along_axis(table, new_index, last as i64)?))
+}
+
+/// Give a reshape to fixed sizes the input sizes at hand where only they resolve its runs
+/// of axes (fewer positions divided out of a run's): `[n, h]` viewed as `[3, 7, 33]` matches no run by its symbols (`h` may or may
+/// not be 33), so every position is divided out of the row-major one, and a gather or a
+/// vector load read through it stays a kernel of its own. With the sizes of this call as
+/// constants (`n` 21, `h` 33) the runs are `[21] -> [3, 7]` and `[33] -> [33]`. Returns the
+/// pinned extents for the plan's key: other sizes plan again (with fixed output sizes the
+/// input sizes rarely change). Reshapes whose runs the symbols resolve keep them.
+pub fn concretize_reshapes(f: &mut Fusion, cx: &super::Ctx) -> Result<Vec<(u32, i64)>> {
+    let mut pinned: Vec<(u32, i64)> = Vec::new();
+    let mut reshapes: Vec<ExprId> = Vec::new();
+    for e in f.topo_exprs() {
+        if matches!(f.exprs[e].op, Op::Remap { name: "reshape", valid: None, .. }) && pure_reshape(f, e) {
+            reshapes.push(e);
+        }
+    }
+    for &e in &reshapes {
+        let Some(x) = f.exprs[e].inputs[0].tensor() else { continue };
+        let out = f.exprs[e].output;
+        let (ins, outs) = (f.extents_of(x), f.extents_of(out));
+        let fixed = |f: &Fusion, v: &[ValId]| v.iter().filter(|&&e| f.scalars.as_int(e).is_some()).count();
+        // Only where the user fixed some of the new sizes: a reshape of runtime sizes to
+        // runtime sizes keeps one plan for every size.
+        if fixed(f, &outs) == 0 || fixed(f, &ins) == ins.len() {
+            continue;
+        }
+        let at_hand = |f: &mut Fusion, t: TvId| -> Result<Vec<ValId>> {
+            Ok(super::tensor_sizes(f, cx, t)?.into_iter().map(|v| f.scalars.int(v)).collect())
+        };
+        let (vi, vo) = (at_hand(f, x)?, at_hand(f, out)?);
+        // Input axes whose positions are divided out of a run's (a run of one input axis
+        // reads it as the run's row-major position, with no division).
+        let divided = |runs: Vec<(usize, usize)>| runs.iter().filter(|r| r.0 >= 2).map(|r| r.0).sum::<usize>();
+        if divided(f.reshape_runs(&vi, &vo)) >= divided(f.reshape_runs(&ins, &outs)) {
+            continue;
+        }
+        let mut syms = FxHashSet::default();
+        for &v in ins.iter().chain(&outs) {
+            crate::lower::predicate::symbols(&f.scalars, v, &mut syms);
+        }
+        let mut key: Vec<(u32, i64)> = syms
+            .into_iter()
+            .filter_map(|s| match s {
+                Symbol::Extent(n) => cx.extents.get(n as usize).map(|&v| (n, v)),
+                _ => None,
+            })
+            .collect();
+        key.sort_unstable();
+        f.specialize_extents(&key);
+        pinned.extend(key);
+    }
+    if pinned.is_empty() {
+        return Ok(pinned);
+    }
+    // Every reshape's positions from its sizes as they are now (pinned constants included),
+    // so that each is still recognised as a plain reshape, and the runs the constants
+    // resolve are used.
+    for &e in &reshapes {
+        let Some(x) = f.exprs[e].inputs[0].tensor() else { continue };
+        let (ins, outs) = (f.extents_of(x), f.extents_of(f.exprs[e].output));
+        let index = f.reshape_index(&ins, &outs);
+        f.exprs[e].op = Op::Remap { name: "reshape", index, valid: None };
+    }
+    pinned.sort_unstable();
+    pinned.dedup();
+    Ok(pinned)
 }
 
 /// Read a row-major reshape of a fusion input as a view of the input's buffer
@@ -382,28 +580,59 @@ pub fn view_input_reshapes(f: &mut Fusion) {
     for e in f.topo_exprs() {
         let Some(x) = f.exprs[e].inputs.first().and_then(|o| o.tensor()) else { continue };
         let out = f.exprs[e].output;
-        let t = &f.tvs[x];
-        let row_major = t.allocation.is_none()
-            && t.declared_contiguity
-            && t.logical.iter().zip(&t.contiguity).all(|(&id, c)| match f.ids[id].iter_type {
-                IterType::Broadcast => f.scalars.as_int(f.ids[id].extent) == Some(1),
-                IterType::Reduction => true,
-                _ => *c == Some(true),
-            });
-        if !row_major
-            || !f.is_input(x)
-            || f.is_output(out)
-            || f.aliases.iter().any(|&(_, i)| i == x)
-            || !pure_reshape(f, e)
-            || !same_element_count(f, x, out)
-        {
+        if !viewable_input(f, x) || f.is_output(out) || !pure_reshape(f, e) || !same_element_count(f, x, out) {
             continue;
         }
-        f.tvs[x].uses.retain(|&u| u != e);
-        let o = &mut f.tvs[out];
-        o.definition = None;
-        o.memory = crate::ir::MemoryType::Global;
-        f.input_views.push((out, x));
+        make_view(f, e, x);
+    }
+}
+
+/// True when `x` is a fusion input bound row-major that no output aliases: a row-major
+/// reshape of it (a broadcast's new size-one axes included) is its buffer at another shape.
+fn viewable_input(f: &Fusion, x: TvId) -> bool {
+    let t = &f.tvs[x];
+    let row_major = t.allocation.is_none()
+        && t.declared_contiguity
+        && t.logical.iter().zip(&t.contiguity).all(|(&id, c)| match f.ids[id].iter_type {
+            IterType::Broadcast => f.scalars.as_int(f.ids[id].extent) == Some(1),
+            IterType::Reduction => true,
+            _ => *c == Some(true),
+        });
+    row_major && f.is_input(x) && !f.aliases.iter().any(|&(_, i)| i == x)
+}
+
+/// Make the output of `e` (which reads input `x` at another shape, row-major) a view of
+/// `x`'s buffer (`Fusion::input_views`).
+fn make_view(f: &mut Fusion, e: ExprId, x: TvId) {
+    let out = f.exprs[e].output;
+    f.tvs[x].uses.retain(|&u| u != e);
+    let o = &mut f.tvs[out];
+    o.definition = None;
+    o.memory = crate::ir::MemoryType::Global;
+    f.input_views.push((out, x));
+}
+
+/// A gather whose table is a broadcast of an input (made by `sink_broadcasts` and
+/// `sink_remaps` moving a broadcast or reshape of the gather's result to its table) reads
+/// the input's buffer at the broadcast's shape: its new axes have size one, so the
+/// row-major buffer is the same. Kept a computed tensor, the table would be stored whole in
+/// a kernel of its own before the gather could read it.
+pub fn view_gather_tables(f: &mut Fusion) {
+    for e in f.topo_exprs() {
+        if !matches!(f.exprs[e].op, Op::IndexSelect { .. }) {
+            continue;
+        }
+        let Some(table) = f.exprs[e].inputs[0].tensor() else { continue };
+        let Some(d) = f.tvs[table].definition.filter(|&d| matches!(f.exprs[d].op, Op::Broadcast { .. })) else {
+            continue;
+        };
+        let Some(x) = f.exprs[d].inputs[0].tensor() else { continue };
+        let only_tables = f.tvs[table].uses.iter().all(|&u| {
+            matches!(f.exprs[u].op, Op::IndexSelect { .. }) && f.exprs[u].inputs[0] == Operand::Tensor(table)
+        });
+        if only_tables && !f.is_output(table) && viewable_input(f, x) {
+            make_view(f, d, x);
+        }
     }
 }
 
