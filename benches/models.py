@@ -15,8 +15,9 @@ log-softmax and cross-entropy over 32000 and 128256 vocabularies, a [B, S, H] ->
 permute with SiLU, BERT's residual + LayerNorm, a pre-LN residual + LayerNorm with two
 outputs, Gemma's RMSNorm, BERT and GPT-2 attention softmaxes, BatchNorm2d in training,
 AdamW and SGD-momentum steps and gradient-norm clipping over 64M parameters, GPT-2's
-embedding + positions (also of a [B, S] batch as ATen writes it), Megatron's [S, B, H] ->
-[B, S, H] + bias + residual, ReLU backward with the bias gradient and LayerNorm backward.
+embedding + positions (also of a [B, S] batch as ATen writes it), timm's LayerNorm2d,
+Megatron's [S, B, H] -> [B, S, H] + bias + residual, ReLU backward with the bias gradient and
+LayerNorm backward.
 The kiln side reuses ``tests/families.py`` where a family exists (an unscheduled
 ``FusionDefinition``, an input maker, a float64 reference, the minimum traffic) and defines
 the rest here in the same form; every fusion is left unscheduled, so kiln's automatic
@@ -486,6 +487,15 @@ def peer_gpt2_embedding_batched(ins: Sequence[Any]) -> Peer:
     return embed, list(ins)
 
 
+def peer_layernorm2d(ins: Sequence[Any]) -> Peer:
+    """timm's LayerNorm2d: a LayerNorm over the channels of NCHW through two permutes."""
+    def layernorm2d(x: Any, w: Any, b: Any) -> Any:
+        x = x.permute(0, 2, 3, 1)
+        x = F.layer_norm(x, (x.shape[-1],), w, b, 1e-6)
+        return x.permute(0, 3, 1, 2)
+    return layernorm2d, list(ins)
+
+
 def peer_megatron(ins: Sequence[Any]) -> Peer:
     """Megatron's bias-dropout-add (inference, no dropout) with the [S, B, H] sublayer output
     brought to the batch-first residual: ``residual + (x.transpose(0, 1) + bias)``."""
@@ -656,6 +666,8 @@ WORKLOADS: List[Workload] = [
     Workload("gpt2_embedding_batched", "GPT-2 embeddings [B, S] (ATen)", fams.gpt2_embedding_batched,
              (16, 1024, 50257, 768), (4, 1024, 50257, 768), (2, 13, 100, 97), peer_gpt2_embedding_batched,
              fix=fix_token_ids),
+    Workload("layernorm2d_timm", "ConvNeXt LayerNorm2d", fams.layernorm2d_permuted, (32, 128, 56, 56),
+             (8, 128, 56, 56), (2, 8, 5, 7), peer_layernorm2d),
     Workload("megatron_sbh_to_bsh", "Megatron bias-add-residual", fams.megatron_sbh_to_bsh_bias_residual,
              (4096, 8, 4096), (1024, 8, 4096), (33, 3, 65), peer_megatron),
     Workload("relu_backward_bias_grad", "MLP backward", relu_backward_bias_grad, (16384, 4096),

@@ -1074,6 +1074,35 @@ def layernorm_last_two_axes_keepdim(sizes: Sizes) -> Family:
                   _rows_inputs("layernorm_last_two_axes_keepdim", 1.0), ref, rtol=1e-4, atol=1e-4)
 
 
+@family(((1, 1, 1, 1), (2, 8, 5, 7), (2, 96, 7, 9), (1, 3, 1, 33)),
+        ((1, 1, 1, 1), (2, 8, 5, 7), (8, 96, 56, 56), (32, 192, 28, 28)), (32, 128, 56, 56))
+def layernorm2d_permuted(sizes: Sizes) -> Family:
+    """timm's LayerNorm2d (ConvNeXt, channels-first): ``F.layer_norm(x.permute(0, 2, 3, 1),
+    (C,), w, b, 1e-6).permute(0, 3, 1, 2)`` on NCHW, the statistics in float as
+    ``var_mean``; sizes (N, C, H, W)."""
+    with FusionDefinition() as fd:
+        x = _tensor(fd, 4)
+        w, b = _tensor(fd, 1), _tensor(fd, 1)
+        xp = fd.ops.permute(x, [0, 2, 3, 1])
+        var, mean = fd.ops.var_mean(xp, [3], correction=0)
+        y = fd.ops.mul(fd.ops.sub(xp, fd.ops.broadcast_in_dim(mean, [-1] * 4, [0, 1, 2])),
+                       fd.ops.broadcast_in_dim(fd.ops.rsqrt(fd.ops.add(var, 1e-6)), [-1] * 4, [0, 1, 2]))
+        y = fd.ops.add(fd.ops.mul(y, fd.ops.broadcast_in_dim(w, [-1] * 4, [3])),
+                       fd.ops.broadcast_in_dim(b, [-1] * 4, [3]))
+        fd.add_output(fd.ops.permute(y, [0, 3, 1, 2]))
+
+    def make(sizes: Sizes, seed: int = 0) -> List[Any]:
+        rng = _rng("layernorm2d_permuted", sizes, seed)
+        c = sizes[1]
+        return [_randn(rng, sizes, shift=0.5), _randn(rng, (c,), shift=1.0), _randn(rng, (c,))]
+
+    def ref(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> List[np.ndarray]:
+        mu = x.mean(axis=1, keepdims=True)
+        y = (x - mu) / np.sqrt(x.var(axis=1, keepdims=True) + 1e-6)
+        return [y * w[:, None, None] + b[:, None, None]]
+    return Family("layernorm2d_permuted", sizes, fd, make, ref, rtol=1e-4, atol=1e-4)
+
+
 # ============================================================================ optimizers
 OPT_CPU: Tuple[Sizes, ...] = ((1, 1), (7, 3), (5, 13), (1000, 3), (3, 4099))
 OPT_GPU: Tuple[Sizes, ...] = ((1, 1), (7, 3), (4099, 13), (4096, 4096), (1, 10_000_019))

@@ -245,3 +245,25 @@ def test_statistics_over_a_static_size_one_axis_stay_in_one_kernel(shape: List[i
     (got,) = fd.execute([x])
     np.testing.assert_allclose(got, x.astype(np.float64), rtol=1e-6)
     assert len(lowered_for(fd, [x]).kernels) == 1
+
+
+def test_a_broadcast_of_a_broadcast_is_one_broadcast() -> None:
+    """Mamba's discretisation: ``delta = softplus(dt + dt_bias)`` over [B, L, D] (the bias
+    broadcast), then ``exp(delta[..., None] * A)`` over [B, L, D, N]. The two broadcasts of
+    the bias compose into one, so no rank-3 tensor is left between it and the output."""
+    from kiln.execute import lowered_for
+
+    rng = np.random.default_rng(12)
+    with FusionDefinition() as fd:
+        dt, dtb, a = fd.define_tensor([-1] * 3), fd.define_tensor([-1]), fd.define_tensor([-1] * 2)
+        u = fd.ops.add(dt, fd.ops.broadcast_in_dim(dtb, [-1] * 3, [2]))
+        delta = fd.ops.where(fd.ops.gt(u, 20.0), u, fd.ops.log1p(fd.ops.exp(u)))
+        d4 = fd.ops.broadcast_in_dim(delta, [-1] * 4, [0, 1, 2])
+        fd.add_output(fd.ops.exp(fd.ops.mul(d4, fd.ops.broadcast_in_dim(a, [-1] * 4, [2, 3]))))
+    ins = [rng.standard_normal((2, 5, 6)).astype(np.float32) * 10, rng.standard_normal(6).astype(np.float32),
+           -np.exp(rng.standard_normal((6, 4))).astype(np.float32)]
+    u0 = ins[0].astype(np.float64) + ins[1]
+    delta0 = np.where(u0 > 20, u0, np.log1p(np.exp(u0)))
+    (got,) = fd.execute(ins)
+    np.testing.assert_allclose(got, np.exp(delta0[..., None] * ins[2]), rtol=1e-5, atol=1e-6)
+    assert len(lowered_for(fd, ins).kernels) == 1

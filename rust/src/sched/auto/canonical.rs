@@ -68,6 +68,13 @@
 //!   remap at the broadcast's rank (`x + wpe[:S]` over the batch), and a squeeze of one is
 //!   the remap at the squeezed rank (a QKV split into heads): the remap reads its input in
 //!   the output's loops, where a lower-rank remap kept apart was a kernel of its own.
+//! - **Permuted regions closed by the inverse permute drop both permutes**
+//!   (`cancel_permutes`): timm's LayerNorm2d, `permute(layer_norm(permute(x, [0, 2, 3,
+//!   1])), [0, 3, 1, 2])`, is the normalization over `x`'s axis 1, its weights broadcast in
+//!   `x`'s order: one kernel instead of two transposes around it.
+//! - **A broadcast of a broadcast is one broadcast** of the source, and a broadcast that
+//!   puts back exactly the size-one axes a squeeze removed is the squeezed tensor: no
+//!   lower-rank tensor is left between a source and its full-rank readers.
 //! - **Gathers take their reader's rank.** A broadcast of a gather from an input table
 //!   (`x + wpe[pos]` over the batch, `x * w[labels][:, None]`) is the gather of the table
 //!   broadcast the same way, with the index at the new rank (size one off the gathered
@@ -151,6 +158,19 @@ pub fn sink_broadcasts(f: &mut Fusion) -> Result<()> {
                 let index: Vec<_> = index.iter().map(|&v| f.compose(v, &at)).collect();
                 let valid = valid.map(|v| f.compose(v, &at));
                 let moved = f.remap(y, name, &extents, index, valid)?;
+                replace_tensor(f, old, moved);
+                f.tvs[x].uses.retain(|&u| u != e);
+                continue 'again;
+            }
+            // A broadcast of a broadcast is one broadcast of the source (a bias broadcast
+            // to [B, L, D] that a later broadcast takes to [B, L, D, N]): kept, the inner one
+            // is a tensor of a lower rank between the source and the readers.
+            if let Op::Broadcast { is_new: inner } = &op {
+                let Some(y) = f.exprs[d].inputs[0].tensor() else { continue };
+                let mut kept = inner.iter();
+                let combined: Vec<bool> = is_new.iter().map(|&n| n || *kept.next().unwrap_or(&true)).collect();
+                let old = f.exprs[e].output;
+                let moved = f.broadcast(y, combined)?;
                 replace_tensor(f, old, moved);
                 f.tvs[x].uses.retain(|&u| u != e);
                 continue 'again;
@@ -500,6 +520,175 @@ fn reshaped_gather(
     let table = f.broadcast(t, (0..r2).map(|a| a >= dim && a < last).collect())?;
     f.note_stand_in(table, t);
     Ok(Some(f.take_along_axis(table, new_index, last as i64)?))
+}
+
+/// Compute a permuted region in its source's axis order where a permute back closes it:
+/// `permute(f(permute(x, p)), p^-1)` for element-wise ops and reductions `f` (timm's
+/// LayerNorm2d: NCHW to NHWC, a LayerNorm over C, back to NCHW) is `f` over `x` itself, its
+/// reductions over the axes `p` names, its broadcast operands (a weight over C) broadcast
+/// in `x`'s order. Two permutes are two transposing kernels around the rest; without them
+/// the schedulers see a reduction over a middle axis (one kernel). Regions that reach an
+/// output or an op other than these, or whose reductions would reorder the kept axes, stay
+/// as written.
+pub fn cancel_permutes(f: &mut Fusion) -> Result<()> {
+    'again: loop {
+        for e in f.topo_exprs() {
+            let Op::Permute { perm } = f.exprs[e].op.clone() else { continue };
+            let Some(x) = f.exprs[e].inputs[0].tensor() else { continue };
+            let start = f.exprs[e].output;
+            let Some(plan) = permuted_region(f, start, &perm) else { continue };
+            // Region tensors in `x`'s order; reductions keep their outputs' order.
+            let mut moved: FxHashMap<TvId, TvId> = FxHashMap::default();
+            moved.insert(start, x);
+            for &d in &plan.exprs {
+                let out = f.exprs[d].output;
+                let mut operands = Vec::new();
+                for o in f.exprs[d].inputs.clone() {
+                    operands.push(match o {
+                        Operand::Tensor(t) if moved.contains_key(&t) => Operand::Tensor(moved[&t]),
+                        Operand::Tensor(t) => {
+                            let Some(relaid) = relaid_broadcast(f, t, &perm)? else {
+                                crate::bail_internal!("cancel_permutes: operand {} checked above", f.tv_name(t))
+                            };
+                            Operand::Tensor(relaid)
+                        }
+                        s => s,
+                    });
+                }
+                match f.exprs[d].op.clone() {
+                    Op::Reduction { op, init } => {
+                        let src = operands[0].tensor().expect("a reduction reads a tensor");
+                        let axes: Vec<usize> = f
+                            .no_reduction_logical(f.exprs[d].inputs[0].tensor().expect("tensor"))
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, &id)| {
+                                f.tvs[out].logical.iter().any(|&o| {
+                                    f.ids[o].iter_type == IterType::Reduction
+                                        && logical_pairs(f, d, 0).iter().any(|&(p, c)| p == id && c == o)
+                                })
+                            })
+                            .map(|(i, _)| perm[i])
+                            .collect();
+                        let mut logical = Vec::new();
+                        for (a, id) in f.no_reduction_logical(src).into_iter().enumerate() {
+                            let src_id = f.ids[id].clone();
+                            let it = if axes.contains(&a) { IterType::Reduction } else { src_id.iter_type };
+                            logical.push(f.new_id(src_id.extent, it));
+                        }
+                        let r = f.new_tv(f.tvs[out].dtype, crate::ir::MemoryType::Local, logical);
+                        f.add_expr(Op::Reduction { op, init }, smallvec::smallvec![Operand::Tensor(src)], r);
+                        replace_tensor(f, out, r);
+                    }
+                    op => {
+                        let r = replay(f, op, &operands)?;
+                        moved.insert(out, r);
+                    }
+                }
+            }
+            for &c in &plan.closers {
+                let (inp, out) = (f.exprs[c].inputs[0].tensor().expect("a permute reads a tensor"), f.exprs[c].output);
+                replace_tensor(f, out, moved[&inp]);
+            }
+            drop_dead_uses(f);
+            continue 'again;
+        }
+        return Ok(());
+    }
+}
+
+/// What `cancel_permutes` rewrites for the permute whose output is `start`: the region's
+/// element-wise ops and reductions in order, and the permutes that close it.
+struct PermutedRegion {
+    exprs: Vec<ExprId>,
+    closers: Vec<ExprId>,
+}
+
+fn permuted_region(f: &Fusion, start: TvId, perm: &[usize]) -> Option<PermutedRegion> {
+    let rank = perm.len();
+    let mut inside: FxHashSet<TvId> = FxHashSet::default();
+    inside.insert(start);
+    let (mut exprs, mut closers) = (Vec::new(), Vec::new());
+    for d in f.topo_exprs() {
+        let ins: Vec<TvId> = f.exprs[d].input_tvs().collect();
+        if !ins.iter().any(|t| inside.contains(t)) {
+            continue;
+        }
+        let out = f.exprs[d].output;
+        match &f.exprs[d].op {
+            Op::Permute { perm: q } if q.iter().enumerate().all(|(i, &a)| perm[a] == i) => closers.push(d),
+            op if op.is_elementwise() => {
+                for &t in ins.iter().filter(|t| !inside.contains(t)) {
+                    if !relaid_ok(f, t, perm) {
+                        return None;
+                    }
+                }
+                if f.no_reduction_logical(out).len() != rank {
+                    return None;
+                }
+                inside.insert(out);
+                exprs.push(d);
+            }
+            Op::Reduction { .. } => {
+                // The kept axes must stay in order in `x`'s numbering: the reduction's result
+                // is then the same tensor either way.
+                let x = ins[0];
+                let xl = f.no_reduction_logical(x);
+                let reduced: Vec<bool> = xl
+                    .iter()
+                    .map(|&id| {
+                        logical_pairs(f, d, 0)
+                            .iter()
+                            .any(|&(p, c)| p == id && f.ids[c].iter_type == IterType::Reduction)
+                    })
+                    .collect();
+                let kept: Vec<usize> = (0..rank).filter(|&i| !reduced[i]).map(|i| perm[i]).collect();
+                if kept.windows(2).any(|w| w[0] > w[1]) || f.is_output(out) {
+                    return None;
+                }
+                exprs.push(d);
+            }
+            _ => return None,
+        }
+    }
+    let escapes = inside.iter().any(|&t| f.is_output(t));
+    (!closers.is_empty() && !escapes).then_some(PermutedRegion { exprs, closers })
+}
+
+/// True when operand `t` of a permuted region (in the permuted order) has a form in the
+/// source's order: a broadcast whose kept axes stay in order (a weight over one axis), or a
+/// tensor of rank 0.
+fn relaid_ok(f: &Fusion, t: TvId, perm: &[usize]) -> bool {
+    if f.no_reduction_logical(t).is_empty() {
+        return true;
+    }
+    let Some(d) = f.tvs[t].definition else { return false };
+    let Op::Broadcast { is_new } = &f.exprs[d].op else { return false };
+    if is_new.len() != perm.len() {
+        return false;
+    }
+    let kept: Vec<usize> = (0..perm.len()).filter(|&i| !is_new[i]).map(|i| perm[i]).collect();
+    !kept.windows(2).any(|w| w[0] > w[1])
+}
+
+/// Operand `t` of a permuted region in the source's order (see `relaid_ok`); None where it
+/// has no such form.
+fn relaid_broadcast(f: &mut Fusion, t: TvId, perm: &[usize]) -> Result<Option<TvId>> {
+    if !relaid_ok(f, t, perm) {
+        return Ok(None);
+    }
+    if f.no_reduction_logical(t).is_empty() {
+        return Ok(Some(t));
+    }
+    let d = f.tvs[t].definition.expect("checked by relaid_ok");
+    let (Op::Broadcast { is_new }, Some(src)) = (f.exprs[d].op.clone(), f.exprs[d].inputs[0].tensor()) else {
+        return Ok(None);
+    };
+    let mut relaid = vec![true; perm.len()];
+    for (i, &n) in is_new.iter().enumerate() {
+        relaid[perm[i]] = n;
+    }
+    Ok(Some(f.broadcast(src, relaid)?))
 }
 
 /// Give a reshape to fixed sizes the input sizes at hand where only they resolve its runs
@@ -1638,8 +1827,7 @@ pub fn broadcast_computed_indices(f: &mut Fusion) -> Result<()> {
             continue;
         }
         // A 0-d index that `index_select` gave its one axis is broadcast from the 0-d tensor
-        // itself: a broadcast of a broadcast does not sink, and would keep a rank-1 tensor
-        // in the output's kernel.
+        // itself (what `sink_broadcasts` would compose the two broadcasts into).
         let scalar_source = f.tvs[index]
             .definition
             .filter(|&d| matches!(f.exprs[d].op, Op::Broadcast { .. }))
