@@ -355,6 +355,32 @@ def test_propagation_leaves_a_tensor_alone_when_it_cannot_follow():
     np.testing.assert_allclose(got2, np.exp(np.abs(x_)), rtol=1e-6)
 
 
+@pytest.mark.parametrize("threads", [False, True])
+def test_an_untouched_tensor_read_by_a_reduction_and_after_it_stops_before_the_serial_reduced_loop(
+        threads: bool) -> None:
+    # exp(x) read by its row sum and by the difference after it, only the output scheduled
+    # (one row per block): inlined past the sum's serial loop, that loop would also be the
+    # difference's, which would read the sum before it completes. exp(x) is placed before it
+    # (computed once per row); with the row on TIDx the sum is a block reduction and exp(x)
+    # is inlined fully.
+    x_ = rand(3, 8, seed=4)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 8])
+        e = fd.ops.exp(x)
+        s = fd.ops.sum(e, dims=[1])
+        y = fd.ops.sub(e, fd.ops.broadcast_in_dim(s, shape=[-1, -1], broadcast_dims=[0]))
+        fd.add_output(y)
+    y.axis(0).parallelize(ParallelType.BIDx)
+    if threads:
+        y.axis(1).parallelize(ParallelType.TIDx)
+        s.axis(0).parallelize(ParallelType.BIDx)
+        s.axis(1).parallelize(ParallelType.TIDx)
+    e0 = np.exp(x_.astype(np.float64))
+    (got,) = fd.execute([x_])
+    np.testing.assert_allclose(got, e0 - e0.sum(1, keepdims=True), rtol=1e-5, atol=1e-6)
+    assert e.inline_position == 0  # (lowering propagates on a copy)
+
+
 # -- the seed's transposed Shared staging, by hand ---------------------------------------------------
 def test_transpose_staged_through_a_shared_tile_by_hand():
     # t0_g [N, M] -> t1_l = permute -> t2_s = t1_l -> t3_g = t2_s, all [M, N] tiled by 32x32:

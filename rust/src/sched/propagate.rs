@@ -7,7 +7,9 @@
 //! emit, and redundant work the interpreter runs thread by thread). Consumers are done
 //! first, so a chain of untouched producers follows a scheduled output. A tensor keeps its
 //! own (untouched) schedule where the propagated one would leave a parallel axis outside
-//! its inline position, since other threads would then read it.
+//! its inline position, since other threads would then read it. A tensor that a reduction
+//! and other readers both read stops before the reduction's first serial reduced loop
+//! (`before_serial_reduction`): softmax's `exp(x)` with only the output on blocks.
 
 use rustc_hash::FxHashMap;
 
@@ -134,7 +136,7 @@ pub fn untouched_producers(f: &mut Fusion) {
             *f = saved;
             continue;
         }
-        let p = f.max_inline_pos(tv);
+        let p = f.max_inline_pos(tv).min(before_serial_reduction(f, tv));
         f.tvs[tv].inline_pos = p;
         let t = &f.tvs[tv];
         let outside = t.loop_domain.iter().skip(p).any(|&id| f.ids[id].parallel.is_thread_or_block());
@@ -142,6 +144,45 @@ pub fn untouched_producers(f: &mut Fusion) {
             *f = saved;
         }
     }
+}
+
+/// Where `tv` is reduced by one reader (directly or through element-wise ops) and read by
+/// others too (softmax's `exp(x)`, read by its sum and by the difference after it), the position of the reduction's first serial
+/// reduced loop: inlined past it, `tv`'s loop there would be the reduction's and its other
+/// readers', which read the reduction's result before the loop completes it. (Reduced axes on
+/// threads or blocks complete in a block or grid reduction first.) Otherwise no limit.
+fn before_serial_reduction(f: &Fusion, tv: TvId) -> usize {
+    let uses = &f.tvs[tv].uses;
+    if uses.len() < 2 {
+        return usize::MAX;
+    }
+    // Reductions reached through element-wise ops (layernorm's `sum(xm * xm)` of the
+    // centered `xm`, which the output reads too).
+    let mut reductions = Vec::new();
+    let mut stack: Vec<crate::ir::ExprId> = uses.clone();
+    let mut seen = rustc_hash::FxHashSet::default();
+    while let Some(u) = stack.pop() {
+        if !seen.insert(u) {
+            continue;
+        }
+        match &f.exprs[u].op {
+            crate::ir::Op::Reduction { .. } => reductions.push(u),
+            op if op.is_elementwise() => stack.extend(f.tvs[f.exprs[u].output].uses.iter().copied()),
+            _ => {}
+        }
+    }
+    let mut cap = usize::MAX;
+    for u in reductions {
+        let r = f.exprs[u].output;
+        let serial_reduced = f.tvs[r]
+            .loop_domain
+            .iter()
+            .position(|&id| f.ids[id].iter_type == IterType::Reduction && !f.ids[id].parallel.is_thread_or_block());
+        if let Some(a) = serial_reduced {
+            cap = cap.min(a);
+        }
+    }
+    cap
 }
 
 /// `f` as lowering sees it: a copy with [`untouched_producers`] applied.
