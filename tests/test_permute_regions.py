@@ -125,3 +125,24 @@ def test_layernorm2d_is_one_kernel_at_every_size(shape: Tuple[int, ...]) -> None
 
     fam = families.layernorm2d_permuted(shape)
     assert len(lowered_for(fam.fd, fam.stand_ins()).kernels) == 1
+
+
+def test_an_output_read_back_through_two_permutes_is_a_buffer_of_its_own() -> None:
+    """``permute(permute(t))`` of an output ``t`` is ``t`` again; each output still gets a
+    buffer of its own in the plan, which is what the GPU path hands back (one buffer for
+    both returned one array for two outputs there)."""
+    from kiln.host import plan_program
+
+    x0 = np.random.default_rng(3).standard_normal((3, 4, 5)).astype(np.float32)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1] * 3)
+        t = fd.ops.exp(x)
+        fd.add_output(t)
+        fd.add_output(fd.ops.permute(fd.ops.permute(t, [2, 0, 1]), [1, 2, 0]))
+    low = lowered_for(fd, [x0])
+    names = list(low.program.output_names())
+    assert len(set(names)) == 2, names
+    plan = plan_program(low.program, [x0], [], "numpy")
+    assert sorted(b.offset for b in plan.buffers if b.place == "output") == [0, 1]
+    for got in fd.execute([x0]):
+        _check(got, np.exp(x0.astype(np.float64)))

@@ -1915,8 +1915,9 @@ fn replace_tensor(f: &mut Fusion, old: TvId, new: TvId) {
         }
     }
     // An output that becomes a fusion input (`squeeze(broadcast(x))`) is still written: by
-    // a copy, as `add_output(x)` is.
-    let out_new = if f.is_output(old) && f.is_input(new) {
+    // a copy, as `add_output(x)` is. So is one that becomes another output (a permute and its
+    // inverse of an output): each output is a buffer of its own, which the host hands back.
+    let out_new = if f.is_output(old) && (f.is_input(new) || f.is_output(new)) {
         match f.set(new) {
             Ok(c) => c,
             Err(_) => new,
