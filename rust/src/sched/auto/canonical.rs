@@ -558,18 +558,8 @@ pub fn cancel_permutes(f: &mut Fusion) -> Result<()> {
                 match f.exprs[d].op.clone() {
                     Op::Reduction { op, init } => {
                         let src = operands[0].tensor().expect("a reduction reads a tensor");
-                        let axes: Vec<usize> = f
-                            .no_reduction_logical(f.exprs[d].inputs[0].tensor().expect("tensor"))
-                            .iter()
-                            .enumerate()
-                            .filter(|(_, &id)| {
-                                f.tvs[out].logical.iter().any(|&o| {
-                                    f.ids[o].iter_type == IterType::Reduction
-                                        && logical_pairs(f, d, 0).iter().any(|&(p, c)| p == id && c == o)
-                                })
-                            })
-                            .map(|(i, _)| perm[i])
-                            .collect();
+                        // (A region tensor has no reduced axes: the reduction's axis `i` is its.)
+                        let axes: Vec<usize> = reduced_axes(f, d).into_iter().map(|i| perm[i]).collect();
                         let mut logical = Vec::new();
                         for (a, id) in f.no_reduction_logical(src).into_iter().enumerate() {
                             let src_id = f.ids[id].clone();
@@ -632,17 +622,8 @@ fn permuted_region(f: &Fusion, start: TvId, perm: &[usize]) -> Option<PermutedRe
             Op::Reduction { .. } => {
                 // The kept axes must stay in order in `x`'s numbering: the reduction's result
                 // is then the same tensor either way.
-                let x = ins[0];
-                let xl = f.no_reduction_logical(x);
-                let reduced: Vec<bool> = xl
-                    .iter()
-                    .map(|&id| {
-                        logical_pairs(f, d, 0)
-                            .iter()
-                            .any(|&(p, c)| p == id && f.ids[c].iter_type == IterType::Reduction)
-                    })
-                    .collect();
-                let kept: Vec<usize> = (0..rank).filter(|&i| !reduced[i]).map(|i| perm[i]).collect();
+                let reduced = reduced_axes(f, d);
+                let kept: Vec<usize> = (0..rank).filter(|i| !reduced.contains(i)).map(|i| perm[i]).collect();
                 if kept.windows(2).any(|w| w[0] > w[1]) || f.is_output(out) {
                     return None;
                 }
