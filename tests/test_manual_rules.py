@@ -381,6 +381,141 @@ def test_an_untouched_tensor_read_by_a_reduction_and_after_it_stops_before_the_s
     assert e.inline_position == 0  # (lowering propagates on a copy)
 
 
+def test_inline_most_waits_for_an_untouched_consumers_schedule() -> None:
+    # bb's consumer (the add) is untouched when inline_at(-1) is asked: it takes the output's
+    # schedule when the fusion is lowered, and the deepest position is found against that
+    # schedule then (it resolved to 0 at the call, which lowering refused).
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        b = fd.define_tensor([-1])
+        bb = fd.ops.broadcast_in_dim(b, shape=[-1, -1], broadcast_dims=[1])
+        y = fd.ops.sigmoid(fd.ops.add(x, bb))
+        fd.add_output(y)
+    for t in (bb, y):
+        t.merge(0)
+        t.split(0, 128)
+        t.axis(0).parallelize(ParallelType.BIDx)
+        t.axis(1).parallelize(ParallelType.TIDx)
+    bb.inline_at(-1)
+    x_, b_ = rand(37, 129, seed=1), rand(129, seed=2)
+    (got,) = fd.execute([x_, b_])
+    np.testing.assert_allclose(got, 1 / (1 + np.exp(-(x_.astype(np.float64) + b_))), rtol=1e-6)
+    bb.inline_at(0)  # an explicit position replaces the deferred one
+    with pytest.raises(KilnError, match=bb.name):
+        fd.lower([x_, b_])
+
+
+@pytest.mark.parametrize("shape", [(3, 8), (5, 37), (1, 1), (2, 0)])
+def test_var_mean_with_only_its_outputs_on_blocks_recomputes_the_row_per_reader(shape) -> None:
+    # var_mean's double cast of x is read by the mean's sum and by the deviations after it:
+    # stopped before the sum's serial loop it would be a Local buffer of the whole symbolic
+    # row, which no register array holds (and which the user cannot reach to schedule). Each
+    # reader computes its own copy instead.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        v, m = fd.ops.var_mean(x, dims=[1])
+        fd.add_output(v)
+        fd.add_output(m)
+    for t in (v, m):
+        t.axis(0).parallelize(ParallelType.BIDx)
+    x_ = rand(*shape, seed=3) + 3
+    gv, gm = fd.execute([x_])
+    xd = x_.astype(np.float64)
+    with np.errstate(all="ignore"):
+        np.testing.assert_allclose(gm, xd.mean(1), rtol=1e-6)
+        np.testing.assert_allclose(gv, xd.var(1, ddof=1), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_layernorm_with_its_statistics_scheduled_and_the_deviation_untouched(rows: int) -> None:
+    # xm = x - mean is read by the variance's sum and by the output: it stops before the
+    # variance's serial loop, a register array of the row's 4 steps whose TIDx axis every
+    # reader runs on TIDx too (each thread reads what it wrote), so it follows the schedule
+    # instead of being left for every thread to compute whole.
+    n = 512
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, n])
+        s = fd.ops.sum(x, dims=[1])
+        mean = fd.ops.mul(s, 1.0 / n)
+        xm = fd.ops.sub(x, fd.ops.broadcast_in_dim(mean, shape=[-1, -1], broadcast_dims=[0]))
+        v = fd.ops.sum(fd.ops.mul(xm, xm), dims=[1])
+        rs = fd.ops.rsqrt(fd.ops.add(fd.ops.mul(v, 1.0 / n), 1e-5))
+        y = fd.ops.mul(xm, fd.ops.broadcast_in_dim(rs, shape=[-1, -1], broadcast_dims=[0]))
+        fd.add_output(y)
+    xc = x.cache_after()
+    xc.set_memory_type(MemoryType.Shared)
+    for t in (xc, s, v, y):
+        t.split(1, 128)
+        t.axis(0).parallelize(ParallelType.BIDx)
+        t.axis(2).parallelize(ParallelType.TIDx)
+    for t in (xc, s, v):
+        t.inline_at(1)
+    x_ = rand(rows, n, seed=5)
+    (got,) = fd.execute([x_])
+    xd = x_.astype(np.float64)
+    d = xd - xd.mean(1, keepdims=True)
+    np.testing.assert_allclose(got, d / np.sqrt((d * d).mean(1, keepdims=True) + 1e-5), rtol=1e-5, atol=1e-5)
+
+
+def test_a_per_row_value_between_a_cluster_reduction_and_its_readers_stays_in_the_cluster_loops() -> None:
+    # rsqrt(sum) sits between a reduction across the cluster's blocks and the output, which
+    # reads the cached row inlined into the same [BIDy, TIDx] loops as the sum: it is computed
+    # inside them (by every block and thread of the cluster) instead of closing them.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 1000])
+        sq = fd.ops.mul(x, x)
+        s = fd.ops.sum(sq, [1])
+        rb = fd.ops.broadcast_in_dim(fd.ops.rsqrt(s), shape=[-1, -1], broadcast_dims=[0])
+        y = fd.ops.mul(x, rb)
+        fd.add_output(y)
+    xc = x.cache_after()
+    for t in (xc, sq, s, rb, y):
+        t.split(1, 4, inner_split=False)
+        t.split(2, 64, inner_split=False)
+        t.axis(0).parallelize(ParallelType.BIDx)
+        t.axis(1).parallelize(ParallelType.BIDy)
+        t.axis(2).parallelize(ParallelType.TIDx)
+    fd.set_cluster(ParallelType.BIDy, 4)
+    xc.inline_at(3)
+    sq.inline_at(-1)
+    s.inline_at(1)
+    rb.inline_at(-1)
+    x_ = rand(4, 1000, seed=6)
+    (got,) = fd.execute([x_])
+    xd = x_.astype(np.float64)
+    np.testing.assert_allclose(got, xd / np.sqrt((xd * xd).sum(1, keepdims=True)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("keepdim", [True, False])
+@pytest.mark.parametrize("factor", [64, 32])
+def test_a_local_broadcast_on_the_consumers_thread_axis_is_each_threads_own(keepdim: bool, factor: int):
+    # The keepdim row sum split like the row it divides: its broadcast axis runs on TIDx,
+    # and every thread computes the one element in its registers, so each reads its own.
+    # Split by another factor, its TIDx loop would not cover the consumer's threads: refused.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        s = fd.ops.sum(x, dims=[1], keepdim=keepdim)
+        if not keepdim:
+            s = fd.ops.broadcast_in_dim(s, shape=[-1, -1], broadcast_dims=[0])
+        y = fd.ops.div(x, s)
+        fd.add_output(y)
+    xc = x.cache_after()
+    xc.set_memory_type(MemoryType.Shared)
+    for t, f in ((xc, 64), (s, factor), (y, 64)):
+        t.split(1, f)
+        t.axis(0).parallelize(ParallelType.BIDx)
+        t.axis(2).parallelize(ParallelType.TIDx)
+    xc.inline_at(1)
+    s.inline_at(1)
+    x_ = rand(5, 200, seed=7) + 2
+    if factor != 64:
+        with pytest.raises(KilnError, match=rf"{s.name} is in Local memory but its axis 2 .* on TIDx"):
+            fd.lower([x_])
+        return
+    (got,) = fd.execute([x_])
+    np.testing.assert_allclose(got, x_ / x_.astype(np.float64).sum(1, keepdims=True), rtol=1e-6)
+
+
 # -- the seed's transposed Shared staging, by hand ---------------------------------------------------
 def test_transpose_staged_through_a_shared_tile_by_hand():
     # t0_g [N, M] -> t1_l = permute -> t2_s = t1_l -> t3_g = t2_s, all [M, N] tiled by 32x32:

@@ -179,7 +179,11 @@ class ScheduleMixin:
         return type(self)(self._fd, self._fd._core.cache_before(self._id))
 
     def inline_at(self, pos: int) -> None:
-        """Compute this tensor inside its consumers' first ``pos`` loops (-1: deepest valid)."""
+        """Compute this tensor inside its consumers' first ``pos`` loops (-1: deepest valid).
+
+        With -1 and a consumer not scheduled yet (left to follow the schedule), the deepest
+        position is found when the fusion is lowered; ``inline_position`` shows the one valid
+        now."""
         self._fd._core.inline_at(self._id, _int(pos, "position", self.name))
 
     def set_allocation_domain(self, axes: Sequence[Union[int, IterDomain]],

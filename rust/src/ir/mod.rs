@@ -105,6 +105,9 @@ pub struct TensorView {
     pub loop_domain: Vec<IterDomainId>,
     /// Number of outer loop ids shared with consumers (compute-at position).
     pub inline_pos: usize,
+    /// `inline_at(-1)` asked while a consumer was untouched: the deepest valid position is
+    /// found again once that consumer has taken its schedule (`propagate`).
+    pub inline_deepest: bool,
     pub definition: Option<ExprId>,
     pub uses: Vec<ExprId>,
     /// Its loads pipelined over several Shared buffers (`circular_buffer`).
@@ -471,6 +474,7 @@ impl Fusion {
             allocation: None,
             contiguity,
             inline_pos: 0,
+            inline_deepest: false,
             definition: None,
             uses: Vec::new(),
             circular_buffer: None,

@@ -194,7 +194,7 @@ pub fn run(f: &mut Fusion, lg: &LoopGraph, order: &[ExprId]) -> Result<(Vec<Node
             // the value redundantly (one of them stores it), and the loop stays open.
             loop {
                 let descend = matches!(cur.last(), Some(Node::Loop(l))
-                    if l.parallel.is_thread() && l.group.and_then(|g| last_need.get(&g)).is_some_and(|&j| j > i));
+                    if l.parallel.is_thread_or_block() && l.group.and_then(|g| last_need.get(&g)).is_some_and(|&j| j > i));
                 if !descend {
                     break;
                 }

@@ -396,11 +396,15 @@ impl Fusion {
         self.check_not_input(tv, "inline_at")?;
         let n = self.tvs[tv].loop_domain.len();
         if pos == -1 {
-            let p = self.max_inline_pos(tv);
-            self.tvs[tv].inline_pos = p;
+            // An untouched consumer takes its schedule when the fusion is lowered
+            // (`propagate`); the deepest position against that schedule is found then.
+            let later = self.consumers(tv).into_iter().any(|c| crate::sched::propagate::untouched(self, c));
+            self.tvs[tv].inline_pos = self.max_inline_pos(tv);
+            self.tvs[tv].inline_deepest = later;
             self.manually_scheduled = true;
             return Ok(());
         }
+        self.tvs[tv].inline_deepest = false;
         if pos < 0 || pos as usize > n {
             bail!("inline_at {name}: position {pos} is out of range; expected 0 to {n} (or -1 for the deepest valid position)");
         }

@@ -7,13 +7,17 @@
 //! emit, and redundant work the interpreter runs thread by thread). Consumers are done
 //! first, so a chain of untouched producers follows a scheduled output. A tensor keeps its
 //! own (untouched) schedule where the propagated one would leave a parallel axis outside
-//! its inline position, since other threads would then read it. A tensor that a reduction
-//! and other readers both read stops before the reduction's first serial reduced loop
-//! (`before_serial_reduction`): softmax's `exp(x)` with only the output on blocks.
+//! its inline position that some consumer does not run on the same dimension, since other
+//! threads would then read it. A tensor that a reduction and other readers both read stops
+//! before the reduction's first serial reduced loop (`before_serial_reduction`): softmax's
+//! `exp(x)` with only the output on blocks. Where that would leave a Local buffer of a
+//! runtime size, an element-wise tensor is computed again by each reader instead. A tensor
+//! whose `inline_at(-1)` was asked while a consumer was untouched gets its deepest position
+//! here, once that consumer has its schedule.
 
 use rustc_hash::FxHashMap;
 
-use crate::ir::mapping::logical_pairs;
+use crate::ir::mapping::{logical_pairs, producer_to_consumer};
 use crate::ir::{ExprId, Fusion, IterDomainId, IterType, MemoryType, ParallelType, Transform, TvId};
 
 /// True when `tv` looks the way a definition leaves a computed tensor (lowering gives it its
@@ -115,35 +119,110 @@ pub fn untouched_producers(f: &mut Fusion) {
     }
     for e in f.topo_exprs().into_iter().rev() {
         let tv = f.exprs[e].output;
+        if f.tvs[tv].inline_deepest && !untouched(f, tv) {
+            // Its consumers have their schedules now (they come first in this order).
+            f.tvs[tv].inline_pos = f.max_inline_pos(tv);
+            continue;
+        }
         if !untouched(f, tv) {
             continue;
         }
-        let Some((use_, pos, c)) = reference(f, tv) else { continue };
-        let saved = f.clone();
-        // A producer already inlined into `tv` (a copy inlined at the position the propagated
-        // schedule will match) would pin `tv`'s axes: its position waits for the replay, and
-        // lowering checks it against the result.
-        let producers = f.producers(tv);
-        let held: Vec<(TvId, usize)> = producers.iter().map(|&p| (p, f.tvs[p].inline_pos)).collect();
-        for &p in &producers {
-            f.tvs[p].inline_pos = 0;
-        }
-        let replayed = replay_from_consumer(f, tv, use_, pos, c);
-        for &(p, pos) in &held {
-            f.tvs[p].inline_pos = pos;
-        }
-        if !replayed {
-            *f = saved;
-            continue;
-        }
-        let p = f.max_inline_pos(tv).min(before_serial_reduction(f, tv));
-        f.tvs[tv].inline_pos = p;
-        let t = &f.tvs[tv];
-        let outside = t.loop_domain.iter().skip(p).any(|&id| f.ids[id].parallel.is_thread_or_block());
-        if p == 0 || outside {
-            *f = saved;
+        match propagate(f, tv) {
+            Placed::Buffered if recomputable(f, tv) => {
+                // Stopped before a serial reduced loop, `tv` would be a Local buffer of the
+                // whole symbolic row (var_mean's double cast of x with only the outputs
+                // scheduled), which no register array holds. An element-wise value is cheap
+                // to compute again: each reader gets its own copy, inlined into it fully.
+                let mut copies = vec![tv];
+                for u in f.tvs[tv].uses.clone().into_iter().skip(1) {
+                    let Ok(c) = crate::sched::auto::canonical::recompute(f, tv) else { break };
+                    f.redirect_use(u, tv, c);
+                    copies.push(c);
+                }
+                for t in copies {
+                    propagate(f, t);
+                }
+            }
+            _ => {}
         }
     }
+}
+
+/// What [`propagate`] did with an untouched tensor.
+enum Placed {
+    /// Took its consumer's schedule and an inline position.
+    Inlined,
+    /// Left as it was: no consumer on threads or blocks, a refused replay, or a position
+    /// that would leave a parallel axis outside.
+    Kept,
+    /// Left as it was: stopped before a reduction's serial loop, it would need a Local
+    /// buffer of a size only known at run time.
+    Buffered,
+}
+
+/// Give untouched `tv` its first parallel consumer's schedule and inline it as deep as valid.
+fn propagate(f: &mut Fusion, tv: TvId) -> Placed {
+    let Some((use_, pos, c)) = reference(f, tv) else { return Placed::Kept };
+    let saved = f.clone();
+    // A producer already inlined into `tv` (a copy inlined at the position the propagated
+    // schedule will match) would pin `tv`'s axes: its position waits for the replay, and
+    // lowering checks it against the result.
+    let producers = f.producers(tv);
+    let held: Vec<(TvId, usize)> = producers.iter().map(|&p| (p, f.tvs[p].inline_pos)).collect();
+    for &p in &producers {
+        f.tvs[p].inline_pos = 0;
+    }
+    let replayed = replay_from_consumer(f, tv, use_, pos, c);
+    for &(p, pos) in &held {
+        f.tvs[p].inline_pos = pos;
+    }
+    if !replayed {
+        *f = saved;
+        return Placed::Kept;
+    }
+    let deepest = f.max_inline_pos(tv);
+    let p = deepest.min(before_serial_reduction(f, tv));
+    f.tvs[tv].inline_pos = p;
+    let t = &f.tvs[tv];
+    let outside =
+        t.loop_domain.iter().skip(p).any(|&id| f.ids[id].parallel.is_thread_or_block()) && !own_threads(f, tv, p);
+    let symbolic = t.loop_domain.iter().skip(p).any(|&id| {
+        let d = &f.ids[id];
+        !d.parallel.is_thread_or_block() && d.iter_type != IterType::Broadcast && f.scalars.as_int(d.extent).is_none()
+    });
+    if p < deepest && symbolic && !outside {
+        *f = saved;
+        return Placed::Buffered;
+    }
+    if p == 0 || outside {
+        *f = saved;
+        return Placed::Kept;
+    }
+    Placed::Inlined
+}
+
+/// True when every thread or block axis of `tv` past position `p` is an iteration axis that
+/// each consumer runs on the same dimension: every element is then read by the thread that
+/// wrote it, which Local memory allows (layernorm's `x - mean`, kept across the variance's
+/// serial loop, on the threads of its readers).
+fn own_threads(f: &Fusion, tv: TvId, p: usize) -> bool {
+    let parallel: Vec<IterDomainId> =
+        f.tvs[tv].loop_domain.iter().skip(p).copied().filter(|&id| f.ids[id].parallel.is_thread_or_block()).collect();
+    let plain = |id: IterDomainId| {
+        f.ids[id].iter_type == IterType::Iteration && !crate::analysis::loop_graph::depends_on_broadcast(f, id)
+    };
+    parallel.iter().all(|&id| plain(id))
+        && f.tvs[tv].uses.iter().all(|&e| {
+            f.exprs[e].inputs.iter().enumerate().filter(|(_, o)| o.tensor() == Some(tv)).all(|(i, _)| {
+                let map = producer_to_consumer(f, e, i);
+                parallel.iter().all(|id| map.get(id).is_some_and(|&c| f.ids[c].parallel == f.ids[*id].parallel))
+            })
+        })
+}
+
+/// True when `tv` is an element-wise value of several readers, cheap to compute once per reader.
+fn recomputable(f: &Fusion, tv: TvId) -> bool {
+    f.tvs[tv].uses.len() > 1 && f.tvs[tv].definition.is_some_and(|d| f.exprs[d].op.is_elementwise())
 }
 
 /// Where `tv` is reduced by one reader (directly or through element-wise ops) and read by
