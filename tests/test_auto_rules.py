@@ -247,6 +247,30 @@ def test_statistics_over_a_static_size_one_axis_stay_in_one_kernel(shape: List[i
     assert len(lowered_for(fd, [x]).kernels) == 1
 
 
+@pytest.mark.parametrize("two_step", [False, True])
+@pytest.mark.parametrize("dtype", [DataType.Float, DataType.Int])
+def test_a_value_of_a_runtime_size_broadcast_with_a_ramp_stays_in_one_kernel(two_step: bool, dtype) -> None:
+    """xPos' centred positions ``iota(S) - S`` broadcast over [B, S, D]: the size's cast has
+    no tensor operand, so a broadcast sunk through it is made at the broadcast's rank (it was
+    a rank-0 tensor in a kernel of its own), and a broadcast sunk through the difference
+    gives the size's value every axis (two broadcasts in a row failed internally)."""
+    from kiln.execute import lowered_for
+
+    with FusionDefinition() as fd:
+        q = fd.define_tensor([-1, -1, -1])
+        s = fd.ops.size(q, 1)
+        t = fd.ops.sub(fd.ops.iota(s, dtype=dtype), fd.ops.cast(s, dtype))
+        if two_step:
+            t = fd.ops.broadcast_in_dim(fd.ops.broadcast_in_dim(t, [-1, -1], [0]), [-1, -1, -1], [1, 2])
+        else:
+            t = fd.ops.broadcast_in_dim(t, [-1, -1, -1], [1])
+        fd.add_output(fd.ops.mul(q, t))
+    x = np.random.default_rng(13).standard_normal((2, 21, 8)).astype(np.float32)
+    (got,) = fd.execute([x])
+    np.testing.assert_allclose(got, x * (np.arange(21.0) - 21.0)[None, :, None], rtol=1e-6)
+    assert len(lowered_for(fd, [x]).kernels) == 1
+
+
 def test_a_broadcast_of_a_broadcast_is_one_broadcast() -> None:
     """Mamba's discretisation: ``delta = softplus(dt + dt_bias)`` over [B, L, D] (the bias
     broadcast), then ``exp(delta[..., None] * A)`` over [B, L, D, N]. The two broadcasts of

@@ -45,6 +45,9 @@ test or a long-running process can change it between calls).
   512-thread block (``sched::auto::normalization::cluster_size``, slower on the H200: see
   DEVELOPERS.md, "Thread-block clusters"); ``0`` splits no row. Read once per process by the
   Rust core.
+- ``KILN_OUTER_ROWS_LOOPED``: ``1``/``true``/``on``/``yes`` makes the looped normalization read
+  rows over leading or middle axes again in every pass even where they fit in registers
+  (``sched::auto::looped``); for comparing the two. Read once per process by the Rust core.
 - ``KILN_BULK_ROWS``: unset or ``1``, each block of a row split over a cluster copies its part
   into Shared memory with one bulk copy (``cp.async.bulk``); ``0``, every thread copies its
   own vectors. Read once per process by the Rust core.

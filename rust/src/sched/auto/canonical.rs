@@ -227,9 +227,33 @@ pub fn sink_broadcasts(f: &mut Fusion) -> Result<()> {
             if shared_total(f, x) {
                 continue;
             }
+            // Scalars only (`cast(S)` of a runtime size, ranked with size-one axes where a
+            // tensor reads it): made at the broadcast's rank, every axis size one, as a
+            // source is. Through the op, the broadcast would read a rank-0 tensor: a kernel
+            // of its own.
+            let xl = f.no_reduction_logical(x);
+            if f.exprs[d].input_tvs().next().is_none()
+                && xl.iter().all(|&id| f.ids[id].iter_type == IterType::Broadcast)
+            {
+                let one = f.scalars.int(1);
+                let logical = (0..is_new.len()).map(|_| f.new_id(one, IterType::Broadcast)).collect();
+                let moved = f.new_tv(f.tvs[x].dtype, crate::ir::MemoryType::Local, logical);
+                let inputs = f.exprs[d].inputs.clone();
+                f.add_expr(op, inputs, moved);
+                let old = f.exprs[e].output;
+                replace_tensor(f, old, moved);
+                f.tvs[x].uses.retain(|&u| u != e);
+                continue 'again;
+            }
             let mut operands = Vec::new();
+            let rank = f.no_reduction_logical(x).len();
             for o in f.exprs[d].inputs.clone() {
                 operands.push(match o {
+                    // A rank-0 operand of a ranked op (`iota(S) - cast(S)`) is one value for
+                    // every element: every axis of the broadcast is new to it.
+                    Operand::Tensor(t) if rank > 0 && f.no_reduction_logical(t).is_empty() => {
+                        Operand::Tensor(f.broadcast(t, vec![true; is_new.len()])?)
+                    }
                     Operand::Tensor(t) => Operand::Tensor(f.broadcast(t, is_new.clone())?),
                     s => s,
                 });

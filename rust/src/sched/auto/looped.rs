@@ -11,7 +11,9 @@
 //!   vectorized input caches and output stores;
 //! - outer (the last axis is kept): the reduced axes lead, then
 //!   `[cols/tx (BIDx), tx (TIDx), ceilDiv(R, u*ty) (serial), u (Unroll), ty (TIDy)]`,
-//!   coalesced along the kept last axis.
+//!   coalesced along the kept last axis; a row of at most `MOST_HELD` values per thread is
+//!   held in registers instead, `[cols/tx (BIDx), tx (TIDx), held, ceilDiv(R, held) (TIDy)]`,
+//!   each full-size input cached once at the thread column and read there by every pass.
 //!
 //! A tensor read by two passes would need the whole row stored. Instead each reader gets
 //! its own copy of the element-wise chain that computes it, back to the inputs, the
@@ -136,8 +138,23 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
 
     let widest = normalization::widest_moved(f, n);
     let v = if inner && sizes[n - 1] % (16 / widest) == 0 { 16 / widest } else { 1 };
+    // Over leading or middle axes, a row short enough for `MOST_HELD` values per thread on
+    // `512 / tx` thread rows stays in registers (LayerNorm2d's channels, a softmax over the
+    // classes of NCHW): each full-size input is read once, where every pass of the looped
+    // schedule read it again.
+    let outer_tx = pow2(cols.clamp(1, 32));
+    let held = (row + 512 / outer_tx - 1) / (512 / outer_tx);
+    let persistent = !inner && totals.is_empty() && held <= MOST_HELD && !outer_rows_looped();
     let mut cached = Vec::new();
     let mut outs = Vec::new();
+    if persistent {
+        for op in f.inputs.clone() {
+            let Operand::Tensor(x) = op else { continue };
+            if super::full_size_input(f, x, n) && f.cache_after_plain_reads(x)?.is_some() {
+                cached.push(x);
+            }
+        }
+    }
     if v > 1 {
         for op in f.inputs.clone() {
             let Operand::Tensor(x) = op else { continue };
@@ -154,13 +171,16 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
             }
         }
     }
-    recompute_per_reader(f, &|f: &Fusion, t: TvId| per_row(f, t) || post.contains(&t))?;
-    // The copies of a cache are caches too: each pass loads its own vectors.
     let is_cache = |f: &Fusion, t: TvId| {
         f.tvs[t].definition.is_some_and(|d| {
             matches!(f.exprs[d].op, Op::Set) && f.exprs[d].inputs[0].tensor().is_some_and(|x| cached.contains(&x))
         })
     };
+    // The copies of a cache are caches too: each pass loads its own vectors. A row held in
+    // registers is one cache that every pass reads.
+    recompute_per_reader(f, &|f: &Fusion, t: TvId| {
+        per_row(f, t) || post.contains(&t) || (persistent && is_cache(f, t))
+    })?;
     // A weight: an input broadcast along every kept axis, the same for every row, loaded in
     // its own vector loop.
     let weight = |f: &Fusion, t: TvId| super::row_weight(f, t, &kept_axes);
@@ -174,6 +194,8 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
         let sms = cx.device.sm_count;
         let tx = if tx == 512 && cols > 2 * sms && cols <= 4 * sms { 256 } else { tx };
         (tx, 1)
+    } else if persistent {
+        (outer_tx, (row + held - 1) / held)
     } else {
         let tx = pow2(cols.clamp(1, 32));
         (tx, pow2(row.clamp(1, 512 / tx)).min(512 / tx))
@@ -240,6 +262,15 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
             if v > 1 && vectorized {
                 f.parallelize(t, 4 + tile, ParallelType::Vectorize)?;
             }
+        } else if persistent {
+            merge_range(f, t, 0, k)?;
+            merge_range(f, t, 1, n - k)?;
+            f.split(t, 1, tx, true)?; // [R, cols/tx, tx]
+            f.split(t, 0, held, false)?; // [held, ceilDiv(R, held), cols/tx, tx]
+            f.reorder(t, &[(2, 0), (3, 1), (0, 2), (1, 3)])?; // [cols/tx, tx, held, R/held]
+            f.parallelize(t, 0, ParallelType::BIDx)?;
+            f.parallelize(t, 1, ParallelType::TIDx)?;
+            f.parallelize(t, 3, ParallelType::TIDy)?;
         } else {
             merge_range(f, t, 0, k)?;
             merge_range(f, t, 1, n - k)?;
@@ -265,7 +296,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
         if f.is_output(t) {
             continue;
         }
-        let pos = if is_reduction(f, t) || per_row(f, t) {
+        let pos = if is_reduction(f, t) || per_row(f, t) || (persistent && is_cache(f, t)) {
             row_pos
         } else if inner && !permuted && v > 1 && (is_cache(f, t) || weight(f, t)) {
             // A tile's loads in a loop of their own, ahead of its math (as in the inner
@@ -278,6 +309,15 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
         };
         f.inline_at(t, pos)?;
     }
+    if persistent {
+        return Ok(Heuristic::new(Params::LoopedNormalization {
+            outer: 2,
+            unroll: held,
+            vector: 1,
+            threads_x: tx,
+            threads_y: 0,
+        }));
+    }
     Ok(Heuristic::new(Params::LoopedNormalization {
         outer: i64::from(!inner),
         unroll: u,
@@ -285,6 +325,17 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuri
         threads_x: tx,
         threads_y: ty,
     }))
+}
+
+/// Most values of a row one thread holds in registers over leading or middle axes.
+const MOST_HELD: i64 = 16;
+
+/// `KILN_OUTER_ROWS_LOOPED=1` (`true`, `on`, `yes`): rows over leading or middle axes are
+/// read again by every pass even where they fit in registers (to measure one against the
+/// other). Read once per process, so that cached plans never mix the two.
+fn outer_rows_looped() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| super::env_switch("KILN_OUTER_ROWS_LOOPED") == Some(true))
 }
 
 /// True when reduction expr `e` reduces the last axis (an inner normalization).

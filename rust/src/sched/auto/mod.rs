@@ -121,7 +121,9 @@ pub enum Params {
     ColumnPartials { vector: i64, per_thread: i64 },
     /// One block per row (`outer` 0: `threads_x` threads of `vector`-wide steps) or per
     /// tile of `threads_x` columns (`outer` 1: `threads_y` thread rows), each pass a loop
-    /// over the row that reads its inputs again, `unroll` steps in flight.
+    /// over the row that reads its inputs again, `unroll` steps in flight; or (`outer` 2)
+    /// per tile of `threads_x` columns with each thread holding `unroll` values of the row
+    /// in registers on `ceilDiv(R, unroll)` thread rows (`threads_y` 0).
     LoopedNormalization { outer: i64, unroll: i64, vector: i64, threads_x: i64, threads_y: i64 },
     /// Shared-memory tiles of `tile` x `tile`, `threads` per block, `vector`-wide accesses.
     Transpose { tile: i64, threads: i64, vector: i64 },
