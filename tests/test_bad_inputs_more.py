@@ -1988,7 +1988,7 @@ def test_two_outputs_on_different_thread_axes_run() -> None:
 @pytest.mark.parametrize(
     ("sched", "patterns"),
     [
-        (lambda x, y, z: y.inline_at(-2), (tv(1), r"-2")),
+        (lambda x, y, z: y.inline_at(-4), (tv(1), r"-4")),
         (lambda x, y, z: z.inline_at(1), (tv(2), r"no consumers")),
         (lambda x, y, z: (z.reorder({1: 0}), y.inline_at(1)), (tv(1), ax(0), tv(2))),
         (lambda x, y, z: z.reorder({-1: 0, 1: 1}), (tv(2), ax(1), r"twice")),
@@ -1997,7 +1997,7 @@ def test_two_outputs_on_different_thread_axes_run() -> None:
         (lambda x, y, z: y.set_evict_last(), (tv(1), r"fusion input")),
     ],
     ids=[
-        "inline_at_minus_2",
+        "inline_at_minus_4",
         "inline_an_output",
         "inline_into_a_reordered_consumer",
         "reorder_axis_twice",

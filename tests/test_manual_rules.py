@@ -280,11 +280,17 @@ def test_reduction_consumer_inside_the_reduction_loop_is_refused():
         b = fd.ops.broadcast_in_dim(r, shape=[-1, -1], broadcast_dims=[1])
         o = fd.ops.add(b, a)
         fd.add_output(o)
-    a.inline_at(-1)
-    b.inline_at(-1)
+    a.inline_at(2)
+    b.inline_at(2)
     msg = rf"{b.name} reads the reduction {r.name} inside the loop of its reduced axis 0"
     with pytest.raises(KilnError, match=msg):
         fd.lower([rand(2, 3)])
+    # inline_at(-1) stops a before the sum's serial loop, which o would otherwise share (a
+    # then needs a buffer of the whole runtime-size input, refused by name).
+    a.inline_at(-1)
+    assert a.inline_position == 0
+    with pytest.raises(KilnError, match=rf"{a.name} is in Local memory but its allocation \[i0, i1\]"):
+        fd.execute([rand(2, 3)])
 
 
 def test_inlined_tensors_no_output_needs_are_left_out():
@@ -487,11 +493,12 @@ def test_a_per_row_value_between_a_cluster_reduction_and_its_readers_stays_in_th
 
 
 @pytest.mark.parametrize("keepdim", [True, False])
-@pytest.mark.parametrize("factor", [64, 32])
-def test_a_local_broadcast_on_the_consumers_thread_axis_is_each_threads_own(keepdim: bool, factor: int):
-    # The keepdim row sum split like the row it divides: its broadcast axis runs on TIDx,
-    # and every thread computes the one element in its registers, so each reads its own.
-    # Split by another factor, its TIDx loop would not cover the consumer's threads: refused.
+@pytest.mark.parametrize("factor", [64, 32, 128, 1, None])
+def test_a_local_broadcast_on_the_consumers_thread_axis_is_each_threads_own(keepdim: bool, factor):
+    # The keepdim row sum parallelized like the row it divides: its broadcast axis runs on
+    # TIDx, a loop no bound guards, so every thread computes the one element in its
+    # registers and reads its own (nvFuser's block broadcast), whatever the split (None:
+    # not split, the size-one axis itself on TIDx).
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, -1])
         s = fd.ops.sum(x, dims=[1], keepdim=keepdim)
@@ -502,18 +509,102 @@ def test_a_local_broadcast_on_the_consumers_thread_axis_is_each_threads_own(keep
     xc = x.cache_after()
     xc.set_memory_type(MemoryType.Shared)
     for t, f in ((xc, 64), (s, factor), (y, 64)):
-        t.split(1, f)
         t.axis(0).parallelize(ParallelType.BIDx)
+        if f is None:
+            t.axis(1).parallelize(ParallelType.TIDx)
+            continue
+        t.split(1, f)
         t.axis(2).parallelize(ParallelType.TIDx)
     xc.inline_at(1)
     s.inline_at(1)
     x_ = rand(5, 200, seed=7) + 2
-    if factor != 64:
-        with pytest.raises(KilnError, match=rf"{s.name} is in Local memory but its axis 2 .* on TIDx"):
-            fd.lower([x_])
-        return
     (got,) = fd.execute([x_])
     np.testing.assert_allclose(got, x_ / x_.astype(np.float64).sum(1, keepdims=True), rtol=1e-6)
+
+
+def test_inline_most_stops_before_a_reduction_loop_its_other_readers_would_share() -> None:
+    # exp(x) is read by its row sum and by the difference with that sum: inline_at(-1) stops
+    # before the sum's serial loop (nvFuser's inline_most does the same), where the full
+    # position would put the difference inside the loop that completes the sum.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 8])
+        e = fd.ops.exp(x)
+        s = fd.ops.sum(e, dims=[1])
+        b = fd.ops.broadcast(s, [False, True])
+        y = fd.ops.sub(e, b)
+        fd.add_output(y)
+    for t in (s, b, y):
+        t.axis(0).parallelize(ParallelType.BIDx)
+    e.inline_at(-1)
+    b.inline_at(-1)
+    assert (e.inline_position, b.inline_position) == (1, 2)
+    x_ = rand(3, 8, seed=8)
+    (got,) = fd.execute([x_])
+    ee = np.exp(x_.astype(np.float64))
+    np.testing.assert_allclose(got, ee - ee.sum(1, keepdims=True), rtol=1e-6)
+
+
+def test_two_reductions_of_one_tensor_share_its_loop_under_inline_most() -> None:
+    # sum(x2) and sum(x2 * x2) with nothing reading their results inside the row: x2 is
+    # inlined into the loop both reductions share.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 16])
+        x2 = fd.ops.mul(x, 2.0)
+        s1 = fd.ops.sum(x2, dims=[1])
+        s2 = fd.ops.sum(fd.ops.mul(x2, x2), dims=[1])
+        fd.add_output(s1)
+        fd.add_output(s2)
+    for t in (s1, s2):
+        t.axis(0).parallelize(ParallelType.BIDx)
+    x2.inline_at(-1)
+    assert x2.inline_position == 2
+    x_ = rand(5, 16, seed=9)
+    g1, g2 = fd.execute([x_])
+    xd = 2 * x_.astype(np.float64)
+    np.testing.assert_allclose(g1, xd.sum(1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(g2, (xd * xd).sum(1), rtol=1e-5)
+
+
+def test_inline_most_stops_before_a_loop_parallelized_two_ways() -> None:
+    # The cache's axis 1 is TIDx, the consumer's is Unroll: one loop has one parallel type,
+    # so inline_at(-1) stops at 1 (nvFuser's inline_most too).
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        y = fd.ops.mul(x, 2.0)
+        fd.add_output(y)
+    c = x.cache_after()
+    c.set_memory_type(MemoryType.Shared)
+    for t in (c, y):
+        t.split(1, 32)
+    c.axis(0).parallelize(ParallelType.BIDx)
+    c.axis(1).parallelize(ParallelType.TIDx)
+    y.axis(0).parallelize(ParallelType.BIDx)
+    y.axis(1).parallelize(ParallelType.Unroll)
+    y.axis(2).parallelize(ParallelType.TIDx)
+    c.inline_at(-1)
+    assert c.inline_position == 1
+    x_ = rand(3, 100, seed=10)
+    np.testing.assert_array_equal(fd.execute([x_])[0], 2 * x_)
+
+
+@pytest.mark.parametrize("pos, want", [(-2, 2), (-3, 1), (-4, 0)])
+def test_negative_inline_positions_count_from_the_end(pos: int, want: int) -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        y = fd.ops.mul(x, 2.0)
+        fd.add_output(y)
+    c = x.cache_after()
+    c.set_memory_type(MemoryType.Shared)
+    for t in (c, y):
+        t.split(1, 32)
+    y.axis(0).parallelize(ParallelType.BIDx)
+    y.axis(2).parallelize(ParallelType.TIDx)
+    c.inline_at(pos)
+    assert c.inline_position == want
+    with pytest.raises(KilnError, match=rf"inline_at {c.name}: position -5 is out of range; expected 0 to 3"):
+        c.inline_at(-5)
+    x_ = rand(3, 100, seed=11)
+    np.testing.assert_array_equal(fd.execute([x_])[0], 2 * x_)
 
 
 # -- the seed's transposed Shared staging, by hand ---------------------------------------------------

@@ -113,3 +113,56 @@ def test_independent_column_sums_are_one_split_reduction() -> None:
     dw, db = fd.execute([dy, x])
     np.testing.assert_allclose(dw, (dy.astype(np.float64) * x).sum(axis=0), rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(db, dy.astype(np.float64).sum(axis=0), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("shape", [(6, 40), (3, 1), (37, 129)])
+def test_a_row_mean_and_a_row_max_as_outputs_are_one_kernel(shape) -> None:
+    """Pooling heads return ``mean(x, 1)`` and ``max(x, 1)``: the max, an output nothing else
+    reads, is stored where it completes instead of failing the schedule (two kernels)."""
+    from kiln.execute import lowered_for
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.mean(x, dims=[1]))
+        fd.add_output(fd.ops.max(x, dims=[1]))
+    x_ = np.random.default_rng(shape[0]).standard_normal(shape).astype(np.float32)
+    mean, mx = fd.execute([x_])
+    np.testing.assert_allclose(mean, x_.astype(np.float64).mean(1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(mx, x_.max(1))
+    assert len(lowered_for(fd, [x_]).kernels) == 1
+
+
+@pytest.mark.parametrize("divide", [True, False])
+@pytest.mark.parametrize("shape", [(8, 77), (1, 5), (33, 1000)])
+def test_a_masked_mean_sums_the_mask_in_its_own_loops(divide: bool, shape) -> None:
+    """``(loss * mask).sum() / mask.sum()``, every masked token loss: ``cast(mask)`` leads to
+    both totals, so each total's loop nest computes its own copy (one kernel; shared, it was
+    held whole per thread between the nests, or the division failed the schedule and two
+    kernels wrote full-size intermediates)."""
+    from kiln import DataType
+    from kiln.execute import lowered_for
+
+    with FusionDefinition() as fd:
+        loss = fd.define_tensor([-1, -1])
+        m = fd.ops.cast(fd.define_tensor([-1, -1], DataType.Bool), DataType.Float)
+        num, den = fd.ops.sum(fd.ops.mul(loss, m), dims=[0, 1]), fd.ops.sum(m, dims=[0, 1])
+        if divide:
+            fd.add_output(fd.ops.div(num, den))
+        else:
+            fd.add_output(num)
+            fd.add_output(den)
+    rng = np.random.default_rng(sum(shape))
+    loss_ = rng.standard_normal(shape).astype(np.float32)
+    mask_ = rng.random(shape) < 0.7
+    mask_.flat[0] = True
+    got = fd.execute([loss_, mask_])
+    ld, md = loss_.astype(np.float64), mask_.astype(np.float64)
+    want = [(ld * md).sum() / md.sum()] if divide else [(ld * md).sum(), md.sum()]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    low = lowered_for(fd, [loss_, mask_])
+    assert len(low.kernels) == 1
+    # No Local array holds more than one step's vectors (the shared cast held [16, 4, 4]).
+    big = fd._core.auto_program([[16384, 4096], [16384, 4096]]).program.kernels()[0]
+    ir = big.kernel_ir() if callable(big.kernel_ir) else big.kernel_ir
+    assert not re.search(r"ALLOCATE T\d+ Local \w+ \[\d+, \d+, \d+\]", ir), ir

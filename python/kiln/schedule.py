@@ -181,9 +181,9 @@ class ScheduleMixin:
     def inline_at(self, pos: int) -> None:
         """Compute this tensor inside its consumers' first ``pos`` loops (-1: deepest valid).
 
-        With -1 and a consumer not scheduled yet (left to follow the schedule), the deepest
-        position is found when the fusion is lowered; ``inline_position`` shows the one valid
-        now."""
+        Other negative positions count from the end (-2: all loop axes but the last). With -1
+        and a consumer not scheduled yet (left to follow the schedule), the deepest position
+        is found when the fusion is lowered; ``inline_position`` shows the one valid now."""
         self._fd._core.inline_at(self._id, _int(pos, "position", self.name))
 
     def set_allocation_domain(self, axes: Sequence[Union[int, IterDomain]],

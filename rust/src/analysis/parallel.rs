@@ -168,8 +168,7 @@ fn derives_from(f: &Fusion, id: crate::ir::IterDomainId, root: crate::ir::IterDo
 /// Along a dimension `pt` the read stays in the writing thread when the producer shares the
 /// `pt` loop with the consumer (inlined past it), when both run `pt` over exactly mapped ids
 /// (each index reads the element it wrote), or when the producer is Local and does not use
-/// `pt` or uses it only over a broadcast as long as the consumer's axis (each index computed
-/// its own copy; so is a Shared producer along a block dimension). A Shared or Global producer that does not use `pt` is otherwise written by
+/// `pt` or uses it only over a broadcast (each index computed its own copy; so is a Shared producer along a block dimension). A Shared or Global producer that does not use `pt` is otherwise written by
 /// index 0 of it, which only a consumer restricted to index 0 (one that does not use `pt`
 /// either and is not private along it) reads back without crossing.
 pub fn cross_reads(f: &Fusion, lg: &LoopGraph, exact: &IdGraph, p: TvId, e: ExprId) -> Vec<CrossRead> {
@@ -210,13 +209,12 @@ pub fn cross_reads(f: &Fusion, lg: &LoopGraph, exact: &IdGraph, p: TvId, e: Expr
                 // broadcast and an iteration axis stores the broadcast's copies at their
                 // own offsets, while a consumer reads the one copy its logical index names,
                 // which another thread may have stored.
-                // A Local broadcast axis on `pt` as long as the consumer's: every index of
-                // `pt` computes the one element in its own registers (a keepdim row sum
-                // split like the row it divides).
-                Some(b)
+                // A Local broadcast axis on `pt`: its loop is not bounded (a broadcast has
+                // no elements to guard), so every index of `pt` computes the one element in
+                // its own registers (a keepdim row sum parallelized like the row it divides).
+                Some(_)
                     if pt_.memory == MemoryType::Local
-                        && f.ids[pt_.loop_domain[a]].iter_type == IterType::Broadcast
-                        && same_extent(f, pt_.loop_domain[a], ct.loop_domain[b]) =>
+                        && f.ids[pt_.loop_domain[a]].iter_type == IterType::Broadcast =>
                 {
                     false
                 }
@@ -241,12 +239,6 @@ pub fn cross_reads(f: &Fusion, lg: &LoopGraph, exact: &IdGraph, p: TvId, e: Expr
         }
     }
     out
-}
-
-/// True when ids `a` and `b` have the same extent (one symbol, or equal constants).
-fn same_extent(f: &Fusion, a: IterDomainId, b: IterDomainId) -> bool {
-    let (x, y) = (f.ids[a].extent, f.ids[b].extent);
-    x == y || f.scalars.as_int(x).is_some_and(|v| f.scalars.as_int(y) == Some(v))
 }
 
 #[cfg(test)]

@@ -314,7 +314,7 @@ impl Fusion {
     }
 
     /// A copy of `tv` that the readers `uses` read instead.
-    fn cache_after_uses(&mut self, tv: TvId, uses: Vec<ExprId>) -> Result<TvId> {
+    pub(crate) fn cache_after_uses(&mut self, tv: TvId, uses: Vec<ExprId>) -> Result<TvId> {
         let name = self.tv_name(tv);
         if self.tvs[tv].inline_pos > 0 {
             bail!("cache_after {name}: {name} is already inlined; call cache_after before inline_at");
@@ -405,8 +405,11 @@ impl Fusion {
             return Ok(());
         }
         self.tvs[tv].inline_deepest = false;
+        // Other negative positions count from the end, as nvFuser's do (-2 is `n - 1`).
+        let given = pos;
+        let pos = if pos < -1 { pos + n as i64 + 1 } else { pos };
         if pos < 0 || pos as usize > n {
-            bail!("inline_at {name}: position {pos} is out of range; expected 0 to {n} (or -1 for the deepest valid position)");
+            bail!("inline_at {name}: position {given} is out of range; expected 0 to {n}, -1 for the deepest valid position, or -2 to -{} counting from the end", n + 1);
         }
         let pos = pos as usize;
         if pos > 0 && self.tvs[tv].uses.is_empty() {
@@ -427,6 +430,13 @@ impl Fusion {
 
     /// The deepest position at which `tv` can be inlined into all its consumers.
     pub fn max_inline_pos(&self, tv: TvId) -> usize {
+        self.deepest_inline_within(tv, crate::sched::propagate::before_serial_reduction(self, tv))
+    }
+
+    /// The deepest position up to `limit` at which `tv` can be inlined into all its
+    /// consumers: one `check_inline` accepts, sharing no loop that the producer and a
+    /// consumer parallelize differently (one loop has one parallel type).
+    pub(crate) fn deepest_inline_within(&self, tv: TvId, limit: usize) -> usize {
         if self.tvs[tv].uses.is_empty() || self.is_input(tv) {
             return 0;
         }
@@ -434,10 +444,21 @@ impl Fusion {
         // copy keeps its own loop and can be emitted as one wide access.
         let vec_pos =
             |t: TvId| self.tvs[t].loop_domain.iter().position(|&id| self.ids[id].parallel == ParallelType::Vectorize);
-        let mut n = self.tvs[tv].loop_domain.len();
+        let mut n = self.tvs[tv].loop_domain.len().min(limit);
         for t in std::iter::once(tv).chain(self.consumers(tv)) {
             if let Some(v) = vec_pos(t) {
                 n = n.min(v);
+            }
+        }
+        let ld = &self.tvs[tv].loop_domain;
+        for c in self.consumers(tv) {
+            let cl = &self.tvs[c].loop_domain;
+            let clash = (0..n.min(cl.len())).find(|&i| {
+                let (p, q) = (self.ids[ld[i]].parallel, self.ids[cl[i]].parallel);
+                p != ParallelType::Serial && q != ParallelType::Serial && p != q
+            });
+            if let Some(i) = clash {
+                n = i;
             }
         }
         (0..=n).rev().find(|&p| self.check_inline(tv, p).is_ok()).unwrap_or(0)

@@ -180,8 +180,8 @@ fn propagate(f: &mut Fusion, tv: TvId) -> Placed {
         *f = saved;
         return Placed::Kept;
     }
-    let deepest = f.max_inline_pos(tv);
-    let p = deepest.min(before_serial_reduction(f, tv));
+    let deepest = f.deepest_inline_within(tv, usize::MAX);
+    let p = f.max_inline_pos(tv);
     f.tvs[tv].inline_pos = p;
     let t = &f.tvs[tv];
     let outside =
@@ -226,19 +226,22 @@ fn recomputable(f: &Fusion, tv: TvId) -> bool {
 }
 
 /// Where `tv` is reduced by one reader (directly or through element-wise ops) and read by
-/// others too (softmax's `exp(x)`, read by its sum and by the difference after it), the position of the reduction's first serial
-/// reduced loop: inlined past it, `tv`'s loop there would be the reduction's and its other
-/// readers', which read the reduction's result before the loop completes it. (Reduced axes on
-/// threads or blocks complete in a block or grid reduction first.) Otherwise no limit.
-fn before_serial_reduction(f: &Fusion, tv: TvId) -> usize {
+/// others that also read the reduction's result (softmax's `exp(x)`, read by its sum and by
+/// the difference after it), the position of the reduction's first serial reduced loop:
+/// inlined past it, `tv`'s loop there would be the reduction's and its other readers',
+/// which read the reduction's result before the loop completes it. (Reduced axes on threads
+/// or blocks complete in a block or grid reduction first; two reductions of `tv` and
+/// nothing reading their results share the loop.) Otherwise no limit.
+pub(crate) fn before_serial_reduction(f: &Fusion, tv: TvId) -> usize {
     let uses = &f.tvs[tv].uses;
     if uses.len() < 2 {
         return usize::MAX;
     }
-    // Reductions reached through element-wise ops (layernorm's `sum(xm * xm)` of the
-    // centered `xm`, which the output reads too).
+    // The exprs reached through element-wise ops (layernorm's `sum(xm * xm)` of the
+    // centered `xm`, which the output reads too), and the reductions among them.
+    let mut reached = Vec::new();
     let mut reductions = Vec::new();
-    let mut stack: Vec<crate::ir::ExprId> = uses.clone();
+    let mut stack: Vec<ExprId> = uses.clone();
     let mut seen = rustc_hash::FxHashSet::default();
     while let Some(u) = stack.pop() {
         if !seen.insert(u) {
@@ -246,13 +249,27 @@ fn before_serial_reduction(f: &Fusion, tv: TvId) -> usize {
         }
         match &f.exprs[u].op {
             crate::ir::Op::Reduction { .. } => reductions.push(u),
-            op if op.is_elementwise() => stack.extend(f.tvs[f.exprs[u].output].uses.iter().copied()),
-            _ => {}
+            op if op.is_elementwise() => {
+                reached.push(u);
+                stack.extend(f.tvs[f.exprs[u].output].uses.iter().copied());
+            }
+            _ => reached.push(u),
         }
     }
     let mut cap = usize::MAX;
     for u in reductions {
         let r = f.exprs[u].output;
+        // Everything computed from the reduction's result.
+        let mut after: rustc_hash::FxHashSet<TvId> = rustc_hash::FxHashSet::default();
+        let mut todo = vec![r];
+        while let Some(t) = todo.pop() {
+            if after.insert(t) {
+                todo.extend(f.tvs[t].uses.iter().map(|&e| f.exprs[e].output));
+            }
+        }
+        if !reached.iter().any(|&e| f.exprs[e].input_tvs().any(|t| after.contains(&t))) {
+            continue;
+        }
         let serial_reduced = f.tvs[r]
             .loop_domain
             .iter()

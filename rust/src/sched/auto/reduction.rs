@@ -16,7 +16,7 @@
 use crate::bail;
 use crate::error::Result;
 use crate::ir::{ExprId, Fusion, IterType, Op, Operand, ParallelType, TvId};
-use crate::sched::auto::{tensor_sizes, Ctx, Heuristic, Params};
+use crate::sched::auto::{canonical, tensor_sizes, Ctx, Heuristic, Params};
 use rustc_hash::{FxHashMap, FxHashSet};
 
 fn merge_range(f: &mut Fusion, t: TvId, start: usize, count: usize) -> Result<()> {
@@ -439,7 +439,10 @@ fn schedule_after(f: &mut Fusion, after: &[TvId], rank: usize) -> Result<()> {
 
 fn inline_into_after(f: &mut Fusion, rs: &[TvId], after: &[TvId]) -> Result<()> {
     if !after.is_empty() {
-        for &r in rs {
+        // A reduction that is only an output (a row max beside a row mean) has no loops to
+        // join: it is stored where it completes.
+        let joined: Vec<TvId> = rs.iter().copied().filter(|&r| !f.tvs[r].uses.is_empty()).collect();
+        for r in joined {
             f.inline_at(r, 1)?;
         }
     }
@@ -472,10 +475,70 @@ fn read_by_a_reduction(f: &Fusion, rs: &[TvId]) -> Option<TvId> {
     rs.iter().copied().find(|r| read.contains(r))
 }
 
+/// Give each of the full reductions `rs` its own copy of an element-wise tensor that leads
+/// to several of them (a masked mean's `cast(mask)`, summed itself and multiplied into the
+/// loss): each reduction runs its own loop nest, and one copy shared by two nests was held
+/// whole by every thread between them (256 registers a thread at 16384 x 4096) or could not
+/// be placed at all. A tensor that is an output, or also leads to an output, stays one.
+fn copies_per_reduction(f: &mut Fusion, rs: &[TvId]) -> Result<()> {
+    // Readers first: a copy adds readers to its producers, which come later in this order.
+    for e in f.topo_exprs().into_iter().rev() {
+        let t = f.exprs[e].output;
+        if rs.contains(&t) || f.is_output(t) || !f.exprs[e].op.is_elementwise() {
+            continue;
+        }
+        // The reductions of `rs` each reader leads to; None where it also reaches an output.
+        let mut groups: Vec<(Option<TvId>, Vec<ExprId>)> = Vec::new();
+        for u in f.tvs[t].uses.clone() {
+            let reached = reduction_reached(f, rs, f.exprs[u].output);
+            match groups.iter_mut().find(|(k, _)| *k == reached) {
+                Some((_, us)) => us.push(u),
+                None => groups.push((reached, vec![u])),
+            }
+        }
+        if groups.len() < 2 || groups.iter().any(|(k, _)| k.is_none()) {
+            continue;
+        }
+        for (_, us) in groups.iter().skip(1) {
+            let c = canonical::recompute(f, t)?;
+            for &u in us {
+                f.redirect_use(u, t, c);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The one reduction of `rs` that `t` flows into (itself included), or None where it flows
+/// into several, into none, or into an output that is not one of them.
+fn reduction_reached(f: &Fusion, rs: &[TvId], t: TvId) -> Option<TvId> {
+    let mut found: Option<TvId> = None;
+    let mut stack = vec![t];
+    let mut seen = FxHashSet::default();
+    while let Some(x) = stack.pop() {
+        if !seen.insert(x) {
+            continue;
+        }
+        if rs.contains(&x) {
+            if found.is_some_and(|r| r != x) {
+                return None;
+            }
+            found = Some(x);
+            continue;
+        }
+        if f.is_output(x) {
+            return None;
+        }
+        stack.extend(f.tvs[x].uses.iter().map(|&u| f.exprs[u].output));
+    }
+    found
+}
+
 /// Everything reduced: a grid of blocks each summing a strided share, one loop nest per
 /// reduction (several totals of tensors of different shapes share the grid: the squares of
 /// a weight's and a bias's gradients summed into one norm).
 fn full(f: &mut Fusion, cx: &Ctx, rs: &[TvId]) -> Result<Heuristic> {
+    copies_per_reduction(f, rs)?;
     let (before, after) = by_dependence(f, rs, &[]);
     if let Some(o) = read_by_a_reduction(f, rs) {
         bail!("{}: a reduction reads it; reductions of reductions need a kernel each", f.tv_name(o));
@@ -486,12 +549,15 @@ fn full(f: &mut Fusion, cx: &Ctx, rs: &[TvId]) -> Result<Heuristic> {
             f.tv_name(t)
         );
     }
-    // Each tensor before the reductions runs in the loops of the first one it lines up with.
+    // Each tensor before the reductions runs in the loops of the reduction it flows into, else
+    // of the first one it lines up with.
     let mut groups: Vec<Vec<TvId>> = vec![Vec::new(); rs.len()];
     let graph = crate::analysis::id_graph::IdGraph::permissive(f);
     for &t in &before {
-        let Some(i) = rs.iter().position(|&r| super::misaligned_in(&graph, f, cx, &f.tvs[r].logical, &[t]).is_none())
-        else {
+        let aligned = |r: TvId| super::misaligned_in(&graph, f, cx, &f.tvs[r].logical, &[t]).is_none();
+        // The nest of the one reduction it flows into, where it lines up with it.
+        let own = reduction_reached(f, rs, t).filter(|&r| aligned(r)).and_then(|r| rs.iter().position(|&x| x == r));
+        let Some(i) = own.or_else(|| rs.iter().position(|&r| aligned(r))) else {
             bail!(
                 "{}: its axes do not line up with those of any reduction's input; it needs a kernel of its own",
                 f.tv_name(t)
@@ -525,7 +591,11 @@ fn full(f: &mut Fusion, cx: &Ctx, rs: &[TvId]) -> Result<Heuristic> {
         for op in f.inputs.clone() {
             let Operand::Tensor(x) = op else { continue };
             if v > 1 && reads.contains(&x) && super::full_size_input(f, x, n) && !f.tvs[x].uses.is_empty() {
-                let c = f.cache_after(x)?;
+                // Only this nest's readers: another reduction's nest loads its own vectors.
+                let members: Vec<TvId> = groups[i].iter().chain([&r]).copied().collect();
+                let mine: Vec<ExprId> =
+                    f.tvs[x].uses.iter().copied().filter(|&u| members.contains(&f.exprs[u].output)).collect();
+                let c = f.cache_after_uses(x, mine)?;
                 // Read once, like the inner case (full sum: 64.8 us against 65.3).
                 f.set_streaming_load(c)?;
                 caches.push(c);
