@@ -996,6 +996,7 @@ pub fn merge_nested_reductions(f: &mut Fusion) -> Result<()> {
                 || f.is_output(inner)
                 || live_uses != 1
                 || f.tvs[inner].uses.len() != 1
+                || computed_from_a_reduction(f, x)
             {
                 continue;
             }
@@ -1028,6 +1029,85 @@ pub fn merge_nested_reductions(f: &mut Fusion) -> Result<()> {
         }
         return Ok(());
     }
+}
+
+/// A reduction over axes `D` of a tensor computed from a reduction over fewer of the same
+/// positions `R` (a log-softmax over axis 1, then summed over axes 0 and 1: KL divergence
+/// with `batchmean`, a label-smoothed loss) becomes a reduction over `R`, then over the
+/// rest: the row schedule then computes the row sums beside its own and takes their sum as
+/// a total, where one reduction over `D` was a second class of reduction (a second kernel
+/// reading the row tensor back from Global). Sums, maxima and minima only (their order of
+/// combination is free).
+pub fn split_reductions_of_rows(f: &mut Fusion) -> Result<()> {
+    'again: loop {
+        for e in f.topo_exprs() {
+            let Op::Reduction { op, .. } = f.exprs[e].op else { continue };
+            if !matches!(op, ReductionOp::Sum | ReductionOp::Max | ReductionOp::Min) {
+                continue;
+            }
+            let Some(x) = f.exprs[e].inputs[0].tensor() else { continue };
+            let rank = f.no_reduction_logical(x).len();
+            let outer = reduced_axes(f, e);
+            if outer.len() < 2 || f.tvs[f.exprs[e].output].logical.len() != rank {
+                continue;
+            }
+            let Some(rows) = upstream_row_axes(f, x, rank, &outer) else { continue };
+            let dtype = f.tvs[f.exprs[e].output].dtype;
+            let inner = f.reduction(op, x, &rows.iter().map(|&a| a as i64).collect::<Vec<_>>(), false, Some(dtype))?;
+            let kept: Vec<usize> = (0..rank).filter(|a| !rows.contains(a)).collect();
+            let rest: Vec<i64> =
+                kept.iter().enumerate().filter(|(_, a)| outer.contains(a)).map(|(i, _)| i as i64).collect();
+            let total = f.reduction(op, inner, &rest, false, Some(dtype))?;
+            let old = f.exprs[e].output;
+            replace_tensor(f, old, total);
+            f.tvs[x].uses.retain(|&u| u != e);
+            continue 'again;
+        }
+        return Ok(());
+    }
+}
+
+/// The axes an upstream reduction of a tensor of rank `rank` reduces, where they are some but
+/// not all of `outer` (the first such reduction found above `t`).
+fn upstream_row_axes(f: &Fusion, t: TvId, rank: usize, outer: &[usize]) -> Option<Vec<usize>> {
+    let mut stack = vec![t];
+    let mut seen: FxHashSet<TvId> = FxHashSet::default();
+    while let Some(x) = stack.pop() {
+        if !seen.insert(x) {
+            continue;
+        }
+        let Some(d) = f.tvs[x].definition else { continue };
+        if matches!(f.exprs[d].op, Op::Reduction { .. }) {
+            let input_rank = f.exprs[d].inputs[0].tensor().map_or(0, |i| f.no_reduction_logical(i).len());
+            let r = reduced_axes(f, d);
+            if input_rank == rank && !r.is_empty() && r.len() < outer.len() && r.iter().all(|a| outer.contains(a)) {
+                return Some(r);
+            }
+        }
+        stack.extend(f.exprs[d].input_tvs());
+    }
+    None
+}
+
+/// True when `t` is computed from a reduction's result. Such a tensor belongs to a row
+/// schedule (a log-softmax's picked value, summed per row and then over the rows): the sum
+/// of its row sums is a total of that schedule, where one reduction over both axes would be
+/// a second class of reduction beside the rows' (a kernel of its own, reading the row
+/// tensor back from Global).
+fn computed_from_a_reduction(f: &Fusion, t: TvId) -> bool {
+    let mut stack = vec![t];
+    let mut seen: FxHashSet<TvId> = FxHashSet::default();
+    while let Some(x) = stack.pop() {
+        if !seen.insert(x) {
+            continue;
+        }
+        let Some(d) = f.tvs[x].definition else { continue };
+        if matches!(f.exprs[d].op, Op::Reduction { .. }) {
+            return true;
+        }
+        stack.extend(f.exprs[d].input_tvs());
+    }
+    false
 }
 
 /// Replace `sum(exp(x - broadcast(max(x))))` over the same axes by

@@ -93,7 +93,7 @@ fn sinks(f: &Fusion, t: TvId) -> Vec<TvId> {
 pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuristic> {
     let (reductions, totals) = super::split_totals(f, reductions);
     let totals: Vec<TvId> = totals.iter().map(|&e| f.exprs[e].output).collect();
-    let post = super::downstream(f, &totals);
+    let post = super::after_totals(f, &totals);
     if !totals.is_empty() && !is_red_last(f, reductions[0]) {
         bail!(
             "{}: a total over column tiles needs the rows on the blocks; it needs a kernel of its own",

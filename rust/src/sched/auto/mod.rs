@@ -339,6 +339,38 @@ pub(crate) fn downstream(f: &Fusion, roots: &[TvId]) -> Vec<TvId> {
     out
 }
 
+/// What is computed from the totals of a row schedule (`downstream` of them), with the
+/// values of scalars alone that only those read (`total / cast(S)` of a runtime size): they
+/// run where the totals finish, as the rest of it does.
+pub(crate) fn after_totals(f: &Fusion, totals: &[TvId]) -> Vec<TvId> {
+    let mut post = downstream(f, totals);
+    if post.is_empty() {
+        return post;
+    }
+    let from_scalars = |f: &Fusion, t: TvId, post: &[TvId]| {
+        f.tvs[t].definition.is_some_and(|d| f.exprs[d].input_tvs().all(|i| post.contains(&i)))
+            && f.no_reduction_logical(t).is_empty()
+            && !f.tvs[t].uses.is_empty()
+            && f.tvs[t].uses.iter().all(|&u| post.contains(&f.exprs[u].output))
+    };
+    let order = f.topo_exprs();
+    // Readers first, so a chain of such values joins from its reader back.
+    loop {
+        let found = order
+            .iter()
+            .rev()
+            .map(|&e| f.exprs[e].output)
+            .find(|&t| !post.contains(&t) && !totals.contains(&t) && from_scalars(f, t, &post));
+        let Some(t) = found else { break };
+        post.push(t);
+    }
+    // In dependency order, as `downstream` gives it.
+    let at: rustc_hash::FxHashMap<TvId, usize> =
+        order.iter().enumerate().map(|(i, &e)| (f.exprs[e].output, i)).collect();
+    post.sort_by_key(|t| at.get(t).copied().unwrap_or(0));
+    post
+}
+
 /// The reductions of `reds` that a row schedule runs as totals of its rows, and the others.
 /// A total reduces every axis of a per-row value (a tensor of the kept axes of the widest
 /// reductions: a loss averaged over the rows, the sum of the row sums, a count of the valid

@@ -119,7 +119,7 @@ pub(super) fn check_aligned(f: &Fusion, cx: &Ctx, r0: TvId, rows: &[TvId], full_
 pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuristic> {
     let (reductions, totals) = super::split_totals(f, reductions);
     let totals: Vec<TvId> = totals.iter().map(|&e| f.exprs[e].output).collect();
-    let post = super::downstream(f, &totals);
+    let post = super::after_totals(f, &totals);
     let r0 = f.exprs[reductions[0]].output;
     let logical = f.tvs[r0].logical.clone();
     let n = logical.len();

@@ -92,7 +92,7 @@ fn by_dependence(f: &Fusion, rs: &[TvId], late: &[TvId]) -> (Vec<TvId>, Vec<TvId
 pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> {
     let (reds, totals) = super::split_totals(f, reds);
     let totals: Vec<TvId> = totals.iter().map(|&e| f.exprs[e].output).collect();
-    let post = super::downstream(f, &totals);
+    let post = super::after_totals(f, &totals);
     let rs: Vec<TvId> = reds.iter().map(|&e| f.exprs[e].output).collect();
     let everything =
         |f: &Fusion, o: TvId| f.tvs[o].logical.iter().all(|&id| f.ids[id].iter_type == IterType::Reduction);

@@ -119,7 +119,7 @@ fn threads_and_steps(vectors: i64, target: i64) -> (i64, i64) {
 pub fn schedule(f: &mut Fusion, cx: &Ctx, reductions: &[ExprId]) -> Result<Heuristic> {
     let (reductions, totals) = super::split_totals(f, reductions);
     let totals: Vec<TvId> = totals.iter().map(|&e| f.exprs[e].output).collect();
-    let post = super::downstream(f, &totals);
+    let post = super::after_totals(f, &totals);
     let r0 = f.exprs[reductions[0]].output;
     let n = f.tvs[r0].logical.len();
     let is_red = normalization::reduced_pattern(f, &reductions)?;
