@@ -271,6 +271,26 @@ def test_a_value_of_a_runtime_size_broadcast_with_a_ramp_stays_in_one_kernel(two
     assert len(lowered_for(fd, [x]).kernels) == 1
 
 
+@pytest.mark.parametrize("shape", [(7, 33), (1, 5), (130, 1000)])
+def test_a_squeezed_epilogue_of_a_keepdim_statistic_stays_in_the_rows_kernel(shape) -> None:
+    """Flash-attention style ``(probs, lse)`` with ``lse = log(sum(exp(x), keepdim)).squeeze(1)``:
+    the keepdim ``log`` runs its size-one axis on the row's threads, each computing the one
+    value in its registers, and the squeezed output reads it there (it took a second kernel)."""
+    from kiln.execute import lowered_for
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        s = fd.ops.sum(fd.ops.exp(x), dims=[1], keepdim=True)
+        fd.add_output(fd.ops.div(fd.ops.exp(x), s))
+        fd.add_output(fd.ops.squeeze(fd.ops.log(s), [1]))
+    x_ = np.random.default_rng(shape[1]).standard_normal(shape).astype(np.float32)
+    p, lse = fd.execute([x_])
+    e = np.exp(x_.astype(np.float64))
+    np.testing.assert_allclose(p, e / e.sum(1, keepdims=True), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(lse, np.log(e.sum(1)), rtol=1e-5, atol=1e-6)
+    assert len(lowered_for(fd, [x_]).kernels) == 1
+
+
 def test_a_broadcast_of_a_broadcast_is_one_broadcast() -> None:
     """Mamba's discretisation: ``delta = softplus(dt + dt_bias)`` over [B, L, D] (the bias
     broadcast), then ``exp(delta[..., None] * A)`` over [B, L, D, N]. The two broadcasts of

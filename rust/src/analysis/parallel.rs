@@ -204,20 +204,20 @@ pub fn cross_reads(f: &Fusion, lg: &LoopGraph, exact: &IdGraph, p: TvId, e: Expr
         let crosses = match pa {
             Some(a) if a < pt_.inline_pos => false,
             Some(a) if gathered.iter().any(|&sel| derives_from(f, pt_.loop_domain[a], sel)) => true,
+            // A Local broadcast axis on `pt`: its loop is not bounded (a broadcast has no
+            // elements to guard), so every index of `pt` computes the one element in its own
+            // registers (a keepdim row sum parallelized like the row it divides, read by a
+            // consumer on `pt` or by one that every index of `pt` runs).
+            Some(a)
+                if pt_.memory == MemoryType::Local && f.ids[pt_.loop_domain[a]].iter_type == IterType::Broadcast =>
+            {
+                false
+            }
             Some(a) => match ca {
                 // Shared and Global memory are addressed by element: an axis merged from a
                 // broadcast and an iteration axis stores the broadcast's copies at their
                 // own offsets, while a consumer reads the one copy its logical index names,
                 // which another thread may have stored.
-                // A Local broadcast axis on `pt`: its loop is not bounded (a broadcast has
-                // no elements to guard), so every index of `pt` computes the one element in
-                // its own registers (a keepdim row sum parallelized like the row it divides).
-                Some(_)
-                    if pt_.memory == MemoryType::Local
-                        && f.ids[pt_.loop_domain[a]].iter_type == IterType::Broadcast =>
-                {
-                    false
-                }
                 Some(b) => {
                     let id = pt_.loop_domain[a];
                     let mixed = pt_.memory != MemoryType::Local
