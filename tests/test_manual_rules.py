@@ -565,9 +565,8 @@ def test_two_reductions_of_one_tensor_share_its_loop_under_inline_most() -> None
     np.testing.assert_allclose(g2, (xd * xd).sum(1), rtol=1e-5)
 
 
-def test_inline_most_stops_before_a_loop_parallelized_two_ways() -> None:
-    # The cache's axis 1 is TIDx, the consumer's is Unroll: one loop has one parallel type,
-    # so inline_at(-1) stops at 1 (nvFuser's inline_most too).
+def doubled_through_a_shared_cache():
+    """``y = 2 * x`` read through a Shared cache ``c``, both split ``[M, N/32, 32]``."""
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, -1])
         y = fd.ops.mul(x, 2.0)
@@ -576,6 +575,13 @@ def test_inline_most_stops_before_a_loop_parallelized_two_ways() -> None:
     c.set_memory_type(MemoryType.Shared)
     for t in (c, y):
         t.split(1, 32)
+    return fd, c, y
+
+
+def test_inline_most_stops_before_a_loop_parallelized_two_ways() -> None:
+    # The cache's axis 1 is TIDx, the consumer's is Unroll: one loop has one parallel type,
+    # so inline_at(-1) stops at 1 (nvFuser's inline_most too).
+    fd, c, y = doubled_through_a_shared_cache()
     c.axis(0).parallelize(ParallelType.BIDx)
     c.axis(1).parallelize(ParallelType.TIDx)
     y.axis(0).parallelize(ParallelType.BIDx)
@@ -589,14 +595,7 @@ def test_inline_most_stops_before_a_loop_parallelized_two_ways() -> None:
 
 @pytest.mark.parametrize("pos, want", [(-2, 2), (-3, 1), (-4, 0)])
 def test_negative_inline_positions_count_from_the_end(pos: int, want: int) -> None:
-    with FusionDefinition() as fd:
-        x = fd.define_tensor([-1, -1])
-        y = fd.ops.mul(x, 2.0)
-        fd.add_output(y)
-    c = x.cache_after()
-    c.set_memory_type(MemoryType.Shared)
-    for t in (c, y):
-        t.split(1, 32)
+    fd, c, y = doubled_through_a_shared_cache()
     y.axis(0).parallelize(ParallelType.BIDx)
     y.axis(2).parallelize(ParallelType.TIDx)
     c.inline_at(pos)

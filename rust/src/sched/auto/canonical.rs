@@ -294,22 +294,7 @@ fn kept_positions(f: &mut Fusion, is_new: &[bool]) -> Vec<ValId> {
 /// copied its k-term sum of squares into each of its k scaled outputs (k^2 ops to
 /// schedule, and k adds per element of every output).
 fn shared_total(f: &Fusion, x: TvId) -> bool {
-    if !f.no_reduction_logical(x).is_empty() || f.tvs[x].uses.len() < 2 {
-        return false;
-    }
-    let mut stack = vec![x];
-    let mut seen: FxHashSet<TvId> = FxHashSet::default();
-    while let Some(t) = stack.pop() {
-        if !seen.insert(t) {
-            continue;
-        }
-        let Some(d) = f.tvs[t].definition else { continue };
-        if matches!(f.exprs[d].op, Op::Reduction { .. }) {
-            return true;
-        }
-        stack.extend(f.exprs[d].input_tvs());
-    }
-    false
+    f.no_reduction_logical(x).is_empty() && f.tvs[x].uses.len() >= 2 && computed_from_a_reduction(f, x)
 }
 
 /// The source of an expand, `where(full(true), a, a)` (how `broadcast_in_dim` to a fixed
