@@ -272,5 +272,5 @@ def test_squeeze_of_a_one_wide_slice_of_a_runtime_size(k: int) -> None:
     got, total = fd.execute([a])
     np.testing.assert_allclose(got, 2.0 * a[:, k], rtol=1e-6)
     np.testing.assert_allclose(total, np.exp(a[:, k].astype(np.float64)).sum(), rtol=1e-5)
-    with pytest.raises(KilnError, match=r"T\d+ axis 1, squeezed into T\d+: sizes 0 and 1 must be equal"):
+    with pytest.raises(KilnError, match=r"squeeze: axis 1 of T\d+ must have size one \(.* = 0 for these"):
         fd.execute([np.zeros((7, k), np.float32)])

@@ -904,6 +904,21 @@ impl Fusion {
             }
             removed[d] = true;
         }
+        for (d, &id) in inp.iter().enumerate() {
+            let extent = self.ids[id].extent;
+            if !removed[d] || self.ids[id].iter_type == IterType::Broadcast || self.scalars.as_int(extent).is_some() {
+                continue;
+            }
+            // A computed size is checked when the inputs are bound, before any kernel, so
+            // that rewrites reading the squeezed tensor's source at index 0
+            // (`canonical::squeeze_remaps`) keep the check.
+            let one = self.scalars.int(1);
+            let holds = self.scalars.binary(ScalarOp::Eq, extent, one);
+            if !self.size_checks.iter().any(|c| c.holds == holds) {
+                let what = format!("squeeze: axis {d} of {} must have size one", self.tv_name(x));
+                self.size_checks.push(crate::ir::shape_ops::SizeCheck { holds, values: vec![extent], what });
+            }
+        }
         let mut logical = Vec::new();
         for (&id, &r) in inp.iter().zip(&removed) {
             if !r {

@@ -51,6 +51,15 @@
 //!   nothing, so `sum(t, [0, 1])` of a `[B, 1]` tensor is `sum(squeeze(t), [0])`: a total
 //!   over the rows that the row schedule computes in its kernel (the mean of a gathered
 //!   `[B, 1]` log-probability), not a reduction over other axes than the rows'.
+//! - **Squeezes sink towards the inputs.** `squeeze(op(a, b))` becomes
+//!   `op(squeeze(a), squeeze(b))` for element-wise ops, and a squeeze of a permute the
+//!   permute of the squeezed source, until a squeeze reads an input (a view of its buffer,
+//!   `view_input_reshapes`), a remap (`squeeze_remaps`: a one-wide slice read at its
+//!   column), a broadcast or a reduction. A lower-rank tensor between full-rank ones was a
+//!   kernel of its own: `relu(x[:, k:k+1]).squeeze(1)` took two, box coordinates as
+//!   one-wide column slices against their transposes five. A slice of a runtime size is
+//!   one wide only for sizes above its start; `Fusion::squeeze` records that check, and the
+//!   host makes it when the inputs are bound.
 //! - **A squeeze of a broadcast is its source** when it removes exactly the axes the
 //!   broadcast added (`x.max(-1, keepdim=True)` squeezed back): the per-row value is then
 //!   read as such, not through a full-rank tensor a row schedule spreads over threads.
@@ -759,7 +768,8 @@ pub fn view_input_reshapes(f: &mut Fusion) {
     for e in f.topo_exprs() {
         let Some(x) = f.exprs[e].inputs.first().and_then(|o| o.tensor()) else { continue };
         let out = f.exprs[e].output;
-        if !viewable_input(f, x) || f.is_output(out) || !pure_reshape(f, e) || !same_element_count(f, x, out) {
+        let moves_nothing = pure_reshape(f, e) || squeezes_ones(f, e);
+        if !viewable_input(f, x) || f.is_output(out) || !moves_nothing || !same_element_count(f, x, out) {
             continue;
         }
         make_view(f, e, x);
@@ -936,6 +946,15 @@ fn pure_reshape(f: &mut Fusion, e: ExprId) -> bool {
     // A remap of a broadcast source (`iota(5)` under a [5, 4] mask, sunk from a reshape of
     // the mask) reads fewer elements than it writes: not a reshape of its positions.
     same_element_count(f, x, out) && f.reshape_index(&ins, &outs) == index
+}
+
+/// True when `e` squeezes axes of constant size one: a row-major reshape.
+fn squeezes_ones(f: &Fusion, e: ExprId) -> bool {
+    let Op::Squeeze { removed } = &f.exprs[e].op else { return false };
+    let Some(x) = f.exprs[e].inputs[0].tensor() else { return false };
+    let xl = f.no_reduction_logical(x);
+    xl.len() == removed.len()
+        && removed.iter().zip(&xl).all(|(&gone, &id)| !gone || f.scalars.as_int(f.ids[id].extent) == Some(1))
 }
 
 /// True when `x` is a reshape of a tensor computed in the fusion, or an element-wise op
@@ -1367,6 +1386,93 @@ pub fn reduce_broadcast_axes(f: &mut Fusion) -> Result<()> {
     Ok(())
 }
 
+/// A squeeze of an element-wise op is the op of its squeezed operands (see the module
+/// docs), until every squeeze reads an input, a remap, a broadcast or a reduction.
+pub fn sink_squeezes(f: &mut Fusion) -> Result<()> {
+    // Each rewrite moves one squeeze one op closer to the inputs, so this terminates.
+    'again: loop {
+        for e in f.topo_exprs() {
+            let Op::Squeeze { removed } = f.exprs[e].op.clone() else { continue };
+            let Some(x) = f.exprs[e].inputs[0].tensor() else { continue };
+            let Some(d) = f.tvs[x].definition else { continue };
+            let op = f.exprs[d].op.clone();
+            let xl = f.no_reduction_logical(x);
+            if xl.len() != removed.len() {
+                continue;
+            }
+            // A squeeze of a permute is a permute of the squeezed source (of none, where
+            // one axis is left): the boxes of `x[:, k:k+1]` against `y[:, k:k+1].T`.
+            if let Op::Permute { perm } = &op {
+                let Some(y) = f.exprs[d].inputs[0].tensor() else { continue };
+                let mut gone = vec![false; perm.len()];
+                for (i, &src) in perm.iter().enumerate() {
+                    gone[src] = removed[i];
+                }
+                let dims: Vec<i64> = (0..gone.len()).filter(|&a| gone[a]).map(|a| a as i64).collect();
+                let sq = squeezed(f, y, &gone, &dims)?;
+                // The kept source axes, renumbered in the squeezed tensor's order.
+                let rank_of = |a: usize| (0..a).filter(|&b| !gone[b]).count() as i64;
+                let kept: Vec<i64> =
+                    perm.iter().zip(&removed).filter(|(_, &r)| !r).map(|(&src, _)| rank_of(src)).collect();
+                let moved =
+                    if kept.iter().enumerate().all(|(i, &k)| k == i as i64) { sq } else { f.permute(sq, &kept)? };
+                let old = f.exprs[e].output;
+                replace_tensor(f, old, moved);
+                f.tvs[x].uses.retain(|&u| u != e);
+                continue 'again;
+            }
+            if !op.is_elementwise() {
+                continue;
+            }
+            // Every operand's removed axis must be one wherever the squeezed one is: a
+            // broadcast, a constant one, or the same (checked) size.
+            let fits = |f: &Fusion, t: TvId| {
+                let tl = f.no_reduction_logical(t);
+                tl.is_empty()
+                    || (tl.len() == xl.len()
+                        && removed.iter().zip(tl.iter().zip(&xl)).all(|(&gone, (&a, &b))| {
+                            let id = &f.ids[a];
+                            !gone
+                                || id.iter_type == IterType::Broadcast
+                                || f.scalars.as_int(id.extent) == Some(1)
+                                || id.extent == f.ids[b].extent
+                        }))
+            };
+            if !f.exprs[d].input_tvs().all(|t| fits(f, t)) {
+                continue;
+            }
+            let dims: Vec<i64> = (0..removed.len()).filter(|&a| removed[a]).map(|a| a as i64).collect();
+            let mut operands = Vec::new();
+            for o in f.exprs[d].inputs.clone() {
+                operands.push(match o {
+                    Operand::Tensor(t) if !f.no_reduction_logical(t).is_empty() => {
+                        Operand::Tensor(squeezed(f, t, &removed, &dims)?)
+                    }
+                    o => o,
+                });
+            }
+            let moved = replay(f, op, &operands)?;
+            let old = f.exprs[e].output;
+            replace_tensor(f, old, moved);
+            f.tvs[x].uses.retain(|&u| u != e);
+            continue 'again;
+        }
+        return Ok(());
+    }
+}
+
+/// `t` squeezed along `removed`: an existing squeeze of `t` that removes the same axes is
+/// reused, so a value read twice (`a * a`, or two branches of one chain) is squeezed, and
+/// its chain sunk, once rather than once per path.
+fn squeezed(f: &mut Fusion, t: TvId, removed: &[bool], dims: &[i64]) -> Result<TvId> {
+    for &u in &f.tvs[t].uses {
+        if matches!(&f.exprs[u].op, Op::Squeeze { removed: r } if r == removed) {
+            return Ok(f.exprs[u].output);
+        }
+    }
+    f.squeeze(t, dims)
+}
+
 /// Read the source of a broadcast where a squeeze removes exactly its new axes (see the
 /// module docs).
 pub fn squeeze_broadcasts(f: &mut Fusion) -> Result<()> {
@@ -1411,9 +1517,19 @@ pub fn squeeze_remaps(f: &mut Fusion) -> Result<()> {
         if f.tvs[y].dtype != f.tvs[out].dtype || removed.len() != rl.len() {
             continue;
         }
-        // Only axes known to be one: a computed size that must be one is checked by the
-        // squeeze's kernel (`lower::size_constraints`), which this would remove.
-        if removed.iter().zip(&rl).any(|(&gone, &id)| gone && f.scalars.as_int(f.ids[id].extent) != Some(1)) {
+        // A computed size that must be one (`x[:, k:k+1]`) is checked when the inputs are
+        // bound (`Fusion::squeeze` records it), so reading index 0 is exact; an axis known
+        // to be one needs no check.
+        let one = f.scalars.int(1);
+        let mut checked = true;
+        for (&gone, &id) in removed.iter().zip(&rl) {
+            let ext = f.ids[id].extent;
+            if gone && f.scalars.as_int(ext) != Some(1) {
+                let eq = f.scalars.binary(crate::ir::scalar::ScalarOp::Eq, ext, one);
+                checked &= f.size_checks.iter().any(|c| c.holds == eq);
+            }
+        }
+        if !checked {
             continue;
         }
         let zero = f.scalars.int(0);
