@@ -85,12 +85,23 @@ def demo(rows: int = 64, cols: int = 1000) -> int:
     return 0 if ok else 1
 
 
+def _positive(text: str) -> int:
+    """An argument that must be an int of at least 1 (the softmax of an empty row is undefined)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1, got {n}")
+    return n
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``kiln`` command."""
     parser = argparse.ArgumentParser(prog="kiln", description="kiln fusion compiler")
     parser.add_argument("command", nargs="?", default="demo", choices=["demo"], help="what to run")
-    parser.add_argument("--rows", type=int, default=64)
-    parser.add_argument("--cols", type=int, default=1000)
+    parser.add_argument("--rows", type=_positive, default=64, help="rows of the demo's input (>= 1)")
+    parser.add_argument("--cols", type=_positive, default=1000, help="columns of the demo's input (>= 1)")
     args = parser.parse_args(argv)
     return demo(args.rows, args.cols)
 

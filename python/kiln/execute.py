@@ -270,7 +270,7 @@ def lowered_for(fd: Any, inputs: Sequence[Any], args: Optional[Sequence[Any]] = 
     hkey = (auto.heuristic, tuple(auto.params), contiguity, aligned, device, tuple(scalars))
     low = c.by_heuristic.get(hkey)
     if low is None:
-        low = c.by_heuristic[hkey] = LoweredFusion([LoweredKernel(k) for k in program.kernels()], program)
+        low = c.by_heuristic[hkey] = LoweredFusion([LoweredKernel(k) for k in program.kernels()], program, fd)
         low.aligned_bases = aligned
     c.by_inputs[key] = low
     return low

@@ -6,6 +6,8 @@ import numbers
 import operator
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
+
 from . import _core
 from ._env import dump_enabled
 from ._errors import KilnError, KilnTypeError
@@ -173,9 +175,9 @@ class FusionDefinition:
         if is_cpu:
             raise KilnError(f"define_tensor {name}: CPU scalar tensors (is_cpu=True) are not supported; "
                             f"declare a runtime scalar with fd.define_scalar(dtype=...) instead")
-        if not isinstance(shape, (list, tuple)) or not all(
-                isinstance(s, int) and not isinstance(s, bool) for s in shape):
+        if not isinstance(shape, (list, tuple)) or any(_index(s) is None for s in shape):
             raise KilnTypeError(f"define_tensor {name}: shape must be a list of ints, got {shape!r}")
+        shape = [int(_index(s)) for s in shape]  # type: ignore[arg-type]  # NumPy integers too
         if stride_order is not None and _ints(stride_order, f"define_tensor {name}: stride_order") != list(
                 range(len(shape) - 1, -1, -1)):
             raise KilnError(f"define_tensor {name}: stride_order {list(stride_order)} is not supported; "
@@ -324,7 +326,7 @@ class FusionDefinition:
     def _lower_program(self) -> LoweredFusion:
         configure_lowering()
         program = self._core.lower_program()
-        return LoweredFusion([LoweredKernel(k) for k in program.kernels()], program)
+        return LoweredFusion([LoweredKernel(k) for k in program.kernels()], program, self)
 
     # -- execution -------------------------------------------------------------------
     def _lowered(self) -> LoweredFusion:
@@ -403,6 +405,10 @@ class FusionDefinition:
             return False, x._id
         if isinstance(x, (bool, int, float)):
             return False, self._const(x)._id
+        # A NumPy number (`np.float32(0.5)`, a size from `arr.shape` arithmetic) is the
+        # Python number it holds, as `execute` takes it.
+        if isinstance(x, (np.bool_, np.integer, np.floating)):
+            return False, self._const(x.item())._id
         raise KilnTypeError(f"{what}: expected a Tensor, Scalar, int, float or bool, got {x!r}")
 
 
@@ -781,6 +787,9 @@ class Ops:
         for k in range(len(widths) // 2):
             pairs[x.ndim - 1 - k] = (self._index_value(widths[2 * k], "pad"),
                                      self._index_value(widths[2 * k + 1], "pad"))
+        if isinstance(value, Tensor) and value.ndim > 0:
+            raise KilnTypeError(f"pad: value must be a number, a Scalar or a 0-d tensor (the fill of every "
+                                f"new position), got {value.name} of rank {value.ndim}")
         fill = fd._operand(0 if value is None else value, "pad")
         return Tensor(fd, fd._core.pad(fd._tensor(x, "pad"), pairs, fill))
 

@@ -183,9 +183,10 @@ class LoweredFusion:
     """Result of ``fd.lower(inputs)``: the kernels of a fusion (one per segment) and the
     host program that allocates their buffers and launches them."""
 
-    def __init__(self, kernels: List[LoweredKernel], program: Any = None) -> None:
+    def __init__(self, kernels: List[LoweredKernel], program: Any = None, fd: Any = None) -> None:
         self.kernels = kernels
         self.program = program  # kiln._core.HostProgram
+        self._fd = fd  # the FusionDefinition, whose input contract `plan` checks
         self._evaluator: Any = None
         # Compiled for tensor inputs that start 16-byte aligned (vector accesses check
         # only their offsets): the evaluator refuses inputs that do not.
@@ -203,6 +204,11 @@ class LoweredFusion:
         arrays like ``inputs`` (NumPy arrays may stand in for GPU ones)."""
         from .host import plan_program  # noqa: PLC0415
 
+        if not isinstance(inputs, (list, tuple)):
+            raise KilnTypeError(f"plan: inputs must be a list of arrays and numbers, "
+                                f"got {type(inputs).__name__}")
+        if self._fd is not None:
+            check_inputs(self._fd, inputs)
         arrays = [x for x in inputs if not isinstance(x, (bool, int, float))]
         scalars = [x for x in inputs if isinstance(x, (bool, int, float))]
         kind = "torch" if any(type(x).__module__.startswith("torch") for x in arrays) else "numpy"

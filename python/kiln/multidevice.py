@@ -485,6 +485,19 @@ def simulate(fd: Any, inputs_per_rank: Sequence[Sequence[Any]]) -> List[List[Any
             if not isinstance(x, (bool, int, float, np.ndarray, np.generic)):
                 raise KilnTypeError(f"simulate: rank {r}: inputs are NumPy arrays and numbers, "
                                     f"got {type(x).__name__}")
+    # A sharded axis splits evenly over the mesh (its size is the local one times the mesh
+    # size) and every other axis is replicated, so every rank's inputs have one shape:
+    # uneven shards would give each rank its own wrong size (a mean dividing by 4 * 2 on one
+    # rank and 3 * 2 on the other).
+    shapes = [[np.shape(x) for x in ins] for ins in inputs_per_rank]
+    for r in range(1, n):
+        if len(shapes[r]) != len(shapes[0]):
+            raise KilnError(f"simulate: rank {r} has {len(shapes[r])} inputs, rank 0 has {len(shapes[0])}")
+        for i, (a, b) in enumerate(zip(shapes[0], shapes[r])):
+            if a != b:
+                raise KilnError(f"simulate: input {i} has shape {b} on rank {r} and {a} on rank 0; every "
+                                f"rank's inputs must have the same shape (a sharded axis splits evenly over "
+                                f"the mesh)")
     gens = [run.steps(list(ins), "cpu", r) for r, ins in enumerate(inputs_per_rank)]
     results: List[Optional[List[Any]]] = [None] * n
     reqs: List[Optional[Request]] = [None] * n

@@ -81,8 +81,9 @@ class IterDomain:
 
 
 def _int(value: object, what: str, tensor: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise KilnTypeError(f"{tensor}: {what} must be an int, got {value!r}")
+    value = int(value)  # a NumPy integer is the int it holds
     if not -(2**63) <= value < 2**63:
         raise KilnError(f"{tensor}: {what} {value} does not fit 64 bits")
     return value

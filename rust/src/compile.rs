@@ -62,7 +62,11 @@ pub fn compile(f: &Fusion, schedule: &Schedule) -> Result<Compiled> {
 
 fn compile_here(f: &Fusion, schedule: &Schedule) -> Result<Compiled> {
     match schedule {
-        Schedule::AsScheduled => Ok(Compiled { program: crate::host::lower::lower_program(f)?, heuristic: None }),
+        Schedule::AsScheduled => {
+            let mut g = f.clone();
+            g.hand_schedule = true;
+            Ok(Compiled { program: crate::host::lower::lower_program(&g)?, heuristic: None })
+        }
         Schedule::Automatic(seen) => {
             let (program, h) = crate::host::segmenter::auto_program_strided(
                 f,

@@ -351,6 +351,7 @@ fn check_contiguity(f: &Fusion, tv: TvId, i: usize, d: &InputDesc) -> Result<()>
 /// Every tensor of `f` whose size the bound inputs determine has non-negative sizes and
 /// at most 2^63 elements (a `full` of a runtime size, a broadcast to static sizes).
 fn check_tensor_sizes(f: &Fusion, b: &Bindings) -> Result<()> {
+    let mut zero_division: Option<KilnError> = None;
     for (tv, t) in f.tvs.iter() {
         let mut n = 1i64;
         let mut sizes = Vec::with_capacity(t.logical.len());
@@ -360,6 +361,21 @@ fn check_tensor_sizes(f: &Fusion, b: &Bindings) -> Result<()> {
             }
             let s = match b.eval(&f.scalars, f.ids[id].extent) {
                 Ok(s) => s,
+                // A size the inputs do determine, divided by a runtime zero: raised after the
+                // definition's own checks, which say why where they apply (a reshape's `-1`
+                // of an empty tensor).
+                Err(e) if e.to_string().contains("divide by zero") => {
+                    zero_division.get_or_insert_with(|| {
+                        KilnError::value(format!(
+                            "{} axis {}: its size {} divides by zero for these inputs ({e})",
+                            f.tv_name(tv),
+                            sizes.len(),
+                            f.scalars.render(f.ids[id].extent)
+                        ))
+                    });
+                    sizes.clear();
+                    break;
+                }
                 // A size the inputs do determine, past 2^63 (a pad of huge widths).
                 Err(e) if e.to_string().contains("overflow") => bail!(
                     "{} axis {}: its size {} has no 64-bit value for these inputs ({e})",
@@ -399,6 +415,9 @@ fn check_tensor_sizes(f: &Fusion, b: &Bindings) -> Result<()> {
                 .collect();
             bail!("{} ({} for these inputs)", c.what, shown.join(", "));
         }
+    }
+    if let Some(e) = zero_division {
+        return Err(e);
     }
     check_aligned_sizes(f, b)?;
     // An index into an empty axis selects nothing that exists.

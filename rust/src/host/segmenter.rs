@@ -127,6 +127,7 @@ fn plan_canonical(mut g: Fusion, cx: &Ctx) -> Result<(HostProgram, Heuristic)> {
     crate::sched::auto::canonical::hoist_output_reshapes(&mut g)?;
     crate::sched::auto::canonical::sink_remaps(&mut g)?;
     crate::sched::auto::canonical::view_input_reshapes(&mut g);
+    crate::sched::auto::canonical::view_self_mapped_inputs(&mut g);
     crate::sched::auto::canonical::reduce_through_broadcasts(&mut g)?;
     crate::sched::auto::canonical::merge_nested_reductions(&mut g)?;
     crate::sched::auto::canonical::split_reductions_of_rows(&mut g)?;

@@ -374,6 +374,10 @@ pub struct Fusion {
     pub extent_sources: Vec<(TvId, usize)>,
     /// True once any scheduling primitive was called; the auto-schedulers then stay out.
     pub manually_scheduled: bool,
+    /// The schedule is the user's own (`fd.lower` of a hand schedule): a Vectorize loop
+    /// that cannot be one wide access is an error, where an automatic schedule (compiled
+    /// for any input layout) falls back to element accesses.
+    pub hand_schedule: bool,
     /// Tensors after whose definition a new segment (kernel) starts (`fd.segment_after`).
     pub segment_after: Vec<TvId>,
     /// Give every reduction and permute a segment of its own (the automatic segmenter's

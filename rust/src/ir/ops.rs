@@ -318,6 +318,12 @@ impl Fusion {
                                 );
                             }
                         }
+                        // A constant size wins over a runtime one, whichever operand comes
+                        // first (the two are checked equal at run time): `w * h` and `h * w`
+                        // then have one shape, and rewrites that compare shapes see it.
+                        if e0.is_none() && e1.is_some() {
+                            chosen = Some((t, id));
+                        }
                     }
                 }
             }
@@ -569,6 +575,26 @@ impl Fusion {
     /// (`size(t, 0) * 2`) stays a scalar usable in shapes, other scalar-only math gives a
     /// 0-d tensor.
     pub fn binary_value(&mut self, op: BinaryOp, a: Operand, b: Operand) -> Result<Operand> {
+        // Integer constants fold exactly or not at all: a wrapped product or a quotient by
+        // zero would become a size or a value without a word (the same arithmetic on a
+        // runtime Int is an error when the inputs are bound).
+        if let (Operand::Scalar(x), Operand::Scalar(y)) = (a, b) {
+            if let (Val::Int(x), Val::Int(y)) = (self.scalars.get(x), self.scalars.get(y)) {
+                let exact = match op {
+                    BinaryOp::Add => x.checked_add(y).is_some(),
+                    BinaryOp::Sub => x.checked_sub(y).is_some(),
+                    BinaryOp::Mul => x.checked_mul(y).is_some(),
+                    _ => true,
+                };
+                let by_zero = y == 0 && matches!(op, BinaryOp::Div | BinaryOp::Fmod | BinaryOp::Remainder);
+                if !exact {
+                    bail!("{}: {x} and {y} give a result outside the Int (int64) range", op.name());
+                }
+                if by_zero {
+                    bail!("{}: the integer constant {x} divided by zero", op.name());
+                }
+            }
+        }
         if let Some(v) = self.fold(|sc, vals| fold_binary(op, sc, vals[0], vals[1]), &[a, b]) {
             return Ok(Operand::Scalar(v));
         }

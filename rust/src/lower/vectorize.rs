@@ -26,6 +26,9 @@ pub fn run(f: &mut Fusion, body: &mut [Node]) -> Result<()> {
                 *n = Node::Vector(Box::new(v));
                 continue;
             }
+            if f.hand_schedule {
+                check_hand_vector(f, l)?;
+            }
         }
         for b in n.bodies_mut() {
             run(f, b)?;
@@ -73,6 +76,42 @@ fn copy_shape<'l>(f: &Fusion, l: &'l ForLoop) -> Option<(i64, ExprId, &'l Access
         return None;
     }
     Some((n, *expr, ix, src, sym))
+}
+
+/// A hand-scheduled Vectorize loop around a copy whose Global side does not move one
+/// element per lane cannot be a wide access: refused (as nvFuser refuses to vectorize a
+/// non-contiguous axis), where it would silently run one element at a time.
+fn check_hand_vector(f: &Fusion, l: &ForLoop) -> Result<()> {
+    if l.parallel != ParallelType::Vectorize {
+        return Ok(());
+    }
+    let [Node::Expr { expr, index: Some(ix) }] = l.body.as_slice() else { return Ok(()) };
+    let e = &f.exprs[*expr];
+    let (Op::Set | Op::Remap { .. }, Some(Operand::Tensor(src))) = (&e.op, e.inputs.first().copied()) else {
+        return Ok(());
+    };
+    let Val::Symbol(sym) = f.scalars.get(l.index) else { return Ok(()) };
+    for (tv, off) in [(e.output, Some(ix.out)), (src, ix.inputs[0])] {
+        let Some(off) = off else { continue };
+        if f.tvs[tv].memory != MemoryType::Global {
+            continue;
+        }
+        let step = linear_coeff(&f.scalars, off, sym);
+        if step != Some(1) {
+            let how = match step {
+                Some(k) => format!("{k} elements apart"),
+                None => format!("at {}", f.scalars.render(off)),
+            };
+            crate::bail!(
+                "{}: its Vectorize axis ({}) reads {} with consecutive lanes {how}; Vectorize needs the axis that walks {}'s contiguous innermost axis",
+                f.tv_name(e.output),
+                f.id_label(l.id),
+                f.tv_name(tv),
+                f.tv_name(tv)
+            );
+        }
+    }
+    Ok(())
 }
 
 /// True when `v` holds on an interval of `sym`'s values: a conjunction of comparisons of

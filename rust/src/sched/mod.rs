@@ -751,6 +751,16 @@ impl Fusion {
         if !(2..=MAX_CLUSTER).contains(&size) {
             bail!("set_cluster: a cluster of {size} blocks along {}; expected 2 to {MAX_CLUSTER} (the portable cluster sizes)", pt.enum_name());
         }
+        // One cluster shape per kernel: a second call along another dimension would drop the
+        // first without a word (and the reductions clustered along it with it).
+        if let Some((old_pt, old_size)) = self.cluster {
+            if old_pt != pt {
+                bail!(
+                    "set_cluster: the fusion already has clusters of {old_size} blocks along {}; a kernel has clusters along one block dimension",
+                    old_pt.enum_name()
+                );
+            }
+        }
         self.cluster = Some((pt, size));
         self.manually_scheduled = true;
         Ok(())

@@ -105,15 +105,20 @@
 //!   index per output row, instead of in a kernel of its own.
 //! - **Self-mapping.** When one tensor is broadcast into two different positions of the
 //!   same tensor (`bcast(a, [0, 1]) - bcast(a, [0, 2])`), two axes of the result map to
-//!   each other through `a`: no single loop nest computes `a` once for both. Schedulers
-//!   refuse such a group, so the segmenter gives the two reads of `a` separate kernels.
+//!   each other through `a`: no single loop nest computes `a` once for both. Where `a` is
+//!   an input (a pairwise distance of `x` with itself, a packed-sequence mask
+//!   `doc[:, :, None] == doc[:, None, :]`, `x - x.T`), each broadcast or permute of it reads
+//!   a view of its buffer with axes of its own (`view_self_mapped_inputs`). Otherwise
+//!   schedulers refuse such a group, so the segmenter gives the two reads of `a` separate
+//!   kernels.
 //! - **Private broadcasts.** A tensor with broadcast axes that one reader concretizes (reads
 //!   along a larger axis) while another reader, or the fusion's output, keeps them, would
 //!   run in loops that mean different elements to its readers: a loop index over the
 //!   concretized iteration space is not an index into the broadcast one. Each concretizing
 //!   reader gets its own copy of the element-wise chain that builds the tensor (up to
 //!   tensors without broadcast axes, reductions and inputs); the copies cost arithmetic
-//!   only.
+//!   only. So do readers that concretize the axes to sizes that differ (Mamba's
+//!   `exp(dt)[..., None]` times `A[D, N]` and times `B[B, 1, N]`).
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
@@ -946,6 +951,49 @@ fn pure_reshape(f: &mut Fusion, e: ExprId) -> bool {
     // A remap of a broadcast source (`iota(5)` under a [5, 4] mask, sunk from a reshape of
     // the mask) reads fewer elements than it writes: not a reshape of its positions.
     same_element_count(f, x, out) && f.reshape_index(&ins, &outs) == index
+}
+
+/// An input read into two positions of one tensor (`doc[:, :, None] == doc[:, None, :]`, a
+/// pairwise distance of `x` with itself) gives that tensor two axes that map to each other,
+/// which no loop nest computes once for both (`self_mapping`). Each broadcast or permute of
+/// such an input after the first reads a view of the input's buffer instead
+/// (`Fusion::input_views`): the same elements, with axes of their own, read again from the
+/// cache, where the shared input cost a kernel and a Global intermediate of the pairs.
+pub fn view_self_mapped_inputs(f: &mut Fusion) {
+    let Some(mut found) = self_mapping(f) else { return };
+    for x in f.inputs.iter().filter_map(|o| o.tensor()).collect::<Vec<_>>() {
+        // Every broadcast or permute reads a view, but for one where nothing else reads `x`.
+        let mut placing: Vec<ExprId> = f.tvs[x]
+            .uses
+            .iter()
+            .copied()
+            .filter(|&u| matches!(f.exprs[u].op, Op::Broadcast { .. } | Op::Permute { .. }))
+            .collect();
+        if !placing.is_empty() && placing.len() == f.tvs[x].uses.len() {
+            placing.remove(0);
+        }
+        if placing.is_empty() || !viewable_input(f, x) || f.is_output(x) {
+            continue;
+        }
+        let mut g = f.clone();
+        for &u in &placing {
+            let axes: Vec<_> = g.tvs[x].logical.iter().map(|&id| (g.ids[id].extent, g.ids[id].iter_type)).collect();
+            let logical: Vec<_> = axes.into_iter().map(|(extent, it)| g.new_id(extent, it)).collect();
+            let v = g.new_tv(g.tvs[x].dtype, crate::ir::MemoryType::Global, logical);
+            g.tvs[v].contiguity = g.tvs[x].contiguity.clone();
+            g.tvs[v].declared_contiguity = g.tvs[x].declared_contiguity;
+            g.redirect_use(u, x, v);
+            g.input_views.push((v, x));
+        }
+        let after = self_mapping(&g);
+        if after != Some(found) {
+            *f = g;
+            match after {
+                Some(next) => found = next,
+                None => return,
+            }
+        }
+    }
 }
 
 /// True when `e` squeezes axes of constant size one: a row-major reshape.
@@ -2220,6 +2268,23 @@ fn concretizes(f: &Fusion, u: ExprId, t: TvId, depth: usize) -> bool {
             && f.tvs[out].uses.iter().any(|&v| concretizes(f, v, out, depth + 1)))
 }
 
+/// The sizes reader `u` gives the broadcast axes of `t` it reads directly (empty where it
+/// concretizes them further down its chain).
+fn concretized_extents(f: &Fusion, u: ExprId, t: TvId) -> Vec<ValId> {
+    let mut out = Vec::new();
+    for (pos, o) in f.exprs[u].inputs.iter().enumerate() {
+        if *o != Operand::Tensor(t) {
+            continue;
+        }
+        for (p, c) in logical_pairs(f, u, pos) {
+            if f.ids[p].iter_type == IterType::Broadcast && f.ids[c].iter_type != IterType::Broadcast {
+                out.push(f.ids[c].extent);
+            }
+        }
+    }
+    out
+}
+
 /// A copy of the element-wise chain that defines `t`, down to tensors without broadcast
 /// axes, reductions, inputs and ops that do not move (see `sink_broadcasts`).
 fn clone_chain(f: &mut Fusion, t: TvId, memo: &mut FxHashMap<TvId, TvId>) -> Result<TvId> {
@@ -2306,9 +2371,24 @@ pub fn private_broadcasts(f: &mut Fusion) -> Result<()> {
         }
         let uses = f.tvs[t].uses.clone();
         let (conc, keep): (Vec<ExprId>, Vec<ExprId>) = uses.iter().partition(|&&u| concretizes(f, u, t, 0));
-        if conc.is_empty() || (keep.is_empty() && !f.is_output(t)) {
+        if conc.is_empty() {
             continue;
         }
+        // Readers that all concretize alike share `t`; readers that give its broadcast axes
+        // different sizes (Mamba's `exp(dt)[..., None]` times `A[D, N]` and times
+        // `B[B, 1, N]`: two unrelated `N`) need it in loops of their own too.
+        let conc = if keep.is_empty() && !f.is_output(t) {
+            let sizes: Vec<Vec<ValId>> = conc.iter().map(|&u| concretized_extents(f, u, t)).collect();
+            let first = sizes.iter().find(|s| !s.is_empty()).cloned().unwrap_or_default();
+            let apart: Vec<ExprId> =
+                conc.iter().zip(&sizes).filter(|(_, s)| !s.is_empty() && **s != first).map(|(&u, _)| u).collect();
+            if apart.is_empty() {
+                continue;
+            }
+            apart
+        } else {
+            conc
+        };
         for u in conc {
             let mut memo = FxHashMap::default();
             let c = clone_chain(f, t, &mut memo)?;

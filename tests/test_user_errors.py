@@ -1,0 +1,147 @@
+"""Mistakes a user can make that kiln must refuse with a ``KilnError`` naming what is wrong, before
+anything runs, instead of answering silently (a wrapped size, an uneven shard's mean, a
+Vectorize that moves one element at a time) or failing inside Python; and NumPy numbers, which
+users pass where Python numbers go, taken as the numbers they hold."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kiln import DataType, DeviceMesh, FusionDefinition, KilnError, KilnTypeError, ParallelType
+from kiln.cli import main as cli_main
+from kiln.multidevice import simulate
+
+
+@pytest.mark.parametrize("op,a,b,what", [
+    ("mul", 2**62, 4, "outside the Int"),
+    ("add", 2**63 - 1, 1, "outside the Int"),
+    ("sub", -(2**63), 1, "outside the Int"),
+    ("div", 6, 0, "divided by zero"),
+    ("fmod", 6, 0, "divided by zero"),
+    ("remainder", 6, 0, "divided by zero"),
+])
+def test_integer_constants_fold_exactly_or_raise(op: str, a: int, b: int, what: str) -> None:
+    with FusionDefinition() as fd:
+        fd.define_tensor([-1], DataType.Float)
+        with pytest.raises(KilnError, match=rf"{op}: .*{what}"):
+            getattr(fd.ops, op)(a, b)
+        # In range, the fold is exact and sizes a tensor.
+        n = fd.ops.mul(3, 4)
+        fd.add_output(fd.ops.full([n], 1.0, DataType.Float))
+    (out,) = fd.execute([np.ones(2, np.float32)])
+    assert out.shape == (12,)
+
+
+def test_a_size_divided_by_a_runtime_zero_names_the_tensor_and_axis() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], DataType.Float)
+        s = fd.define_scalar(dtype=DataType.Int)
+        fd.add_output(fd.ops.full([fd.ops.div(fd.ops.size(x, 0), s)], 1.0, DataType.Float))
+    with pytest.raises(KilnError, match=r"T\d+ axis 0: its size i0 / s0 divides by zero"):
+        fd.execute([np.ones((2, 3), np.float32), 0])
+    (out,) = fd.execute([np.ones((6, 3), np.float32), 2])
+    np.testing.assert_array_equal(out, np.ones(3))
+
+
+def test_plan_checks_its_inputs_against_the_definition() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], DataType.Float)
+        fd.add_output(fd.ops.sum(x, dims=[1]))
+    a = np.ones((4, 8), np.float32)
+    low = fd.lower([a])
+    assert low.plan([a]) is not None
+    with pytest.raises(KilnTypeError, match=r"input 0 \(T0\): unsupported dtype int8; expected float32"):
+        low.plan([np.ones((4, 8), np.int8)])
+    with pytest.raises(KilnTypeError, match=r"input 0 \(T0\): expected an array"):
+        low.plan(["a"])
+    with pytest.raises(KilnTypeError, match=r"plan: inputs must be a list"):
+        low.plan(None)  # type: ignore[arg-type]
+    with pytest.raises(KilnError, match=r"input 0 \(T0\): rank 1 does not match the definition's rank 2"):
+        low.plan([np.ones(3, np.float32)])
+
+
+def test_a_second_cluster_dimension_is_refused() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], DataType.Float)
+        fd.add_output(fd.ops.sum(x, dims=[0]))
+    fd.set_cluster(ParallelType.BIDy, 4)
+    fd.set_cluster(ParallelType.BIDy, 2)  # the same dimension: the new size
+    with pytest.raises(KilnError, match=r"already has clusters of 2 blocks along BIDy"):
+        fd.set_cluster(ParallelType.BIDx, 4)
+
+
+def test_vectorize_of_an_axis_that_is_not_contiguous_is_refused() -> None:
+    def build(transposed: bool) -> FusionDefinition:
+        with FusionDefinition() as fd:
+            x = fd.define_tensor([-1, -1], DataType.Float)
+            z = fd.ops.add(fd.ops.exp(x), 1.0)
+            fd.add_output(z)
+        c = x.cache_after()
+        for t in (c, z):
+            if transposed:
+                t.reorder({0: 1})  # the vector would walk the rows
+            t.split(1, 4)
+            t.axis(0).parallelize(ParallelType.BIDx)
+            t.axis(1).parallelize(ParallelType.TIDx)
+        c.axis(-1).parallelize(ParallelType.Vectorize)
+        c.inline_at(-1)
+        return fd
+
+    a = np.random.default_rng(0).standard_normal((8, 8)).astype(np.float32)
+    with pytest.raises(KilnError, match=r"its Vectorize axis .* reads T0 with consecutive lanes .*"
+                       r"Vectorize needs the axis that walks T0's contiguous innermost axis"):
+        build(True).lower([a])
+    (got,) = build(False).execute([a])
+    np.testing.assert_allclose(got, np.exp(a.astype(np.float64)) + 1.0, rtol=1e-6)
+
+
+def test_simulated_ranks_with_uneven_shards_are_refused() -> None:
+    mesh = DeviceMesh([0, 1])
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], DataType.Float)
+        fd.add_output(fd.ops.mean(x, dims=[1]))
+    x.set_device_mesh(mesh)
+    x.split(1, 2, inner_split=False)
+    x.axis(1).parallelize(ParallelType.DIDx)
+    a = np.arange(24, dtype=np.float32).reshape(3, 8)
+    with pytest.raises(KilnError, match=r"input 0 has shape \(3, 3\) on rank 1 and \(3, 4\) on rank 0"):
+        simulate(fd, [[a[:, :4]], [a[:, 4:7]]])
+    r = simulate(fd, [[a[:, :4]], [a[:, 4:]]])
+    for rank in r:
+        np.testing.assert_allclose(rank[0], a.astype(np.float64).mean(1), rtol=1e-6)
+
+
+def test_pad_fills_with_a_number_or_a_0d_tensor_only() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1], DataType.Float)
+        with pytest.raises(KilnTypeError, match=r"pad: value must be a number, a Scalar or a 0-d tensor"):
+            fd.ops.pad(x, [1, 1], x)
+        fd.add_output(fd.ops.pad(x, [1, 2], fd.ops.sum(x, [0])))
+    a = np.arange(3, dtype=np.float32)
+    (got,) = fd.execute([a])
+    np.testing.assert_array_equal(got, [3, 0, 1, 2, 3, 3])
+
+
+def test_numpy_numbers_are_the_numbers_they_hold() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([np.int64(-1), -1], DataType.Float)
+        y = fd.ops.add(fd.ops.mul(x, np.float32(0.5)), np.int64(2))
+        fd.add_output(y)
+    y.split(np.int64(1), np.int64(4))
+    y.axis(np.int64(0)).parallelize(ParallelType.BIDx)
+    a = np.random.default_rng(1).standard_normal((3, 8)).astype(np.float32)
+    (got,) = fd.execute([a])
+    np.testing.assert_allclose(got, a.astype(np.float64) * 0.5 + 2.0, rtol=1e-6)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], DataType.Float)
+        fd.add_output(fd.ops.where(fd.ops.gt(x, np.float64(0.0)), np.bool_(True), False))
+    (positive,) = fd.execute([a])
+    np.testing.assert_array_equal(positive, a > 0)
+
+
+@pytest.mark.parametrize("arg", ["-5", "0", "x"])
+def test_the_demo_refuses_bad_sizes_as_usage_errors(arg: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli_main(["demo", "--rows", arg])
+    assert e.value.code == 2
+    assert "argument --rows: expected" in capsys.readouterr().err
