@@ -7,7 +7,9 @@ the row schedule's one kernel, the total a grid reduction over its rows:
 - ``(p * (log p - log_softmax(q))).sum() / B`` (KL divergence, ``batchmean``) and a sum or max
   over both axes of a log-softmax: the reduction over both axes is split into the row
   reduction and a total (``split_reductions_of_rows``);
-- ``total / cast(S)`` of a runtime size: the size's value joins the ops after the totals.
+- ``total / cast(S)`` of a runtime size: the size's value joins the ops after the totals;
+- ``loss.mean()`` beside ``loss.sum(-1)`` (or ``mask.all()`` beside ``mask.sum(-1)``): the total
+  over every axis is split into the rows' reduction and a total.
 
 Each is checked against NumPy in float64, with its kernel count."""
 
@@ -84,3 +86,42 @@ def test_a_reduction_over_both_axes_of_a_log_softmax_is_its_rows_then_a_total(sh
     (got,) = fd.execute([x_])
     np.testing.assert_allclose(got, getattr(log_softmax_ref(x_), op)(), rtol=1e-5, atol=1e-5)
     assert len(lowered_for(fd, [x_]).kernels) == 1
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(3, 4, 50)])
+@pytest.mark.parametrize("kind", ["huber_mean_and_row_sums", "mask_all_and_row_counts", "max_and_row_max"])
+def test_a_total_beside_row_reductions_of_the_same_inputs_is_one_kernel(shape, kind: str) -> None:
+    # `loss.mean()` beside `loss.sum(-1)`, `mask.all()` beside `mask.sum(-1)`: the total over
+    # every axis is split into the rows' reduction and a total (`sibling_row_axes`).
+    rank = len(shape)
+    last = [rank - 1]
+    every = list(range(rank))
+    rng = np.random.default_rng(sum(shape))
+    with FusionDefinition() as fd:
+        if kind == "mask_all_and_row_counts":
+            m = fd.define_tensor([-1] * rank, DataType.Int32)
+            fd.add_output(fd.ops.sum(m, dims=last))
+            fd.add_output(fd.ops.min(fd.ops.ne(m, 0), dims=every))
+            ins = [(rng.random(shape) < 0.9).astype(np.int32)]
+            want = [ins[0].sum(-1), (ins[0] != 0).all()]
+        else:
+            a = fd.define_tensor([-1] * rank)
+            b = fd.define_tensor([-1] * rank)
+            d = fd.ops.abs(fd.ops.sub(a, b))
+            if kind == "huber_mean_and_row_sums":
+                loss = fd.ops.where(fd.ops.lt(d, 1.0), fd.ops.mul(fd.ops.mul(d, d), 0.5), fd.ops.sub(d, 0.5))
+                fd.add_output(fd.ops.mean(loss, dims=every))
+                fd.add_output(fd.ops.sum(d, dims=last))
+            else:
+                fd.add_output(fd.ops.max(d, dims=every))
+                fd.add_output(fd.ops.max(fd.ops.mul(d, 2.0), dims=last))
+            ins = [(rng.standard_normal(shape) * 2).astype(np.float32) for _ in range(2)]
+            dd = np.abs(ins[0].astype(np.float64) - ins[1])
+            if kind == "huber_mean_and_row_sums":
+                want = [np.where(dd < 1.0, 0.5 * dd * dd, dd - 0.5).mean(), dd.sum(-1)]
+            else:
+                want = [dd.max(), (2 * dd).max(-1)]
+    got = fd.execute([x.copy() for x in ins])
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, dtype=np.float64), w, rtol=1e-5, atol=1e-5)
+    assert len(lowered_for(fd, ins).kernels) == 1

@@ -863,37 +863,21 @@ pub fn hoist_output_reshapes(f: &mut Fusion) -> Result<()> {
         if f.aliases.iter().any(|&(out, _)| out == o) || f.output_views.iter().any(|(t, _)| *t == o) {
             continue;
         }
-        // The chain of element-wise ops from a reshape up to the output, each tensor read
-        // only along it.
-        let mut chain: Vec<ExprId> = Vec::new();
-        let mut t = o;
-        let (source, reshape) = loop {
-            let Some(d) = f.tvs[t].definition else { break (None, None) };
-            match &f.exprs[d].op {
-                Op::Remap { name: "reshape", valid: None, .. } => {
-                    break (f.exprs[d].inputs[0].tensor(), Some(d));
-                }
-                op if op.is_elementwise() => {
-                    // Follow the one operand that leads to a reshape of a computed tensor.
-                    let next = f.exprs[d].inputs.iter().filter_map(|o| o.tensor()).find(|&x| leads_to_reshape(f, x));
-                    let Some(x) = next else { break (None, None) };
-                    if f.tvs[x].uses.len() != 1 || f.is_output(x) {
-                        break (None, None);
-                    }
-                    chain.push(d);
-                    t = x;
-                }
-                _ => break (None, None),
-            }
-        };
-        let (Some(y), Some(r)) = (source, reshape) else { continue };
+        // The element-wise ops between one reshape and the output (a DAG: `y * sigmoid(y)`
+        // reads the reshaped value twice), each tensor read only inside it.
+        let Some((region, r)) = reshape_region(f, o) else { continue };
+        let Some(y) = f.exprs[r].inputs[0].tensor() else { continue };
         let rt = f.exprs[r].output;
-        // Every tensor of the chain must hold the reshape's elements: an element-wise op that
-        // broadcasts the reshaped tensor against a larger operand has no source-shape form.
-        if !pure_reshape(f, r) || !same_element_count(f, y, rt) || !same_element_count(f, rt, o) {
+        // Every tensor of the region must hold the reshape's elements: an element-wise op
+        // that broadcasts the reshaped tensor against a larger operand has no source-shape
+        // form.
+        if !pure_reshape(f, r) || !same_element_count(f, y, rt) {
             continue;
         }
-        if !after_reduction(f, y) || f.is_output(y) || (rt != o && (f.tvs[rt].uses.len() != 1 || f.is_output(rt))) {
+        if region.iter().any(|&d| !same_element_count(f, rt, f.exprs[d].output)) || !same_element_count(f, rt, o) {
+            continue;
+        }
+        if !after_reduction(f, y) || f.is_output(y) || (rt != o && f.is_output(rt)) {
             continue;
         }
         let shape: Vec<ValId> = f.no_reduction_logical(y).iter().map(|&id| f.ids[id].extent).collect();
@@ -901,13 +885,13 @@ pub fn hoist_output_reshapes(f: &mut Fusion) -> Result<()> {
         // Positions in the defined shape of each position in the source's.
         let rt_shape: Vec<ValId> = f.no_reduction_logical(rt).iter().map(|&id| f.ids[id].extent).collect();
         let index = f.reshape_index(&rt_shape, &shape);
-        let mut cur = y;
-        let mut from = rt;
-        for &d in chain.iter().rev() {
+        let mut moved: FxHashMap<TvId, TvId> = FxHashMap::default();
+        moved.insert(rt, y);
+        for &d in &region {
             let mut operands = Vec::new();
             for op in f.exprs[d].inputs.clone() {
                 operands.push(match op {
-                    Operand::Tensor(x) if x == from => Operand::Tensor(cur),
+                    Operand::Tensor(x) if moved.contains_key(&x) => Operand::Tensor(moved[&x]),
                     Operand::Tensor(x) => {
                         let at = broadcast_axes_at_zero(f, x, &index);
                         Operand::Tensor(f.remap(x, "reshape", &shape, at, None)?)
@@ -916,15 +900,50 @@ pub fn hoist_output_reshapes(f: &mut Fusion) -> Result<()> {
                 });
             }
             let next = replay(f, f.exprs[d].op.clone(), &operands)?;
-            from = f.exprs[d].output;
-            cur = next;
+            moved.insert(f.exprs[d].output, next);
         }
+        let cur = moved[&o];
         f.outputs[k] = cur;
         f.tvs[cur].memory = crate::ir::MemoryType::Global;
         f.output_views.push((cur, view));
     }
     drop_dead_uses(f);
     Ok(())
+}
+
+/// The element-wise exprs (in topological order) between output `o` and the one reshape of a
+/// computed tensor that they lead to, and that reshape, where every tensor they make (but
+/// `o`) and the reshape's result are read only inside the region and are not outputs.
+fn reshape_region(f: &Fusion, o: TvId) -> Option<(Vec<ExprId>, ExprId)> {
+    let mut region: FxHashSet<ExprId> = FxHashSet::default();
+    let mut reshape: Option<ExprId> = None;
+    let mut seen: FxHashSet<TvId> = FxHashSet::default();
+    let mut stack = vec![o];
+    while let Some(t) = stack.pop() {
+        if !seen.insert(t) {
+            continue;
+        }
+        let d = f.tvs[t].definition?;
+        match &f.exprs[d].op {
+            Op::Remap { name: "reshape", valid: None, .. } => {
+                if reshape.is_some_and(|r| r != d) {
+                    return None;
+                }
+                reshape = Some(d);
+            }
+            op if op.is_elementwise() => {
+                region.insert(d);
+                stack.extend(f.exprs[d].inputs.iter().filter_map(|x| x.tensor()).filter(|&x| leads_to_reshape(f, x)));
+            }
+            _ => return None,
+        }
+    }
+    let r = reshape?;
+    let inside = |t: TvId| t == o || (!f.is_output(t) && f.tvs[t].uses.iter().all(|u| region.contains(u)));
+    if !inside(f.exprs[r].output) || region.iter().any(|&d| !inside(f.exprs[d].output)) {
+        return None;
+    }
+    Some((f.topo_exprs().into_iter().filter(|e| region.contains(e)).collect(), r))
 }
 
 /// `index` (positions along `t`'s axes) with `t`'s size-one broadcast axes read at 0:
@@ -1088,8 +1107,9 @@ pub fn merge_nested_reductions(f: &mut Fusion) -> Result<()> {
 /// with `batchmean`, a label-smoothed loss) becomes a reduction over `R`, then over the
 /// rest: the row schedule then computes the row sums beside its own and takes their sum as
 /// a total, where one reduction over `D` was a second class of reduction (a second kernel
-/// reading the row tensor back from Global). Sums, maxima and minima only (their order of
-/// combination is free).
+/// reading the row tensor back from Global). Also where another reduction reduces `R` (the
+/// trailing axes) of a tensor of the same shape computed from the same inputs
+/// (`sibling_row_axes`). Sums, maxima and minima only (their order of combination is free).
 pub fn split_reductions_of_rows(f: &mut Fusion) -> Result<()> {
     'again: loop {
         for e in f.topo_exprs() {
@@ -1103,7 +1123,9 @@ pub fn split_reductions_of_rows(f: &mut Fusion) -> Result<()> {
             if outer.len() < 2 || f.tvs[f.exprs[e].output].logical.len() != rank {
                 continue;
             }
-            let Some(rows) = upstream_row_axes(f, x, rank, &outer) else { continue };
+            let Some(rows) = upstream_row_axes(f, x, rank, &outer).or_else(|| sibling_row_axes(f, e, x, &outer)) else {
+                continue;
+            };
             let dtype = f.tvs[f.exprs[e].output].dtype;
             let inner = f.reduction(op, x, &rows.iter().map(|&a| a as i64).collect::<Vec<_>>(), false, Some(dtype))?;
             let kept: Vec<usize> = (0..rank).filter(|a| !rows.contains(a)).collect();
@@ -1137,6 +1159,60 @@ fn upstream_row_axes(f: &Fusion, t: TvId, rank: usize, outer: &[usize]) -> Optio
             }
         }
         stack.extend(f.exprs[d].input_tvs());
+    }
+    None
+}
+
+/// The axes another reduction reduces (some but not all of `outer`) of a tensor of `x`'s
+/// shape computed from the same inputs: `loss.mean()` beside `loss.sum(-1)`, `mask.all()`
+/// beside `mask.sum(-1)`. Split into rows and a total, the full reduction joins the rows'
+/// schedule as a total; kept whole, it was a second class of reduction and a second kernel
+/// reading the inputs again.
+fn sibling_row_axes(f: &Fusion, e: ExprId, x: TvId, outer: &[usize]) -> Option<Vec<usize>> {
+    let extents = |t: TvId| -> Vec<ValId> { f.no_reduction_logical(t).iter().map(|&id| f.ids[id].extent).collect() };
+    let shape = extents(x);
+    let inputs = |t: TvId| -> FxHashSet<TvId> {
+        let mut found = FxHashSet::default();
+        let mut stack = vec![t];
+        let mut seen: FxHashSet<TvId> = FxHashSet::default();
+        while let Some(y) = stack.pop() {
+            if !seen.insert(y) {
+                continue;
+            }
+            match f.tvs[y].definition {
+                None => {
+                    found.insert(y);
+                }
+                Some(d) => stack.extend(f.exprs[d].input_tvs()),
+            }
+        }
+        found
+    };
+    let mine = inputs(x);
+    for d in f.topo_exprs() {
+        if d == e || !matches!(f.exprs[d].op, Op::Reduction { .. }) {
+            continue;
+        }
+        let Some(y) = f.exprs[d].inputs[0].tensor() else { continue };
+        let r = reduced_axes(f, d);
+        // A sibling of the same tensor is reused whole (`reuse_partial_reductions`: the
+        // total sums the rows' results).
+        if y == x
+            || extents(y) != shape
+            || r.is_empty()
+            || r.len() >= outer.len()
+            || !r.iter().all(|a| outer.contains(a))
+        {
+            continue;
+        }
+        // Rows only (the innermost axes): a total split over a column reduction's axes would
+        // add a column pass, not join one.
+        if r.iter().enumerate().any(|(i, &a)| a != shape.len() - r.len() + i) {
+            continue;
+        }
+        if !inputs(y).is_disjoint(&mine) {
+            return Some(r);
+        }
     }
     None
 }
