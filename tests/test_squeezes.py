@@ -136,3 +136,28 @@ def test_box_overlap_of_column_slices_is_one_kernel() -> None:
     want = np.maximum(np.minimum(xd[:, 2:3], yd[:, 2:3].T) - np.maximum(xd[:, 0:1], yd[:, 0:1].T), 0.0)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
     assert len(fd.lower([x, y]).kernels) == 1
+
+
+@pytest.mark.parametrize("cols", [7, 1000])
+def test_squeezed_statistics_of_a_layernorm_stay_in_its_kernel(cols: int) -> None:
+    # Apex-style LayerNorm returning its mean and inverse deviation squeezed: the squeezes of
+    # values computed from the reductions stay (the statistic is read as such), where sinking
+    # them left lower-rank copies of `1 / cast(N)` beside the rows, a kernel of their own.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], DataType.Float)
+        n = fd.ops.cast(fd.ops.size(x, 1), DataType.Float)
+        mean = fd.ops.div(fd.ops.sum(x, dims=[1], keepdim=True), n)
+        ex2 = fd.ops.div(fd.ops.sum(fd.ops.mul(x, x), dims=[1], keepdim=True), n)
+        rstd = fd.ops.rsqrt(fd.ops.add(fd.ops.sub(ex2, fd.ops.mul(mean, mean)), 1e-5))
+        fd.add_output(fd.ops.mul(fd.ops.sub(x, mean), rstd))
+        fd.add_output(fd.ops.squeeze(mean, [1]))
+        fd.add_output(fd.ops.squeeze(rstd, [1]))
+    a = (np.random.default_rng(cols).standard_normal((37, cols)) + 0.5).astype(np.float32)
+    y, m, r = fd.execute([a])
+    ad = a.astype(np.float64)
+    md = ad.mean(1)
+    rd = 1.0 / np.sqrt((ad * ad).mean(1) - md * md + 1e-5)
+    np.testing.assert_allclose(y, (ad - md[:, None]) * rd[:, None], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(m, md, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(r, rd, rtol=1e-4)
+    assert len(fd.lower([a]).kernels) == 1

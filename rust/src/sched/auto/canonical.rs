@@ -1521,7 +1521,10 @@ pub fn sink_squeezes(f: &mut Fusion) -> Result<()> {
             let Some(d) = f.tvs[x].definition else { continue };
             let op = f.exprs[d].op.clone();
             let xl = f.no_reduction_logical(x);
-            if xl.len() != removed.len() {
+            // Values computed from a reduction (a keepdim statistic squeezed for an output)
+            // stay: `squeeze_broadcasts` reads the statistic itself, where a sunk squeeze
+            // would leave lower-rank copies of its scalar factors beside the rows.
+            if xl.len() != removed.len() || computed_from_a_reduction(f, x) {
                 continue;
             }
             // A squeeze of a permute is a permute of the squeezed source (of none, where
