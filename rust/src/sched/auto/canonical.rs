@@ -1171,22 +1171,10 @@ fn upstream_row_axes(f: &Fusion, t: TvId, rank: usize, outer: &[usize]) -> Optio
 fn sibling_row_axes(f: &Fusion, e: ExprId, x: TvId, outer: &[usize]) -> Option<Vec<usize>> {
     let extents = |t: TvId| -> Vec<ValId> { f.no_reduction_logical(t).iter().map(|&id| f.ids[id].extent).collect() };
     let shape = extents(x);
+    // The fusion inputs `t` is computed from.
     let inputs = |t: TvId| -> FxHashSet<TvId> {
-        let mut found = FxHashSet::default();
-        let mut stack = vec![t];
-        let mut seen: FxHashSet<TvId> = FxHashSet::default();
-        while let Some(y) = stack.pop() {
-            if !seen.insert(y) {
-                continue;
-            }
-            match f.tvs[y].definition {
-                None => {
-                    found.insert(y);
-                }
-                Some(d) => stack.extend(f.exprs[d].input_tvs()),
-            }
-        }
-        found
+        let closure = super::computed_closure(f, &[t]);
+        closure.iter().flat_map(|&c| f.producers(c)).chain([t]).filter(|&p| f.tvs[p].definition.is_none()).collect()
     };
     let mine = inputs(x);
     for d in f.topo_exprs() {
