@@ -584,6 +584,8 @@ class HostProgram:
                     scalars: List[Any]) -> List[Tuple[str, int, List[int]]]:
         """Tensors that read an input at another shape: (name, input position, shape)."""
         ...
+    def output_layouts(self) -> List[Optional[List[int]]]:
+        """Per output, the logical axis each stored axis is, where it is handed back in its stored order."""
     def output_views(self, sizes: List[List[int]], scalars: List[Any]) -> List[Optional[List[int]]]:
         """The shape each output is handed back in where its kernel computes it at another."""
     @property

@@ -959,5 +959,7 @@ def run_on_cpu(lowered: Any, inputs: Sequence[Any],
             env[n] = v
     outs = [env[n] for n in lowered.program.output_names()]
     # Outputs computed at another shape are handed back at the defined one (row-major).
+    # Outputs stored permuted are handed back in their stored order (a row-major array).
+    outs = [o if lay is None else o.transpose(lay) for o, lay in zip(outs, lowered.program.output_layouts())]
     views = lowered.program.output_views([[int(s) for s in x.shape] for x in arrays], list(scalars))
     return [o if v is None else o.reshape(v) for o, v in zip(outs, views)]

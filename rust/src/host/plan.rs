@@ -220,6 +220,13 @@ fn buffer_alloc(
             let layout = (0..sizes.len()).collect();
             (sizes, layout, Place::Arena(0))
         }
+        (BufferRole::Output(_), Some(tv)) if p.fusion.stored_outputs.contains(&tv) => {
+            // Handed back in its stored order: a row-major array of the stored shape.
+            let o = output_plan(&k.fusion, &k.fusion.scalars, tv, b)?;
+            let sizes: Vec<i64> = o.layout.iter().map(|&a| o.sizes[a]).collect();
+            let layout = (0..sizes.len()).collect();
+            (sizes, layout, Place::Arena(0))
+        }
         (BufferRole::Output(_) | BufferRole::Intermediate, Some(tv)) => {
             let o = output_plan(&k.fusion, &k.fusion.scalars, tv, b)?;
             (o.sizes, o.layout, Place::Arena(0))

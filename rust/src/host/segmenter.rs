@@ -136,6 +136,7 @@ fn plan_canonical(mut g: Fusion, cx: &Ctx) -> Result<(HostProgram, Heuristic)> {
     crate::sched::auto::canonical::reduce_broadcast_axes(&mut g)?;
     crate::sched::auto::canonical::squeeze_broadcasts(&mut g)?;
     crate::sched::auto::canonical::squeeze_remaps(&mut g)?;
+    crate::sched::auto::canonical::store_output_permutes(&mut g)?;
     // Rows longer than a block keeps on chip (sizes unknown here: not long).
     let long_row = |g: &Fusion, e: ExprId| {
         let out = g.exprs[e].output;

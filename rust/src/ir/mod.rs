@@ -396,6 +396,11 @@ pub struct Fusion {
     /// The canonical form computes a reshaped output at its source's shape
     /// (`canonical::hoist_output_reshapes`); row-major, the elements are the same.
     pub output_views: Vec<(TvId, Vec<ValId>)>,
+    /// Outputs the host hands back in their stored order, as a plain row-major array of the
+    /// stored shape. The canonical form computes an output that permutes a normalized tensor
+    /// (`permute(rmsnorm(q), [0, 2, 1, 3])`) in the unpermuted order and stores it permuted
+    /// (`canonical::store_output_permutes`): the same array, without a permute in the kernel.
+    pub stored_outputs: Vec<TvId>,
     /// Tensors that read an input at another shape without a kernel: (view, input). The
     /// canonical form turns a row-major reshape of an input whose arrays are row-major
     /// (`canonical::view_input_reshapes`) into a tensor with no definition that the host

@@ -1411,6 +1411,27 @@ impl PyHostProgram {
         })
     }
 
+    /// Per output, the order it is handed back in where that is its stored order
+    /// (`Fusion::stored_outputs`): stored axis k is logical axis `layout[k]`; None elsewhere.
+    fn output_layouts(&self) -> Vec<Option<Vec<usize>>> {
+        let f = &self.inner.fusion;
+        f.outputs
+            .iter()
+            .map(|&o| {
+                if !f.stored_outputs.contains(&o) {
+                    return None;
+                }
+                let logical = f.no_reduction_logical(o);
+                f.tvs[o]
+                    .maybe_allocation()
+                    .iter()
+                    .filter(|&&id| f.ids[id].iter_type != crate::ir::IterType::Reduction)
+                    .map(|id| logical.iter().position(|l| l == id))
+                    .collect()
+            })
+            .collect()
+    }
+
     /// The tensors that read an input at another shape (`View` lines of the host program),
     /// as (name, input position among the arrays, shape) for arrays of these sizes and
     /// strides (elements) and scalar inputs.

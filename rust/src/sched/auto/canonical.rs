@@ -695,6 +695,215 @@ fn relaid_broadcast(f: &mut Fusion, t: TvId, perm: &[usize]) -> Result<Option<Tv
     Ok(Some(f.broadcast(src, relaid)?))
 }
 
+/// Compute what a permute leads to in its source's axis order, and store the outputs it
+/// reaches permuted (`Fusion::stored_outputs`: the host hands back the same row-major array
+/// of the permuted shape), in fusions with reductions, which no scheduler of reductions
+/// takes with a permute inside. QK-norm written either way is then one normalization:
+/// Qwen3's `rmsnorm(q.view(B, S, H, D)).transpose(1, 2)` writes each normalized row of D at
+/// its `[b, h, s]` place, and Gemma3's `rmsnorm(q.view(B, S, H, D).transpose(1, 2))` reads
+/// `q` as it lies; each was a transposing kernel beside the normalization, with the
+/// permuted or normalized tensor stored whole in Global between them. The permute's
+/// readers and everything computed from them (element-wise ops, reductions of full-rank
+/// tensors, broadcasts of their results, permutes back) move to the source's order, their
+/// broadcast operands laid out in it. Only permutes that keep the last axis with data last
+/// are moved: rows stay contiguous in memory, where storing a tensor whose last axis moves
+/// would write every element at a stride (a transpose kernel writes whole tiles).
+pub fn store_output_permutes(f: &mut Fusion) -> Result<()> {
+    if !f.topo_exprs().iter().any(|&e| matches!(f.exprs[e].op, Op::Reduction { .. })) {
+        return Ok(());
+    }
+    'again: loop {
+        for e in f.topo_exprs() {
+            let Op::Permute { perm } = f.exprs[e].op.clone() else { continue };
+            let Some(x) = f.exprs[e].inputs[0].tensor() else { continue };
+            let start = f.exprs[e].output;
+            let identity = perm.iter().enumerate().all(|(i, &a)| i == a);
+            if identity || !keeps_last_data_axis(f, x, &perm) {
+                continue;
+            }
+            let Some(cone) = permuted_cone(f, start, &perm) else { continue };
+            let mut moved: FxHashMap<TvId, TvId> = FxHashMap::default();
+            moved.insert(start, x);
+            let mut closers = Vec::new();
+            for &d in &cone.exprs {
+                let out = f.exprs[d].output;
+                let r = match f.exprs[d].op.clone() {
+                    Op::Permute { .. } => {
+                        closers.push(d);
+                        continue;
+                    }
+                    Op::Reduction { op, init } => {
+                        let src = moved[&f.exprs[d].inputs[0].tensor().expect("a reduction reads a tensor")];
+                        let axes: Vec<usize> = reduced_axes(f, d).into_iter().map(|i| perm[i]).collect();
+                        let mut logical = Vec::new();
+                        for (a, id) in f.no_reduction_logical(src).into_iter().enumerate() {
+                            let src_id = f.ids[id].clone();
+                            let it = if axes.contains(&a) { IterType::Reduction } else { src_id.iter_type };
+                            logical.push(f.new_id(src_id.extent, it));
+                        }
+                        let r = f.new_tv(f.tvs[out].dtype, crate::ir::MemoryType::Local, logical);
+                        f.add_expr(Op::Reduction { op, init }, smallvec::smallvec![Operand::Tensor(src)], r);
+                        r
+                    }
+                    Op::Broadcast { is_new } => {
+                        let src = moved[&f.exprs[d].inputs[0].tensor().expect("a broadcast reads a tensor")];
+                        let mut relaid = vec![false; perm.len()];
+                        for (i, &n) in is_new.iter().enumerate() {
+                            relaid[perm[i]] = n;
+                        }
+                        f.broadcast(src, relaid)?
+                    }
+                    op => {
+                        let mut operands = Vec::new();
+                        for o in f.exprs[d].inputs.clone() {
+                            operands.push(match o {
+                                Operand::Tensor(t) if moved.contains_key(&t) => Operand::Tensor(moved[&t]),
+                                Operand::Tensor(t) => {
+                                    let Some(relaid) = relaid_broadcast(f, t, &perm)? else {
+                                        crate::bail_internal!(
+                                            "store_output_permutes: operand {} checked above",
+                                            f.tv_name(t)
+                                        )
+                                    };
+                                    Operand::Tensor(relaid)
+                                }
+                                s => s,
+                            });
+                        }
+                        replay(f, op, &operands)?
+                    }
+                };
+                moved.insert(out, r);
+            }
+            for (t, axes) in cone.outputs {
+                let new = f.set(moved[&t])?;
+                // The stored order: `t`'s axes (positions in the permuted order, ascending)
+                // as the source's axes they are, found among `new`'s (the source's order).
+                let logical = f.no_reduction_logical(new);
+                let mut in_source: Vec<usize> = axes.iter().map(|&a| perm[a]).collect();
+                in_source.sort_unstable();
+                let alloc: Vec<_> = axes
+                    .iter()
+                    .map(|&a| logical[in_source.iter().position(|&s| s == perm[a]).expect("an axis of t")])
+                    .collect();
+                let contiguity =
+                    alloc.iter().map(|&id| (f.ids[id].iter_type != IterType::Broadcast).then_some(true)).collect();
+                f.tvs[new].allocation = Some(alloc);
+                f.tvs[new].contiguity = contiguity;
+                f.tvs[new].memory = crate::ir::MemoryType::Global;
+                f.note_stand_in(new, t);
+                for o in f.outputs.iter_mut() {
+                    if *o == t {
+                        *o = new;
+                    }
+                }
+                f.stored_outputs.push(new);
+            }
+            for c in closers {
+                let (inp, out) = (f.exprs[c].inputs[0].tensor().expect("a permute reads a tensor"), f.exprs[c].output);
+                replace_tensor(f, out, moved[&inp]);
+            }
+            drop_dead_uses(f);
+            continue 'again;
+        }
+        return Ok(());
+    }
+}
+
+/// True when `perm` keeps the last axis of `x` that holds data (not a broadcast) last among
+/// those that do: the permuted tensor's rows are `x`'s rows.
+fn keeps_last_data_axis(f: &Fusion, x: TvId, perm: &[usize]) -> bool {
+    let l = f.no_reduction_logical(x);
+    let data = |a: usize| f.ids[l[a]].iter_type != IterType::Broadcast;
+    let last_in = (0..l.len()).rev().find(|&a| data(a));
+    let last_out = perm.iter().rev().copied().find(|&a| data(a));
+    l.len() == perm.len() && last_in.is_some() && last_in == last_out
+}
+
+/// What `store_output_permutes` moves for the permute whose output is `start`: every expr
+/// computed from it in topological order, and the outputs among their tensors with their
+/// axes (positions in the permuted order).
+struct PermutedCone {
+    exprs: Vec<ExprId>,
+    outputs: Vec<(TvId, Vec<usize>)>,
+}
+
+/// The cone of `start` (see `store_output_permutes`), where each of its exprs has a form in
+/// the source's order, and each output in it is a plain one (not aliased, viewed, stored or
+/// laid out already). Each tensor of the cone is tracked by its axes as positions in the
+/// permuted order: all of them, or those a reduction kept.
+fn permuted_cone(f: &Fusion, start: TvId, perm: &[usize]) -> Option<PermutedCone> {
+    let rank = perm.len();
+    let all: Vec<usize> = (0..rank).collect();
+    let mut axes: FxHashMap<TvId, Vec<usize>> = FxHashMap::default();
+    axes.insert(start, all.clone());
+    let mut exprs = Vec::new();
+    for d in f.topo_exprs() {
+        let ins: Vec<TvId> = f.exprs[d].input_tvs().collect();
+        if !ins.iter().any(|t| axes.contains_key(t)) {
+            continue;
+        }
+        let x = ins[0];
+        let out = f.exprs[d].output;
+        let out_axes = match &f.exprs[d].op {
+            Op::Permute { perm: q } if q.iter().enumerate().all(|(i, &a)| perm[a] == i) && axes[&x] == all => {
+                exprs.push(d);
+                continue;
+            }
+            Op::Reduction { .. } if axes[&x] == all => {
+                let reduced = reduced_axes(f, d);
+                all.iter().copied().filter(|a| !reduced.contains(a)).collect()
+            }
+            Op::Broadcast { is_new } if is_new.len() == rank => {
+                let kept: Vec<usize> = (0..rank).filter(|&i| !is_new[i]).collect();
+                if kept != axes[&x] {
+                    return None;
+                }
+                all.clone()
+            }
+            op if op.is_elementwise() => {
+                let mut seen: Option<&Vec<usize>> = None;
+                for &t in &ins {
+                    match axes.get(&t) {
+                        Some(a) if seen.is_some_and(|s| s != a) => return None,
+                        Some(a) => seen = Some(a),
+                        None if f.no_reduction_logical(t).is_empty() => {}
+                        None if relaid_ok(f, t, perm) => {}
+                        None => return None,
+                    }
+                }
+                let a = seen.expect("a cone operand").clone();
+                if f.no_reduction_logical(out).len() != a.len()
+                    || (a != all && ins.iter().any(|t| !axes.contains_key(t) && !f.no_reduction_logical(*t).is_empty()))
+                {
+                    return None;
+                }
+                a
+            }
+            _ => return None,
+        };
+        axes.insert(out, out_axes);
+        exprs.push(d);
+    }
+    let plain = |t: TvId| {
+        !f.aliases.iter().any(|&(o, _)| o == t)
+            && !f.output_views.iter().any(|(o, _)| *o == t)
+            && !f.stored_outputs.contains(&t)
+            && f.tvs[t].allocation.is_none()
+    };
+    let mut outputs: Vec<(TvId, Vec<usize>)> = Vec::new();
+    for &t in std::iter::once(&start).chain(exprs.iter().map(|d| &f.exprs[*d].output)) {
+        if !f.is_output(t) || outputs.iter().any(|(o, _)| *o == t) || !axes.contains_key(&t) {
+            continue;
+        }
+        if !plain(t) {
+            return None;
+        }
+        outputs.push((t, axes[&t].clone()));
+    }
+    Some(PermutedCone { exprs, outputs })
+}
+
 /// Give a reshape to fixed sizes the input sizes at hand where only they resolve its runs
 /// of axes (fewer positions divided out of a run's): `[n, h]` viewed as `[3, 7, 33]` matches no run by its symbols (`h` may or may
 /// not be 33), so every position is divided out of the row-major one, and a gather or a
@@ -2236,6 +2445,9 @@ fn replace_tensor(f: &mut Fusion, old: TvId, new: TvId) {
             *o = out_new;
         }
     }
+    if f.stored_outputs.contains(&old) && out_new != old {
+        carry_storage(f, old, out_new);
+    }
     for (v, _) in f.input_views.iter_mut() {
         if *v == old {
             *v = new;
@@ -2247,6 +2459,29 @@ fn replace_tensor(f: &mut Fusion, old: TvId, new: TvId) {
     for t in f.segment_after.iter_mut() {
         if *t == old {
             *t = new;
+        }
+    }
+}
+
+/// Give `new`, which replaces stored output `old`, `old`'s storage order (a later rewrite
+/// that recomputes the output keeps where the host reads it).
+fn carry_storage(f: &mut Fusion, old: TvId, new: TvId) {
+    let (lo, ln) = (f.no_reduction_logical(old), f.no_reduction_logical(new));
+    let layout: Option<Vec<usize>> = f.tvs[old]
+        .maybe_allocation()
+        .iter()
+        .filter(|&&id| f.ids[id].iter_type != IterType::Reduction)
+        .map(|id| lo.iter().position(|l| l == id))
+        .collect();
+    if let Some(layout) = layout.filter(|l| l.len() == ln.len() && lo.len() == ln.len()) {
+        let alloc: Vec<_> = layout.iter().map(|&a| ln[a]).collect();
+        f.tvs[new].contiguity =
+            alloc.iter().map(|&id| (f.ids[id].iter_type != IterType::Broadcast).then_some(true)).collect();
+        f.tvs[new].allocation = Some(alloc);
+    }
+    for s in f.stored_outputs.iter_mut() {
+        if *s == old {
+            *s = new;
         }
     }
 }
