@@ -303,7 +303,7 @@ def _compile_cases() -> List[Tuple[str, DataType]]:
             kind = "f" if dt in (DataType.Float, DataType.Double, DataType.Half) else "i"
             if (kind == "f" and name in INT_ONLY) or (kind == "i" and name in FLOAT_ONLY):
                 continue
-            no_bool = {"neg", "bitwise_left_shift", "bitwise_right_shift", "gcd", "fmod", "remainder"}
+            no_bool = {"neg", "sub", "bitwise_left_shift", "bitwise_right_shift", "gcd", "fmod", "remainder"}
             if dt == DataType.Bool and name in no_bool:
                 continue
             cases.append((name, dt))

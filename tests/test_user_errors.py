@@ -5,6 +5,8 @@ users pass where Python numbers go, taken as the numbers they hold."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from kiln import DataType, DeviceMesh, FusionDefinition, KilnError, KilnTypeError, ParallelType
@@ -145,3 +147,112 @@ def test_the_demo_refuses_bad_sizes_as_usage_errors(arg: str, capsys: pytest.Cap
         cli_main(["demo", "--rows", arg])
     assert e.value.code == 2
     assert "argument --rows: expected" in capsys.readouterr().err
+
+
+def test_numpy_integers_size_full_iota_and_reshape() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], DataType.Float)
+        r = fd.ops.reshape(x, (np.int64(2), np.int32(6)))
+        fd.add_output(fd.ops.add(r, fd.ops.full([np.int64(2), 6], 1.5, DataType.Float)))
+        fd.add_output(fd.ops.iota(np.int64(4)))
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    got, idx = fd.execute([a])
+    np.testing.assert_array_equal(got, a.reshape(2, 6) + 1.5)
+    np.testing.assert_array_equal(idx, np.arange(4))
+
+
+@pytest.mark.parametrize("value", [np.float32("nan"), np.float32("inf"), np.float32(1.5), np.float64(2.5)])
+@pytest.mark.parametrize("dtype", [DataType.Int, DataType.Int32])
+def test_integer_constants_refuse_numpy_floats_that_are_not_integers(value: Any, dtype: DataType) -> None:
+    with FusionDefinition() as fd:
+        with pytest.raises(KilnTypeError, match=r"define_scalar: .* is not an integer"):
+            fd.define_scalar(value, dtype=dtype)
+        fd.add_output(fd.define_tensor([-1], DataType.Float))
+
+
+def test_numpy_booleans_are_flags() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], DataType.Float, contiguity=np.True_)
+        y = fd.define_tensor([-1, -1], DataType.Float, contiguity=[np.True_, np.True_])
+        s = fd.define_scalar(np.True_, dtype=DataType.Int)
+        fd.add_output(fd.ops.add(fd.ops.add(x, y), s))
+    a = np.ones((2, 3), np.float32)
+    (got,) = fd.execute([a, a])
+    np.testing.assert_array_equal(got, np.full((2, 3), 3.0))
+
+
+@pytest.mark.parametrize("build", [
+    lambda fd, x: fd.ops.sum(x, [1], keepdim="False"),
+    lambda fd, x: fd.ops.max(x, [1], keepdim=[]),
+    lambda fd, x: fd.ops.var_mean(x, [1], keepdim="no")[0],
+], ids=["sum_keepdim_str", "max_keepdim_list", "var_mean_keepdim_str"])
+def test_yes_no_options_take_bools_only(build: Any) -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], DataType.Float)
+        with pytest.raises(KilnTypeError, match=r"keepdim: expected a bool"):
+            build(fd, x)
+        fd.add_output(x)
+
+
+def test_execute_and_split_options_take_bools_only() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], DataType.Float)
+        y = fd.ops.neg(x)
+        fd.add_output(y)
+    with pytest.raises(KilnTypeError, match=r"execute: as_written: expected a bool"):
+        fd.execute([np.ones((2, 2), np.float32)], as_written="no")
+    with pytest.raises(KilnTypeError, match=r"inner_split: expected a bool"):
+        y.split(1, 2, inner_split="no")
+
+
+def test_sub_of_two_bools_is_refused() -> None:
+    with FusionDefinition() as fd:
+        a = fd.define_tensor([-1], DataType.Bool)
+        b = fd.define_tensor([-1], DataType.Bool)
+        with pytest.raises(KilnTypeError, match=r"sub: T0 and T1 promote to bool; sub is not defined"):
+            fd.ops.sub(a, b)
+        fd.add_output(fd.ops.logical_xor(a, b) if hasattr(fd.ops, "logical_xor") else fd.ops.ne(a, b))
+    x, y = np.array([True, False, True]), np.array([True, True, False])
+    (got,) = fd.execute([x, y])
+    np.testing.assert_array_equal(got, x ^ y)
+
+
+def test_simulate_needs_a_sharded_fusion_with_outputs() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], DataType.Float)
+        fd.add_output(fd.ops.exp(x))
+    with pytest.raises(KilnError, match=r"not sharded .*fd\.execute"):
+        simulate(fd, [[np.ones((2, 4), np.float32)]])
+    fd = FusionDefinition()
+    x = fd.define_tensor([-1, -1], DataType.Float)
+    x.set_device_mesh(DeviceMesh([0, 1]))
+    with pytest.raises(KilnError, match=r"no outputs"):
+        simulate(fd, [[np.ones((2, 4), np.float32)], [np.ones((2, 4), np.float32)]])
+
+
+def test_a_size_past_any_gpu_names_the_tensor_and_axis() -> None:
+    with FusionDefinition() as fd:
+        n = fd.define_scalar(dtype=DataType.Int)
+        fd.add_output(fd.ops.full([3, n], 1.0, DataType.Double))
+    with pytest.raises(KilnError, match=r"T\d+: its shape \[3, 2305843009213693952\] .* axis 1 has size"):
+        fd.execute([2**61])
+
+
+def test_a_non_contiguous_output_axis_names_the_tensor_and_axis() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], DataType.Float)
+        z = fd.ops.neg(x)
+        fd.add_output(z)
+    z.set_allocation_domain([0, 1], [False, True])
+    with pytest.raises(KilnError, match=rf"{z.name}: axis 0 is marked non-contiguous"):
+        fd.execute([np.ones((2, 3), np.float32)])
+
+
+def test_the_demo_refuses_sizes_it_cannot_hold(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli_main(["demo", "--rows", "1", "--cols", str(2**62)])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        cli_main(["demo", "--rows", "100000", "--cols", "100000"])
+    assert e.value.code == 2
+    assert "elements" in capsys.readouterr().err

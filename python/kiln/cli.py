@@ -85,6 +85,11 @@ def demo(rows: int = 64, cols: int = 1000) -> int:
     return 0 if ok else 1
 
 
+# The demo's [rows, cols] float32 input and its float64 reference live in host memory.
+MAX_SIDE = 1 << 24
+MAX_ELEMENTS = 1 << 28
+
+
 def _positive(text: str) -> int:
     """An argument that must be an int of at least 1 (the softmax of an empty row is undefined)."""
     try:
@@ -93,6 +98,9 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected at least 1, got {n}")
+    if n > MAX_SIDE:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_SIDE} (the demo's input is held in memory), "
+                                         f"got {n}")
     return n
 
 
@@ -103,6 +111,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--rows", type=_positive, default=64, help="rows of the demo's input (>= 1)")
     parser.add_argument("--cols", type=_positive, default=1000, help="columns of the demo's input (>= 1)")
     args = parser.parse_args(argv)
+    if args.rows * args.cols > MAX_ELEMENTS:
+        parser.error(f"--rows {args.rows} --cols {args.cols} is {args.rows * args.cols} elements; the demo "
+                     f"takes at most {MAX_ELEMENTS} (its input and its float64 reference sit in host memory)")
     return demo(args.rows, args.cols)
 
 

@@ -15,7 +15,7 @@ from .compiled import CompiledFusion, compiled
 from .enums import DataType, ParallelType
 from .host import signature_key
 from .lowering import LoweredFusion, LoweredKernel, check_inputs, configure_lowering, plain_numbers
-from .schedule import ScheduleMixin, is_flag
+from .schedule import ScheduleMixin, flag, is_bool, is_flag
 
 Operand = Union["Tensor", "Scalar", int, float, bool]
 
@@ -85,6 +85,12 @@ def _index(v: object) -> Optional[int]:
         return operator.index(v)  # type: ignore[arg-type]
     except TypeError:
         return None
+
+
+def _sizes(entries: Sequence[Any]) -> List[Any]:
+    """Shape entries with NumPy integers as Python ints (Scalars and anything else as given,
+    for the caller to check)."""
+    return [s if isinstance(s, Scalar) or _index(s) is None else _index(s) for s in entries]
 
 
 def _listed(v: object) -> object:
@@ -188,7 +194,7 @@ class FusionDefinition:
             if not -1 <= s < 2**63:
                 raise KilnError(f"define_tensor {name}: axis {axis} has size {s}; expected -1 (symbolic), "
                                 f"1 (broadcast) or a size in [0, 2**63)")
-        if isinstance(contiguity, bool):  # one flag for every axis, as set_allocation_domain takes
+        if is_bool(contiguity):  # one flag for every axis, as set_allocation_domain takes
             contiguity = [contiguity] * len(shape)
         if contiguity is not None and (not isinstance(contiguity, (list, tuple))
                                        or not all(is_flag(c) for c in contiguity)):
@@ -213,9 +219,13 @@ class FusionDefinition:
         if value is None:
             dt = _check_dtype(dtype or DataType.Double, "define_scalar")
             return Scalar(self, self._core.define_scalar(dt))
+        if isinstance(value, np.bool_):
+            value = bool(value)
         if not isinstance(value, numbers.Real):
             raise KilnTypeError(f"define_scalar: expected a bool, int or float value (or a DataType), "
                                 f"got {value!r}")
+        if not isinstance(value, (bool, int, float)):  # a NumPy scalar: its Python value
+            value = int(value) if isinstance(value, numbers.Integral) else float(value)
         if dtype is not None:
             _check_dtype(dtype, "define_scalar")
             if dtype == DataType.Bool:
@@ -235,8 +245,6 @@ class FusionDefinition:
                 except OverflowError as e:
                     raise KilnError(f"define_scalar: the integer is too large for a {dtype.name} constant "
                                      "(beyond 1.8e308)") from e
-        elif not isinstance(value, (bool, int, float)):  # a NumPy scalar: its Python value
-            value = int(value) if isinstance(value, numbers.Integral) else float(value)
         return self._const(value)
 
     def _const(self, value: Union[int, float, bool]) -> Scalar:
@@ -345,6 +353,7 @@ class FusionDefinition:
             shown = repr(device) if len(repr(device)) <= 40 else f"a {type(device).__name__}"
             raise KilnTypeError(f"execute: device must be 'cuda', 'cpu' or None, got {shown} "
                                 f"(pass the inputs as one list: fd.execute([a, b]))")
+        as_written = flag(as_written, "execute: as_written")
         if self._core.has_mesh:
             return self._execute_mesh(inputs, device, as_written, comm)
         if comm is not None:
@@ -497,7 +506,7 @@ class Ops:
         if dt is not None and dt in _NARROW_FLOATS and x.dtype.value in ("Float", "Double"):
             # PyTorch casts the input to a half or bfloat16 `dtype` before reducing.
             t = fd._tensor(self.cast(x, DataType(dt)), op)
-        return Tensor(fd, fd._core.reduction(op, t, axes, bool(keepdim), dt))
+        return Tensor(fd, fd._core.reduction(op, t, axes, flag(keepdim, f"{op}: keepdim"), dt))
 
     @staticmethod
     def _one_of(op: str, new: Any, old: Any, names: str) -> Any:
@@ -559,7 +568,7 @@ class Ops:
         # more gives inf (NaN for no deviation), never a negative variance.
         dof = self.maximum(self.sub(n, _int(correction, "var_mean: correction")), 0)
         var = self.div(self.sum(self.mul(dev, dev), axes), dof)
-        if keepdim:
+        if flag(keepdim, "var_mean: keepdim"):
             var, mean = self.broadcast_in_dim(var, [-1] * rank, kept), mean_b
         return self.cast(var, x.dtype), self.cast(mean, x.dtype)
 
@@ -744,9 +753,9 @@ class Ops:
         if args:
             original_shape, new_shape = new_shape, args[0]
         fd._tensor(x, "reshape")
-        new_shape = _seq(new_shape, "reshape: new_shape")
+        new_shape = _sizes(_seq(new_shape, "reshape: new_shape"))
         if original_shape is not None:
-            original_shape = _seq(original_shape, "reshape: original_shape")
+            original_shape = _sizes(_seq(original_shape, "reshape: original_shape"))
         if original_shape is not None and len(original_shape) != x.ndim:
             raise KilnError(f"reshape: original_shape {list(original_shape)} has {len(original_shape)} "
                             f"entries but {x.name} has rank {x.ndim}")
@@ -882,7 +891,7 @@ class Ops:
     def _shape(self, shape: Sequence[Union[int, Scalar]], what: str) -> List[int]:
         fd = self._fd
         dims: List[int] = []
-        for s in _seq(shape, f"{what}: shape"):
+        for s in _sizes(_seq(shape, f"{what}: shape")):
             if isinstance(s, Scalar):
                 dims.append(fd._operand(s, what)[1])
             elif isinstance(s, int) and not isinstance(s, bool):

@@ -446,6 +446,11 @@ def mesh_run(fd: Any) -> MeshRun:
 
     c = compiled(fd)
     if c.mesh is None:
+        if not fd._core.has_mesh:
+            raise KilnError("the fusion is not sharded (no tensor has a DeviceMesh); "
+                            "run it with fd.execute(inputs)")
+        if fd._core.num_outputs == 0:
+            raise KilnError("the fusion has no outputs: add one with fd.add_output")
         c.mesh = MeshRun(fd)
         from ._env import dump_enabled  # noqa: PLC0415
 

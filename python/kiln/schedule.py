@@ -5,6 +5,8 @@ from __future__ import annotations
 import numbers
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Union
 
+import numpy as np
+
 from ._errors import KilnError, KilnTypeError
 from .enums import MemoryType, ParallelType
 
@@ -14,9 +16,24 @@ if TYPE_CHECKING:
     from .multidevice import DeviceMesh
 
 
+def is_bool(c: object) -> bool:
+    """True for Python's and NumPy's booleans (``np.bool_``, named ``bool`` in NumPy 2)."""
+    return isinstance(c, (bool, np.bool_))
+
+
+def flag(v: object, what: str) -> bool:
+    """A yes/no option given as a bool (Python's or NumPy's; None is no); anything else is
+    refused rather than read by its truth (``keepdim='False'`` would keep the axis)."""
+    if v is None:
+        return False
+    if not is_bool(v):
+        raise KilnTypeError(f"{what}: expected a bool, got {v!r}")
+    return bool(v)
+
+
 def is_flag(c: object) -> bool:
     """A contiguity entry: None, a bool (Python's or NumPy's), or the integer 0 or 1."""
-    if c is None or isinstance(c, bool) or type(c).__name__ == "bool_":
+    if c is None or is_bool(c):
         return True
     return isinstance(c, numbers.Integral) and int(c) in (0, 1)
 
@@ -149,7 +166,7 @@ class ScheduleMixin:
         """Split loop axis ``axis`` into (ceilDiv(extent, factor), factor); on a tensor with
         a device mesh, ``inner_split=False`` by the mesh size shards that axis."""
         self._fd._core.split(self._id, _int(axis, "axis", self.name), _int(factor, "factor", self.name),
-                             bool(inner_split))
+                             flag(inner_split, f"split {self.name}: inner_split"))
 
     def merge(self, a: int, b: Optional[int] = None) -> None:
         """Merge loop axes ``a`` (outer) and ``b`` (inner, default ``a + 1``)."""

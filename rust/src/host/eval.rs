@@ -127,7 +127,10 @@ pub fn kernel_launch(kernel: &Kernel, cuda: &CudaKernel, b: &Bindings) -> Result
             }
             ParamKind::Stride(t, a) => {
                 let Some(&s) = b.strides.get(&(*t, *a)) else {
-                    bail!("{name}: only inputs may have non-contiguous strides");
+                    let tensor = kernel.fusion.tv_name(*t);
+                    bail!(
+                        "{tensor}: axis {a} is marked non-contiguous (set_allocation_domain), which only a fusion input may be: its strides come from the array passed in; a tensor kiln writes is laid out contiguously (mark the axis contiguous)"
+                    );
                 };
                 scalar_args.push((ScalarArg::Int(s), *dtype));
             }

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use rustc_hash::FxHashMap;
 
-use crate::error::Result;
+use crate::error::{KilnError, Result};
 use crate::host::bind::bind;
 use crate::host::eval::{check_constraints, kernel_launch, output_plan, Bindings};
 use crate::host::eval::{InputDesc, LaunchPlan, ScalarArg};
@@ -124,6 +124,10 @@ impl Region {
         }
     }
 }
+
+/// The largest buffer a plan allocates (128 TiB, past any GPU's memory): a size that asks
+/// for more is an error naming the tensor, not a launch that fails on its grid.
+const MAX_BUFFER_BYTES: i64 = 1 << 47;
 
 /// Evaluate `p` for concrete inputs: one call, no symbolic work left for the caller.
 pub fn plan_program(p: &HostProgram, inputs: &[InputDesc], scalars: &[ScalarArg]) -> Result<ProgramPlan> {
@@ -240,6 +244,16 @@ fn buffer_alloc(
         }
     };
     let elements = sizes.iter().fold(1i64, |a, &s| a.saturating_mul(s));
+    let bytes = elements.saturating_mul(hb.dtype.size_bytes() as i64);
+    if bytes > MAX_BUFFER_BYTES && !matches!(place, Place::Input(_)) {
+        let (axis, size) = sizes.iter().copied().enumerate().max_by_key(|&(_, s)| s).unwrap_or((0, 0));
+        return Err(KilnError::value(format!(
+            "{}: its shape {sizes:?} ({}) needs {} bytes, more than any GPU holds (at most 2^47 here); axis {axis} has size {size}",
+            hb.name,
+            hb.dtype,
+            if bytes == i64::MAX { "2^63 or more".to_string() } else { bytes.to_string() },
+        )));
+    }
     Ok(BufferAlloc {
         name: hb.name.clone(),
         dtype: hb.dtype,

@@ -664,9 +664,9 @@ binary_ops! {
         /// a + b.
         Add = "add", Promote, Cuda::Runtime,
             float(a, b) => Some(a + b), int(a, b) => Some(a.wrapping_add(b)), bool(a, b) => Some(a | b);
-        /// a - b.
+        /// a - b (not of two bools: PyTorch and NumPy refuse it, pointing to xor).
         Sub = "sub", Promote, Cuda::Runtime,
-            float(a, b) => Some(a - b), int(a, b) => Some(a.wrapping_sub(b)), bool(a, b) => Some(a != b);
+            float(a, b) => Some(a - b), int(a, b) => Some(a.wrapping_sub(b)), bool(a, b) => None;
         /// a * b.
         Mul = "mul", Promote, Cuda::Runtime,
             float(a, b) => Some(a * b), int(a, b) => Some(a.wrapping_mul(b)), bool(a, b) => Some(a & b);
