@@ -122,6 +122,18 @@ fn is_upstream(f: &Fusion, a: TvId, b: TvId) -> bool {
     false
 }
 
+/// `roots` and every tensor they are (transitively) computed from.
+fn upstream_of(f: &Fusion, roots: &[TvId]) -> rustc_hash::FxHashSet<TvId> {
+    let mut seen = rustc_hash::FxHashSet::default();
+    let mut stack = roots.to_vec();
+    while let Some(t) = stack.pop() {
+        if seen.insert(t) {
+            stack.extend(f.producers(t));
+        }
+    }
+    seen
+}
+
 fn promote(f: &Fusion, exact: &IdGraph, g: &mut GroupInfo) -> Result<()> {
     let ids: Vec<(TvId, usize, IterDomainId)> =
         g.members.iter().map(|&(tv, a)| (tv, a, f.tvs[tv].loop_domain[a])).collect();
@@ -144,16 +156,32 @@ fn promote(f: &Fusion, exact: &IdGraph, g: &mut GroupInfo) -> Result<()> {
             );
         }
     }
+    // Tensors upstream of a member that iterates the chosen space (computed when first
+    // needed): a producer of any of them is indexed through its consumers in that space,
+    // as a producer of the chosen tensor is (a bias broadcast feeding the first of two
+    // outputs, where the chosen tensor is the second).
+    let mut feeds_space: Option<rustc_hash::FxHashSet<TvId>> = None;
     for m in &ids {
-        // A member that is neither the chosen tensor's producer nor iterating its space
-        // (a sibling consumer of a producer inlined into both, which keeps a broadcast the
-        // other concretizes, merged with an iteration axis) would run the chosen extent over
-        // its own smaller one. A plain broadcast axis reads and writes its one element at
-        // every iteration: that only repeats it.
+        // A member that is neither a producer of a tensor iterating the chosen space nor
+        // iterating it itself (a sibling consumer of a producer inlined into both, which
+        // keeps a broadcast the other concretizes, merged with an iteration axis) would run
+        // the chosen extent over its own smaller one. A plain broadcast axis reads and
+        // writes its one element at every iteration: that only repeats it.
         let same_space = exact.same(m.2, chosen.2)
             || f.ids[m.2].extent == f.ids[chosen.2].extent
             || f.ids[m.2].iter_type == IterType::Broadcast;
-        if !same_space && !is_upstream(f, m.0, chosen.0) {
+        if same_space || is_upstream(f, m.0, chosen.0) {
+            continue;
+        }
+        let feeds = feeds_space.get_or_insert_with(|| {
+            let roots: Vec<TvId> = ids
+                .iter()
+                .filter(|(_, _, id)| exact.same(*id, chosen.2) || f.ids[*id].extent == f.ids[chosen.2].extent)
+                .map(|x| x.0)
+                .collect();
+            upstream_of(f, &roots)
+        });
+        if !feeds.contains(&m.0) {
             bail!(
                 "cannot promote loop axis {} of {}: it is one loop with {} axis {} ({}), but {} axis {} iterates {} there; inline the tensors they share at a position before this axis",
                 m.1,

@@ -124,6 +124,7 @@ fn plan_canonical(mut g: Fusion, cx: &Ctx) -> Result<(HostProgram, Heuristic)> {
     crate::sched::auto::canonical::read_through_expands(&mut g)?;
     crate::sched::auto::canonical::cancel_permutes(&mut g)?;
     crate::sched::auto::canonical::sink_squeezes(&mut g)?;
+    crate::sched::auto::canonical::view_output_squeezes(&mut g)?;
     crate::sched::auto::canonical::hoist_output_reshapes(&mut g)?;
     crate::sched::auto::canonical::sink_remaps(&mut g)?;
     crate::sched::auto::canonical::view_input_reshapes(&mut g);

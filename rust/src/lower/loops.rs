@@ -16,13 +16,23 @@ use crate::kernel::{ForLoop, Node};
 /// `defer_stores`, the stores of register accumulators (see [`accumulator_store`]) come
 /// after every other expr, in output order.
 pub fn expr_order(f: &Fusion, defer_stores: bool) -> Vec<ExprId> {
+    expr_order_with(f, defer_stores, false)
+}
+
+/// [`expr_order`], placing before its siblings anything upstream that is shallower than the
+/// deepest of them where `deep` (the order the loop pass falls back to).
+pub fn expr_order_with(f: &Fusion, defer_stores: bool, deep: bool) -> Vec<ExprId> {
     let mut order = Vec::new();
     let mut done: FxHashSet<ExprId> = FxHashSet::default();
     // Outputs computed from a grid reduction last: a grid reduction waits for every block,
     // so the ops on its result come after all of the block's other work (placed first, a
     // loss averaged over the rows would close the row loop that a per-row output needs).
     let mut outputs = f.outputs.clone();
-    outputs.sort_by_cached_key(|&o| after_grid_reduction(f, o));
+    // Outputs whose loops are one nest (a producer is inlined into both) are placed next to
+    // each other: an output of another nest between them (outputs of unrelated shapes side
+    // by side) would close the nest before the second one runs in it.
+    let nest = output_nests(f);
+    outputs.sort_by_cached_key(|&o| (after_grid_reduction(f, o), nest[&o]));
     // An accumulator reduced across a serial loop that other outputs also run (the column
     // partials of a block's rows, summed while the rows are normalized) is stored once that
     // loop is over: placed right after the accumulation, its store would close the loop
@@ -33,16 +43,49 @@ pub fn expr_order(f: &Fusion, defer_stores: bool) -> Vec<ExprId> {
         if deferred.contains(&out) {
             let Some(e) = f.tvs[out].definition else { continue };
             for p in f.exprs[e].input_tvs() {
-                visit(f, p, &mut done, &mut order);
+                visit(f, p, deep, &mut done, &mut order);
             }
         } else {
-            visit(f, out, &mut done, &mut order);
+            visit(f, out, deep, &mut done, &mut order);
         }
     }
     for out in deferred {
-        visit(f, out, &mut done, &mut order);
+        visit(f, out, deep, &mut done, &mut order);
     }
     order
+}
+
+/// Per output, the position among the outputs of the first output that shares a loop
+/// nest with it: two outputs share one where a producer is inlined into both (loops are
+/// one only through inlining).
+fn output_nests(f: &Fusion) -> FxHashMap<TvId, usize> {
+    let mut owner: FxHashMap<TvId, usize> = FxHashMap::default();
+    let mut nest: FxHashMap<TvId, usize> = FxHashMap::default();
+    for (k, &o) in f.outputs.iter().enumerate() {
+        let mut found: Option<usize> = None;
+        let mut visited: Vec<TvId> = Vec::new();
+        let mut stack: Vec<TvId> = f.tvs[o].definition.map(|e| f.exprs[e].input_tvs().collect()).unwrap_or_default();
+        let mut seen: FxHashSet<TvId> = FxHashSet::default();
+        while let Some(t) = stack.pop() {
+            if f.tvs[t].inline_pos == 0 || !seen.insert(t) {
+                continue;
+            }
+            if let Some(&j) = owner.get(&t) {
+                found = Some(found.map_or(j, |i: usize| i.min(j)));
+                continue;
+            }
+            visited.push(t);
+            if let Some(e) = f.tvs[t].definition {
+                stack.extend(f.exprs[e].input_tvs());
+            }
+        }
+        let mine = nest.get(&o).copied().unwrap_or(k).min(found.unwrap_or(k));
+        for t in visited {
+            owner.insert(t, mine);
+        }
+        nest.entry(o).or_insert(mine);
+    }
+    nest
 }
 
 /// True when output `tv` is a copy of a reduction that is not inlined into it: a register
@@ -81,7 +124,7 @@ fn after_grid_reduction(f: &Fusion, tv: TvId) -> bool {
     false
 }
 
-fn visit(f: &Fusion, tv: TvId, done: &mut FxHashSet<ExprId>, order: &mut Vec<ExprId>) {
+fn visit(f: &Fusion, tv: TvId, deep: bool, done: &mut FxHashSet<ExprId>, order: &mut Vec<ExprId>) {
     let Some(e) = f.tvs[tv].definition else {
         return;
     };
@@ -93,19 +136,22 @@ fn visit(f: &Fusion, tv: TvId, done: &mut FxHashSet<ExprId>, order: &mut Vec<Exp
     // so nothing lands between an inlined producer and its consumer. Anything further up
     // that is shallower than every direct producer (a reduction feeding one of several
     // operands) goes before all of them: placed later, it would close loops that a
-    // sibling operand opened and the consumer still needs.
+    // sibling operand opened and the consumer still needs. With `deep`, so does anything
+    // shallower than the deepest direct producer (a vectorized copy of an input, in a loop
+    // of its own, under one operand of a `where` whose mask is inlined deeper).
     let mut producers: Vec<TvId> = f.exprs[e].input_tvs().collect();
     // Only siblings can be split apart this way: a single producer needs no look-ahead
     // (which keeps the common chain linear instead of quadratic).
     if producers.len() > 1 {
-        let floor = producers.iter().map(|&p| f.tvs[p].inline_pos).min().unwrap_or(0);
+        let positions = producers.iter().map(|&p| f.tvs[p].inline_pos);
+        let floor = if deep { positions.max() } else { positions.min() }.unwrap_or(0);
         for u in shallower_pending(f, &producers, floor, done) {
-            visit(f, u, done, order);
+            visit(f, u, deep, done, order);
         }
     }
     producers.sort_by_key(|&p| f.tvs[p].inline_pos);
     for p in producers {
-        visit(f, p, done, order);
+        visit(f, p, deep, done, order);
     }
     order.push(e);
 }

@@ -83,20 +83,46 @@ pub const PASSES: &[Pass] = &[
         name: "loops",
         run: |c| {
             // Deferred accumulator stores can close loops a later expr needs where the
-            // kernel has several loop nests: then the plain order is used.
-            let plain = loops::expr_order(&c.f, false);
-            if plain != c.order {
-                let mut f = c.f.clone();
-                if let Ok((body, next)) = loops::run(&mut f, &c.lg, &c.order) {
-                    (c.f, c.body, c.next_index) = (f, body, next);
-                    return Ok(());
+            // kernel has several loop nests: then the plain order is used. Where a producer
+            // in a loop of its own would close a loop a deeper sibling opened, the orders
+            // that place shallower producers first are tried.
+            let mut errors = Vec::new();
+            let mut tried: Vec<Vec<ExprId>> = Vec::new();
+            let candidates = [
+                None,
+                Some(loops::expr_order(&c.f, false)),
+                Some(loops::expr_order_with(&c.f, true, true)),
+                Some(loops::expr_order_with(&c.f, false, true)),
+            ];
+            for order in candidates {
+                let order = order.unwrap_or_else(|| c.order.clone());
+                if tried.contains(&order) {
+                    continue;
                 }
-                c.lg = LoopGraph::build(&c.f, &c.exact, &loops::tensor_order(&c.f, &plain))?;
-                c.order = plain;
+                tried.push(order.clone());
+                let lg = if tried.len() == 1 {
+                    c.lg.clone()
+                } else {
+                    match LoopGraph::build(&c.f, &c.exact, &loops::tensor_order(&c.f, &order)) {
+                        Ok(lg) => lg,
+                        Err(e) => {
+                            errors.push(e);
+                            continue;
+                        }
+                    }
+                };
+                let mut f = c.f.clone();
+                match loops::run(&mut f, &lg, &order) {
+                    Ok((body, next)) => {
+                        (c.f, c.body, c.next_index, c.lg, c.order) = (f, body, next, lg, order);
+                        return Ok(());
+                    }
+                    Err(e) => errors.push(e),
+                }
             }
-            let (body, next) = loops::run(&mut c.f, &c.lg, &c.order)?;
-            (c.body, c.next_index) = (body, next);
-            Ok(())
+            // The plain order's error where it was tried (the one the user's schedule meets).
+            let at = usize::from(errors.len() > 1);
+            Err(errors.swap_remove(at))
         },
     },
     Pass {

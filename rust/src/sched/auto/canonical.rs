@@ -1224,6 +1224,104 @@ pub fn view_self_mapped_inputs(f: &mut Fusion) {
     }
 }
 
+/// Compute the outputs a squeeze of size-one axes leads to (through element-wise ops) at the
+/// unsqueezed shape, and let the host hand them back viewed (`Fusion::output_views`:
+/// row-major, the same elements). This is where `sink_squeezes` stops short: at a gather
+/// (`-log(probs.gather(1, labels[:, None]).squeeze(1)) * w`, the pick of an NLL loss) the
+/// squeeze and what follows it were a kernel of their own, reading the gathered column back
+/// from Global, since one pointwise kernel iterates one rank. The other operands of the
+/// moved ops get the size-one axes back by a broadcast. Values computed from a reduction
+/// keep their squeeze (their schedules place the reduced axes themselves).
+pub fn view_output_squeezes(f: &mut Fusion) -> Result<()> {
+    'again: loop {
+        for e in f.topo_exprs() {
+            let Op::Squeeze { removed } = f.exprs[e].op.clone() else { continue };
+            let Some(t) = f.exprs[e].inputs[0].tensor() else { continue };
+            if !squeezes_ones(f, e) || f.tvs[t].definition.is_none() || computed_from_a_reduction(f, t) {
+                continue;
+            }
+            let start = f.exprs[e].output;
+            let Some((cone, outputs)) = squeezed_cone(f, start) else { continue };
+            let mut moved: FxHashMap<TvId, TvId> = FxHashMap::default();
+            moved.insert(start, t);
+            for &d in &cone {
+                let mut operands = Vec::new();
+                for o in f.exprs[d].inputs.clone() {
+                    operands.push(match o {
+                        Operand::Tensor(x) if moved.contains_key(&x) => Operand::Tensor(moved[&x]),
+                        Operand::Tensor(x) if f.no_reduction_logical(x).is_empty() => o,
+                        Operand::Tensor(x) => Operand::Tensor(f.broadcast(x, removed.clone())?),
+                        s => s,
+                    });
+                }
+                let r = replay(f, f.exprs[d].op.clone(), &operands)?;
+                moved.insert(f.exprs[d].output, r);
+            }
+            for o in outputs {
+                let shape: Vec<ValId> = f.no_reduction_logical(o).iter().map(|&id| f.ids[id].extent).collect();
+                let new = f.set(moved[&o])?;
+                f.note_stand_in(new, o);
+                for out in f.outputs.iter_mut() {
+                    if *out == o {
+                        *out = new;
+                    }
+                }
+                f.tvs[new].memory = crate::ir::MemoryType::Global;
+                f.output_views.push((new, shape));
+            }
+            drop_dead_uses(f);
+            continue 'again;
+        }
+        return Ok(());
+    }
+}
+
+/// The element-wise exprs (in topological order) computed from squeeze result `start`, and
+/// the outputs among `start` and their results, where every reader of those tensors is one
+/// of the exprs, every other operand has `start`'s rank or none, and each output is a plain
+/// one (not aliased, viewed, stored or laid out already).
+fn squeezed_cone(f: &Fusion, start: TvId) -> Option<(Vec<ExprId>, Vec<TvId>)> {
+    let rank = f.no_reduction_logical(start).len();
+    let mut inside: FxHashSet<TvId> = FxHashSet::default();
+    inside.insert(start);
+    let mut cone = Vec::new();
+    for d in f.topo_exprs() {
+        let ins: Vec<TvId> = f.exprs[d].input_tvs().collect();
+        if !ins.iter().any(|t| inside.contains(t)) {
+            continue;
+        }
+        let out = f.exprs[d].output;
+        if !f.exprs[d].op.is_elementwise() || f.no_reduction_logical(out).len() != rank {
+            return None;
+        }
+        if ins.iter().any(|&x| {
+            !inside.contains(&x)
+                && !matches!(f.no_reduction_logical(x).len(), 0)
+                && f.no_reduction_logical(x).len() != rank
+        }) {
+            return None;
+        }
+        inside.insert(out);
+        cone.push(d);
+    }
+    let plain = |t: TvId| {
+        !f.aliases.iter().any(|&(a, _)| a == t)
+            && !f.output_views.iter().any(|(v, _)| *v == t)
+            && !f.stored_outputs.contains(&t)
+            && f.tvs[t].allocation.is_none()
+    };
+    let mut outputs: Vec<TvId> = Vec::new();
+    for t in std::iter::once(start).chain(cone.iter().map(|&d| f.exprs[d].output)) {
+        if f.is_output(t) && !outputs.contains(&t) {
+            if !plain(t) {
+                return None;
+            }
+            outputs.push(t);
+        }
+    }
+    (!outputs.is_empty()).then_some((cone, outputs))
+}
+
 /// True when `e` squeezes axes of constant size one: a row-major reshape.
 fn squeezes_ones(f: &Fusion, e: ExprId) -> bool {
     let Op::Squeeze { removed } = &f.exprs[e].op else { return false };

@@ -598,9 +598,13 @@ pub(crate) fn specialize_extents(f: &mut Fusion, ids: &[IterDomainId], extents: 
 /// loops, closed before its consumer goes on (the loop nests of tensors that are not
 /// inlined at all merge where they map). When two consumers run axis `a` in such loops of
 /// their own (one feeds a vectorized output copy, the other a second output), no single
-/// placement of the producer is inside both, so it stops before `a`. Consumers are
-/// settled first, so their loops are known.
-pub(crate) fn settle_inlining(f: &mut Fusion) {
+/// placement of the producer is inside both, so it stops before `a`. Where the loops it
+/// would then share run a larger space than its own axes (a broadcast bias flattened to
+/// its own size, read by two outputs of the full size), its private loops would not walk
+/// its consumers' elements: it is computed again for each consumer instead, a copy with its
+/// schedule inlined as deep as it was. Consumers are settled first, so their loops are
+/// known.
+pub(crate) fn settle_inlining(f: &mut Fusion) -> Result<()> {
     // The inlined tensor whose own loop `t`'s axis `a` runs in; None for the merged nests.
     fn owner(f: &Fusion, t: TvId, a: usize) -> Option<TvId> {
         let mut t = t;
@@ -636,7 +640,46 @@ pub(crate) fn settle_inlining(f: &mut Fusion) {
             owners.iter().any(|&o| o != owners[0])
         });
         if let Some(a) = split {
-            f.tvs[t].inline_pos = a;
+            if shares_larger_loops(f, t, &consumers, a) {
+                for &c in &consumers[1..] {
+                    let copy = recompute_scheduled(f, t)?;
+                    for u in f.tvs[t].uses.clone() {
+                        if f.exprs[u].output == c {
+                            f.redirect_use(u, t, copy);
+                        }
+                    }
+                }
+            } else {
+                f.tvs[t].inline_pos = a;
+            }
         }
     }
+    Ok(())
+}
+
+/// True when one of `t`'s loop axes before `a` (the loops it would share once inlined at
+/// `a`) has another extent than a consumer's axis there: a broadcast flattened to its own
+/// size runs inside the loops of the concretized space.
+fn shares_larger_loops(f: &Fusion, t: TvId, consumers: &[TvId], a: usize) -> bool {
+    let ld = &f.tvs[t].loop_domain;
+    consumers.iter().any(|&c| {
+        let cd = &f.tvs[c].loop_domain;
+        (0..a).any(|b| b < cd.len() && f.ids[ld[b]].extent != f.ids[cd[b]].extent)
+    })
+}
+
+/// A copy of scheduled tensor `t` (its expr reading the same operands) with `t`'s loop
+/// transforms, parallelization, memory and inline position.
+fn recompute_scheduled(f: &mut Fusion, t: TvId) -> Result<TvId> {
+    let copy = canonical::recompute(f, t)?;
+    let mut map: rustc_hash::FxHashMap<IterDomainId, IterDomainId> =
+        f.tvs[t].logical.iter().copied().zip(f.tvs[copy].logical.iter().copied()).collect();
+    let loop_domain = crate::sched::replay::replay_onto(f, t, &mut map);
+    if loop_domain.len() != f.tvs[t].loop_domain.len() {
+        crate::bail_internal!("recompute_scheduled: {} replays onto {} loop axes", f.tv_name(t), loop_domain.len());
+    }
+    f.tvs[copy].loop_domain = loop_domain;
+    f.tvs[copy].inline_pos = f.tvs[t].inline_pos;
+    f.tvs[copy].memory = f.tvs[t].memory;
+    Ok(copy)
 }

@@ -144,6 +144,19 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
             );
         }
     }
+    // Outputs of equal sizes whose sizes are unrelated symbols (`neg(x)` beside `neg(y)`,
+    // `x` and `y` sized independently) flatten to spaces no loop maps to each other: side
+    // by side, as outputs of different sizes, where they share no computed tensor.
+    let extents_of =
+        |f: &Fusion, o: TvId| f.no_reduction_logical(o).iter().map(|&id| f.ids[id].extent).collect::<Vec<_>>();
+    let unrelated = f.outputs.iter().any(|&o| extents_of(f, o) != extents_of(f, out));
+    if unrelated && !any_permute && single_permute(f).is_none() {
+        let mut g = f.clone();
+        if let Ok(h) = horizontal_by(&mut g, cx, true) {
+            *f = g;
+            return Ok(h);
+        }
+    }
     for e in f.topo_exprs() {
         let t = f.exprs[e].output;
         if f.no_reduction_logical(t).len() != rank {
@@ -440,12 +453,27 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
 /// flat `[blocks (BIDx), 1 (Unswitch), t (TIDx), v]` space in one kernel. The classes'
 /// block counts differ; each class's blocks past its own count are predicated off.
 fn horizontal(f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
+    horizontal_by(f, cx, false)
+}
+
+/// [`horizontal`], with outputs of equal sizes but different size symbols in classes of
+/// their own where `by_symbols`.
+fn horizontal_by(f: &mut Fusion, cx: &Ctx, by_symbols: bool) -> Result<Heuristic> {
     let mut classes: Vec<(Vec<i64>, Vec<TvId>)> = Vec::new();
+    let mut keys: Vec<Vec<crate::ir::ValId>> = Vec::new();
     for &o in &f.outputs {
         let s = tensor_sizes(f, cx, o)?;
-        match classes.iter_mut().find(|(cs, _)| *cs == s) {
-            Some((_, outs)) => outs.push(o),
-            None => classes.push((s, vec![o])),
+        let key: Vec<crate::ir::ValId> = if by_symbols {
+            f.no_reduction_logical(o).iter().map(|&id| f.ids[id].extent).collect()
+        } else {
+            Vec::new()
+        };
+        match classes.iter_mut().zip(&keys).find(|((cs, _), k)| *cs == s && **k == key) {
+            Some(((_, outs), _)) => outs.push(o),
+            None => {
+                classes.push((s, vec![o]));
+                keys.push(key);
+            }
         }
     }
     // The computed tensors of each class; one shared by two classes would need both

@@ -334,7 +334,7 @@ pub fn schedule_fusion(out: &mut Fusion, cx: &Ctx) -> Result<Scheduled> {
             if sh.permutes == 0 { specialize_reduced_extents(&mut g, &sh.reductions, &cx.extents) } else { Vec::new() };
         match s.schedule(&mut g, cx) {
             Ok(mut h) => {
-                super::settle_inlining(&mut g);
+                super::settle_inlining(&mut g)?;
                 h.specialized.extend(specialized);
                 // A schedule that does not lower (or print) is one this scheduler cannot
                 // place after all: the next one may.
