@@ -223,3 +223,39 @@ def test_fixed_broadcast_shapes_keep_the_gather_in_the_rows_kernel(rows: int, vo
     assert len(lowered_for(fd, [x, labels]).kernels) == 1
     with pytest.raises(KilnError, match=r"input 1 \(T1\): axis 0 has size"):
         fd.execute([x, labels[:-1]])
+
+
+@pytest.mark.parametrize("shape", [(9, 13), (1, 1), (33, 257)])
+@pytest.mark.parametrize("form", ["bias", "temperature", "bias_and_temperature"])
+def test_picks_of_adjusted_logits_take_one_kernel(shape: Tuple[int, int], form: str) -> None:
+    """``log_softmax(x + bias)[i, y[i]]`` (logit adjustment, a bias over the vocabulary) and
+    ``log_softmax(x / T)`` picks: the gather reads the input and the bias's row where it
+    picks, beside the rows' statistics, in one kernel."""
+    b, v = shape
+    rng = np.random.default_rng(b + v)
+    x = rng.standard_normal(shape).astype(np.float32)
+    bias = rng.standard_normal(v).astype(np.float32)
+    y = rng.integers(0, v, b).astype(np.int64)
+    with FusionDefinition() as fd:
+        xt = fd.define_tensor([-1, -1])
+        bt = fd.define_tensor([-1])
+        yt = fd.define_tensor([-1], dtype=DataType.Int)
+        lg = xt
+        if form != "temperature":
+            lg = fd.ops.add(lg, fd.ops.broadcast_in_dim(bt, [-1, -1], [1]))
+        if form != "bias":
+            lg = fd.ops.div(lg, 0.7)
+        z = fd.ops.sub(lg, fd.ops.max(lg, dims=[1], keepdim=True))
+        lp = fd.ops.sub(z, fd.ops.log(fd.ops.sum(fd.ops.exp(z), dims=[1], keepdim=True)))
+        pick = fd.ops.take_along_axis(lp, fd.ops.broadcast_in_dim(yt, [-1, -1], [0]), 1)
+        fd.add_output(fd.ops.neg(fd.ops.squeeze(pick, [1])))
+    arrays = [x, bias, y]
+    assert len(fd.lower(arrays).kernels) == 1
+    (got,) = fd.execute(arrays)
+    l64 = x.astype(np.float64)
+    if form != "temperature":
+        l64 = l64 + bias
+    if form != "bias":
+        l64 = l64 / 0.7
+    logp = l64 - _lse(l64)
+    np.testing.assert_allclose(got, -logp[np.arange(b), y], rtol=1e-5, atol=1e-5)

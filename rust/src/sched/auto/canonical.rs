@@ -45,8 +45,10 @@
 //!   elements are computed from the inputs where they are picked, instead of the whole
 //!   tensor being computed and stored first (cross-entropy's
 //!   `take_along_axis(log_softmax(x), labels)` reads one logit per row beside the row's
-//!   statistics). Where every operand is broadcast along `d`, the gather stays: it gives
-//!   the result the index's length and checks the index.
+//!   statistics). An operand broadcast along other axes (a bias over the vocabulary,
+//!   `log_softmax(x + bias)`) is gathered from a copy of its broadcast, which reads the
+//!   bias's row as a table. Where every operand is broadcast along `d`, the gather stays:
+//!   it gives the result the index's length and checks the index.
 //! - **Reductions skip size-one broadcast axes.** Reducing an axis of extent one changes
 //!   nothing, so `sum(t, [0, 1])` of a `[B, 1]` tensor is `sum(squeeze(t), [0])`: a total
 //!   over the rows that the row schedule computes in its kernel (the mean of a gathered
@@ -1699,8 +1701,10 @@ pub fn sink_gathers(f: &mut Fusion) -> Result<()> {
             }
             let rank = f.tvs[y].logical.len();
             let bcast = |f: &Fusion, t: TvId, a: usize| f.ids[f.tvs[t].logical[a]].iter_type == IterType::Broadcast;
-            // Each operand: gathered when it is full (no broadcast axis), read as it is when
-            // broadcast along `dim` only; anything else stops the move.
+            // Each operand: read as it is when broadcast along `dim` (a per-row statistic),
+            // gathered otherwise: a full operand, or one broadcast along other axes (a bias
+            // over the vocabulary, `log_softmax(x + bias)`), whose gather reads its one row
+            // for every row of the index.
             let mut plan = Vec::new();
             for o in f.exprs[d].inputs.clone() {
                 let Operand::Tensor(t) = o else {
@@ -1711,7 +1715,8 @@ pub fn sink_gathers(f: &mut Fusion) -> Result<()> {
                     continue 'next;
                 }
                 let along = bcast(f, t, dim);
-                if (0..rank).any(|a| a != dim && bcast(f, t, a)) {
+                let elsewhere = (0..rank).any(|a| a != dim && bcast(f, t, a));
+                if elsewhere && (along || rank < 2 || f.tvs[idx].logical.len() != rank) {
                     continue 'next;
                 }
                 plan.push((o, !along));
@@ -1731,6 +1736,11 @@ pub fn sink_gathers(f: &mut Fusion) -> Result<()> {
                     operands.push(o);
                     continue;
                 }
+                // A broadcast operand (the bias) is gathered from a copy of its own: the
+                // gather then reads the input's row as a table (`view_gather_tables`), while
+                // the full rows keep reading the broadcast in their loops.
+                let is_broadcast = f.tvs[t].definition.is_some_and(|b| matches!(f.exprs[b].op, Op::Broadcast { .. }));
+                let t = if is_broadcast { recompute(f, t)? } else { t };
                 let picked = if f.tvs[idx].logical.len() == rank && rank > 1 {
                     f.take_along_axis(t, idx, dim as i64)?
                 } else {
