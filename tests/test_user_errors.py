@@ -256,3 +256,13 @@ def test_the_demo_refuses_sizes_it_cannot_hold(capsys: pytest.CaptureFixture[str
         cli_main(["demo", "--rows", "100000", "--cols", "100000"])
     assert e.value.code == 2
     assert "elements" in capsys.readouterr().err
+
+
+def test_an_inner_split_of_a_sharded_input_points_to_the_outer_split() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], DataType.Float)
+        fd.add_output(fd.ops.exp(x))
+    x.set_device_mesh(DeviceMesh([0, 1]))
+    with pytest.raises(KilnError, match=rf"split {x.name}: .*inner_split=False"):
+        x.split(0, 2)
+    x.split(0, 2, inner_split=False)

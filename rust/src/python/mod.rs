@@ -639,7 +639,14 @@ impl PyFusion {
                 return self.inner.get_mut().mesh_split(t, axis, factor);
             }
             // The loop domain of an input is never lowered: a transform of it would be ignored.
-            self.inner.get().check_not_input(t, "split")?;
+            let f = self.inner.get();
+            if f.is_input(t) && f.meshes.contains_key(&t) {
+                return Err(KilnError::value(format!(
+                    "split {}: an input on a device mesh is sharded by an outer split: split(axis, mesh size, inner_split=False), then parallelize the outer axis on DIDx; an inner split of an input is not a schedule (inputs are read as given)",
+                    f.tv_name(t)
+                )));
+            }
+            f.check_not_input(t, "split")?;
             self.inner.get_mut().split(t, axis, factor, inner_split)
         })
     }
