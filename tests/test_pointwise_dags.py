@@ -258,3 +258,21 @@ def test_dags_on_gpu(case: int) -> None:
     outs = fd.execute([cp.asarray(x) for x in arrays])
     for got, want in zip(outs, wants):
         np.testing.assert_allclose(cp.asnumpy(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_timestep_embedding_vectorizes_by_element_size() -> None:
+    """DDPM's sinusoidal timestep embedding, ``cat([sin(t[:, None] * f), cos(...)], 1)`` with
+    ``f = 1 / 10000 ** (arange(0, D, 2) / D)``: the int64 positions beside float data load
+    element by element instead of failing a 32-byte vector (two kernels, was three: the
+    positions themselves are computed once)."""
+    t = (np.random.default_rng(3).random(7) * 1000).astype(np.float32)
+    with FusionDefinition() as fd:
+        tt = fd.define_tensor([-1], DataType.Float)
+        e = fd.ops.div(fd.ops.cast(fd.ops.iota(10, 0, 2), DataType.Float), 20.0)
+        fr = fd.ops.reciprocal(fd.ops.pow(10000.0, e))
+        a = fd.ops.mul(fd.ops.broadcast_in_dim(tt, [-1, -1], [0]), fd.ops.broadcast_in_dim(fr, [-1, -1], [1]))
+        fd.add_output(fd.ops.cat([fd.ops.sin(a), fd.ops.cos(a)], 1))
+    assert len(fd.lower([t]).kernels) <= 2
+    (got,) = fd.execute([t])
+    a64 = t.astype(np.float64)[:, None] / 10000 ** (np.arange(0, 20, 2) / 20)
+    np.testing.assert_allclose(got, np.concatenate([np.sin(a64), np.cos(a64)], 1), rtol=1e-4, atol=2e-3)

@@ -28,6 +28,12 @@ pub fn flatten_and_split(f: &mut Fusion, t: TvId, v: i64, threads: i64, unroll: 
     Ok(())
 }
 
+/// True when `v` elements of `t` make one access of at most 16 bytes: a wider element type
+/// than the width was chosen for (an int64 index beside float data) loads element by element.
+fn fits_vector(f: &Fusion, t: TvId, v: i64) -> bool {
+    f.tvs[t].dtype.size_bytes() as i64 * v <= 16
+}
+
 /// True when `t` has no broadcast axes and the rank of the fusion's outputs.
 fn full_size(f: &Fusion, t: TvId, rank: usize) -> bool {
     let l = f.no_reduction_logical(t);
@@ -390,7 +396,7 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
                 }
                 f.parallelize(t, 4, col_grid)?;
                 f.parallelize(t, 5, ParallelType::TIDx)?;
-                if (vec_tensors.contains(&t) || vector_bias(f, t, v)) && v > 1 {
+                if (vec_tensors.contains(&t) || vector_bias(f, t, v)) && v > 1 && fits_vector(f, t, v) {
                     f.parallelize(t, 6, ParallelType::Vectorize)?;
                 }
             }
@@ -435,7 +441,7 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
             f.parallelize(t, u, ParallelType::Unroll)?;
         }
         f.parallelize(t, th, ParallelType::TIDx)?;
-        if vec_tensors.contains(&t) && v > 1 {
+        if vec_tensors.contains(&t) && v > 1 && fits_vector(f, t, v) {
             f.parallelize(t, vv, ParallelType::Vectorize)?;
         }
     }
@@ -543,7 +549,7 @@ fn horizontal_by(f: &mut Fusion, cx: &Ctx, by_symbols: bool) -> Result<Heuristic
                 f.parallelize(t, 0, ParallelType::BIDx)?;
                 f.parallelize(t, 1, ParallelType::Unswitch)?;
                 f.parallelize(t, 2, ParallelType::TIDx)?;
-                if vec_tensors.contains(&t) && v > 1 {
+                if vec_tensors.contains(&t) && v > 1 && fits_vector(f, t, v) {
                     f.parallelize(t, 3, ParallelType::Vectorize)?;
                 }
             }
