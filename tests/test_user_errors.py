@@ -266,3 +266,12 @@ def test_an_inner_split_of_a_sharded_input_points_to_the_outer_split() -> None:
     with pytest.raises(KilnError, match=rf"split {x.name}: .*inner_split=False"):
         x.split(0, 2)
     x.split(0, 2, inner_split=False)
+
+
+@pytest.mark.parametrize("dims", [[np.uint64(2**63)], [2**70], (-(2**64),)])
+def test_a_reduction_axis_past_64_bits_names_the_tensor(dims: Any) -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], DataType.Float)
+        with pytest.raises(KilnError, match=rf"sum: axis -?\d+ is out of range for {x.name} of rank 2"):
+            fd.ops.sum(x, dims)
+        fd.add_output(x)

@@ -501,6 +501,12 @@ class Ops:
         if dims is None:
             raise KilnTypeError(f"{op}: dims is required (the axes to reduce)")
         t = fd._tensor(x, op)
+        listed = _listed(dims)
+        for d in (listed if isinstance(listed, (list, tuple)) else [listed]):
+            # An axis past 64 bits is named as out of range for the tensor, not only as too big.
+            j = _index(d)
+            if j is not None and not -(2**63) <= j < 2**63:
+                self._dim(x, d, op, "dims")
         axes = _ints(dims, f"{op}: dims")
         dt = None if dtype is None else _check_dtype(dtype, op)
         if dt is not None and dt in _NARROW_FLOATS and x.dtype.value in ("Float", "Double"):
