@@ -21,6 +21,19 @@ def _pick(fd: FusionDefinition, x: Any, y: Any) -> Any:
     return fd.ops.squeeze(fd.ops.take_along_axis(x, fd.ops.broadcast_in_dim(y, [-1, -1], [0]), 1), [1])
 
 
+def _weighted_nll(scaled: bool, also_picked: bool) -> FusionDefinition:
+    """``-log(p[i, y[i]]) * w[i]`` (``p`` halved where ``scaled``), and the pick itself."""
+    with FusionDefinition() as fd:
+        pt = fd.define_tensor([-1, -1], DataType.Float)
+        yt = fd.define_tensor([-1], DataType.Int)
+        wt = fd.define_tensor([-1], DataType.Float)
+        picked = _pick(fd, fd.ops.mul(pt, 0.5) if scaled else pt, yt)
+        fd.add_output(fd.ops.mul(fd.ops.neg(fd.ops.log(picked)), wt))
+        if also_picked:
+            fd.add_output(picked)
+    return fd
+
+
 @pytest.mark.parametrize("shape", [(9, 13), (1, 1), (130, 7)])
 @pytest.mark.parametrize("scaled", [False, True], ids=["input", "computed"])
 def test_weighted_nll_pick_one_kernel(shape: tuple, scaled: bool) -> None:
@@ -30,13 +43,7 @@ def test_weighted_nll_pick_one_kernel(shape: tuple, scaled: bool) -> None:
     p = (rng.random(shape) + 0.1).astype(np.float32)
     y = rng.integers(0, v, b).astype(np.int64)
     w = rng.random(b).astype(np.float32)
-    with FusionDefinition() as fd:
-        pt = fd.define_tensor([-1, -1], DataType.Float)
-        yt = fd.define_tensor([-1], DataType.Int)
-        wt = fd.define_tensor([-1], DataType.Float)
-        picked = _pick(fd, fd.ops.mul(pt, 0.5) if scaled else pt, yt)
-        fd.add_output(fd.ops.mul(fd.ops.neg(fd.ops.log(picked)), wt))
-        fd.add_output(picked)
+    fd = _weighted_nll(scaled, also_picked=True)
     assert len(fd.lower([p, y, w]).kernels) == 1
     loss, got = fd.execute([p, y, w])
     want = p.astype(np.float64)[np.arange(b), y] * (0.5 if scaled else 1.0)
@@ -124,12 +131,7 @@ def test_weighted_nll_pick_gpu() -> None:
     p = (rng.random((b, v)) + 0.1).astype(np.float32)
     y = rng.integers(0, v, b).astype(np.int64)
     w = rng.random(b).astype(np.float32)
-    with FusionDefinition() as fd:
-        pt = fd.define_tensor([-1, -1], DataType.Float)
-        yt = fd.define_tensor([-1], DataType.Int)
-        wt = fd.define_tensor([-1], DataType.Float)
-        picked = _pick(fd, fd.ops.mul(pt, 0.5), yt)
-        fd.add_output(fd.ops.mul(fd.ops.neg(fd.ops.log(picked)), wt))
+    fd = _weighted_nll(True, also_picked=False)
     assert len(fd.lower([p, y, w]).kernels) == 1
     (loss,) = fd.execute([cp.asarray(p), cp.asarray(y), cp.asarray(w)])
     want = -np.log(0.5 * p.astype(np.float64)[np.arange(b), y]) * w

@@ -581,18 +581,10 @@ pub fn cancel_permutes(f: &mut Fusion) -> Result<()> {
                     });
                 }
                 match f.exprs[d].op.clone() {
-                    Op::Reduction { op, init } => {
-                        let src = operands[0].tensor().expect("a reduction reads a tensor");
+                    Op::Reduction { .. } => {
                         // (A region tensor has no reduced axes: the reduction's axis `i` is its.)
-                        let axes: Vec<usize> = reduced_axes(f, d).into_iter().map(|i| perm[i]).collect();
-                        let mut logical = Vec::new();
-                        for (a, id) in f.no_reduction_logical(src).into_iter().enumerate() {
-                            let src_id = f.ids[id].clone();
-                            let it = if axes.contains(&a) { IterType::Reduction } else { src_id.iter_type };
-                            logical.push(f.new_id(src_id.extent, it));
-                        }
-                        let r = f.new_tv(f.tvs[out].dtype, crate::ir::MemoryType::Local, logical);
-                        f.add_expr(Op::Reduction { op, init }, smallvec::smallvec![Operand::Tensor(src)], r);
+                        let src = operands[0].tensor().expect("a reduction reads a tensor");
+                        let r = reduce_in_source_order(f, d, src, &perm);
                         replace_tensor(f, out, r);
                     }
                     op => {
@@ -610,6 +602,22 @@ pub fn cancel_permutes(f: &mut Fusion) -> Result<()> {
         }
         return Ok(());
     }
+}
+
+/// Reduction `d` of a tensor in the permuted order, made over `src`, the same tensor in its
+/// source's order: the reduced axes are the ones `perm` names, the kept ones in `src`'s order.
+fn reduce_in_source_order(f: &mut Fusion, d: ExprId, src: TvId, perm: &[usize]) -> TvId {
+    let Op::Reduction { op, init } = f.exprs[d].op.clone() else { unreachable!("called on a reduction") };
+    let axes: Vec<usize> = reduced_axes(f, d).into_iter().map(|i| perm[i]).collect();
+    let mut logical = Vec::new();
+    for (a, id) in f.no_reduction_logical(src).into_iter().enumerate() {
+        let src_id = f.ids[id].clone();
+        let it = if axes.contains(&a) { IterType::Reduction } else { src_id.iter_type };
+        logical.push(f.new_id(src_id.extent, it));
+    }
+    let r = f.new_tv(f.tvs[f.exprs[d].output].dtype, crate::ir::MemoryType::Local, logical);
+    f.add_expr(Op::Reduction { op, init }, smallvec::smallvec![Operand::Tensor(src)], r);
+    r
 }
 
 /// What `cancel_permutes` rewrites for the permute whose output is `start`: the region's
@@ -734,18 +742,9 @@ pub fn store_output_permutes(f: &mut Fusion) -> Result<()> {
                         closers.push(d);
                         continue;
                     }
-                    Op::Reduction { op, init } => {
+                    Op::Reduction { .. } => {
                         let src = moved[&f.exprs[d].inputs[0].tensor().expect("a reduction reads a tensor")];
-                        let axes: Vec<usize> = reduced_axes(f, d).into_iter().map(|i| perm[i]).collect();
-                        let mut logical = Vec::new();
-                        for (a, id) in f.no_reduction_logical(src).into_iter().enumerate() {
-                            let src_id = f.ids[id].clone();
-                            let it = if axes.contains(&a) { IterType::Reduction } else { src_id.iter_type };
-                            logical.push(f.new_id(src_id.extent, it));
-                        }
-                        let r = f.new_tv(f.tvs[out].dtype, crate::ir::MemoryType::Local, logical);
-                        f.add_expr(Op::Reduction { op, init }, smallvec::smallvec![Operand::Tensor(src)], r);
-                        r
+                        reduce_in_source_order(f, d, src, &perm)
                     }
                     Op::Broadcast { is_new } => {
                         let src = moved[&f.exprs[d].inputs[0].tensor().expect("a broadcast reads a tensor")];
