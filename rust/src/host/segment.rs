@@ -116,9 +116,10 @@ pub fn segment_of(f: &Fusion, group: &[ExprId], order: &[ExprId]) -> Result<Segm
         for &id in &f.tvs[ex.output].logical {
             crate::lower::predicate::symbols(&f.scalars, f.ids[id].extent, &mut syms);
         }
-        // Positions of remaps and masks, and the sizes of what the group receives (a slice
+        // Positions of remaps and masks, the scalars an op holds (`full(shape, x.size(0))`,
+        // an iota starting at a size), and the sizes of what the group receives (a slice
         // of a slice has the extent `min(i0, 2) - 1`, which only x carries).
-        for v in ex.op.position_exprs() {
+        for v in ex.op.position_exprs().into_iter().chain(ex.op.scalars()) {
             crate::lower::predicate::symbols(&f.scalars, v, &mut syms);
         }
         for t in ex.input_tvs() {

@@ -181,13 +181,14 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
         }
     }
     // Ops after the reduction see its result as kept axes only, or with size-one axes
-    // where the reduced ones were (keepdim, a broadcast back to the input's rank).
+    // where the reduced ones were (keepdim, a broadcast back to the input's rank). A kept
+    // axis may be size one too: a constant of every row (`1 / N` as a tensor).
     let reduced_at: Vec<bool> = logical.iter().map(|&id| f.ids[id].iter_type == IterType::Reduction).collect();
     let kept_shape = |f: &Fusion, t: TvId| {
         let l = f.no_reduction_logical(t);
         l.len() == n - k
             || (l.len() == n
-                && l.iter().zip(&reduced_at).all(|(&id, &red)| (f.ids[id].iter_type == IterType::Broadcast) == red))
+                && l.iter().zip(&reduced_at).all(|(&id, &red)| !red || f.ids[id].iter_type == IterType::Broadcast))
     };
     if after.iter().any(|&t| !kept_shape(f, t)) {
         bail!(
@@ -419,18 +420,16 @@ fn broadcasts_last(f: &mut Fusion, x: TvId) -> Result<()> {
     f.reorder(x, &super::moves_to(&perm))
 }
 
-/// Post-reduction tensors: `[rows]` on BIDx. A value gathered at a per-row index
-/// (`[rows, 1]`, squeezed before it meets the reduction) and the index broadcast for it
-/// keep their size-one axes as loops of their own: merged into the row axis, it would not
-/// map onto the squeezed reader's row axis.
+/// Post-reduction tensors: `[rows]` on BIDx, their size-one axes (keepdim shapes) kept as
+/// loops of their own. Merged into the row axis, a value gathered at a per-row index
+/// (`[rows, 1]`) would not map onto its squeezed reader's row axis, nor would the index
+/// computed for it (`where(label != ignore, label, 0)` broadcast) onto the gather's; a
+/// tensor read both by a gather's index and by a row total (the count of valid labels)
+/// needs one form for both.
 fn schedule_after(f: &mut Fusion, after: &[TvId], rank: usize) -> Result<()> {
-    let gathered = |f: &Fusion, t: TvId| f.tvs[t].definition.is_some_and(|e| f.exprs[e].indexed_tensor().is_some());
     for &x in after {
         broadcasts_last(f, x)?;
-        let axes = f.tvs[x].loop_domain.len();
-        let feeds_gather = !f.tvs[x].uses.is_empty()
-            && f.tvs[x].uses.iter().all(|&u| after.contains(&f.exprs[u].output) && gathered(f, f.exprs[u].output));
-        let merged = if rank > 0 && (gathered(f, x) || feeds_gather) { rank } else { axes.max(rank) };
+        let merged = if rank > 0 { rank } else { f.tvs[x].loop_domain.len() };
         merge_range(f, x, 0, merged)?;
         f.parallelize(x, 0, ParallelType::BIDx)?;
     }
