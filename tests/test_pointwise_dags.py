@@ -136,6 +136,46 @@ def test_elementwise_dags_take_one_kernel(p: Dict[str, Any]) -> None:
         np.testing.assert_allclose(g, want, **tol)
 
 
+@st.composite
+def _chains(draw: Any) -> Dict[str, Any]:
+    """Element-wise ops over three full inputs of one rank where most intermediates are also
+    outputs that later ops read (an optimizer step's ``v``, ``v_max`` and parameter)."""
+    ops: List[tuple] = []
+    for i in range(draw(st.integers(2, 7))):
+        avail = 3 + i
+        ops.append((draw(st.sampled_from(["add", "mul", "div", "maximum"])),
+                    draw(st.integers(0, avail - 1)), draw(st.integers(0, avail - 1))))
+    return dict(ops=ops, outs=draw(st.lists(st.booleans(), min_size=len(ops), max_size=len(ops))),
+                shape=draw(st.sampled_from([(1,), (2049,), (3, 5), (7, 130), (2, 3, 4)])),
+                seed=draw(st.integers(0, 2**16)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(_chains())
+def test_dags_reading_their_outputs_take_one_kernel(p: Dict[str, Any]) -> None:
+    """Outputs read again by later ops, inputs read at both ends of a chain of outputs: one
+    kernel, NumPy's values."""
+    ops, shape = p["ops"], p["shape"]
+    rng = np.random.default_rng(p["seed"])
+    arrays = [(rng.random(shape) + 0.5).astype(np.float32) for _ in range(3)]
+    np_ops = {"add": np.add, "mul": np.multiply, "div": np.divide, "maximum": np.maximum}
+    with FusionDefinition() as fd:
+        made: List[Any] = [fd.define_tensor([-1] * len(shape), DataType.Float) for _ in range(3)]
+        for op, a, b in ops:
+            made.append(getattr(fd.ops, op)(made[a], made[b]))
+        outs = [3 + i for i, o in enumerate(p["outs"]) if o] + [len(made) - 1]
+        outs = sorted(set(outs))
+        for i in outs:
+            fd.add_output(made[i])
+    assert len(fd.lower(arrays).kernels) == 1
+    got = fd.execute(arrays)
+    ref = [a.astype(np.float64) for a in arrays]
+    for op, a, b in ops:
+        ref.append(np_ops[op](ref[a], ref[b]))
+    for g, i in zip(got, outs):
+        np.testing.assert_allclose(g, ref[i], rtol=1e-5)
+
+
 def test_shared_bias_two_outputs() -> None:
     """``r = a + b`` and ``r * b`` as outputs, ``b`` broadcast over rows: one kernel."""
     rng = np.random.default_rng(0)

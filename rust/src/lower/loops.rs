@@ -251,6 +251,13 @@ pub fn run(f: &mut Fusion, lg: &LoopGraph, order: &[ExprId]) -> Result<(Vec<Node
         for &g in path[k..].iter() {
             if !opened.insert(g) {
                 let (tv, axis) = lg.groups[g].members[0];
+                if std::env::var("KDBG").is_ok() {
+                    eprintln!(
+                        "{}\nORDER {:?}",
+                        f.math_string(),
+                        order.iter().map(|&e| f.tv_name(f.exprs[e].output)).collect::<Vec<_>>()
+                    );
+                }
                 bail!(
                     "cannot place {}: its loop axis {} is shared with {} axis {axis}, but that loop was already closed by other computation; inline {} and its producers consistently",
                     f.tv_name(out),

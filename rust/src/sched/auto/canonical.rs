@@ -127,7 +127,7 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use crate::analysis::id_graph::IdGraph;
 use crate::error::Result;
 use crate::ir::mapping::logical_pairs;
-use crate::ir::scalar::Val;
+use crate::ir::scalar::{ScalarOp, Val};
 use crate::ir::{
     BinaryOp, DataType, ExprId, Fusion, IterType, Op, Operand, ReductionOp, Symbol, TvId, UnaryOp, ValId, LSE_FLOOR,
 };
@@ -458,6 +458,10 @@ pub fn sink_remaps(f: &mut Fusion) -> Result<()> {
                 Op::Iota { .. } | Op::Random { .. } if pure_reshape(f, e) => {
                     f.source("reshaped source", &extents, op, f.tvs[x].dtype)?
                 }
+                Op::Iota { start, step } => match remapped_iota(f, x, start, step, &index, &extents)? {
+                    Some(t) => t,
+                    None => continue,
+                },
                 Op::Mask { valid: m } => {
                     let at = f.compose(m, &index);
                     f.mask(&extents, at)?
@@ -473,6 +477,92 @@ pub fn sink_remaps(f: &mut Fusion) -> Result<()> {
             continue 'again;
         }
         return Ok(());
+    }
+}
+
+/// A slice, pad or cat of an integer iota `x` that varies along one axis, where
+/// that axis is read at an affine function `a * o + b` of one output position `o`: the iota
+/// itself, made along that output axis with the start and step moved by `b` and scaled by
+/// `a`, size one along the others. `cat([x + arange(W), x], 1)` or `arange(S)[1:]` then
+/// share their consumer's loops; a remap would read a Global copy of the iota. Positions
+/// past a pad's or cat's guard took an unspecified value before and take the iota's now.
+/// None where the positions are anything else or the iota is not integer.
+fn remapped_iota(
+    f: &mut Fusion,
+    x: TvId,
+    start: ValId,
+    step: ValId,
+    index: &[ValId],
+    extents: &[ValId],
+) -> Result<Option<TvId>> {
+    let dtype = f.tvs[x].dtype;
+    if !dtype.is_integer() || dtype == DataType::Bool {
+        return Ok(None);
+    }
+    let xl = f.no_reduction_logical(x);
+    let varying: Vec<usize> = (0..xl.len()).filter(|&a| f.ids[xl[a]].iter_type != IterType::Broadcast).collect();
+    let j = match varying[..] {
+        // One element: its value wherever the remap reads it.
+        [] => return Ok(Some(f.full(extents, Operand::Scalar(start), dtype)?)),
+        [j] => j,
+        _ => return Ok(None),
+    };
+    let Some(&at) = index.get(j) else { return Ok(None) };
+    let mut syms = FxHashSet::default();
+    crate::lower::predicate::symbols(&f.scalars, at, &mut syms);
+    let axes: Vec<u32> = syms.iter().filter_map(|s| if let Symbol::OutAxis(k) = s { Some(*k) } else { None }).collect();
+    let [k] = axes[..] else { return Ok(None) };
+    let o = Symbol::OutAxis(k);
+    let Some((a, b)) = affine_in(f, at, o) else { return Ok(None) };
+    let k = k as usize;
+    let one = f.scalars.int(1);
+    let shape: Vec<ValId> = (0..extents.len()).map(|i| if i == k { extents[i] } else { one }).collect();
+    let sb = f.scalars.mul(step, b);
+    let start2 = f.scalars.add(start, sb);
+    let step2 = f.scalars.mul(step, a);
+    let made = f.source("remapped iota", &shape, Op::Iota { start: start2, step: step2 }, dtype)?;
+    if shape == extents {
+        return Ok(Some(made));
+    }
+    // Expanded to the remap's shape (`where(true, v, v)`, which `read_through_expands`
+    // lets element-wise readers see through): readers keep the shapes they had.
+    let yes = f.scalars.boolean(true);
+    let all = f.full(extents, Operand::Scalar(yes), DataType::Bool)?;
+    Ok(Some(f.where_(Operand::Tensor(all), Operand::Tensor(made), Operand::Tensor(made))?))
+}
+
+/// `(a, b)` with `v = a * sym + b`, where neither holds `sym`; None where `v` is not affine
+/// in `sym` (a product of two terms that hold it, a division, a min).
+fn affine_in(f: &mut Fusion, v: ValId, sym: Symbol) -> Option<(ValId, ValId)> {
+    let zero = f.scalars.int(0);
+    let one = f.scalars.int(1);
+    match f.scalars.get(v) {
+        Val::Symbol(s) if s == sym => Some((one, zero)),
+        Val::Int(_) | Val::Symbol(_) => Some((zero, v)),
+        Val::Binary(op @ (ScalarOp::Add | ScalarOp::Sub), l, r) => {
+            let (a1, b1) = affine_in(f, l, sym)?;
+            let (a2, b2) = affine_in(f, r, sym)?;
+            Some(if op == ScalarOp::Add {
+                (f.scalars.add(a1, a2), f.scalars.add(b1, b2))
+            } else {
+                (f.scalars.sub(a1, a2), f.scalars.sub(b1, b2))
+            })
+        }
+        Val::Binary(ScalarOp::Mul, l, r) => {
+            let (a1, b1) = affine_in(f, l, sym)?;
+            let (a2, b2) = affine_in(f, r, sym)?;
+            match (f.scalars.is_const(a1, 0), f.scalars.is_const(a2, 0)) {
+                (true, _) => Some((f.scalars.mul(b1, a2), f.scalars.mul(b1, b2))),
+                (_, true) => Some((f.scalars.mul(a1, b2), f.scalars.mul(b1, b2))),
+                _ => None,
+            }
+        }
+        _ => {
+            // Anything else must not hold `sym` at all.
+            let mut syms = FxHashSet::default();
+            crate::lower::predicate::symbols(&f.scalars, v, &mut syms);
+            (!syms.contains(&sym)).then_some((zero, v))
+        }
     }
 }
 

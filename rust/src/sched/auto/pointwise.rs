@@ -34,6 +34,20 @@ fn fits_vector(f: &Fusion, t: TvId, v: i64) -> bool {
     f.tvs[t].dtype.size_bytes() as i64 * v <= 16
 }
 
+/// Compute output `o` in a register copy that its store and its readers in the kernel
+/// share. Read back from memory instead, an output that is also an operand (Adam's `v`, read
+/// by the parameter update) runs in a loop nest of its own after its store, and two such
+/// outputs read across each other's chains (`v2 = v + g`, `m2 = m + v2`, `g / m2`) need
+/// each other's nests open at once, which no order of the nests gives.
+fn store_from_register(f: &mut Fusion, o: TvId) -> Result<()> {
+    let readers = f.tvs[o].uses.clone();
+    let c = f.cache_before(o)?;
+    for u in readers {
+        f.redirect_use(u, o, c);
+    }
+    Ok(())
+}
+
 /// True when `t` has no broadcast axes and the rank of the fusion's outputs.
 fn full_size(f: &Fusion, t: TvId, rank: usize) -> bool {
     let l = f.no_reduction_logical(t);
@@ -244,7 +258,7 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
             // output's dirty lines first, which the H200 measurably prefers (16384x4096:
             // fp32 chain 125.2 -> 124.1 us, bias + GELU 126.5 -> 124.9, bf16 64.4 -> 63.6).
             // The lines stay in L2 after the kernel (DEVELOPERS.md, "L2 evict_last").
-            if v > 1 && super::evict_last_inputs() {
+            if v > 1 && fits_vector(f, c, v) && super::evict_last_inputs() {
                 f.set_evict_last(c)?;
             }
             vec_tensors.push(c);
@@ -252,7 +266,7 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
     }
     for o in f.outputs.clone() {
         if f.tvs[o].definition.is_some() && full_size(f, o, rank) {
-            f.cache_before(o)?;
+            store_from_register(f, o)?;
             vec_tensors.push(o);
         }
     }
@@ -528,14 +542,14 @@ fn horizontal_by(f: &mut Fusion, cx: &Ctx, by_symbols: bool) -> Result<Heuristic
         let mut vec_tensors = Vec::new();
         for x in inputs {
             let c = f.cache_after(x)?;
-            if v > 1 && super::evict_last_inputs() {
+            if v > 1 && fits_vector(f, c, v) && super::evict_last_inputs() {
                 f.set_evict_last(c)?;
             }
             vec_tensors.push(c);
         }
         for &o in outs {
             if f.tvs[o].definition.is_some() && full_size(f, o, rank) {
-                f.cache_before(o)?;
+                store_from_register(f, o)?;
                 vec_tensors.push(o);
             }
         }

@@ -591,9 +591,18 @@ fn full(f: &mut Fusion, cx: &Ctx, rs: &[TvId]) -> Result<Heuristic> {
             let Operand::Tensor(x) = op else { continue };
             if v > 1 && reads.contains(&x) && super::full_size_input(f, x, n) && !f.tvs[x].uses.is_empty() {
                 // Only this nest's readers: another reduction's nest loads its own vectors.
+                // A remap or gather reads its input at positions it computes, from memory
+                // (`x[1:].sum()`): it keeps reading the input.
                 let members: Vec<TvId> = groups[i].iter().chain([&r]).copied().collect();
-                let mine: Vec<ExprId> =
-                    f.tvs[x].uses.iter().copied().filter(|&u| members.contains(&f.exprs[u].output)).collect();
+                let mine: Vec<ExprId> = f.tvs[x]
+                    .uses
+                    .iter()
+                    .copied()
+                    .filter(|&u| members.contains(&f.exprs[u].output) && f.exprs[u].indexed_tensor() != Some(x))
+                    .collect();
+                if mine.is_empty() {
+                    continue;
+                }
                 let c = f.cache_after_uses(x, mine)?;
                 // Read once, like the inner case (full sum: 64.8 us against 65.3).
                 f.set_streaming_load(c)?;
