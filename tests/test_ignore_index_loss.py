@@ -136,3 +136,21 @@ def test_computed_label_losses_property(rank: int, half: bool, index: str, form:
     smoothing = 0.1 if smooth and form == "lse" else 0.0
     shape = (rows, cols) if rank == 2 else (2, rows, cols)
     _check(rank, DataType.Half if half else DataType.Float, index, form, reduce, smoothing, shape, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduce", ["none", "mean"])
+@pytest.mark.parametrize("shape", [(4099, 1000), (8, 1024, 32000), (3, 7, 31)])
+def test_computed_label_cross_entropy_on_gpu(shape: Tuple[int, ...], reduce: str) -> None:
+    """The schedules above on the GPU (large vocabularies, odd sizes): one kernel, or for the
+    mean over thousands of rows, the rows then their total (a grid-wide total in the row
+    kernel would hold every block at its semaphore)."""
+    from gpu_util import cupy_or_skip
+
+    cp = cupy_or_skip()
+    fd = _build(len(shape), DataType.Float, "where", "lse", reduce, 0.1)
+    ins = _inputs(np.random.default_rng(7), shape, DataType.Float)
+    rows = int(np.prod(shape[:-1]))
+    assert len(fd.lower(ins).kernels) == (2 if reduce == "mean" and rows > 1024 else 1)
+    out = cp.asnumpy(fd.execute([cp.asarray(a) for a in ins])[0]).astype(np.float64)
+    np.testing.assert_allclose(out, _reference(*ins, reduce, 0.1), rtol=1e-4, atol=1e-4)

@@ -176,6 +176,29 @@ def test_dags_reading_their_outputs_take_one_kernel(p: Dict[str, Any]) -> None:
         np.testing.assert_allclose(g, ref[i], rtol=1e-5)
 
 
+@pytest.mark.gpu
+def test_chained_outputs_on_gpu() -> None:
+    """Adam's amsgrad shape, ``v2 = v + g``, ``m2 = max(m, v2)``, ``g / m2``, all outputs."""
+    from gpu_util import cupy_or_skip
+
+    cp = cupy_or_skip()
+    rng = np.random.default_rng(5)
+    g, v, m = ((rng.random(10_000_019) + 0.5).astype(np.float32) for _ in range(3))
+    with FusionDefinition() as fd:
+        gt, vt, mt = (fd.define_tensor([-1], DataType.Float) for _ in range(3))
+        v2 = fd.ops.add(vt, gt)
+        m2 = fd.ops.maximum(mt, v2)
+        fd.add_output(fd.ops.div(gt, m2))
+        fd.add_output(v2)
+        fd.add_output(m2)
+    assert len(fd.lower([g, v, m]).kernels) == 1
+    outs = [cp.asnumpy(o) for o in fd.execute([cp.asarray(a) for a in (g, v, m)])]
+    g64, v64, m64 = (a.astype(np.float64) for a in (g, v, m))
+    want_m = np.maximum(m64, v64 + g64)
+    for got, want in zip(outs, [g64 / want_m, v64 + g64, want_m]):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 def test_shared_bias_two_outputs() -> None:
     """``r = a + b`` and ``r * b`` as outputs, ``b`` broadcast over rows: one kernel."""
     rng = np.random.default_rng(0)

@@ -124,3 +124,27 @@ def test_remapped_arange_property(n: int, start: int, step: int, kind: str, a: i
         fd.add_output(fd.ops.add(xt, fd.ops.broadcast_in_dim(fd.ops.cast(r, F32), [-1, -1], [1])))
     x = np.random.default_rng(n).standard_normal((rows, len(want))).astype(np.float32)
     _one_kernel(fd, [x], [x.astype(np.float64) + want.astype(np.float64)[None, :]])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 4096), (3, 17)])
+def test_remapped_sources_on_gpu(shape: Tuple[int, ...]) -> None:
+    """``cat([x + arange(W), x], 1)`` and ``x[1:].sum()`` on the GPU."""
+    from gpu_util import cupy_or_skip
+
+    cp = cupy_or_skip()
+    x = np.random.default_rng(4).standard_normal(shape).astype(np.float32)
+    x64 = x.astype(np.float64)
+    with FusionDefinition() as fd:
+        xt = fd.define_tensor([-1, -1], F32)
+        v = fd.ops.broadcast_in_dim(fd.ops.cast(fd.ops.iota(fd.ops.size(xt, 1)), F32), [-1, -1], [1])
+        fd.add_output(fd.ops.cat([fd.ops.add(xt, v), xt], 1))
+    assert len(fd.lower([x]).kernels) == 1
+    got = cp.asnumpy(fd.execute([cp.asarray(x)])[0])
+    np.testing.assert_allclose(got, np.concatenate([x64 + np.arange(shape[1]), x64], 1), rtol=1e-5, atol=1e-5)
+    with FusionDefinition() as fd:
+        xt = fd.define_tensor([-1, -1], F32)
+        fd.add_output(fd.ops.sum(fd.ops.slice(xt, [1, 0], [None, None]), dims=[0, 1]))
+    assert len(fd.lower([x]).kernels) == 1
+    got = cp.asnumpy(fd.execute([cp.asarray(x)])[0])
+    np.testing.assert_allclose(got, x64[1:].sum(), rtol=1e-4, atol=1e-3)

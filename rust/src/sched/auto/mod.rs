@@ -464,11 +464,15 @@ pub(crate) fn row_value(f: &Fusion, t: TvId, is_red: &[bool]) -> bool {
         })
 }
 
-/// A weight of a row schedule: an input broadcast along every kept axis (`kept`), the same
-/// for every row, loaded with the rows' vectors.
+/// A weight of a row schedule: an input broadcast along every kept axis (`kept`) and along
+/// none of the row's, the same for every row, loaded with the rows' vectors. A weight that
+/// is also broadcast inside the row (GroupNorm(1)'s per-channel `w[c]` over a `C*H*W` row)
+/// repeats along the merged row axis, so its vectors would not line up with the row's.
 pub(crate) fn row_weight(f: &Fusion, t: TvId, kept: &[usize]) -> bool {
+    let l = &f.tvs[t].logical;
     broadcast_input(f, t)
-        && kept.iter().all(|&a| f.tvs[t].logical.get(a).is_some_and(|&id| f.ids[id].iter_type == IterType::Broadcast))
+        && kept.iter().all(|&a| l.get(a).is_some_and(|&id| f.ids[id].iter_type == IterType::Broadcast))
+        && (0..l.len()).filter(|a| !kept.contains(a)).all(|a| f.ids[l[a]].iter_type == IterType::Iteration)
 }
 
 /// True when `t` is a broadcast of a fusion input that varies by row but has every axis of
