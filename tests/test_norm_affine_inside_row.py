@@ -65,3 +65,33 @@ def test_group_norm_one_group_affine(shape: Tuple[int, int, int, int], pattern: 
        h=st.integers(1, 24), w=st.integers(1, 24), seed=st.integers(0, 2**16))
 def test_affine_inside_row_property(pattern: str, n: int, c: int, h: int, w: int, seed: int) -> None:
     _check((n, c, h, w), pattern, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern", ["c", "hw"])
+@pytest.mark.parametrize("shape", [(8, 64, 56, 56), (2, 64, 20, 20)])
+def test_affine_inside_row_on_gpu(shape: Tuple[int, int, int, int], pattern: str) -> None:
+    """GroupNorm(1) with a per-channel affine at a PoolFormer size, on the GPU."""
+    from gpu_util import cupy_or_skip
+
+    cp = cupy_or_skip()
+    axes = PATTERNS[pattern]
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal(shape).astype(np.float32)
+    wshape = tuple(shape[1 + a] for a in axes)
+    w = (rng.random(wshape) + 0.5).astype(np.float32)
+    with FusionDefinition() as fd:
+        xt = fd.define_tensor([-1] * 4, F32)
+        wt = fd.define_tensor([-1] * len(axes), F32)
+        var, mean = fd.ops.var_mean(xt, dims=[1, 2, 3], correction=0, keepdim=True)
+        y = fd.ops.mul(fd.ops.sub(xt, mean), fd.ops.rsqrt(fd.ops.add(var, EPS)))
+        fd.add_output(fd.ops.mul(y, fd.ops.broadcast_in_dim(wt, [-1] * 4, [1 + a for a in axes])))
+    assert len(fd.lower([x, w]).kernels) == 1
+    out = cp.asnumpy(fd.execute([cp.asarray(x), cp.asarray(w)])[0]).astype(np.float64)
+    x64 = x.astype(np.float64)
+    full = [1, 1, 1, 1]
+    for a in axes:
+        full[1 + a] = shape[1 + a]
+    sd = np.sqrt(x64.var(axis=(1, 2, 3), keepdims=True) + EPS)
+    want = (x64 - x64.mean(axis=(1, 2, 3), keepdims=True)) / sd
+    np.testing.assert_allclose(out, want * w.astype(np.float64).reshape(full), rtol=1e-4, atol=1e-4)
