@@ -275,3 +275,36 @@ def test_a_reduction_axis_past_64_bits_names_the_tensor(dims: Any) -> None:
         with pytest.raises(KilnError, match=rf"sum: axis -?\d+ is out of range for {x.name} of rank 2"):
             fd.ops.sum(x, dims)
         fd.add_output(x)
+
+
+@pytest.mark.parametrize("index32", [5, "yes", None, 1.0])
+def test_cuda_source_for_takes_a_bool(index32: Any) -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1], DataType.Float)
+        fd.add_output(fd.ops.neg(x))
+    k = fd.lower([np.zeros(3, np.float32)]).kernels[0]
+    if index32 is None:
+        assert k.cuda_source_for(index32) == k.cuda_source_for(False)
+        return
+    with pytest.raises(KilnTypeError, match="cuda_source_for: index32: expected a bool"):
+        k.cuda_source_for(index32)
+    assert k.cuda_source_for(np.bool_(True)) == k.cuda_source_for(True)
+
+
+def test_unswitch_of_a_symbolic_axis_names_the_unswitch() -> None:
+    from kiln import ParallelType as PT
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], DataType.Float)
+        y = fd.ops.exp(x)
+        z = fd.ops.neg(y)
+        fd.add_output(z)
+    for t in (y, z):
+        t.split(1, 8)
+        t.split(1, 2)  # [m, n/16, 2, 8]
+        t.axis(0).parallelize(PT.BIDx)
+        t.axis(1).parallelize(PT.Unswitch)
+        t.axis(-1).parallelize(PT.TIDx)
+    y.inline_at(-1)
+    with pytest.raises(KilnError, match=rf"{y.name} is in Local memory .* its axis 1 .* is unswitched"):
+        fd.execute([np.ones((4, 40), np.float32)])

@@ -114,7 +114,9 @@ class LoweredKernel:
 
     def cuda_source_for(self, index32: bool) -> str:
         """The CUDA source with 32-bit (``True``) or 64-bit index arithmetic."""
-        return self._codegen(index32).source
+        from .schedule import flag
+
+        return self._codegen(flag(index32, "cuda_source_for: index32")).source
 
     @property
     def launch(self) -> dict:

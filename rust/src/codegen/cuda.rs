@@ -501,8 +501,19 @@ impl Gen<'_> {
                             a.shape.iter().try_fold(1i64, |acc, &e| self.f.scalars.as_int(e).map(|x| acc * x))
                         else {
                             let dims: Vec<String> = a.shape.iter().map(|&e| self.f.scalars.render(e)).collect();
+                            // An unswitched loop hoists the allocations inside it above itself
+                            // (one copy serves both versions of the loop body): inlining further
+                            // cannot help then.
+                            let ld = &self.f.tvs[tv].loop_domain;
+                            let hint = match ld.iter().position(|&id| self.f.ids[id].parallel == ParallelType::Unswitch) {
+                                Some(u) => format!(
+                                    "; its axis {u} ({}) is unswitched, which places the allocation outside that loop: unswitch an axis that is constant, with constant axes inside it (a split by 1, as the automatic schedules make), or leave Unswitch out",
+                                    self.f.id_label(ld[u])
+                                ),
+                                None => "; inline it further or make the allocated axes constant".to_string(),
+                            };
                             bail!(
-                                "{name} is in Local memory but its allocation [{}] is not a constant size; inline it further or make the allocated axes constant",
+                                "{name} is in Local memory but its allocation [{}] is not a constant size{hint}",
                                 dims.join(", ")
                             );
                         };
