@@ -1785,6 +1785,14 @@ pub fn sink_gathers(f: &mut Fusion) -> Result<()> {
             let Op::IndexSelect { dim } = f.exprs[e].op else { continue };
             let (Some(y), Some(idx)) = (f.exprs[e].inputs[0].tensor(), f.exprs[e].index_tensor()) else { continue };
             let Some(d) = f.tvs[y].definition else { continue };
+            if let Some(v) = gathered_iota(f, e, dim, y, idx)? {
+                let old = f.exprs[e].output;
+                replace_tensor(f, old, v);
+                f.tvs[y].uses.retain(|&u| u != e);
+                f.tvs[idx].uses.retain(|&u| u != e);
+                changed = true;
+                continue 'again;
+            }
             if !matches!(f.exprs[d].op, Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast(_)) {
                 continue;
             }
@@ -1858,6 +1866,42 @@ pub fn sink_gathers(f: &mut Fusion) -> Result<()> {
         drop_dead_uses(f);
     }
     Ok(())
+}
+
+/// `take_along_axis(broadcast(iota), idx, dim)` with the iota along `dim`: the value at
+/// position `idx` of `start + i * step`, computed from the index (`start + idx * step`) instead
+/// of a gather from an iota stored whole. The column ids of a one-hot or diagonal mask
+/// (`iota(N)[None, :] == iota(N)[:, None]`) picked at each row's label are the labels. Only
+/// where another gather of the same index along the same extent stays, which checks the
+/// index's range as this gather did; only integer iotas, whose arithmetic is exact.
+fn gathered_iota(f: &mut Fusion, e: ExprId, dim: usize, y: TvId, idx: TvId) -> Result<Option<TvId>> {
+    let Some(d) = f.tvs[y].definition else { return Ok(None) };
+    let Op::Broadcast { is_new } = f.exprs[d].op.clone() else { return Ok(None) };
+    let Some(z) = f.exprs[d].inputs[0].tensor() else { return Ok(None) };
+    let Some(zd) = f.tvs[z].definition else { return Ok(None) };
+    let Op::Iota { start, step } = f.exprs[zd].op else { return Ok(None) };
+    let dtype = f.tvs[z].dtype;
+    let rank = f.tvs[y].logical.len();
+    let along_dim = (0..rank).all(|a| is_new.get(a).is_some_and(|&n| n == (a != dim)));
+    if !dtype.is_integer() || dtype == DataType::Bool || !along_dim || f.no_reduction_logical(idx).len() != rank {
+        return Ok(None);
+    }
+    let extent = f.ids[f.tvs[y].logical[dim]].extent;
+    let checked = f.tvs[idx].uses.iter().any(|&u| {
+        u != e
+            && matches!(f.exprs[u].op, Op::IndexSelect { dim: k } if k == dim)
+            && f.exprs[u].index_tensor() == Some(idx)
+            && f.exprs[u]
+                .indexed_tensor()
+                .is_some_and(|t| f.no_reduction_logical(t).get(dim).is_some_and(|&id| f.ids[id].extent == extent))
+    });
+    if !checked {
+        return Ok(None);
+    }
+    let idx_t = if f.tvs[idx].dtype == dtype { idx } else { f.cast(Operand::Tensor(idx), dtype)? };
+    let scaled = f.binary(BinaryOp::Mul, Operand::Tensor(idx_t), Operand::Scalar(step))?;
+    let v = f.binary(BinaryOp::Add, Operand::Tensor(scaled), Operand::Scalar(start))?;
+    Ok(Some(if f.tvs[v].dtype == dtype { v } else { f.cast(Operand::Tensor(v), dtype)? }))
 }
 
 /// Reduce the squeezed tensor where a reduction covers size-one broadcast axes (see the

@@ -86,6 +86,35 @@ fn by_dependence(f: &Fusion, rs: &[TvId], late: &[TvId]) -> (Vec<TvId>, Vec<TvId
     (before, after)
 }
 
+/// A source of size one along every reduced axis (a row id, `iota(R)[:, None]`) that both the
+/// rows and the ops after the reduction read gets a copy for the latter, made in their loops:
+/// one tensor cannot run in both the rows' split loops and the per-row loop (NT-Xent's
+/// diagonal mask, read again at each row's label).
+fn copy_per_row_sources(f: &mut Fusion, rs: &[TvId], late: &[TvId]) -> Result<()> {
+    let (before, after) = by_dependence(f, rs, late);
+    let Some(&r) = rs.first() else { return Ok(()) };
+    let red_at: Vec<bool> = f.tvs[r].logical.iter().map(|&id| f.ids[id].iter_type == IterType::Reduction).collect();
+    for p in before {
+        let source = f.tvs[p].definition.is_some_and(|d| f.exprs[d].op.is_source());
+        let l = f.no_reduction_logical(p);
+        let per_row = l.len() == red_at.len()
+            && l.iter().zip(&red_at).all(|(&id, &red)| !red || f.ids[id].iter_type == IterType::Broadcast);
+        if !source || !per_row || f.is_output(p) {
+            continue;
+        }
+        let later: Vec<ExprId> =
+            f.tvs[p].uses.iter().copied().filter(|&u| after.contains(&f.exprs[u].output)).collect();
+        if later.is_empty() || later.len() == f.tvs[p].uses.len() {
+            continue;
+        }
+        let c = canonical::recompute(f, p)?;
+        for u in later {
+            f.redirect_use(u, p, c);
+        }
+    }
+    Ok(())
+}
+
 /// Schedule a fusion whose reductions are the exprs `reds`: one, or siblings that reduce
 /// the same axes of tensors of one shape and do not read each other (a sum and a count
 /// side by side), which share every loop.
@@ -143,6 +172,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
     // Tensors before the reduction (same rank as its input) and after it; totals of the
     // rows and what they compute are placed last.
     let late: Vec<TvId> = totals.iter().chain(&post).copied().collect();
+    copy_per_row_sources(f, &rs, &late)?;
     let (before, after) = by_dependence(f, &rs, &late);
     if !totals.is_empty() && !inner {
         bail!(
@@ -166,11 +196,20 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
         // normalization, which needs a persistent schedule or segmentation); kept-rank
         // inputs (a bias per output element) are fine.
         // A gather's table is read at the picked elements only, not along the row.
+        // An input of size one along every reduced axis (a per-row value the rows also
+        // read) is one value per row, not the unreduced input.
         let table = f.tvs[t].definition.and_then(|d| f.exprs[d].indexed_tensor());
+        let per_row = |p: TvId| {
+            let l = f.no_reduction_logical(p);
+            l.len() == n
+                && l.iter().zip(&logical).all(|(&id, &r)| {
+                    f.ids[r].iter_type != IterType::Reduction || f.ids[id].iter_type == IterType::Broadcast
+                })
+        };
         let reads_before = f
             .producers(t)
             .iter()
-            .filter(|&&p| Some(p) != table)
+            .filter(|&&p| Some(p) != table && !(per_row(p) && f.is_input(p)))
             .any(|p| (before.contains(p) || f.is_input(*p)) && f.no_reduction_logical(*p).len() == n);
         if reads_before {
             bail!(
