@@ -61,3 +61,31 @@ def test_nt_xent_one_kernel(reduce: str) -> None:
 def test_masked_contrastive_losses_property(n: int, shift: int, col_start: int, col_step: int, reduce: str,
                                            seed: int) -> None:
     _check(n, shift, col_start, col_step, reduce, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduce", ["none", "mean"])
+@pytest.mark.parametrize("n", [38, 4096])
+def test_nt_xent_on_gpu(n: int, reduce: str) -> None:
+    """NT-Xent over a [2N, 2N] similarity matrix on the GPU: kernels and values."""
+    from gpu_util import cupy_or_skip
+
+    cp = cupy_or_skip()
+    rng = np.random.default_rng(3)
+    sim = rng.standard_normal((n, n)).astype(np.float32)
+    with FusionDefinition() as fd:
+        s = fd.define_tensor([-1, -1], F32)
+        rows = fd.ops.broadcast_in_dim(fd.ops.iota(fd.ops.size(s, 0)), [-1, -1], [0])
+        cols = fd.ops.broadcast_in_dim(fd.ops.iota(fd.ops.size(s, 1)), [-1, -1], [1])
+        logits = fd.ops.where(fd.ops.eq(rows, cols), -30.0, fd.ops.div(s, 0.5))
+        label = fd.ops.remainder(fd.ops.add(fd.ops.iota(fd.ops.size(s, 0)), n // 2), fd.ops.size(s, 0))
+        idx = fd.ops.broadcast_in_dim(label, [-1, 1], [0])
+        picked = fd.ops.squeeze(fd.ops.take_along_axis(logits, idx, 1), [1])
+        nll = fd.ops.sub(fd.ops.logsumexp(logits, dims=[1]), picked)
+        fd.add_output(nll if reduce == "none" else fd.ops.mean(nll, dims=[0]))
+    assert len(fd.lower([sim]).kernels) == (2 if reduce == "mean" and n > 1024 else 1)
+    out = cp.asnumpy(fd.execute([cp.asarray(sim)])[0]).astype(np.float64)
+    r = np.arange(n)
+    lg = np.where(r[:, None] == r[None, :], -30.0, sim.astype(np.float64) / 0.5)
+    nll_ref = _lse(lg) - lg[r, (r + n // 2) % n]
+    np.testing.assert_allclose(out, nll_ref if reduce == "none" else nll_ref.mean(), rtol=1e-5, atol=1e-4)
