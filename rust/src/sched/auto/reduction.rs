@@ -26,6 +26,14 @@ fn merge_range(f: &mut Fusion, t: TvId, start: usize, count: usize) -> Result<()
     Ok(())
 }
 
+/// True when `t` has the reduction's rank and size one (broadcast) at every reduced axis
+/// (`red_at`): one value per row.
+fn size_one_where_reduced(f: &Fusion, t: TvId, red_at: &[bool]) -> bool {
+    let l = f.no_reduction_logical(t);
+    l.len() == red_at.len()
+        && l.iter().zip(red_at).all(|(&id, &red)| !red || f.ids[id].iter_type == IterType::Broadcast)
+}
+
 /// The computed tensors other than `r` that do not depend on `r` (its producers, and
 /// outputs computed from the same inputs beside it: scheduled like its input) and those
 /// that do (ops on its result), each in dependency order. `late`: tensors scheduled after
@@ -61,11 +69,7 @@ fn by_dependence(f: &Fusion, rs: &[TvId], late: &[TvId]) -> (Vec<TvId>, Vec<TvId
         f.tvs[r].logical.iter().map(|&id| f.ids[id].iter_type == IterType::Reduction).collect()
     });
     let per_row = |t: TvId| {
-        let l = f.no_reduction_logical(t);
-        l.len() < rank
-            || (l.len() == rank
-                && red_at.iter().any(|&r| r)
-                && l.iter().zip(&red_at).all(|(&id, &red)| !red || f.ids[id].iter_type == IterType::Broadcast))
+        f.no_reduction_logical(t).len() < rank || (red_at.iter().any(|&r| r) && size_one_where_reduced(f, t, &red_at))
     };
     for i in (0..before.len()).rev() {
         let t = before[i];
@@ -96,10 +100,7 @@ fn copy_per_row_sources(f: &mut Fusion, rs: &[TvId], late: &[TvId]) -> Result<()
     let red_at: Vec<bool> = f.tvs[r].logical.iter().map(|&id| f.ids[id].iter_type == IterType::Reduction).collect();
     for p in before {
         let source = f.tvs[p].definition.is_some_and(|d| f.exprs[d].op.is_source());
-        let l = f.no_reduction_logical(p);
-        let per_row = l.len() == red_at.len()
-            && l.iter().zip(&red_at).all(|(&id, &red)| !red || f.ids[id].iter_type == IterType::Broadcast);
-        if !source || !per_row || f.is_output(p) {
+        if !source || !size_one_where_reduced(f, p, &red_at) || f.is_output(p) {
             continue;
         }
         let later: Vec<ExprId> =
@@ -183,6 +184,7 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
     if let Some(o) = read_by_a_reduction(f, &rs) {
         bail!("{}: a reduction reads it; reductions of reductions need a kernel each", f.tv_name(o));
     }
+    let reduced_at: Vec<bool> = logical.iter().map(|&id| f.ids[id].iter_type == IterType::Reduction).collect();
     let checked: Vec<TvId> = before.iter().chain(&rs[1..]).copied().collect();
     if let Some(t) = super::misaligned(f, cx, &logical, &checked) {
         bail!(
@@ -199,17 +201,10 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
         // An input of size one along every reduced axis (a per-row value the rows also
         // read) is one value per row, not the unreduced input.
         let table = f.tvs[t].definition.and_then(|d| f.exprs[d].indexed_tensor());
-        let per_row = |p: TvId| {
-            let l = f.no_reduction_logical(p);
-            l.len() == n
-                && l.iter().zip(&logical).all(|(&id, &r)| {
-                    f.ids[r].iter_type != IterType::Reduction || f.ids[id].iter_type == IterType::Broadcast
-                })
-        };
         let reads_before = f
             .producers(t)
             .iter()
-            .filter(|&&p| Some(p) != table && !(per_row(p) && f.is_input(p)))
+            .filter(|&&p| Some(p) != table && !(f.is_input(p) && size_one_where_reduced(f, p, &reduced_at)))
             .any(|p| (before.contains(p) || f.is_input(*p)) && f.no_reduction_logical(*p).len() == n);
         if reads_before {
             bail!(
@@ -222,13 +217,8 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
     // Ops after the reduction see its result as kept axes only, or with size-one axes
     // where the reduced ones were (keepdim, a broadcast back to the input's rank). A kept
     // axis may be size one too: a constant of every row (`1 / N` as a tensor).
-    let reduced_at: Vec<bool> = logical.iter().map(|&id| f.ids[id].iter_type == IterType::Reduction).collect();
-    let kept_shape = |f: &Fusion, t: TvId| {
-        let l = f.no_reduction_logical(t);
-        l.len() == n - k
-            || (l.len() == n
-                && l.iter().zip(&reduced_at).all(|(&id, &red)| !red || f.ids[id].iter_type == IterType::Broadcast))
-    };
+    let kept_shape =
+        |f: &Fusion, t: TvId| f.no_reduction_logical(t).len() == n - k || size_one_where_reduced(f, t, &reduced_at);
     if after.iter().any(|&t| !kept_shape(f, t)) {
         bail!(
             "{}: keepdim/broadcast after the reduction is not covered by the automatic reduction schedule",
