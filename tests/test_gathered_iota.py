@@ -24,29 +24,39 @@ def _lse(x: np.ndarray) -> np.ndarray:
     return (np.log(np.exp(x - m).sum(axis=1, keepdims=True)) + m)[:, 0]
 
 
-def _check(n: int, shift: int, col_start: int, col_step: int, reduce: str, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    sim = rng.standard_normal((n, n)).astype(np.float32)
+def _build(shift: int, col_start: int, col_step: int, reduce: str) -> FusionDefinition:
+    """NT-Xent-style loss over a square similarity matrix: the diagonal (of a column iota of
+    ``col_start`` and ``col_step``) masked, each row's positive at ``(i + shift) % N``."""
     with FusionDefinition() as fd:
         s = fd.define_tensor([-1, -1], F32)
         rows = fd.ops.broadcast_in_dim(fd.ops.iota(fd.ops.size(s, 0)), [-1, -1], [0])
         cols = fd.ops.iota(fd.ops.size(s, 1), col_start, col_step)
         cols_b = fd.ops.broadcast_in_dim(cols, [-1, -1], [1])
-        # The diagonal (shifted by the column iota's start and step) masked out.
         logits = fd.ops.where(fd.ops.eq(rows, cols_b), -30.0, fd.ops.div(s, 0.5))
         label = fd.ops.remainder(fd.ops.add(fd.ops.iota(fd.ops.size(s, 0)), shift), fd.ops.size(s, 0))
         idx = fd.ops.broadcast_in_dim(label, [-1, 1], [0])
         picked = fd.ops.squeeze(fd.ops.take_along_axis(logits, idx, 1), [1])
         nll = fd.ops.sub(fd.ops.logsumexp(logits, dims=[1]), picked)
         fd.add_output(nll if reduce == "none" else fd.ops.mean(nll, dims=[0]))
-    kernels = len(fd.lower([sim]).kernels)
-    out = np.asarray(fd.execute([sim])[0], dtype=np.float64)
+    return fd
+
+
+def _reference(sim: np.ndarray, shift: int, col_start: int, col_step: int, reduce: str) -> np.ndarray:
+    n = sim.shape[0]
     r = np.arange(n)
     c = col_start + col_step * np.arange(n)
     lg = np.where(r[:, None] == c[None, :], -30.0, sim.astype(np.float64) / 0.5)
-    lab = (r + shift) % n
-    nll = _lse(lg) - lg[r, lab]
-    np.testing.assert_allclose(out, nll if reduce == "none" else nll.mean(), rtol=1e-5, atol=1e-5)
+    nll = _lse(lg) - lg[r, (r + shift) % n]
+    return nll if reduce == "none" else np.asarray(nll.mean())
+
+
+def _check(n: int, shift: int, col_start: int, col_step: int, reduce: str, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    sim = rng.standard_normal((n, n)).astype(np.float32)
+    fd = _build(shift, col_start, col_step, reduce)
+    kernels = len(fd.lower([sim]).kernels)
+    out = np.asarray(fd.execute([sim])[0], dtype=np.float64)
+    np.testing.assert_allclose(out, _reference(sim, shift, col_start, col_step, reduce), rtol=1e-5, atol=1e-5)
     assert kernels == 1, f"{kernels} kernels"
 
 
@@ -71,21 +81,8 @@ def test_nt_xent_on_gpu(n: int, reduce: str) -> None:
     from gpu_util import cupy_or_skip
 
     cp = cupy_or_skip()
-    rng = np.random.default_rng(3)
-    sim = rng.standard_normal((n, n)).astype(np.float32)
-    with FusionDefinition() as fd:
-        s = fd.define_tensor([-1, -1], F32)
-        rows = fd.ops.broadcast_in_dim(fd.ops.iota(fd.ops.size(s, 0)), [-1, -1], [0])
-        cols = fd.ops.broadcast_in_dim(fd.ops.iota(fd.ops.size(s, 1)), [-1, -1], [1])
-        logits = fd.ops.where(fd.ops.eq(rows, cols), -30.0, fd.ops.div(s, 0.5))
-        label = fd.ops.remainder(fd.ops.add(fd.ops.iota(fd.ops.size(s, 0)), n // 2), fd.ops.size(s, 0))
-        idx = fd.ops.broadcast_in_dim(label, [-1, 1], [0])
-        picked = fd.ops.squeeze(fd.ops.take_along_axis(logits, idx, 1), [1])
-        nll = fd.ops.sub(fd.ops.logsumexp(logits, dims=[1]), picked)
-        fd.add_output(nll if reduce == "none" else fd.ops.mean(nll, dims=[0]))
+    sim = np.random.default_rng(3).standard_normal((n, n)).astype(np.float32)
+    fd = _build(n // 2, 0, 1, reduce)
     assert len(fd.lower([sim]).kernels) == (2 if reduce == "mean" and n > 1024 else 1)
     out = cp.asnumpy(fd.execute([cp.asarray(sim)])[0]).astype(np.float64)
-    r = np.arange(n)
-    lg = np.where(r[:, None] == r[None, :], -30.0, sim.astype(np.float64) / 0.5)
-    nll_ref = _lse(lg) - lg[r, (r + n // 2) % n]
-    np.testing.assert_allclose(out, nll_ref if reduce == "none" else nll_ref.mean(), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(out, _reference(sim, n // 2, 0, 1, reduce), rtol=1e-5, atol=1e-4)
