@@ -2665,10 +2665,12 @@ fn replace_tensor(f: &mut Fusion, old: TvId, new: TvId) {
             f.tvs[new].uses.push(u);
         }
     }
-    // An output that becomes a fusion input (`squeeze(broadcast(x))`) is still written: by
-    // a copy, as `add_output(x)` is. So is one that becomes another output (a permute and its
-    // inverse of an output): each output is a buffer of its own, which the host hands back.
-    let out_new = if f.is_output(old) && (f.is_input(new) || f.is_output(new)) {
+    // An output that becomes a fusion input (`squeeze(broadcast(x))`) or a view of one (a sum
+    // over the size-one axis of a reshaped input) is still written: by a copy, as
+    // `add_output(x)` is. So is one that becomes another output (a permute and its inverse of
+    // an output): each output is a buffer of its own, which the host hands back.
+    let computed = f.tvs[new].definition.is_some();
+    let out_new = if f.is_output(old) && (!computed || f.is_output(new)) {
         match f.set(new) {
             Ok(c) => c,
             Err(_) => new,
