@@ -188,18 +188,131 @@ fn offset(
     idx: &FxHashMap<IterDomainId, ValId>,
     groups: &FxHashMap<IterDomainId, ValId>,
 ) -> Result<ValId> {
+    offset_via(f, ctx, tv, idx, groups, None)
+}
+
+/// [`offset`] of operand `pos` of `e`, read at its consumer's indices `cidx`: axes the
+/// consumer merges are also joined where they lie contiguously (see [`contiguous_merges`]).
+fn offset_via(
+    f: &mut Fusion,
+    ctx: &Ctx,
+    tv: TvId,
+    idx: &FxHashMap<IterDomainId, ValId>,
+    groups: &FxHashMap<IterDomainId, ValId>,
+    via: Option<(ExprId, usize, &FxHashMap<IterDomainId, ValId>)>,
+) -> Result<ValId> {
     let Some(info) = ctx.allocs.get(&tv) else {
         bail_internal!("{} has no allocation info", f.tv_name(tv));
     };
-    let mut acc = f.scalars.int(0);
+    let mut entries: Vec<Entry> = Vec::with_capacity(info.ids.len());
     for ((&id, &own), &stride) in info.ids.iter().zip(&info.own_ids).zip(&info.strides) {
         let Some(&i) = idx.get(&own).or_else(|| idx.get(&id)).or_else(|| groups.get(&id)) else {
             bail_internal!("no index for allocation id {} of {}", f.id_label(id), f.tv_name(tv));
         };
-        let term = f.scalars.mul(i, stride);
+        entries.push(Entry { id: own, extent: f.ids[own].extent, index: i, stride });
+    }
+    let own = merges_of(f, tv);
+    contiguous_merges(f, &mut entries, &own, idx);
+    if let Some((e, pos, cidx)) = via {
+        // The operand's axes as the consumer's: where the operand is read at the consumer's
+        // index of an axis (not a gathered, remapped or broadcast position).
+        let pairs: FxHashMap<IterDomainId, IterDomainId> = logical_pairs(f, e, pos).into_iter().collect();
+        for en in entries.iter_mut() {
+            if let Some(&cid) = pairs.get(&en.id) {
+                if cidx.get(&cid) == Some(&en.index) {
+                    en.id = cid;
+                }
+            }
+        }
+        let theirs = merges_of(f, f.exprs[e].output);
+        contiguous_merges(f, &mut entries, &theirs, cidx);
+    }
+    let mut acc = f.scalars.int(0);
+    for en in entries {
+        let term = f.scalars.mul(en.index, en.stride);
         acc = f.scalars.add(acc, term);
     }
     Ok(acc)
+}
+
+/// One term of an offset: the id it indexes, its extent, its index and stride.
+struct Entry {
+    id: IterDomainId,
+    extent: ValId,
+    index: ValId,
+    stride: ValId,
+}
+
+/// The merges among `tv`'s transforms, as (outer, inner, out).
+fn merges_of(f: &Fusion, tv: TvId) -> Vec<(IterDomainId, IterDomainId, IterDomainId)> {
+    f.transforms_of(tv)
+        .into_iter()
+        .filter_map(|t| match f.transforms[t] {
+            Transform::Merge { outer, inner, out } => Some((outer, inner, out)),
+            Transform::Split { .. } => None,
+        })
+        .collect()
+}
+
+/// Join adjacent terms of an offset whose ids one of `merges` joins, where they lie
+/// contiguously in memory (the outer stride is the inner extent times the inner stride),
+/// into one term: the merged index (from `idx`) times the inner stride.
+/// `(m / n) * (n * s) + (m % n) * s` is `m * s` for every `m`, and the single term keeps a
+/// row merged from several contiguous axes (GroupNorm's `[C/G, H, W]`) affine in the loop
+/// indices, so it can be vectorized or copied in bulk.
+fn contiguous_merges(
+    f: &mut Fusion,
+    entries: &mut Vec<Entry>,
+    merges: &[(IterDomainId, IterDomainId, IterDomainId)],
+    idx: &FxHashMap<IterDomainId, ValId>,
+) {
+    'again: loop {
+        for k in 0..entries.len().saturating_sub(1) {
+            let (a, b) = (entries[k].id, entries[k + 1].id);
+            let Some(&(_, _, out)) = merges.iter().find(|&&(o, i, _)| o == a && i == b) else { continue };
+            let Some(&m) = idx.get(&out) else { continue };
+            let joined = f.scalars.mul(entries[k + 1].stride, entries[k + 1].extent);
+            if !same_product(&f.scalars, joined, entries[k].stride) {
+                continue;
+            }
+            let stride = entries[k + 1].stride;
+            let extent = f.ids[out].extent;
+            entries.splice(k..k + 2, [Entry { id: out, extent, index: m, stride }]);
+            continue 'again;
+        }
+        return;
+    }
+}
+
+/// True when `a` and `b` are provably the same product: equal constants, or the same
+/// factors in any order (a stride built as `W * H` against a merged extent `H * W`).
+fn same_product(sc: &crate::ir::Scalars, a: ValId, b: ValId) -> bool {
+    fn factors(sc: &crate::ir::Scalars, v: ValId, out: &mut Vec<ValId>, constant: &mut i64) -> bool {
+        match sc.get(v) {
+            Val::Binary(ScalarOp::Mul, x, y) => factors(sc, x, out, constant) && factors(sc, y, out, constant),
+            Val::Int(c) => match constant.checked_mul(c) {
+                Some(p) => {
+                    *constant = p;
+                    true
+                }
+                None => false,
+            },
+            _ => {
+                out.push(v);
+                true
+            }
+        }
+    }
+    if a == b {
+        return true;
+    }
+    let (mut fa, mut fb, mut ca, mut cb) = (Vec::new(), Vec::new(), 1i64, 1i64);
+    if !factors(sc, a, &mut fa, &mut ca) || !factors(sc, b, &mut fb, &mut cb) {
+        return false;
+    }
+    fa.sort_unstable();
+    fb.sort_unstable();
+    ca == cb && fa == fb
 }
 
 /// True when splitting `input` by `factor` leaves no partial last part (both constants).
@@ -643,7 +756,7 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
         }
         bind_enclosing(f, ctx, p, stack, &mut pidx);
         forward(f, p, &mut pidx);
-        inputs.push(Some(offset(f, ctx, p, &pidx, &groups)?));
+        inputs.push(Some(offset_via(f, ctx, p, &pidx, &groups, Some((e, pos, &cidx)))?));
     }
     let mut pred = predicate(f, ctx, c, &cidx, stack, false);
     let mut write_pred = predicate(f, ctx, c, &cidx, stack, true);
