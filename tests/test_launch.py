@@ -901,7 +901,7 @@ def test_scalar_of_a_new_type_is_validated_before_launching(fake_gpu):
     x = FakeArray(256)
     fd.execute([x, 3])
     fd.execute([x, -4])
-    with pytest.raises(KilnTypeError, match=r"input 1 \(s0\): got float 2.5 for a Int32 scalar"):
+    with pytest.raises(KilnTypeError, match=r"input 1 \(s0\): got float 2.5 for an Int32 scalar"):
         fd.execute([x, 2.5])
     with pytest.raises(KilnTypeError, match=r"input 1 \(s0\): expected a Python scalar \(Int32\), got str"):
         fd.execute([x, "3"])

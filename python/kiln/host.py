@@ -634,7 +634,8 @@ class HostEvaluator:
             x = inputs[pos]
             if isinstance(x, float) and d in ("Int", "Int32", "Bool"):
                 # NumPy would truncate it; the CPU interpreter refuses it: so do we.
-                raise KilnTypeError(f"input {pos} (s{p.number}): got float {x} for a {d} scalar")
+                article = "an" if str(d)[:1] in "AEIOU" else "a"
+                raise KilnTypeError(f"input {pos} (s{p.number}): got float {x} for {article} {d} scalar")
             try:  # a value out of the parameter's range: refused now, naming the input
                 np_scalar(x, d)
             except (OverflowError, ValueError) as e:

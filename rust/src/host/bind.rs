@@ -292,7 +292,9 @@ fn scalar_value(f: &Fusion, i: usize, dt: DataType, arg: &Arg) -> Result<ScalarA
             return Err(KilnError::type_error(format!("{}: got {s:?} for a Bool scalar; expected a bool", what())))
         }
         (d, Arg::Scalar(ScalarArg::Float(x))) if !d.is_float() => {
-            return Err(KilnError::type_error(format!("{}: got float {x} for a {} scalar", what(), d.enum_name())))
+            let name = d.enum_name();
+            let article = if name.starts_with(['A', 'E', 'I', 'O', 'U']) { "an" } else { "a" };
+            return Err(KilnError::type_error(format!("{}: got float {x} for {article} {name} scalar", what())));
         }
         (d, Arg::Scalar(ScalarArg::Int(x))) if d.is_float() => ScalarArg::Float(*x as f64),
         (d, Arg::Scalar(ScalarArg::Bool(x))) if d.is_float() => ScalarArg::Float(f64::from(u8::from(*x))),
