@@ -77,6 +77,8 @@ def model_families() -> int:
              (fams.attention_softmax_padding_mask, (2, 2, 64)),
              # 320 groups of 2048: 256-thread blocks (one wave of them on 132 SMs).
              (fams.group_norm_nchw, (10, 64, 32, 32)),
+             # Rows of [8, 64, 64] split over clusters of two, each block's part in Shared.
+             (fams.group_norm_nchw, (2, 256, 64, 64)),
              # rotate_half's halves read as whole vectors or zeros.
              (fams.llama_rope_view, (2, 16, 4, 64))]
     for make, sizes in cases:
