@@ -100,3 +100,59 @@ def test_a_reduction_over_a_size_one_axis_of_a_segment_input_runs() -> None:
     out = fd.execute([a0])[0]
     want = a0[None, None] + a0.max(axis=1)[None, None, :, None]
     np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+
+
+def _rmsnorm(fd: FusionDefinition, x, n: int):  # noqa: ANN001
+    """RMSNorm: one reduction (the mean square), read back by the unreduced input."""
+    last = len(fd_shape(x)) - 1
+    ms = fd.ops.mul(fd.ops.sum(fd.ops.mul(x, x), dims=[last], keepdim=True), 1.0 / n)
+    return fd.ops.mul(x, fd.ops.rsqrt(fd.ops.add(ms, 1e-6)))
+
+
+def _var_mean_norm(fd: FusionDefinition, x, n: int):  # noqa: ANN001
+    """LayerNorm through one ``var_mean`` (a single Welford reduction)."""
+    last = len(fd_shape(x)) - 1
+    var, mean = fd.ops.var_mean(x, dims=[last], correction=0, keepdim=True)
+    return fd.ops.mul(fd.ops.sub(x, mean), fd.ops.rsqrt(fd.ops.add(var, 1e-5)))
+
+
+def _np_rmsnorm(x: np.ndarray) -> np.ndarray:
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6)
+
+
+@pytest.mark.parametrize("shape", [[1, 33, 512], [1, 1, 4096], [1, 7, 1, 96], [2, 1, 300]])
+@pytest.mark.parametrize("build,ref", [(_rmsnorm, _np_rmsnorm), (_var_mean_norm, _np_layernorm)],
+                         ids=["rmsnorm", "var_mean"])
+def test_single_reduction_normalizations_over_a_batch_of_one_take_one_kernel(
+        shape: List[int], build: Callable, ref: Callable) -> None:
+    """A normalization with one reduction (RMSNorm, a ``var_mean`` LayerNorm) over inputs with
+    static size-one axes is one kernel: the unreduced input shares the reduction input's
+    size-one axes (it was taken for a broadcast operand, and the fusion ran as two kernels)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape)
+        fd.add_output(build(fd, x, shape[-1]))
+    xs = np.random.default_rng(sum(shape)).standard_normal(shape).astype(np.float32)
+    low = fd.lower([xs])
+    assert len(low.kernels) == 1, low.program.segmentation()
+    out = fd.execute([xs])[0]
+    np.testing.assert_allclose(out, ref(xs.astype(np.float64)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,c,h,w", [(1, 64, 8, 8), (1, 8, 5, 7), (2, 8, 5, 7)])
+def test_group_norm_over_a_batch_of_one_takes_one_kernel(n: int, c: int, h: int, w: int) -> None:
+    """GroupNorm(4) as torch traces it, with the batch of one a static size-one axis."""
+    g = 4
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([n, c, h, w])
+        xr = fd.ops.reshape(x, [n, g, c // g, h, w])
+        var, mean = fd.ops.var_mean(xr, dims=[2, 3, 4], correction=0)
+        y = fd.ops.mul(fd.ops.sub(xr, fd.ops.broadcast_in_dim(mean, [-1] * 5, [0, 1])),
+                       fd.ops.rsqrt(fd.ops.broadcast_in_dim(fd.ops.add(var, 1e-5), [-1] * 5, [0, 1])))
+        fd.add_output(fd.ops.reshape(y, [n, c, h, w]))
+    xs = np.random.default_rng(c * h).standard_normal((n, c, h, w)).astype(np.float32)
+    low = fd.lower([xs])
+    assert len(low.kernels) == 1, low.program.segmentation()
+    xr64 = xs.astype(np.float64).reshape(n, g, -1)
+    want = (xr64 - xr64.mean(-1, keepdims=True)) / np.sqrt(xr64.var(-1, keepdims=True) + 1e-5)
+    want = want.reshape(xs.shape)
+    np.testing.assert_allclose(fd.execute([xs])[0], want, rtol=1e-5, atol=1e-5)

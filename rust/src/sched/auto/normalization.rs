@@ -65,6 +65,18 @@ pub fn is_normalization(f: &Fusion, reductions: &[ExprId]) -> bool {
     reductions.iter().any(|&r| {
         let out = f.exprs[r].output;
         let rank = f.tvs[out].logical.len();
+        // Axes the reduction's own input has as size-one broadcasts (a batch of one,
+        // `reshape(x, [1, G, C/G, H, W])`): the unreduced tensor may have them too.
+        let input_broadcast: Vec<bool> = f.exprs[r].inputs[0].tensor().map_or_else(Vec::new, |x| {
+            f.tvs[x].logical.iter().map(|&id| f.ids[id].iter_type == IterType::Broadcast).collect()
+        });
+        let full = |t: TvId| {
+            f.tvs[t]
+                .logical
+                .iter()
+                .enumerate()
+                .all(|(a, &id)| f.ids[id].iter_type != IterType::Broadcast || input_broadcast.get(a) == Some(&true))
+        };
         let mut dependent = vec![out];
         order.iter().any(|&e| {
             let ex = &f.exprs[e];
@@ -72,11 +84,7 @@ pub fn is_normalization(f: &Fusion, reductions: &[ExprId]) -> bool {
                 return false;
             }
             dependent.push(ex.output);
-            ex.input_tvs().any(|t| {
-                !dependent.contains(&t)
-                    && f.no_reduction_logical(t).len() == rank
-                    && f.tvs[t].logical.iter().all(|&id| f.ids[id].iter_type != IterType::Broadcast)
-            })
+            ex.input_tvs().any(|t| !dependent.contains(&t) && f.no_reduction_logical(t).len() == rank && full(t))
         })
     })
 }
