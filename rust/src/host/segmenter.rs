@@ -134,6 +134,7 @@ fn plan_canonical(mut g: Fusion, cx: &Ctx) -> Result<(HostProgram, Heuristic)> {
     crate::sched::auto::canonical::split_reductions_of_rows(&mut g)?;
     crate::sched::auto::canonical::reuse_partial_reductions(&mut g)?;
     crate::sched::auto::canonical::sink_gathers(&mut g)?;
+    crate::sched::auto::canonical::widen_broadcast_reductions(&mut g)?;
     crate::sched::auto::canonical::reduce_broadcast_axes(&mut g)?;
     crate::sched::auto::canonical::squeeze_broadcasts(&mut g)?;
     crate::sched::auto::canonical::squeeze_remaps(&mut g)?;

@@ -23,6 +23,15 @@
 //! - **Partial reductions are reused.** `sum(y, [0, 1])` beside `sum(y, [1])` becomes the
 //!   sum of the row sums: one pass over `y`, and the total a grid reduction of the rows in
 //!   the row reduction's kernel.
+//! - **Reductions of broadcasts take their readers' size beside a sibling.** Masked mean
+//!   pooling, `sum(x * m[:, :, None], 1) / sum(m[:, :, None], 1)`, reduces the broadcast mask
+//!   to `[B, 1]`, which the division reads along `x`'s `D`. Where every reader (through
+//!   element-wise ops such as a clamp) gives such kept size-one axes one size and a sibling
+//!   reduction of the same axes iterates there (`sum(x * m, 1)` over `[B, S, D]`), the mask's
+//!   reduction reads the mask expanded to that size: the same loops as its sibling, so one
+//!   kernel computes both instead of one per iteration space. Without such a sibling the
+//!   expansion would multiply the reduction's work, so it is not made; nor where the
+//!   size-one result is itself an output.
 //! - **A sum of `exp(x - max(x))` becomes `exp(logsumexp(x) - max(x))`.** The log-sum-exp
 //!   reduction keeps a running maximum, so it reads `x` beside the max instead of after it:
 //!   where a row is too long to keep on chip, one pass over the row computes both
@@ -129,7 +138,8 @@ use crate::error::Result;
 use crate::ir::mapping::logical_pairs;
 use crate::ir::scalar::{ScalarOp, Val};
 use crate::ir::{
-    BinaryOp, DataType, ExprId, Fusion, IterType, Op, Operand, ReductionOp, Symbol, TvId, UnaryOp, ValId, LSE_FLOOR,
+    BinaryOp, DataType, ExprId, Fusion, IterDomainId, IterType, Op, Operand, ReductionOp, Symbol, TvId, UnaryOp, ValId,
+    LSE_FLOOR,
 };
 
 /// Rewrite `f` (unscheduled) into canonical form; semantics are unchanged.
@@ -2467,6 +2477,160 @@ pub fn reduce_through_broadcasts(f: &mut Fusion) -> Result<()> {
         }
         return Ok(());
     }
+}
+
+/// Compute a reduction that keeps size-one broadcast axes at the size its readers give them
+/// (see the module docs), where a sibling reduction of the same axes iterates there.
+pub fn widen_broadcast_reductions(f: &mut Fusion) -> Result<()> {
+    let mut changed = false;
+    'again: loop {
+        let reductions: Vec<ExprId> =
+            f.topo_exprs().into_iter().filter(|&e| matches!(f.exprs[e].op, Op::Reduction { .. })).collect();
+        for &e in &reductions {
+            let Op::Reduction { op, .. } = f.exprs[e].op else { continue };
+            let Some(t) = f.exprs[e].inputs[0].tensor() else { continue };
+            let out = f.exprs[e].output;
+            let tl = f.tvs[t].logical.clone();
+            let ol = f.tvs[out].logical.clone();
+            if f.is_output(out) || tl.len() != ol.len() || f.no_reduction_logical(t).len() != tl.len() {
+                continue;
+            }
+            let red = reduced_axes(f, e);
+            let kept: Vec<usize> = (0..tl.len())
+                .filter(|a| {
+                    !red.contains(a)
+                        && f.ids[tl[*a]].iter_type == IterType::Broadcast
+                        && f.scalars.as_int(f.ids[tl[*a]].extent) == Some(1)
+                })
+                .collect();
+            if kept.is_empty() {
+                continue;
+            }
+            let mut sizes: FxHashMap<IterDomainId, ValId> = FxHashMap::default();
+            let tracked: Vec<IterDomainId> = kept.iter().map(|&a| ol[a]).collect();
+            let Some(()) = readers_concretize(f, out, &tracked, &mut sizes, 0) else { continue };
+            let Some(wide) = kept.iter().map(|&a| sizes.get(&ol[a]).copied()).collect::<Option<Vec<ValId>>>() else {
+                continue;
+            };
+            // A sibling that already iterates at these sizes: the widened reduction costs no
+            // more than it, and shares its loops.
+            let sibling = reductions.iter().any(|&s| {
+                let Some(u) = f.exprs[s].inputs[0].tensor() else { return false };
+                let ul = f.no_reduction_logical(u);
+                s != e
+                    && reduced_axes(f, s) == red
+                    && ul.len() == tl.len()
+                    && kept
+                        .iter()
+                        .zip(&wide)
+                        .all(|(&a, &n)| f.ids[ul[a]].iter_type == IterType::Iteration && f.ids[ul[a]].extent == n)
+            });
+            if !sibling {
+                continue;
+            }
+            let mut shape: Vec<ValId> = tl.iter().map(|&id| f.ids[id].extent).collect();
+            for (&a, &n) in kept.iter().zip(&wide) {
+                shape[a] = n;
+            }
+            let yes = f.scalars.boolean(true);
+            let mask = f.full(&shape, Operand::Scalar(yes), DataType::Bool)?;
+            let expanded = f.where_(Operand::Tensor(mask), Operand::Tensor(t), Operand::Tensor(t))?;
+            let dims: Vec<i64> = red.iter().map(|&a| a as i64).collect();
+            let new = f.reduction(op, expanded, &dims, false, Some(f.tvs[out].dtype))?;
+            f.tvs[t].uses.retain(|&u| u != e);
+            widen_readers(f, out, new, &tracked)?;
+            changed = true;
+            continue 'again;
+        }
+        if changed {
+            drop_dead_uses(f);
+        }
+        return Ok(());
+    }
+}
+
+/// Records in `sizes` the size every reader of `t` gives the broadcast axes `tracked` of
+/// `t`, following element-wise ops and broadcasts that keep them broadcast; None where a
+/// reader keeps one into an output, a reduction or another op, or readers disagree.
+fn readers_concretize(
+    f: &Fusion,
+    t: TvId,
+    tracked: &[IterDomainId],
+    sizes: &mut FxHashMap<IterDomainId, ValId>,
+    depth: usize,
+) -> Option<()> {
+    if depth > 64 || f.tvs[t].uses.is_empty() {
+        return None;
+    }
+    for &u in &f.tvs[t].uses {
+        let op = &f.exprs[u].op;
+        if !(op.is_elementwise() || matches!(op, Op::Broadcast { .. })) {
+            return None;
+        }
+        let mut further = Vec::new();
+        for pos in 0..f.exprs[u].inputs.len() {
+            if f.exprs[u].inputs[pos] != Operand::Tensor(t) {
+                continue;
+            }
+            for (p, c) in logical_pairs(f, u, pos) {
+                let Some(i) = tracked.iter().position(|&id| id == p) else { continue };
+                let root = tracked[i];
+                if f.ids[c].iter_type == IterType::Broadcast {
+                    further.push((root, c));
+                } else if *sizes.entry(root).or_insert(f.ids[c].extent) != f.ids[c].extent {
+                    return None;
+                }
+            }
+        }
+        if further.is_empty() {
+            continue;
+        }
+        let o = f.exprs[u].output;
+        if f.is_output(o) {
+            return None;
+        }
+        // The readers of `o` size these axes for the roots they came from.
+        let ids: Vec<IterDomainId> = further.iter().map(|&(_, c)| c).collect();
+        let mut inner = FxHashMap::default();
+        readers_concretize(f, o, &ids, &mut inner, depth + 1)?;
+        for (root, c) in further {
+            let n = *inner.get(&c)?;
+            if *sizes.entry(root).or_insert(n) != n {
+                return None;
+            }
+        }
+    }
+    Some(())
+}
+
+/// Replace `old` by `new`, which iterates where `old` has the broadcast axes `tracked`,
+/// replaying the readers that kept them broadcast so that their results iterate there too.
+fn widen_readers(f: &mut Fusion, old: TvId, new: TvId, tracked: &[IterDomainId]) -> Result<()> {
+    for u in f.tvs[old].uses.clone() {
+        let mut further = Vec::new();
+        for pos in 0..f.exprs[u].inputs.len() {
+            if f.exprs[u].inputs[pos] != Operand::Tensor(old) {
+                continue;
+            }
+            for (p, c) in logical_pairs(f, u, pos) {
+                if tracked.contains(&p) && f.ids[c].iter_type == IterType::Broadcast {
+                    further.push(c);
+                }
+            }
+        }
+        if further.is_empty() {
+            continue;
+        }
+        let operands: Vec<Operand> = f.exprs[u]
+            .inputs
+            .iter()
+            .map(|&o| if o == Operand::Tensor(old) { Operand::Tensor(new) } else { o })
+            .collect();
+        let replayed = replay(f, f.exprs[u].op.clone(), &operands)?;
+        widen_readers(f, f.exprs[u].output, replayed, &further)?;
+    }
+    replace_tensor(f, old, new);
+    Ok(())
 }
 
 /// The axes of its input that reduction expr `e` reduces.

@@ -421,7 +421,10 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx, reds: &[ExprId]) -> Result<Heuristic> 
             f.inline_at(x, -1)?;
         }
         if !after.is_empty() {
-            for &x in &rs {
+            // A reduction that is only an output (a masked max beside a masked mean) has no
+            // loops to join: it is stored where it completes.
+            let joined: Vec<TvId> = rs.iter().copied().filter(|&x| !f.tvs[x].uses.is_empty()).collect();
+            for x in joined {
                 f.inline_at(x, 2)?;
             }
         }
