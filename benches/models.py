@@ -276,6 +276,32 @@ def cross_entropy_gather(sizes: Sizes) -> Family:
                   atol=1e-4, min_bytes=traffic)
 
 
+def sbert_mean_pooling(sizes: Sizes) -> Family:
+    """sentence-transformers' mean pooling as its code writes it: the attention mask [B, S]
+    (int64 0/1) expanded to the hidden states' [B, S, H] and cast to float,
+    ``sum(x * mask, 1) / clamp(mask.sum(1), min=1e-9)``; output the [B, H] sentence embedding."""
+    with FusionDefinition() as fd:
+        x = fams._tensor(fd, 3)
+        mask = fams._tensor(fd, 2, DataType.Int)
+        m = fams._bcast(fd, fd.ops.cast(mask, DataType.Float), 3, [0, 1])
+        num = fd.ops.sum(fd.ops.mul(x, m), dims=[1])
+        fd.add_output(fd.ops.div(num, fd.ops.clamp(fd.ops.sum(m, dims=[1]), min=1e-9)))
+
+    def make(sizes: Sizes, seed: int = 0) -> List[Any]:
+        b, s, h = sizes
+        rng = fams._rng("sbert_mean_pooling", sizes, seed)
+        x = fams._randn(rng, (b, s, h))
+        if isinstance(rng, fams.ShapesOnly):
+            return [x, np.zeros((b, s), np.int64)]
+        lengths = rng.integers(1, s + 1, size=b)
+        return [x, (np.arange(s)[None, :] < lengths[:, None]).astype(np.int64)]
+
+    def ref(x: np.ndarray, mask: np.ndarray) -> List[np.ndarray]:
+        m = mask[:, :, None]
+        return [(x * m).sum(1) / np.maximum(np.broadcast_to(m, x.shape).sum(1), 1e-9)]
+    return Family("sbert_mean_pooling", sizes, fd, make, ref, rtol=1e-5, atol=1e-6)
+
+
 def layernorm_backward(sizes: Sizes) -> Family:
     """LayerNorm backward (``native_layer_norm_backward``, tests/families.py) with its fewest
     kernels: one can do it (rows in registers for dx, column partials finished by the last
@@ -402,6 +428,16 @@ def peer_cross_entropy(ins: Sequence[Any]) -> Peer:
     def loss_fn(logits: Any, labels: Any) -> Any:
         return F.cross_entropy(logits, labels, ignore_index=-100)
     return loss_fn, [ins[0], ins[1]]
+
+
+def peer_sbert_mean_pooling(ins: Sequence[Any]) -> Peer:
+    """sentence_transformers.models.Pooling (mean): the mask expanded, cast, summed and clamped."""
+    def mean_pooling(token_embeddings: Any, attention_mask: Any) -> Any:
+        input_mask_expanded = attention_mask.unsqueeze(-1).expand(token_embeddings.size()).float()
+        sum_embeddings = torch.sum(token_embeddings * input_mask_expanded, 1)
+        sum_mask = torch.clamp(input_mask_expanded.sum(1), min=1e-9)
+        return sum_embeddings / sum_mask
+    return mean_pooling, [ins[0], ins[1]]
 
 
 def peer_batchnorm2d(ins: Sequence[Any]) -> Peer:
@@ -554,6 +590,14 @@ def fix_padding_mask(ins: List[Any], gen: Any) -> None:
     mask.copy_((1.0 - keep.float()) * -10000.0)
 
 
+def fix_attention_mask(ins: List[Any], gen: Any) -> None:
+    """A 0/1 attention mask [B, S] from random sequence lengths."""
+    mask = ins[1]
+    b, s = mask.shape
+    lengths = torch.randint(1, s + 1, (b,), device=DEVICE, generator=gen)
+    mask.copy_((torch.arange(s, device=DEVICE)[None, :] < lengths[:, None]).to(mask.dtype))
+
+
 def fix_labels(ins: List[Any], gen: Any) -> None:
     """Random labels where the family's are not -100."""
     logits, labels = ins[0], ins[1]
@@ -648,6 +692,8 @@ WORKLOADS: List[Workload] = [
              (17, 1031), peer_cross_entropy, outputs=(0,), fix=fix_labels),
     Workload("cross_entropy_128256", "LLaMA-3 loss", fams.cross_entropy, (8192, 128256), (2048, 128256),
              (5, 4099), peer_cross_entropy, outputs=(0,), fix=fix_labels),
+    Workload("cross_entropy_gather_32000", "LM loss (gather)", cross_entropy_gather, (16384, 32000),
+             (4096, 32000), (17, 1031), peer_cross_entropy, fix=fix_labels),
     Workload("cross_entropy_gather_128256", "LLaMA-3 loss (gather)", cross_entropy_gather, (8192, 128256),
              (2048, 128256), (5, 4099), peer_cross_entropy, fix=fix_labels),
     Workload("batchnorm2d_train", "ResNet BatchNorm2d", fams.batchnorm_nchw_train, (64, 256, 56, 56),
@@ -674,6 +720,8 @@ WORKLOADS: List[Workload] = [
              (4096, 4096), (37, 129), peer_relu_backward),
     Workload("layernorm_backward", "LayerNorm backward", layernorm_backward, (16384, 4096), (4096, 4096),
              (13, 97), peer_layernorm_backward, fix=fix_layernorm_stats),
+    Workload("sbert_mean_pooling", "sentence-transformers mean pooling", sbert_mean_pooling, (64, 512, 768),
+             (16, 512, 768), (3, 7, 5), peer_sbert_mean_pooling, fix=fix_attention_mask),
     Workload("llama_rope", "LLaMA RoPE (q)", fams.llama_rope_view, ROPE_BENCH, (2, *ROPE_BENCH[1:]),
              (2, 5, 3, 8), peer_llama_rope),
 ]

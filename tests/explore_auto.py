@@ -1,7 +1,7 @@
 """Explore kiln's automatic schedule path with fresh random fusions (not a pytest module).
 
     python tests/explore_auto.py [M] [--seed S] [--shrink BUDGET] [--groups K] [--out PATH]
-                                 [--contiguous] [--gpu]
+                                 [--contiguous] [--gpu] [--seconds T]
 
 draws M cases (default 2000) with the generator of tests/test_auto_random.py from a fresh
 seed (printed, so a run can be repeated with --seed), runs each through ``fd.execute`` on the
@@ -39,6 +39,8 @@ def main(argv: list) -> int:
                    help="only C-contiguous inputs (hides the failures of strided ones, shows the rest)")
     p.add_argument("--gpu", action="store_true",
                    help="run on the GPU (CuPy inputs) instead of the interpreter")
+    p.add_argument("--seconds", type=float, default=None,
+                   help="stop drawing examples after this many seconds (the report covers those run)")
     p.add_argument("--max-elements", type=int, default=None,
                    help="largest input size in elements (default 4096); larger sizes are drawn too")
     args = p.parse_args(argv)
@@ -50,7 +52,11 @@ def main(argv: list) -> int:
     harness: Counter = Counter()
     harness_example = {}
     t0 = time.time()
+    drawn = 0
     for i in range(args.m):
+        if args.seconds is not None and time.time() - t0 > args.seconds:
+            break
+        drawn += 1
         case = gen.gen_case(gen.RandomDraw(rng))
         if args.contiguous:
             case.fulls = [(dt, "contig") for dt, _ in case.fulls]
@@ -65,8 +71,8 @@ def main(argv: list) -> int:
         if (i + 1) % 500 == 0:
             print(f"  {i + 1} examples, {time.time() - t0:.0f} s", file=sys.stderr)
     elapsed = time.time() - t0
-    head = [f"kiln automatic-path exploration: seed {seed}, {args.m} examples in {elapsed:.1f} s "
-            f"(repeat: python tests/explore_auto.py {args.m} --seed {seed}"
+    head = [f"kiln automatic-path exploration: seed {seed}, {drawn} examples in {elapsed:.1f} s "
+            f"(repeat: python tests/explore_auto.py {drawn} --seed {seed}"
             f"{' --contiguous' if args.contiguous else ''}{' --gpu' if args.gpu else ''})"]
     kernels = Counter(o.kernels for _, o in results if o.category == "ok")
     head.append("kernels per ok example: " + ", ".join(f"{k}: {v}" for k, v in sorted(kernels.items())))
