@@ -407,3 +407,24 @@ def test_small_integer_powers_are_multiplications(k: Any) -> None:
     src = fd.lower([a]).kernels[0].cuda_source
     body = src[src.index("__global__"):]
     assert ("kiln::pow(" in body) == (k == 2.5)
+
+
+@pytest.mark.parametrize("k,root", [(0.5, "sqrt"), (-0.5, "rsqrt")])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_half_powers_are_roots(k: float, root: str, dtype: str) -> None:
+    """``x ** 0.5`` and ``x ** -0.5`` run as ``sqrt`` and ``rsqrt`` in the automatic schedule,
+    as PyTorch computes a scalar power of a tensor: -inf gives NaN (powf gives +inf and +0),
+    negative numbers NaN, and no ``powf`` is left in the kernel."""
+    dt = DataType.Float if dtype == "float32" else DataType.Double
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1], dt)
+        fd.add_output(fd.ops.pow(x, k))
+    a = np.array([-np.inf, -2.0, 0.0, 0.25, 1.0, 3.0, 1e30, np.inf, np.nan], dtype=dtype)
+    (got,) = fd.execute([a])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        want = np.sqrt(a.astype(F)) if k > 0 else 1.0 / np.sqrt(a.astype(F))
+    rtol = 2e-7 if dtype == "float32" else 1e-15
+    np.testing.assert_allclose(np.asarray(got, F), want, rtol=rtol, equal_nan=True)
+    body = fd.lower([a]).kernels[0].cuda_source
+    body = body[body.index("__global__"):]
+    assert "kiln::pow(" not in body and f"{root}(" in body

@@ -383,7 +383,9 @@ pub fn read_through_expands(f: &mut Fusion) -> Result<()> {
 /// `pow(x, c)` of a floating `x` by a constant `c` in {2, 3, 4} becomes multiplications
 /// (`x * x * x`): `powf` costs tens of instructions and special cases per element, enough
 /// to make an element-wise kernel compute-bound (GPT-2's `pow(h, 3.0)` in its GELU); the
-/// products are at least as accurate (one to two roundings against powf's 8 ulp).
+/// products are at least as accurate (one to two roundings against powf's 8 ulp). A power
+/// of 0.5 or -0.5 is `sqrt` or `rsqrt`, as PyTorch computes a scalar power of a tensor:
+/// `x ** 0.5` of -inf is NaN there (powf gives +inf), and the root is correctly rounded.
 pub fn expand_small_powers(f: &mut Fusion) -> Result<()> {
     for e in f.topo_exprs() {
         let Op::Binary(crate::ir::BinaryOp::Pow) = f.exprs[e].op else { continue };
@@ -394,7 +396,17 @@ pub fn expand_small_powers(f: &mut Fusion) -> Result<()> {
             _ => continue,
         };
         let out = f.exprs[e].output;
-        if !f.tvs[x].dtype.is_float() || f.tvs[out].dtype != f.tvs[x].dtype || !matches!(k, 2.0 | 3.0 | 4.0) {
+        if !f.tvs[x].dtype.is_float()
+            || f.tvs[out].dtype != f.tvs[x].dtype
+            || !matches!(k, 0.5 | -0.5 | 2.0 | 3.0 | 4.0)
+        {
+            continue;
+        }
+        if k.abs() == 0.5 {
+            let root = if k > 0.0 { UnaryOp::Sqrt } else { UnaryOp::Rsqrt };
+            let moved = f.unary(root, Operand::Tensor(x))?;
+            replace_tensor(f, out, moved);
+            f.tvs[x].uses.retain(|&u| u != e);
             continue;
         }
         let mul = crate::ir::BinaryOp::Mul;
