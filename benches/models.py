@@ -302,6 +302,49 @@ def sbert_mean_pooling(sizes: Sizes) -> Family:
     return Family("sbert_mean_pooling", sizes, fd, make, ref, rtol=1e-5, atol=1e-6)
 
 
+def hf_causal_lm_loss(sizes: Sizes) -> Family:
+    """HF's ``ForCausalLMLoss``: logits [B, S, V] float shifted against labels [B, S] int64
+    (``logits[:, :-1]`` against ``labels[:, 1:]``), cross-entropy with ignore_index -100 (the
+    label's logit picked with ``take_along_axis``), the mean over the counted tokens; output
+    the 0-d loss."""
+    b, s, _ = sizes
+    with FusionDefinition() as fd:
+        x = fams._tensor(fd, 3)
+        labels = fams._tensor(fd, 2, DataType.Int)
+        lg = fd.ops.slice(x, [0, 0, 0], [None, fd.ops.sub(fd.ops.size(x, 1), 1), None])
+        lb = fd.ops.slice(labels, [0, 1], [None, None])
+        valid = fd.ops.ne(lb, -100)
+        idx = fd.ops.broadcast_in_dim(fd.ops.where(valid, lb, 0), [-1, -1, 1], [0, 1])
+        picked = fd.ops.squeeze(fd.ops.take_along_axis(lg, idx, 2), [2])
+        vf = fd.ops.cast(valid, DataType.Float)
+        nll = fd.ops.mul(fd.ops.sub(fd.ops.logsumexp(lg, dims=[2]), picked), vf)
+        fd.add_output(fd.ops.div(fd.ops.sum(nll, dims=[0, 1]), fd.ops.sum(vf, dims=[0, 1])))
+
+    def make(sizes: Sizes, seed: int = 0) -> List[Any]:
+        b, s, v = sizes
+        rng = fams._rng("hf_causal_lm_loss", sizes, seed)
+        x = fams._randn(rng, (b, s, v), scale=2.0)
+        if isinstance(rng, fams.ShapesOnly):
+            return [x, np.zeros((b, s), np.int64)]
+        labels = rng.integers(0, v, size=(b, s)).astype(np.int64)
+        labels[:, s - s // 8:] = -100  # padding at the end of each sequence
+        return [x, labels]
+
+    def ref(x: np.ndarray, labels: np.ndarray) -> List[np.ndarray]:
+        lg, lb = x[:, :-1], labels[:, 1:]
+        valid = lb != -100
+        m = lg.max(axis=2, keepdims=True)
+        lse = np.log(np.exp(lg - m).sum(axis=2)) + m[..., 0]
+        picked = np.take_along_axis(lg, np.where(valid, lb, 0)[..., None], 2)[..., 0]
+        return [np.asarray(((lse - picked) * valid).sum() / valid.sum())]
+
+    def traffic(ins: Sequence[Any], outs: Sequence[Any]) -> int:
+        x = ins[0]
+        return fams._nbytes(x) * (x.shape[1] - 1) // x.shape[1] + fams._nbytes(ins[1]) + 4
+    return Family("hf_causal_lm_loss", sizes, fd, make, ref, kernels=fams._total_kernels(b * (s - 1)),
+                  rtol=1e-5, atol=1e-4, min_bytes=traffic)
+
+
 def layernorm_backward(sizes: Sizes) -> Family:
     """LayerNorm backward (``native_layer_norm_backward``, tests/families.py) with its fewest
     kernels: one can do it (rows in registers for dx, column partials finished by the last
@@ -438,6 +481,17 @@ def peer_sbert_mean_pooling(ins: Sequence[Any]) -> Peer:
         sum_mask = torch.clamp(input_mask_expanded.sum(1), min=1e-9)
         return sum_embeddings / sum_mask
     return mean_pooling, [ins[0], ins[1]]
+
+
+def peer_hf_causal_lm_loss(ins: Sequence[Any]) -> Peer:
+    """transformers.loss.loss_utils.ForCausalLMLoss: upcast, shift, flatten, cross-entropy."""
+    def causal_lm_loss(logits: Any, labels: Any) -> Any:
+        logits = logits.float()
+        shift_logits = logits[..., :-1, :].contiguous()
+        shift_labels = labels[..., 1:].contiguous()
+        v = shift_logits.shape[-1]
+        return F.cross_entropy(shift_logits.view(-1, v), shift_labels.view(-1), ignore_index=-100)
+    return causal_lm_loss, [ins[0], ins[1]]
 
 
 def peer_batchnorm2d(ins: Sequence[Any]) -> Peer:
@@ -598,6 +652,14 @@ def fix_attention_mask(ins: List[Any], gen: Any) -> None:
     mask.copy_((torch.arange(s, device=DEVICE)[None, :] < lengths[:, None]).to(mask.dtype))
 
 
+def fix_lm_labels(ins: List[Any], gen: Any) -> None:
+    """Random labels [B, S] over the vocabulary, the last eighth of each sequence -100."""
+    logits, labels = ins[0], ins[1]
+    s = labels.shape[1]
+    labels.copy_(torch.randint(0, logits.shape[-1], labels.shape, device=DEVICE, generator=gen))
+    labels[:, s - s // 8:] = -100
+
+
 def fix_labels(ins: List[Any], gen: Any) -> None:
     """Random labels where the family's are not -100."""
     logits, labels = ins[0], ins[1]
@@ -696,6 +758,8 @@ WORKLOADS: List[Workload] = [
              (4096, 32000), (17, 1031), peer_cross_entropy, fix=fix_labels),
     Workload("cross_entropy_gather_128256", "LLaMA-3 loss (gather)", cross_entropy_gather, (8192, 128256),
              (2048, 128256), (5, 4099), peer_cross_entropy, fix=fix_labels),
+    Workload("hf_causal_lm_loss", "HF ForCausalLMLoss", hf_causal_lm_loss, (8, 1024, 32000), (2, 1024, 32000),
+             (2, 9, 131), peer_hf_causal_lm_loss, fix=fix_lm_labels),
     Workload("batchnorm2d_train", "ResNet BatchNorm2d", fams.batchnorm_nchw_train, (64, 256, 56, 56),
              (16, 256, 56, 56), (2, 3, 5, 7), peer_batchnorm2d, outputs=(0, 3, 4), mutates=(3, 4),
              fix=fix_batchnorm),

@@ -331,7 +331,7 @@ CASES: Dict[str, Case] = {
     "take_along_axis": (_take_along_axis, lambda r: [_f32(r, 4, 6), _index(r, 6, (4, 9))],
                         lambda a: [np.take_along_axis(_d(a[0]), a[1], 1)], 1),
     "gather_smaller": (_gather_smaller, lambda r: [_f32(r, 5, 7), _index(r, 5, (3, 4))],
-                       lambda a: [np.take_along_axis(_d(a[0])[:, :4], a[1], 0)], 2),
+                       lambda a: [np.take_along_axis(_d(a[0])[:, :4], a[1], 0)], 1),
     "llama_rope": (_llama_rope, lambda r: [_f32(r, 2, 6, 32), _f32(r, 6, 8), _f32(r, 6, 8)], _rope_ref, 1),
     "group_norm": (_group_norm(4), lambda r: [_f32(r, 3, 12, 5, 7), _f32(r, 12), _f32(r, 12)],
                    _group_norm_ref(4), 1),

@@ -581,8 +581,10 @@ class HostProgram:
     def output_names(self) -> List[str]:
         """Names of the fusion's outputs, in order."""
     def input_views(self, sizes: List[List[int]], strides: List[List[int]],
-                    scalars: List[Any]) -> List[Tuple[str, int, List[int]]]:
-        """Tensors that read an input at another shape: (name, input position, shape)."""
+                    scalars: List[Any]) -> List[Tuple[str, int, List[int], Optional[List[Optional[int]]]]]:
+        """Tensors that read an input at another shape: (name, input position, shape, axes); axes
+        is None for a row-major view, else the input axis each view axis reads through its
+        stride (None: a new size-one axis)."""
         ...
     def output_layouts(self) -> List[Optional[List[int]]]:
         """Per output, the logical axis each stored axis is, where it is handed back in its stored order."""

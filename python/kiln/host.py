@@ -947,9 +947,14 @@ def run_on_cpu(lowered: Any, inputs: Sequence[Any],
     # Inputs read at another shape: row-major views of the caller's arrays (the plan was
     # made for their layout, so the reshape moves no element).
     strides = [elem_strides(x, "torch" if callable(getattr(x, "stride", None)) else "numpy") for x in arrays]
-    for name, pos, shape in lowered.program.input_views([[int(s) for s in x.shape] for x in arrays], strides,
-                                                        list(scalars)):
-        env[name] = arrays[pos].reshape(shape)
+    for name, pos, shape, axes in lowered.program.input_views([[int(s) for s in x.shape] for x in arrays],
+                                                              strides, list(scalars)):
+        if axes is None:
+            env[name] = arrays[pos].reshape(shape)
+        else:
+            # A strided view: a prefix of the input's axes, new size-one axes added.
+            kept = tuple(slice(0, n) for n, a in zip(shape, axes) if a is not None)
+            env[name] = arrays[pos][kept].reshape(shape)
     for ins in lowered.program.instructions():
         if ins.op == "Deallocate" and ins.buffer is not None:
             env.pop(ins.buffer, None)

@@ -105,12 +105,14 @@ impl HostProgram {
             if let BufferRole::InputView(n) = buf.role {
                 let sc = &self.kernels[buf.kernel].fusion.scalars;
                 let shape: Vec<String> = buf.shape.iter().map(|&v| sc.render(v)).collect();
+                let strided = buf.tv.is_some_and(|t| self.fusion.strided_views.iter().any(|(v, _)| *v == t));
                 let _ = writeln!(
                     s,
-                    "  View {} = {} as [{}] (no copy)",
+                    "  View {} = {} as [{}]{} (no copy)",
                     buf.name,
                     self.buffers[ins[n]].name,
-                    shape.join(", ")
+                    shape.join(", "),
+                    if strided { " through its strides" } else { "" }
                 );
             }
         }

@@ -200,7 +200,10 @@ pub fn segment_fusion(f: &Fusion, seg: &Segment) -> Fusion {
             let old: Vec<_> = f.no_reduction_logical(tv);
             // An output stored in another order than its logical one (`stride_order`) is
             // read here through its strides.
-            let permuted = crate::host::bind::stored_permuted(f, tv).is_some();
+            // A strided view of an input (`Fusion::strided_views`) too: every axis takes
+            // the input's stride.
+            let permuted =
+                crate::host::bind::stored_permuted(f, tv).is_some() || f.strided_views.iter().any(|(v, _)| *v == tv);
             let mut logical = Vec::with_capacity(old.len());
             let mut contiguity = Vec::with_capacity(old.len());
             for id in old {

@@ -476,6 +476,7 @@ fn finish_canonical(g: &mut Fusion, long_row: &dyn Fn(&Fusion, ExprId) -> bool) 
     crate::sched::auto::canonical::broadcast_computed_indices(g)?;
     crate::sched::auto::canonical::sink_broadcasts(g)?;
     crate::sched::auto::canonical::view_gather_tables(g);
+    crate::sched::auto::canonical::view_strided_gather_tables(g)?;
     crate::sched::auto::canonical::unify_mapped_extents(g);
     Ok(())
 }

@@ -408,6 +408,12 @@ pub struct Fusion {
     /// order, so its loads vectorize like any input's instead of going through the
     /// reshape's index arithmetic.
     pub input_views: Vec<(TvId, TvId)>,
+    /// Views of `input_views` that read the input's buffer through its strides instead of
+    /// row-major: per view axis, the input axis it reads (its size at most the input's,
+    /// from index 0) or None for a new size-one axis. A gather's table that is a prefix
+    /// slice of an input (`logits[:, :-1]`) or a broadcast of a transposed one
+    /// (`canonical::view_strided_gather_tables`).
+    pub strided_views: Vec<(TvId, Vec<Option<usize>>)>,
     /// Thread-block clusters (sm_90+): the block dimension whose blocks form one cluster,
     /// and its size, which the launch grid along that dimension must equal. A reduction
     /// over that dimension combines the cluster's blocks through their Shared memory
@@ -662,7 +668,12 @@ impl Fusion {
                     );
                     ex.inputs.first().and_then(|o| o.tensor()).filter(|_| reshaping)
                 }
-                None => self.cut_from.get(&src).copied(),
+                // A view of an input's buffer (`input_views`) was cut from that input.
+                None => self
+                    .cut_from
+                    .get(&src)
+                    .copied()
+                    .or_else(|| self.input_views.iter().find(|&&(v, _)| v == src).map(|&(_, x)| x)),
             };
             match next {
                 Some(x) => src = self.user_tv(x),

@@ -66,6 +66,10 @@ fn parse_enum<T>(what: &str, name: &str, f: impl Fn(&str) -> Option<T>) -> crate
 /// An operand as Python passes it: (is_tensor, id).
 type PyOperand = (bool, u32);
 
+/// A tensor that reads an input at another shape: (name, input position, shape, the input
+/// axis each view axis reads through its stride where the view is strided).
+type InputView = (String, usize, Vec<i64>, Option<Vec<Option<usize>>>);
+
 fn py_operand(o: Operand) -> PyOperand {
     match o {
         Operand::Tensor(t) => (true, t.as_u32()),
@@ -1440,15 +1444,15 @@ impl PyHostProgram {
     }
 
     /// The tensors that read an input at another shape (`View` lines of the host program),
-    /// as (name, input position among the arrays, shape) for arrays of these sizes and
-    /// strides (elements) and scalar inputs.
+    /// as (name, input position among the arrays, shape, strided axes) for arrays of these
+    /// sizes and strides (elements) and scalar inputs.
     fn input_views(
         &self,
         py: Python<'_>,
         sizes: Vec<Vec<i64>>,
         strides: Vec<Vec<i64>>,
         scalars: Vec<PyScalarArg>,
-    ) -> PyResult<Vec<(String, usize, Vec<i64>)>> {
+    ) -> PyResult<Vec<InputView>> {
         use crate::host::eval::ScalarArg;
         use crate::host::ir::BufferRole;
         let p = &self.inner;
@@ -1464,7 +1468,10 @@ impl PyHostProgram {
                 if let BufferRole::InputView(n) = hb.role {
                     let sc = &p.kernels[hb.kernel].fusion.scalars;
                     let shape = hb.shape.iter().map(|&e| b.eval(sc, e)).collect::<crate::Result<Vec<i64>>>()?;
-                    views.push((hb.name.clone(), n, shape));
+                    let axes = hb
+                        .tv
+                        .and_then(|t| p.fusion.strided_views.iter().find(|(v, _)| *v == t).map(|(_, a)| a.clone()));
+                    views.push((hb.name.clone(), n, shape, axes));
                 }
             }
             Ok(views)

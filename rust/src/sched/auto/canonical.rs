@@ -104,7 +104,9 @@
 //!   one (whose sizes the output takes from the index, as NumPy's take_along_axis
 //!   broadcasts). The broadcast table is the input's buffer at another shape
 //!   (`view_gather_tables`): the rows are gathered in the output's loops instead of stored
-//!   whole by a kernel of their own first.
+//!   whole by a kernel of their own first. A table that is a prefix slice of an input
+//!   (`logits[:, :-1]`), or a broadcast of an input that is not row-major, is read through the
+//!   input's own strides instead (`view_strided_gather_tables`).
 //! - **Empty outputs are fills** (`empty_outputs_to_full`): nothing computes them, so what
 //!   they were computed from is neither allocated nor looped over.
 //! - **Mapped extents share one symbol.** Axes the definition aligns (a running mean `[C]`
@@ -608,7 +610,8 @@ fn reshaped_gather(
         return Ok(None);
     };
     let (r, r2) = (index.len(), extents.len());
-    if !viewable_input(f, t) || r2 < r || !pure_reshape(f, e) {
+    // A table that is not row-major is viewed through its strides (`view_strided_gather_tables`).
+    if !(viewable_input(f, t) || strided_viewable(f, t)) || r2 < r || !pure_reshape(f, e) {
         return Ok(None);
     }
     let k = r2 - r + 1;
@@ -1150,6 +1153,69 @@ pub fn view_gather_tables(f: &mut Fusion) {
             make_view(f, d, x);
         }
     }
+}
+
+/// A gather whose table is a prefix slice of an input (HF's causal-LM loss picks each label's
+/// logit from `logits[:, :-1]`), or a broadcast of an input that `view_gather_tables` cannot
+/// view row-major (a transposed weight), reads the input's buffer through the input's own
+/// strides (`Fusion::strided_views`): a slice from index 0 keeps every element's address, a
+/// new size-one axis adds none. Kept a computed tensor, the whole table was copied by a
+/// kernel of its own before the gather picked one element per row.
+pub fn view_strided_gather_tables(f: &mut Fusion) -> Result<()> {
+    for e in f.topo_exprs() {
+        if !matches!(f.exprs[e].op, Op::IndexSelect { .. }) {
+            continue;
+        }
+        let Some(table) = f.exprs[e].inputs[0].tensor() else { continue };
+        let Some(d) = f.tvs[table].definition else { continue };
+        let Some(x) = f.exprs[d].inputs.first().and_then(|o| o.tensor()) else { continue };
+        if !strided_viewable(f, x) {
+            continue;
+        }
+        let rank = f.no_reduction_logical(table).len();
+        let axes: Vec<Option<usize>> = match &f.exprs[d].op {
+            Op::Broadcast { is_new } => {
+                let mut next = 0;
+                is_new
+                    .iter()
+                    .map(|&new| {
+                        (!new).then(|| {
+                            next += 1;
+                            next - 1
+                        })
+                    })
+                    .collect()
+            }
+            Op::Remap { index, valid: None, .. }
+                if index.len() == rank
+                    && f.no_reduction_logical(x).len() == rank
+                    && (0..rank).all(|j| index[j] == f.scalars.symbol(Symbol::OutAxis(j as u32))) =>
+            {
+                (0..rank).map(Some).collect()
+            }
+            _ => continue,
+        };
+        let only_tables = f.tvs[table].uses.iter().all(|&u| {
+            matches!(f.exprs[u].op, Op::IndexSelect { .. }) && f.exprs[u].inputs[0] == Operand::Tensor(table)
+        });
+        // Read elsewhere too (the slice's log-sum-exp): the gather gets a copy of its own to view.
+        let (view, d) = if only_tables && !f.is_output(table) {
+            (table, d)
+        } else {
+            let c = recompute(f, table)?;
+            f.redirect_use(e, table, c);
+            (c, f.tvs[c].definition.expect("a recomputed tensor has a definition"))
+        };
+        make_view(f, d, x);
+        f.strided_views.push((view, axes));
+    }
+    Ok(())
+}
+
+/// True when `x` is a fusion input that no output aliases: a view of it may read its buffer
+/// through its strides (`Fusion::strided_views`), whatever its layout.
+fn strided_viewable(f: &Fusion, x: TvId) -> bool {
+    f.is_input(x) && !f.aliases.iter().any(|&(_, i)| i == x)
 }
 
 /// True when `a` and `b` provably hold as many elements: the products agree as constants or
@@ -2867,7 +2933,8 @@ fn replace_tensor(f: &mut Fusion, old: TvId, new: TvId) {
     if f.stored_outputs.contains(&old) && out_new != old {
         carry_storage(f, old, out_new);
     }
-    for (v, _) in f.input_views.iter_mut() {
+    let views = f.input_views.iter_mut().map(|(v, _)| v).chain(f.strided_views.iter_mut().map(|(v, _)| v));
+    for v in views {
         if *v == old {
             *v = new;
         }
