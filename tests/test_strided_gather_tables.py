@@ -160,7 +160,11 @@ def test_causal_lm_loss_on_the_gpu(b: int, s: int, v: int) -> None:
     cp = cupy_or_skip()
     fd = _causal_lm_loss()
     x, y = _causal_lm_inputs(b, s, v, 5)
-    assert len(fd.lower([x, y]).kernels) == 1
+    low = fd.lower([x, y])
+    # Many rows take their total in a second kernel (faster than a grid-wide wait); the
+    # logits are read in place either way.
+    assert "through its strides" in str(low)
+    assert len(low.kernels) == (1 if b * (s - 1) <= 4 * 132 else 2)
     got = float(cp.asnumpy(fd.execute(_gpu(cp, [x, y]))[0]))
     np.testing.assert_allclose(got, _causal_lm_ref(x, y), rtol=1e-5, atol=1e-6)
 
