@@ -73,7 +73,8 @@ def test_causal_lm_loss_of_strided_logits() -> None:
     """Logits that are themselves a view (every other vocabulary entry, a transposed batch)."""
     fd = _causal_lm_loss()
     x, y = _causal_lm_inputs(3, 11, 64, 7)
-    for view in (x[:, :, ::2], np.ascontiguousarray(x.transpose(1, 0, 2)).transpose(1, 0, 2)):
+    for view in (x[:, :, ::2], np.ascontiguousarray(x.transpose(1, 0, 2)).transpose(1, 0, 2), x[:, :, ::-1],
+                 x[:, ::-1], np.broadcast_to(x[:1], x.shape)):
         yy = np.where(y >= 0, np.minimum(y, view.shape[2] - 1), y)
         got = np.asarray(fd.execute([view, yy])[0], np.float64)
         np.testing.assert_allclose(got, _causal_lm_ref(view, yy), rtol=1e-5, atol=1e-6)
@@ -122,7 +123,7 @@ def test_slice_from_a_nonzero_start_is_still_right() -> None:
 @given(
     shape=st.lists(st.integers(1, 7), min_size=2, max_size=4),
     data=st.data(),
-    layout=st.sampled_from(["contiguous", "transposed", "stepped"]),
+    layout=st.sampled_from(["contiguous", "transposed", "stepped", "reversed"]),
 )
 def test_random_gathers_from_prefix_slices_match_numpy(shape: List[int], data: st.DataObject,
                                                        layout: str) -> None:
@@ -136,6 +137,8 @@ def test_random_gathers_from_prefix_slices_match_numpy(shape: List[int], data: s
         xs = np.ascontiguousarray(rng.standard_normal(shape[::-1]).astype(np.float32)).transpose()
     elif layout == "stepped":
         xs = rng.standard_normal([*shape[:-1], 2 * shape[-1]]).astype(np.float32)[..., ::2]
+    elif layout == "reversed":
+        xs = rng.standard_normal(shape).astype(np.float32)[::-1, ..., ::-1]
     else:
         xs = rng.standard_normal(shape).astype(np.float32)
     ishape = [1 if a == axis else ends[a] for a in range(rank)]
@@ -167,6 +170,24 @@ def test_causal_lm_loss_on_the_gpu(b: int, s: int, v: int) -> None:
     assert len(low.kernels) == (1 if b * (s - 1) <= 4 * 132 else 2)
     got = float(cp.asnumpy(fd.execute(_gpu(cp, [x, y]))[0]))
     np.testing.assert_allclose(got, _causal_lm_ref(x, y), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["reversed_vocab", "reversed_seq", "stepped", "broadcast"])
+def test_causal_lm_loss_of_strided_logits_on_the_gpu(layout: str) -> None:
+    cp = cupy_or_skip()
+    fd = _causal_lm_loss()
+    x, y = _causal_lm_inputs(4, 65, 3000, 9)
+    dev = cp.asarray(x)
+    host, view = {
+        "reversed_vocab": (x[:, :, ::-1], dev[:, :, ::-1]),
+        "reversed_seq": (x[:, ::-1], dev[:, ::-1]),
+        "stepped": (x[:, :, ::2], dev[:, :, ::2]),
+        "broadcast": (np.broadcast_to(x[:1], x.shape), cp.broadcast_to(dev[:1], x.shape)),
+    }[layout]
+    yy = np.where(y >= 0, np.minimum(y, host.shape[2] - 1), y)
+    got = float(cp.asnumpy(fd.execute([view, cp.asarray(yy)])[0]))
+    np.testing.assert_allclose(got, _causal_lm_ref(host, yy), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.gpu

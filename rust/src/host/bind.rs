@@ -167,12 +167,14 @@ pub fn bind_args_for(f: &Fusion, args: &[Arg], any_layout: bool) -> Result<Bindi
             check_contiguity(f, tv, i, d)?;
         }
     }
-    // A strided view reads its input's buffer through the input's strides.
+    // A strided view reads its input's buffer through the input's strides (unless the view
+    // is itself passed as an array, as a kernel's input is: then its own strides).
     for (view, axes) in &f.strided_views {
         let Some(&(_, src)) = f.input_views.iter().find(|(v, _)| v == view) else { continue };
         let Some((_, d)) = tensors.get(&src) else { continue };
         for (k, a) in axes.iter().enumerate() {
-            strides.insert((*view, k as u32), a.and_then(|a| d.strides.get(a).copied()).unwrap_or(0));
+            let s = a.and_then(|a| d.strides.get(a).copied()).unwrap_or(0);
+            strides.entry((*view, k as u32)).or_insert(s);
         }
     }
     check_mapped_sizes(f, &tensors)?;
