@@ -14,6 +14,7 @@ from gpu_util import cupy_or_skip
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kiln import DataType, FusionDefinition
+from kiln.runtime.nvrtc import compile_cubin, nvrtc_available
 
 F32, I64 = DataType.Float, DataType.Int
 
@@ -116,6 +117,24 @@ def test_slice_from_a_nonzero_start_is_still_right() -> None:
     ids = rng.integers(0, 9, (2, 5, 1)).astype(np.int64)
     sl = xs.astype(np.float64)[:, 1:]
     want = np.take_along_axis(sl, ids, 2) + sl.max(2, keepdims=True)
+    np.testing.assert_allclose(np.asarray(fd.execute([xs, ids])[0], np.float64), want, rtol=1e-6)
+
+
+@pytest.mark.skipif(not nvrtc_available(), reason="needs the NVRTC wheels (see DEVELOPERS.md)")
+def test_index_error_position_sizes_are_kernel_parameters() -> None:
+    """The element position an out-of-range index reports is computed from the index tensor's
+    own sizes; where the loops read other sizes (the slice's), those still reach the kernel
+    as parameters (the CUDA failed to compile: an undefined ``i4``)."""
+    with FusionDefinition() as fd:
+        x, i = fd.define_tensor([-1, -1, -1]), fd.define_tensor([-1, -1, -1], I64)
+        sl = fd.ops.slice(x, [0, 0, 0], [1, 4, 1])
+        fd.add_output(fd.ops.mul(fd.ops.take_along_axis(sl, i, 2), fd.ops.sum(sl, dims=[2], keepdim=True)))
+    xs = np.random.default_rng(3).standard_normal((1, 6, 1)).astype(np.float32)
+    ids = np.zeros((1, 4, 1), np.int64)
+    for k in fd.lower([xs, ids]).kernels:
+        for index32 in (False, True):
+            compile_cubin(k.cuda_source_for(index32), "kiln_kernel", "sm_90")
+    want = xs.astype(np.float64)[:, :4] * xs.astype(np.float64)[:, :4]
     np.testing.assert_allclose(np.asarray(fd.execute([xs, ids])[0], np.float64), want, rtol=1e-6)
 
 

@@ -152,6 +152,9 @@ fn push_index(ix: Option<&AccessIndex>, acc: &mut Vec<ValId>) {
         for g in &ix.gathers {
             acc.push(g.at);
             acc.push(g.extent);
+            // The element position an out-of-range index reports (the index tensor's own
+            // sizes, which the loops may not read otherwise).
+            acc.push(g.element);
         }
     }
 }
