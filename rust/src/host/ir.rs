@@ -105,7 +105,7 @@ impl HostProgram {
             if let BufferRole::InputView(n) = buf.role {
                 let sc = &self.kernels[buf.kernel].fusion.scalars;
                 let shape: Vec<String> = buf.shape.iter().map(|&v| sc.render(v)).collect();
-                let strided = buf.tv.is_some_and(|t| self.fusion.strided_views.iter().any(|(v, _)| *v == t));
+                let strided = buf.tv.is_some_and(|t| self.fusion.strided_view_axes(t).is_some());
                 let _ = writeln!(
                     s,
                     "  View {} = {} as [{}]{} (no copy)",

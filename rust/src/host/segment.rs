@@ -202,8 +202,7 @@ pub fn segment_fusion(f: &Fusion, seg: &Segment) -> Fusion {
             // read here through its strides.
             // A strided view of an input (`Fusion::strided_views`) too: every axis takes
             // the input's stride.
-            let permuted =
-                crate::host::bind::stored_permuted(f, tv).is_some() || f.strided_views.iter().any(|(v, _)| *v == tv);
+            let permuted = crate::host::bind::stored_permuted(f, tv).is_some() || f.strided_view_axes(tv).is_some();
             let mut logical = Vec::with_capacity(old.len());
             let mut contiguity = Vec::with_capacity(old.len());
             for id in old {

@@ -530,6 +530,12 @@ impl Fusion {
         self.inputs.contains(&Operand::Tensor(tv))
     }
 
+    /// The input axis each axis of `tv` reads where `tv` is a strided view of an input
+    /// (`strided_views`), else None.
+    pub fn strided_view_axes(&self, tv: TvId) -> Option<&[Option<usize>]> {
+        self.strided_views.iter().find(|(v, _)| *v == tv).map(|(_, a)| a.as_slice())
+    }
+
     /// True when `tv` is a fusion output.
     pub fn is_output(&self, tv: TvId) -> bool {
         self.outputs.contains(&tv)

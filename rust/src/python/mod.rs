@@ -1468,9 +1468,7 @@ impl PyHostProgram {
                 if let BufferRole::InputView(n) = hb.role {
                     let sc = &p.kernels[hb.kernel].fusion.scalars;
                     let shape = hb.shape.iter().map(|&e| b.eval(sc, e)).collect::<crate::Result<Vec<i64>>>()?;
-                    let axes = hb
-                        .tv
-                        .and_then(|t| p.fusion.strided_views.iter().find(|(v, _)| *v == t).map(|(_, a)| a.clone()));
+                    let axes = hb.tv.and_then(|t| p.fusion.strided_view_axes(t)).map(<[_]>::to_vec);
                     views.push((hb.name.clone(), n, shape, axes));
                 }
             }

@@ -1146,10 +1146,7 @@ pub fn view_gather_tables(f: &mut Fusion) {
             continue;
         };
         let Some(x) = f.exprs[d].inputs[0].tensor() else { continue };
-        let only_tables = f.tvs[table].uses.iter().all(|&u| {
-            matches!(f.exprs[u].op, Op::IndexSelect { .. }) && f.exprs[u].inputs[0] == Operand::Tensor(table)
-        });
-        if only_tables && !f.is_output(table) && viewable_input(f, x) {
+        if only_a_table(f, table) && viewable_input(f, x) {
             make_view(f, d, x);
         }
     }
@@ -1195,11 +1192,8 @@ pub fn view_strided_gather_tables(f: &mut Fusion) -> Result<()> {
             }
             _ => continue,
         };
-        let only_tables = f.tvs[table].uses.iter().all(|&u| {
-            matches!(f.exprs[u].op, Op::IndexSelect { .. }) && f.exprs[u].inputs[0] == Operand::Tensor(table)
-        });
         // Read elsewhere too (the slice's log-sum-exp): the gather gets a copy of its own to view.
-        let (view, d) = if only_tables && !f.is_output(table) {
+        let (view, d) = if only_a_table(f, table) {
             (table, d)
         } else {
             let c = recompute(f, table)?;
@@ -1210,6 +1204,16 @@ pub fn view_strided_gather_tables(f: &mut Fusion) -> Result<()> {
         f.strided_views.push((view, axes));
     }
     Ok(())
+}
+
+/// True when `table` is read only as gathers' table, and is not an output: a view of an
+/// input's buffer can stand in for it.
+fn only_a_table(f: &Fusion, table: TvId) -> bool {
+    !f.is_output(table)
+        && f.tvs[table]
+            .uses
+            .iter()
+            .all(|&u| matches!(f.exprs[u].op, Op::IndexSelect { .. }) && f.exprs[u].inputs[0] == Operand::Tensor(table))
 }
 
 /// True when `x` is a fusion input that no output aliases: a view of it may read its buffer
@@ -2646,18 +2650,14 @@ fn readers_concretize(
             return None;
         }
         let mut further = Vec::new();
-        for pos in 0..f.exprs[u].inputs.len() {
-            if f.exprs[u].inputs[pos] != Operand::Tensor(t) {
+        for (p, c) in pairs_reading(f, u, t) {
+            if !tracked.contains(&p) {
                 continue;
             }
-            for (p, c) in logical_pairs(f, u, pos) {
-                let Some(i) = tracked.iter().position(|&id| id == p) else { continue };
-                let root = tracked[i];
-                if f.ids[c].iter_type == IterType::Broadcast {
-                    further.push((root, c));
-                } else if *sizes.entry(root).or_insert(f.ids[c].extent) != f.ids[c].extent {
-                    return None;
-                }
+            if f.ids[c].iter_type == IterType::Broadcast {
+                further.push((p, c));
+            } else if *sizes.entry(p).or_insert(f.ids[c].extent) != f.ids[c].extent {
+                return None;
             }
         }
         if further.is_empty() {
@@ -2681,21 +2681,23 @@ fn readers_concretize(
     Some(())
 }
 
+/// (axis of `t`, axis of `u`'s result) for every operand of `u` that reads `t`.
+fn pairs_reading(f: &Fusion, u: ExprId, t: TvId) -> Vec<(IterDomainId, IterDomainId)> {
+    (0..f.exprs[u].inputs.len())
+        .filter(|&pos| f.exprs[u].inputs[pos] == Operand::Tensor(t))
+        .flat_map(|pos| logical_pairs(f, u, pos))
+        .collect()
+}
+
 /// Replace `old` by `new`, which iterates where `old` has the broadcast axes `tracked`,
 /// replaying the readers that kept them broadcast so that their results iterate there too.
 fn widen_readers(f: &mut Fusion, old: TvId, new: TvId, tracked: &[IterDomainId]) -> Result<()> {
     for u in f.tvs[old].uses.clone() {
-        let mut further = Vec::new();
-        for pos in 0..f.exprs[u].inputs.len() {
-            if f.exprs[u].inputs[pos] != Operand::Tensor(old) {
-                continue;
-            }
-            for (p, c) in logical_pairs(f, u, pos) {
-                if tracked.contains(&p) && f.ids[c].iter_type == IterType::Broadcast {
-                    further.push(c);
-                }
-            }
-        }
+        let further: Vec<IterDomainId> = pairs_reading(f, u, old)
+            .into_iter()
+            .filter(|&(p, c)| tracked.contains(&p) && f.ids[c].iter_type == IterType::Broadcast)
+            .map(|(_, c)| c)
+            .collect();
         if further.is_empty() {
             continue;
         }
