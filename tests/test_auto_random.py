@@ -205,7 +205,7 @@ def gen_case(d: RandomDraw) -> Case:
         elif kind == "index_select":
             op = (kind, a, b, d.int(0, 3))
         elif kind == "idx_math":
-            op = (kind, a, d.choice(["cast", "add", "sub", "float_trip", "to_float"]))
+            op = (kind, a, d.choice(["cast", "add", "sub", "float_trip", "to_float", "count", "count"]))
         elif kind == "full":
             op = (kind, a, d.choice(["const", "scalar"]), d.choice(["Float", "Float", "Double"]),
                   d.bool(0.7))
@@ -1038,6 +1038,18 @@ class _Builder:
             labels = tuple(idx.labels[0] if i == dim else lab for i, lab in enumerate(v.labels))
             self.add(self.emit(f"ops.index_select({v.name}, {idx.name}, {dim})", "f", labels,
                                np.take(v.ref, idx.ref, axis=dim), np.take(v.err, idx.ref, axis=dim)))
+        elif kind == "idx_math" and op[2] == "count":
+            # An index that is a reduction's result (a count of positive entries per row, as
+            # `mask.sum(1)` or an argmax is): its reduced axis stays in the IR's logical domain.
+            srcs = [w for w in self.floats() if len(w.labels) == 2 and "b" not in w.labels
+                    and not w.err.any() and w.ref.size]
+            if not srcs:
+                return
+            w = srcs[op[1] % len(srcs)]
+            pos = self.emit(f"ops.gt({w.name}, 0.0)", "b", w.labels, w.ref > 0, np.zeros(w.ref.shape, bool))
+            ints = self.emit(f"ops.cast({pos.name}, D.Int)", "i", w.labels, (w.ref > 0).astype(np.int64), 0)
+            self.add(self.emit(f"ops.sum({ints.name}, dims=[1])", "i", w.labels[:1],
+                               (w.ref > 0).sum(1).astype(np.int64), 0))
         elif kind == "idx_math":
             idxs = [w for w in self.pool if w.kind == "i" and len(w.labels) == 1]
             if not idxs:

@@ -183,3 +183,22 @@ def test_cat_of_different_dtypes_joins_in_their_common_type(dts: tuple, common: 
     want = np.concatenate([x.astype(common), y.astype(common)], axis=1)
     assert got.dtype == want.dtype
     np.testing.assert_array_equal(got, want)
+
+
+def test_bool_inputs_count_any_nonzero_byte_as_true() -> None:
+    # NumPy reads a bool array's bytes as true wherever they are nonzero (a uint8 mask viewed
+    # as bool); the interpreter read them as Rust bools, whose only valid bytes are 0 and 1.
+    raw = np.array([2, 0, 1, 255, 4, 0, 7], np.uint8)
+    b = raw.view(np.bool_)
+    with FusionDefinition() as fd:
+        t = fd.define_tensor([-1], DataType.Bool)
+        fd.add_output(fd.ops.logical_not(t))
+        fd.add_output(fd.ops.cast(t, DataType.Float))
+        fd.add_output(fd.ops.sum(fd.ops.cast(t, DataType.Int), dims=[0]))
+        fd.add_output(fd.ops.where(t, 1.5, -2.0))
+    truth = raw != 0
+    got_not, got_f, got_n, got_w = fd.execute([b])
+    np.testing.assert_array_equal(got_not, ~truth)
+    np.testing.assert_array_equal(got_f, truth.astype(np.float64))
+    assert int(got_n) == int(truth.sum())
+    np.testing.assert_array_equal(got_w, np.where(truth, 1.5, -2.0))

@@ -376,3 +376,37 @@ def test_fixed_views_of_runtime_sizes_are_planned_per_size() -> None:
         _check(fd.execute([w0, i0]), [w0.astype(np.float64)[i0.reshape(-1)].reshape(B, S, H)])
         # One kernel: with the call's sizes the view's axes match ([21, 33] to [3, 7, 33]).
         assert len(lowered_for(fd, [w0, i0]).kernels) == 1
+
+
+@pytest.mark.parametrize("table", ["x*2", "exp(x)", "cast_double(x)"])
+@pytest.mark.parametrize("index", ["sum", "max", "argmax_like"])
+def test_index_select_of_a_computed_table_at_a_reduced_index(table: str, index: str) -> None:
+    # `normalized[argmax(sim)]` (DINOv2's KoLeo, VQ lookups, hardest-negative mining): the
+    # index is a reduction's result, whose reduced axis stays in the IR's logical domain, so
+    # moving the gather through the element-wise op took the rank-1 index for a full-rank one
+    # and refused the fusion ("take_along_axis: index ... has rank 1").
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((24, 9)).astype(np.float32)
+    m = rng.integers(0, 2, (6, 5)).astype(np.int64)
+    s = rng.standard_normal((6, 24)).astype(np.float32)
+    with FusionDefinition() as fd:
+        tx = fd.define_tensor([-1, -1], DataType.Float)
+        tm = fd.define_tensor([-1, -1], DataType.Int)
+        ts = fd.define_tensor([-1, -1], DataType.Float)
+        tab = {"x*2": lambda: fd.ops.mul(tx, 2.0), "exp(x)": lambda: fd.ops.exp(tx),
+               "cast_double(x)": lambda: fd.ops.cast(tx, DataType.Double)}[table]()
+        if index == "sum":
+            idx = fd.ops.sum(tm, dims=[1])
+        elif index == "max":
+            idx = fd.ops.max(tm, dims=[1])
+        else:  # the column of each row's largest score, as an argmax written with max
+            mx = fd.ops.max(ts, dims=[1], keepdim=True)
+            cols = fd.ops.broadcast_in_dim(fd.ops.iota(24, dtype=DataType.Int), [6, 24], [1])
+            hit = fd.ops.where(fd.ops.eq(ts, mx), cols, 0)
+            idx = fd.ops.max(hit, dims=[1])
+        fd.add_output(fd.ops.index_select(tab, idx, 0))
+    xd = x.astype(np.float64)
+    ref_t = {"x*2": 2 * xd, "exp(x)": np.exp(xd), "cast_double(x)": xd}[table]
+    ref_i = {"sum": m.sum(1), "max": m.max(1), "argmax_like": s.argmax(1)}[index]
+    (got,) = fd.execute([x, m, s])
+    np.testing.assert_allclose(got, ref_t[ref_i], rtol=1e-6, atol=1e-7)

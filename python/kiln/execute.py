@@ -3,7 +3,7 @@ outputs of the same kind as the inputs."""
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Set, Tuple
 
 from ._env import dump_enabled
 from ._errors import KilnError, KilnTypeError
@@ -32,8 +32,14 @@ def execute(fd: Any, inputs: Sequence[Any], device: Optional[str], as_written: b
         device = "cpu" if kinds <= {"numpy"} else "cuda"
     if device not in ("cpu", "cuda"):
         raise KilnError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if device == "cuda" and "numpy" in kinds:
-        raise KilnTypeError("device='cuda' needs CuPy arrays or torch CUDA tensors, got NumPy arrays")
+    if device == "cuda":
+        check_cuda_inputs(kinds)
+    elif kinds - {"numpy", "other"}:
+        # The interpreter reads host memory through NumPy: GPU arrays (or torch tensors of any
+        # device) are not taken as they are.
+        raise KilnTypeError(f"device='cpu' runs the CPU interpreter on NumPy arrays, got "
+                            f"{' and '.join(sorted(kinds - {'numpy', 'other'}))} inputs; pass NumPy "
+                            f"arrays (x.cpu().numpy(), x.get()) or run on the GPU (device='cuda')")
     if len(kinds) > 1:
         raise KilnTypeError(f"all inputs must be of one kind (NumPy, CuPy or torch), got {sorted(kinds)}")
     if "other" in kinds:
@@ -87,6 +93,20 @@ def execute(fd: Any, inputs: Sequence[Any], device: Optional[str], as_written: b
     return in_place(fd, inputs, outs)
 
 
+def check_cuda_inputs(kinds: Set[str]) -> None:
+    """Refuse ``device='cuda'`` for inputs of ``kinds`` (``_kind`` of the arrays) whose outputs
+    cannot be GPU arrays: NumPy arrays, or no array at all without CuPy installed."""
+    if "numpy" in kinds:
+        raise KilnTypeError("device='cuda' needs CuPy arrays or torch CUDA tensors, got NumPy arrays")
+    if not kinds:
+        # With no array to take them from, the GPU path allocates the outputs with CuPy.
+        try:
+            import cupy  # noqa: F401, PLC0415
+        except ImportError as e:
+            raise KilnTypeError("device='cuda' with no array inputs returns CuPy arrays, but CuPy cannot "
+                                "be imported; install CuPy, or run on the CPU (device='cpu')") from e
+
+
 def _aliases(fd: Any) -> List[Tuple[int, int]]:
     """``(output, input)`` pairs of ``fd``'s in-place outputs, cached with its compiled state."""
     c = compiled(fd)
@@ -131,6 +151,19 @@ def _check_writable(fd: Any, inputs: Sequence[Any]) -> None:
         if kind == "numpy" and not x.flags.writeable:
             raise KilnError(f"input {i}{name}: output {o} is written into it in place "
                             f"(add_output(..., alias_input=...)), but the array is read-only")
+        if kind == "torch":
+            # torch refuses these in-place updates itself, but only after the kernels ran.
+            import torch  # noqa: PLC0415
+
+            if x.requires_grad and x.is_leaf and torch.is_grad_enabled():
+                raise KilnError(f"input {i}{name}: output {o} is written into it in place "
+                                f"(add_output(..., alias_input=...)), but it is a leaf tensor that "
+                                f"requires grad, which torch does not let be updated in place; "
+                                f"run under torch.no_grad() or pass x.detach()")
+            if x.is_inference() and not torch.is_inference_mode_enabled():
+                raise KilnError(f"input {i}{name}: output {o} is written into it in place "
+                                f"(add_output(..., alias_input=...)), but it is an inference tensor, "
+                                f"which torch lets be updated in place only in inference mode")
         axis = _overlapping_axis(x, kind)
         if axis is not None:
             stride = elem_strides(x, kind)[axis]

@@ -15,7 +15,7 @@ from .compiled import CompiledFusion, compiled
 from .enums import DataType, ParallelType
 from .host import signature_key
 from .lowering import LoweredFusion, LoweredKernel, check_inputs, configure_lowering, plain_numbers
-from .schedule import ScheduleMixin, flag, is_bool, is_flag
+from .schedule import ScheduleMixin, flag, handle_id, is_bool, is_flag
 
 Operand = Union["Tensor", "Scalar", int, float, bool]
 
@@ -27,8 +27,8 @@ class Tensor(ScheduleMixin):
     __slots__ = ("_fd", "_id")
 
     def __init__(self, fd: FusionDefinition, id_: int) -> None:
+        self._id = handle_id(fd, FusionDefinition, id_, "Tensor", "T{} is not a tensor of this fusion")
         self._fd = fd
-        self._id = id_
 
     @property
     def dtype(self) -> DataType:
@@ -59,8 +59,8 @@ class Scalar:
     __slots__ = ("_fd", "_id")
 
     def __init__(self, fd: FusionDefinition, id_: int) -> None:
+        self._id = handle_id(fd, FusionDefinition, id_, "Scalar", "scalar {} is not a scalar of this fusion")
         self._fd = fd
-        self._id = id_
 
     @property
     def dtype(self) -> DataType:
@@ -383,8 +383,10 @@ class FusionDefinition:
                             "interpreter)")
         if not isinstance(inputs, (list, tuple)):
             raise KilnTypeError(f"inputs must be a list of arrays, got {type(inputs).__name__}")
+        from .execute import refuse_immutable_targets  # noqa: PLC0415
         from .multidevice import execute  # noqa: PLC0415
 
+        refuse_immutable_targets(self, inputs)
         return execute(self, plain_numbers(self, inputs), device, comm)
 
     def check_errors(self) -> None:

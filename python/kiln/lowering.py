@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -210,6 +211,8 @@ class LoweredFusion:
             raise KilnTypeError(f"plan: inputs must be a list of arrays and numbers, "
                                 f"got {type(inputs).__name__}")
         if self._fd is not None:
+            # NumPy numbers as fd.execute takes them (a 0-d array or the Python number).
+            inputs = plain_numbers(self._fd, inputs)
             check_inputs(self._fd, inputs)
         arrays = [x for x in inputs if not isinstance(x, (bool, int, float))]
         scalars = [x for x in inputs if isinstance(x, (bool, int, float))]
@@ -237,13 +240,28 @@ def _arg(x: Any) -> RuntimeArg:
     shape = getattr(x, "shape", None)
     if shape is None or not hasattr(x, "dtype"):
         return RuntimeArg("other", type(x).__name__)
+    is_torch = callable(getattr(x, "stride", None)) and type(x).__module__.startswith("torch")
+    raw = None if is_torch else getattr(x, "strides", None)
+    try:
+        # Sizes and strides are integers: anything else (a duck array's ("a", "b") or NaN
+        # sizes) is not an array the core can take, named as such rather than failing in int().
+        shape = [operator.index(n) for n in shape]
+        raw = None if raw is None else [operator.index(s) for s in raw]
+    except TypeError:
+        return RuntimeArg("other", f"a {type(x).__name__} whose shape or strides are not integers")
     name = str(x.dtype).replace("torch.", "")
-    if callable(getattr(x, "stride", None)) and type(x).__module__.startswith("torch"):
+    if is_torch:
+        # Only dense tensors with memory have strides (a sparse tensor's x.stride() raises,
+        # a meta tensor has no data).
+        layout = str(getattr(x, "layout", "torch.strided"))
+        device = getattr(getattr(x, "device", None), "type", "")
+        if layout != "torch.strided" or device == "meta":
+            what = f"layout {layout}" if layout != "torch.strided" else "no data (device 'meta')"
+            return RuntimeArg("other", f"a torch tensor of {what}")
         strides = [int(s) for s in x.stride()]
     else:
         # NumPy and CuPy arrays carry byte strides and an item size; anything else with a
         # shape and a dtype (a definition's own Tensor handle, say) is not an array.
-        raw = getattr(x, "strides", None)
         item = getattr(x, "itemsize", None) or getattr(x.dtype, "itemsize", None)
         if raw is None or not isinstance(item, int) or item <= 0:
             return RuntimeArg("other", type(x).__name__)

@@ -267,6 +267,8 @@ class MeshRun:
                        for k in range(self.program.num_stages)]
         self.stage_inputs = [list(self.program.stage_inputs(k)) for k in range(len(self.stages))]
         self.stage_outputs = [list(self.program.stage_outputs(k)) for k in range(len(self.stages))]
+        # (output, input) pairs of each stage's in-place outputs (add_output(..., alias_input=)).
+        self.stage_aliases = [[(int(o), int(i)) for o, i in st._core.aliases()] for st in self.stages]
         self.instructions = [tuple(i) for i in self.program.instructions()]
         self.comms = [self.program.communication(c) for c in range(self.program.num_communications)]
         self.inputs = list(self.program.inputs())
@@ -312,14 +314,21 @@ class MeshRun:
 
     def _check(self, inputs: Sequence[Any]) -> Dict[int, List[int]]:
         """Validate ``inputs`` and every stage's inputs; the sizes of every tensor."""
+        from .execute import _aliases  # noqa: PLC0415
         from .lowering import _arg  # noqa: PLC0415
 
         arrays, scalars = self._split(inputs)
         ints: List[Optional[int]] = [int(s) if isinstance(s, int) and not isinstance(s, bool) else None
                                      for s in scalars]
-        shapes = {t: list(s) for t, s in self.program.shapes([list(x.shape) for x in arrays], ints)}
         from . import _core  # noqa: PLC0415
 
+        try:
+            shapes = {t: list(s) for t, s in self.program.shapes([list(x.shape) for x in arrays], ints)}
+        except KilnError as e:
+            # The program names a size it could not bind (an input of the wrong rank);
+            # fd.execute's check of the definition names the input.
+            self._raise_whole_error(inputs, e, None)
+            raise
         given = dict(zip(self.inputs, arrays))
         for k, st in enumerate(self.stages):
             args = []
@@ -330,7 +339,64 @@ class MeshRun:
                     dt = str(np.dtype(_numpy_dtype(self.program.dtype(t))))
                     args.append(_core.RuntimeArg("tensor", dt, shapes[t], _contiguous_strides(shapes[t])))
             args.extend(_arg(s) for s in self._scalars(scalars, 0))
-            st._core.check_inputs(args, True)
+            try:
+                st._core.check_inputs(args, True)
+            except KilnError as e:
+                # A stage names its own tensors (the broadcast of an input, say): the
+                # definition's check names the input and axis first.
+                self._raise_whole_error(inputs, e, f"in this rank's stage {k}: {e}")
+                raise
+        specs = self.fd._core.input_specs()
+        for o, i in _aliases(self.fd):
+            want = shapes.get(self.outputs[o]) if o < len(self.outputs) else None
+            if want is not None and list(inputs[i].shape) != want:
+                raise KilnError(f"input {i} ({specs[i].name}): has shape {tuple(inputs[i].shape)} but "
+                                f"output {o}, written into it in place, has shape {tuple(want)} on this "
+                                f"rank; nothing was run")
+        return shapes
+
+    def _raise_whole_error(self, inputs: Sequence[Any], cause: KilnError, detail: Optional[str]) -> None:
+        """Raise the error of the definition's input check (fd.execute's) on the whole tensors
+        that this rank's ``inputs`` are slices of (a sharded axis: the slice's size times the
+        mesh size), ``detail`` appended, from ``cause``; return where that check passes."""
+        from . import _core  # noqa: PLC0415
+        from .lowering import _arg  # noqa: PLC0415
+
+        specs = self.fd._core.input_specs()
+        tensors = iter(self.inputs)
+        args: List[Any] = []
+        notes: List[str] = []
+        for i, (x, spec) in enumerate(zip(inputs, specs)):
+            a = _arg(x)
+            if spec.kind != "tensor":
+                args.append(a)
+                continue
+            t = next(tensors)
+            if a.kind != "tensor":
+                args.append(a)
+                continue
+            sizes = list(a.sizes)
+            mesh = self.fd._core.tv_mesh(t)
+            if mesh is not None and mesh[1] is not None and mesh[1] < len(sizes):
+                axis, n = mesh[1], len(mesh[0])
+                notes.append(f"input {i} ({spec.name}) axis {axis}: this rank's {sizes[axis]} times {n} "
+                             f"devices")
+                sizes[axis] *= n
+            # (Contiguous strides: each stage checks the layout of the slices themselves.)
+            args.append(_core.RuntimeArg("tensor", a.text, sizes, _contiguous_strides(sizes)))
+        try:
+            self.fd._core.check_inputs(args, True)
+        except KilnError as e:
+            note = f" (sizes of the whole tensors; sharded: {', '.join(notes)})" if notes else ""
+            more = f"; {detail}" if detail else ""
+            raise type(e)(f"{e}{note}{more}") from cause
+
+    def validate(self, inputs: Sequence[Any]) -> Dict[int, List[int]]:
+        """Check this rank's ``inputs`` before anything runs; the sizes of every tensor."""
+        from .execute import _check_writable  # noqa: PLC0415
+
+        shapes = self.shapes(inputs)  # validates the inputs on a new signature
+        _check_writable(self.fd, inputs)  # (not part of the signature)
         return shapes
 
     def _scalars(self, scalars: Sequence[Any], rank: int) -> List[Any]:
@@ -341,7 +407,9 @@ class MeshRun:
               rank: int = 0) -> Generator[Request, None, List[Any]]:
         """Run the program on rank ``rank``'s ``inputs``, yielding at each collective
         (``("comm", c, kind, op, input, output)``) and wait (``("wait", c)``)."""
-        shapes = self.shapes(inputs)  # validates the inputs on a new signature
+        from .execute import in_place as write_in_place  # noqa: PLC0415  (a comm's flag is `in_place`)
+
+        shapes = self.validate(inputs)
         arrays = [x for x in inputs if not isinstance(x, (bool, int, float))]
         scalars = [x for x in inputs if isinstance(x, (bool, int, float))]
         env: Dict[int, Any] = dict(zip(self.inputs, arrays))
@@ -349,8 +417,7 @@ class MeshRun:
         for what, i in self.instructions:
             if what == "run":
                 args = [env[t] for t in self.stage_inputs[i]] + self._scalars(scalars, rank)
-                outs = self.stages[i].execute(args, device=device)
-                env.update(zip(self.stage_outputs[i], outs))
+                env.update(zip(self.stage_outputs[i], self._run_stage(i, args, device)))
             elif what == "allocate":
                 env[i] = _empty(like, shapes[i], self.program.dtype(i))
             elif what == "comm":
@@ -364,7 +431,24 @@ class MeshRun:
                 yield ("wait", i)
             elif what == "free":
                 env.pop(i, None)
-        return [env[t] for t in self.outputs]
+        # In-place outputs go into the caller's arrays once every stage has read them, and
+        # are not returned, as fd.execute does.
+        return write_in_place(self.fd, inputs, [env[t] for t in self.outputs])
+
+    def _run_stage(self, k: int, args: List[Any], device: Optional[str]) -> List[Any]:
+        """Every output of stage ``k`` on ``args``, its in-place ones included."""
+        aliases = self.stage_aliases[k]
+        if not aliases:
+            return self.stages[k].execute(args, device=device)
+        # The stage writes an in-place output into its input's array and returns the others:
+        # give it a copy (later stages may read the input, and the caller's array is updated
+        # at the end), which then is that output.
+        args = list(args)
+        into = {o: j for o, j in aliases}
+        for j in into.values():
+            args[j] = args[j].clone() if type(args[j]).__module__.startswith("torch") else args[j].copy()
+        rest = iter(self.stages[k].execute(args, device=device))
+        return [args[into[o]] if o in into else next(rest) for o in range(len(self.stage_outputs[k]))]
 
     def run(self, inputs: Sequence[Any], comm: Communicator, device: Optional[str]) -> List[Any]:
         """Run on this rank with ``comm`` doing the collectives."""
@@ -476,6 +560,12 @@ _REDUCE = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multi
 def simulate(fd: Any, inputs_per_rank: Sequence[Sequence[Any]]) -> List[List[Any]]:
     """Run every rank of a sharded fusion in this process (stages in the CPU interpreter,
     collectives in NumPy, ranks in lockstep); returns each rank's outputs."""
+    from .execute import refuse_immutable_targets  # noqa: PLC0415
+    from .fusion import FusionDefinition  # noqa: PLC0415
+    from .lowering import plain_numbers  # noqa: PLC0415
+
+    if not isinstance(fd, FusionDefinition):
+        raise KilnTypeError(f"simulate: expected a kiln.FusionDefinition, got {type(fd).__name__}")
     run = mesh_run(fd)
     n = run.mesh.size
     if not isinstance(inputs_per_rank, (list, tuple)) or len(inputs_per_rank) != n:
@@ -490,6 +580,9 @@ def simulate(fd: Any, inputs_per_rank: Sequence[Sequence[Any]]) -> List[List[Any
             if not isinstance(x, (bool, int, float, np.ndarray, np.generic)):
                 raise KilnTypeError(f"simulate: rank {r}: inputs are NumPy arrays and numbers, "
                                     f"got {type(x).__name__}")
+        refuse_immutable_targets(fd, ins)
+    # NumPy numbers as fd.execute takes them (a 0-d array or the Python number).
+    inputs_per_rank = [plain_numbers(fd, list(ins)) for ins in inputs_per_rank]
     # A sharded axis splits evenly over the mesh (its size is the local one times the mesh
     # size) and every other axis is replicated, so every rank's inputs have one shape:
     # uneven shards would give each rank its own wrong size (a mean dividing by 4 * 2 on one
@@ -503,6 +596,9 @@ def simulate(fd: Any, inputs_per_rank: Sequence[Sequence[Any]]) -> List[List[Any
                 raise KilnError(f"simulate: input {i} has shape {b} on rank {r} and {a} on rank 0; every "
                                 f"rank's inputs must have the same shape (a sharded axis splits evenly over "
                                 f"the mesh)")
+    for ins in inputs_per_rank:
+        # Every rank before any runs: a rank that finishes alone updates its in-place inputs.
+        run.validate(ins)
     gens = [run.steps(list(ins), "cpu", r) for r, ins in enumerate(inputs_per_rank)]
     results: List[Optional[List[Any]]] = [None] * n
     reqs: List[Optional[Request]] = [None] * n

@@ -38,14 +38,35 @@ def is_flag(c: object) -> bool:
     return isinstance(c, numbers.Integral) and int(c) in (0, 1)
 
 
+def handle_id(owner: object, owner_type: type, id_: object, handle: str, unknown: str) -> int:
+    """The id of a handle (``kiln.Tensor(fd, 3)``, built by kiln or by hand) as the core takes
+    it, an int in ``[0, 2**32)``, after checking that ``owner`` is an ``owner_type``;
+    ``unknown`` (``"T{} is not a tensor of this fusion"``) words an id out of that range as
+    the core words an id it does not know."""
+    # Checked here: the core's conversion would raise PyO3's OverflowError or TypeError, and
+    # a handle on something else an AttributeError at its first use.
+    if not isinstance(owner, owner_type):
+        shown = repr(owner) if len(repr(owner)) <= 40 else f"a {type(owner).__name__}"
+        owner_name = "Tensor" if owner_type is ScheduleMixin else owner_type.__name__
+        raise KilnTypeError(f"{handle}: expected the {owner_name} it belongs to, got {shown}")
+    if isinstance(id_, bool) or not isinstance(id_, numbers.Integral):
+        shown = repr(id_) if len(repr(id_)) <= 40 else f"a {type(id_).__name__}"
+        raise KilnTypeError(f"{handle}: expected an int id, got {shown}")
+    i = int(id_)  # a NumPy integer is the int it holds
+    if not 0 <= i < 2**32:
+        raise KilnError(unknown.format(i))
+    return i
+
+
 class IterDomain:
     """One loop axis (or any axis in a tensor's transform history)."""
 
     __slots__ = ("_tensor", "_id")
 
     def __init__(self, tensor: Tensor, id_: int) -> None:
+        self._id = handle_id(tensor, ScheduleMixin, id_, "IterDomain",
+                             "iter domain {} is not part of this fusion")
         self._tensor = tensor
-        self._id = id_
 
     def _info(self) -> IterDomainInfo:
         return self._tensor._fd._core.id_info(self._id)

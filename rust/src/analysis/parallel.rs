@@ -230,6 +230,17 @@ pub fn cross_reads(f: &Fusion, lg: &LoopGraph, exact: &IdGraph, p: TvId, e: Expr
             // Memory private along `pt` (registers; a block's Shared memory along a block
             // dimension) holds each index's own copy.
             None if is_partitioned_across(pt_.memory, pt) => false,
+            // A consumer whose `pt` loop has one iteration, bounded, runs on index 0 of `pt`
+            // only, the index that wrote. (A Local broadcast loop is not bounded: every
+            // index runs it, see `indexing::predicate`.)
+            None if ca.is_some_and(|b| {
+                let id = &f.ids[lg.promoted(c, b)];
+                f.scalars.is_const(id.extent, 1)
+                    && (id.iter_type != IterType::Broadcast || ct.memory == MemoryType::Global)
+            }) =>
+            {
+                false
+            }
             // Only index 0 of `pt` runs a Global (or, along a thread dimension, Shared)
             // consumer that does not use `pt`.
             None => is_partitioned_across(ct.memory, pt) || runs_on(f, lg, c, pt),

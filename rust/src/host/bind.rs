@@ -340,14 +340,25 @@ fn check_contiguity(f: &Fusion, tv: TvId, i: usize, d: &InputDesc) -> Result<()>
         match c {
             Some(true) => {
                 if size > 1 && stride != expected {
-                    // Without a declaration, a hand schedule is compiled for row-major arrays.
-                    let why = if t.declared_contiguity {
-                        "is declared contiguous"
+                    // A set allocation domain is the layout the kernel indexes; without one or
+                    // a declaration, a hand schedule is compiled for row-major arrays.
+                    let order: Vec<usize> =
+                        t.maybe_allocation().iter().filter_map(|id| logical.iter().position(|l| l == id)).collect();
+                    let (why, fix) = if t.allocation.is_some() && order.windows(2).any(|w| w[0] > w[1]) {
+                        (
+                            format!("must be contiguous in the layout its allocation domain sets (axes {order:?}, outermost first)"),
+                            "pass an array in that layout, or give the allocation domain contiguity False",
+                        )
+                    } else if t.declared_contiguity {
+                        ("is declared contiguous".to_string(), "pass a contiguous array or declare contiguity=False")
                     } else {
-                        "must be contiguous: the hand schedule was compiled for row-major arrays, the definition's default layout"
+                        (
+                            "must be contiguous: the hand schedule was compiled for row-major arrays, the definition's default layout".to_string(),
+                            "pass a contiguous array or declare contiguity=False",
+                        )
                     };
                     bail!(
-                        "{}: axis {axis} has stride {stride} but {why} (expected stride {expected}); pass a contiguous array or declare contiguity=False",
+                        "{}: axis {axis} has stride {stride} but {why} (expected stride {expected}); {fix}",
                         input_name(f, i)
                     );
                 }

@@ -513,6 +513,10 @@ pub fn check_launch_dims(grid: [Option<i64>; 3], block: [Option<i64>; 3], smem: 
     Ok(())
 }
 
+/// The largest split factor allowed past the size it splits (2^20: a loop of that many
+/// empty iterations takes about a second in the interpreter, a few milliseconds on a GPU).
+pub const MAX_SPLIT_PADDING: i64 = 1 << 20;
+
 /// Name of the error word of a kernel with gathers: [site + 1, element, value, extent] of
 /// the first index found outside its table (all zero while none was).
 pub const INDEX_ERROR: &str = "kiln_index_error";
@@ -615,6 +619,7 @@ impl Kernel {
             }
         }
         self.check_memory(&eval, false)?;
+        self.check_split_padding(&eval)?;
         check_launch_dims(grid, block, eval(l.smem_bytes)).map_err(|e| {
             // The axes that set each parallel dimension (the widest loop of its type).
             let f = &self.fusion;
@@ -637,6 +642,28 @@ impl Kernel {
             }
             crate::error::KilnError { kind: e.kind, message: format!("{} [{}]", e.message, by.join(", ")) }
         })
+    }
+
+    /// No split factor far past the size it splits: its loop would run mostly empty
+    /// (predicated-off) iterations, for as long as the factor says (a typo such as a factor
+    /// of 2^31 - 1 on an axis of 16 would keep the GPU, or the interpreter, busy for minutes).
+    fn check_split_padding(&self, eval: &impl Fn(ValId) -> Option<i64>) -> crate::Result<()> {
+        let f = &self.fusion;
+        for tv in f.tvs.keys() {
+            for t in f.transforms_of(tv) {
+                let crate::ir::Transform::Split { input, factor, .. } = f.transforms[t] else { continue };
+                let (Some(k), Some(n)) = (f.scalars.as_int(factor), eval(f.ids[input].extent)) else { continue };
+                if k > MAX_SPLIT_PADDING && k > n {
+                    crate::bail!(
+                        "split {}: axis {} has size {n} but is split by {k}: its loop would run {k} iterations for {n} elements; split it by at most {}",
+                        f.tv_name(tv),
+                        f.id_label(input),
+                        n.max(MAX_SPLIT_PADDING)
+                    );
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Local memory per thread within the GPU's limit (constant sizes; CUDA code generation

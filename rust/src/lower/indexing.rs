@@ -1010,8 +1010,11 @@ fn index_init(f: &mut Fusion, ctx: &mut Ctx, tv: TvId, stack: &[Enclosing]) -> R
     let mut pred = predicate(f, ctx, tv, &idx, stack, true);
     // One writer per element: Global/Shared inits are done by index 0 of every launched
     // dimension the tensor is not indexed by (its reduced dimensions included), so no
-    // block can re-initialize an output another block already reduced into.
+    // block can re-initialize an output another block already reduced into. A block
+    // dimension does not partition Global memory but does partition Shared: every block
+    // initializes its own Shared copy, as every block computes it (index_expr).
     if f.tvs[tv].memory != MemoryType::Local {
+        let memory = f.tvs[tv].memory;
         // Broadcast axes partition nothing either (as in index_expr).
         let own: Vec<ParallelType> = (0..ld.len())
             .filter(|&a| f.ids[ld[a]].iter_type != IterType::Reduction)
@@ -1019,7 +1022,7 @@ fn index_init(f: &mut Fusion, ctx: &mut Ctx, tv: TvId, stack: &[Enclosing]) -> R
             .map(|a| ctx.lg.groups[ctx.lg.group(tv, a)].parallel)
             .collect();
         for &p in &ctx.used {
-            if !own.contains(&p) {
+            if !own.contains(&p) && !crate::analysis::parallel::is_partitioned_across(memory, p) {
                 let i = f.scalars.symbol(Symbol::ParallelIndex(p));
                 let first = f.scalars.binary(ScalarOp::Eq, i, zero);
                 pred = f.scalars.binary(ScalarOp::And, pred, first);

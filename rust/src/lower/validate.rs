@@ -210,7 +210,13 @@ pub fn parallel_reads(f: &Fusion, lg: &LoopGraph, exact: &IdGraph) -> Result<()>
                         f.tv_name(p)
                     );
                 }
-                for a in 0..t.inline_pos.min(t.loop_domain.len()) {
+                // The loops the write and the read share: those `p` is inlined in, and those an
+                // untouched tensor inlined into both makes one loop.
+                let consumer_groups: Vec<usize> = (0..f.tvs[c].loop_domain.len()).map(|b| lg.group(c, b)).collect();
+                for a in 0..t.loop_domain.len() {
+                    if a >= t.inline_pos && !consumer_groups.contains(&lg.group(p, a)) {
+                        continue;
+                    }
                     let q = lg.groups[lg.group(p, a)].parallel;
                     if q.is_thread() && thread_extents(f, lg, q) > 1 {
                         bail!(
@@ -292,22 +298,29 @@ pub fn reduction_consumers(f: &Fusion, lg: &LoopGraph, order: &[crate::ir::ExprI
                 f.tv_name(waits[1])
             );
         }
-        // Only the block that finishes a grid reduction holds its result: a tensor computed
-        // from it (through copies too) that runs over a block dimension the reduction
-        // combined would leave every other block's part unwritten.
+        // Only one thread of the block that finishes a grid reduction holds its result
+        // (index 0 of each thread dimension the reduction combined or does not run on): a
+        // tensor computed from it (through copies too) that runs over one of those block or
+        // thread dimensions would leave every other block's or thread's part unwritten.
         for &g in &waits {
-            let dims: Vec<ParallelType> = crate::analysis::parallel::grid_reduced_dims(f, lg, g)
-                .into_iter()
-                .filter(|&p| f.is_grid_dim(p))
-                .collect();
-            if let Some(a) =
-                (0..f.tvs[t].loop_domain.len()).find(|&a| dims.contains(&lg.groups[lg.group(t, a)].parallel))
-            {
+            let dims = crate::analysis::parallel::grid_reduced_dims(f, lg, g);
+            let spread = |a: usize| {
+                let group = &lg.groups[lg.group(t, a)];
+                dims.contains(&group.parallel)
+                    && (f.is_grid_dim(group.parallel) || !f.scalars.is_const(f.ids[group.promoted].extent, 1))
+            };
+            if let Some(a) = (0..f.tvs[t].loop_domain.len()).find(|&a| spread(a)) {
+                let pt = lg.groups[lg.group(t, a)].parallel;
+                let holder = if f.is_grid_dim(pt) {
+                    "only the block that finishes it"
+                } else {
+                    "only one thread of the block that finishes it"
+                };
                 bail!(
-                    "{} is computed from the grid reduction {} but runs {} over its axis {a} ({}), which that reduction combined: only the block that finishes it holds the result; give {} a kernel of its own",
+                    "{} is computed from the grid reduction {} but runs {} over its axis {a} ({}), which that reduction combined: {holder} holds the result; give {} a kernel of its own",
                     f.tv_name(t),
                     f.tv_name(g),
-                    lg.groups[lg.group(t, a)].parallel.enum_name(),
+                    pt.enum_name(),
                     f.id_label(f.tvs[t].loop_domain[a]),
                     f.tv_name(t)
                 );

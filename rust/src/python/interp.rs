@@ -82,7 +82,11 @@ fn to_value(py: Python<'_>, i: usize, what: &str, x: &Bound<'_, PyAny>, bf16_bit
             "float64" => read_array::<f64>(x, what, Data::F64)?,
             "int64" => read_array::<i64>(x, what, Data::I64)?,
             "int32" => read_array::<i32>(x, what, Data::I32)?,
-            "bool" => read_array::<bool>(x, what, Data::Bool)?,
+            // Read as bytes: NumPy counts any nonzero byte as true (a uint8 array viewed as
+            // bool), while a Rust bool must be 0 or 1.
+            "bool" => read_array::<u8>(&x.call_method1("view", ("uint8",))?, what, |v| {
+                Data::Bool(v.into_iter().map(|b| b != 0).collect())
+            })?,
             "float16" => read_array::<u16>(&x.call_method1("view", ("uint16",))?, what, |v| {
                 Data::F16(v.into_iter().map(f16::from_bits).collect())
             })?,

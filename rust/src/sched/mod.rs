@@ -81,7 +81,17 @@ impl Fusion {
         let extent = self.ids[id].extent;
         let f = self.scalars.int(factor);
         let rest = self.scalars.ceil_div(extent, f);
-        let (oe, ie) = if inner_split { (rest, f) } else { (f, rest) };
+        // A broadcast has one element: both parts of its split keep extent one. A part of
+        // `factor` would be a loop over copies of that element wherever no consumer's axis
+        // gives it a size, so a reduction or a grid merged with it would add or write the
+        // element `factor` times.
+        let (oe, ie) = if it == IterType::Broadcast {
+            (extent, extent)
+        } else if inner_split {
+            (rest, f)
+        } else {
+            (f, rest)
+        };
         let outer = self.new_id(oe, it);
         let inner = self.new_id(ie, it);
         let t = self.transforms.push(Transform::Split { input: id, factor: f, inner_split, outer, inner });
@@ -559,8 +569,12 @@ impl Fusion {
             );
         }
         for (i, &id) in ids.iter().enumerate() {
-            if ids[..i].contains(&id) {
-                bail!("set_allocation_domain {name}: axis {i} ({}) is listed twice", self.id_label(id));
+            if let Some(j) = ids[..i].iter().position(|&x| x == id) {
+                let which = match self.tvs[tv].loop_domain.iter().position(|&x| x == id) {
+                    Some(a) => format!("loop axis {a} ({})", self.id_label(id)),
+                    None => self.id_label(id),
+                };
+                bail!("set_allocation_domain {name}: {which} is listed twice, at entries {j} and {i} of the allocation domain");
             }
             match (self.ids[id].iter_type == IterType::Broadcast, contiguity[i]) {
                 (true, Some(_)) => {

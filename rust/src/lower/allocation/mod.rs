@@ -117,8 +117,13 @@ pub fn run(
         }
 
         if let Op::Reduction { init, .. } = f.exprs[e].op {
-            let nest = placement::init_nest(f, lg, tv, alloc_pos, init, next_index);
-            nodes.push(nest);
+            let init_pos = placement::init_position(f, lg, tv, alloc_pos);
+            let nest = placement::init_nest(f, lg, tv, init_pos, init, next_index);
+            if init_pos == alloc_pos {
+                nodes.push(nest);
+            } else {
+                placed.before_expr(f, body, lg, tv, init_pos, e, vec![nest])?;
+            }
             for b in global_buffers::grid_reduction_buffers(f, lg, tv)? {
                 summary.has_grid_reduction = true;
                 summary.global_allocations.push(b);

@@ -100,6 +100,29 @@ impl Insertions {
     }
 }
 
+/// Where `tv`'s init goes: its allocation position, moved in past the loops of its broadcast
+/// axes that a consumer's axis makes run more than once (up to its first reduced axis). The
+/// reduction is recomputed in each of their iterations into the one element it allocates
+/// there, so each needs its own init (an allocation moved out of an Unswitch loop leaves
+/// such a loop between the init and the reduction).
+pub fn init_position(f: &Fusion, lg: &LoopGraph, tv: TvId, alloc_pos: usize) -> usize {
+    let ld = &f.tvs[tv].loop_domain;
+    let mut pos = alloc_pos;
+    for (a, &id) in ld.iter().enumerate().skip(alloc_pos) {
+        match f.ids[id].iter_type {
+            IterType::Reduction => break,
+            IterType::Broadcast => {
+                let promoted = lg.groups[lg.group(tv, a)].promoted;
+                if !f.scalars.is_const(f.ids[promoted].extent, 1) {
+                    pos = a + 1;
+                }
+            }
+            _ => {}
+        }
+    }
+    pos
+}
+
 /// The init loop nest of `tv`: `tv = value` over its non-reduction, non-broadcast
 /// loop ids right of `alloc_pos` (promoted), parallel where the main nest is.
 pub fn init_nest(

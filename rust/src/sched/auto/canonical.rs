@@ -1889,6 +1889,9 @@ pub fn sink_gathers(f: &mut Fusion) -> Result<()> {
                 continue;
             }
             let rank = f.tvs[y].logical.len();
+            // The index's own rank: a reduction's result (an argmax, a sum of a mask) keeps
+            // its reduced axes in `logical`.
+            let full_index = f.no_reduction_logical(idx).len() == rank;
             let bcast = |f: &Fusion, t: TvId, a: usize| f.ids[f.tvs[t].logical[a]].iter_type == IterType::Broadcast;
             // Each operand: read as it is when broadcast along `dim` (a per-row statistic),
             // gathered otherwise: a full operand, or one broadcast along other axes (a bias
@@ -1905,7 +1908,7 @@ pub fn sink_gathers(f: &mut Fusion) -> Result<()> {
                 }
                 let along = bcast(f, t, dim);
                 let elsewhere = (0..rank).any(|a| a != dim && bcast(f, t, a));
-                if elsewhere && (along || rank < 2 || f.tvs[idx].logical.len() != rank) {
+                if elsewhere && (along || rank < 2 || !full_index) {
                     continue 'next;
                 }
                 plan.push((o, !along));
@@ -1930,7 +1933,7 @@ pub fn sink_gathers(f: &mut Fusion) -> Result<()> {
                 // the full rows keep reading the broadcast in their loops.
                 let is_broadcast = f.tvs[t].definition.is_some_and(|b| matches!(f.exprs[b].op, Op::Broadcast { .. }));
                 let t = if is_broadcast { recompute(f, t)? } else { t };
-                let picked = if f.tvs[idx].logical.len() == rank && rank > 1 {
+                let picked = if full_index && rank > 1 {
                     f.take_along_axis(t, idx, dim as i64)?
                 } else {
                     f.index_select(t, idx, dim as i64)?
