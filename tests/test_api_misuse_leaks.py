@@ -319,3 +319,37 @@ def test_sparse_and_meta_torch_tensors_are_refused_by_name() -> None:
                     (torch.empty(3, 3, device="meta"), r"no data \(device 'meta'\)")):
         with pytest.raises(KilnTypeError, match=rf"input 0 \(T0\): .*a torch tensor of {what}"):
             fd.execute([t])
+
+
+def test_torch_view_with_its_negative_bit_set_is_refused_by_name() -> None:
+    # x.conj().imag shares memory holding the values before negation: read as it is, every
+    # element came out negated.
+    torch = pytest.importorskip("torch")
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1])
+        fd.add_output(fd.ops.mul(x, 2.0))
+    v = torch.complex(torch.ones(4), torch.arange(4.0)).conj().imag
+    assert v.is_neg()
+    with pytest.raises(KilnTypeError, match=r"input 0 \(T0\): .*negative or conjugate bit set"):
+        fd.execute([v])
+
+
+@pytest.mark.gpu
+def test_gpu_array_starting_inside_an_element_is_refused_by_name() -> None:
+    # A float32 view one byte into a buffer: the GPU faults on its misaligned loads.
+    from gpu_util import cupy_or_skip
+
+    cp = cupy_or_skip()
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1])
+        fd.add_output(fd.ops.exp(x))
+    buf = cp.zeros(4 * 1024 + 4, dtype=cp.uint8)
+    odd = cp.ndarray((1024,), dtype=cp.float32, memptr=buf.data + 1)
+    with pytest.raises(KilnTypeError, match=r"input 0 \(T0\): its data starts at address 0x[0-9a-f]+, not a "
+                                            r"multiple of its element size \(4 bytes\)"):
+        fd.execute([odd])
+    ok = cp.ndarray((1024,), dtype=cp.float32, memptr=buf.data + 4)
+    (got,) = fd.execute([ok])
+    np.testing.assert_allclose(cp.asnumpy(got), np.exp(cp.asnumpy(ok).astype(np.float64)), rtol=1e-6)
+    with pytest.raises(KilnTypeError, match="not a multiple of its element size"):
+        fd.execute([odd])  # after a cached call with the same shape and strides

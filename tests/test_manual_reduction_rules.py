@@ -327,3 +327,29 @@ def test_split_by_at_most_2_to_the_20_or_at_most_the_axis_size_runs(
     z.split(1, factor)
     (got,) = fd.execute([a])
     np.testing.assert_allclose(got, -a.astype(np.float64))
+
+
+# -- a broadcast shared by consumers that iterate or reduce it differently -------------------------
+@pytest.mark.parametrize("second", ["reduce", "wider"])
+def test_inline_most_stops_before_a_broadcast_its_consumers_run_differently(second: str) -> None:
+    # b = broadcast(neg(x)) [4, 1] read by c1 = b + y [4, 6] and by c2, which reduces the
+    # size-one axis (or concretizes it to 7): one loop cannot run both, so inline_at(-1) stops
+    # at 1 and position 2 is refused when asked for, instead of failing in lowering.
+    x, y, z = rand(4), rand(4, 6, seed=2), rand(4, 7, seed=3)
+    with FusionDefinition() as fd:
+        tx = fd.define_tensor(shape=[4])
+        ty = fd.define_tensor(shape=[4, 6])
+        tz = fd.define_tensor(shape=[4, 7])
+        b = fd.ops.broadcast_in_dim(fd.ops.neg(tx), shape=[-1, -1], broadcast_dims=[0])
+        fd.add_output(fd.ops.add(b, ty))
+        fd.add_output(fd.ops.sum(b, dims=[1]) if second == "reduce" else fd.ops.add(b, tz))
+    want = (rf"inline_at {b.name}: axis 1 .* is a broadcast that its consumer T\d+ iterates it over 6 and "
+            r"its consumer T\d+ (reduces it over 1|iterates it over 7); one loop cannot run both")
+    with pytest.raises(KilnError, match=want):
+        b.inline_at(2)
+    b.inline_at(-1)
+    assert b.inline_position == 1
+    g1, g2 = fd.execute([x, y, z])
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(g1, y - x64[:, None], rtol=1e-6)
+    np.testing.assert_allclose(g2, -x64 if second == "reduce" else z - x64[:, None], rtol=1e-6, atol=1e-7)

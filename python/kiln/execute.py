@@ -34,14 +34,19 @@ def execute(fd: Any, inputs: Sequence[Any], device: Optional[str], as_written: b
         raise KilnError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if device == "cuda":
         check_cuda_inputs(kinds)
+        _check_element_alignment(fd, inputs)
     elif kinds - {"numpy", "other"}:
         # The interpreter reads host memory through NumPy: GPU arrays (or torch tensors of any
         # device) are not taken as they are.
         raise KilnTypeError(f"device='cpu' runs the CPU interpreter on NumPy arrays, got "
                             f"{' and '.join(sorted(kinds - {'numpy', 'other'}))} inputs; pass NumPy "
                             f"arrays (x.cpu().numpy(), x.get()) or run on the GPU (device='cuda')")
-    if len(kinds) > 1:
-        raise KilnTypeError(f"all inputs must be of one kind (NumPy, CuPy or torch), got {sorted(kinds)}")
+    if len(kinds - {"other"}) > 1:
+        arrays = [(i, _kind(x)) for i, x in enumerate(inputs) if _kind(x) not in ("scalar", "other")]
+        (i0, k0), (i1, k1) = arrays[0], next(a for a in arrays if a[1] != arrays[0][1])
+        specs = fd._core.input_specs()
+        raise KilnTypeError(f"all inputs must be of one kind (NumPy, CuPy or torch): input {i0} "
+                            f"({specs[i0].name}) is {k0} but input {i1} ({specs[i1].name}) is {k1}")
     if "other" in kinds:
         bad = next(i for i, x in enumerate(inputs) if _kind(x) == "other")
         raise KilnTypeError(f"input {bad}: expected a NumPy or CuPy array or a torch tensor, "
@@ -91,6 +96,24 @@ def execute(fd: Any, inputs: Sequence[Any], device: Optional[str], as_written: b
         (x for x in inputs if _kind(x) != "scalar"), None))))
     _remember(fd, inputs, ev)
     return in_place(fd, inputs, outs)
+
+
+def _check_element_alignment(fd: Any, inputs: Sequence[Any]) -> None:
+    """Refuse a GPU array whose data does not start at a multiple of its element size: the
+    GPU faults on a misaligned load (a CuPy view starting one byte into a float32 buffer)."""
+    for i, x in enumerate(inputs):
+        kind = _kind(x)
+        if kind == "cupy":
+            ptr, size = x.data.ptr, x.dtype.itemsize
+        elif kind == "torch":
+            ptr, size = x.data_ptr(), getattr(x, "element_size", lambda: 1)()
+        else:
+            continue
+        if size > 1 and ptr % size and getattr(x, "size", 1) != 0:
+            name = fd._core.input_specs()[i].name
+            raise KilnTypeError(f"input {i} ({name}): its data starts at address {ptr:#x}, not a multiple of "
+                                f"its element size ({size} bytes), which GPU loads need; pass an aligned "
+                                f"copy (x.copy() or x.clone())")
 
 
 def check_cuda_inputs(kinds: Set[str]) -> None:
@@ -152,18 +175,7 @@ def _check_writable(fd: Any, inputs: Sequence[Any]) -> None:
             raise KilnError(f"input {i}{name}: output {o} is written into it in place "
                             f"(add_output(..., alias_input=...)), but the array is read-only")
         if kind == "torch":
-            # torch refuses these in-place updates itself, but only after the kernels ran.
-            import torch  # noqa: PLC0415
-
-            if x.requires_grad and x.is_leaf and torch.is_grad_enabled():
-                raise KilnError(f"input {i}{name}: output {o} is written into it in place "
-                                f"(add_output(..., alias_input=...)), but it is a leaf tensor that "
-                                f"requires grad, which torch does not let be updated in place; "
-                                f"run under torch.no_grad() or pass x.detach()")
-            if x.is_inference() and not torch.is_inference_mode_enabled():
-                raise KilnError(f"input {i}{name}: output {o} is written into it in place "
-                                f"(add_output(..., alias_input=...)), but it is an inference tensor, "
-                                f"which torch lets be updated in place only in inference mode")
+            _check_torch_target(x, i, o, name)
         axis = _overlapping_axis(x, kind)
         if axis is not None:
             stride = elem_strides(x, kind)[axis]
@@ -173,6 +185,34 @@ def _check_writable(fd: Any, inputs: Sequence[Any]) -> None:
                             f"(add_output(..., alias_input=...)), but its axis {axis} {why}, so "
                             f"several elements share memory; pass an array whose elements do not "
                             f"overlap")
+
+
+def _check_torch_target(x: Any, i: int, o: int, name: str) -> None:
+    """Refuse a torch tensor that torch itself would not let output ``o`` be copied into in
+    place: torch raises only after the kernels ran."""
+    try:
+        import torch  # noqa: PLC0415
+    except ImportError:  # (a stand-in of a torch tensor)
+        return
+
+    if getattr(x, "requires_grad", False) and getattr(x, "is_leaf", False) and torch.is_grad_enabled():
+        raise KilnError(f"input {i}{name}: output {o} is written into it in place "
+                        f"(add_output(..., alias_input=...)), but it is a leaf tensor that "
+                        f"requires grad, which torch does not let be updated in place; "
+                        f"run under torch.no_grad() or pass x.detach()")
+    if getattr(x, "is_inference", lambda: False)() and not torch.is_inference_mode_enabled():
+        raise KilnError(f"input {i}{name}: output {o} is written into it in place "
+                        f"(add_output(..., alias_input=...)), but it is an inference tensor, "
+                        f"which torch lets be updated in place only in inference mode")
+
+
+def _check_torch_targets(fd: Any, inputs: Sequence[Any]) -> None:
+    """``_check_torch_target`` of every torch tensor an output is written into."""
+    for o, i in _aliases(fd):
+        x = inputs[i] if i < len(inputs) else None
+        if _kind(x) == "torch":
+            specs = fd._core.input_specs()
+            _check_torch_target(x, i, o, f" ({specs[i].name})" if i < len(specs) else "")
 
 
 def refuse_immutable_targets(fd: Any, inputs: Sequence[Any]) -> None:
@@ -253,6 +293,7 @@ def _remember(fd: Any, inputs: Sequence[Any], ev: Any) -> None:
 def _in_place_launcher(fd: Any, run: Any) -> Any:
     """``run`` followed by the in-place copies of ``fd``'s aliased outputs."""
     def launcher(inputs: Sequence[Any], ev: Any) -> List[Any]:
+        _check_torch_targets(fd, inputs)  # (not part of the signature)
         return in_place(fd, inputs, run(inputs, ev))
     return launcher
 

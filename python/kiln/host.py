@@ -239,8 +239,8 @@ def _kind(t: type) -> int:
 
 
 def signature_key(inputs: Sequence[Any]) -> Tuple:
-    """The cache key of an input signature (shapes, strides, dtypes, devices, whether each
-    array starts 16-byte aligned, scalar types); raises TypeError or AttributeError for
+    """The cache key of an input signature (shapes, strides, dtypes, devices, each array's
+    start address modulo 16, scalar types); raises TypeError or AttributeError for
     inputs that have none (NumPy arrays, non-lists)."""
     if type(inputs) not in _SEQUENCES:
         raise TypeError("inputs must be a list or a tuple")
@@ -249,18 +249,18 @@ def signature_key(inputs: Sequence[Any]) -> Tuple:
         k = _KINDS.get(type(x))
         if k == 1:
             d = x.data
-            return (x.shape, x.strides, x.dtype, d.device_id, d.ptr & 15 == 0)
+            return (x.shape, x.strides, x.dtype, d.device_id, d.ptr & 15)
         if k == 2:
-            return (2, x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15 == 0)
+            return (2, x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15)
     key = []
     for x in inputs:
         t = type(x)
         k = _kind(t)
         if k == 1:
             d = x.data
-            key.append((x.shape, x.strides, x.dtype, d.device_id, d.ptr & 15 == 0))
+            key.append((x.shape, x.strides, x.dtype, d.device_id, d.ptr & 15))
         elif k == 2:
-            key.append((2, x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15 == 0))
+            key.append((2, x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15))
         elif isinstance(x, _SCALARS):
             # A scalar's value is a per-call argument; its type stays in the key, so a value
             # of a new type (a float for an Int scalar) takes the validating full path.

@@ -258,6 +258,12 @@ def _arg(x: Any) -> RuntimeArg:
         if layout != "torch.strided" or device == "meta":
             what = f"layout {layout}" if layout != "torch.strided" else "no data (device 'meta')"
             return RuntimeArg("other", f"a torch tensor of {what}")
+        lazy = [getattr(x, m, None) for m in ("is_neg", "is_conj")]
+        if any(callable(f) and f() for f in lazy):
+            # Its memory holds the values before a lazy negation (x.conj().imag): read as it
+            # is, every element would come out negated.
+            return RuntimeArg("other", "a torch tensor with its negative or conjugate bit set (a lazy view; "
+                                       "pass x.resolve_neg() or x.resolve_conj())")
         strides = [int(s) for s in x.stride()]
     else:
         # NumPy and CuPy arrays carry byte strides and an item size; anything else with a

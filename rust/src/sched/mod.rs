@@ -488,6 +488,49 @@ impl Fusion {
         self.tvs[t].loop_domain[i]
     }
 
+    /// A plain broadcast axis `i` of `tv` shared with several consumers: the loop runs one
+    /// iteration space, so consumers that concretize it (those that keep it a broadcast
+    /// follow any) must agree on whether they reduce it and on its (constant) extent.
+    fn check_broadcast_consumers(&self, tv: TvId, i: usize) -> Result<()> {
+        let name = self.tv_name(tv);
+        let mut first: Option<(TvId, IterDomainId)> = None;
+        for &e in &self.tvs[tv].uses {
+            let c = self.exprs[e].output;
+            if self.tvs[c].loop_domain.len() <= i {
+                continue;
+            }
+            let cid = self.concretized_loop_id(c, i);
+            if self.ids[cid].iter_type == IterType::Broadcast {
+                continue;
+            }
+            let Some((c0, id0)) = first else {
+                first = Some((c, cid));
+                continue;
+            };
+            let (a, b) = (&self.ids[id0], &self.ids[cid]);
+            let kinds_differ = (a.iter_type == IterType::Reduction) != (b.iter_type == IterType::Reduction);
+            let sizes_differ = matches!(
+                (self.scalars.as_int(a.extent), self.scalars.as_int(b.extent)),
+                (Some(x), Some(y)) if x != y
+            );
+            if kinds_differ || sizes_differ {
+                let how = |id: &crate::ir::IterDomain| {
+                    let kind = if id.iter_type == IterType::Reduction { "reduces" } else { "iterates" };
+                    format!("{kind} it over {}", self.scalars.render(id.extent))
+                };
+                bail!(
+                    "inline_at {name}: axis {i} ({}) is a broadcast that its consumer {} {} and its consumer {} {}; one loop cannot run both: inline {name} at {i} or less",
+                    self.id_label(self.tvs[tv].loop_domain[i]),
+                    self.tv_name(c0),
+                    how(a),
+                    self.tv_name(c),
+                    how(b)
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// Check that `tv`'s first `pos` loop axes are shared with every consumer.
     pub fn check_inline(&self, tv: TvId, pos: usize) -> Result<()> {
         let name = self.tv_name(tv);
@@ -534,6 +577,9 @@ impl Fusion {
                 let mixed = self.ids[pid].iter_type != IterType::Broadcast
                     && crate::analysis::loop_graph::depends_on_broadcast(self, pid);
                 if !mixed {
+                    if self.ids[pid].iter_type == IterType::Broadcast {
+                        self.check_broadcast_consumers(tv, i)?;
+                    }
                     continue;
                 }
                 let mut first: Option<(TvId, IterDomainId)> = None;
