@@ -42,16 +42,16 @@ import math
 import os
 import random
 import re
-import sys
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import kiln
 import numpy as np
 import pytest
+import random_harness as harness
 from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
 from kiln import DataType, FusionDefinition, KilnError
+from random_harness import RandomDraw
 
 KilnInternalError: Any = getattr(kiln, "KilnInternalError", None) or getattr(
     getattr(kiln, "_errors", None), "KilnInternalError", RuntimeError)
@@ -123,25 +123,6 @@ def _erfinv(y: float) -> float:
             break
         lo, hi = (mid, hi) if math.erf(mid) < y else (lo, mid)
     return (lo + hi) / 2
-
-
-class RandomDraw:
-    """The generator's draws, from a ``random.Random``. Hypothesis supplies the seed (so the CI
-    examples are fixed by the derandomized profile); drawing the structure through hypothesis'
-    own strategies skews it to its minimal examples (a third had a single op) and costs the
-    spread of op kinds, ranks and sizes the generator is written for."""
-
-    def __init__(self, rng: random.Random) -> None:
-        self.rng = rng
-
-    def int(self, lo: int, hi: int) -> int:
-        return self.rng.randint(lo, hi)
-
-    def choice(self, seq: Sequence[Any]) -> Any:
-        return seq[self.rng.randrange(len(seq))]
-
-    def bool(self, p: float = 0.5) -> bool:
-        return self.rng.random() < p
 
 
 # -- a case: plain data, so it prints and reproduces ---------------------------------------
@@ -227,7 +208,7 @@ def gen_case(d: RandomDraw) -> Case:
 
 def cases() -> Any:
     """Hypothesis strategy of cases: a seed, expanded by ``gen_case``."""
-    return st.integers(0, 2 ** 63 - 1).map(lambda seed: gen_case(RandomDraw(random.Random(seed))))
+    return harness.seeded_cases(gen_case)
 
 
 # -- building: emit source lines, execute them, track reference and error bound ---------------
@@ -326,6 +307,28 @@ class _Builder:
             return name, float(value)
         value = CONSTS[k % len(CONSTS)]
         return repr(value), value
+
+    def scalar_math(self, k: int) -> Optional[Tuple[str, float, float]]:
+        """Math on scalars alone, a 0-d tensor read as a scalar operand (``log(float(x.size(d)))``,
+        attention's ``rsqrt(float(d_k))``, ``sqrt(|s| + 1)`` of a runtime scalar): its source,
+        value and error bound; None where there is nothing to compute it from."""
+        form = (k // 3) % 3
+        ins = [v for v in self.pool if v.is_input and v.kind == "f" and v.labels]
+        if form < 2 and ins:
+            v = ins[(k // 9) % len(ins)]
+            ax = (k // 27) % len(v.labels)
+            n = int(v.ref.shape[ax])
+            size = f"ops.cast(ops.size({v.name}, {ax}), D.Float)"
+            if form == 0:
+                return f"ops.log({size})", math.log(n), 2.0 ** -22 * abs(math.log(n))
+            return f"ops.rsqrt({size})", 1 / math.sqrt(n), 2.0 ** -22 / math.sqrt(n)
+        floats = [(name, value) for name, value, dt in self.scalars
+                  if dt in (DataType.Float, DataType.Double)]
+        if not floats:
+            return None
+        name, value = floats[k % len(floats)]
+        out = math.sqrt(abs(float(value)) + 1.0)
+        return f"ops.sqrt(ops.add(ops.abs({name}), 1.0))", out, 2.0 ** -22 * out
 
     def fresh(self, size: int, rr: random.Random) -> Any:
         """The label of an axis of ``size`` a shape op made: now and then one of the labels of
@@ -499,9 +502,14 @@ class _Builder:
             y, ey, rhs = b.ref, b.err, b.name
             L, x_t, y_t = self.joined(a.labels, b.labels), True, True
         else:
-            src, value = self.scalar_operand(k, runtime=form in ("ts", "st"))
-            # a scalar is rounded to the tensor's dtype first (0.3 is not a float)
-            s_ref, s_err = np.float64(value), np.float64(_U.get(a.dtype, 0.0) * _rounds(value))
+            math0d = self.scalar_math(k) if form in ("ts", "st") and k % 3 == 0 else None
+            if math0d is not None:
+                src, value, math_err = math0d
+                s_ref, s_err = np.float64(value), np.float64(math_err + _U.get(a.dtype, 0.0) * abs(value))
+            else:
+                src, value = self.scalar_operand(k, runtime=form in ("ts", "st"))
+                # a scalar is rounded to the tensor's dtype first (0.3 is not a float)
+                s_ref, s_err = np.float64(value), np.float64(_U.get(a.dtype, 0.0) * _rounds(value))
             L = a.labels
             if form in ("ct", "st"):
                 x, ex, lhs, x_t = s_ref, s_err, src, False
@@ -525,7 +533,7 @@ class _Builder:
                 if float(y) == 0.0:
                     y, rhs = np.float64(2.0), "2.0"
                 return self.emit(f"ops.div({lhs}, {rhs})", "f", L, np.broadcast_to(x / y, shape),
-                                 ex / abs(float(y)))
+                                 ex / abs(float(y)) + np.abs(x) * ey / (float(y) * float(y)))
             yv = a if not x_t or b is None else b
             den = self.unary("abs", yv)
             den = self.emit(f"ops.add({den.name}, 1.0)", "f", den.labels, den.ref + 1, den.err)
@@ -537,8 +545,8 @@ class _Builder:
                 c = abs(float(x)) + 1.0
                 t = self.unary("tanh", a)
                 out = c ** t.ref
-                return self.emit(f"ops.pow({c!r}, {t.name})", "f", a.labels, out, out * math.log(c) * t.err,
-                                 transc=True)
+                return self.emit(f"ops.pow({c!r}, {t.name})", "f", a.labels, out,
+                                 out * (math.log(c) * t.err + np.abs(t.ref) * ex / c), transc=True)
             c = [0.5, 2.0, -1.5][k % 3]
             base = self.unary("abs", a)
             base = self.emit(f"ops.add({base.name}, 1.0)", "f", a.labels, base.ref + 1, base.err)
@@ -1466,16 +1474,6 @@ def _collect() -> List[Tuple[Case, Outcome]]:
     return RESULTS
 
 
-def _hand_kept_kernels_to_conftest() -> None:
-    """Forget the kernels lowered since (shrinking repros), leave the sampled ones for conftest
-    to compile after this test."""
-    from kiln import lowering
-
-    lowering.take_generated()
-    lowering._GENERATED.extend(_KEPT)
-    _KEPT.clear()
-
-
 def summarize(results: Sequence[Tuple[Case, Outcome]], shrink_budget: int = 0, max_groups: int = 12) -> str:
     """Counts per category, then per non-ok category the distinct messages with the smallest
     example of each as a runnable repro."""
@@ -1515,7 +1513,7 @@ def test_auto_random_fusions_match_numpy() -> None:
     results = _collect()
     bad = _bad(results, ["mismatch", "internal", "memfault"])
     report = summarize(results, shrink_budget=60) if bad else ""
-    _hand_kept_kernels_to_conftest()
+    harness.hand_kept_kernels_to_conftest(_KEPT)  # (not the kernels of the shrinking above)
     if bad:
         pytest.fail(f"{len(bad)} of {len(results)} examples failed\n" + report, pytrace=False)
 
@@ -1524,24 +1522,20 @@ def test_auto_random_fusions_match_numpy() -> None:
 def test_auto_random_fusions_match_numpy_on_the_gpu() -> None:
     """The first ``KILN_AUTO_GPU_EXAMPLES`` (default 150) fusions the interpreter ran, on the
     GPU with CuPy inputs of the same strides."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from gpu_util import cupy_or_skip
+    harness.rerun_accepted_on_gpu(_collect, "KILN_AUTO_GPU_EXAMPLES", 150, _gpu_failure,
+                                  lambda case, o: f"# {o.message[:400]}\n{repro(case, o)}", what="fusions")
 
-    cupy_or_skip()
-    limit = int(os.environ.get("KILN_AUTO_GPU_EXAMPLES", "150"))
-    ran = [case for case, o in _collect() if o.category == "ok"][:limit]
-    bad = [(case, o) for case in ran if (o := run_case(case, diagnose=False, gpu=True)).category != "ok"]
-    from kiln.lowering import take_generated
 
-    take_generated()
-    if bad:
-        pytest.fail(f"{len(bad)} of {len(ran)} fusions differ on the GPU\n" + "\n\n".join(
-            f"# {o.message[:400]}\n{repro(case, o)}" for case, o in bad[:5]), pytrace=False)
+def _gpu_failure(cp: Any, case: Case) -> Optional[Outcome]:
+    """The outcome of ``case`` on the GPU (``run_case`` copies the inputs with CuPy) unless ok."""
+    del cp
+    o = run_case(case, diagnose=False, gpu=True)
+    return o if o.category != "ok" else None
 
 
 def test_auto_random_refusals_are_rare_and_named() -> None:
     results = _collect()
-    _hand_kept_kernels_to_conftest()
+    harness.hand_kept_kernels_to_conftest(_KEPT)
     refused = _bad(results, ["refused"])
     unnamed = [(c, o) for c, o in refused if not _NAMES_SOMETHING.search(o.message)]
     if unnamed:

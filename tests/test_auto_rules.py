@@ -13,6 +13,9 @@ fusions over several shapes (size-one axes included), checked against float64 Nu
   from a register copy, not from Global memory while another thread stores it.
 - Sibling reductions (the same axes of tensors of one shape, neither reading the other)
   share one kernel, also when they read different inputs.
+- A schedule whose launch the inputs at hand make invalid (a thread dimension sized by an
+  axis its heuristic did not size it by) is refused, and the next scheduler or a split
+  of the fusion runs it.
 
 Every fusion runs the automatic schedule in the interpreter (``fd.execute`` on NumPy), whose
 race and initialization checks fail the test on a wrong schedule; the GPU variant runs the
@@ -311,3 +314,22 @@ def test_a_broadcast_of_a_broadcast_is_one_broadcast() -> None:
     (got,) = fd.execute(ins)
     np.testing.assert_allclose(got, np.exp(delta0[..., None] * ins[2]), rtol=1e-5, atol=1e-6)
     assert len(lowered_for(fd, ins).kernels) == 1
+
+
+@pytest.mark.parametrize("rows", [1025, 1031, 4099])
+def test_a_schedule_launching_too_many_threads_for_these_sizes_is_passed_over(rows: int) -> None:
+    # A [1, 1, 1] statistic reduced over its size-one axes beside a [rows, 1, 1] element-wise
+    # output: the looped normalization sized its thread dimension by the statistic's rows
+    # and ran the output's rows on it (more than 1024 threads per block).
+    rng = np.random.default_rng(rows)
+    a = rng.uniform(-1, 1, (rows, 1, 1)).astype(np.float32)
+    b = rng.uniform(-1, 1, (1, 1, 1)).astype(np.float32)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1])
+        y = fd.define_tensor([1, -1, -1])
+        fd.add_output(fd.ops.where(fd.ops.ne(x, y), 0.5, y))
+        s = fd.ops.sum(y, [0, 1], keepdim=True)
+        fd.add_output(fd.ops.mul(y, fd.ops.broadcast_in_dim(s, [-1, -1, -1], [0, 1, 2])))
+    got = fd.execute([a, b])
+    np.testing.assert_array_equal(got[0], np.where(a != b, np.float32(0.5), b))
+    np.testing.assert_allclose(got[1], b.astype(np.float64) * b.astype(np.float64), rtol=1e-6)

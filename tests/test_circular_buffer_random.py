@@ -38,30 +38,30 @@ checked by strict xfail tests, with the smallest examples below: fix the compile
 and must be taken out of ``KNOWN_ISSUES``.
 
 ``python tests/test_circular_buffer_random.py N [--seed S]`` draws N fresh examples and prints
-the counts per category, a repro per failure kind and what the accepted examples covered.
+the counts per category, a repro per failure kind and what the accepted examples covered. The
+hypothesis collection, the report and the explorer's loop are tests/random_harness.py's.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import random
 import re
 import sys
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+import random_harness as harness
 from kiln import FusionDefinition, KilnError, MemoryType, ParallelType
+from random_harness import RandomDraw
 
 N_EXAMPLES = int(os.environ.get("KILN_CB_EXAMPLES", "1000"))
 # The kernels of every N-th accepted example are compiled with NVRTC by conftest (0: none).
 COMPILE_EVERY = int(os.environ.get("KILN_CB_COMPILE_EVERY", "10"))
+# The derandomized profile's seed: the examples CI runs (each module its own).
+_CI_SEED = 3
 TILES = [16, 32, 64, 128]
 OUTER = {2: ["bx", "bx", "serial"],
          3: ["by_bx", "bx_serial", "serial_bx", "serial", "merge_bx", "merge_serial"]}
@@ -81,23 +81,7 @@ _MEMFAULT = re.compile(r"out-of-bounds|out of bounds|race|uninitiali[sz]ed|never
 _INTERNAL = re.compile(r"internal compiler error|\bpanic", re.I)
 
 
-# -- drawing -----------------------------------------------------------------------------------
-class RandomDraw:
-    """Draws from a ``random.Random`` (hypothesis supplies the seed, the explorer its own)."""
-
-    def __init__(self, rng: random.Random) -> None:
-        self.rng = rng
-
-    def int(self, lo: int, hi: int) -> int:
-        return self.rng.randint(lo, hi)
-
-    def choice(self, seq: Sequence[Any]) -> Any:
-        return seq[self.rng.randrange(len(seq))]
-
-    def bool(self, p: float = 0.5) -> bool:
-        return self.rng.random() < p
-
-
+# -- drawing (with random_harness.RandomDraw) -----------------------------------------------------
 @dataclass(frozen=True)
 class Mapping:
     """How a tensor runs a tile: ``bulk``, one Bulk copy; otherwise the tile split by ``split``
@@ -151,7 +135,7 @@ def _extent(d: Any, tile: int, prefetch: int, stages: int, lo: int = 1) -> int:
     return min(max(n, lo), 700)
 
 
-def gen_case(d: Any) -> Case:
+def gen_case(d: RandomDraw) -> Case:
     rank = d.choice([2, 2, 3])
     outer = d.choice(OUTER[rank])
     ops: List[Tuple[str, Any]] = []
@@ -201,7 +185,7 @@ def gen_case(d: Any) -> Case:
 def cases() -> Any:
     """Hypothesis strategy of cases: a seed, expanded by ``gen_case`` (as in test_manual_random,
     so CI draws from the explorer's distribution)."""
-    return st.integers(0, 2 ** 63 - 1).map(lambda seed: gen_case(RandomDraw(random.Random(seed))))
+    return harness.seeded_cases(gen_case)
 
 
 # -- building the program as source lines -----------------------------------------------------
@@ -511,39 +495,15 @@ def case_size(case: Case) -> Tuple[int, int]:
     return (len(case.ops) + len(case.sizes), sum(int(np.prod(s)) for s in case.sizes))
 
 
-def _section(results: Sequence[Tuple[Case, Outcome]], max_groups: int) -> List[str]:
-    """Counts per category and, per failure kind, the smallest example's repro."""
-    counts = Counter(o.category for _, o in results)
-    total = max(1, len(results))
-    lines = [f"{len(results)} examples: " + ", ".join(
-        f"{c} {counts.get(c, 0)} ({100.0 * counts.get(c, 0) / total:.1f}%)" for c in CATEGORIES)]
-    groups: Dict[Tuple[str, str], List[Tuple[Case, Outcome]]] = {}
-    for case, o in results:
-        if o.category != "ok":
-            groups.setdefault((o.category, o.key), []).append((case, o))
-    for cat in CATEGORIES[1:]:
-        mine = sorted(((k, v) for k, v in groups.items() if k[0] == cat), key=lambda kv: -len(kv[1]))
-        if not mine:
-            continue
-        lines.append(f"\n=== {cat}: {counts[cat]} examples, {len(mine)} distinct messages ===")
-        lines += [f"  {len(items):4d}  {key}" for (_, key), items in mine]
-        if cat == "refused":
-            continue
-        for n, ((_, key), items) in enumerate(mine[:max_groups]):
-            case, o = min(items, key=lambda co: case_size(co[0]))
-            lines.append(f"\n--- {cat} #{n + 1} ({len(items)}x): {key}\n# case: {case!r}")
-            lines.append(repro(case, o))
-    return lines
-
-
 def summarize(results: Sequence[Tuple[Case, Outcome]], max_groups: int = 12) -> str:
     """The examples clear of ``KNOWN_ISSUES``, then those of each issue, each by category."""
-    lines = _section([r for r in results if r[1].issue is None], max_groups)
+    lines = harness.summary_lines([r for r in results if r[1].issue is None], CATEGORIES, case_size, repro,
+                                  max_groups)
     for issue, what in KNOWN_ISSUES.items():
         mine = [r for r in results if r[1].issue == issue]
         if mine:
             lines.append(f"\n##### known issue: {issue} ({what})")
-            lines += _section(mine, 3)
+            lines += harness.summary_lines(mine, CATEGORIES, case_size, repro, 3)
     return "\n".join(lines)
 
 
@@ -582,38 +542,17 @@ _KEPT: list = []
 
 
 def _collect() -> List[Tuple[Case, Outcome]]:
-    if RESULTS:
-        return RESULTS
-    from kiln import lowering
+    return harness.collect(RESULTS, _KEPT, cases(), run_case, N_EXAMPLES, COMPILE_EVERY, _CI_SEED,
+                           accepted=_accepted, phases=None)
 
-    accepted = 0
 
-    @settings(max_examples=N_EXAMPLES, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(cases())
-    def body(case: Case) -> None:
-        nonlocal accepted
-        lowering.take_generated()
-        outcome = run_case(case)
-        RESULTS.append((case, outcome))
-        lowering.take_generated()
-        if outcome.category == "ok" and outcome.issue is None:
-            accepted += 1
-            if COMPILE_EVERY and accepted % COMPILE_EVERY == 0:
-                _KEPT.extend(outcome.kernels)
-        outcome.kernels = []
-
-    body()
-    return RESULTS
+def _accepted(o: Outcome) -> bool:
+    return o.category == "ok" and o.issue is None
 
 
 def test_random_circular_buffers_are_correct_or_refused_by_a_documented_rule() -> None:
-    from kiln import lowering
-
     results = _collect()
-    lowering.take_generated()
-    lowering._GENERATED.extend(_KEPT)  # conftest compiles the sampled accepted kernels with NVRTC
-    _KEPT.clear()
+    harness.hand_kept_kernels_to_conftest(_KEPT)  # conftest compiles them with NVRTC
     clear = [(c, o) for c, o in results if o.issue is None]
     bad = [(c, o) for c, o in clear if o.category in FAILURES]
     if bad:
@@ -633,37 +572,25 @@ def test_random_circular_buffers_of_known_issues(issue: str) -> None:
 @pytest.mark.gpu
 def test_accepted_random_circular_buffers_match_numpy_on_the_gpu() -> None:
     """The schedules the interpreter accepted, run on the GPU (``KILN_CB_GPU_EXAMPLES``)."""
-    from gpu_util import cupy_or_skip
+    harness.rerun_accepted_on_gpu(_collect, "KILN_CB_GPU_EXAMPLES", 150, _run_on_gpu, repro,
+                                  accepted=_accepted)
 
-    cp = cupy_or_skip()
-    limit = int(os.environ.get("KILN_CB_GPU_EXAMPLES", "150"))
-    bad: List[Tuple[Case, Outcome]] = []
-    ran = 0
-    for case, o in _collect():
-        if o.category != "ok" or o.issue is not None or ran >= limit:
-            continue
-        ran += 1
-        prog = program(case)
-        ns = _namespace()
-        exec("\n".join(prog.lines), ns)
-        for i, size in enumerate(case.sizes):
-            arrays = inputs(case, prog, size, case.seed + i)
-            try:
-                got = [cp.asnumpy(g) for g in ns["fd"].execute([cp.asarray(a) for a in arrays])]
-            except Exception as e:  # noqa: BLE001 - every failure on the GPU is reported
-                bad.append((case, Outcome("internal", f"{type(e).__name__}: {e}", normalize(str(e)), size)))
-                break
-            wrong = check(case, prog, size, arrays, got)
-            if wrong is not None:
-                bad.append((case, wrong))
-                break
-    # These kernels were compiled for the GPU they ran on (conftest need not compile them again).
-    from kiln.lowering import take_generated
 
-    take_generated()
-    if bad:
-        pytest.fail(f"{len(bad)} of {ran} accepted schedules differ on the GPU\n" + "\n\n".join(
-            repro(case, o) for case, o in bad[:5]), pytrace=False)
+def _run_on_gpu(cp: Any, case: Case) -> Optional[Outcome]:
+    """Run ``case`` at each of its sizes on the GPU: the first thing that is not ok, or None."""
+    prog = program(case)
+    ns = _namespace()
+    exec("\n".join(prog.lines), ns)
+    for i, size in enumerate(case.sizes):
+        arrays = inputs(case, prog, size, case.seed + i)
+        try:
+            got = [cp.asnumpy(g) for g in ns["fd"].execute([cp.asarray(a) for a in arrays])]
+        except Exception as e:  # noqa: BLE001 - every failure on the GPU is reported
+            return Outcome("internal", f"{type(e).__name__}: {e}", normalize(str(e)), size)
+        wrong = check(case, prog, size, arrays, got)
+        if wrong is not None:
+            return wrong
+    return None
 
 
 # -- smallest examples of issues found by this test ------------------------------------------------
@@ -731,25 +658,10 @@ def test_inlining_the_copy_into_an_untouched_intermediate() -> None:
 
 # -- explorer --------------------------------------------------------------------------------------
 def main(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(description="Explore random circular-buffer schedules in the interpreter.")
-    p.add_argument("m", nargs="?", type=int, default=1000, help="number of examples (default 1000)")
-    p.add_argument("--seed", type=int, default=None, help="seed (default: fresh)")
-    p.add_argument("--groups", type=int, default=12, help="repros per category")
+    p = harness.explorer_parser("Explore random circular-buffer schedules in the interpreter.", 1000)
     args = p.parse_args(argv)
-    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(6), "little")
     os.environ.setdefault("KILN_VERIFY", "1")  # as conftest: verify the kernel IR after each pass
-    rng = random.Random(seed)
-    results = []
-    t0 = time.time()
-    for i in range(args.m):
-        case = gen_case(RandomDraw(rng))
-        o = run_case(case)
-        o.kernels = []
-        results.append((case, o))
-        if (i + 1) % 500 == 0:
-            print(f"  {i + 1} examples, {time.time() - t0:.0f} s", file=sys.stderr)
-    print(f"kiln circular-buffer exploration: seed {seed}, {args.m} examples in {time.time() - t0:.1f} s "
-          f"(repeat: python tests/test_circular_buffer_random.py {args.m} --seed {seed})")
+    results = harness.explore(args, "circular-buffer", __file__, gen_case, run_case)
     print(summarize(results, max_groups=args.groups))
     print(coverage(results))
     return 1 if any(o.category in FAILURES and o.issue is None for _, o in results) else 0

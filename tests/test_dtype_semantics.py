@@ -202,3 +202,45 @@ def test_bool_inputs_count_any_nonzero_byte_as_true() -> None:
     np.testing.assert_array_equal(got_f, truth.astype(np.float64))
     assert int(got_n) == int(truth.sum())
     np.testing.assert_array_equal(got_w, np.where(truth, 1.5, -2.0))
+
+
+_AFTER = ["reshape", "slice", "pad", "select", "permute_out", "squeeze", "cat"]
+
+
+@pytest.mark.parametrize("after", _AFTER)
+@pytest.mark.parametrize("ranked,np_ranked", [(DataType.Float, np.float32), (DataType.Half, np.float16)])
+def test_zero_dim_math_keeps_the_ranked_dtype_through_shape_ops(after: str, ranked: DataType,
+                                                                np_ranked: type) -> None:
+    # sqrt(|s| + 1) of a Double scalar is a 0-d Double tensor: beside a Float (Half) tensor the
+    # result is Float (Half), also where the automatic schedule moves the op through a shape op.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, 1], ranked)
+        s = fd.define_scalar(dtype=DataType.Double)
+        y = fd.ops.minimum(fd.ops.sqrt(fd.ops.add(fd.ops.abs(s), 1.0)), x)
+        if after == "reshape":
+            y = fd.ops.reshape(y, [-1])
+        elif after == "slice":
+            y = fd.ops.slice(y, [1, 0, 0], [None, None, None])
+        elif after == "pad":
+            y = fd.ops.pad(y, [0, 0, 1, 2])
+        elif after == "select":
+            y = fd.ops.select(y, 0, 1)
+        elif after == "squeeze":
+            y = fd.ops.squeeze(y, [2])
+        elif after == "cat":
+            y = fd.ops.cat([y, x], 1)
+        if after == "permute_out":
+            fd.add_output(fd.ops.permute(y, [1, 0, 2]))
+        else:
+            fd.add_output(y)
+    a = np.random.default_rng(2).uniform(-3, 3, (4, 5, 1)).astype(np_ranked)
+    s_val = -1.5
+    ref = np.minimum(np.sqrt(2.5), a.astype(np.float64))
+    ref = {"reshape": lambda r: r.reshape(-1), "slice": lambda r: r[1:], "select": lambda r: r[1],
+           "pad": lambda r: np.pad(r, [(0, 0), (1, 2), (0, 0)]), "squeeze": lambda r: r[:, :, 0],
+           "cat": lambda r: np.concatenate([r, a.astype(np.float64)], 1),
+           "permute_out": lambda r: r.transpose(1, 0, 2)}[after](ref)
+    got = fd.execute([a, s_val])[0]
+    want_written = fd.execute([a, s_val], as_written=True)[0]
+    assert got.dtype == np_ranked and want_written.dtype == np_ranked
+    np.testing.assert_allclose(got.astype(np.float64), ref, rtol=1e-3 if ranked == DataType.Half else 1e-6)

@@ -23,30 +23,30 @@ contract); the example goes on without it, and the repro leaves the line out.
 The generator emits each example as Python source lines (``repro`` prints a runnable program).
 CI runs ``KILN_MANUAL_EXAMPLES`` (default 300) derandomized examples;
 ``python tests/test_manual_random.py 2000 [--seed S]`` draws fresh ones and prints the counts,
-the refusal messages' distribution and every failure kind with a repro.
+the refusal messages' distribution and every failure kind with a repro. The hypothesis
+collection, the report and the explorer's loop are tests/random_harness.py's.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import re
 import sys
-import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
+import random_harness as harness
 from kiln import DataType, FusionDefinition, KilnError, MemoryType, ParallelType
+from random_harness import RandomDraw
 
 N_EXAMPLES = int(os.environ.get("KILN_MANUAL_EXAMPLES", "300"))
 # The kernels of every N-th accepted example are compiled with NVRTC by conftest (0: none).
 COMPILE_EVERY = int(os.environ.get("KILN_MANUAL_COMPILE_EVERY", "10"))
+# The derandomized profile's seed: the examples CI runs (each module its own).
+_CI_SEED = 1
 SIZES = [1, 1, 2, 3, 4, 5, 7, 8, 13, 16, 31, 32, 33, 64, 97, 127, 128, 131, 257]
 MAX_ELEMENTS = 2048
 FACTORS = [1, 2, 2, 3, 4, 4, 5, 7, 8, 16, 31, 32, 64, 128, 257]
@@ -71,23 +71,7 @@ _REF_BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "maximum":
                "minimum": np.minimum}
 
 
-# -- drawing -----------------------------------------------------------------------------------
-class RandomDraw:
-    """Draws from a ``random.Random`` (hypothesis supplies the seed, as in test_auto_random)."""
-
-    def __init__(self, rng: random.Random) -> None:
-        self.rng = rng
-
-    def int(self, lo: int, hi: int) -> int:
-        return self.rng.randint(lo, hi)
-
-    def choice(self, seq: Sequence[Any]) -> Any:
-        return seq[self.rng.randrange(len(seq))]
-
-    def bool(self, p: float = 0.5) -> bool:
-        return self.rng.random() < p
-
-
+# -- drawing (with random_harness.RandomDraw) -----------------------------------------------------
 @dataclass
 class Case:
     """A fusion and a schedule as plain data; axes and tensors are resolved modulo what exists."""
@@ -169,7 +153,7 @@ def gen_case(d: RandomDraw) -> Case:
 
 def cases() -> Any:
     """Hypothesis strategy of cases: a seed, expanded by ``gen_case``."""
-    return st.integers(0, 2 ** 63 - 1).map(lambda seed: gen_case(RandomDraw(random.Random(seed))))
+    return harness.seeded_cases(gen_case)
 
 
 # -- building ------------------------------------------------------------------------------------
@@ -492,31 +476,7 @@ def refusal_rule(msg: str) -> str:
 
 def summarize(results: Sequence[Tuple[Case, Outcome]], max_groups: int = 12) -> str:
     """Counts per category, the refusal messages' distribution, and a repro per failure kind."""
-    counts = Counter(o.category for _, o in results)
-    total = max(1, len(results))
-    lines = [f"{len(results)} examples: " + ", ".join(
-        f"{c} {counts.get(c, 0)} ({100.0 * counts.get(c, 0) / total:.1f}%)" for c in CATEGORIES)]
-    groups: Dict[Tuple[str, str], List[Tuple[Case, Outcome]]] = {}
-    for case, o in results:
-        if o.category != "ok":
-            groups.setdefault((o.category, o.key), []).append((case, o))
-    for cat in CATEGORIES[1:]:
-        mine = sorted(((k, v) for k, v in groups.items() if k[0] == cat), key=lambda kv: -len(kv[1]))
-        if not mine:
-            continue
-        lines.append(f"\n=== {cat}: {counts[cat]} examples, {len(mine)} distinct messages ===")
-        for (_, key), items in mine:
-            lines.append(f"  {len(items):4d}  {key}")
-        if cat == "refused":
-            rules = Counter(refusal_rule(o.message) for _, o in results if o.category == "refused")
-            lines.append("  by rule:")
-            lines += [f"  {n:4d}  {rule}" for rule, n in rules.most_common()]
-            continue
-        for n, ((_, key), items) in enumerate(mine[:max_groups]):
-            case, o = min(items, key=lambda co: case_size(co[0]))
-            lines.append(f"\n--- {cat} #{n + 1} ({len(items)}x): {key}\n# case: {case!r}")
-            lines.append(repro(case, o))
-    return "\n".join(lines)
+    return "\n".join(harness.summary_lines(results, CATEGORIES, case_size, repro, max_groups, refusal_rule))
 
 
 # -- the CI test ----------------------------------------------------------------------------------
@@ -525,39 +485,13 @@ _KEPT: list = []
 
 
 def _collect() -> List[Tuple[Case, Outcome]]:
-    if RESULTS:
-        return RESULTS
-    from kiln import lowering
-
-    accepted = 0
-
-    @settings(max_examples=N_EXAMPLES, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck), phases=[Phase.generate])
-    @given(cases())
-    def body(case: Case) -> None:
-        nonlocal accepted
-        lowering.take_generated()
-        outcome = run_case(case)
-        RESULTS.append((case, outcome))
-        lowering.take_generated()
-        if outcome.category == "ok":
-            accepted += 1
-            if COMPILE_EVERY and accepted % COMPILE_EVERY == 0:
-                _KEPT.extend(outcome.kernels)
-        outcome.kernels = []
-
-    body()
-    return RESULTS
+    return harness.collect(RESULTS, _KEPT, cases(), run_case, N_EXAMPLES, COMPILE_EVERY, _CI_SEED)
 
 
 @pytest.mark.may_spill  # a random hand schedule may hold thousands of Local elements per thread
 def test_manual_random_schedules_are_refused_or_correct() -> None:
-    from kiln import lowering
-
     results = _collect()
-    lowering.take_generated()
-    lowering._GENERATED.extend(_KEPT)  # conftest compiles the sampled accepted kernels with NVRTC
-    _KEPT.clear()
+    harness.hand_kept_kernels_to_conftest(_KEPT)  # conftest compiles them with NVRTC
     bad = [(c, o) for c, o in results if o.category in FAILURES]
     if bad:
         pytest.fail(f"{len(bad)} of {len(results)} examples failed\n" + summarize(results), pytrace=False)
@@ -574,56 +508,18 @@ def test_manual_random_refusals_name_a_tensor() -> None:
 @pytest.mark.gpu
 def test_accepted_random_schedules_match_numpy_on_the_gpu() -> None:
     """The schedules the interpreter accepted, run on the GPU (``KILN_MANUAL_GPU_EXAMPLES``)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from gpu_util import cupy_or_skip
-
-    cp = cupy_or_skip()
-    limit = int(os.environ.get("KILN_MANUAL_GPU_EXAMPLES", "120"))
-    bad = []
-    ran = 0
-    for case, o in _collect():
-        if o.category != "ok" or ran >= limit:
-            continue
-        ran += 1
-        prog = build(case)
-        try:
-            got = prog.fd.execute([cp.asarray(a) for a in prog.arrays])
-        except Exception as e:  # noqa: BLE001 - every failure on the GPU is reported
-            bad.append((case, f"{type(e).__name__}: {e}"))
-            continue
-        problems = [p for v, g in zip(prog.outputs, got) if (p := check_output(v, cp.asnumpy(g)))]
-        if problems:
-            bad.append((case, "; ".join(problems)))
-    # These kernels were compiled for the GPU they ran on; a random hand schedule (a wide
-    # unroll) may spill registers, which is its author's choice, not a compiler error.
-    from kiln.lowering import take_generated
-
-    take_generated()
-    if bad:
-        pytest.fail(f"{len(bad)} of {ran} accepted schedules differ on the GPU\n" + "\n\n".join(
-            f"# {msg}\n{repro(case)}" for case, msg in bad[:5]), pytrace=False)
+    # These kernels are compiled for the GPU they run on; a random hand schedule (a wide unroll)
+    # may spill registers, which is its author's choice, not a compiler error.
+    harness.rerun_accepted_on_gpu(_collect, "KILN_MANUAL_GPU_EXAMPLES", 120,
+                                  lambda cp, case: harness.gpu_mismatch(cp, build(case), check_output),
+                                  lambda case, msg: f"# {msg}\n{repro(case)}")
 
 
 # -- explorer --------------------------------------------------------------------------------------
 def main(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(description="Explore random manual schedules in the interpreter.")
-    p.add_argument("m", nargs="?", type=int, default=2000, help="number of examples (default 2000)")
-    p.add_argument("--seed", type=int, default=None, help="seed (default: fresh)")
-    p.add_argument("--groups", type=int, default=12, help="repros per category")
+    p = harness.explorer_parser("Explore random manual schedules in the interpreter.", 2000)
     args = p.parse_args(argv)
-    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(6), "little")
-    rng = random.Random(seed)
-    results = []
-    t0 = time.time()
-    for i in range(args.m):
-        case = gen_case(RandomDraw(rng))
-        o = run_case(case)
-        o.kernels = []
-        results.append((case, o))
-        if (i + 1) % 500 == 0:
-            print(f"  {i + 1} examples, {time.time() - t0:.0f} s", file=sys.stderr)
-    print(f"kiln manual-schedule exploration: seed {seed}, {args.m} examples in {time.time() - t0:.1f} s "
-          f"(repeat: python tests/test_manual_random.py {args.m} --seed {seed})")
+    results = harness.explore(args, "manual-schedule", __file__, gen_case, run_case)
     print(summarize(results, max_groups=args.groups))
     return 1 if any(o.category in FAILURES for _, o in results) else 0
 

@@ -23,28 +23,27 @@ never ``mismatch``, ``memfault``, ``internal`` or ``late``. A scheduling primiti
 
 CI runs ``KILN_MANUAL_REDUCTION_EXAMPLES`` (default 800) derandomized examples;
 ``python tests/test_manual_reduction_random.py 2000 [--seed S]`` draws fresh ones and prints the
-counts, the refusal messages' distribution and every failure kind with a runnable repro.
+counts, the refusal messages' distribution and every failure kind with a runnable repro. The
+hypothesis collection, the report and the explorer's loop are tests/random_harness.py's.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import random
 import re
 import sys
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
+import random_harness as harness
 from kiln import DataType, FusionDefinition, KilnError, MemoryType, ParallelType
 from kiln.fusion import Tensor
+from random_harness import RandomDraw
 from test_manual_random import (
     _NAMES_TENSOR,
     _REF_BINARY,
@@ -56,7 +55,6 @@ from test_manual_random import (
     SIZES,
     UNARY,
     Outcome,
-    RandomDraw,
     classify,
     normalize,
     refusal_rule,
@@ -65,6 +63,8 @@ from test_manual_random import (
 N_EXAMPLES = int(os.environ.get("KILN_MANUAL_REDUCTION_EXAMPLES", "800"))
 # The kernels of every N-th accepted example are compiled with NVRTC by conftest (0: none).
 COMPILE_EVERY = int(os.environ.get("KILN_MANUAL_REDUCTION_COMPILE_EVERY", "20"))
+# The derandomized profile's seed: the examples CI runs (each module its own).
+_CI_SEED = 2
 MAX_ELEMENTS = 2048
 REDUCTIONS = ["sum", "sum", "max", "min", "mean"]
 PTYPES = ["BIDx", "BIDx", "BIDy", "TIDx", "TIDx", "TIDx", "TIDy", "Unroll", "Unroll", "Vectorize", "Unswitch"]
@@ -247,7 +247,7 @@ def gen_case(d: RandomDraw) -> Case:
 
 def cases() -> Any:
     """Hypothesis strategy of cases: a seed, expanded by ``gen_case``."""
-    return st.integers(0, 2 ** 63 - 1).map(lambda seed: gen_case(RandomDraw(random.Random(seed))))
+    return harness.seeded_cases(gen_case)
 
 
 # -- building ------------------------------------------------------------------------------------
@@ -739,30 +739,7 @@ def reduction_refusal_rule(msg: str) -> str:
 def summarize(results: Sequence[Tuple[Case, ROutcome]], max_groups: int = 12, calls: int = 0) -> str:
     """Counts per category, the refusal messages' distribution, and a repro per failure kind;
     with ``calls``, the ``calls`` most frequent messages of the scheduling calls that raised."""
-    counts = Counter(o.category for _, o in results)
-    total = max(1, len(results))
-    lines = [f"{len(results)} examples: " + ", ".join(
-        f"{c} {counts.get(c, 0)} ({100.0 * counts.get(c, 0) / total:.1f}%)" for c in CATEGORIES)]
-    groups: Dict[Tuple[str, str], List[Tuple[Case, Outcome]]] = {}
-    for case, o in results:
-        if o.category != "ok":
-            groups.setdefault((o.category, o.key), []).append((case, o))
-    for cat in CATEGORIES[1:]:
-        mine = sorted(((k, v) for k, v in groups.items() if k[0] == cat), key=lambda kv: -len(kv[1]))
-        if not mine:
-            continue
-        lines.append(f"\n=== {cat}: {counts[cat]} examples, {len(mine)} distinct messages ===")
-        for (_, key), items in mine:
-            lines.append(f"  {len(items):4d}  {key}")
-        if cat == "refused":
-            rules = Counter(reduction_refusal_rule(o.message) for _, o in results if o.category == "refused")
-            lines.append("  by rule:")
-            lines += [f"  {n:4d}  {rule}" for rule, n in rules.most_common()]
-            continue
-        for n, ((_, key), items) in enumerate(mine[:max_groups]):
-            case, o = min(items, key=lambda co: case_size(co[0]))
-            lines.append(f"\n--- {cat} #{n + 1} ({len(items)}x): {key}\n# case: {case!r}")
-            lines.append(repro(case, o))
+    lines = harness.summary_lines(results, CATEGORIES, case_size, repro, max_groups, reduction_refusal_rule)
     if calls:
         refused = Counter(normalize(m) for _, o in results for m in o.calls_refused)
         lines.append(f"\n=== scheduling calls refused (left out): {sum(refused.values())} calls ===")
@@ -776,39 +753,13 @@ _KEPT: list = []
 
 
 def _collect() -> List[Tuple[Case, ROutcome]]:
-    if RESULTS:
-        return RESULTS
-    from kiln import lowering
-
-    accepted = 0
-
-    @settings(max_examples=N_EXAMPLES, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck), phases=[Phase.generate])
-    @given(cases())
-    def body(case: Case) -> None:
-        nonlocal accepted
-        lowering.take_generated()
-        outcome = run_case(case)
-        RESULTS.append((case, outcome))
-        lowering.take_generated()
-        if outcome.category == "ok":
-            accepted += 1
-            if COMPILE_EVERY and accepted % COMPILE_EVERY == 0:
-                _KEPT.extend(outcome.kernels)
-        outcome.kernels = []
-
-    body()
-    return RESULTS
+    return harness.collect(RESULTS, _KEPT, cases(), run_case, N_EXAMPLES, COMPILE_EVERY, _CI_SEED)
 
 
 @pytest.mark.may_spill  # a random hand schedule may hold thousands of Local elements per thread
 def test_manual_reduction_schedules_are_refused_or_correct() -> None:
-    from kiln import lowering
-
     results = _collect()
-    lowering.take_generated()
-    lowering._GENERATED.extend(_KEPT)  # conftest compiles the sampled accepted kernels with NVRTC
-    _KEPT.clear()
+    harness.hand_kept_kernels_to_conftest(_KEPT)  # conftest compiles them with NVRTC
     bad = [(c, o) for c, o in results if o.category in FAILURES]
     if bad:
         pytest.fail(f"{len(bad)} of {len(results)} examples failed\n" + summarize(results), pytrace=False)
@@ -828,56 +779,18 @@ def test_manual_reduction_refusals_name_a_tensor() -> None:
 @pytest.mark.gpu
 def test_accepted_random_reduction_schedules_match_numpy_on_the_gpu() -> None:
     """The schedules the interpreter accepted, run on the GPU (``KILN_MANUAL_GPU_EXAMPLES``)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from gpu_util import cupy_or_skip
-
-    cp = cupy_or_skip()
-    limit = int(os.environ.get("KILN_MANUAL_GPU_EXAMPLES", "120"))
-    bad = []
-    ran = 0
-    for case, o in _collect():
-        if o.category != "ok" or ran >= limit:
-            continue
-        ran += 1
-        prog = build(case)
-        try:
-            got = prog.fd.execute([cp.asarray(a) for a in prog.arrays])
-        except Exception as e:  # noqa: BLE001 - every failure on the GPU is reported
-            bad.append((case, f"{type(e).__name__}: {e}"))
-            continue
-        problems = [p for v, g in zip(prog.outputs, got) if (p := check_output(v, cp.asnumpy(g)))]
-        if problems:
-            bad.append((case, "; ".join(problems)))
-    from kiln.lowering import take_generated
-
-    take_generated()  # (compiled for the GPU they ran on; spills are the schedule's cost)
-    if bad:
-        pytest.fail(f"{len(bad)} of {ran} accepted schedules differ on the GPU\n" + "\n\n".join(
-            f"# {msg}\n{repro(case)}" for case, msg in bad[:5]), pytrace=False)
+    # (compiled for the GPU they run on; spills are the schedule's cost)
+    harness.rerun_accepted_on_gpu(_collect, "KILN_MANUAL_GPU_EXAMPLES", 120,
+                                  lambda cp, case: harness.gpu_mismatch(cp, build(case), check_output),
+                                  lambda case, msg: f"# {msg}\n{repro(case)}")
 
 
 # -- explorer --------------------------------------------------------------------------------------
 def main(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(description="Explore random manual reduction schedules in the interpreter.")
-    p.add_argument("m", nargs="?", type=int, default=2000, help="number of examples (default 2000)")
-    p.add_argument("--seed", type=int, default=None, help="seed (default: fresh)")
-    p.add_argument("--groups", type=int, default=12, help="repros per category")
+    p = harness.explorer_parser("Explore random manual reduction schedules in the interpreter.", 2000)
     p.add_argument("--calls", type=int, default=25, help="messages of refused scheduling calls to list")
     args = p.parse_args(argv)
-    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(6), "little")
-    rng = random.Random(seed)
-    results = []
-    t0 = time.time()
-    for i in range(args.m):
-        case = gen_case(RandomDraw(rng))
-        o = run_case(case)
-        o.kernels = []
-        results.append((case, o))
-        if (i + 1) % 500 == 0:
-            print(f"  {i + 1} examples, {time.time() - t0:.0f} s", file=sys.stderr)
-    print(f"kiln manual reduction-schedule exploration: seed {seed}, {args.m} examples in "
-          f"{time.time() - t0:.1f} s (repeat: python tests/{os.path.basename(__file__)} {args.m} "
-          f"--seed {seed})")
+    results = harness.explore(args, "manual reduction-schedule", __file__, gen_case, run_case)
     print(summarize(results, max_groups=args.groups, calls=args.calls))
     return 1 if any(o.category in FAILURES for _, o in results) else 0
 

@@ -84,6 +84,25 @@ def test_two_outputs_stored_in_different_orders():
     assert e.strides == (4, 24) and n.strides == (40, 4)
 
 
+@pytest.mark.parametrize("orders", [([1, 2, 0], [2, 1, 0], None), ([2, 1, 0], None, [1, 2, 0]),
+                                    (None, [0, 1, 2], [2, 1, 0]), ([2, 0, 1], [1, 2, 0], [2, 0, 1])])
+def test_one_tensor_output_several_times_keeps_each_order(orders):
+    """Each ``add_output`` of the same tensor is its own output with its own stored order."""
+    shape = (3, 5, 7)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1])
+        y = fd.ops.mul(fd.ops.exp(x), 2.0)
+        for order in orders:
+            fd.add_output(y, stride_order=order)
+    a = _rng(7).standard_normal(shape).astype(np.float32)
+    outs = fd.execute([a])
+    ref = np.exp(a.astype(np.float64)) * 2.0
+    assert len(outs) == len(orders)
+    for got, order in zip(outs, orders):
+        np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-6)
+        assert got.strides == _strides(list(shape), order if order is not None else [2, 1, 0])
+
+
 @pytest.mark.parametrize("order,match", [([0, 0], "not a permutation"), ([0, 1, 2], "not a permutation"),
                                          ([1], "not a permutation"), (["a", 0], "int")])
 def test_bad_stride_orders_are_kiln_errors(order: List, match: str):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kiln import FusionDefinition
+from kiln import DataType, FusionDefinition
 from kiln.execute import lowered_for
 
 
@@ -146,3 +146,34 @@ def test_an_output_read_back_through_two_permutes_is_a_buffer_of_its_own() -> No
     assert sorted(b.offset for b in plan.buffers if b.place == "output") == [0, 1]
     for got in fd.execute([x0]):
         _check(got, np.exp(x0.astype(np.float64)))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 2), (1, 1, 3, 5), (2, 1, 3, 70), (1, 1, 1, 200), (2, 3, 4, 5),
+                                   (2, 1, 65, 67)])
+@pytest.mark.parametrize("other", ["fill", "row", "col"])
+def test_a_transpose_epilogue_reads_size_one_broadcasts_of_its_output(shape: tuple, other: str) -> None:
+    # The transpose's output [B, S, D, 1] times a fill [1, 1, D, 1] (or an input broadcast so):
+    # the fill's size-one axes are split and merged with the tile, and the loops that run it
+    # are the output's. Every element it is read at must be computed (the permute also feeds
+    # a reshape, so that the transpose schedule takes the product).
+    rng = np.random.default_rng(sum(shape))
+    a = rng.uniform(-1, 1, shape).astype(np.float32)
+    p = [shape[i] for i in (0, 2, 3, 1)]
+    bshape = [1, 1, p[2], 1] if other != "col" else [1, p[1], 1, p[3]]
+    b = rng.uniform(-1, 1, bshape).astype(np.float32)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1, -1])
+        t = fd.ops.permute(x, [0, 2, 3, 1])
+        fd.add_output(fd.ops.reshape(t, p + [1]))
+        if other == "fill":
+            w = fd.ops.full(bshape, 1.5, DataType.Float)
+            inputs = [a]
+            ref_w = np.full(bshape, 1.5)
+        else:
+            w = fd.ops.exp(fd.define_tensor([1, 1, -1, 1] if other == "row" else [1, -1, 1, -1]))
+            inputs = [a, b]
+            ref_w = np.exp(b.astype(np.float64))
+        fd.add_output(fd.ops.mul(t, w))
+    got = fd.execute(inputs)
+    np.testing.assert_array_equal(got[0], a.transpose(0, 2, 3, 1).reshape(p + [1]))
+    np.testing.assert_allclose(got[1], a.transpose(0, 2, 3, 1).astype(np.float64) * ref_w, rtol=1e-6)

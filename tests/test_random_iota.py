@@ -251,3 +251,85 @@ def test_a_stepped_slice_of_an_iota_reshaped_keeps_its_positions() -> None:
     x_ = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
     (got,) = fd.execute([x_])
     np.testing.assert_allclose(got, x_ + (1.0 + np.arange(12.0))[::2].reshape(2, 3), rtol=1e-6)
+
+
+_REMAPS = ["slice_from_3", "slice_step_2", "pad_after", "pad_both", "cat_rotate"]
+
+
+def _remap_ref(name: str, v: np.ndarray, fill: float) -> np.ndarray:
+    if name == "slice_from_3":
+        return v[3:]
+    if name == "slice_step_2":
+        return v[1::2]
+    if name == "pad_after":
+        return np.concatenate([v, [fill]])
+    if name == "pad_both":
+        return np.concatenate([[fill, fill], v, [fill]])
+    return np.concatenate([v[5:], v[:5]])
+
+
+@pytest.mark.parametrize("remap", _REMAPS)
+@pytest.mark.parametrize("dtype,rtol", [(DataType.Float, 3e-6), (DataType.Double, 1e-13),
+                                        (DataType.Half, 4e-3)])
+@pytest.mark.parametrize("with_input", [False, True])
+def test_a_remapped_float_iota_is_made_in_its_readers_kernel(remap: str, dtype: DataType, rtol: float,
+                                                             with_input: bool) -> None:
+    # torch.linspace(...) then F.pad / a slice / torch.cat (Karras sigmas with a final zero,
+    # mel filterbank edges): the float iota is remade at the remapped positions instead of
+    # being stored by a kernel of its own.
+    n, start, step, fill = 29, 0.25, 1.0 / 7.0, -2.0
+    with FusionDefinition() as fd:
+        io = fd.ops.iota(n, start=start, step=step, dtype=dtype)
+        e = fd.ops.exp(fd.ops.mul(io, 0.5))
+        if remap == "slice_from_3":
+            r = fd.ops.slice(e, [3], [n])
+        elif remap == "slice_step_2":
+            r = fd.ops.slice(e, [1], [n], [2])
+        elif remap == "pad_after":
+            r = fd.ops.pad(e, [0, 1], fill)
+        elif remap == "pad_both":
+            r = fd.ops.pad(e, [2, 1], fill)
+        else:
+            r = fd.ops.cat([fd.ops.slice(e, [5], [n]), fd.ops.slice(e, [0], [5])], 0)
+        if with_input:
+            x = fd.define_tensor([-1], dtype)
+            r = fd.ops.add(r, x)
+        fd.add_output(r)
+    ref = _remap_ref(remap, np.exp(0.5 * (start + step * np.arange(n))), fill)
+    npdt = {DataType.Float: np.float32, DataType.Double: np.float64, DataType.Half: np.float16}[dtype]
+    xs = [np.linspace(-1, 1, ref.size).astype(npdt)] if with_input else []
+    if with_input:
+        ref = ref + xs[0].astype(np.float64)
+    (got,) = fd.execute(xs)
+    assert got.dtype == npdt
+    np.testing.assert_allclose(got.astype(np.float64), ref, rtol=rtol, atol=rtol)
+    assert len(fd.lower(xs).kernels) == 1
+
+
+@pytest.mark.parametrize("remap", _REMAPS)
+def test_math_on_runtime_scalars_read_through_a_remap_stays_in_one_kernel(remap: str) -> None:
+    # k-diffusion's Karras sigmas: (smax ** (1/rho) + ramp * (smin ** (1/rho) - smax ** (1/rho))) ** rho,
+    # then F.pad(sigmas, (0, 1)); the runtime-scalar math is remade at the remap's shape.
+    n, rho, fill = 29, 7.0, -2.0
+    with FusionDefinition() as fd:
+        smin, smax = fd.define_scalar(dtype=DataType.Double), fd.define_scalar(dtype=DataType.Double)
+        ramp = fd.ops.iota(n, 0.0, 1.0 / (n - 1), DataType.Float)
+        lo, hi = fd.ops.pow(smin, 1.0 / rho), fd.ops.pow(smax, 1.0 / rho)
+        s = fd.ops.pow(fd.ops.add(hi, fd.ops.mul(ramp, fd.ops.sub(lo, hi))), rho)
+        if remap == "slice_from_3":
+            r = fd.ops.slice(s, [3], [n])
+        elif remap == "slice_step_2":
+            r = fd.ops.slice(s, [1], [n], [2])
+        elif remap == "pad_after":
+            r = fd.ops.pad(s, [0, 1], fill)
+        elif remap == "pad_both":
+            r = fd.ops.pad(s, [2, 1], fill)
+        else:
+            r = fd.ops.cat([fd.ops.slice(s, [5], [n]), fd.ops.slice(s, [0], [5])], 0)
+        fd.add_output(r)
+    for a, b in [(0.002, 80.0), (0.03, 14.6)]:
+        ramp_ = np.arange(n) / (n - 1)
+        ref = _remap_ref(remap, (b ** (1 / rho) + ramp_ * (a ** (1 / rho) - b ** (1 / rho))) ** rho, fill)
+        (got,) = fd.execute([a, b])
+        np.testing.assert_allclose(got.astype(np.float64), ref, rtol=1e-5, atol=1e-6)
+    assert len(fd.lower([0.002, 80.0]).kernels) == 1

@@ -145,8 +145,8 @@ class Fusion:
         """Inline at a position."""
     def set_allocation_domain(self, t: int, ids: List[int], contiguity: List[Optional[bool]]) -> None:
         """Set the allocation domain from id numbers."""
-    def set_output_order(self, t: int, stride_order: List[int]) -> None:
-        """Store output `t` dense in nvFuser's `stride_order` of its non-reduction axes."""
+    def add_output_ordered(self, t: int, stride_order: List[int]) -> None:
+        """Mark `t` as an output stored dense in `stride_order`."""
     def auto_scheduled(self, sizes: List[List[int]]) -> AutoSchedule:
         """A copy of the fusion scheduled automatically for inputs of `sizes`, with the"""
     def auto_program(

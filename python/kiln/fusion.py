@@ -263,7 +263,8 @@ class FusionDefinition:
         """Mark ``t`` as an output of the fusion; with ``alias_input``, ``t`` is written into
         that input's array instead of being returned (an in-place update); with
         ``stride_order`` (nvFuser's: axis ``i`` has the ``stride_order[i]``-th smallest
-        stride), it is stored in that order and handed back as a strided view."""
+        stride), it is stored in that order and handed back as a strided view. Adding a
+        tensor that is already an output adds another output, a copy with its own order."""
         if not isinstance(t, Tensor):
             raise KilnTypeError(f"add_output: expected a Tensor of this fusion, got {t!r}")
         if stride_order is not None:
@@ -274,8 +275,8 @@ class FusionDefinition:
             if any(o < 0 for o in order):
                 raise KilnError(f"add_output {t.name}: stride_order {order} is not a permutation "
                                 f"(entries are axis ranks from 0)")
-            self._core.set_output_order(self._tensor(t, "add_output"), order)
-        if alias_input is None:
+            self._core.add_output_ordered(self._tensor(t, "add_output"), order)
+        elif alias_input is None:
             self._core.add_output(self._tensor(t, "add_output"))
         else:
             out, inp = self._tensor(t, "add_output"), self._tensor(alias_input, "add_output")

@@ -395,7 +395,7 @@ fn predicate(
             pred = f.scalars.binary(ScalarOp::And, pred, c);
         }
     }
-    let overrun = split_bounds(f, tv, idx, skip_reductions);
+    let overrun = split_bounds(f, ctx, tv, idx, skip_reductions);
     pred = f.scalars.binary(ScalarOp::And, pred, overrun);
     for l in stack {
         let reduced = l.group.is_some_and(|g| f.ids[ctx.lg.groups[g].promoted].iter_type == IterType::Reduction);
@@ -420,7 +420,13 @@ fn predicate(
 
 /// Bounds on the inputs of `tv`'s non-divisible splits of non-logical ids: the outer part
 /// of such a split can overrun into indices that alias a different valid element.
-fn split_bounds(f: &mut Fusion, tv: TvId, idx: &FxHashMap<IterDomainId, ValId>, skip_reductions: bool) -> ValId {
+fn split_bounds(
+    f: &mut Fusion,
+    ctx: &Ctx,
+    tv: TvId,
+    idx: &FxHashMap<IterDomainId, ValId>,
+    skip_reductions: bool,
+) -> ValId {
     let mut pred = f.scalars.boolean(true);
     for t in f.transforms_of(tv) {
         if let Transform::Split { input, factor, .. } = f.transforms[t] {
@@ -431,6 +437,18 @@ fn split_bounds(f: &mut Fusion, tv: TvId, idx: &FxHashMap<IterDomainId, ValId>, 
             if it == IterType::Broadcast || (skip_reductions && it == IterType::Reduction) {
                 continue;
             }
+            // A Local tensor indexed through its consumer: its id made from a broadcast counts
+            // the broadcast as one element, but the loops that run it are the consumer's,
+            // over the consumer's size (a fill `[1, 1, 2, 1]` merged with its reader's
+            // size-one axis split by 64). A bound in its own
+            // extents would leave elements the consumer reads unwritten; the consumer's
+            // overrun bounds (`reference_bounds`) apply instead.
+            if f.tvs[tv].memory == crate::ir::MemoryType::Local
+                && from_broadcast(f, input)
+                && chain_end(f, ctx, tv).is_some()
+            {
+                continue;
+            }
             if let (false, Some(&i)) = (divisible(f, input, factor), idx.get(&input)) {
                 let e = f.ids[input].extent;
                 let c = f.scalars.lt(i, e);
@@ -439,6 +457,20 @@ fn split_bounds(f: &mut Fusion, tv: TvId, idx: &FxHashMap<IterDomainId, ValId>, 
         }
     }
     pred
+}
+
+/// True when `id` is made from a broadcast id by splits and merges.
+fn from_broadcast(f: &Fusion, id: IterDomainId) -> bool {
+    let mut stack = vec![id];
+    while let Some(i) = stack.pop() {
+        if f.ids[i].iter_type == IterType::Broadcast {
+            return true;
+        }
+        if let Some(t) = f.ids[i].definition {
+            stack.extend(f.transforms[t].inputs());
+        }
+    }
+    false
 }
 
 /// `pred && extra`, leaving out the conjuncts of `extra` that `pred` already has.
@@ -461,7 +493,7 @@ fn reference_bounds(f: &mut Fusion, ctx: &Ctx, tv: TvId, stack: &[Enclosing]) ->
         return Ok(v);
     }
     let didx = consumer_indices(f, ctx, d, stack, true)?;
-    let v = split_bounds(f, d, &didx, false);
+    let v = split_bounds(f, ctx, d, &didx, false);
     ctx.bounds.borrow_mut().insert(key, v);
     Ok(v)
 }

@@ -739,11 +739,11 @@ impl PyFusion {
         })
     }
 
-    /// Store output `t` dense in nvFuser's `stride_order` of its non-reduction axes.
-    fn set_output_order(&mut self, py: Python<'_>, t: u32, stride_order: Vec<usize>) -> PyResult<()> {
+    /// Mark `t` as an output stored dense in `stride_order`.
+    fn add_output_ordered(&mut self, py: Python<'_>, t: u32, stride_order: Vec<usize>) -> PyResult<()> {
         guarded(py, || {
             let t = self.tv(t)?;
-            self.inner.get_mut().set_output_order(t, &stride_order)
+            self.inner.get_mut().add_output_ordered(t, &stride_order)
         })
     }
 

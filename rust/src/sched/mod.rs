@@ -662,7 +662,25 @@ impl Fusion {
     /// logical domain has the `stride_order[i]`-th smallest stride): a property of the
     /// definition (`add_output(t, stride_order)`), which leaves the fusion to the automatic
     /// schedulers, unlike `set_allocation_domain`.
-    pub fn set_output_order(&mut self, tv: TvId, stride_order: &[usize]) -> Result<()> {
+    fn set_output_order(&mut self, tv: TvId, stride_order: &[usize]) -> Result<()> {
+        let (ids, contiguity) = self.output_order_domain(tv, stride_order)?;
+        self.tvs[tv].allocation = Some(ids);
+        self.tvs[tv].contiguity = contiguity;
+        Ok(())
+    }
+
+    /// Mark `tv` as an output stored in `stride_order`. Adding a tensor that is already an
+    /// output stores a copy, so each of the two outputs keeps its own order.
+    pub fn add_output_ordered(&mut self, tv: TvId, stride_order: &[usize]) -> Result<()> {
+        // Checked before anything changes, so a refused order adds no output.
+        self.output_order_domain(tv, stride_order)?;
+        self.add_output(tv)?;
+        let stored = *self.outputs.last().expect("add_output pushed it");
+        self.set_output_order(stored, stride_order)
+    }
+
+    /// The allocation domain and contiguity that store `tv` dense in `stride_order`.
+    fn output_order_domain(&self, tv: TvId, stride_order: &[usize]) -> Result<(Vec<IterDomainId>, Vec<Option<bool>>)> {
         let name = self.tv_name(tv);
         if self.tvs[tv].definition.is_none() {
             bail!("add_output {name}: stride_order applies to computed outputs, and {name} is an input");
@@ -684,9 +702,7 @@ impl Fusion {
         let contiguity: Vec<Option<bool>> =
             ids.iter().map(|&id| (self.ids[id].iter_type != IterType::Broadcast).then_some(true)).collect();
         self.check_covers_logical(tv, &ids)?;
-        self.tvs[tv].allocation = Some(ids);
-        self.tvs[tv].contiguity = contiguity;
-        Ok(())
+        Ok((ids, contiguity))
     }
 
     /// `ids` must be exactly a cut of `tv`'s transform graph over its logical domain.

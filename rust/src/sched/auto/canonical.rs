@@ -286,13 +286,7 @@ pub fn sink_broadcasts(f: &mut Fusion) -> Result<()> {
                     s => s,
                 });
             }
-            let moved = match op {
-                Op::Unary(u) => f.unary(u, operands[0])?,
-                Op::Binary(b) => f.binary(b, operands[0], operands[1])?,
-                Op::Where => f.where_(operands[0], operands[1], operands[2])?,
-                Op::Cast(dt) => f.cast(operands[0], dt)?,
-                _ => f.set(operands[0].tensor().expect("set reads a tensor"))?,
-            };
+            let moved = replay(f, op, &operands, f.tvs[x].dtype)?;
             let old = f.exprs[e].output;
             replace_tensor(f, old, moved);
             f.tvs[x].uses.retain(|&u| u != e);
@@ -453,7 +447,17 @@ pub fn sink_remaps(f: &mut Fusion) -> Result<()> {
                             o => o,
                         });
                     }
-                    replay(f, op, &moved_operands)?
+                    let v = replay(f, op, &moved_operands, f.tvs[x].dtype)?;
+                    if f.no_reduction_logical(v).is_empty() && !extents.is_empty() {
+                        // Math on scalars alone (`pow(sigma_max, 1 / rho)` broadcast, then
+                        // padded) replays as a 0-d tensor: expanded to the remap's shape
+                        // (`where(true, v, v)`), it keeps its place in its readers' loops.
+                        let yes = f.scalars.boolean(true);
+                        let all = f.full(&extents, Operand::Scalar(yes), DataType::Bool)?;
+                        f.where_(Operand::Tensor(all), Operand::Tensor(v), Operand::Tensor(v))?
+                    } else {
+                        v
+                    }
                 }
                 Op::Broadcast { is_new } => {
                     let y = operands[0].tensor().expect("broadcast reads a tensor");
@@ -504,13 +508,16 @@ pub fn sink_remaps(f: &mut Fusion) -> Result<()> {
     }
 }
 
-/// A slice, pad or cat of an integer iota `x` that varies along one axis, where
-/// that axis is read at an affine function `a * o + b` of one output position `o`: the iota
-/// itself, made along that output axis with the start and step moved by `b` and scaled by
-/// `a`, size one along the others. `cat([x + arange(W), x], 1)` or `arange(S)[1:]` then
-/// share their consumer's loops; a remap would read a Global copy of the iota. Positions
-/// past a pad's or cat's guard took an unspecified value before and take the iota's now.
-/// None where the positions are anything else or the iota is not integer.
+/// A slice, pad or cat of an iota `x` that varies along one axis, where that axis is read
+/// at an affine function `a * o + b` of one output position `o`: the iota itself, made
+/// along that output axis with the start and step moved by `b` and scaled by `a`, size one
+/// along the others. `cat([x + arange(W), x], 1)`, `arange(S)[1:]` or `F.pad(linspace(..),
+/// (0, 1))` then share their consumer's loops; a remap would read a Global copy of the iota.
+/// Integer iotas keep their values exactly; a float iota with `b != 0` or `a != 1` may
+/// differ in the last bit (its start and step are rounded once more), as a float
+/// `arange` computed another way would. Positions past a pad's or cat's guard took an
+/// unspecified value before and take the iota's now. None where the positions are
+/// anything else or the iota is boolean.
 fn remapped_iota(
     f: &mut Fusion,
     x: TvId,
@@ -520,7 +527,7 @@ fn remapped_iota(
     extents: &[ValId],
 ) -> Result<Option<TvId>> {
     let dtype = f.tvs[x].dtype;
-    if !dtype.is_integer() || dtype == DataType::Bool {
+    if !(dtype.is_integer() || dtype.is_float()) || dtype == DataType::Bool {
         return Ok(None);
     }
     let xl = f.no_reduction_logical(x);
@@ -541,9 +548,26 @@ fn remapped_iota(
     let k = k as usize;
     let one = f.scalars.int(1);
     let shape: Vec<ValId> = (0..extents.len()).map(|i| if i == k { extents[i] } else { one }).collect();
-    let sb = f.scalars.mul(step, b);
-    let start2 = f.scalars.add(start, sb);
-    let step2 = f.scalars.mul(step, a);
+    let (start2, step2) = if dtype.is_integer() {
+        let sb = f.scalars.mul(step, b);
+        (f.scalars.add(start, sb), f.scalars.mul(step, a))
+    } else if f.scalars.is_const(a, 1) && f.scalars.is_const(b, 0) {
+        (start, step)
+    } else {
+        // Scalar arithmetic is integer (index math): a float start and step move here, in
+        // f64, where they and the positions are constants.
+        let number = |v: Val| match v {
+            Val::Float(bits) => Some(f64::from_bits(bits)),
+            Val::Int(i) => Some(i as f64),
+            _ => None,
+        };
+        let (Some(s0), Some(st), Some(a), Some(b)) =
+            (number(f.scalars.get(start)), number(f.scalars.get(step)), f.scalars.as_int(a), f.scalars.as_int(b))
+        else {
+            return Ok(None);
+        };
+        (f.scalars.float(st.mul_add(b as f64, s0)), f.scalars.float(st * a as f64))
+    };
     let made = f.source("remapped iota", &shape, Op::Iota { start: start2, step: step2 }, dtype)?;
     if shape == extents {
         return Ok(Some(made));
@@ -703,7 +727,7 @@ pub fn cancel_permutes(f: &mut Fusion) -> Result<()> {
                         replace_tensor(f, out, r);
                     }
                     op => {
-                        let r = replay(f, op, &operands)?;
+                        let r = replay(f, op, &operands, f.tvs[out].dtype)?;
                         moved.insert(out, r);
                     }
                 }
@@ -886,7 +910,7 @@ pub fn store_output_permutes(f: &mut Fusion) -> Result<()> {
                                 s => s,
                             });
                         }
-                        replay(f, op, &operands)?
+                        replay(f, op, &operands, f.tvs[out].dtype)?
                     }
                 };
                 moved.insert(out, r);
@@ -1291,7 +1315,7 @@ pub fn hoist_output_reshapes(f: &mut Fusion) -> Result<()> {
                     s => s,
                 });
             }
-            let next = replay(f, f.exprs[d].op.clone(), &operands)?;
+            let next = replay(f, f.exprs[d].op.clone(), &operands, f.tvs[f.exprs[d].output].dtype)?;
             moved.insert(f.exprs[d].output, next);
         }
         let cur = moved[&o];
@@ -1437,7 +1461,7 @@ pub fn view_output_squeezes(f: &mut Fusion) -> Result<()> {
                         s => s,
                     });
                 }
-                let r = replay(f, f.exprs[d].op.clone(), &operands)?;
+                let r = replay(f, f.exprs[d].op.clone(), &operands, f.tvs[f.exprs[d].output].dtype)?;
                 moved.insert(f.exprs[d].output, r);
             }
             for o in outputs {
@@ -2111,8 +2135,8 @@ pub fn sink_squeezes(f: &mut Fusion) -> Result<()> {
                     o => o,
                 });
             }
-            let moved = replay(f, op, &operands)?;
             let old = f.exprs[e].output;
+            let moved = replay(f, op, &operands, f.tvs[old].dtype)?;
             replace_tensor(f, old, moved);
             f.tvs[x].uses.retain(|&u| u != e);
             continue 'again;
@@ -2709,7 +2733,7 @@ fn widen_readers(f: &mut Fusion, old: TvId, new: TvId, tracked: &[IterDomainId])
             .iter()
             .map(|&o| if o == Operand::Tensor(old) { Operand::Tensor(new) } else { o })
             .collect();
-        let replayed = replay(f, f.exprs[u].op.clone(), &operands)?;
+        let replayed = replay(f, f.exprs[u].op.clone(), &operands, f.tvs[f.exprs[u].output].dtype)?;
         widen_readers(f, f.exprs[u].output, replayed, &further)?;
     }
     replace_tensor(f, old, new);
@@ -3096,14 +3120,27 @@ fn clone_chain(f: &mut Fusion, t: TvId, memo: &mut FxHashMap<TvId, TvId>) -> Res
             s => s,
         });
     }
-    let c = replay(f, op, &operands)?;
+    let c = replay(f, op, &operands, f.tvs[t].dtype)?;
     memo.insert(t, c);
     Ok(c)
 }
 
-/// A new tensor computed by `op` from `operands`, as the op's builder makes it (element-wise
-/// ops, broadcasts, squeezes, copies and gathers; the others are not replayed).
-pub(crate) fn replay(f: &mut Fusion, op: Op, operands: &[Operand]) -> Result<TvId> {
+/// A new tensor of `dtype` computed by `op` from `operands`, as the op's builder makes it
+/// (element-wise ops, broadcasts, squeezes, copies and gathers; the others are not replayed).
+/// `dtype` is that of the tensor whose definition is replayed: a 0-d operand (`sqrt(s)` of a
+/// Double scalar beside a Float tensor) takes no part in type promotion, but once it is
+/// remade at its readers' rank (moved through a remap or a squeeze) the builder would
+/// promote to it.
+pub(crate) fn replay(f: &mut Fusion, op: Op, operands: &[Operand], dtype: DataType) -> Result<TvId> {
+    let elementwise = op.is_elementwise();
+    let out = replay_promoted(f, op, operands)?;
+    if elementwise && f.tvs[out].dtype != dtype {
+        f.tvs[out].dtype = dtype;
+    }
+    Ok(out)
+}
+
+fn replay_promoted(f: &mut Fusion, op: Op, operands: &[Operand]) -> Result<TvId> {
     let tensor =
         |i: usize| operands[i].tensor().ok_or_else(|| crate::error::KilnError::internal("replay: a scalar operand"));
     Ok(match op {
@@ -3152,7 +3189,16 @@ fn recompute_expr(f: &mut Fusion, t: TvId) -> Result<TvId> {
         let extents: Vec<_> = f.no_reduction_logical(t).iter().map(|&id| f.ids[id].extent).collect();
         return f.remap(x, name, &extents, index.clone(), *valid);
     }
-    replay(f, op, &operands)
+    if !f.tvs[t].logical.is_empty() && operands.iter().all(|o| o.tensor().is_none()) {
+        // Math on scalars alone made at `t`'s rank (`log(float(x.size(-1)))` beside `x`):
+        // replayed, it would be a 0-d tensor that no loop of `t`'s readers computes.
+        let logical: Vec<_> =
+            f.tvs[t].logical.clone().into_iter().map(|id| f.new_id(f.ids[id].extent, f.ids[id].iter_type)).collect();
+        let out = f.new_tv(f.tvs[t].dtype, crate::ir::MemoryType::Local, logical);
+        f.add_expr(op, operands, out);
+        return Ok(out);
+    }
+    replay(f, op, &operands, f.tvs[t].dtype)
 }
 
 /// Give each reader that concretizes a shared broadcast its own copy (see the module docs).
@@ -3222,7 +3268,7 @@ fn clone_prologue(f: &mut Fusion, t: TvId, memo: &mut FxHashMap<TvId, TvId>) -> 
             s => s,
         });
     }
-    let c = replay(f, op, &operands)?;
+    let c = replay(f, op, &operands, f.tvs[t].dtype)?;
     memo.insert(t, c);
     Ok(c)
 }

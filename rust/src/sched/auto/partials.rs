@@ -275,7 +275,7 @@ pub fn column_partials(g: &Fusion, cx: &Ctx) -> Result<Option<Fusion>> {
                 }
                 f.full(&shape, Operand::Scalar(*value), g.tvs[out].dtype)?
             }
-            _ => crate::sched::auto::canonical::replay(&mut f, ex.op.clone(), &ops)?,
+            _ => crate::sched::auto::canonical::replay(&mut f, ex.op.clone(), &ops, g.tvs[out].dtype)?,
         };
         map.insert(out, new);
     }

@@ -338,7 +338,20 @@ pub fn schedule_fusion(out: &mut Fusion, cx: &Ctx) -> Result<Scheduled> {
                 h.specialized.extend(specialized);
                 // A schedule that does not lower (or print) is one this scheduler cannot
                 // place after all: the next one may.
-                match crate::lower::lower(&g).and_then(|k| crate::codegen::generate(&k, false).map(|c| (k, c))) {
+                let lowered = crate::lower::lower(&g)
+                    .and_then(|k| crate::codegen::generate(&k, false).map(|c| (k, c)))
+                    .and_then(|(k, c)| {
+                        // Nor one whose launch the inputs at hand make invalid (a thread
+                        // dimension sized by an axis the heuristic did not size it by).
+                        let env = |sym: crate::ir::scalar::Symbol| match sym {
+                            crate::ir::scalar::Symbol::Extent(n) => cx.extents.get(n as usize).copied(),
+                            crate::ir::scalar::Symbol::ScalarInput(n) => cx.scalars.get(n as usize).copied().flatten(),
+                            _ => None,
+                        };
+                        k.check_launch(|v| k.fusion.scalars.eval(v, &env).ok())?;
+                        Ok((k, c))
+                    });
+                match lowered {
                     Ok(lowered) => {
                         *out = g;
                         return Ok(Ok(Placed { heuristic: h, passed_over: refusals, lowered }));
