@@ -1187,3 +1187,31 @@ def test_a_split_broadcast_on_bidy_is_computed_by_every_block():
     o.axis(-1).parallelize(ParallelType.BIDx)
     o.axis(-2).parallelize(ParallelType.BIDy)
     np.testing.assert_allclose(fd.execute([a, b])[0], 2.0 * float(a) + b.astype(np.float64), rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(16, 3), (5, 7), (1, 300)])
+def test_a_second_reader_of_a_producer_indexed_through_another_reads_under_its_bounds(shape):
+    # b = c - (-1.5) of a [1, 1] input, fully inlined into the loops it shares with
+    # d = b * x ([N, M], which b is indexed through) and e = c + b ([1, 1], an output). The
+    # merged and split loops overrun N * M: b is computed under d's overrun bounds, so e,
+    # which reads it in the same loops, must read it under them too (it read b where b was
+    # never written).
+    a1, a2 = rand(*shape, seed=1), rand(1, 1, seed=2)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1, -1], dtype=DataType.Float)
+        c = fd.define_tensor(shape=[1, 1], dtype=DataType.Float)
+        b = fd.ops.sub(c, -1.5)
+        d = fd.ops.mul(b, x)
+        e = fd.ops.add(c, b)
+        fd.add_output(e)
+        fd.add_output(d)
+    for t in (b, d, e):
+        t.merge(0)
+        t.split(0, 257, inner_split=False)
+        t.split(0, 64)
+        t.axis(-2).parallelize(ParallelType.TIDx)
+    b.inline_at(-1)
+    got_e, got_d = fd.execute([a1, a2])
+    c64 = a2.astype(np.float64)
+    np.testing.assert_allclose(got_e, c64 + c64 + 1.5, rtol=1e-6)
+    np.testing.assert_allclose(got_d, (c64 + 1.5) * a1.astype(np.float64), rtol=1e-6)

@@ -795,6 +795,18 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
     let overrun = reference_bounds(f, ctx, c, stack)?;
     pred = and_new(&mut f.scalars, pred, overrun);
     write_pred = and_new(&mut f.scalars, write_pred, overrun);
+    for p in operands.iter().filter_map(|o| o.tensor()) {
+        // A fully inlined producer indexed through another consumer was computed under
+        // that consumer's overrun bounds only: where they fail it holds nothing, so this
+        // reader of the same loops (a `[1, 1]` output beside the `[N, M]` one that
+        // concretizes it) reads it under them too.
+        let fully = f.tvs[p].inline_pos >= f.tvs[p].loop_domain.len();
+        if fully && inlined_reference(f, ctx.lg, &ctx.partial, p).is_some_and(|(r, _)| r != e) {
+            let theirs = reference_bounds(f, ctx, p, stack)?;
+            pred = and_new(&mut f.scalars, pred, theirs);
+            write_pred = and_new(&mut f.scalars, write_pred, theirs);
+        }
+    }
     if matches!(f.exprs[e].op, Op::Reduction { .. }) {
         // Reducing a broadcast axis reduces its one element. When the reduction's loop
         // runs the extent of the axis it is broadcast against (a loop shared with a
