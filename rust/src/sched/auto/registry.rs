@@ -341,14 +341,16 @@ pub fn schedule_fusion(out: &mut Fusion, cx: &Ctx) -> Result<Scheduled> {
                 let lowered = crate::lower::lower(&g)
                     .and_then(|k| crate::codegen::generate(&k, false).map(|c| (k, c)))
                     .and_then(|(k, c)| {
-                        // Nor one whose launch the inputs at hand make invalid (a thread
-                        // dimension sized by an axis the heuristic did not size it by).
+                        // Nor one whose block the inputs at hand make invalid (a thread
+                        // dimension sized by an axis the heuristic did not size it by). Grids
+                        // too large for any GPU are the inputs' fault, reported by the plan.
                         let env = |sym: crate::ir::scalar::Symbol| match sym {
                             crate::ir::scalar::Symbol::Extent(n) => cx.extents.get(n as usize).copied(),
                             crate::ir::scalar::Symbol::ScalarInput(n) => cx.scalars.get(n as usize).copied().flatten(),
                             _ => None,
                         };
-                        k.check_launch(|v| k.fusion.scalars.eval(v, &env).ok())?;
+                        let block = k.launch.block.map(|v| k.fusion.scalars.eval(v, &env).ok());
+                        crate::kernel::check_launch_dims([None; 3], block, None)?;
                         Ok((k, c))
                     });
                 match lowered {
