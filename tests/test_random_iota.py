@@ -268,6 +268,19 @@ def _remap_ref(name: str, v: np.ndarray, fill: float) -> np.ndarray:
     return np.concatenate([v[5:], v[:5]])
 
 
+def _remap_fd(fd: FusionDefinition, t: Any, name: str, n: int, fill: float) -> Any:
+    """The remap ``name`` of ``_REMAPS`` applied to the length-``n`` tensor ``t``."""
+    if name == "slice_from_3":
+        return fd.ops.slice(t, [3], [n])
+    if name == "slice_step_2":
+        return fd.ops.slice(t, [1], [n], [2])
+    if name == "pad_after":
+        return fd.ops.pad(t, [0, 1], fill)
+    if name == "pad_both":
+        return fd.ops.pad(t, [2, 1], fill)
+    return fd.ops.cat([fd.ops.slice(t, [5], [n]), fd.ops.slice(t, [0], [5])], 0)
+
+
 @pytest.mark.parametrize("remap", _REMAPS)
 @pytest.mark.parametrize("dtype,rtol", [(DataType.Float, 3e-6), (DataType.Double, 1e-13),
                                         (DataType.Half, 4e-3)])
@@ -281,16 +294,7 @@ def test_a_remapped_float_iota_is_made_in_its_readers_kernel(remap: str, dtype: 
     with FusionDefinition() as fd:
         io = fd.ops.iota(n, start=start, step=step, dtype=dtype)
         e = fd.ops.exp(fd.ops.mul(io, 0.5))
-        if remap == "slice_from_3":
-            r = fd.ops.slice(e, [3], [n])
-        elif remap == "slice_step_2":
-            r = fd.ops.slice(e, [1], [n], [2])
-        elif remap == "pad_after":
-            r = fd.ops.pad(e, [0, 1], fill)
-        elif remap == "pad_both":
-            r = fd.ops.pad(e, [2, 1], fill)
-        else:
-            r = fd.ops.cat([fd.ops.slice(e, [5], [n]), fd.ops.slice(e, [0], [5])], 0)
+        r = _remap_fd(fd, e, remap, n, fill)
         if with_input:
             x = fd.define_tensor([-1], dtype)
             r = fd.ops.add(r, x)
@@ -316,16 +320,7 @@ def test_math_on_runtime_scalars_read_through_a_remap_stays_in_one_kernel(remap:
         ramp = fd.ops.iota(n, 0.0, 1.0 / (n - 1), DataType.Float)
         lo, hi = fd.ops.pow(smin, 1.0 / rho), fd.ops.pow(smax, 1.0 / rho)
         s = fd.ops.pow(fd.ops.add(hi, fd.ops.mul(ramp, fd.ops.sub(lo, hi))), rho)
-        if remap == "slice_from_3":
-            r = fd.ops.slice(s, [3], [n])
-        elif remap == "slice_step_2":
-            r = fd.ops.slice(s, [1], [n], [2])
-        elif remap == "pad_after":
-            r = fd.ops.pad(s, [0, 1], fill)
-        elif remap == "pad_both":
-            r = fd.ops.pad(s, [2, 1], fill)
-        else:
-            r = fd.ops.cat([fd.ops.slice(s, [5], [n]), fd.ops.slice(s, [0], [5])], 0)
+        r = _remap_fd(fd, s, remap, n, fill)
         fd.add_output(r)
     for a, b in [(0.002, 80.0), (0.03, 14.6)]:
         ramp_ = np.arange(n) / (n - 1)
