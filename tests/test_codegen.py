@@ -569,3 +569,69 @@ def test_exp_terms_of_a_shifted_sum_use_the_fast_exp(kind: str, fast: bool) -> N
     ref = np.log(np.exp(xd - xd.max(1, keepdims=True)).sum(1)) + xd.max(1) if kind != "unshifted" else \
         np.log(np.exp(xd).sum(1)) + xd.max(1)
     np.testing.assert_allclose(got, ref, rtol=1e-5)
+
+
+def _output_read_back_by_other_threads() -> Tuple[FusionDefinition, List[np.ndarray]]:
+    """``t3 = max(x)`` is an output written by thread 0 and read by all 112 threads after a
+    barrier, for ``t4 = x + t3``."""
+    from kiln import ParallelType as P  # noqa: PLC0415
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[16, 7], dtype=DataType.Float)
+        m = fd.ops.max(x, dims=[0, 1])
+        t3 = fd.ops.broadcast_in_dim(m, shape=[-1, -1], broadcast_dims=[])
+        t4 = fd.ops.add(x, t3)
+        fd.add_output(t4)
+        fd.add_output(t3)
+    t4.merge(0)
+    t4.axis(-1).parallelize(P.TIDx)
+    m.inline_at(0)
+    x_ = np.random.default_rng(5).uniform(-1, 1, (16, 7)).astype(np.float32)
+    return fd, [x_]
+
+
+def _ptx(src: str) -> str:
+    """``src`` compiled to PTX for compute_90 by NVRTC."""
+    from kiln.runtime.nvrtc import _nvrtc_module, default_options  # noqa: PLC0415
+
+    nv = _nvrtc_module()
+    _, prog = nv.nvrtcCreateProgram(src.encode(), b"k.cu", 0, [], [])
+    opts = [o.encode() for o in default_options("sm_90") if not o.startswith("-arch") and "ptxas" not in o]
+    opts.append(b"--gpu-architecture=compute_90")
+    (err,) = nv.nvrtcCompileProgram(prog, len(opts), opts)
+    assert int(err) == 0
+    _, n = nv.nvrtcGetPTXSize(prog)
+    buf = b" " * n
+    nv.nvrtcGetPTX(prog, buf)
+    return buf.decode(errors="replace")
+
+
+def test_an_output_read_back_in_its_kernel_is_not_restrict():
+    # `__restrict__` on an output the kernel reads back let the compiler load it before the
+    # barrier that orders it after thread 0's store (and store the stale value back): every
+    # thread but thread 0 added the output buffer's previous contents on the GPU.
+    fd, args = _output_read_back_by_other_threads()
+    src = fd.lower(args).kernels[0].cuda_source
+    sig = re.search(r"kiln_kernel\(([^)]*)\)", src).group(1)
+    assert "float* T2" in sig and "__restrict__ T2" not in sig  # the statistic output
+    assert "float* __restrict__ T3" in sig  # outputs only written keep it
+    t4, t3 = fd.execute(args)
+    x = args[0].astype(np.float64)
+    np.testing.assert_allclose(t4, x + x.max(), rtol=1e-6)
+    if not nvrtc_available():
+        return
+    body = _ptx(src).split(".entry kiln_kernel", 1)[1]
+    before_barrier = body.split("bar.sync", 1)[0]
+    # Before the barrier only the input is read (through the read-only path).
+    assert not re.search(r"ld\.global\.(?!nc)", before_barrier), before_barrier
+
+
+@pytest.mark.gpu
+def test_an_output_read_back_in_its_kernel_matches_numpy_on_gpu():
+    cp = cupy_or_skip()
+    fd, args = _output_read_back_by_other_threads()
+    x = args[0].astype(np.float64)
+    for _ in range(3):  # the output buffers come from a pool that earlier calls filled
+        t4, t3 = fd.execute([cp.asarray(a) for a in args])
+        np.testing.assert_allclose(cp.asnumpy(t4), x + x.max(), rtol=1e-6)
+        np.testing.assert_allclose(cp.asnumpy(t3), [[x.max()]], rtol=1e-6)

@@ -293,7 +293,6 @@ class _Builder:
     def __init__(self, case: Case) -> None:
         self.case = case
         self.r = len(case.sizes)
-        self.rng = np.random.default_rng(case.seed)
         self.ns: Dict[str, Any] = {"DataType": DataType, "P": ParallelType, "M": MemoryType, "Tensor": Tensor}
         self.vals: List[Val] = []
         self.input_code: List[str] = []
@@ -334,8 +333,9 @@ class _Builder:
         shape = [1 if b else (self.case.sizes[a] if self.case.static else -1) for a, b in zip(axes, bcast)]
         bcast = tuple(b or (self.case.static and self.case.sizes[a] == 1) for a, b in zip(axes, bcast))
         real = [1 if b else self.case.sizes[a] for a, b in zip(axes, bcast)]
-        arr = self.rng.uniform(-1, 1, real).astype(np.float32)
         k = len(self.arrays)
+        # drawn as the repro draws it, so a printed repro runs on the same values
+        arr = np.random.default_rng(self.case.seed + k).uniform(-1, 1, real).astype(np.float32)
         self.arrays.append(arr)
         self.input_code.append(f"a{k} = np.random.default_rng({self.case.seed + k}).uniform(-1, 1, {real})"
                                f".astype(np.float32)")

@@ -225,6 +225,10 @@ pub fn generate(k: &Kernel, index32: bool) -> Result<CudaKernel> {
         .iter()
         .map(|(name, kind, dt)| match kind {
             ParamKind::Input(_) => format!("const {}* __restrict__ {name}", dt.c_type()),
+            // An output the kernel reads back is written and read by different threads across
+            // a barrier; `__restrict__` lets the compiler hoist the read above the barrier (and
+            // store the stale value back), so such outputs are plain pointers.
+            ParamKind::Output(i) if !f.consumers(f.outputs[*i]).is_empty() => format!("{}* {name}", dt.c_type()),
             ParamKind::Output(_) => format!("{}* __restrict__ {name}", dt.c_type()),
             ParamKind::Buffer(_) => format!("{}* {name}", dt.c_type()),
             ParamKind::Extent(_) | ParamKind::Stride(..) => format!("kiln_index_t {name}"),
