@@ -179,3 +179,83 @@ def test_one_node_graph_follows_fresh_outputs(monkeypatch: pytest.MonkeyPatch) -
     for o in outs:
         _close(cp.asnumpy(o), np.exp(v.astype(np.float64)) * 2 - 1.5)
     assert _graph(fd).replays == 5
+
+
+def _torch_cuda_or_skip() -> Any:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    return torch
+
+
+def _one_kernel() -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.mul(fd.ops.exp(x), 2.0))
+    return fd
+
+
+def _softmax_auto() -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        m = fd.ops.max(x, [1], keepdim=True)
+        e = fd.ops.exp(fd.ops.sub(x, m))
+        fd.add_output(fd.ops.div(e, fd.ops.sum(e, [1], keepdim=True)))
+    return fd
+
+
+_CAPTURED = [("one_kernel", _one_kernel, lambda x: 2.0 * np.exp(x.astype(np.float64)), (256, 1000)),
+             ("three_kernels", three_segment_chain, _softmax_ref, (64, 3000)),
+             ("softmax", _softmax_auto, _softmax_ref, (64, 50000))]
+
+
+@pytest.mark.parametrize("graphs", ["1", "0"])
+@pytest.mark.parametrize("warm", [3, 0])
+@pytest.mark.parametrize("name, make, ref, shape", _CAPTURED, ids=[c[0] for c in _CAPTURED])
+def test_torch_cuda_graph_records_a_call_and_replays_it_on_new_data(
+        monkeypatch: pytest.MonkeyPatch, name: str, make: Any, ref: Any, shape: Any, warm: int,
+        graphs: str) -> None:
+    # A caller's capture cannot launch kiln's own graph, and its replays write the memory the
+    # call used after the call returned: the call must be recorded, not replayed.
+    torch = _torch_cuda_or_skip()
+    monkeypatch.setenv("KILN_CUDA_GRAPHS", graphs)
+    fd = make()
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    x = torch.randn(*shape, generator=gen).cuda()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warm):
+            fd.execute([x])
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        (out,) = fd.execute([x])
+    for _ in range(2):
+        x.copy_(torch.randn(*shape, generator=gen))
+        # eager calls between replays use (and may grow) kiln's shared workspace
+        (eager,) = fd.execute([x * 2.0])
+        g.replay()
+        torch.cuda.synchronize()
+        _close(out.cpu().numpy(), ref(x.cpu().numpy()))
+        _close(eager.cpu().numpy(), ref(2.0 * x.cpu().numpy()))
+
+
+def test_cupy_stream_capture_records_a_multi_kernel_call() -> None:
+    cp = cupy_or_skip()
+    fd = three_segment_chain()
+    rng = np.random.default_rng(11)
+    x = cp.asarray(rng.standard_normal((32, 700)).astype(np.float32))
+    fd.execute([x])
+    fd.execute([x])  # the signature's graph exists
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        (out,) = fd.execute([x])
+        graph = s.end_capture()
+    for _ in range(2):
+        host = rng.standard_normal((32, 700)).astype(np.float32)
+        x.set(host)
+        graph.launch(s)
+        s.synchronize()
+        _close(cp.asnumpy(out), _softmax_ref(host))

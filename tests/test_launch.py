@@ -1083,3 +1083,25 @@ def test_both_launchers_agree(monkeypatch):
         outs[kind, "scalars"] = cp.asnumpy(o)
     for key in [k for k in outs if k[0] == "rust"]:
         np.testing.assert_array_equal(outs[key], outs["cupy", key[1]])
+
+
+@pytest.mark.gpu
+def test_local_memory_the_device_cannot_reserve_is_refused_before_launch(monkeypatch):
+    # The driver reserves a thread's Local memory for every thread the device holds: a
+    # schedule within the per-thread limit can still need more than the whole device.
+    cp = cupy_or_skip()
+    from kiln.runtime import executor
+
+    with FusionDefinition() as fd:
+        t0 = fd.define_tensor(shape=[3, 32, 16], dtype=DataType.Float)
+        fd.add_output(fd.ops.add(t0, t0))
+    t2 = t0.cache_after()
+    t2.split(0, 4)
+    t2.inline_at(-1)
+    x = np.random.default_rng(0).uniform(-1, 1, (3, 32, 16)).astype(np.float32)
+    monkeypatch.setattr(executor, "local_bytes", lambda fn: 1 << 30)
+    with pytest.raises(KilnError, match=r"1073741824 bytes of Local memory per thread \(Local tensors: T2 "):
+        fd.execute([cp.asarray(x)])
+    monkeypatch.undo()
+    (y,) = fd.execute([cp.asarray(x)])
+    np.testing.assert_allclose(cp.asnumpy(y), 2.0 * x.astype(np.float64), rtol=1e-6)

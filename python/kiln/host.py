@@ -41,6 +41,12 @@ or strides are a new signature, with its own recipe and graph. A graph launch co
 host less than one ``cuLaunchKernel`` (see ``benches/host_latency.py``), so even one-kernel
 programs are replayed as graphs.
 
+Calls inside a caller's CUDA graph capture (``torch.cuda.graph``, CuPy's stream capture) are
+recorded like any other stream work: a ``GraphLaunch`` on a capturing stream enqueues its
+kernels and memsets one by one, and a recipe with a workspace or zeroed buffers runs on
+memory of its own, kept as long as the evaluator, since the caller's graph replays at those
+addresses (``HostEvaluator.run_captured``).
+
 ``run_on_cpu`` walks the same host program with a per-kernel CPU launcher (the
 interpreter's ``kiln._core.execute_cpu(kernel, inputs)``).
 """
@@ -195,6 +201,46 @@ class Workspace:
         return int(self.mem.data.ptr)
 
 
+class _TorchWorkspace(Workspace):
+    """A ``Workspace`` in torch's allocator: the memory of a call that a torch.cuda.graph
+    capture records (CuPy's pool cannot allocate while torch captures; torch's keeps the
+    graph's memory in the graph's own pool)."""
+
+    def __init__(self, device: int) -> None:
+        super().__init__()
+        self.device = device
+
+    def get(self, nbytes: int, stream: Optional[int] = None) -> int:
+        """Device pointer of at least ``nbytes`` bytes."""
+        if nbytes > self.nbytes:
+            import torch  # noqa: PLC0415
+
+            self.mem = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{self.device}")
+            self.nbytes = nbytes
+        return int(self.mem.data_ptr())
+
+
+class _TorchZeroedPool(ZeroedPool):
+    """A ``ZeroedPool`` in torch's allocator (see ``_TorchWorkspace``)."""
+
+    def __init__(self, device: int) -> None:
+        super().__init__()
+        self.device = device
+
+    def get(self, nbytes: int, stream: Optional[int] = None) -> int:
+        """Device pointer of at least ``nbytes`` zeroed bytes."""
+        if nbytes > self.capacity:
+            import torch  # noqa: PLC0415
+
+            self._mem = torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{self.device}")
+            self.capacity = nbytes
+            self.zero_fills += 1
+            self.zeroed_bytes += nbytes
+        else:
+            self.reuses += 1
+        return int(self._mem.data_ptr())
+
+
 class ErrorWords:
     """Pinned host memory that kernels with gathers write an out-of-range index into
     (four int64 per kernel: site + 1, element, value, table extent). With unified
@@ -211,8 +257,9 @@ class ErrorWords:
 
 
 class _Recipe:
-    __slots__ = ("arena", "arena_bytes", "direct", "error_kernels", "errors", "fast", "graph", "inputs",
-                 "launcher", "launches", "nbufs", "outputs", "plan", "reuse", "zero", "zero_bytes")
+    __slots__ = ("arena", "arena_bytes", "device", "direct", "error_kernels", "errors", "fast", "graph",
+                 "inputs", "launcher", "launches", "nbufs", "outputs", "plan", "reuse", "torch_mode", "zero",
+                 "zero_bytes")
 
 
 # Signatures whose outputs total at most this many bytes hand back the previous call's
@@ -410,6 +457,8 @@ class HostEvaluator:
         self.launches = 0
         # Test hook: skip the per-launch zeroing (shows why it is needed).
         self.zero_per_launch = True
+        # The workspaces of calls recorded by a CUDA graph capture (see ``run_captured``).
+        self.captured_memory: List[Tuple[Workspace, ZeroedPool]] = []
 
     # -- per call ----------------------------------------------------------------------
     def run(self, inputs: Sequence[Any], validate: Optional[Callable[[], None]] = None) -> List[Any]:
@@ -436,6 +485,20 @@ class HostEvaluator:
         if r is None:
             return None
         return r.fast(inputs, self)
+
+    def run_captured(self, inputs: Sequence[Any], r: _Recipe) -> List[Any]:
+        """Run recipe ``r`` for a call that a CUDA graph capture records: its intermediates
+        and zeroed buffers get memory of their own, kept as long as this program, because
+        the graph replays at those addresses after the call (the shared workspace may grow
+        and hand its old memory back, and later calls write it)."""
+        if r.torch_mode:
+            arena, pool = _TorchWorkspace(r.device), _TorchZeroedPool(r.device)
+        else:
+            arena, pool = Workspace(), ZeroedPool()
+        self.captured_memory.append((arena, pool))
+        words = self.error_words_for(r.device, len(r.errors)) if r.errors else None
+        run = _specialize(r, r.torch_mode, r.device, r.launcher, arena, pool, words, captured=True)
+        return run(inputs, self)
 
     def _key(self, inputs: Sequence[Any]) -> Tuple:
         """The recipe key of ``inputs``: their signature, plus the int/bool scalar values
@@ -608,6 +671,7 @@ class HostEvaluator:
             memsets = tuple((bid, max(plan.buffers[bid].nbytes, 1)) for bid in la.memsets)
             r.launches.append((fn, la.grid, la.block, la.smem, la.args, scal, memsets))
         r.launcher = launcher_kind()
+        r.torch_mode, r.device = torch_mode, dev
         words = self.error_words_for(dev, len(r.errors)) if r.errors else None
         arena, pool = self.arena_for(dev), self.pool_for(dev)
         r.fast = r.direct = _specialize(r, torch_mode, dev, r.launcher, arena, pool, words)
@@ -654,6 +718,9 @@ class HostEvaluator:
         if ck is None:
             kern = self.lowered.kernels[k]
             ck = executor.load_module(kern.cuda_source_for(index32), kern.kernel_name, threads=threads)
+            if isinstance(ck, executor.CompiledKernel):
+                executor.check_local_reservation(ck.function, f"kernel {k} ({kern.kernel_name})",
+                                                 _local_tensors(kern.allocations_text))
             self._functions[k][key] = ck
         if smem > ck.max_dynamic_smem:
             executor.set_max_dynamic_smem(ck.function, smem)
@@ -670,8 +737,16 @@ class HostEvaluator:
         return r.plan
 
 
+def _local_tensors(allocations: str) -> str:
+    """The Local tensors of a kernel's allocation dump, with their allocated ids."""
+    names = [ln.split(" ids=")[0].replace(" Local", "") + " " + ln.split(" ids=")[1].split(" strides=")[0]
+             for ln in allocations.splitlines() if " Local ids=" in ln]
+    return "Local tensors: " + (", ".join(names) or "none, the compiler's own")
+
+
 def _specialize(r: _Recipe, torch_mode: bool, device: int, launcher: str, arena: Workspace,
-                pool: ZeroedPool, words: Optional[ErrorWords] = None, graph: bool = False) -> Launcher:
+                pool: ZeroedPool, words: Optional[ErrorWords] = None, graph: bool = False,
+                captured: bool = False) -> Launcher:
     """A launcher specialised to one recipe: straight-line Python with every constant
     (shapes, offsets, size/stride arguments, grid/block) bound, so a call does no lookups or
     loops. ``launcher="rust"``: each launch is one call of a ``PreparedLaunch`` with the
@@ -679,7 +754,10 @@ def _specialize(r: _Recipe, torch_mode: bool, device: int, launcher: str, arena:
     CuPy's ``Function.__call__`` with arrays and NumPy scalars (``np_scalar`` per call).
     ``graph`` (``"rust"`` only): every launch and memset of the recipe is one
     ``GraphLaunch`` call (sets ``r.graph``); the recipe's ``direct`` launcher serves calls
-    that turn the per-launch zeroing off (a test hook)."""
+    that turn the per-launch zeroing off (a test hook). A recipe with a workspace or zeroed
+    buffers checks whether its stream is being captured into a CUDA graph and then runs
+    through ``HostEvaluator.run_captured``; ``captured`` builds that launcher (memory of its
+    own, no output reuse, no graph)."""
     import cupy as cp  # noqa: PLC0415
 
     from .runtime.kernel_executor import np_scalar  # noqa: PLC0415
@@ -703,6 +781,12 @@ def _specialize(r: _Recipe, torch_mode: bool, device: int, launcher: str, arena:
         ns["_ts"] = torch_stream_getter()
         lines.append(f"    s = _ts({int(device)})")
         stream_arg = ", s"
+    if not captured and (r.arena_bytes or r.zero_bytes):
+        from . import _core  # noqa: PLC0415
+
+        ns["_cap"], ns["_r"] = _core.stream_is_capturing, r
+        stream = "s" if torch_mode else "_gs().ptr"
+        lines.append(f"    if _cap({stream}): return ev.run_captured(inputs, _r)")
     # Per buffer: its device pointer (rust) or what CuPy takes as the argument (cupy).
     arg: Dict[int, str] = {}
     for bid, i, _t in r.inputs:
@@ -711,7 +795,7 @@ def _specialize(r: _Recipe, torch_mode: bool, device: int, launcher: str, arena:
         else:
             arg[bid] = f"inputs[{i}].data.ptr" if rust else f"inputs[{i}]"
     outs = []
-    reuse = r.reuse is not None
+    reuse = r.reuse is not None and not captured
     if reuse:
         ns["_rc"], ns["_B"] = sys.getrefcount, r.reuse[0]
         if torch_mode:

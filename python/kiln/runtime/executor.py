@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple
@@ -250,6 +251,39 @@ def _max_threads(function: Any) -> int:
 
     attribute = getattr(driver, "CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK", 0)  # 0 in cuda.h
     return int(driver.funcGetAttribute(attribute, function.ptr))
+
+
+def local_bytes(function: Any) -> int:
+    """Local memory (stack frame) per thread of ``function``, a ``cupy.cuda.Function``."""
+    from cupy.cuda import driver  # type: ignore[import-not-found]  # noqa: PLC0415
+
+    attribute = getattr(driver, "CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES", 3)  # 3 in cuda.h
+    return int(driver.funcGetAttribute(attribute, function.ptr))
+
+
+def check_local_reservation(function: Any, what: str, tensors: str) -> None:
+    """Raise a KilnError when the Local memory the driver reserves to launch ``function``
+    cannot fit the device; free CuPy's cached blocks when it fits only without them."""
+    per_thread = local_bytes(function)
+    if not per_thread:
+        return
+    cp = _cupy()
+    attrs = cp.cuda.Device().attributes
+    # The driver reserves a thread's Local memory for every thread the device can hold.
+    threads = int(attrs["MultiProcessorCount"]) * int(attrs["MaxThreadsPerMultiProcessor"])
+    need = per_thread * threads
+    free, total = cp.cuda.runtime.memGetInfo()
+    if need > total:
+        raise KilnError(
+            f"{what} needs {per_thread} bytes of Local memory per thread ({tensors}); to launch it "
+            f"the driver reserves that for all {threads} threads the device holds, "
+            f"{need / 2**30:.1f} GiB, more than the device's {total / 2**30:.1f} GiB (inline the "
+            "tensors deeper, parallelize their axes or keep them in Shared memory)")
+    if need > free:
+        cp.get_default_memory_pool().free_all_blocks()
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
 
 
 def set_max_dynamic_smem(function: Any, nbytes: int) -> None:

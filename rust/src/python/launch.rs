@@ -98,6 +98,8 @@ type GraphExecMemsetNodeSetParamsFn =
 type GraphLaunchFn = unsafe extern "C" fn(CuGraphExec, CuStream) -> CuResult;
 type GraphExecDestroyFn = unsafe extern "C" fn(CuGraphExec) -> CuResult;
 type GraphDestroyFn = unsafe extern "C" fn(CuGraph) -> CuResult;
+/// `cuStreamIsCapturing(CUstream, CUstreamCaptureStatus*)`.
+type StreamIsCapturingFn = unsafe extern "C" fn(CuStream, *mut c_int) -> CuResult;
 
 /// The CUDA graph entry points (drivers of CUDA 12.0 and later). cuda.h maps
 /// `cuGraphAddKernelNode` and `cuGraphExecKernelNodeSetParams` to their `_v2` symbols (the
@@ -113,6 +115,7 @@ struct GraphApi {
     launch: GraphLaunchFn,
     exec_destroy: GraphExecDestroyFn,
     destroy: GraphDestroyFn,
+    is_capturing: StreamIsCapturingFn,
 }
 
 /// CuPy's `cupy_backends.cuda.stream.get_current_stream_ptr`, exported through Cython's
@@ -209,6 +212,7 @@ unsafe fn graph_api(lib: &Library) -> Result<GraphApi, String> {
             launch: sym::<GraphLaunchFn>(lib, b"cuGraphLaunch\0")?,
             exec_destroy: sym::<GraphExecDestroyFn>(lib, b"cuGraphExecDestroy\0")?,
             destroy: sym::<GraphDestroyFn>(lib, b"cuGraphDestroy\0")?,
+            is_capturing: sym::<StreamIsCapturingFn>(lib, b"cuStreamIsCapturing\0")?,
         })
     }
 }
@@ -295,6 +299,18 @@ impl Driver {
 #[pyfunction]
 fn load_cuda_driver(py: Python<'_>) -> PyResult<()> {
     guarded(py, || driver().map(|_| ()))
+}
+
+/// Whether raw stream `stream` is being captured into a CUDA graph (torch.cuda.graph,
+/// CuPy's stream capture); False where the driver cannot say.
+#[pyfunction]
+fn stream_is_capturing(stream: usize) -> bool {
+    let Ok(d) = driver() else { return false };
+    let Some(g) = &d.graph else { return false };
+    let mut status: c_int = 0;
+    // SAFETY: a stream handle the caller owns and an out-pointer to a local.
+    let rc = unsafe { (g.is_capturing)(stream as CuStream, &mut status) };
+    rc == CUDA_SUCCESS && status != 0
 }
 
 /// What a per-call argument slot holds: a device pointer, or a scalar of a kiln dtype.
@@ -1061,6 +1077,29 @@ impl GraphLaunch {
         Ok((words, memsets))
     }
 
+    /// Enqueue every node on `stream` as plain memsets and kernel launches.
+    fn launch_nodes(
+        &self,
+        d: &Driver,
+        stream: usize,
+        words: SmallVec<[Words; 4]>,
+        memset_ptrs: &[SmallVec<[u64; 2]>],
+    ) -> crate::Result<()> {
+        for ((node, w), ptrs) in self.nodes.iter().zip(words).zip(memset_ptrs) {
+            for (&dst, &(_, nbytes)) in ptrs.iter().zip(&node.memsets) {
+                // SAFETY: as `PreparedLaunch::zero_on`: `dst` is a buffer of at least
+                // `nbytes` bytes that the call passed, cleared asynchronously on `stream`.
+                let rc =
+                    d.in_context(self.device, || unsafe { (d.memset_d8_async)(dst, 0, nbytes, stream as CuStream) });
+                if rc != CUDA_SUCCESS {
+                    return Err(d.error("cuMemsetD8Async", rc));
+                }
+            }
+            node.launch.get().launch_raw(d, stream, w)?;
+        }
+        Ok(())
+    }
+
     fn launch_on(&self, py: Python<'_>, stream: usize, args: &Bound<'_, PyTuple>) -> PyResult<()> {
         let (words, memset_ptrs) = self.fill(py, args)?;
         guarded(py, || {
@@ -1085,6 +1124,16 @@ impl GraphLaunch {
                         Err(_) => true,
                     },
                 };
+                // A stream being captured (torch.cuda.graph, CuPy's stream capture) cannot
+                // launch a graph: the kernels and memsets are enqueued one by one instead,
+                // so that the caller's capture records them.
+                let mut status: c_int = 0;
+                // SAFETY: a stream handle the caller owns and an out-pointer to a local.
+                let rc = unsafe { (g.is_capturing)(stream as CuStream, &mut status) };
+                if rc == CUDA_SUCCESS && status != 0 {
+                    drop(guard);
+                    return self.launch_nodes(d, stream, words, &memset_ptrs);
+                }
                 if fresh {
                     *guard = None;
                     let st = GraphState::build(d, g, self.device, &self.nodes, words.to_vec(), memset_ptrs.to_vec())?;
@@ -1240,5 +1289,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PreparedLaunch>()?;
     m.add_class::<GraphLaunch>()?;
     m.add_function(wrap_pyfunction!(load_cuda_driver, m)?)?;
+    m.add_function(wrap_pyfunction!(stream_is_capturing, m)?)?;
     Ok(())
 }
