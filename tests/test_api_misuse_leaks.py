@@ -287,9 +287,18 @@ def test_torch_tensors_with_device_cpu_are_refused_by_name() -> None:
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1])
         fd.add_output(fd.ops.exp(x))
-    with pytest.raises(KilnTypeError, match=r"device='cpu' runs the CPU interpreter on NumPy arrays, "
-                                            r"got torch"):
+    with pytest.raises(KilnTypeError, match=r"input 0 \(T0\) is a torch tensor: device='cpu' runs the CPU "
+                                            r"interpreter on NumPy arrays, got torch"):
         fd.execute([torch.ones(3)], device="cpu")
+
+
+def test_numpy_arrays_with_device_cuda_are_refused_by_name() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1])
+        y = fd.define_tensor([-1])
+        fd.add_output(fd.ops.add(x, y))
+    with pytest.raises(KilnTypeError, match=r"input 0 \(T0\) is a NumPy array: device='cuda' needs CuPy"):
+        fd.execute([np.ones(3, np.float32), np.ones(3, np.float32)], device="cuda")
 
 
 @pytest.mark.parametrize("what", ["requires_grad_leaf", "inference"])

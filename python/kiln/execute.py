@@ -33,12 +33,13 @@ def execute(fd: Any, inputs: Sequence[Any], device: Optional[str], as_written: b
     if device not in ("cpu", "cuda"):
         raise KilnError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if device == "cuda":
-        check_cuda_inputs(kinds)
+        check_cuda_inputs(kinds, _first_input(fd, inputs, {"numpy"}))
         _check_element_alignment(fd, inputs)
     elif kinds - {"numpy", "other"}:
         # The interpreter reads host memory through NumPy: GPU arrays (or torch tensors of any
         # device) are not taken as they are.
-        raise KilnTypeError(f"device='cpu' runs the CPU interpreter on NumPy arrays, got "
+        raise KilnTypeError(f"{_first_input(fd, inputs, kinds - {'numpy', 'other'})}: device='cpu' runs the "
+                            f"CPU interpreter on NumPy arrays, got "
                             f"{' and '.join(sorted(kinds - {'numpy', 'other'}))} inputs; pass NumPy "
                             f"arrays (x.cpu().numpy(), x.get()) or run on the GPU (device='cuda')")
     if len(kinds - {"other"}) > 1:
@@ -116,11 +117,25 @@ def _check_element_alignment(fd: Any, inputs: Sequence[Any]) -> None:
                                 f"copy (x.copy() or x.clone())")
 
 
-def check_cuda_inputs(kinds: Set[str]) -> None:
+_NOUNS = {"numpy": "NumPy array", "cupy": "CuPy array", "torch": "torch tensor"}
+
+
+def _first_input(fd: Any, inputs: Sequence[Any], kinds: Set[str]) -> str:
+    """``input i (name) is a <kind>`` for the first of ``inputs`` of one of ``kinds``."""
+    for i, x in enumerate(inputs):
+        if _kind(x) in kinds:
+            noun = _NOUNS.get(_kind(x), "array")
+            return f"input {i} ({fd._core.input_specs()[i].name}) is a {noun}"
+    return "an input"
+
+
+def check_cuda_inputs(kinds: Set[str], first_numpy: str = "an input is a NumPy array") -> None:
     """Refuse ``device='cuda'`` for inputs of ``kinds`` (``_kind`` of the arrays) whose outputs
-    cannot be GPU arrays: NumPy arrays, or no array at all without CuPy installed."""
+    cannot be GPU arrays: NumPy arrays (``first_numpy`` names the first), or no array at all
+    without CuPy installed."""
     if "numpy" in kinds:
-        raise KilnTypeError("device='cuda' needs CuPy arrays or torch CUDA tensors, got NumPy arrays")
+        raise KilnTypeError(f"{first_numpy}: device='cuda' needs CuPy arrays or torch CUDA tensors, "
+                            "got NumPy arrays")
     if not kinds:
         # With no array to take them from, the GPU path allocates the outputs with CuPy.
         try:
