@@ -143,8 +143,13 @@ fn promote(f: &Fusion, exact: &IdGraph, g: &mut GroupInfo) -> Result<()> {
     let chosen = candidates.last().copied().or(ids.last()).expect("a group has members");
     for c in &candidates {
         // A producer upstream of the chosen tensor iterates a sub-space of it (inlining
-        // was checked pair by pair); only unrelated tensors can disagree.
-        if !exact.same(c.2, chosen.2) && !is_upstream(f, c.0, chosen.0) {
+        // was checked pair by pair); only unrelated tensors can disagree. Siblings inlined
+        // into one consumer whose axis is a size-one broadcast where theirs iterate one
+        // element (a reshape's literal 1 over a runtime size of one) are not exact-mapped
+        // through it, but each was checked against that consumer: the same extent is the
+        // same space.
+        let same_extent = f.ids[c.2].extent == f.ids[chosen.2].extent;
+        if !exact.same(c.2, chosen.2) && !same_extent && !is_upstream(f, c.0, chosen.0) {
             bail!(
                 "cannot promote loop axis {} of {}: it iterates {} of {} and {} of {}, which are not the same iteration space",
                 ids[0].1,
