@@ -108,3 +108,31 @@ def test_scalar_ops_without_a_form_are_refused() -> None:
         with pytest.raises(KilnError, match="bitwise_not: .* is not defined"):
             fd.ops.bitwise_not(1.5)
         fd.add_output(x)
+
+
+@pytest.mark.parametrize("dtype, np_dtype", [(DataType.Float, np.float32), (DataType.Double, np.float64),
+                                             (DataType.Half, np.float16)])
+def test_full_takes_a_computed_0d_value(dtype: DataType, np_dtype: type) -> None:
+    # torch.full_like(denom, step_size) where the step size is math on runtime scalars
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        lr = fd.define_scalar(dtype=DataType.Double)
+        step = fd.ops.div(fd.ops.mul(lr, 2.0), fd.ops.sqrt(fd.ops.add(lr, 1.0)))
+        assert isinstance(step, Tensor) and step.ndim == 0
+        f = fd.ops.full(fd.ops.shape(x), step, dtype)
+        fd.add_output(f)
+        fd.add_output(fd.ops.mul(fd.ops.cast(f, DataType.Float), x))
+    a = np.random.default_rng(0).standard_normal((5, 7)).astype(np.float32)
+    fill, prod = fd.execute([a, 0.3])
+    want = 0.6 / math.sqrt(1.3)
+    assert fill.shape == (5, 7) and fill.dtype == np_dtype
+    np.testing.assert_allclose(fill.astype(np.float64), np.full((5, 7), np_dtype(want)), rtol=0)
+    np.testing.assert_allclose(prod, a.astype(np.float64) * float(np_dtype(want)), rtol=2e-7, atol=1e-7)
+
+
+def test_full_refuses_a_ranked_fill_value_by_name() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        with pytest.raises(KilnError, match=r"full: the fill value T0 has rank 2; expected a scalar"):
+            fd.ops.full([2], x, DataType.Float)
+        fd.add_output(x)

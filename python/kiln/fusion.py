@@ -890,10 +890,19 @@ class Ops:
                                                 fd._tensor(index, "index_select"),
                                                 self._dim(x, dim, "index_select")))
 
-    def full(self, shape: Sequence[Union[int, Scalar]], value: Union[Scalar, int, float, bool],
+    def full(self, shape: Sequence[Union[int, Scalar]], value: Union[Scalar, Tensor, int, float, bool],
              dtype: DataType) -> Tensor:
-        """A tensor of ``shape`` filled with ``value``."""
+        """A tensor of ``shape`` filled with ``value`` (a scalar, or a 0-d tensor: torch.full_like
+        of a computed step size)."""
         fd = self._fd
+        if isinstance(value, Tensor):
+            fd._tensor(value, "full")
+            if value.ndim != 0:
+                raise KilnError(f"full: the fill value {value.name} has rank {value.ndim}; expected a scalar "
+                                "or a 0-d tensor (broadcast_in_dim or expand fill with a tensor)")
+            self._shape(shape, "full")  # the same checks of the sizes
+            _check_dtype(dtype, "full")
+            return self.broadcast_in_dim(self.cast(value, dtype), list(shape), [])
         dims = self._shape(shape, "full")
         return Tensor(fd, fd._core.full(dims, fd._operand(value, "full"), _check_dtype(dtype, "full")))
 
