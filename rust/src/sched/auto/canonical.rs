@@ -425,11 +425,20 @@ pub fn expand_small_powers(f: &mut Fusion) -> Result<()> {
 /// where something else reads them too); where a remap's guard fails, its value was
 /// unspecified before and stays so.
 pub fn sink_remaps(f: &mut Fusion) -> Result<()> {
+    // Moving a remap through a tensor that something else reads too recomputes its op, and
+    // chained stencils (shifted slices of shifted slices of computed tensors: repeated
+    // pooling, unrolled finite differences) multiply the recomputed ops at every level,
+    // k^depth of them. Past this many new exprs such remaps stay where they are: the tensor
+    // they read is computed once, in a kernel of its own.
+    let limit = f.exprs.len() + 2 * f.topo_exprs().len() + 512;
     'again: loop {
         for e in f.topo_exprs() {
             let Op::Remap { name, index, valid } = f.exprs[e].op.clone() else { continue };
             let Some(x) = f.exprs[e].inputs[0].tensor() else { continue };
             let Some(d) = f.tvs[x].definition else { continue };
+            if f.tvs[x].uses.len() > 1 && f.exprs.len() > limit {
+                continue;
+            }
             let out = f.exprs[e].output;
             let extents: Vec<_> = f.no_reduction_logical(out).iter().map(|&id| f.ids[id].extent).collect();
             let xl = f.no_reduction_logical(x);
