@@ -522,7 +522,7 @@ DEFINITION_ERRORS = [
         _def(lambda fd, x: fd.ops.full([3], x, F), (-1,)),
         KilnTypeError,
         (tv(0), r"scalar"),
-        id="full_value_is_a_tensor",
+        id="full_value_is_a_ranked_tensor",
     ),
 ]
 

@@ -898,8 +898,8 @@ class Ops:
         if isinstance(value, Tensor):
             fd._tensor(value, "full")
             if value.ndim != 0:
-                raise KilnError(f"full: the fill value {value.name} has rank {value.ndim}; expected a scalar "
-                                "or a 0-d tensor (broadcast_in_dim or expand fill with a tensor)")
+                raise KilnTypeError(f"full: the fill value {value.name} has rank {value.ndim}; expected a "
+                                    "scalar or a 0-d tensor (broadcast_in_dim or expand fill with a tensor)")
             self._shape(shape, "full")  # the same checks of the sizes
             _check_dtype(dtype, "full")
             return self.broadcast_in_dim(self.cast(value, dtype), list(shape), [])
