@@ -147,13 +147,45 @@ def plan_program(program: Any, arrays: Sequence[Any], scalars: Sequence[Any],
     return ProgramPlan(program.plan(sizes, strides, list(scalars)))
 
 
+# Allocates ``nbytes`` device bytes (zeroed when asked) in the order of a raw stream
+# pointer (None: the current one); returns the object that owns the memory and its pointer.
+Allocator = Callable[[int, bool, Optional[int]], Tuple[Any, int]]
+
+
+def _cupy_alloc(nbytes: int, zeroed: bool, stream: Optional[int]) -> Tuple[Any, int]:
+    """Device memory from CuPy's pool, allocated on raw stream ``stream``."""
+    import cupy as cp  # noqa: PLC0415
+
+    # On the caller's stream, so that CuPy's pool hands memory freed by a growth to
+    # nobody before that stream's kernels are done with it.
+    with on_stream(stream):
+        mem = (cp.zeros if zeroed else cp.empty)(nbytes, dtype=cp.uint8)
+    return mem, int(mem.data.ptr)
+
+
+def torch_allocator(device: int) -> Allocator:
+    """Device memory of ``device`` from torch's allocator: the one a torch.cuda.graph capture
+    may allocate from (CuPy's pool cannot allocate while torch captures; torch keeps the
+    graph's memory in the graph's own pool)."""
+
+    def alloc(nbytes: int, zeroed: bool, stream: Optional[int]) -> Tuple[Any, int]:
+        import torch  # noqa: PLC0415
+
+        mem = (torch.zeros if zeroed else torch.empty)(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+        return mem, int(mem.data_ptr())
+
+    return alloc
+
+
 class ZeroedPool:
     """Device memory zeroed once and reused across calls by buffers whose kernels leave
     them at zero (``zero_init`` and ``resets_to_zero``). Grows (and re-zeroes) only when
     a plan needs more than it holds."""
 
-    def __init__(self) -> None:
+    def __init__(self, alloc: Allocator = _cupy_alloc) -> None:
+        self._alloc = alloc
         self._mem: Any = None
+        self._ptr = 0
         self.capacity = 0
         self.zero_fills = 0  # memsets of the pool (once per growth)
         self.zeroed_bytes = 0
@@ -161,18 +193,15 @@ class ZeroedPool:
 
     def get(self, nbytes: int, stream: Optional[int] = None) -> int:
         """Device pointer of at least ``nbytes`` zeroed bytes, zeroed in the order of
-        ``stream`` (a raw stream pointer; None: CuPy's current stream)."""
+        ``stream`` (a raw stream pointer; None: the current stream)."""
         if nbytes > self.capacity:
-            import cupy as cp  # noqa: PLC0415
-
-            with on_stream(stream):
-                self._mem = cp.zeros(nbytes, dtype=cp.uint8)
+            self._mem, self._ptr = self._alloc(nbytes, True, stream)
             self.capacity = nbytes
             self.zero_fills += 1
             self.zeroed_bytes += nbytes
         else:
             self.reuses += 1
-        return int(self._mem.data.ptr)
+        return self._ptr
 
     def stats(self) -> Dict[str, int]:
         """Pool statistics: capacity, zero_fills, zeroed_bytes, reuses."""
@@ -184,61 +213,19 @@ class Workspace:
     """Device memory of one device reused by every call: the arena that intermediates and
     work buffers are planned into. Grows only when a plan needs more than it holds."""
 
-    def __init__(self) -> None:
+    def __init__(self, alloc: Allocator = _cupy_alloc) -> None:
+        self._alloc = alloc
         self.mem: Any = None
+        self._ptr = 0
         self.nbytes = 0
 
     def get(self, nbytes: int, stream: Optional[int] = None) -> int:
-        """Device pointer of at least ``nbytes`` bytes; when it grows, the new memory is
-        allocated (and the old freed) with raw stream ``stream`` CuPy's current one, so that
-        CuPy's pool hands the old memory to nobody before that stream's kernels are done."""
+        """Device pointer of at least ``nbytes`` bytes, allocated (and the old memory freed)
+        in the order of raw stream ``stream`` when it grows."""
         if nbytes > self.nbytes:
-            import cupy as cp  # noqa: PLC0415
-
-            with on_stream(stream):
-                self.mem = cp.empty(nbytes, dtype=cp.uint8)
+            self.mem, self._ptr = self._alloc(nbytes, False, stream)
             self.nbytes = nbytes
-        return int(self.mem.data.ptr)
-
-
-class _TorchWorkspace(Workspace):
-    """A ``Workspace`` in torch's allocator: the memory of a call that a torch.cuda.graph
-    capture records (CuPy's pool cannot allocate while torch captures; torch's keeps the
-    graph's memory in the graph's own pool)."""
-
-    def __init__(self, device: int) -> None:
-        super().__init__()
-        self.device = device
-
-    def get(self, nbytes: int, stream: Optional[int] = None) -> int:
-        """Device pointer of at least ``nbytes`` bytes."""
-        if nbytes > self.nbytes:
-            import torch  # noqa: PLC0415
-
-            self.mem = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{self.device}")
-            self.nbytes = nbytes
-        return int(self.mem.data_ptr())
-
-
-class _TorchZeroedPool(ZeroedPool):
-    """A ``ZeroedPool`` in torch's allocator (see ``_TorchWorkspace``)."""
-
-    def __init__(self, device: int) -> None:
-        super().__init__()
-        self.device = device
-
-    def get(self, nbytes: int, stream: Optional[int] = None) -> int:
-        """Device pointer of at least ``nbytes`` zeroed bytes."""
-        if nbytes > self.capacity:
-            import torch  # noqa: PLC0415
-
-            self._mem = torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{self.device}")
-            self.capacity = nbytes
-            self.zero_fills += 1
-            self.zeroed_bytes += nbytes
-        else:
-            self.reuses += 1
-        return int(self._mem.data_ptr())
+        return self._ptr
 
 
 class ErrorWords:
@@ -492,7 +479,8 @@ class HostEvaluator:
         the graph replays at those addresses after the call (the shared workspace may grow
         and hand its old memory back, and later calls write it)."""
         if r.torch_mode:
-            arena, pool = _TorchWorkspace(r.device), _TorchZeroedPool(r.device)
+            alloc = torch_allocator(r.device)
+            arena, pool = Workspace(alloc), ZeroedPool(alloc)
         else:
             arena, pool = Workspace(), ZeroedPool()
         self.captured_memory.append((arena, pool))
