@@ -550,8 +550,12 @@ class _Builder:
             c = [0.5, 2.0, -1.5][k % 3]
             base = self.unary("abs", a)
             base = self.emit(f"ops.add({base.name}, 1.0)", "f", a.labels, base.ref + 1, base.err)
-            return self.emit(f"ops.pow({base.name}, {c!r})", "f", a.labels, base.ref ** c,
-                             abs(c) * base.ref ** (c - 1) * base.err, transc=True)
+            # The error over the base's whole interval (the base is at least 1): a linear bound
+            # misses how fast a negative power grows where a large error reaches towards 1.
+            out = base.ref ** c
+            lo, hi = np.maximum(base.ref - base.err, 1.0), base.ref + base.err
+            err = np.maximum(np.abs(lo ** c - out), np.abs(hi ** c - out))
+            return self.emit(f"ops.pow({base.name}, {c!r})", "f", a.labels, out, err, transc=True)
         assert name == "pow2", name
         return self.emit(f"ops.pow({a.name}, 2.0)", "f", a.labels, a.ref * a.ref, 2 * np.abs(a.ref) * a.err
                          + a.err * a.err, transc=True)

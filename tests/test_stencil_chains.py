@@ -43,3 +43,44 @@ def test_a_chain_of_max_pools_lowers_to_bounded_kernels_and_matches_numpy(depth:
     assert len(kernels) <= 2 * depth and body < 40_000 * depth
     (got,) = fd.execute([x])
     np.testing.assert_allclose(got, _max_pool_chain_np(x, depth), rtol=1e-6)
+
+
+def test_taps_of_one_padded_axis_share_one_extent() -> None:
+    """3x3 min-pooling (an erosion) written as pads and shifted slices: the slices' sizes,
+    `min(i + 2, 26) - 2` and `min(i + 2, 25) - 1` as written, are a few extents in the
+    kernel (binding checks they agree), so its bounds checks and index divisions are shared."""
+    rows, cols = 20, 24
+
+    def pool(fd: FusionDefinition, y, axis: int):  # noqa: ANN001, ANN202 - kiln tensors
+        p = fd.ops.pad(y, [0, 0, 1, 1] if axis == 0 else [1, 1, 0, 0], float("-inf"))
+        taps = []
+        for k in range(3):
+            start, end = [0, 0], [rows, cols]
+            start[axis] += k
+            end[axis] += k
+            taps.append(fd.ops.slice(p, start, end))
+        return fd.ops.maximum(fd.ops.maximum(taps[0], taps[1]), taps[2])
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        y = fd.ops.exp(x)
+        for _ in range(2):
+            a = fd.ops.neg(pool(fd, fd.ops.neg(y), 0))
+            b = fd.ops.neg(pool(fd, fd.ops.neg(y), 1))
+            y = fd.ops.minimum(a, b)
+        fd.add_output(y)
+    xs = np.random.default_rng(3).random((rows, cols)).astype(np.float32)
+    src = fd.lower([xs]).kernels[0].cuda_source
+    body = src.split("typedef int64_t kiln_index_t;")[-1]
+    # With each slice's size spelled as written, the kernel's code was 436 kB (its bounds
+    # checks repeated per slice); with one size per aligned axis it is 188 kB.
+    assert len(body) < 250_000, len(body)
+    want = np.exp(xs.astype(np.float64))
+    for _ in range(2):
+        pr = np.pad(-want, ((1, 1), (0, 0)), constant_values=-np.inf)
+        pc = np.pad(-want, ((0, 0), (1, 1)), constant_values=-np.inf)
+        a = -np.maximum(np.maximum(pr[:-2], pr[1:-1]), pr[2:])
+        b = -np.maximum(np.maximum(pc[:, :-2], pc[:, 1:-1]), pc[:, 2:])
+        want = np.minimum(a, b)
+    (got,) = fd.execute([xs])
+    np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -419,6 +419,23 @@ impl Scalars {
                 }
             }
         }
+        // min(x + c1, c2) + d == min(x + (c1 + d), c2 + d) (and max, and - d): the extent of a
+        // slice of a padded axis, `min(i + 2, 26) - 2`, is `min(i, 24)`, the same value as its
+        // siblings' extents, so that their index math is shared instead of repeated.
+        if let (Some(k), Add | Sub, Val::Binary(mm @ (Min | Max), p, q)) = (cb, op, self.nodes[a]) {
+            let d = if op == Add { Some(k) } else { k.checked_neg() };
+            let (p, q) = if self.as_int(p).is_some() { (q, p) } else { (p, q) };
+            if let (Some(d), Some(c2), Val::Binary(Add, x, c1)) = (d, self.as_int(q), self.nodes[p]) {
+                if let (Some(c1), Some(c2d)) = (self.as_int(c1), c2.checked_add(d)) {
+                    // (A negative c1 + d would lose the range of x's lower bound.)
+                    if let Some(c1d) = c1.checked_add(d).filter(|&c| c >= 0) {
+                        let xp = self.binary_with_const(Add, x, c1d);
+                        let qd = self.int(c2d);
+                        return Some(self.binary(mm, xp, qd));
+                    }
+                }
+            }
+        }
         None
     }
 
@@ -900,6 +917,33 @@ mod tests {
         assert!(s.is_const(m0, 0));
         let d = s.sub(x, x);
         assert!(s.is_const(d, 0));
+    }
+
+    #[test]
+    fn constants_move_into_min_and_max() {
+        let mut s = Scalars::new();
+        let x = s.symbol(Symbol::Extent(0));
+        let two = s.int(2);
+        let xp2 = s.add(x, two);
+        let c26 = s.int(26);
+        let m = s.min(xp2, c26);
+        let sliced = s.sub(m, two);
+        let c24 = s.int(24);
+        assert_eq!(sliced, s.min(x, c24), "min(x + 2, 26) - 2 is min(x, 24)");
+        let c5 = s.int(5);
+        let mx = s.max(c26, xp2);
+        let up = s.add(mx, c5);
+        assert_eq!(s.render(up), "max(x0 + 7, 31)".replace("x0", &s.render(x)));
+        // A constant that would leave x with a negative offset stays outside.
+        let three = s.int(3);
+        let down = s.sub(m, three);
+        assert_eq!(s.range(down), (-1, Some(23)));
+        for v in 0..40 {
+            let env = |_: Symbol| Some(v);
+            assert_eq!(s.eval(sliced, &env).unwrap(), v.min(24));
+            assert_eq!(s.eval(up, &env).unwrap(), (v + 2).max(26) + 5);
+            assert_eq!(s.eval(down, &env).unwrap(), (v + 2).min(26) - 3);
+        }
     }
 
     #[test]

@@ -2833,7 +2833,7 @@ pub fn unify_mapped_extents(f: &mut Fusion) {
             (Rep::Symbol(n), m) if m != Rep::Symbol(n) => Some((n, m)),
             _ => None,
         });
-        let Some((n, m)) = sub else { return };
+        let Some((n, m)) = sub else { break };
         let target = match m {
             Rep::Constant(c) => f.scalars.int(c),
             Rep::Symbol(m) => f.scalars.symbol(Symbol::Extent(m)),
@@ -2843,6 +2843,39 @@ pub fn unify_mapped_extents(f: &mut Fusion) {
             let e = f.ids[id].extent;
             f.ids[id].extent = f.scalars.substitute(e, Symbol::Extent(n), target);
         }
+    }
+    // Computed extents: slices of one padded axis aligned by an element-wise op have
+    // extents `min(i1, 24)` and `min(i1 + 1, 24)`, equal whenever the inputs bind (binding
+    // checks every pair of sizes the definition aligns). Spelled differently, each tensor
+    // would get its own bounds check and its own index division in the kernel, which
+    // multiplies its code (and its compile time) by the number of slices. Each class takes
+    // its cheapest spelling.
+    let graph = IdGraph::exact(f);
+    let mut best: FxHashMap<crate::ir::IterDomainId, (usize, ValId)> = FxHashMap::default();
+    for id in f.ids.keys() {
+        if f.ids[id].iter_type == IterType::Broadcast {
+            continue;
+        }
+        let e = f.ids[id].extent;
+        let key = (expr_size(&f.scalars, e), e);
+        let b = best.entry(graph.find(id)).or_insert(key);
+        if key < *b {
+            *b = key;
+        }
+    }
+    let ids: Vec<_> = f.ids.keys().collect();
+    for id in ids {
+        if f.ids[id].iter_type != IterType::Broadcast {
+            f.ids[id].extent = best[&graph.find(id)].1;
+        }
+    }
+}
+
+/// The number of nodes of scalar expression `v` (shared subexpressions counted each time).
+fn expr_size(sc: &crate::ir::Scalars, v: ValId) -> usize {
+    match sc.get(v) {
+        crate::ir::scalar::Val::Binary(_, a, b) => 1 + expr_size(sc, a) + expr_size(sc, b),
+        _ => 1,
     }
 }
 
