@@ -112,6 +112,8 @@
 //! - **Mapped extents share one symbol.** Axes the definition aligns (a running mean `[C]`
 //!   added to a statistic over x's `C` axis) have sizes the input contract checks equal at
 //!   run time (`host::bind`); giving them one extent symbol lets their loops be one loop.
+//!   Computed extents of one class (slices of one padded axis) take its cheapest spelling:
+//!   one bounds check and one index division per axis in the kernel, not one per slice.
 //! - **Computed gather indices take the output's rank.** `index_select(t, ids + 1, 0)` reads
 //!   a rank-1 index computed in the kernel; broadcast to `[K, 1, ...]` (size one off the
 //!   selected axis) and sunk like any broadcast, its chain runs in the output's loops, one
