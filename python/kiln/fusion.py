@@ -371,10 +371,14 @@ class FusionDefinition:
                 if hit is not None:
                     return hit[0](inputs, hit[1])
         from .execute import execute, refuse_immutable_targets  # noqa: PLC0415
+        from .host import relaxed_capture  # noqa: PLC0415
 
         if isinstance(inputs, (list, tuple)):
             refuse_immutable_targets(self, inputs)
-        return execute(self, plain_numbers(self, inputs), device, as_written)
+        # A first call may happen inside a caller's CUDA graph capture: what it asks of the
+        # driver before launching must not invalidate that capture.
+        with relaxed_capture():
+            return execute(self, plain_numbers(self, inputs), device, as_written)
 
     def _execute_mesh(self, inputs: Sequence[Any], device: Optional[str], as_written: bool,
                       comm: Any) -> List[Any]:

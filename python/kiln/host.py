@@ -45,7 +45,9 @@ Calls inside a caller's CUDA graph capture (``torch.cuda.graph``, CuPy's stream 
 recorded like any other stream work: a ``GraphLaunch`` on a capturing stream enqueues its
 kernels and memsets one by one, and a recipe with a workspace or zeroed buffers runs on
 memory of its own, kept as long as the evaluator, since the caller's graph replays at those
-addresses (``HostEvaluator.run_captured``).
+addresses (``HostEvaluator.run_captured``). A signature's first call may itself happen inside
+such a capture: it is prepared (modules loaded, error words allocated) with this thread's
+capture mode relaxed (``relaxed_capture``), so those driver calls do not invalidate it.
 
 ``run_on_cpu`` walks the same host program with a per-kernel CPU launcher (the
 interpreter's ``kiln._core.execute_cpu(kernel, inputs)``).
@@ -56,7 +58,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections import defaultdict
-from typing import Any, Callable, DefaultDict, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, DefaultDict, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -161,6 +163,25 @@ def _cupy_alloc(nbytes: int, zeroed: bool, stream: Optional[int]) -> Tuple[Any, 
     with on_stream(stream):
         mem = (cp.zeros if zeroed else cp.empty)(nbytes, dtype=cp.uint8)
     return mem, int(mem.data.ptr)
+
+
+@contextlib.contextmanager
+def relaxed_capture() -> Iterator[None]:
+    """Relax this thread's stream-capture mode for the block: preparing a signature loads
+    modules, allocates host-mapped error words and asks the driver for free memory, calls
+    that a caller's capture in global mode (torch.cuda.graph's default) would otherwise be
+    invalidated by when the first call of a signature happens inside it."""
+    from . import _core  # noqa: PLC0415
+
+    old = _core.exchange_capture_mode(_RELAXED)
+    try:
+        yield
+    finally:
+        if old is not None:
+            _core.exchange_capture_mode(old)
+
+
+_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED
 
 
 def torch_allocator(device: int) -> Allocator:
@@ -454,13 +475,14 @@ class HostEvaluator:
         key = self._key(inputs)
         r = self._recipes.get(key)
         if r is None:
-            if validate is not None:
-                validate()
-            r = self._prepare(inputs)
-            self._recipes[self._key(inputs)] = r  # _prepare may have switched to value keys
-            # The first call of a signature launches kernel by kernel; a repeat replays
-            # the graph (built at its first launch), so one-off signatures never build one.
-            return r.direct(inputs, self)
+            with relaxed_capture():
+                if validate is not None:
+                    validate()
+                r = self._prepare(inputs)
+                self._recipes[self._key(inputs)] = r  # _prepare may have switched to value keys
+                # The first call of a signature launches kernel by kernel; a repeat replays
+                # the graph (built at its first launch), so one-off signatures never build one.
+                return r.direct(inputs, self)
         return r.fast(inputs, self)
 
     def run_cached(self, inputs: Sequence[Any]) -> Optional[List[Any]]:

@@ -100,6 +100,8 @@ type GraphExecDestroyFn = unsafe extern "C" fn(CuGraphExec) -> CuResult;
 type GraphDestroyFn = unsafe extern "C" fn(CuGraph) -> CuResult;
 /// `cuStreamIsCapturing(CUstream, CUstreamCaptureStatus*)`.
 type StreamIsCapturingFn = unsafe extern "C" fn(CuStream, *mut c_int) -> CuResult;
+/// `cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode*)`.
+type ThreadExchangeCaptureModeFn = unsafe extern "C" fn(*mut c_int) -> CuResult;
 
 /// The CUDA graph entry points (drivers of CUDA 12.0 and later). cuda.h maps
 /// `cuGraphAddKernelNode` and `cuGraphExecKernelNodeSetParams` to their `_v2` symbols (the
@@ -116,6 +118,7 @@ struct GraphApi {
     exec_destroy: GraphExecDestroyFn,
     destroy: GraphDestroyFn,
     is_capturing: StreamIsCapturingFn,
+    exchange_capture_mode: ThreadExchangeCaptureModeFn,
 }
 
 /// CuPy's `cupy_backends.cuda.stream.get_current_stream_ptr`, exported through Cython's
@@ -213,6 +216,7 @@ unsafe fn graph_api(lib: &Library) -> Result<GraphApi, String> {
             exec_destroy: sym::<GraphExecDestroyFn>(lib, b"cuGraphExecDestroy\0")?,
             destroy: sym::<GraphDestroyFn>(lib, b"cuGraphDestroy\0")?,
             is_capturing: sym::<StreamIsCapturingFn>(lib, b"cuStreamIsCapturing\0")?,
+            exchange_capture_mode: sym::<ThreadExchangeCaptureModeFn>(lib, b"cuThreadExchangeStreamCaptureMode\0")?,
         })
     }
 }
@@ -311,6 +315,18 @@ fn stream_is_capturing(stream: usize) -> bool {
     // SAFETY: a stream handle the caller owns and an out-pointer to a local.
     let rc = unsafe { (g.is_capturing)(stream as CuStream, &mut status) };
     rc == CUDA_SUCCESS && status != 0
+}
+
+/// Set this thread's stream-capture mode to `mode` (0 global, 1 thread-local, 2 relaxed, as
+/// `CUstreamCaptureMode`) and return the mode it had; None where the driver cannot.
+#[pyfunction]
+fn exchange_capture_mode(mode: i32) -> Option<i32> {
+    let d = driver().ok()?;
+    let g = d.graph.as_ref()?;
+    let mut m: c_int = mode;
+    // SAFETY: an in/out pointer to a local, as cuda.h declares it.
+    let rc = unsafe { (g.exchange_capture_mode)(&mut m) };
+    (rc == CUDA_SUCCESS).then_some(m)
 }
 
 /// What a per-call argument slot holds: a device pointer, or a scalar of a kiln dtype.
@@ -1290,5 +1306,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<GraphLaunch>()?;
     m.add_function(wrap_pyfunction!(load_cuda_driver, m)?)?;
     m.add_function(wrap_pyfunction!(stream_is_capturing, m)?)?;
+    m.add_function(wrap_pyfunction!(exchange_capture_mode, m)?)?;
     Ok(())
 }
