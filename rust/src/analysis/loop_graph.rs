@@ -107,21 +107,6 @@ pub fn depends_on_broadcast(f: &Fusion, id: IterDomainId) -> bool {
     }
 }
 
-/// True when `a` is `b` or one of its (transitive) producers.
-fn is_upstream(f: &Fusion, a: TvId, b: TvId) -> bool {
-    let mut stack = vec![b];
-    let mut seen = rustc_hash::FxHashSet::default();
-    while let Some(t) = stack.pop() {
-        if t == a {
-            return true;
-        }
-        if seen.insert(t) {
-            stack.extend(f.producers(t));
-        }
-    }
-    false
-}
-
 /// `roots` and every tensor they are (transitively) computed from.
 fn upstream_of(f: &Fusion, roots: &[TvId]) -> rustc_hash::FxHashSet<TvId> {
     let mut seen = rustc_hash::FxHashSet::default();
@@ -141,6 +126,10 @@ fn promote(f: &Fusion, exact: &IdGraph, g: &mut GroupInfo) -> Result<()> {
     let candidates: Vec<&(TvId, usize, IterDomainId)> =
         ids.iter().filter(|(_, _, id)| !depends_on_broadcast(f, *id)).collect();
     let chosen = candidates.last().copied().or(ids.last()).expect("a group has members");
+    // What the chosen tensor is computed from, found once per group (not per member: a
+    // group of a large fusion has thousands).
+    let mut above: Option<rustc_hash::FxHashSet<TvId>> = None;
+    let mut is_upstream = |f: &Fusion, t: TvId| above.get_or_insert_with(|| upstream_of(f, &[chosen.0])).contains(&t);
     for c in &candidates {
         // A producer upstream of the chosen tensor iterates a sub-space of it (inlining
         // was checked pair by pair); only unrelated tensors can disagree. Siblings inlined
@@ -149,7 +138,7 @@ fn promote(f: &Fusion, exact: &IdGraph, g: &mut GroupInfo) -> Result<()> {
         // through it, but each was checked against that consumer: the same extent is the
         // same space.
         let same_extent = f.ids[c.2].extent == f.ids[chosen.2].extent;
-        if !exact.same(c.2, chosen.2) && !same_extent && !is_upstream(f, c.0, chosen.0) {
+        if !exact.same(c.2, chosen.2) && !same_extent && !is_upstream(f, c.0) {
             bail!(
                 "cannot promote loop axis {} of {}: it iterates {} of {} and {} of {}, which are not the same iteration space",
                 ids[0].1,
@@ -175,7 +164,7 @@ fn promote(f: &Fusion, exact: &IdGraph, g: &mut GroupInfo) -> Result<()> {
         let same_space = exact.same(m.2, chosen.2)
             || f.ids[m.2].extent == f.ids[chosen.2].extent
             || f.ids[m.2].iter_type == IterType::Broadcast;
-        if same_space || is_upstream(f, m.0, chosen.0) {
+        if same_space || is_upstream(f, m.0) {
             continue;
         }
         let feeds = feeds_space.get_or_insert_with(|| {

@@ -126,7 +126,15 @@ fn plan_canonical(mut g: Fusion, cx: &Ctx) -> Result<(HostProgram, Heuristic)> {
     crate::sched::auto::canonical::sink_squeezes(&mut g)?;
     crate::sched::auto::canonical::view_output_squeezes(&mut g)?;
     crate::sched::auto::canonical::hoist_output_reshapes(&mut g)?;
-    crate::sched::auto::canonical::sink_remaps(&mut g)?;
+    let pinned = crate::sched::auto::canonical::sink_remaps_at(&mut g, Some(&cx.extents))?;
+    let (program, mut h) = plan_sunk(g, &cx)?;
+    h.specialized.extend(pinned);
+    Ok((program, h))
+}
+
+/// [`plan_canonical`] once the remaps are sunk to what they read.
+fn plan_sunk(mut g: Fusion, cx: &Ctx) -> Result<(HostProgram, Heuristic)> {
+    let cx = cx.clone();
     crate::sched::auto::canonical::view_input_reshapes(&mut g);
     crate::sched::auto::canonical::view_self_mapped_inputs(&mut g);
     crate::sched::auto::canonical::reduce_through_broadcasts(&mut g)?;

@@ -755,6 +755,39 @@ impl Scalars {
         r
     }
 
+    /// Inclusive bounds of the integer or boolean expression `v` when each symbol lies in
+    /// the bounds `env` gives it (`i64::MAX` as an upper bound: unbounded); None where a
+    /// symbol has none or an op's result cannot be bounded (a division by a range holding
+    /// zero, a float). A comparison that holds (fails) everywhere is `(1, 1)` (`(0, 0)`).
+    pub fn interval(&self, v: ValId, env: &dyn Fn(Symbol) -> Option<(i64, i64)>) -> Option<(i64, i64)> {
+        let mut memo = FxHashMap::default();
+        self.interval_memo(v, env, &mut memo)
+    }
+
+    fn interval_memo(
+        &self,
+        v: ValId,
+        env: &dyn Fn(Symbol) -> Option<(i64, i64)>,
+        memo: &mut FxHashMap<ValId, Option<(i64, i64)>>,
+    ) -> Option<(i64, i64)> {
+        if let Some(&r) = memo.get(&v) {
+            return r;
+        }
+        let r = match self.nodes[v] {
+            Val::Int(i) => Some((i, i)),
+            Val::Bool(b) => Some((b as i64, b as i64)),
+            Val::Float(_) => None,
+            Val::Symbol(s) => env(s),
+            Val::Binary(op, a, b) => {
+                let x = self.interval_memo(a, env, memo);
+                let y = self.interval_memo(b, env, memo);
+                x.zip(y).and_then(|(x, y)| bounds_of(op, x, y))
+            }
+        };
+        memo.insert(v, r);
+        r
+    }
+
     /// Evaluate `v` given values for its symbols.
     pub fn eval(&self, v: ValId, env: &dyn Fn(Symbol) -> Option<i64>) -> Result<i64> {
         match self.nodes[v] {
@@ -824,6 +857,39 @@ impl Scalars {
                 }
             },
         }
+    }
+}
+
+/// Bounds of `x op y` for operands within bounds `x` and `y` (see [`Scalars::interval`]).
+fn bounds_of(op: ScalarOp, (xl, xh): (i64, i64), (yl, yh): (i64, i64)) -> Option<(i64, i64)> {
+    use ScalarOp::*;
+    let truth = |always: bool, never: bool| {
+        Some(if always {
+            (1, 1)
+        } else if never {
+            (0, 0)
+        } else {
+            (0, 1)
+        })
+    };
+    match op {
+        Add => Some((xl.saturating_add(yl), xh.saturating_add(yh))),
+        Sub => Some((xl.saturating_sub(yh), xh.saturating_sub(yl))),
+        Mul => {
+            let p = [xl.saturating_mul(yl), xl.saturating_mul(yh), xh.saturating_mul(yl), xh.saturating_mul(yh)];
+            Some((*p.iter().min()?, *p.iter().max()?))
+        }
+        // Sizes and positions: non-negative over positive divisors only.
+        Div if xl >= 0 && yl > 0 => Some((xl / yh, xh / yl)),
+        CeilDiv if xl >= 0 && yl > 0 => Some((xl / yh + i64::from(xl % yh != 0), xh / yl + i64::from(xh % yl != 0))),
+        Mod if xl >= 0 && yl > 0 => Some(if xh < yl { (xl, xh) } else { (0, yh - 1) }),
+        Min => Some((xl.min(yl), xh.min(yh))),
+        Max => Some((xl.max(yl), xh.max(yh))),
+        Lt => truth(xh < yl, xl >= yh),
+        Le => truth(xh <= yl, xl > yh),
+        Eq => truth(xl == xh && yl == yh && xl == yl, xh < yl || yh < xl),
+        And => truth(xl >= 1 && yl >= 1, xh <= 0 || yh <= 0),
+        _ => None,
     }
 }
 
@@ -917,6 +983,46 @@ mod tests {
         assert!(s.is_const(m0, 0));
         let d = s.sub(x, x);
         assert!(s.is_const(d, 0));
+    }
+
+    #[test]
+    fn intervals_bound_every_value_the_symbols_can_take() {
+        // A cat's guard on position o (in [0, 2]) of a part at offset n (in [1, 3]):
+        // checked against every value of o and n by evaluation.
+        let mut s = Scalars::new();
+        let o = s.symbol(Symbol::OutAxis(0));
+        let n = s.symbol(Symbol::Extent(0));
+        let one = s.int(1);
+        let shifted = s.add(o, one);
+        let lt = s.lt(shifted, n);
+        let le = s.binary(ScalarOp::Le, n, o);
+        let both = s.binary(ScalarOp::And, lt, le);
+        let prod = s.mul(o, n);
+        let low = s.min(prod, n);
+        let diff = s.sub(low, o);
+        let q = s.div(prod, n);
+        let env = |sym: Symbol| match sym {
+            Symbol::OutAxis(_) => Some((0, 2)),
+            _ => Some((1, 3)),
+        };
+        for v in [lt, le, both, prod, low, diff, q] {
+            let (lo, hi) = s.interval(v, &env).expect("bounded");
+            for a in 0..=2 {
+                for b in 1..=3 {
+                    let x = s.eval(v, &|sym| Some(if matches!(sym, Symbol::OutAxis(_)) { a } else { b })).unwrap();
+                    assert!(lo <= x && x <= hi, "{} = {x} outside [{lo}, {hi}]", s.render(v));
+                }
+            }
+        }
+        // Decided where the bounds tell: o + 1 < n + 3 always holds, n + 3 <= o never does.
+        let three = s.int(3);
+        let n3 = s.add(n, three);
+        let always = s.lt(shifted, n3);
+        let never = s.binary(ScalarOp::Le, n3, o);
+        assert_eq!(s.interval(always, &env), Some((1, 1)));
+        assert_eq!(s.interval(never, &env), Some((0, 0)));
+        // A symbol without bounds leaves the expression unbounded.
+        assert_eq!(s.interval(lt, &|_| None), None);
     }
 
     #[test]

@@ -427,96 +427,384 @@ pub fn expand_small_powers(f: &mut Fusion) -> Result<()> {
 /// where something else reads them too); where a remap's guard fails, its value was
 /// unspecified before and stays so.
 pub fn sink_remaps(f: &mut Fusion) -> Result<()> {
+    sink_remaps_at(f, None).map(|_| ())
+}
+
+/// [`sink_remaps`] for the sizes at hand (`values`, of the symbolic extents `i{n}`): a
+/// remap of a `where` whose condition is a mask (a `cat`'s parts, a padded region) that
+/// the remapped positions decide reads the branch taken alone, and a remap that reads its
+/// tensor unchanged is dropped. `slice(cat([a, b, c], 1), [0, 1], [None, 2])` is then `b`
+/// itself, not a `where` over every part, each part recomputed at the slice's positions
+/// (chained, as an unrolled recurrence that splits and joins its state every step does,
+/// that recomputation grows with every step). Where only the sizes at hand decide a
+/// branch (parts of runtime sizes), their extents are returned: the plan holds for them
+/// alone.
+pub fn sink_remaps_at(f: &mut Fusion, values: Option<&[i64]>) -> Result<Vec<(u32, i64)>> {
+    let mut pins: Vec<(u32, i64)> = Vec::new();
     // Moving a remap through a tensor that something else reads too recomputes its op, and
     // chained stencils (shifted slices of shifted slices of computed tensors: repeated
     // pooling, unrolled finite differences) multiply the recomputed ops at every level,
     // k^depth of them. Past this many new exprs such remaps stay where they are: the tensor
     // they read is computed once, in a kernel of its own.
-    let limit = f.exprs.len() + 2 * f.topo_exprs().len() + 512;
+    let limit = f.exprs.len() + f.topo_exprs().len() + 256;
+    // The same remap of the same tensor (a slice of a recurrence's state taken again one
+    // step later, through the step's update) is moved once: later ones read the first's
+    // result. `replaced` follows a result that was itself moved on.
+    let mut memo: FxHashMap<RemapKey, TvId> = FxHashMap::default();
+    let mut replaced: FxHashMap<TvId, TvId> = FxHashMap::default();
     'again: loop {
         for e in f.topo_exprs() {
             let Op::Remap { name, index, valid } = f.exprs[e].op.clone() else { continue };
             let Some(x) = f.exprs[e].inputs[0].tensor() else { continue };
-            let Some(d) = f.tvs[x].definition else { continue };
-            if f.tvs[x].uses.len() > 1 && f.exprs.len() > limit {
-                continue;
-            }
             let out = f.exprs[e].output;
             let extents: Vec<_> = f.no_reduction_logical(out).iter().map(|&id| f.ids[id].extent).collect();
-            let xl = f.no_reduction_logical(x);
-            let op = f.exprs[d].op.clone();
-            let operands = f.exprs[d].inputs.clone();
-            let moved = match op {
-                Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast(_) | Op::Set if !xl.is_empty() => {
-                    let mut moved_operands = Vec::with_capacity(operands.len());
-                    for o in operands {
-                        moved_operands.push(match o {
-                            Operand::Tensor(t) if !f.no_reduction_logical(t).is_empty() => {
-                                let at = broadcast_axes_at_zero(f, t, &index);
-                                Operand::Tensor(f.remap(t, name, &extents, at, valid)?)
-                            }
-                            o => o,
-                        });
+            let key: RemapKey = (x, index.clone(), valid, extents.clone());
+            let moved = if let Some(&m) = memo.get(&key) {
+                let mut m = m;
+                while let Some(&n) = replaced.get(&m) {
+                    m = n;
+                }
+                if m == out {
+                    continue;
+                }
+                m
+            } else if reads_unchanged(f, x, &index, valid, &extents, values, &mut pins) {
+                x
+            } else if let Some(t) = as_expand(f, x, &index, valid, &extents, values, &mut pins)? {
+                t
+            } else {
+                let Some(d) = f.tvs[x].definition else { continue };
+                if let Some(t) = branch_taken(f, d, &index, &extents, valid, values, &mut pins) {
+                    let at = broadcast_axes_at_zero(f, t, &index);
+                    f.remap(t, name, &extents, at, valid)?
+                } else if f.tvs[x].uses.len() > 1 && f.exprs.len() > limit {
+                    continue;
+                } else {
+                    match move_through(f, e, d, x, name, &index, valid, &extents)? {
+                        Some(t) => t,
+                        None => continue,
                     }
-                    let v = replay(f, op, &moved_operands, f.tvs[x].dtype)?;
-                    if f.no_reduction_logical(v).is_empty() && !extents.is_empty() {
-                        // Math on scalars alone (`pow(sigma_max, 1 / rho)` broadcast, then
-                        // padded) replays as a 0-d tensor: expanded to the remap's shape
-                        // (`where(true, v, v)`), it keeps its place in its readers' loops.
-                        let yes = f.scalars.boolean(true);
-                        let all = f.full(&extents, Operand::Scalar(yes), DataType::Bool)?;
-                        f.where_(Operand::Tensor(all), Operand::Tensor(v), Operand::Tensor(v))?
-                    } else {
-                        v
-                    }
                 }
-                Op::Broadcast { is_new } => {
-                    let y = operands[0].tensor().expect("broadcast reads a tensor");
-                    let at: Vec<_> = index.iter().zip(&is_new).filter(|(_, &n)| !n).map(|(&v, _)| v).collect();
-                    f.remap(y, name, &extents, at, valid)?
-                }
-                Op::Squeeze { removed } => {
-                    let y = operands[0].tensor().expect("squeeze reads a tensor");
-                    let zero = f.scalars.int(0);
-                    let mut kept = index.iter().copied();
-                    let at: Vec<_> =
-                        removed.iter().map(|&r| if r { zero } else { kept.next().unwrap_or(zero) }).collect();
-                    f.remap(y, name, &extents, at, valid)?
-                }
-                Op::Permute { perm } => {
-                    let y = operands[0].tensor().expect("permute reads a tensor");
-                    let mut at = index.clone();
-                    for (i, &src) in perm.iter().enumerate() {
-                        at[src] = index[i];
-                    }
-                    f.remap(y, name, &extents, at, valid)?
-                }
-                Op::Full { value } => f.full(&extents, Operand::Scalar(value), f.tvs[x].dtype)?,
-                // An iota or random numbers are functions of the row-major position, which a
-                // reshape keeps: made at the new shape, each element keeps its value.
-                Op::Iota { .. } | Op::Random { .. } if pure_reshape(f, e) => {
-                    f.source("reshaped source", &extents, op, f.tvs[x].dtype)?
-                }
-                Op::Iota { start, step } => match remapped_iota(f, x, start, step, &index, &extents)? {
-                    Some(t) => t,
-                    None => continue,
-                },
-                Op::Mask { valid: m } => {
-                    let at = f.compose(m, &index);
-                    f.mask(&extents, at)?
-                }
-                Op::IndexSelect { dim } => match reshaped_gather(f, e, d, dim, &index, &extents)? {
-                    Some(t) => t,
-                    None => continue,
-                },
-                _ => continue,
             };
             replace_tensor(f, out, moved);
             f.tvs[x].uses.retain(|&u| u != e);
+            replaced.insert(out, moved);
+            memo.insert(key, moved);
             continue 'again;
         }
-        return Ok(());
+        pins.sort_unstable();
+        pins.dedup();
+        return Ok(pins);
     }
+}
+
+/// A remap's source, positions, guard and extents: what it reads, as a memo key.
+type RemapKey = (TvId, Vec<ValId>, Option<ValId>, Vec<ValId>);
+
+/// Remap `e` (`name`) of `x`, defined by `d`, at positions `index`, guarded by `valid`, to
+/// `extents`, moved through `d` to what `d` reads; None where `d` is an op it does not
+/// move through.
+#[allow(clippy::too_many_arguments)]
+fn move_through(
+    f: &mut Fusion,
+    e: ExprId,
+    d: ExprId,
+    x: TvId,
+    name: &'static str,
+    index: &[ValId],
+    valid: Option<ValId>,
+    extents: &[ValId],
+) -> Result<Option<TvId>> {
+    let index = index.to_vec();
+    let extents = extents.to_vec();
+    let xl = f.no_reduction_logical(x);
+    let op = f.exprs[d].op.clone();
+    let operands = f.exprs[d].inputs.clone();
+    let moved = match op {
+        Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast(_) | Op::Set if !xl.is_empty() => {
+            let mut moved_operands = Vec::with_capacity(operands.len());
+            for o in operands {
+                moved_operands.push(match o {
+                    Operand::Tensor(t) if !f.no_reduction_logical(t).is_empty() => {
+                        let at = broadcast_axes_at_zero(f, t, &index);
+                        Operand::Tensor(f.remap(t, name, &extents, at, valid)?)
+                    }
+                    o => o,
+                });
+            }
+            let v = replay(f, op, &moved_operands, f.tvs[x].dtype)?;
+            if f.no_reduction_logical(v).is_empty() && !extents.is_empty() {
+                // Math on scalars alone (`pow(sigma_max, 1 / rho)` broadcast, then
+                // padded) replays as a 0-d tensor: expanded to the remap's shape
+                // (`where(true, v, v)`), it keeps its place in its readers' loops.
+                let yes = f.scalars.boolean(true);
+                let all = f.full(&extents, Operand::Scalar(yes), DataType::Bool)?;
+                f.where_(Operand::Tensor(all), Operand::Tensor(v), Operand::Tensor(v))?
+            } else {
+                v
+            }
+        }
+        Op::Broadcast { is_new } => {
+            let y = operands[0].tensor().expect("broadcast reads a tensor");
+            let at: Vec<_> = index.iter().zip(&is_new).filter(|(_, &n)| !n).map(|(&v, _)| v).collect();
+            f.remap(y, name, &extents, at, valid)?
+        }
+        Op::Squeeze { removed } => {
+            let y = operands[0].tensor().expect("squeeze reads a tensor");
+            let zero = f.scalars.int(0);
+            let mut kept = index.iter().copied();
+            let at: Vec<_> = removed.iter().map(|&r| if r { zero } else { kept.next().unwrap_or(zero) }).collect();
+            f.remap(y, name, &extents, at, valid)?
+        }
+        Op::Permute { perm } => {
+            let y = operands[0].tensor().expect("permute reads a tensor");
+            let mut at = index.clone();
+            for (i, &src) in perm.iter().enumerate() {
+                at[src] = index[i];
+            }
+            f.remap(y, name, &extents, at, valid)?
+        }
+        Op::Full { value } => f.full(&extents, Operand::Scalar(value), f.tvs[x].dtype)?,
+        // An iota or random numbers are functions of the row-major position, which a
+        // reshape keeps: made at the new shape, each element keeps its value.
+        Op::Iota { .. } | Op::Random { .. } if pure_reshape(f, e) => {
+            f.source("reshaped source", &extents, op, f.tvs[x].dtype)?
+        }
+        Op::Iota { start, step } => match remapped_iota(f, x, start, step, &index, &extents)? {
+            Some(t) => t,
+            None => return Ok(None),
+        },
+        Op::Mask { valid: m } => {
+            let at = f.compose(m, &index);
+            f.mask(&extents, at)?
+        }
+        Op::IndexSelect { dim } => match reshaped_gather(f, e, d, dim, &index, &extents)? {
+            Some(t) => t,
+            None => return Ok(None),
+        },
+        _ => return Ok(None),
+    };
+    Ok(Some(moved))
+}
+
+/// Whether condition `cond` on the positions of a tensor of `extents` (`OutAxis(k)` in
+/// `[0, extents[k])`) holds at every position (`Some(true)`) or at none (`Some(false)`).
+/// Decided by bounds alone where they tell (sizes unknown); else from the sizes at hand
+/// (`values`), whose symbols that `cond` or `extents` read then go to `pins`.
+fn decide_everywhere(
+    f: &Fusion,
+    cond: ValId,
+    extents: &[ValId],
+    given: Option<ValId>,
+    values: Option<&[i64]>,
+    pins: &mut Vec<(u32, i64)>,
+) -> Option<bool> {
+    let sc = &f.scalars;
+    let attempt = |sizes: &dyn Fn(Symbol) -> Option<(i64, i64)>| -> Option<bool> {
+        let mut axes = Vec::with_capacity(extents.len());
+        for &e in extents {
+            let (_, hi) = sc.interval(e, sizes)?;
+            axes.push((0, if hi == i64::MAX { hi } else { (hi - 1).max(0) }));
+        }
+        if let Some(g) = given {
+            narrow_to(sc, g, sizes, &mut axes);
+        }
+        let env = |s: Symbol| match s {
+            Symbol::OutAxis(k) => axes.get(k as usize).copied(),
+            s => sizes(s),
+        };
+        match sc.interval(cond, &env)? {
+            (1, 1) => Some(true),
+            (0, 0) => Some(false),
+            _ => None,
+        }
+    };
+    let unknown = |s: Symbol| matches!(s, Symbol::Extent(_)).then_some((0, i64::MAX));
+    if let Some(b) = attempt(&unknown) {
+        return Some(b);
+    }
+    let values = values?;
+    let at_hand = |s: Symbol| match s {
+        Symbol::Extent(n) => values.get(n as usize).map(|&v| (v, v)),
+        _ => None,
+    };
+    let b = attempt(&at_hand)?;
+    let mut syms = FxHashSet::default();
+    for &v in std::iter::once(&cond).chain(extents).chain(&given) {
+        crate::lower::predicate::symbols(sc, v, &mut syms);
+    }
+    for s in syms {
+        if let Symbol::Extent(n) = s {
+            pins.push((n, values[n as usize]));
+        }
+    }
+    Some(b)
+}
+
+/// Narrow the bounds `axes` of the positions (`OutAxis(k)`) to where `given` holds, by its
+/// conjuncts that bound one position against sizes: `lo <= o + c`, `o + c < hi` (the guard
+/// of a cat's part or of a pad). An empty range means no position satisfies `given`.
+fn narrow_to(
+    sc: &crate::ir::Scalars,
+    given: ValId,
+    sizes: &dyn Fn(Symbol) -> Option<(i64, i64)>,
+    axes: &mut [(i64, i64)],
+) {
+    // `o + c` as (k, c).
+    let position = |v: ValId| -> Option<(usize, i64)> {
+        match sc.get(v) {
+            Val::Symbol(Symbol::OutAxis(k)) => Some((k as usize, 0)),
+            Val::Binary(op @ (ScalarOp::Add | ScalarOp::Sub), a, b) => {
+                let Val::Symbol(Symbol::OutAxis(k)) = sc.get(a) else { return None };
+                let c = sc.as_int(b)?;
+                Some((k as usize, if op == ScalarOp::Add { c } else { c.checked_neg()? }))
+            }
+            _ => None,
+        }
+    };
+    match sc.get(given) {
+        Val::Binary(ScalarOp::And, a, b) => {
+            narrow_to(sc, a, sizes, axes);
+            narrow_to(sc, b, sizes, axes);
+        }
+        Val::Binary(op @ (ScalarOp::Le | ScalarOp::Lt), l, r) => {
+            let strict = i64::from(op == ScalarOp::Lt);
+            if let (Some((k, c)), Some((_, hi))) = (position(l), sc.interval(r, sizes)) {
+                // o + c <= hi - strict
+                if let Some(a) = axes.get_mut(k) {
+                    if hi != i64::MAX {
+                        a.1 = a.1.min(hi.saturating_sub(strict).saturating_sub(c));
+                    }
+                }
+            } else if let (Some((lo, _)), Some((k, c))) = (sc.interval(l, sizes), position(r)) {
+                // lo + strict <= o + c
+                if let Some(a) = axes.get_mut(k) {
+                    a.0 = a.0.max(lo.saturating_add(strict).saturating_sub(c));
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Whether a remap of `x` at positions `index` (guarded by `valid`) to `extents` reads `x`
+/// unchanged: every axis at its own position, every position valid, the sizes of `x`'s.
+fn reads_unchanged(
+    f: &mut Fusion,
+    x: TvId,
+    index: &[ValId],
+    valid: Option<ValId>,
+    extents: &[ValId],
+    values: Option<&[i64]>,
+    pins: &mut Vec<(u32, i64)>,
+) -> bool {
+    let own = f.extents_of(x);
+    if own.len() != extents.len() || index.len() != extents.len() {
+        return false;
+    }
+    for (k, &at) in index.iter().enumerate() {
+        if f.scalars.get(at) != Val::Symbol(Symbol::OutAxis(k as u32)) {
+            return false;
+        }
+    }
+    let mut found = Vec::new();
+    let mut conds: Vec<ValId> = valid.into_iter().collect();
+    for (&a, &b) in own.iter().zip(extents) {
+        if a != b {
+            conds.push(f.scalars.binary(ScalarOp::Eq, a, b));
+        }
+    }
+    for c in conds {
+        if decide_everywhere(f, c, extents, None, values, &mut found) != Some(true) {
+            return false;
+        }
+    }
+    pins.extend(found);
+    true
+}
+
+/// A remap of `x` at positions `index` (guarded by `valid`) to `extents` that reads each
+/// axis of `x` either unchanged or, where `x` has size one, at position 0 wherever `valid`
+/// holds: `x` expanded to `extents` (`where(true, x, x)`, which element-wise readers see
+/// through), not a remap to move through `x`'s definition. A `cat`'s part of size one
+/// (`cat([dx, dy, dz], 1)` of `[B, 1]` columns) then reads that part as computed once, where
+/// moving the remap would recompute all that the part reads, at the cat's positions (in a
+/// recurrence, every step's history again per part: exponential in the steps). None
+/// where any axis is read otherwise (then `reads_unchanged` or moving applies).
+fn as_expand(
+    f: &mut Fusion,
+    x: TvId,
+    index: &[ValId],
+    valid: Option<ValId>,
+    extents: &[ValId],
+    values: Option<&[i64]>,
+    pins: &mut Vec<(u32, i64)>,
+) -> Result<Option<TvId>> {
+    let xl = f.no_reduction_logical(x);
+    if xl.len() != extents.len() || index.len() != extents.len() || extents.is_empty() {
+        return Ok(None);
+    }
+    let zero = f.scalars.int(0);
+    let mut found = Vec::new();
+    let mut expanded = false;
+    for k in 0..xl.len() {
+        let own = f.ids[xl[k]].extent;
+        if f.scalars.get(index[k]) == Val::Symbol(Symbol::OutAxis(k as u32)) {
+            if own == extents[k] {
+                continue;
+            }
+            let same = f.scalars.binary(ScalarOp::Eq, own, extents[k]);
+            if decide_everywhere(f, same, extents, None, values, &mut found) == Some(true) {
+                continue;
+            }
+        }
+        if f.ids[xl[k]].iter_type != IterType::Broadcast || f.scalars.as_int(own) != Some(1) {
+            return Ok(None);
+        }
+        let at_zero = f.scalars.binary(ScalarOp::Eq, index[k], zero);
+        if decide_everywhere(f, at_zero, extents, valid, values, &mut found) != Some(true) {
+            return Ok(None);
+        }
+        expanded = true;
+    }
+    if !expanded {
+        return Ok(None);
+    }
+    pins.extend(found);
+    let yes = f.scalars.boolean(true);
+    let all = f.full(extents, Operand::Scalar(yes), DataType::Bool)?;
+    Ok(Some(f.where_(Operand::Tensor(all), Operand::Tensor(x), Operand::Tensor(x))?))
+}
+
+/// The branch `where` expr `d` takes at every position of a remap of its output (at
+/// positions `index`, to `extents`) where the remap's guard `valid` holds, where its
+/// condition is a mask those positions decide (elsewhere the remap's value is unspecified):
+/// the tensor of that branch, of the `where`'s dtype and rank. None otherwise.
+fn branch_taken(
+    f: &mut Fusion,
+    d: ExprId,
+    index: &[ValId],
+    extents: &[ValId],
+    valid: Option<ValId>,
+    values: Option<&[i64]>,
+    pins: &mut Vec<(u32, i64)>,
+) -> Option<TvId> {
+    if !matches!(f.exprs[d].op, Op::Where) {
+        return None;
+    }
+    let m = f.exprs[d].inputs[0].tensor()?;
+    let Op::Mask { valid: cond } = f.exprs[f.tvs[m].definition?].op else { return None };
+    let at = broadcast_axes_at_zero(f, m, index);
+    let cond = f.compose(cond, &at);
+    let mut found = Vec::new();
+    let taken = decide_everywhere(f, cond, extents, valid, values, &mut found)?;
+    let t = f.exprs[d].inputs[if taken { 1 } else { 2 }].tensor()?;
+    let x = f.exprs[d].output;
+    if f.tvs[t].dtype != f.tvs[x].dtype || f.no_reduction_logical(t).len() != index.len() {
+        return None;
+    }
+    pins.extend(found);
+    Some(t)
 }
 
 /// A slice, pad or cat of an iota `x` that varies along one axis, where that axis is read

@@ -307,11 +307,14 @@ pub fn refused(refusals: &[Refusal]) -> KilnError {
 /// outputs.
 pub(crate) fn computed_closure(f: &Fusion, roots: &[TvId]) -> Vec<TvId> {
     let mut seen: Vec<TvId> = Vec::new();
+    let mut known: rustc_hash::FxHashSet<TvId> = rustc_hash::FxHashSet::default();
     let mut stack = roots.to_vec();
     while let Some(t) = stack.pop() {
-        if f.tvs[t].definition.is_some() && !seen.contains(&t) {
-            seen.push(t);
-            stack.extend(f.producers(t));
+        if let Some(d) = f.tvs[t].definition {
+            if known.insert(t) {
+                seen.push(t);
+                stack.extend(f.exprs[d].input_tvs());
+            }
         }
     }
     seen

@@ -499,9 +499,10 @@ fn horizontal_by(f: &mut Fusion, cx: &Ctx, by_symbols: bool) -> Result<Heuristic
     // The computed tensors of each class; one shared by two classes would need both
     // iteration spaces.
     let mut owner: Vec<(TvId, usize)> = Vec::new();
+    let mut owner_of: rustc_hash::FxHashMap<TvId, usize> = rustc_hash::FxHashMap::default();
     for (k, (_, outs)) in classes.iter().enumerate() {
         for t in super::computed_closure(f, outs) {
-            if let Some(&(_, j)) = owner.iter().find(|(u, _)| *u == t) {
+            if let Some(&j) = owner_of.get(&t) {
                 bail!(
                     "{}: outputs {} and {} differ in shape and both are computed from it; a pointwise kernel writes one shape",
                     f.tv_name(t),
@@ -510,6 +511,7 @@ fn horizontal_by(f: &mut Fusion, cx: &Ctx, by_symbols: bool) -> Result<Heuristic
                 );
             }
             owner.push((t, k));
+            owner_of.insert(t, k);
         }
     }
     let threads = 128;
@@ -517,12 +519,13 @@ fn horizontal_by(f: &mut Fusion, cx: &Ctx, by_symbols: bool) -> Result<Heuristic
     for (k, (sizes, outs)) in classes.iter().enumerate() {
         let rank = sizes.len();
         let mine: Vec<TvId> = owner.iter().filter(|(_, j)| *j == k).map(|(t, _)| *t).collect();
+        let mine_set: rustc_hash::FxHashSet<TvId> = mine.iter().copied().collect();
         if let Some(&t) = mine.iter().find(|&&t| f.no_reduction_logical(t).len() != rank) {
             bail!("{}: rank {} differs from its outputs' rank {rank}", f.tv_name(t), f.no_reduction_logical(t).len());
         }
         // Inputs read only by this class, at its full size, load through vector caches.
         let only_here = |f: &Fusion, x: TvId| {
-            !f.tvs[x].uses.is_empty() && f.tvs[x].uses.iter().all(|&e| mine.contains(&f.exprs[e].output))
+            !f.tvs[x].uses.is_empty() && f.tvs[x].uses.iter().all(|&e| mine_set.contains(&f.exprs[e].output))
         };
         let gathered = |f: &Fusion, x: TvId| f.tvs[x].uses.iter().any(|&e| f.exprs[e].op.is_gather());
         let inputs: Vec<TvId> = f
@@ -554,7 +557,7 @@ fn horizontal_by(f: &mut Fusion, cx: &Ctx, by_symbols: bool) -> Result<Heuristic
             }
         }
         // Dependency order, caches included.
-        let mine_now = super::computed_closure(f, outs);
+        let mine_now: rustc_hash::FxHashSet<TvId> = super::computed_closure(f, outs).into_iter().collect();
         let tensors: Vec<TvId> =
             f.topo_exprs().into_iter().map(|e| f.exprs[e].output).filter(|t| mine_now.contains(t)).collect();
         for &t in &tensors {
