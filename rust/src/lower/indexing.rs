@@ -498,6 +498,40 @@ fn reference_bounds(f: &mut Fusion, ctx: &Ctx, tv: TvId, stack: &[Enclosing]) ->
     Ok(v)
 }
 
+/// Bounds on the logical indices of `c`, the output of `e`, where `e` reads Global memory
+/// and `c`'s chain of inlined consumers ends at a Local tensor run in loops of its own
+/// (partly inlined: its readers sit in different loops). Those loops are not the ones `e`
+/// runs in, so that tensor's overrun bounds (`reference_bounds`) miss `e`'s innermost
+/// positions, and past the end of a merged broadcast space `e` would read past its
+/// inputs. The logical indices are in range wherever an element is needed. None otherwise.
+fn own_logical_bounds(
+    f: &mut Fusion,
+    ctx: &Ctx,
+    e: ExprId,
+    c: TvId,
+    cidx: &FxHashMap<IterDomainId, ValId>,
+) -> Option<ValId> {
+    let d = chain_end(f, ctx, c)?;
+    let t = &f.tvs[d];
+    if t.memory != crate::ir::MemoryType::Local || t.inline_pos >= t.loop_domain.len() {
+        return None;
+    }
+    if !f.exprs[e].input_tvs().any(|p| f.tvs[p].memory == crate::ir::MemoryType::Global) {
+        return None;
+    }
+    let mut bound = f.scalars.boolean(true);
+    for l in f.no_reduction_logical(c) {
+        if f.ids[l].iter_type == IterType::Broadcast {
+            continue;
+        }
+        if let Some(&i) = cidx.get(&l) {
+            let lt = f.scalars.lt(i, f.ids[l].extent);
+            bound = and_new(&mut f.scalars, bound, lt);
+        }
+    }
+    Some(bound)
+}
+
 /// The last consumer along `tv`'s chain of `inlined_reference`s (the first one that has no
 /// reference of its own), or `None` when `tv` has none. Each tensor walked remembers its
 /// answer, so a chain is walked once however many of its tensors ask.
@@ -795,6 +829,10 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
     let overrun = reference_bounds(f, ctx, c, stack)?;
     pred = and_new(&mut f.scalars, pred, overrun);
     write_pred = and_new(&mut f.scalars, write_pred, overrun);
+    if let Some(bound) = own_logical_bounds(f, ctx, e, c, &cidx) {
+        pred = and_new(&mut f.scalars, pred, bound);
+        write_pred = and_new(&mut f.scalars, write_pred, bound);
+    }
     for p in operands.iter().filter_map(|o| o.tensor()) {
         // A fully inlined producer indexed through another consumer was computed under
         // that consumer's overrun bounds only: where they fail it holds nothing, so this
