@@ -125,3 +125,19 @@ def test_slices_of_a_cat_of_computed_parts_match_numpy(case: CatCase) -> None:
             got2 = fd.execute(ys)
             for (a, b), g in zip(cuts, got2):
                 np.testing.assert_allclose(g, -ref2[:, a:b], rtol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_a_first_element_slice_beside_its_input_of_one_element(n: int) -> None:
+    # `x[0:1]` of a runtime size n is n's computed size `min(1, n)`: where n is 1 it reads x
+    # unchanged, but its size is not x's (a squeeze may take the slice's as one, not x's).
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1])
+        first = fd.ops.slice(x, [0], [1])
+        fd.add_output(first)
+        fd.add_output(fd.ops.div(x, fd.ops.add(fd.ops.abs(first), 1.0)))
+    xs = np.random.default_rng(n).uniform(-1, 1, n).astype(np.float32)
+    got_first, got = fd.execute([xs])
+    x64 = xs.astype(np.float64)
+    np.testing.assert_allclose(got_first, x64[:1], rtol=1e-7)
+    np.testing.assert_allclose(got, x64 / (np.abs(x64[:1]) + 1.0), rtol=1e-6)

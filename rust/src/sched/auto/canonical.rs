@@ -468,7 +468,7 @@ pub fn sink_remaps_at(f: &mut Fusion, values: Option<&[i64]>) -> Result<Vec<(u32
                     continue;
                 }
                 m
-            } else if reads_unchanged(f, x, &index, valid, &extents, values, &mut pins) {
+            } else if reads_unchanged(f, x, out, &index, valid, values, &mut pins) {
                 x
             } else if let Some(t) = as_expand(f, x, &index, valid, &extents, values, &mut pins)? {
                 t
@@ -687,34 +687,45 @@ fn narrow_to(
     }
 }
 
-/// Whether a remap of `x` at positions `index` (guarded by `valid`) to `extents` reads `x`
-/// unchanged: every axis at its own position, every position valid, the sizes of `x`'s.
+/// Whether `out`, a remap of `x` at positions `index` (guarded by `valid`), reads `x`
+/// unchanged: every axis at its own position, every position valid, the sizes and kinds
+/// (broadcast or not) of `x`'s axes. (A one-element slice of an input of one element is a
+/// broadcast its readers expand; the input's axis is not.)
 fn reads_unchanged(
     f: &mut Fusion,
     x: TvId,
+    out: TvId,
     index: &[ValId],
     valid: Option<ValId>,
-    extents: &[ValId],
     values: Option<&[i64]>,
     pins: &mut Vec<(u32, i64)>,
 ) -> bool {
-    let own = f.extents_of(x);
-    if own.len() != extents.len() || index.len() != extents.len() {
+    let (xl, ol) = (f.no_reduction_logical(x), f.no_reduction_logical(out));
+    if xl.len() != ol.len() || index.len() != ol.len() {
         return false;
     }
+    if xl
+        .iter()
+        .zip(&ol)
+        .any(|(&a, &b)| (f.ids[a].iter_type == IterType::Broadcast) != (f.ids[b].iter_type == IterType::Broadcast))
+    {
+        return false;
+    }
+    let own: Vec<ValId> = xl.iter().map(|&id| f.ids[id].extent).collect();
+    let extents: Vec<ValId> = ol.iter().map(|&id| f.ids[id].extent).collect();
+    // The sizes as spelled: a slice's computed size (`min(1, i0)`, which a squeeze may take
+    // as one) does not become an input's own size, even where the two agree at hand.
+    if own != extents {
+        return false;
+    }
+    let extents = extents.as_slice();
     for (k, &at) in index.iter().enumerate() {
         if f.scalars.get(at) != Val::Symbol(Symbol::OutAxis(k as u32)) {
             return false;
         }
     }
     let mut found = Vec::new();
-    let mut conds: Vec<ValId> = valid.into_iter().collect();
-    for (&a, &b) in own.iter().zip(extents) {
-        if a != b {
-            conds.push(f.scalars.binary(ScalarOp::Eq, a, b));
-        }
-    }
-    for c in conds {
+    if let Some(c) = valid {
         if decide_everywhere(f, c, extents, None, values, &mut found) != Some(true) {
             return false;
         }
@@ -749,14 +760,10 @@ fn as_expand(
     let mut expanded = false;
     for k in 0..xl.len() {
         let own = f.ids[xl[k]].extent;
-        if f.scalars.get(index[k]) == Val::Symbol(Symbol::OutAxis(k as u32)) {
-            if own == extents[k] {
-                continue;
-            }
-            let same = f.scalars.binary(ScalarOp::Eq, own, extents[k]);
-            if decide_everywhere(f, same, extents, None, values, &mut found) == Some(true) {
-                continue;
-            }
+        // (the remap's axis is a broadcast exactly where its size is the constant one)
+        let kinds_match = (f.ids[xl[k]].iter_type == IterType::Broadcast) == (f.scalars.as_int(extents[k]) == Some(1));
+        if f.scalars.get(index[k]) == Val::Symbol(Symbol::OutAxis(k as u32)) && kinds_match && own == extents[k] {
+            continue;
         }
         if f.ids[xl[k]].iter_type != IterType::Broadcast || f.scalars.as_int(own) != Some(1) {
             return Ok(None);
