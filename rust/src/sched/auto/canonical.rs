@@ -515,8 +515,6 @@ fn move_through(
     valid: Option<ValId>,
     extents: &[ValId],
 ) -> Result<Option<TvId>> {
-    let index = index.to_vec();
-    let extents = extents.to_vec();
     let xl = f.no_reduction_logical(x);
     let op = f.exprs[d].op.clone();
     let operands = f.exprs[d].inputs.clone();
@@ -526,8 +524,8 @@ fn move_through(
             for o in operands {
                 moved_operands.push(match o {
                     Operand::Tensor(t) if !f.no_reduction_logical(t).is_empty() => {
-                        let at = broadcast_axes_at_zero(f, t, &index);
-                        Operand::Tensor(f.remap(t, name, &extents, at, valid)?)
+                        let at = broadcast_axes_at_zero(f, t, index);
+                        Operand::Tensor(f.remap(t, name, extents, at, valid)?)
                     }
                     o => o,
                 });
@@ -538,7 +536,7 @@ fn move_through(
                 // padded) replays as a 0-d tensor: expanded to the remap's shape
                 // (`where(true, v, v)`), it keeps its place in its readers' loops.
                 let yes = f.scalars.boolean(true);
-                let all = f.full(&extents, Operand::Scalar(yes), DataType::Bool)?;
+                let all = f.full(extents, Operand::Scalar(yes), DataType::Bool)?;
                 f.where_(Operand::Tensor(all), Operand::Tensor(v), Operand::Tensor(v))?
             } else {
                 v
@@ -547,38 +545,38 @@ fn move_through(
         Op::Broadcast { is_new } => {
             let y = operands[0].tensor().expect("broadcast reads a tensor");
             let at: Vec<_> = index.iter().zip(&is_new).filter(|(_, &n)| !n).map(|(&v, _)| v).collect();
-            f.remap(y, name, &extents, at, valid)?
+            f.remap(y, name, extents, at, valid)?
         }
         Op::Squeeze { removed } => {
             let y = operands[0].tensor().expect("squeeze reads a tensor");
             let zero = f.scalars.int(0);
             let mut kept = index.iter().copied();
             let at: Vec<_> = removed.iter().map(|&r| if r { zero } else { kept.next().unwrap_or(zero) }).collect();
-            f.remap(y, name, &extents, at, valid)?
+            f.remap(y, name, extents, at, valid)?
         }
         Op::Permute { perm } => {
             let y = operands[0].tensor().expect("permute reads a tensor");
-            let mut at = index.clone();
+            let mut at = index.to_vec();
             for (i, &src) in perm.iter().enumerate() {
                 at[src] = index[i];
             }
-            f.remap(y, name, &extents, at, valid)?
+            f.remap(y, name, extents, at, valid)?
         }
-        Op::Full { value } => f.full(&extents, Operand::Scalar(value), f.tvs[x].dtype)?,
+        Op::Full { value } => f.full(extents, Operand::Scalar(value), f.tvs[x].dtype)?,
         // An iota or random numbers are functions of the row-major position, which a
         // reshape keeps: made at the new shape, each element keeps its value.
         Op::Iota { .. } | Op::Random { .. } if pure_reshape(f, e) => {
-            f.source("reshaped source", &extents, op, f.tvs[x].dtype)?
+            f.source("reshaped source", extents, op, f.tvs[x].dtype)?
         }
-        Op::Iota { start, step } => match remapped_iota(f, x, start, step, &index, &extents)? {
+        Op::Iota { start, step } => match remapped_iota(f, x, start, step, index, extents)? {
             Some(t) => t,
             None => return Ok(None),
         },
         Op::Mask { valid: m } => {
-            let at = f.compose(m, &index);
-            f.mask(&extents, at)?
+            let at = f.compose(m, index);
+            f.mask(extents, at)?
         }
-        Op::IndexSelect { dim } => match reshaped_gather(f, e, d, dim, &index, &extents)? {
+        Op::IndexSelect { dim } => match reshaped_gather(f, e, d, dim, index, extents)? {
             Some(t) => t,
             None => return Ok(None),
         },
