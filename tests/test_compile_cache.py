@@ -71,7 +71,13 @@ def test_second_process_reads_cubins_from_disk_without_compiling(tmp_path: Path)
     victim.write_bytes(b"not an ELF file")
     third = _run_child(_CPU_CHILD, tmp_path)
     assert third["compiles"] == 1
-    assert victim.read_bytes().startswith(b"\x7fELF")
+    whole = victim.read_bytes()
+    assert whole.startswith(b"\x7fELF")
+    # Nor is one cut short: an ELF header whose section table lies past the file's end.
+    victim.write_bytes(whole[:64])
+    fourth = _run_child(_CPU_CHILD, tmp_path)
+    assert fourth["compiles"] == 1
+    assert victim.read_bytes() == whole
 
 
 @pytest.mark.gpu
@@ -84,6 +90,23 @@ def test_gpu_second_process_runs_from_the_disk_cache(tmp_path: Path) -> None:
     assert second["compiles"] == 0 and second["err"] < 1e-6
     assert _mtimes(tmp_path) == files
     np.testing.assert_array_less([first["err"], second["err"]], 1e-6)
+
+
+@pytest.mark.gpu
+def test_gpu_a_cached_cubin_the_driver_refuses_is_compiled_again(tmp_path: Path) -> None:
+    # A whole-looking ELF file whose contents are damaged: the load fails, the kernel is
+    # compiled again, the file replaced, and the fusion runs.
+    cupy_or_skip()
+    first = _run_child(_GPU_CHILD, tmp_path)
+    victims = sorted(tmp_path.glob("*.cubin"))
+    good = {v: v.read_bytes() for v in victims}
+    for v in victims:
+        data = bytearray(good[v])
+        data[64:] = bytes(len(data) - 64)
+        v.write_bytes(bytes(data))
+    second = _run_child(_GPU_CHILD, tmp_path)
+    assert second["compiles"] == first["compiles"] and second["err"] < 1e-6
+    assert {v: v.read_bytes() for v in victims} == good
 
 
 def _two_sources() -> list:

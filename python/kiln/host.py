@@ -1028,6 +1028,20 @@ def _graph_launch(r: _Recipe, ns: Dict[str, Any], lines: List[str], arg: Dict[in
         lines.append(f"    ev.memsets += {zeroed}")
 
 
+def strided_view(x: Any, shape: Sequence[int], axes: Sequence[Optional[int]]) -> Any:
+    """The view of ``x`` whose axis ``k`` reads input axis ``axes[k]`` from index 0 (a new
+    size-one axis where None): a prefix of each axis read, in any order."""
+    read = [a for a in axes if a is not None]
+    size = {a: n for n, a in zip(shape, axes) if a is not None}
+    # Input axes the view does not read are read at index 0.
+    y = x[tuple(slice(0, size[a]) if a in size else 0 for a in range(x.ndim))]
+    kept = sorted(read)
+    order = [kept.index(a) for a in read]
+    # (A torch tensor's `transpose` swaps two axes; its `permute` is NumPy's `transpose`.)
+    y = y.permute(*order) if callable(getattr(y, "permute", None)) else y.transpose(order)
+    return y.reshape(tuple(shape))
+
+
 def run_on_cpu(lowered: Any, inputs: Sequence[Any],
                launcher: Callable[[Any, List[Any]], Sequence[Any]]) -> List[Any]:
     """Walk the host program on the CPU: ``launcher(kernel_core, kernel_inputs)`` runs one
@@ -1046,9 +1060,7 @@ def run_on_cpu(lowered: Any, inputs: Sequence[Any],
         if axes is None:
             env[name] = arrays[pos].reshape(shape)
         else:
-            # A strided view: a prefix of the input's axes, new size-one axes added.
-            kept = tuple(slice(0, n) for n, a in zip(shape, axes) if a is not None)
-            env[name] = arrays[pos][kept].reshape(shape)
+            env[name] = strided_view(arrays[pos], shape, axes)
     for ins in lowered.program.instructions():
         if ins.op == "Deallocate" and ins.buffer is not None:
             env.pop(ins.buffer, None)

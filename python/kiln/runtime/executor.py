@@ -187,8 +187,25 @@ def tensor_memory_arch(source: str, arch: str) -> str:
     return base + "a"
 
 
-def _cubin(source: str, opts: Tuple[str, ...],
-           arch: str) -> Tuple[bytes, str, Dict[str, int], Dict[str, int]]:
+def _whole_elf(data: bytes) -> bool:
+    """Whether ``data`` is a 64-bit ELF file whose program and section header tables lie
+    inside it (a cache file cut short, or overwritten with a prefix of one, is not)."""
+    if len(data) < 64 or not data.startswith(_ELF_MAGIC) or data[4] != 2:
+        return False
+    order = "little" if data[5] == 1 else "big"
+
+    def num(at: int, size: int) -> int:
+        return int.from_bytes(data[at:at + size], order)
+
+    programs = num(0x20, 8) + num(0x36, 2) * num(0x38, 2)
+    sections = num(0x28, 8) + num(0x3A, 2) * num(0x3C, 2)
+    return max(programs, sections) <= len(data)
+
+
+def _cubin(source: str, opts: Tuple[str, ...], arch: str,
+           fresh: bool = False) -> Tuple[bytes, str, Dict[str, int], Dict[str, int]]:
+    """The CUBIN, cache key, registers and spills of ``source``: from the disk cache unless
+    ``fresh`` (or the cached file is not a whole ELF file), else compiled and stored."""
     arch = tensor_memory_arch(source, arch)
     key = _cache_key(source, opts, arch)
     path = cache_dir() / f"{key}.cubin"
@@ -196,8 +213,8 @@ def _cubin(source: str, opts: Tuple[str, ...],
     regs: Dict[str, int] = {}
     spills: Dict[str, int] = {}
     try:
-        data = path.read_bytes()
-        if data.startswith(_ELF_MAGIC):
+        data = b"" if fresh else path.read_bytes()
+        if _whole_elf(data):
             cubin = data
     except OSError:
         pass
@@ -214,14 +231,23 @@ def _cubin(source: str, opts: Tuple[str, ...],
     return cubin, key, regs, spills
 
 
-def _load_module(cp: Any, dev_id: int, source: str, opts: Tuple[str, ...], arch: str) -> _LoadedModule:
+def _load_module(cp: Any, dev_id: int, source: str, opts: Tuple[str, ...], arch: str,
+                 fresh: bool = False) -> _LoadedModule:
     mkey = (dev_id, source, opts, arch)
-    hit = _MODULE_CACHE.get(mkey)
+    hit = None if fresh else _MODULE_CACHE.get(mkey)
     if hit is not None:
         return hit
-    cubin, key, regs, spills = _cubin(source, opts, arch)
+    cubin, key, regs, spills = _cubin(source, opts, arch, fresh)
     module = cp.cuda.function.Module()
-    module.load(cubin)
+    try:
+        module.load(cubin)
+    except Exception:  # noqa: BLE001 - a damaged cache file: compile again and replace it
+        cubin, key, regs, spills = _cubin(source, opts, arch, fresh=True)
+        module = cp.cuda.function.Module()
+        try:
+            module.load(cubin)
+        except Exception as e:  # noqa: BLE001
+            raise KilnError(f"the driver cannot load the CUBIN NVRTC compiled for {arch}: {e}") from e
     loaded = _LoadedModule(module, key, regs, spills)
     _MODULE_CACHE[mkey] = loaded
     return loaded
@@ -318,8 +344,12 @@ def _load_kernel(source: str, kernel_name: str, arch: Optional[str], opts: Tuple
     loaded = _load_module(cp, dev.id, source, opts, arch)
     try:
         function = loaded.module.get_function(kernel_name)
-    except Exception as e:
-        raise KilnError(f"kernel {kernel_name!r} not found in the compiled module for {arch}") from e
+    except Exception:  # noqa: BLE001 - a damaged cache file the driver loaded: compile again
+        loaded = _load_module(cp, dev.id, source, opts, arch, fresh=True)
+        try:
+            function = loaded.module.get_function(kernel_name)
+        except Exception as e:
+            raise KilnError(f"kernel {kernel_name!r} not found in the compiled module for {arch}") from e
     kernel = CompiledKernel(loaded.module, function, kernel_name, arch, loaded.key)
     kernel.registers = loaded.registers.get(kernel_name)
     kernel.spills = loaded.spills.get(kernel_name)

@@ -78,6 +78,45 @@ struct Gen<'a> {
     /// Float `exp` terms of shifted sums, computed with `ex2.approx` (see
     /// `analysis::narrow::shifted_sum_terms`).
     shifted: FxHashSet<TvId>,
+    /// Large expressions of the kernel's parameters alone, computed once at its start.
+    hoisted: FxHashMap<ValId, String>,
+}
+
+/// Expressions printed in full that span more nodes than this are computed once instead.
+const HOIST_NODES: u64 = 24;
+
+/// The expressions under `roots` that read only the kernel's parameters (sizes, strides,
+/// scalar inputs) and print as more than [`HOIST_NODES`] nodes, operands before the
+/// expressions that read them. A scalar DAG shares its nodes, but C prints each use again:
+/// an axis sliced again and again (`e - min(e, 1)` of the last extent, every time) or a size
+/// computed from itself twice per step doubles its printed length at each step, and such
+/// sizes appear in every bounds check and index of the kernel.
+fn large_invariants(sc: &crate::ir::Scalars, roots: &[ValId]) -> Vec<ValId> {
+    // Per node: printed size (saturating), and whether it reads only parameters.
+    let mut info: FxHashMap<ValId, (u64, bool)> = FxHashMap::default();
+    let mut order = Vec::new();
+    fn walk(sc: &crate::ir::Scalars, v: ValId, info: &mut FxHashMap<ValId, (u64, bool)>, order: &mut Vec<ValId>) {
+        if info.contains_key(&v) {
+            return;
+        }
+        let r = match sc.get(v) {
+            Val::Symbol(Symbol::Extent(_) | Symbol::Stride(..) | Symbol::ScalarInput(_)) => (1, true),
+            Val::Symbol(_) => (1, false),
+            Val::Binary(_, a, b) => {
+                walk(sc, a, info, order);
+                walk(sc, b, info, order);
+                let ((sa, ia), (sb, ib)) = (info[&a], info[&b]);
+                (sa.saturating_add(sb).saturating_add(1), ia && ib)
+            }
+            _ => (1, true),
+        };
+        info.insert(v, r);
+        order.push(v);
+    }
+    for &v in roots {
+        walk(sc, v, &mut info, &mut order);
+    }
+    order.into_iter().filter(|v| matches!(info[v], (n, true) if n > HOIST_NODES)).collect()
 }
 
 fn collect_symbols(f: &Fusion, v: ValId, seen: &mut FxHashSet<ValId>, out: &mut FxHashSet<Symbol>) {
@@ -196,9 +235,10 @@ pub fn generate(k: &Kernel, index32: bool) -> Result<CudaKernel> {
     vals.extend(k.launch.smem_offsets.iter().map(|&(_, o)| o));
     let mut syms = FxHashSet::default();
     let mut seen = FxHashSet::default();
-    for v in vals {
+    for &v in &vals {
         collect_symbols(f, v, &mut seen, &mut syms);
     }
+    let invariant = large_invariants(&f.scalars, &vals);
     let mut scalar_ins: Vec<u32> =
         syms.iter().filter_map(|s| if let Symbol::ScalarInput(n) = s { Some(*n) } else { None }).collect();
     scalar_ins.sort();
@@ -220,7 +260,17 @@ pub fn generate(k: &Kernel, index32: bool) -> Result<CudaKernel> {
 
     let narrow = crate::analysis::narrow::ends_narrow(f);
     let shifted = crate::analysis::narrow::shifted_sum_terms(f);
-    let mut g = Gen { k, f, sc: &f.scalars, out: String::new(), names, scratch: 0, narrow, shifted };
+    let mut g = Gen {
+        k,
+        f,
+        sc: &f.scalars,
+        out: String::new(),
+        names,
+        scratch: 0,
+        narrow,
+        shifted,
+        hoisted: FxHashMap::default(),
+    };
     let sig: Vec<String> = params
         .iter()
         .map(|(name, kind, dt)| match kind {
@@ -284,6 +334,11 @@ pub fn generate(k: &Kernel, index32: bool) -> Result<CudaKernel> {
         // A cluster reduction's second barrier, arrived at but not yet waited for.
         g.out.push_str("  bool kiln_cluster_pending = false;\n");
     }
+    for (n, &v) in invariant.iter().enumerate() {
+        let name = format!("kiln_size{n}");
+        let _ = writeln!(g.out, "  const auto {name} = {};", g.c(v));
+        g.hoisted.insert(v, name);
+    }
     g.nodes(&k.body, 1)?;
     if f.cluster.is_some() {
         // No block leaves while a peer may still read its partial.
@@ -308,6 +363,9 @@ impl Gen<'_> {
 
     /// C expression of an integer/bool scalar.
     fn c(&self, v: ValId) -> String {
+        if let Some(name) = self.hoisted.get(&v) {
+            return name.clone();
+        }
         let sc = self.sc;
         match sc.get(v) {
             Val::Int(i) => {

@@ -302,19 +302,27 @@ fn plan(mut g: Fusion, cx: &Ctx) -> Result<(HostProgram, Heuristic)> {
     let mut report = String::new();
     if g.segment_after.is_empty() {
         match try_group(&g, &order, &order, cx)? {
-            Ok(mut c) => {
-                let _ = writeln!(report, "segments: 1 kernel (the whole fusion)");
-                covered_text(&mut report, 0, &c, &group_text(&g, &order));
-                let h = c.heuristic.clone();
-                let mut program = lower_segments(&g, &[segment_of(&g, &order, &order)?], &mut |_, sf| {
-                    *sf = c.fusion.clone();
-                    Ok(c.lowered.take())
-                })?;
-                program.segmentation = report;
-                return Ok((program, h));
-            }
+            Ok(c) => return whole_program(&g, &order, c, report),
             Err(why) => {
                 let _ = writeln!(report, "the whole fusion as one kernel: refused ({why})");
+            }
+        }
+        // Permutes of inputs that keep the last axis, read through the inputs' strides
+        // instead: no scheduler then sees a permute (`q.transpose(1, 2)` into attention
+        // scores, a normalization of a permuted input), and the reads stay coalesced.
+        let mut v = g.clone();
+        if crate::sched::auto::canonical::view_input_permutes(&mut v) {
+            let v_order = v.topo_exprs();
+            if !v_order.is_empty() {
+                match try_group(&v, &v_order, &v_order, cx)? {
+                    Ok(c) => {
+                        let _ = writeln!(report, "the permuted inputs read through their strides: covered");
+                        return whole_program(&v, &v_order, c, report);
+                    }
+                    Err(why) => {
+                        let _ = writeln!(report, "the permuted inputs read through their strides: refused ({why})");
+                    }
+                }
             }
         }
     }
@@ -370,6 +378,19 @@ fn plan(mut g: Fusion, cx: &Ctx) -> Result<(HostProgram, Heuristic)> {
     })?;
     program.segmentation = report;
     Ok((program, Heuristic::new(Params::Segmented(parts))))
+}
+
+/// The host program of `g` as the one kernel `c` covers (`order`: all of `g`'s exprs).
+fn whole_program(g: &Fusion, order: &[ExprId], mut c: Covered, mut report: String) -> Result<(HostProgram, Heuristic)> {
+    let _ = writeln!(report, "segments: 1 kernel (the whole fusion)");
+    covered_text(&mut report, 0, &c, &group_text(g, order));
+    let h = c.heuristic.clone();
+    let mut program = lower_segments(g, &[segment_of(g, order, order)?], &mut |_, sf| {
+        *sf = c.fusion.clone();
+        Ok(c.lowered.take())
+    })?;
+    program.segmentation = report;
+    Ok((program, h))
 }
 
 /// One group per class of reductions (those reducing the same axes of inputs of the same

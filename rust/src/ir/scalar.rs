@@ -124,6 +124,9 @@ impl ScalarOp {
     }
 }
 
+/// Longest text [`Scalars::render`] prints of one expression (then `…`).
+const RENDER_CHARS: usize = 20_000;
+
 /// A node of the scalar DAG.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Val {
@@ -416,6 +419,39 @@ impl Scalars {
                     }
                     (Mod, Mul) if c2 > 0 && c1 % c2 == 0 => return Some(self.int(0)),
                     _ => {}
+                }
+            }
+        }
+        // a - min(a, b) == max(a, b) - b: a slice's length after its clamped start, spelled
+        // with `a` once. Sliced again, the length of a slice is the next `a`; spelled
+        // twice, each slice doubled the expression (and every walk over it).
+        if op == Sub {
+            if let Val::Binary(Min, p, q) = self.nodes[b] {
+                let other = if p == a {
+                    Some(q)
+                } else if q == a {
+                    Some(p)
+                } else {
+                    None
+                };
+                if let Some(c) = other.filter(|&c| self.as_int(c).is_some_and(|c| c >= 0)) {
+                    let m = self.max(a, c);
+                    return Some(self.sub(m, c));
+                }
+            }
+        }
+        // Like terms: x + x == x * 2 and x * c1 + x * c2 == x * (c1 + c2). A cat of n parts of
+        // one runtime size has the extent n * p, not a sum of n copies of p that every index
+        // and bounds check of the kernel would spell out again.
+        if op == Add {
+            let term = |s: &Self, v: ValId| match s.nodes[v] {
+                Val::Binary(Mul, x, c) => s.as_int(c).map_or((v, 1), |c| (x, c)),
+                _ => (v, 1),
+            };
+            let ((x, c1), (y, c2)) = (term(self, a), term(self, b));
+            if x == y && self.as_int(x).is_none() {
+                if let Some(c) = c1.checked_add(c2) {
+                    return Some(self.binary_with_const(Mul, x, c));
                 }
             }
         }
@@ -790,23 +826,75 @@ impl Scalars {
 
     /// Evaluate `v` given values for its symbols.
     pub fn eval(&self, v: ValId, env: &dyn Fn(Symbol) -> Option<i64>) -> Result<i64> {
+        // Most expressions are small trees, evaluated fastest without a memo. A DAG that
+        // shares its nodes (a size sliced again and again) is a tree exponential in its
+        // depth: past this many visits each node is evaluated once.
+        let mut budget = 4096u32;
+        match self.eval_within(v, env, &mut budget) {
+            Some(r) => r,
+            None => self.eval_memo(v, env, &mut FxHashMap::default()),
+        }
+    }
+
+    /// [`Scalars::eval`] as a tree walk, or None once it has visited `budget` nodes.
+    fn eval_within(&self, v: ValId, env: &dyn Fn(Symbol) -> Option<i64>, budget: &mut u32) -> Option<Result<i64>> {
+        *budget = budget.checked_sub(1)?;
+        Some(match self.nodes[v] {
+            Val::Binary(op, a, b) => {
+                let x = match self.eval_within(a, env, budget)? {
+                    Ok(x) => x,
+                    e => return Some(e),
+                };
+                let y = match self.eval_within(b, env, budget)? {
+                    Ok(y) => y,
+                    e => return Some(e),
+                };
+                self.apply_or_explain(v, op, x, y)
+            }
+            _ => self.eval_leaf(v, env),
+        })
+    }
+
+    /// [`Scalars::eval`] with each node evaluated once.
+    fn eval_memo(
+        &self,
+        v: ValId,
+        env: &dyn Fn(Symbol) -> Option<i64>,
+        memo: &mut FxHashMap<ValId, i64>,
+    ) -> Result<i64> {
+        if let Some(&r) = memo.get(&v) {
+            return Ok(r);
+        }
+        let r = match self.nodes[v] {
+            Val::Binary(op, a, b) => {
+                let (x, y) = (self.eval_memo(a, env, memo)?, self.eval_memo(b, env, memo)?);
+                self.apply_or_explain(v, op, x, y)?
+            }
+            _ => self.eval_leaf(v, env)?,
+        };
+        memo.insert(v, r);
+        Ok(r)
+    }
+
+    fn eval_leaf(&self, v: ValId, env: &dyn Fn(Symbol) -> Option<i64>) -> Result<i64> {
         match self.nodes[v] {
             Val::Int(i) => Ok(i),
             Val::Bool(b) => Ok(b as i64),
             Val::Float(bits) => Ok(f64::from_bits(bits) as i64),
             Val::Symbol(s) => env(s).ok_or_else(|| KilnError::value(format!("no value bound for {}", self.render(v)))),
-            Val::Binary(op, a, b) => {
-                let (x, y) = (self.eval(a, env)?, self.eval(b, env)?);
-                op.apply(x, y).ok_or_else(|| {
-                    let why = if y == 0 && matches!(op, ScalarOp::Div | ScalarOp::Mod | ScalarOp::CeilDiv) {
-                        "divide by zero"
-                    } else {
-                        "overflow 64 bits"
-                    };
-                    KilnError::value(format!("cannot evaluate {}: {x} and {y} {why}", self.render(v)))
-                })
-            }
+            Val::Binary(..) => crate::bail_internal!("eval_leaf of a binary node"),
         }
+    }
+
+    fn apply_or_explain(&self, v: ValId, op: ScalarOp, x: i64, y: i64) -> Result<i64> {
+        op.apply(x, y).ok_or_else(|| {
+            let why = if y == 0 && matches!(op, ScalarOp::Div | ScalarOp::Mod | ScalarOp::CeilDiv) {
+                "divide by zero"
+            } else {
+                "overflow 64 bits"
+            };
+            KilnError::value(format!("cannot evaluate {}: {x} and {y} {why}", self.render(v)))
+        })
     }
 
     /// Render `v` as readable text (`ceilDiv(i0, 128)`, `i1 * 4`).
@@ -817,6 +905,14 @@ impl Scalars {
     }
 
     fn render_into(&self, v: ValId, parent_prec: u8, out: &mut String) {
+        // A DAG that shares its nodes prints as a tree, exponential in its depth (a size
+        // sliced again and again): the text stops here, every open operand left at once.
+        if out.len() > RENDER_CHARS {
+            if !out.ends_with('…') {
+                out.push('…');
+            }
+            return;
+        }
         match self.nodes[v] {
             Val::Int(i) => {
                 let _ = write!(out, "{i}");
@@ -1186,6 +1282,103 @@ mod tests {
                 assert_eq!(s.eval(d, &env).unwrap(), full / 32);
             }
         }
+    }
+
+    /// A random integer expression over three sizes, as a plain tree.
+    #[derive(Clone)]
+    enum Tree {
+        Leaf(i64),
+        Sym(u32),
+        Node(ScalarOp, Box<Tree>, Box<Tree>),
+    }
+
+    /// Its value at `env` by the ops' C semantics alone, or None where an operand of a
+    /// division leaves the non-negative values index math uses, or the value overflows.
+    fn naive(t: &Tree, env: &[i64; 3]) -> Option<i64> {
+        match t {
+            Tree::Leaf(c) => Some(*c),
+            Tree::Sym(n) => Some(env[*n as usize]),
+            Tree::Node(op, a, b) => {
+                let (x, y) = (naive(a, env)?, naive(b, env)?);
+                if matches!(op, ScalarOp::Div | ScalarOp::Mod | ScalarOp::CeilDiv) && (x < 0 || y <= 0) {
+                    return None;
+                }
+                op.apply(x, y).filter(|r| r.abs() < 1 << 40)
+            }
+        }
+    }
+
+    fn build(s: &mut Scalars, t: &Tree) -> ValId {
+        match t {
+            Tree::Leaf(c) => s.int(*c),
+            Tree::Sym(n) => s.symbol(Symbol::Extent(*n)),
+            Tree::Node(op, a, b) => {
+                let (x, y) = (build(s, a), build(s, b));
+                s.binary(*op, x, y)
+            }
+        }
+    }
+
+    #[test]
+    fn simplification_keeps_the_value_of_random_index_expressions() {
+        // Every rewrite `binary` applies (like terms, re-association, div/mod identities,
+        // ranges) must keep the value wherever the unsimplified expression is defined.
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        let ops = [
+            ScalarOp::Add,
+            ScalarOp::Sub,
+            ScalarOp::Mul,
+            ScalarOp::Div,
+            ScalarOp::Mod,
+            ScalarOp::CeilDiv,
+            ScalarOp::Min,
+            ScalarOp::Max,
+        ];
+        fn gen(next: &mut dyn FnMut(u64) -> u64, ops: &[ScalarOp], depth: u32, pool: &mut Vec<Tree>) -> Tree {
+            // Reuse an earlier subtree now and then: like terms and shared operands are
+            // what the rewrites look for.
+            if !pool.is_empty() && next(4) == 0 {
+                return pool[next(pool.len() as u64) as usize].clone();
+            }
+            let t = if depth == 0 || next(3) == 0 {
+                if next(2) == 0 {
+                    Tree::Leaf(next(9) as i64 - 2)
+                } else {
+                    Tree::Sym(next(3) as u32)
+                }
+            } else {
+                let op = ops[next(ops.len() as u64) as usize];
+                let a = gen(next, ops, depth - 1, pool);
+                let b = gen(next, ops, depth - 1, pool);
+                Tree::Node(op, Box::new(a), Box::new(b))
+            };
+            pool.push(t.clone());
+            t
+        }
+        let mut checked = 0;
+        for _ in 0..4000 {
+            let mut pool = Vec::new();
+            let t = gen(&mut next, &ops, 5, &mut pool);
+            let mut s = Scalars::new();
+            let v = build(&mut s, &t);
+            for _ in 0..6 {
+                let env = [next(9) as i64, next(40) as i64, next(300) as i64];
+                let Some(want) = naive(&t, &env) else { continue };
+                let got = s.eval(v, &|sym| match sym {
+                    Symbol::Extent(n) => Some(env[n as usize]),
+                    _ => None,
+                });
+                assert_eq!(got.ok(), Some(want), "{} at {env:?}", s.render(v));
+                checked += 1;
+            }
+        }
+        assert!(checked > 5000, "only {checked} defined samples");
     }
 
     #[test]

@@ -450,6 +450,40 @@ impl Fusion {
                     );
                 }
             }
+            // A negative width crops: both crops together may take at most the axis
+            // (torch.nn.functional.pad), not more with the other width growing it again
+            // (`[-5, 6]` of 4 elements is an error, not five fill values).
+            let nonneg = |sc: &crate::ir::Scalars, w: ValId| sc.as_int(w).is_some_and(|w| w >= 0);
+            let consts = (self.scalars.as_int(lo), self.scalars.as_int(hi), self.scalars.as_int(n));
+            if let (Some(l), Some(h), Some(m)) = consts {
+                // Widths near the 64-bit limits: checked exactly, before any size overflows.
+                let (l, h, m) = (i128::from(l), i128::from(h), i128::from(m));
+                let crop = (-l).max(0) + (-h).max(0);
+                if crop > m {
+                    bail!(
+                        "pad: axis {a} of {}: the negative widths crop {crop} elements, more than the {m} the axis holds",
+                        self.tv_name(x)
+                    );
+                }
+                if m + l + h > i128::from(i64::MAX) {
+                    bail!(
+                        "pad: axis {a} of {} would have {} elements, more than 64-bit sizes hold",
+                        self.tv_name(x),
+                        m + l + h
+                    );
+                }
+            } else if !nonneg(&self.scalars, lo) || !nonneg(&self.scalars, hi) {
+                let zero = self.scalars.int(0);
+                let (nlo, nhi) = (self.scalars.sub(zero, lo), self.scalars.sub(zero, hi));
+                let (clo, chi) = (self.scalars.max(nlo, zero), self.scalars.max(nhi, zero));
+                let crop = self.scalars.add(clo, chi);
+                let holds = self.scalars.binary(ScalarOp::Le, crop, n);
+                let what = format!(
+                    "pad: axis {a} of {}: the negative widths crop more elements than the axis holds",
+                    self.tv_name(x)
+                );
+                self.size_checks.push(SizeCheck { holds, values: vec![crop, n], what });
+            }
             // Inside the input: lo <= o < lo + n.
             let from = self.scalars.binary(ScalarOp::Le, lo, o);
             let to = self.scalars.lt(o, grown);

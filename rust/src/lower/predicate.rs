@@ -20,9 +20,20 @@ pub fn conjuncts(sc: &Scalars, v: ValId, out: &mut Vec<ValId>) {
 
 /// The conjunction of `parts` (`true` when empty).
 pub fn and_all(sc: &mut Scalars, parts: impl IntoIterator<Item = ValId>) -> ValId {
+    // Each conjunct once: the bounds checks of many reads of one tensor (the parts of a cat
+    // over one runtime size) are often the same check, and repeating it lengthens every
+    // predicate the kernel prints.
+    let mut seen = FxHashSet::default();
+    let mut flat = Vec::new();
     let mut v = sc.boolean(true);
     for c in parts {
-        v = sc.binary(ScalarOp::And, v, c);
+        flat.clear();
+        conjuncts(sc, c, &mut flat);
+        for &c in &flat {
+            if seen.insert(c) {
+                v = sc.binary(ScalarOp::And, v, c);
+            }
+        }
     }
     v
 }

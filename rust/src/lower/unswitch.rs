@@ -13,7 +13,7 @@
 //!
 //! Statements inside a `then` arm no longer test what its condition established.
 
-use rustc_hash::FxHashSet;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::analysis::loop_graph::LoopGraph;
 use crate::error::Result;
@@ -87,16 +87,15 @@ fn unswitch(f: &mut Fusion, lg: &LoopGraph, l: &ForLoop, assumed: &[ValId]) -> O
         return None;
     }
     // The fast path's condition: each hoisted bound at the largest indices.
-    let mut at_last = Vec::new();
-    for &c in &hoist {
-        let mut v = c;
-        for &(s, e) in &loops {
-            let one = sc.int(1);
-            let last = sc.sub(e, one);
-            v = sc.substitute(v, s, last);
-        }
-        at_last.push(v);
+    // No extent mentions a loop index (checked above), so the indices are replaced at
+    // once, with one memo over every bound: the bounds share most of their terms.
+    let mut last_of = FxHashMap::default();
+    for &(s, e) in &loops {
+        let one = sc.int(1);
+        last_of.insert(s, sc.sub(e, one));
     }
+    let mut memo = FxHashMap::default();
+    let at_last: Vec<ValId> = hoist.iter().map(|&c| sc.substitute_all(c, &last_of, &mut memo)).collect();
     let cond = and_all(sc, at_last);
     let cond = without(sc, cond, assumed);
     // A condition that differs between the threads of a block would send some of them down

@@ -1534,6 +1534,34 @@ pub fn view_strided_gather_tables(f: &mut Fusion) -> Result<()> {
     Ok(())
 }
 
+/// Read each permute of a fusion input that keeps the input's last axis last (size-one
+/// axes aside) as a view of the input's buffer through its strides (`Fusion::strided_views`):
+/// view axis `i` is input axis `perm[i]`. The element next to each one along the last axis
+/// is still the next in memory, so the reads stay coalesced, and the kernel has no permute
+/// left. True when one was viewed.
+pub fn view_input_permutes(f: &mut Fusion) -> bool {
+    let mut any = false;
+    for e in f.topo_exprs() {
+        let Op::Permute { perm } = f.exprs[e].op.clone() else { continue };
+        let Some(x) = f.exprs[e].inputs[0].tensor() else { continue };
+        let out = f.exprs[e].output;
+        if !strided_viewable(f, x) || f.is_output(out) {
+            continue;
+        }
+        let l = f.no_reduction_logical(x);
+        let data = |a: &usize| f.ids[l[*a]].iter_type != IterType::Broadcast;
+        let last_in = (0..l.len()).rev().find(data);
+        let last_out = perm.iter().rev().copied().find(data);
+        if last_in != last_out {
+            continue;
+        }
+        make_view(f, e, x);
+        f.strided_views.push((out, perm.iter().map(|&a| Some(a)).collect()));
+        any = true;
+    }
+    any
+}
+
 /// True when `table` is read only as gathers' table, and is not an output: a view of an
 /// input's buffer can stand in for it.
 fn only_a_table(f: &Fusion, table: TvId) -> bool {
