@@ -699,10 +699,14 @@ class _Builder:
             a = rank - 1 - j
             n = v.ref.shape[a]
             lo, hi = rr.choice([0, 0, 1, 2, 3, -1, -2]), rr.choice([0, 0, 1, 2, 3, -1, -2])
-            if n + lo + hi < 0 or (n + lo + hi == 0 and rr.random() < 0.7):
+            # Negative widths crop; together they may take at most the axis (as torch's pad).
+            def crop(lo: int, hi: int) -> int:
+                return max(-lo, 0) + max(-hi, 0)
+
+            if crop(lo, hi) > n or (n + lo + hi == 0 and rr.random() < 0.7):
                 lo, hi = abs(lo), abs(hi)
             lo_src = str(lo)
-            runtime = [(src, k) for src, k in self.int_scalars(lambda k: True) if n + k + hi >= 0]
+            runtime = [(src, k) for src, k in self.int_scalars(lambda k: True) if crop(k, hi) <= n]
             if runtime and rr.random() < 0.25:  # a runtime width (negative: crops)
                 lo_src, lo = rr.choice(runtime)
             pairs[a] = (lo, hi)

@@ -1,8 +1,9 @@
-"""Sizes that share their parts: an axis sliced again and again, a size computed from itself
-twice per step, a cat of parts of one runtime size. The scalar DAG holds each part once;
-walks, dumps and the generated CUDA must not spell it out as a tree (each step doubled the
-text and the time: 24 slices did not lower in a minute). Values checked against NumPy in
-float64 on the CPU interpreter; the CUDA text is the kernel a GPU would compile."""
+"""Sizes and axes that share their parts: an axis sliced again and again, a size computed
+from itself twice per step, a cat of parts of one runtime size, an axis split and merged back
+again and again. The scalar DAG and the id graph hold each part once; walks, dumps and the
+generated CUDA must not spell it out as a tree (each step doubled the text and the time: 24
+slices did not lower in a minute). Values checked against NumPy in float64 on the CPU
+interpreter; the CUDA text is the kernel a GPU would compile."""
 
 from __future__ import annotations
 
@@ -81,3 +82,18 @@ def test_an_unrolled_scan_of_one_wide_slices_joined_by_cat(t: int) -> None:
     np.testing.assert_allclose(got, np.cumsum(a.astype(np.float64), 1), rtol=1e-5, atol=1e-5)
     low = fd.lower([a])
     assert "+ min(i1, 1) + min(i1, 1)" not in "".join(k.kernel_ir for k in low.kernels)
+
+
+def test_an_axis_split_and_merged_back_again_and_again() -> None:
+    # A hand schedule: each split merged back shares its input between the merge's two
+    # operands; walking every path of the id graph doubled with each pair (30 pairs: 30 s).
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        y = fd.ops.exp(x)
+        fd.add_output(y)
+    for _ in range(40):
+        y.split(1, 2)
+        y.merge(1)
+    a = np.random.default_rng(4).standard_normal((8, 63)).astype(np.float32)
+    (got,) = fd.execute([a])
+    np.testing.assert_allclose(got, np.exp(a.astype(np.float64)), rtol=1e-6)

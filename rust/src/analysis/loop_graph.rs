@@ -100,11 +100,7 @@ impl LoopGraph {
 
 /// True when `id` is derived from a broadcast logical id.
 pub fn depends_on_broadcast(f: &Fusion, id: IterDomainId) -> bool {
-    let d = &f.ids[id];
-    match d.definition {
-        None => d.iter_type == IterType::Broadcast,
-        Some(t) => f.transforms[t].inputs().iter().any(|&i| depends_on_broadcast(f, i)),
-    }
+    f.id_derived_from_any(id, |i| f.ids[i].definition.is_none() && f.ids[i].iter_type == IterType::Broadcast)
 }
 
 /// `roots` and every tensor they are (transitively) computed from.

@@ -159,8 +159,7 @@ pub struct CrossRead {
 
 /// True when loop id `id` is `root` or computed from it by splits and merges.
 fn derives_from(f: &Fusion, id: crate::ir::IterDomainId, root: crate::ir::IterDomainId) -> bool {
-    id == root
-        || f.ids[id].definition.is_some_and(|t| f.transforms[t].inputs().iter().any(|&i| derives_from(f, i, root)))
+    f.id_derived_from_any(id, |i| i == root)
 }
 
 /// The dimensions along which expr `e` reads its producer `p` from other threads or blocks.

@@ -525,6 +525,26 @@ impl Fusion {
         }
     }
 
+    /// True when `pred` holds for `id` or for an id it is computed from by splits and
+    /// merges. Each id is visited once: a split merged back shares its input between both
+    /// paths, so a walk of every path doubles with each split-merge pair of a schedule.
+    pub fn id_derived_from_any(&self, id: IterDomainId, pred: impl Fn(IterDomainId) -> bool) -> bool {
+        let mut seen = rustc_hash::FxHashSet::default();
+        let mut stack = vec![id];
+        while let Some(i) = stack.pop() {
+            if !seen.insert(i) {
+                continue;
+            }
+            if pred(i) {
+                return true;
+            }
+            if let Some(t) = self.ids[i].definition {
+                stack.extend(self.transforms[t].inputs().iter().copied());
+            }
+        }
+        false
+    }
+
     /// True when `tv` is a fusion input.
     pub fn is_input(&self, tv: TvId) -> bool {
         self.inputs.contains(&Operand::Tensor(tv))

@@ -321,6 +321,9 @@ impl Scalars {
                     ScalarOp::Add => (al.saturating_add(bl), ah.zip(bh).map(|(x, y)| x.saturating_add(y))),
                     ScalarOp::Mul => (al.saturating_mul(bl), ah.zip(bh).map(|(x, y)| x.saturating_mul(y))),
                     ScalarOp::Div if bl > 0 => (al / bh.unwrap_or(i64::MAX).max(1), ah.map(|x| x / bl)),
+                    // A position divided by an extent: non-negative wherever it is defined
+                    // (an extent of 0 leaves nothing to index), at most the dividend.
+                    ScalarOp::Div => (0, ah),
                     ScalarOp::CeilDiv if bl > 0 => (0, ah.map(|x| x / bl + i64::from(x % bl != 0))),
                     ScalarOp::Mod if bl > 0 => {
                         (0, Some(bh.map_or(ah.unwrap_or(i64::MAX), |m| m - 1).min(ah.unwrap_or(i64::MAX))))

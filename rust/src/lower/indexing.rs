@@ -461,16 +461,7 @@ fn split_bounds(
 
 /// True when `id` is made from a broadcast id by splits and merges.
 fn from_broadcast(f: &Fusion, id: IterDomainId) -> bool {
-    let mut stack = vec![id];
-    while let Some(i) = stack.pop() {
-        if f.ids[i].iter_type == IterType::Broadcast {
-            return true;
-        }
-        if let Some(t) = f.ids[i].definition {
-            stack.extend(f.transforms[t].inputs());
-        }
-    }
-    false
+    f.id_derived_from_any(id, |i| f.ids[i].iter_type == IterType::Broadcast)
 }
 
 /// `pred && extra`, leaving out the conjuncts of `extra` that `pred` already has.

@@ -345,13 +345,7 @@ fn all_ids(f: &Fusion, tv: TvId) -> Vec<IterDomainId> {
 
 /// True when `id` is `ancestor` or derived from it.
 fn depends_on(f: &Fusion, id: IterDomainId, ancestor: IterDomainId) -> bool {
-    if id == ancestor {
-        return true;
-    }
-    match f.ids[id].definition {
-        Some(t) => f.transforms[t].inputs().iter().any(|&i| depends_on(f, i, ancestor)),
-        None => false,
-    }
+    f.id_derived_from_any(id, |i| i == ancestor)
 }
 
 /// Rule 6: a producer read through indices (index_select) allocates the whole indexed
