@@ -2271,3 +2271,20 @@ def test_ops_taking_a_tensor_refuse_anything_else(op: str, x: Any) -> None:
         with pytest.raises(KilnError, match=f"{op}: expected a Tensor"):
             getattr(fd.ops, op)(x)
         fd.add_output(fd.ops.neg(t))
+
+
+@pytest.mark.parametrize(
+    "widths",
+    [[-(2**63), 2**63 - 1], [-(2**62), -(2**62)], [-5, 6]],
+    ids=["int64_min", "two_halves", "crop_then_grow"],
+)
+def test_pad_widths_that_crop_past_any_size_are_refused(widths: list) -> None:
+    # Each crops more than the 4 elements given (and the first two more than any axis);
+    # the extreme ones once computed 3 fill values from an overflowed size.
+    def run() -> None:
+        with FusionDefinition() as fd:
+            x = fd.define_tensor([-1])
+            fd.add_output(fd.ops.pad(x, widths, 7.0))
+        fd.execute([np.arange(4, dtype=np.float32)])
+
+    expect(run, KilnError, tv(0), ax(0), r"crop")

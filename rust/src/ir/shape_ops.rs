@@ -473,9 +473,33 @@ impl Fusion {
                     );
                 }
             } else if !nonneg(&self.scalars, lo) || !nonneg(&self.scalars, hi) {
-                let zero = self.scalars.int(0);
-                let (nlo, nhi) = (self.scalars.sub(zero, lo), self.scalars.sub(zero, hi));
-                let (clo, chi) = (self.scalars.max(nlo, zero), self.scalars.max(nhi, zero));
+                // A constant width's crop is taken exactly (`0 - i64::MIN` does not fold).
+                let mut crop_of = |w: ValId| -> Result<ValId> {
+                    let zero = self.scalars.int(0);
+                    match self.scalars.as_int(w) {
+                        Some(c) if c >= 0 => Ok(zero),
+                        Some(c) => match c.checked_neg() {
+                            Some(n) => Ok(self.scalars.int(n)),
+                            None => bail!(
+                                "pad: axis {a} of {}: a width of {c} crops more elements than any axis holds",
+                                self.tv_name(x)
+                            ),
+                        },
+                        None => {
+                            let neg = self.scalars.sub(zero, w);
+                            Ok(self.scalars.max(neg, zero))
+                        }
+                    }
+                };
+                let (clo, chi) = (crop_of(lo)?, crop_of(hi)?);
+                if let (Some(p), Some(q)) = (self.scalars.as_int(clo), self.scalars.as_int(chi)) {
+                    if p.checked_add(q).is_none() {
+                        bail!(
+                            "pad: axis {a} of {}: the negative widths crop more elements than any axis holds",
+                            self.tv_name(x)
+                        );
+                    }
+                }
                 let crop = self.scalars.add(clo, chi);
                 let holds = self.scalars.binary(ScalarOp::Le, crop, n);
                 let what = format!(
