@@ -1548,11 +1548,7 @@ pub fn view_input_permutes(f: &mut Fusion) -> bool {
         if !strided_viewable(f, x) || f.is_output(out) {
             continue;
         }
-        let l = f.no_reduction_logical(x);
-        let data = |a: &usize| f.ids[l[*a]].iter_type != IterType::Broadcast;
-        let last_in = (0..l.len()).rev().find(data);
-        let last_out = perm.iter().rev().copied().find(data);
-        if last_in != last_out {
+        if !keeps_last_data_axis(f, x, &perm) {
             continue;
         }
         make_view(f, e, x);
