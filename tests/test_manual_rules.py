@@ -1215,3 +1215,71 @@ def test_a_second_reader_of_a_producer_indexed_through_another_reads_under_its_b
     c64 = a2.astype(np.float64)
     np.testing.assert_allclose(got_e, c64 + c64 + 1.5, rtol=1e-6)
     np.testing.assert_allclose(got_d, (c64 + 1.5) * a1.astype(np.float64), rtol=1e-6)
+
+
+def _tiled_2d(fd_tensors, vec_on) -> None:
+    for t in fd_tensors:
+        t.split(1, 4)
+        t.axis(0).parallelize(ParallelType.BIDx)
+        t.axis(1).parallelize(ParallelType.TIDx)
+    vec_on.axis(2).parallelize(ParallelType.Vectorize)
+
+
+def test_vectorize_of_a_computation_in_global_memory_is_refused() -> None:
+    # It would run one element at a time: nvFuser vectorizes copies only.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        y = fd.ops.exp(x)
+        fd.add_output(y)
+    _tiled_2d([y], y)
+    with pytest.raises(KilnError, match=r"T1: its Vectorize axis .* computes T1 = exp\(T0\).*cache_after"):
+        fd.lower([rand(8, 64)])
+
+
+def test_vectorize_of_a_permute_is_refused_and_of_its_cache_runs() -> None:
+    xa = rand(64, 8)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        p = fd.ops.permute(x, [1, 0])
+        y = fd.ops.neg(p)
+        fd.add_output(y)
+    _tiled_2d([p, y], p)
+    p.inline_at(-1)
+    with pytest.raises(KilnError, match=r"T1: its Vectorize axis .* reads through a permute"):
+        fd.lower([xa])
+    # The same data moved by a cache of the input along its contiguous axis is a wide load.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        y = fd.ops.neg(x)
+        fd.add_output(y)
+    c = x.cache_after()
+    _tiled_2d([c, y], c)
+    c.inline_at(-1)
+    xb = rand(8, 64)
+    assert "VECTOR x4" in fd.lower([xb]).kernels[0].kernel_ir
+    np.testing.assert_array_equal(fd.execute([xb])[0], -xb)
+
+
+def test_an_explicit_inline_at_zero_is_kept() -> None:
+    # The tensor is computed whole in its own loop nest before its reader, as asked; it
+    # used to be re-inlined into the reader as if never scheduled.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([3, 5])
+        a = fd.ops.exp(x)
+        y = fd.ops.neg(a)
+        fd.add_output(y)
+    y.axis(0).parallelize(ParallelType.BIDx)
+    a.inline_at(0)
+    xa = rand(3, 5)
+    ir = fd.lower([xa]).kernels[0].kernel_ir
+    assert "ALLOCATE T1 Local float [3, 5]" in ir
+    np.testing.assert_allclose(fd.execute([xa])[0], -np.exp(xa.astype(np.float64)), rtol=1e-6)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        a = fd.ops.exp(x)
+        y = fd.ops.neg(a)
+        fd.add_output(y)
+    y.axis(0).parallelize(ParallelType.BIDx)
+    a.inline_at(0)
+    with pytest.raises(KilnError, match=r"T1 is in Local memory but its allocation \[i0, i1\] is not a constant size"):
+        fd.execute([xa])

@@ -1,4 +1,5 @@
-"""Permutes of fusion inputs that keep the last axis last, read through the inputs' strides.
+"""Permutes of fusion inputs that keep the last axis last (or are read only under a new last
+broadcast axis), read through the inputs' strides.
 
 Where no scheduler covers the whole fusion with the permutes in it (a reduction or a
 normalization of a permuted input, two permuted operands of one product), each permute of an
@@ -74,6 +75,17 @@ def _permuted_sum_np(x: np.ndarray, y: np.ndarray) -> List[np.ndarray]:
     return [s.sum(3), -s]
 
 
+def _outer(fd: FusionDefinition, ts: List[Any]) -> List[Any]:
+    # `x.T[..., None] * y`: the permute moves x's last axis, but each element it reads is
+    # broadcast along a new last axis, so a strided read serves a whole row.
+    xb = fd.ops.broadcast(fd.ops.permute(ts[0], [1, 0]), [False, False, True])
+    return [fd.ops.mul(xb, ts[1])]
+
+
+def _outer_np(x: np.ndarray, y: np.ndarray) -> List[np.ndarray]:
+    return [x.T[..., None] * y]
+
+
 def _normal(*shapes: Sequence[int]) -> Callable[[np.random.Generator], List[np.ndarray]]:
     return lambda r: [r.standard_normal(s) for s in shapes]
 
@@ -82,6 +94,7 @@ CASES = {
     "scores": ([4, 4], _scores, _scores_np, _normal((2, 7, 3, 16), (2, 5, 3, 16))),
     "layernorm": ([3, 1], _layernorm, _layernorm_np, _normal((5, 4, 33), (33,))),
     "sum": ([4, 4], _permuted_sum, _permuted_sum_np, _normal((2, 7, 3, 9), (2, 3, 7, 9))),
+    "outer": ([2, 3], _outer, _outer_np, _normal((9, 6), (6, 9, 20))),
 }
 
 

@@ -108,6 +108,8 @@ pub struct TensorView {
     /// `inline_at(-1)` asked while a consumer was untouched: the deepest valid position is
     /// found again once that consumer has taken its schedule (`propagate`).
     pub inline_deepest: bool,
+    /// Its inline position was asked for (`inline_at`): propagation keeps it, even at 0.
+    pub inline_pinned: bool,
     pub definition: Option<ExprId>,
     pub uses: Vec<ExprId>,
     /// Its loads pipelined over several Shared buffers (`circular_buffer`).
@@ -490,6 +492,7 @@ impl Fusion {
             contiguity,
             inline_pos: 0,
             inline_deepest: false,
+            inline_pinned: false,
             definition: None,
             uses: Vec::new(),
             circular_buffer: None,

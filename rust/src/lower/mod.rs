@@ -18,11 +18,12 @@
 //! 13. `unswitch`  — unswitched loops and loop-invariant bounds checks (`If` nodes)
 //! 14. `vectorize` — wide vector copies with their element-loop fallback
 //! 15. `group_reductions` — adjacent block reductions over the same threads, paired
+//! 16. `tensor_memory` — Tensor-memory regions, their alloc/relinquish/dealloc
 //!
 //! Codegen and the interpreter both run the kernel IR these passes leave: codegen prints
 //! it and decides nothing, so the interpreter checks every rewrite the GPU runs.
 //!
-//! Steps 4-15 are one list of functions over one [`LowerCtx`]; the verifier
+//! Steps 4-16 are one list of functions over one [`LowerCtx`]; the verifier
 //! (`verify`) runs after each in tests and debug builds. Passes hand results on explicitly
 //! (kernel IR plus side tables); none reaches into another's internals.
 

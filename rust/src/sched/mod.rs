@@ -434,6 +434,7 @@ impl Fusion {
             }
         }
         self.tvs[tv].inline_pos = pos;
+        self.tvs[tv].inline_pinned = true;
         self.manually_scheduled = true;
         Ok(())
     }

@@ -29,6 +29,7 @@ pub fn untouched(f: &Fusion, tv: TvId) -> bool {
         && !f.is_output(tv)
         && t.memory == MemoryType::Local
         && t.inline_pos == 0
+        && !t.inline_pinned
         && t.allocation.is_none()
         && t.circular_buffer.is_none()
         && t.loop_domain == t.logical

@@ -1171,10 +1171,20 @@ pub fn store_output_permutes(f: &mut Fusion) -> Result<()> {
             let Some(x) = f.exprs[e].inputs[0].tensor() else { continue };
             let start = f.exprs[e].output;
             let identity = perm.iter().enumerate().all(|(i, &a)| i == a);
-            if identity || !keeps_last_data_axis(f, x, &perm) {
+            if identity {
                 continue;
             }
             let Some(cone) = permuted_cone(f, start, &perm) else { continue };
+            // A permute that moves the last axis stores every element at a stride. That
+            // costs little where the tensor is a reduction's result (one element per
+            // reduced row) and stays one: `x.sum(-1).transpose(0, 1)` as one kernel.
+            let small_cone = || {
+                reduced_result(f, x)
+                    && cone.exprs.iter().all(|&d| !matches!(f.exprs[d].op, Op::Broadcast { .. } | Op::Reduction { .. }))
+            };
+            if !keeps_last_data_axis(f, x, &perm) && !small_cone() {
+                continue;
+            }
             let mut moved: FxHashMap<TvId, TvId> = FxHashMap::default();
             moved.insert(start, x);
             let mut closers = Vec::new();
@@ -1251,6 +1261,26 @@ pub fn store_output_permutes(f: &mut Fusion) -> Result<()> {
             continue 'again;
         }
         return Ok(());
+    }
+}
+
+/// True when `x` is a reduction's result or computed element-wise from such results (and
+/// tensors of rank 0): it holds one element per reduced row, of at least 8 elements where
+/// the reduced sizes are constants (a sum over 2 elements stored at a stride would write
+/// half the input's bytes scattered).
+fn reduced_result(f: &Fusion, x: TvId) -> bool {
+    let Some(d) = f.tvs[x].definition else { return false };
+    match &f.exprs[d].op {
+        Op::Reduction { .. } => {
+            let logical = &f.tvs[x].logical;
+            let sizes: Option<Vec<i64>> =
+                reduced_axes(f, d).into_iter().map(|a| f.scalars.as_int(f.ids[logical[a]].extent)).collect();
+            sizes.is_none_or(|s| s.iter().product::<i64>() >= 8)
+        }
+        op if op.is_elementwise() => {
+            f.exprs[d].input_tvs().all(|t| f.no_reduction_logical(t).is_empty() || reduced_result(f, t))
+        }
+        _ => false,
     }
 }
 
@@ -1535,10 +1565,11 @@ pub fn view_strided_gather_tables(f: &mut Fusion) -> Result<()> {
 }
 
 /// Read each permute of a fusion input that keeps the input's last axis last (size-one
-/// axes aside) as a view of the input's buffer through its strides (`Fusion::strided_views`):
-/// view axis `i` is input axis `perm[i]`. The element next to each one along the last axis
-/// is still the next in memory, so the reads stay coalesced, and the kernel has no permute
-/// left. True when one was viewed.
+/// axes aside), or that is read only under broadcasts adding a last axis, as a view of the
+/// input's buffer through its strides (`Fusion::strided_views`): view axis `i` is input
+/// axis `perm[i]`. The element next to each one along the last axis is still the next in
+/// memory (or each element serves a row), so the reads stay coalesced, and the kernel has
+/// no permute left. True when one was viewed.
 pub fn view_input_permutes(f: &mut Fusion) -> bool {
     let mut any = false;
     for e in f.topo_exprs() {
@@ -1548,7 +1579,15 @@ pub fn view_input_permutes(f: &mut Fusion) -> bool {
         if !strided_viewable(f, x) || f.is_output(out) {
             continue;
         }
-        if !keeps_last_data_axis(f, x, &perm) {
+        // Read only under a new last axis (`x.T[..., None] * y`): each element read serves
+        // a whole row of the broadcast, so a strided read costs one load per row.
+        let under_new_rows = |f: &Fusion| {
+            f.tvs[out]
+                .uses
+                .iter()
+                .all(|&u| matches!(&f.exprs[u].op, Op::Broadcast { is_new } if is_new.last() == Some(&true)))
+        };
+        if !keeps_last_data_axis(f, x, &perm) && !under_new_rows(f) {
             continue;
         }
         make_view(f, e, x);
