@@ -399,6 +399,29 @@ impl Scalars {
                 _ => {}
             }
         }
+        // Two offsets of one value: min(x - 1, x) == x - 1, max(x + 2, x) == x + 2 and
+        // (x + c1) - (x + c2) == c1 - c2. A slice of a cat of slices (a stencil's padded
+        // row, sliced again) spelled its length as `x - min(x - 1, x)`, growing with each
+        // level of the stencil.
+        if matches!(op, Min | Max | Sub) {
+            let offset = |s: &Self, v: ValId| match s.nodes[v] {
+                Val::Binary(Add, x, c) => s.as_int(c).map_or((v, 0), |c| (x, c)),
+                Val::Binary(Sub, x, c) => s.as_int(c).and_then(i64::checked_neg).map_or((v, 0), |c| (x, c)),
+                _ => (v, 0),
+            };
+            let ((x, c1), (y, c2)) = (offset(self, a), offset(self, b));
+            if x == y && self.as_int(x).is_none() {
+                match op {
+                    Min => return Some(if c1 <= c2 { a } else { b }),
+                    Max => return Some(if c1 >= c2 { a } else { b }),
+                    _ => {
+                        if let Some(d) = c1.checked_sub(c2) {
+                            return Some(self.int(d));
+                        }
+                    }
+                }
+            }
+        }
         // Re-associate constants: (x op c1) op c2 -> x op (c1 op c2), unless c1 op c2
         // overflows (the expression then stays as written, and evaluating it reports the
         // overflow instead of a wrapped size).
@@ -1188,6 +1211,22 @@ mod tests {
         // merge(i0, 4) split by 4 gives back i0.
         assert_eq!(s.ceil_div(a, four), x);
         assert_eq!(s.mul(four, x), a, "commutative ops are canonicalised");
+    }
+
+    #[test]
+    fn offsets_of_one_value_compare_by_their_constants() {
+        let mut s = Scalars::new();
+        let x = s.symbol(Symbol::Extent(0));
+        let (one, two) = (s.int(1), s.int(2));
+        let xm1 = s.sub(x, one);
+        let xp2 = s.add(x, two);
+        assert_eq!(s.min(xm1, x), xm1, "min(x - 1, x) == x - 1");
+        assert_eq!(s.max(x, xp2), xp2, "max(x, x + 2) == x + 2");
+        let m = s.min(xm1, x);
+        let len = s.sub(x, m);
+        assert_eq!(s.as_int(len), Some(1), "x - min(x - 1, x) == 1");
+        let d = s.sub(xm1, xp2);
+        assert_eq!(s.as_int(d), Some(-3), "(x - 1) - (x + 2) == -3");
     }
 
     #[test]
