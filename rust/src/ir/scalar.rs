@@ -431,6 +431,18 @@ impl Scalars {
                 match (op, inner) {
                     (Add, Add) if sum.is_some() => return Some(self.binary_with_const(Add, x, sum?)),
                     (Sub, Add) if diff.is_some() => return Some(self.binary_with_const(Add, x, diff?)),
+                    // (x - c1) + c2 and (x - c1) - c2, spelled with one constant (the
+                    // start of a slice at `n - 2 + 1` is `n - 1`).
+                    (Add, Sub) => {
+                        if let Some(d) = c1.checked_sub(c2) {
+                            return Some(if d >= 0 {
+                                self.binary_with_const(Sub, x, d)
+                            } else {
+                                self.binary_with_const(Add, x, d.checked_neg()?)
+                            });
+                        }
+                    }
+                    (Sub, Sub) if sum.is_some() => return Some(self.binary_with_const(Sub, x, sum?)),
                     (Mul, Mul) if prod.is_some() => return Some(self.binary_with_const(Mul, x, prod?)),
                     // ceil(ceil(x / a) / b) == ceil(x / (a * b)) for positive a, b.
                     (CeilDiv, CeilDiv) if c1 > 0 && c2 > 0 && prod.is_some() => {
@@ -1227,6 +1239,10 @@ mod tests {
         assert_eq!(s.as_int(len), Some(1), "x - min(x - 1, x) == 1");
         let d = s.sub(xm1, xp2);
         assert_eq!(s.as_int(d), Some(-3), "(x - 1) - (x + 2) == -3");
+        let xm2 = s.sub(x, two);
+        assert_eq!(s.add(xm2, one), xm1, "(x - 2) + 1 == x - 1");
+        let xm3 = s.sub(xm1, two);
+        assert_eq!(s.render(xm3), "i0 - 3", "(x - 1) - 2 == x - 3");
     }
 
     #[test]

@@ -464,13 +464,57 @@ fn from_broadcast(f: &Fusion, id: IterDomainId) -> bool {
     f.id_derived_from_any(id, |i| f.ids[i].iter_type == IterType::Broadcast)
 }
 
-/// `pred && extra`, leaving out the conjuncts of `extra` that `pred` already has.
+/// `pred && extra`, leaving out the conjuncts of `extra` that `pred` already has or implies.
 fn and_new(sc: &mut crate::ir::Scalars, pred: ValId, extra: ValId) -> ValId {
     let mut have = Vec::new();
     crate::lower::predicate::conjuncts(sc, pred, &mut have);
     let mut add = Vec::new();
     crate::lower::predicate::conjuncts(sc, extra, &mut add);
-    add.into_iter().filter(|c| !have.contains(c)).fold(pred, |p, c| sc.binary(ScalarOp::And, p, c))
+    let new: Vec<ValId> =
+        add.into_iter().filter(|c| !have.contains(c) && !implied_outer_bound(sc, &have, *c)).collect();
+    new.into_iter().fold(pred, |p, c| sc.binary(ScalarOp::And, p, c))
+}
+
+/// True when `c` is `x / a / ... / b < n` and `have` holds `x < a * ... * b * n` (factors in
+/// any order): the outermost index of a merged space is in range wherever the merged
+/// position is (`x` is a non-negative position, the factors extents). A reduction over
+/// `[C, H, W]` with `C` fixed at 3 read each element under `r / W / H < 3` beside
+/// `r < H * 3 * W`, on every one of its unrolled loads.
+fn implied_outer_bound(sc: &crate::ir::Scalars, have: &[ValId], c: ValId) -> bool {
+    use crate::ir::scalar::Val;
+    let Val::Binary(ScalarOp::Lt, mut x, n) = sc.get(c) else { return false };
+    let mut factors = vec![n];
+    while let Val::Binary(ScalarOp::Div, y, d) = sc.get(x) {
+        factors.push(d);
+        x = y;
+    }
+    if factors.len() < 2 {
+        return false;
+    }
+    // Factors as (sorted leaves, product of constants).
+    fn flatten(sc: &crate::ir::Scalars, v: ValId, leaves: &mut Vec<ValId>, k: &mut Option<i64>) {
+        match (sc.get(v), sc.as_int(v)) {
+            (_, Some(c)) => *k = k.and_then(|k| k.checked_mul(c)),
+            (Val::Binary(ScalarOp::Mul, p, q), _) => {
+                flatten(sc, p, leaves, k);
+                flatten(sc, q, leaves, k);
+            }
+            _ => leaves.push(v),
+        }
+    }
+    let key = |vs: &[ValId]| {
+        let (mut leaves, mut k) = (Vec::new(), Some(1));
+        for &v in vs {
+            flatten(sc, v, &mut leaves, &mut k);
+        }
+        leaves.sort_unstable();
+        (leaves, k)
+    };
+    let want = key(&factors);
+    if want.1.is_none_or(|k| k <= 0) {
+        return false;
+    }
+    have.iter().any(|&h| matches!(sc.get(h), Val::Binary(ScalarOp::Lt, hx, p) if hx == x && key(&[p]) == want))
 }
 
 /// The overrun bounds of the consumer whose loops run `tv`'s expr when `tv` is indexed
