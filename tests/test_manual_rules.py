@@ -1217,49 +1217,6 @@ def test_a_second_reader_of_a_producer_indexed_through_another_reads_under_its_b
     np.testing.assert_allclose(got_d, (c64 + 1.5) * a1.astype(np.float64), rtol=1e-6)
 
 
-def _tiled_2d(fd_tensors, vec_on) -> None:
-    for t in fd_tensors:
-        t.split(1, 4)
-        t.axis(0).parallelize(ParallelType.BIDx)
-        t.axis(1).parallelize(ParallelType.TIDx)
-    vec_on.axis(2).parallelize(ParallelType.Vectorize)
-
-
-def test_vectorize_of_a_computation_in_global_memory_is_refused() -> None:
-    # It would run one element at a time: nvFuser vectorizes copies only.
-    with FusionDefinition() as fd:
-        x = fd.define_tensor([-1, -1])
-        y = fd.ops.exp(x)
-        fd.add_output(y)
-    _tiled_2d([y], y)
-    with pytest.raises(KilnError, match=r"T1: its Vectorize axis .* computes T1 = exp\(T0\).*cache_after"):
-        fd.lower([rand(8, 64)])
-
-
-def test_vectorize_of_a_permute_is_refused_and_of_its_cache_runs() -> None:
-    xa = rand(64, 8)
-    with FusionDefinition() as fd:
-        x = fd.define_tensor([-1, -1])
-        p = fd.ops.permute(x, [1, 0])
-        y = fd.ops.neg(p)
-        fd.add_output(y)
-    _tiled_2d([p, y], p)
-    p.inline_at(-1)
-    with pytest.raises(KilnError, match=r"T1: its Vectorize axis .* reads through a permute"):
-        fd.lower([xa])
-    # The same data moved by a cache of the input along its contiguous axis is a wide load.
-    with FusionDefinition() as fd:
-        x = fd.define_tensor([-1, -1])
-        y = fd.ops.neg(x)
-        fd.add_output(y)
-    c = x.cache_after()
-    _tiled_2d([c, y], c)
-    c.inline_at(-1)
-    xb = rand(8, 64)
-    assert "VECTOR x4" in fd.lower([xb]).kernels[0].kernel_ir
-    np.testing.assert_array_equal(fd.execute([xb])[0], -xb)
-
-
 def test_an_explicit_inline_at_zero_is_kept() -> None:
     # The tensor is computed whole in its own loop nest before its reader, as asked; it
     # used to be re-inlined into the reader as if never scheduled.
@@ -1283,3 +1240,53 @@ def test_an_explicit_inline_at_zero_is_kept() -> None:
     a.inline_at(0)
     with pytest.raises(KilnError, match=r"T1 is in Local memory but its allocation \[i0, i1\] is not a"):
         fd.execute([xa])
+
+
+def test_a_cache_inlined_past_a_consumer_broadcast_axis_names_the_reorder() -> None:
+    # The operand tile of a hand-written product: the broadcast adds an axis in front of the
+    # one the cache shares. Moved behind, the same inline position runs.
+    def build():
+        with FusionDefinition() as fd:
+            x, w = fd.define_tensor([-1, -1]), fd.define_tensor([-1, -1, -1])
+            xb = fd.ops.broadcast_in_dim(x, shape=[-1, -1, -1], broadcast_dims=[0, 2])
+            y = fd.ops.mul(xb, w)
+            fd.add_output(y)
+        xc = x.cache_after()
+        xc.set_memory_type(MemoryType.Shared)
+        return fd, xc, xb, y
+
+    fd, xc, xb, y = build()
+    a, b = rand(3, 5), rand(3, 4, 5, seed=1)
+    with pytest.raises(KilnError, match=r"consumer T2 .* is a broadcast axis T\d+ does not have.*reorder"):
+        xc.inline_at(2)
+        fd.lower([a, b])
+    fd, xc, xb, y = build()
+    xb.reorder({1: -1})
+    y.reorder({1: -1})
+    xc.inline_at(2)
+    xb.inline_at(-1)
+    np.testing.assert_allclose(fd.execute([a, b])[0], a[:, None, :].astype(np.float64) * b, rtol=1e-6)
+
+
+def test_a_serial_grid_reduction_without_a_block_axis_is_refused() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        s = fd.ops.sum(x, [1])
+        fd.add_output(s)
+    s.axis(0).parallelize(ParallelType.BIDx)
+    s.axis(1).parallelize(ParallelType.TIDx)
+    s.set_serial_grid_reduction()
+    with pytest.raises(KilnError, match=r"T1.set_serial_grid_reduction\(\): T1 reduces across no blocks"):
+        fd.lower([rand(4, 32)])
+
+
+def test_nvfuser_scheduling_names_point_to_kilns() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        s = fd.ops.sum(x, [1])
+        fd.add_output(s)
+    with pytest.raises(KilnError, match=r"T1.rfactor: kiln has no rfactor: split the reduced axis"):
+        s.rfactor([1])
+    with pytest.raises(AttributeError, match="inline_at"):
+        x.computeAt(s, 1)
+    assert not hasattr(s, "rfactor") and not hasattr(s, "no_such_method")

@@ -1,6 +1,6 @@
 """kiln: a fusion compiler for NVIDIA GPUs."""
 
-from ._errors import KilnError, KilnInternalError, KilnTypeError
+from ._errors import KilnAttributeError, KilnError, KilnInternalError, KilnTypeError
 from .enums import DataType, MemoryType, ParallelType
 from .fusion import FusionDefinition, Scalar, Tensor
 from .multidevice import DeviceMesh
@@ -13,6 +13,7 @@ __all__ = [
     "DeviceMesh",
     "FusionDefinition",
     "IterDomain",
+    "KilnAttributeError",
     "KilnError",
     "KilnInternalError",
     "KilnTypeError",

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import numbers
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
-from ._errors import KilnError, KilnTypeError
+from ._errors import KilnAttributeError, KilnError, KilnTypeError
 from .enums import MemoryType, ParallelType
 
 if TYPE_CHECKING:
@@ -127,11 +127,35 @@ def _int(value: object, what: str, tensor: str) -> int:
     return value
 
 
+# nvFuser and TVM spellings a user may reach for, with kiln's way to say the same.
+_OTHER_NAMES = {
+    "rfactor": "kiln has no rfactor: split the reduced axis and parallelize its parts instead "
+               "(s.split(1, 32); s.axis(2).parallelize(ParallelType.TIDx)); each part reduced by "
+               "threads or blocks is combined as its parallel type says",
+    "compute_at": "kiln's is inline_at: p.inline_at(pos) shares p's first pos loop axes with its "
+                  "consumers (nvFuser's computeAt called on the producer)",
+    "inline_most": "use t.inline_at(-1): the deepest valid position",
+    "parallelize": "parallelize an axis: t.axis(i).parallelize(ParallelType.TIDx)",
+    "vectorize": "vectorize an axis of a copy: c = x.cache_after(); "
+                 "c.axis(-1).parallelize(ParallelType.Vectorize)",
+}
+_OTHER_NAMES["rFactor"] = _OTHER_NAMES["rfactor"]
+_OTHER_NAMES["computeAt"] = _OTHER_NAMES["compute_at"]
+_OTHER_NAMES["inlineMost"] = _OTHER_NAMES["inline_most"]
+
+
 class ScheduleMixin:
     """Scheduling primitives shared by tensor handles."""
 
     _fd: FusionDefinition
     _id: int
+
+    def __getattr__(self, name: str) -> Any:
+        """Refuse another system's scheduling name with kiln's way to say it."""
+        hint = _OTHER_NAMES.get(name)
+        if hint is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        raise KilnAttributeError(f"T{object.__getattribute__(self, '_id')}.{name}: {hint}")
 
     @property
     def name(self) -> str:

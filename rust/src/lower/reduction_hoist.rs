@@ -165,10 +165,22 @@ fn consider(
         .filter(|&a| f.ids[ld[a]].iter_type == IterType::Reduction)
         .map(|a| lg.groups[lg.group(c, a)].parallel)
         .collect();
+    let is_grid = reduced.iter().any(|&p| f.is_grid_dim(p));
+    if f.hand_schedule && f.tvs[c].serial_grid_reduction && !is_grid {
+        bail!(
+            "{}.set_serial_grid_reduction(): {} reduces across no blocks (its reduced axes run on {}); a serial grid reduction needs a reduced axis on BIDx, BIDy or BIDz",
+            f.tv_name(c),
+            f.tv_name(c),
+            if reduced.is_empty() {
+                "no thread or block dimension".to_string()
+            } else {
+                reduced.iter().map(|p| format!("{p:?}")).collect::<Vec<_>>().join(", ")
+            }
+        );
+    }
     if !reduced.iter().any(|p| p.is_thread_or_block()) {
         return Ok(());
     }
-    let is_grid = reduced.iter().any(|&p| f.is_grid_dim(p));
     let own_groups: FxHashSet<usize> =
         (0..ld.len()).filter(|&a| f.ids[ld[a]].iter_type == IterType::Reduction).map(|a| lg.group(c, a)).collect();
     // Walk outward over loops that are this reduction's axes or thread/block loops.

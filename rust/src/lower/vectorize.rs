@@ -20,49 +20,18 @@ use crate::lower::predicate::linear_coeff;
 
 /// Rewrite every Vectorize loop of `body` that is a copy.
 pub fn run(f: &mut Fusion, body: &mut [Node]) -> Result<()> {
-    let mut vector_sources = Vec::new();
-    rewrite(f, body, &mut vector_sources);
-    if f.hand_schedule {
-        check_hand(f, body, &vector_sources)?;
-    }
-    Ok(())
-}
-
-fn rewrite(f: &mut Fusion, body: &mut [Node], vector_sources: &mut Vec<TvId>) {
     for n in body.iter_mut() {
         if let Node::Loop(l) = n {
             if let Some(v) = vector_copy(f, l) {
-                if let Some(src) = f.exprs[v.expr].inputs[0].tensor() {
-                    vector_sources.push(src);
-                }
                 *n = Node::Vector(Box::new(v));
                 continue;
             }
-        }
-        for b in n.bodies_mut() {
-            rewrite(f, b, vector_sources);
-        }
-    }
-}
-
-/// Hand-scheduled Vectorize loops left as loops: each must compute the register (or
-/// Shared) layout a wide copy reads (the seed's NHWC `cache_before`); any other is refused.
-fn check_hand(f: &Fusion, body: &[Node], vector_sources: &[TvId]) -> Result<()> {
-    for n in body {
-        if let Node::Loop(l) = n {
-            let feeds_a_vector = l.body.iter().all(|s| match s {
-                Node::Expr { expr, .. } => {
-                    let out = f.exprs[*expr].output;
-                    f.tvs[out].memory != MemoryType::Global && vector_sources.contains(&out)
-                }
-                _ => true,
-            });
-            if !feeds_a_vector {
+            if f.hand_schedule {
                 check_hand_vector(f, l)?;
             }
         }
-        for b in n.bodies() {
-            check_hand(f, b, vector_sources)?;
+        for b in n.bodies_mut() {
+            run(f, b)?;
         }
     }
     Ok(())
@@ -109,53 +78,18 @@ fn copy_shape<'l>(f: &Fusion, l: &'l ForLoop) -> Option<(i64, ExprId, &'l Access
     Some((n, *expr, ix, src, sym))
 }
 
-/// A hand-scheduled Vectorize loop that is not a wide copy is refused with the reason (as
-/// nvFuser refuses to vectorize computation or a non-contiguous axis), where it would
-/// silently run one element at a time.
+/// A hand-scheduled Vectorize loop around a copy whose Global side does not move one
+/// element per lane cannot be a wide access: refused (as nvFuser refuses to vectorize a
+/// non-contiguous axis), where it would silently run one element at a time.
 fn check_hand_vector(f: &Fusion, l: &ForLoop) -> Result<()> {
     if l.parallel != ParallelType::Vectorize {
         return Ok(());
     }
-    let axis = f.id_label(l.id);
-    let exprs: Vec<ExprId> = l
-        .body
-        .iter()
-        .filter_map(|n| match n {
-            Node::Expr { expr, .. } => Some(*expr),
-            _ => None,
-        })
-        .collect();
-    let [Node::Expr { expr, index: Some(ix) }] = l.body.as_slice() else {
-        let names: Vec<String> = exprs.iter().map(|&e| f.tv_name(f.exprs[e].output)).collect();
-        crate::bail!(
-            "Vectorize axis {axis} holds {} statements (computing {}); a Vectorize loop must hold one copy: inline its producers at a position outside it (inline_at before the Vectorize axis), or vectorize a cache",
-            l.body.len(),
-            names.join(", ")
-        );
-    };
+    let [Node::Expr { expr, index: Some(ix) }] = l.body.as_slice() else { return Ok(()) };
     let e = &f.exprs[*expr];
-    let out = f.tv_name(e.output);
-    let (Op::Set | Op::Broadcast { .. } | Op::IndexSelect { .. } | Op::Remap { .. }, Some(Operand::Tensor(src))) =
-        (&e.op, e.inputs.first().copied())
-    else {
-        if matches!(e.op, Op::Permute { .. }) {
-            crate::bail!(
-                "{out}: its Vectorize axis ({axis}) reads through a permute ({}), which moves elements one at a time; vectorize a copy instead (x.cache_after() of the input, along its contiguous innermost axis)",
-                f.expr_short(e)
-            );
-        }
-        crate::bail!(
-            "{out}: its Vectorize axis ({axis}) computes {}; Vectorize moves data: put it on a copy (x.cache_after() of the input, or y.cache_before() of the output) and compute {out} from that",
-            f.expr_short(e)
-        );
+    let (Op::Set | Op::Remap { .. }, Some(Operand::Tensor(src))) = (&e.op, e.inputs.first().copied()) else {
+        return Ok(());
     };
-    let (dt, sdt) = (f.tvs[e.output].dtype, f.tvs[src].dtype);
-    if dt != sdt {
-        crate::bail!(
-            "{out}: its Vectorize axis ({axis}) converts {} {sdt:?} to {dt:?}; a vector copy keeps its dtype: vectorize the copy before or after the conversion",
-            f.tv_name(src)
-        );
-    }
     let Val::Symbol(sym) = f.scalars.get(l.index) else { return Ok(()) };
     for (tv, off) in [(e.output, Some(ix.out)), (src, ix.inputs[0])] {
         let Some(off) = off else { continue };
@@ -169,22 +103,13 @@ fn check_hand_vector(f: &Fusion, l: &ForLoop) -> Result<()> {
                 None => format!("at {}", f.scalars.render(off)),
             };
             crate::bail!(
-                "{out}: its Vectorize axis ({axis}) reads {} with consecutive lanes {how}; Vectorize needs the axis that walks {}'s contiguous innermost axis",
+                "{}: its Vectorize axis ({}) reads {} with consecutive lanes {how}; Vectorize needs the axis that walks {}'s contiguous innermost axis",
+                f.tv_name(e.output),
+                f.id_label(l.id),
                 f.tv_name(tv),
                 f.tv_name(tv)
             );
         }
-    }
-    if ix.gathers.iter().any(|g| linear_coeff(&f.scalars, g.at, sym) != Some(0)) {
-        crate::bail!(
-            "{out}: its Vectorize axis ({axis}) reads a gathered index that changes along the vector; vectorize an axis of the gathered row"
-        );
-    }
-    if ix.element.is_some_and(|g| !interval_along(&f.scalars, g, sym)) {
-        crate::bail!(
-            "{out}: its Vectorize axis ({axis}) reads under a guard that does not hold on one interval of the vector (a remap of {}); vectorize another axis",
-            f.tv_name(src)
-        );
     }
     Ok(())
 }

@@ -557,6 +557,17 @@ impl Fusion {
                 }
                 let map = producer_to_consumer(self, e, input_pos);
                 for i in 0..pos {
+                    let new_broadcast =
+                        self.ids[cl[i]].iter_type == IterType::Broadcast && !map.values().any(|&v| v == cl[i]);
+                    if map.get(&ld[i]) != Some(&cl[i]) && new_broadcast {
+                        // The consumer's axis is one the broadcast adds: the producer has
+                        // nothing to line up with it (nvFuser skips it; kiln's positions
+                        // are axis by axis).
+                        bail!(
+                            "inline_at {name}: axis {i} of consumer {cname} ({}) is a broadcast axis {name} does not have, in front of position {pos}; move it behind the shared axes in {cname} and its consumers (e.g. {cname}.reorder({{{i}: -1}})), or inline {name} at {i}",
+                            self.id_label(cl[i])
+                        );
+                    }
                     if map.get(&ld[i]) != Some(&cl[i]) {
                         bail!(
                             "inline_at {name}: axis {i} ({}) does not match axis {i} of consumer {cname} ({}); schedule both the same way up to position {pos}",
