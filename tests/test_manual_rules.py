@@ -432,6 +432,29 @@ def test_var_mean_with_only_its_outputs_on_blocks_recomputes_the_row_per_reader(
         np.testing.assert_allclose(gv, xd.var(1, ddof=1), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("cols", [128, 200])
+def test_var_mean_over_a_constant_row_recomputes_it_rather_than_holding_it(cols: int) -> None:
+    # With the row's size a constant, the double cast of x fits a Local array, but one of
+    # 128 doubles per thread is 256 registers (NVRTC spilled). Each reader computes its own
+    # copy, as with a runtime size; the conftest compiles the kernel and fails on spills.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, cols])
+        v, m = fd.ops.var_mean(x, dims=[1])
+        fd.add_output(v)
+        fd.add_output(m)
+    for t in (v, m):
+        t.split(0, 2)
+        t.axis(0).parallelize(ParallelType.BIDx)
+        t.axis(1).parallelize(ParallelType.TIDy)
+    x_ = rand(5, cols, seed=4) + 3
+    ir = fd.lower([x_]).kernels[0].kernel_ir
+    assert f"double [{cols}]" not in ir
+    gv, gm = fd.execute([x_])
+    xd = x_.astype(np.float64)
+    np.testing.assert_allclose(gm, xd.mean(1), rtol=1e-6)
+    np.testing.assert_allclose(gv, xd.var(1, ddof=1), rtol=1e-5)
+
+
 @pytest.mark.parametrize("rows", [1, 5])
 def test_layernorm_with_its_statistics_scheduled_and_the_deviation_untouched(rows: int) -> None:
     # xm = x - mean is read by the variance's sum and by the output: it stops before the

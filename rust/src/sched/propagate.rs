@@ -11,7 +11,8 @@
 //! threads would then read it. A tensor that a reduction and other readers both read stops
 //! before the reduction's first serial reduced loop (`before_serial_reduction`): softmax's
 //! `exp(x)` with only the output on blocks. Where that would leave a Local buffer of a
-//! runtime size, an element-wise tensor is computed again by each reader instead. A tensor
+//! runtime size (or of more than 128 bytes per thread, which spills), an element-wise tensor
+//! is computed again by each reader instead. A tensor
 //! whose `inline_at(-1)` was asked while a consumer was untouched gets its deepest position
 //! here, once that consumer has its schedule.
 
@@ -157,7 +158,7 @@ enum Placed {
     /// that would leave a parallel axis outside.
     Kept,
     /// Left as it was: stopped before a reduction's serial loop, it would need a Local
-    /// buffer of a size only known at run time.
+    /// buffer of a size only known at run time (or of more than 128 bytes).
     Buffered,
 }
 
@@ -191,7 +192,17 @@ fn propagate(f: &mut Fusion, tv: TvId) -> Placed {
         let d = &f.ids[id];
         !d.parallel.is_thread_or_block() && d.iter_type != IterType::Broadcast && f.scalars.as_int(d.extent).is_none()
     });
-    if p < deepest && symbolic && !outside {
+    // A constant buffer of more than 128 bytes per thread (var_mean's double cast of a
+    // 128-wide row: 256 registers) spills; an element-wise value is computed again instead.
+    let elements: i64 = t
+        .loop_domain
+        .iter()
+        .skip(p)
+        .filter(|&&id| !f.ids[id].parallel.is_thread_or_block() && f.ids[id].iter_type != IterType::Broadcast)
+        .map(|&id| f.scalars.as_int(f.ids[id].extent).unwrap_or(1))
+        .fold(1i64, |a, n| a.saturating_mul(n));
+    let large = elements.saturating_mul(t.dtype.size_bytes() as i64) > 128 && recomputable(f, tv);
+    if p < deepest && (symbolic || large) && !outside {
         *f = saved;
         return Placed::Buffered;
     }
