@@ -237,7 +237,17 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
     // holds `v * unroll` elements in registers at once. Past about 192 registers of them the
     // kernel spills (a sum of 64 fp32 inputs in 4-wide vectors holds 256; 48 inputs, 192,
     // do not spill): a wide fusion gets narrower vectors instead.
-    let held_bytes: i64 = vector_bytes.iter().sum();
+    // Reads of inputs through a remap (a slice, a cat's part, a pad) go out before the math
+    // too, one per remap: an unrolled scan written as slices of a cat reads its input once
+    // per part and step (`t (t + 1) / 2` remaps at `t` steps; 4-wide, 16 steps spilled 6.6 KB).
+    let remapped_bytes: i64 = f
+        .topo_exprs()
+        .into_iter()
+        .filter(|&e| matches!(f.exprs[e].op, Op::Remap { .. }))
+        .filter(|&e| f.exprs[e].input_tvs().any(|x| f.is_input(x)))
+        .map(|e| f.tvs[f.exprs[e].output].dtype.size_bytes() as i64)
+        .sum();
+    let held_bytes: i64 = vector_bytes.iter().sum::<i64>() + remapped_bytes;
     while held_bytes * v * unroll / 4 > 192 && (unroll > 1 || v > 1) {
         if unroll > 1 {
             unroll = 1;
