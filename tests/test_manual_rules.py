@@ -7,6 +7,7 @@ expected."""
 from __future__ import annotations
 
 import time
+from typing import List
 
 import numpy as np
 import pytest
@@ -1240,27 +1241,27 @@ def test_a_second_reader_of_a_producer_indexed_through_another_reads_under_its_b
     np.testing.assert_allclose(got_d, (c64 + 1.5) * a1.astype(np.float64), rtol=1e-6)
 
 
-def test_an_explicit_inline_at_zero_is_kept() -> None:
-    # The tensor is computed whole in its own loop nest before its reader, as asked; it
-    # used to be re-inlined into the reader as if never scheduled.
+def _exp_neg_inlined_at_zero(shape: List[int]) -> FusionDefinition:
+    """T1 = exp(T0) inlined at 0 explicitly, T2 = -T1 on blocks."""
     with FusionDefinition() as fd:
-        x = fd.define_tensor([3, 5])
+        x = fd.define_tensor(shape)
         a = fd.ops.exp(x)
         y = fd.ops.neg(a)
         fd.add_output(y)
     y.axis(0).parallelize(ParallelType.BIDx)
     a.inline_at(0)
+    return fd
+
+
+def test_an_explicit_inline_at_zero_is_kept() -> None:
+    # The tensor is computed whole in its own loop nest before its reader, as asked; it
+    # used to be re-inlined into the reader as if never scheduled.
+    fd = _exp_neg_inlined_at_zero([3, 5])
     xa = rand(3, 5)
     ir = fd.lower([xa]).kernels[0].kernel_ir
     assert "ALLOCATE T1 Local float [3, 5]" in ir
     np.testing.assert_allclose(fd.execute([xa])[0], -np.exp(xa.astype(np.float64)), rtol=1e-6)
-    with FusionDefinition() as fd:
-        x = fd.define_tensor([-1, -1])
-        a = fd.ops.exp(x)
-        y = fd.ops.neg(a)
-        fd.add_output(y)
-    y.axis(0).parallelize(ParallelType.BIDx)
-    a.inline_at(0)
+    fd = _exp_neg_inlined_at_zero([-1, -1])
     with pytest.raises(KilnError, match=r"T1 is in Local memory but its allocation \[i0, i1\] is not a"):
         fd.execute([xa])
 

@@ -188,19 +188,18 @@ fn propagate(f: &mut Fusion, tv: TvId) -> Placed {
     let t = &f.tvs[tv];
     let outside =
         t.loop_domain.iter().skip(p).any(|&id| f.ids[id].parallel.is_thread_or_block()) && !own_threads(f, tv, p);
-    let symbolic = t.loop_domain.iter().skip(p).any(|&id| {
-        let d = &f.ids[id];
-        !d.parallel.is_thread_or_block() && d.iter_type != IterType::Broadcast && f.scalars.as_int(d.extent).is_none()
-    });
-    // A constant buffer of more than 128 bytes per thread (var_mean's double cast of a
-    // 128-wide row: 256 registers) spills; an element-wise value is computed again instead.
-    let elements: i64 = t
+    // The sizes of the axes a Local buffer of `tv` would hold per thread (None: runtime).
+    let held: Vec<Option<i64>> = t
         .loop_domain
         .iter()
         .skip(p)
         .filter(|&&id| !f.ids[id].parallel.is_thread_or_block() && f.ids[id].iter_type != IterType::Broadcast)
-        .map(|&id| f.scalars.as_int(f.ids[id].extent).unwrap_or(1))
-        .fold(1i64, |a, n| a.saturating_mul(n));
+        .map(|&id| f.scalars.as_int(f.ids[id].extent))
+        .collect();
+    let symbolic = held.iter().any(Option::is_none);
+    // A constant buffer of more than 128 bytes per thread (var_mean's double cast of a
+    // 128-wide row: 256 registers) spills; an element-wise value is computed again instead.
+    let elements = held.iter().flatten().fold(1i64, |a, &n| a.saturating_mul(n));
     let large = elements.saturating_mul(t.dtype.size_bytes() as i64) > 128 && recomputable(f, tv);
     if p < deepest && (symbolic || large) && !outside {
         *f = saved;
