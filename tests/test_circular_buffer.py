@@ -229,6 +229,30 @@ def test_no_serial_loop_to_pipeline_is_refused():
         fd.lower([rand(2, 64)])
 
 
+@pytest.mark.parametrize("bulk", [False, True])
+def test_a_one_iteration_loop_runs_as_a_plain_copy(bulk: bool) -> None:
+    # Constant sizes with a row of one tile: the only serial loop left of the inline
+    # position has one iteration, so there is nothing to overlap. The schedule runs as it
+    # does with runtime sizes (a pipeline of one iteration), the copy without stages.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([6, 64])
+        y = fd.ops.exp(x)
+        fd.add_output(y)
+    c = x.cache_after()
+    c.set_memory_type(MemoryType.Shared)
+    for t in (c, y):
+        t.split(1, 64)  # [6, 1, 64]
+        t.axis(0).parallelize(ParallelType.BIDx)
+    c.axis(2).parallelize(ParallelType.Bulk if bulk else ParallelType.TIDx)
+    y.axis(2).parallelize(ParallelType.TIDx)
+    c.inline_at(2)
+    c.circular_buffer(3)
+    a = rand(6, 64, seed=3)
+    ir = fd.lower([a]).kernels[0].kernel_ir
+    assert re.search(rf"ALLOCATE {c.name} .*Shared float \[64\]", ir), ir
+    np.testing.assert_allclose(fd.execute([a])[0], exp64(a), rtol=1e-6)
+
+
 def test_a_computed_tensor_is_refused():
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, -1])

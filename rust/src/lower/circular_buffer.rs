@@ -50,6 +50,35 @@ pub fn pipelined_axis(f: &Fusion, lg: &LoopGraph, tv: TvId) -> Option<usize> {
     })
 }
 
+/// Clear the circular buffering of each copy whose loops left of its inline position hold
+/// no serial loop of more than one iteration but do hold a serial one of exactly one (a
+/// constant size, such as the outer part of a split by the whole extent): a one-iteration
+/// pipeline has nothing to overlap, and with runtime sizes the same schedule runs its
+/// pipeline once. The copy stays a plain Shared (or Local) one.
+pub fn drop_single_iteration(f: &mut Fusion, lg: &LoopGraph) {
+    let single: Vec<TvId> = f
+        .tvs
+        .keys()
+        .filter(|&tv| {
+            let t = &f.tvs[tv];
+            t.circular_buffer.is_some()
+                && t.definition.is_some()
+                && lg.has(tv)
+                && pipelined_axis(f, lg, tv).is_none()
+                && (0..t.inline_pos.min(t.loop_domain.len())).any(|a| {
+                    let g = &lg.groups[lg.group(tv, a)];
+                    let id = &f.ids[g.promoted];
+                    g.parallel == ParallelType::Serial
+                        && id.iter_type != IterType::Broadcast
+                        && f.scalars.as_int(id.extent) == Some(1)
+                })
+        })
+        .collect();
+    for tv in single {
+        f.tvs[tv].circular_buffer = None;
+    }
+}
+
 /// The schedule rules of circular buffering, each error naming the tensor and what to
 /// change: a Shared (or Local) copy of a fusion input, inlined inside a serial loop that all its
 /// readers share, with one set of options per pipelined loop.

@@ -198,6 +198,7 @@ fn schedule_checks(c: &mut LowerCtx) -> Result<()> {
     validate::unique_parallel_dims(&c.f, &c.lg)?;
     validate::reduction_consumers(&c.f, &c.lg, &c.order)?;
     validate::parallel_reads(&c.f, &c.lg, &c.exact)?;
+    circular_buffer::drop_single_iteration(&mut c.f, &c.lg);
     circular_buffer::check(&c.f, &c.lg)
 }
 
