@@ -398,12 +398,6 @@ DEFINITION_ERRORS = [
         id="slice_none_step",
     ),
     pytest.param(
-        _def(lambda fd, x: fd.ops.slice(x, [0, 0], [-1, 4]), (3, 4)),
-        KilnError,
-        (r"slice", ax(0), r"end -1", r">= 0"),
-        id="slice_negative_end",
-    ),
-    pytest.param(
         _def(lambda fd, x: fd.ops.slice(x, [0, 0], [3]), (3, 4)),
         KilnError,
         (r"slice", tv(0), r"rank 2"),

@@ -148,6 +148,28 @@ def _select_middle() -> FusionDefinition:
     return fd
 
 
+def _causal_lm_shift() -> FusionDefinition:
+    """HF's causal-LM loss shift, ``logits[:, :-1]`` against ``labels[:, 1:]``, negative
+    indices as Python counts them."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1])
+        y = fd.define_tensor([-1, -1])
+        shifted = fd.ops.slice(x, [0, 0, 0], [None, -1, None])
+        nxt = fd.ops.slice(y, [0, 1], [None, None])
+        fd.add_output(fd.ops.mul(shifted, fd.ops.broadcast_in_dim(nxt, [fd.ops.size(x, 0), fd.ops.size(nxt, 1),
+                                                                         fd.ops.size(x, 2)], [0, 1])))
+    return fd
+
+
+def _last_token_and_window() -> FusionDefinition:
+    """Last-token pooling ``h[:, -1]`` and a sliding window ``k[:, -3:]`` of one input."""
+    with FusionDefinition() as fd:
+        h = fd.define_tensor([-1, -1, -1])
+        fd.add_output(fd.ops.exp(fd.ops.select(h, 1, -1)))
+        fd.add_output(fd.ops.slice(h, [0, -3, -100], [None, None, -2]))
+    return fd
+
+
 # --- pad / cat -------------------------------------------------------------------------------
 
 def _pad_value() -> FusionDefinition:
@@ -314,6 +336,10 @@ CASES: Dict[str, Case] = {
     "reshape_of_reduction": (_reshape_of_reduction, lambda r: [_f32(r, 9, 12)],
                              lambda a: [_d(a[0]).sum(0).reshape(3, 4)], 1),
     "slice_steps": (_slice_steps, lambda r: [_f32(r, 9, 11)], lambda a: [-_d(a[0])[1::2, 2::3]], 1),
+    "causal_lm_shift": (_causal_lm_shift, lambda r: [_f32(r, 2, 6, 5), _f32(r, 2, 6)],
+                        lambda a: [_d(a[0])[:, :-1] * _d(a[1])[:, 1:, None]], 1),
+    "last_token_and_window": (_last_token_and_window, lambda r: [_f32(r, 3, 7, 6)],
+                              lambda a: [np.exp(_d(a[0])[:, -1]), _d(a[0])[:, -3:, -100:-2]], 1),
     "select_middle": (_select_middle, lambda r: [_f32(r, 3, 4, 5)], lambda a: [np.tanh(_d(a[0])[:, 2])], 1),
     "pad_value": (_pad_value, lambda r: [_f32(r, 4, 5)],
                   lambda a: [np.pad(np.exp(_d(a[0])), ((3, 0), (1, 2)), constant_values=-1.5)], 1),
@@ -647,8 +673,9 @@ def test_runtime_positions_are_checked() -> None:
         with pytest.raises(KilnError, match="Int scalars"):
             fd.ops.reshape(x, [f])
         fd.add_output(fd.ops.slice(x, [k], [None]))
-    with pytest.raises(KilnError, match="must be >= 0"):
-        fd.execute([np.zeros(4, np.float32), -1, 0.5])
+    # A negative runtime start counts from the end, as in Python.
+    (got,) = fd.execute([np.arange(4, dtype=np.float32), -1, 0.5])
+    np.testing.assert_array_equal(got, [3])
     (got,) = fd.execute([np.arange(4, dtype=np.float32), 1, 0.5])
     np.testing.assert_array_equal(got, [1, 2, 3])
 

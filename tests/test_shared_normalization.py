@@ -149,3 +149,39 @@ def test_a_bfloat16_softmax_over_40000_columns_on_the_gpu() -> None:
     x64 = x.astype(np.float64)
     e = np.exp(x64 - x64.max(1, keepdims=True))
     np.testing.assert_allclose(output_f64(got), e / e.sum(1, keepdims=True), rtol=1e-2, atol=1e-6)
+
+
+def _cross_entropy(dtype: DataType) -> FusionDefinition:
+    """``F.cross_entropy(x.float(), labels, reduction='none')``: one float loss per row."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], dtype=dtype)
+        labels = fd.define_tensor([-1], dtype=DataType.Int)
+        xf = fd.ops.cast(x, DataType.Float)
+        mx = fd.ops.max(xf, dims=[1])
+        rows = [fd.ops.size(x, 0), fd.ops.size(x, 1)]
+        e = fd.ops.exp(fd.ops.sub(xf, fd.ops.broadcast_in_dim(mx, rows, [0])))
+        lse = fd.ops.add(fd.ops.log(fd.ops.sum(e, dims=[1])), mx)
+        index = fd.ops.broadcast_in_dim(labels, [fd.ops.size(x, 0), 1], [0])
+        picked = fd.ops.squeeze(fd.ops.take_along_axis(x, index, 1), [1])
+        fd.add_output(fd.ops.sub(lse, fd.ops.cast(picked, DataType.Float)))
+    return fd
+
+
+@pytest.mark.parametrize("dtype", [DataType.Half, DataType.BFloat16])
+def test_a_float_result_per_row_keeps_the_rows_two_byte_vectors(dtype: DataType) -> None:
+    # The loss is written once per row, not with the row's vectors: the rows move in vectors
+    # of eight 2-byte elements, one warp per row of 1024, as softmax's do (a float per-row
+    # output once halved them, and the narrower rows went to Shared memory).
+    fd = _cross_entropy(dtype)
+    auto = fd._core.auto_program([[16384, 1024], [16384]])
+    assert (auto.heuristic, auto.params[0]) == ("normalization", 8)
+    assert _softmax(dtype)._core.auto_program([[16384, 1024]]).params[0] == 8
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((64, 1024)) * 2).astype(np.float16)
+    labels = rng.integers(0, 1024, 64).astype(np.int64)
+    if dtype == DataType.Half:
+        (got,) = fd.execute([x, labels])
+        x64 = x.astype(np.float64)
+        m = x64.max(1, keepdims=True)
+        want = np.log(np.exp(x64 - m).sum(1)) + m[:, 0] - x64[np.arange(64), labels]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -721,8 +721,8 @@ class Ops:
     def slice(self, x: Tensor, start_indices: Sequence[Union[int, Scalar]],
               end_indices: Sequence[Union[int, Scalar, None]],
               strides: Optional[Sequence[int]] = None) -> Tensor:
-        """``x[start:end:stride]`` on every axis (nvFuser's slice; ends past the size are
-        clamped, as in Python)."""
+        """``x[start:end:stride]`` on every axis (nvFuser's slice; negative indices count from
+        the end and ends past the size are clamped, as in Python)."""
         fd = self._fd
         fd._tensor(x, "slice")
         rank = x.ndim
@@ -739,18 +739,13 @@ class Ops:
             if not isinstance(st, int) or isinstance(st, bool) or not 1 <= st < 2**63:
                 raise KilnError(f"slice: axis {a} has stride {st!r}; expected an int >= 1 that fits 64 bits "
                                 f"(slicing {x.name})")
-            for v, what in ((lo, "start"), (hi, "end")):
-                if isinstance(v, int) and not isinstance(v, bool) and v < 0:
-                    raise KilnError(f"slice: axis {a} has {what} {v}; expected an index >= 0")
         start = [self._index_value(v, "slice") for v in start_indices]
         end = [None if v is None else self._index_value(v, "slice") for v in end_indices]
         return Tensor(fd, fd._core.slice(fd._tensor(x, "slice"), start, end, [int(s) for s in steps]))
 
     def select(self, x: Tensor, dim: int, index: Union[int, Scalar]) -> Tensor:
-        """``x`` at position ``index`` of axis ``dim``, that axis removed (nvFuser's select)."""
+        """``x`` at position ``index`` of axis ``dim`` (negative: from the end), that axis removed."""
         fd = self._fd
-        if isinstance(index, int) and not isinstance(index, bool) and index < 0:
-            raise KilnError(f"select: index {index} is negative; expected an index >= 0")
         at = self._index_value(index, "select")
         return Tensor(fd, fd._core.select(fd._tensor(x, "select"), self._dim(x, dim, "select"), at))
 

@@ -114,21 +114,23 @@ impl Fusion {
         if !self.scalars.dtype(index, &self.scalar_input_dtypes).is_integer() {
             bail_type!("select: the index {} is not an integer", self.scalars.render(index));
         }
+        let given = index;
+        let index = self.wrap_index(index, ins[d]);
         let zero = self.scalars.int(0);
         let low = self.scalars.binary(ScalarOp::Le, zero, index);
         let high = self.scalars.lt(index, ins[d]);
         let holds = self.scalars.binary(ScalarOp::And, low, high);
         match self.scalars.as_int(holds) {
             Some(0) => bail!(
-                "select: index {} is out of range for axis {d} of {} (size {})",
-                self.scalars.render(index),
+                "select: index {} is out of range for axis {d} of {} (size {}); expected an index in [-size, size)",
+                self.scalars.render(given),
                 self.tv_name(x),
                 self.scalars.render(ins[d])
             ),
             Some(_) => {}
             None => {
-                let what = format!("select: the index must lie in [0, size) of axis {d} of {}", self.tv_name(x));
-                self.size_checks.push(SizeCheck { holds, values: vec![index, ins[d]], what });
+                let what = format!("select: the index must lie in [-size, size) of axis {d} of {}", self.tv_name(x));
+                self.size_checks.push(SizeCheck { holds, values: vec![given, ins[d]], what });
             }
         }
         let mut extents = Vec::with_capacity(rank - 1);
@@ -363,8 +365,28 @@ impl Fusion {
         None
     }
 
+    /// Index `i` of an axis of `n` elements counted from the end where it is negative
+    /// (`i + n`), as Python and PyTorch index; a runtime `i` whose sign is known only when
+    /// the inputs are bound wraps by arithmetic (`i + n * [i < 0]`, the bracket as
+    /// `-max(min(i, 0), -1)`, which no 64-bit `i` overflows).
+    fn wrap_index(&mut self, i: ValId, n: ValId) -> ValId {
+        match self.scalars.as_int(i) {
+            Some(v) if v >= 0 => i,
+            Some(_) => self.scalars.add(n, i),
+            None => {
+                let (zero, minus_one) = (self.scalars.int(0), self.scalars.int(-1));
+                let low = self.scalars.min(i, zero);
+                let low = self.scalars.max(low, minus_one);
+                let neg = self.scalars.sub(zero, low);
+                let shift = self.scalars.mul(n, neg);
+                self.scalars.add(i, shift)
+            }
+        }
+    }
+
     /// `x[start:end:step]` on every axis; `end` past the size is clamped to it (`None`:
-    /// the size), and `start` past `end` gives an empty axis.
+    /// the size), negative `start` and `end` count from the end, and `start` past `end`
+    /// gives an empty axis.
     pub fn slice(&mut self, x: TvId, start: &[ValId], end: &[Option<ValId>], step: &[i64]) -> Result<TvId> {
         let ins = self.extents_of(x);
         let rank = ins.len();
@@ -385,23 +407,25 @@ impl Fusion {
                 bail!("slice: axis {a} of {} has stride {}; expected an int >= 1", self.tv_name(x), step[a]);
             }
             let n = ins[a];
-            if self.scalars.as_int(start[a]).is_none() {
-                let zero = self.scalars.int(0);
-                let holds = self.scalars.binary(ScalarOp::Le, zero, start[a]);
-                let what = format!("slice of {}: the start of axis {a} must be >= 0", self.tv_name(x));
-                self.size_checks.push(SizeCheck { holds, values: vec![start[a]], what });
-            }
-            if let Some(e) = end[a].filter(|&e| self.scalars.as_int(e).is_none()) {
-                let zero = self.scalars.int(0);
-                let holds = self.scalars.binary(ScalarOp::Le, zero, e);
-                let what = format!("slice of {}: the end of axis {a} must be >= 0", self.tv_name(x));
-                self.size_checks.push(SizeCheck { holds, values: vec![e], what });
-            }
+            // Negative starts and ends count from the end, and clamp at 0 past the start
+            // (Python's and PyTorch's slices, nvFuser's since it normalizes them).
+            let zero = self.scalars.int(0);
+            let first = if self.scalars.as_int(start[a]).is_some_and(|v| v >= 0) {
+                start[a]
+            } else {
+                let w = self.wrap_index(start[a], n);
+                self.scalars.max(w, zero)
+            };
             let hi = match end[a] {
-                Some(e) => self.scalars.min(e, n),
+                Some(e) if self.scalars.as_int(e).is_some_and(|v| v >= 0) => self.scalars.min(e, n),
+                Some(e) => {
+                    let w = self.wrap_index(e, n);
+                    let w = self.scalars.max(w, zero);
+                    self.scalars.min(w, n)
+                }
                 None => n,
             };
-            let lo = if self.scalars.as_int(start[a]) == Some(0) { start[a] } else { self.scalars.min(start[a], hi) };
+            let lo = if self.scalars.as_int(first) == Some(0) { first } else { self.scalars.min(first, hi) };
             // A step past 2^40 takes one element of any axis that fits in memory, as 2^40
             // does; the clamp keeps the size arithmetic (len + step - 1) inside 64 bits.
             let st = self.scalars.int(step[a].min(1 << 40));

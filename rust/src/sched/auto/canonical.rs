@@ -570,7 +570,10 @@ fn move_through(
         }
         Op::Iota { start, step } => match remapped_iota(f, x, start, step, index, extents)? {
             Some(t) => t,
-            None => return Ok(None),
+            None => match indexed_iota(f, x, start, step, index, extents)? {
+                Some(t) => t,
+                None => return Ok(None),
+            },
         },
         Op::Mask { valid: m } => {
             let at = f.compose(m, index);
@@ -881,6 +884,144 @@ fn remapped_iota(
     let yes = f.scalars.boolean(true);
     let all = f.full(extents, Operand::Scalar(yes), DataType::Bool)?;
     Ok(Some(f.where_(Operand::Tensor(all), Operand::Tensor(made), Operand::Tensor(made))?))
+}
+
+/// An iota `x` read at positions `index` that are not affine in one output position (the
+/// `o / 2` of `arange(n)[:, None].expand(n, 2).reshape(2 * n)`, torch's `repeat_interleave`
+/// of an `arange`, or a reshape mixing several iota axes): its row-major position at
+/// `index`, computed element-wise from an int64 iota per output axis, scaled by the step
+/// and moved by the start (in the compute type, as the iota computes its value), so the
+/// iota shares its consumer's loops instead of being stored whole for a remap to read.
+/// None for a boolean iota or an index with an op that has no element-wise form.
+fn indexed_iota(
+    f: &mut Fusion,
+    x: TvId,
+    start: ValId,
+    step: ValId,
+    index: &[ValId],
+    extents: &[ValId],
+) -> Result<Option<TvId>> {
+    let dtype = f.tvs[x].dtype;
+    if !(dtype.is_integer() || dtype.is_float()) || dtype == DataType::Bool {
+        return Ok(None);
+    }
+    let xl = f.no_reduction_logical(x);
+    if index.len() != xl.len() {
+        return Ok(None);
+    }
+    let mut lin = f.scalars.int(0);
+    for (a, &id) in xl.iter().enumerate() {
+        if f.ids[id].iter_type == IterType::Broadcast {
+            continue;
+        }
+        let scaled = f.scalars.mul(lin, f.ids[id].extent);
+        lin = f.scalars.add(scaled, index[a]);
+    }
+    let mut memo = FxHashMap::default();
+    let Some(pos) = index_values(f, lin, extents, &mut memo)? else { return Ok(None) };
+    let Operand::Tensor(pos) = pos else {
+        // Positions free of the output's: one element, wherever the remap reads it.
+        return Ok(None);
+    };
+    let made = if dtype.is_integer() {
+        let scaled = f.binary(BinaryOp::Mul, Operand::Tensor(pos), Operand::Scalar(step))?;
+        let v = f.binary(BinaryOp::Add, Operand::Tensor(scaled), Operand::Scalar(start))?;
+        if f.tvs[v].dtype == dtype {
+            v
+        } else {
+            f.cast(Operand::Tensor(v), dtype)?
+        }
+    } else {
+        let cd = dtype.compute_dtype();
+        let p = f.cast(Operand::Tensor(pos), cd)?;
+        let scaled = f.binary(BinaryOp::Mul, Operand::Tensor(p), Operand::Scalar(step))?;
+        let v = f.binary(BinaryOp::Add, Operand::Scalar(start), Operand::Tensor(scaled))?;
+        if f.tvs[v].dtype == dtype {
+            v
+        } else {
+            f.cast(Operand::Tensor(v), dtype)?
+        }
+    };
+    Ok(Some(made))
+}
+
+/// Scalar expression `v` of output positions as element-wise int64 math over a tensor of
+/// `extents`: each `OutAxis(k)` an iota along axis `k` expanded to `extents`, every other
+/// leaf a scalar (an `Operand::Scalar` where the whole of `v` is one). None where `v` holds
+/// an op with no element-wise form (a comparison).
+fn index_values(
+    f: &mut Fusion,
+    v: ValId,
+    extents: &[ValId],
+    memo: &mut FxHashMap<ValId, Operand>,
+) -> Result<Option<Operand>> {
+    if let Some(&o) = memo.get(&v) {
+        return Ok(Some(o));
+    }
+    let out = match f.scalars.get(v) {
+        Val::Symbol(Symbol::OutAxis(k)) => {
+            let k = k as usize;
+            if k >= extents.len() {
+                return Ok(None);
+            }
+            let one = f.scalars.int(1);
+            let zero = f.scalars.int(0);
+            let shape: Vec<ValId> = (0..extents.len()).map(|i| if i == k { extents[i] } else { one }).collect();
+            let made = f.source("index iota", &shape, Op::Iota { start: zero, step: one }, DataType::Int)?;
+            if shape == extents {
+                Operand::Tensor(made)
+            } else {
+                let yes = f.scalars.boolean(true);
+                let all = f.full(extents, Operand::Scalar(yes), DataType::Bool)?;
+                Operand::Tensor(f.where_(Operand::Tensor(all), Operand::Tensor(made), Operand::Tensor(made))?)
+            }
+        }
+        Val::Binary(op, l, r) => {
+            let (Some(a), Some(b)) = (index_values(f, l, extents, memo)?, index_values(f, r, extents, memo)?) else {
+                return Ok(None);
+            };
+            if matches!((a, b), (Operand::Scalar(_), Operand::Scalar(_))) {
+                Operand::Scalar(v)
+            } else {
+                // Positions are non-negative: truncating division and remainder are the
+                // scalar arithmetic's floor ones.
+                let bop = match op {
+                    ScalarOp::Add => BinaryOp::Add,
+                    ScalarOp::Sub => BinaryOp::Sub,
+                    ScalarOp::Mul => BinaryOp::Mul,
+                    ScalarOp::Div => BinaryOp::Div,
+                    ScalarOp::Mod => BinaryOp::Fmod,
+                    ScalarOp::Min => BinaryOp::Minimum,
+                    ScalarOp::Max => BinaryOp::Maximum,
+                    ScalarOp::CeilDiv => {
+                        let one = f.scalars.int(1);
+                        let bm1 = match b {
+                            Operand::Scalar(bv) => Operand::Scalar(f.scalars.sub(bv, one)),
+                            Operand::Tensor(bt) => {
+                                Operand::Tensor(f.binary(BinaryOp::Sub, Operand::Tensor(bt), Operand::Scalar(one))?)
+                            }
+                        };
+                        let num = f.binary(BinaryOp::Add, a, bm1)?;
+                        let q = f.binary(BinaryOp::Div, Operand::Tensor(num), b)?;
+                        memo.insert(v, Operand::Tensor(q));
+                        return Ok(Some(Operand::Tensor(q)));
+                    }
+                    ScalarOp::Lt | ScalarOp::Le | ScalarOp::Eq | ScalarOp::And => return Ok(None),
+                };
+                Operand::Tensor(f.binary(bop, a, b)?)
+            }
+        }
+        _ => {
+            let mut syms = FxHashSet::default();
+            crate::lower::predicate::symbols(&f.scalars, v, &mut syms);
+            if syms.iter().any(|s| matches!(s, Symbol::OutAxis(_))) {
+                return Ok(None);
+            }
+            Operand::Scalar(v)
+        }
+    };
+    memo.insert(v, out);
+    Ok(Some(out))
 }
 
 /// `(a, b)` with `v = a * sym + b`, where neither holds `sym`; None where `v` is not affine

@@ -376,6 +376,11 @@ pub(super) fn widest_moved(f: &Fusion, n: usize) -> i64 {
         let broadcast = f.tvs[x].uses.iter().any(|&e| matches!(f.exprs[e].op, Op::Broadcast { .. }) && along_last(e));
         !f.tvs[x].uses.is_empty() && !table && (super::full_size_input(f, x, n) || broadcast)
     });
-    let outputs = f.outputs.iter().copied().filter(|&o| f.tvs[o].logical.len() == n);
+    // Likewise an output of one value per row (cross-entropy's loss, LayerNorm's mean kept as
+    // `[M, 1]`) is written once per row, not with the row's vectors.
+    let outputs = f.outputs.iter().copied().filter(|&o| {
+        let l = &f.tvs[o].logical;
+        l.len() == n && l.last().is_some_and(|&id| f.ids[id].iter_type == IterType::Iteration)
+    });
     inputs.chain(outputs).map(|t| f.tvs[t].dtype.size_bytes() as i64).max().unwrap_or(4)
 }
