@@ -156,8 +156,8 @@ def _causal_lm_shift() -> FusionDefinition:
         y = fd.define_tensor([-1, -1])
         shifted = fd.ops.slice(x, [0, 0, 0], [None, -1, None])
         nxt = fd.ops.slice(y, [0, 1], [None, None])
-        fd.add_output(fd.ops.mul(shifted, fd.ops.broadcast_in_dim(nxt, [fd.ops.size(x, 0), fd.ops.size(nxt, 1),
-                                                                         fd.ops.size(x, 2)], [0, 1])))
+        shape = [fd.ops.size(x, 0), fd.ops.size(nxt, 1), fd.ops.size(x, 2)]
+        fd.add_output(fd.ops.mul(shifted, fd.ops.broadcast_in_dim(nxt, shape, [0, 1])))
     return fd
 
 

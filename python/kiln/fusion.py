@@ -732,7 +732,7 @@ class Ops:
         if not len(start_indices) == len(end_indices) == len(steps) == rank:
             raise KilnError(f"slice: {x.name} has rank {rank}; start_indices, end_indices and strides "
                             f"need one entry per axis")
-        for a, (lo, hi, st) in enumerate(zip(start_indices, end_indices, steps)):
+        for a, st in enumerate(steps):
             if isinstance(st, Scalar):
                 raise KilnError(f"slice: axis {a} has a runtime Scalar stride ({st.name}); strides must be "
                                 f"Python ints >= 1, known when the fusion is defined (slicing {x.name})")
