@@ -768,7 +768,10 @@ def test_manual_reduction_schedules_are_refused_or_correct() -> None:
 def test_manual_reduction_refusals_name_a_tensor() -> None:
     results = _collect()
     ok = sum(o.category == "ok" for _, o in results)
-    assert ok >= 3 * len(results) // 10, f"only {ok} accepted\n" + summarize(results)
+    # A floor on the share of accepted schedules (28-31% across hypothesis versions and
+    # environments, whose example sequences differ): the generator must keep drawing mostly
+    # valid schedules, or the refusal checks below test little.
+    assert ok >= len(results) // 4, f"only {ok} accepted\n" + summarize(results)
     unnamed = [(c, o) for c, o in results if o.category == "refused" and not _NAMES_TENSOR.search(o.message)]
     if unnamed:
         pytest.fail("refusals must name a tensor:\n" + summarize(unnamed), pytrace=False)
