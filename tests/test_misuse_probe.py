@@ -206,9 +206,6 @@ DEFINITION_ERRORS = [
     ),
     # reductions
     pytest.param(
-        _def(lambda fd, x: fd.ops.sum(x)), KilnTypeError, (r"sum", r"dims is required"), id="sum_without_dims"
-    ),
-    pytest.param(
         _def(lambda fd, x: fd.ops.sum(x, {1})),
         KilnTypeError,
         (r"sum: dims", r"list of ints"),

@@ -502,12 +502,13 @@ class Ops:
         what = f"cast {x.name}" if isinstance(x, Tensor) else "cast"
         return Tensor(fd, fd._core.cast(op, _check_dtype(dtype, what)))
 
-    def _reduce(self, op: str, x: Tensor, dims: Sequence[int], keepdim: bool,
+    def _reduce(self, op: str, x: Tensor, dims: Optional[Sequence[int]], keepdim: bool,
                 dtype: Optional[DataType]) -> Tensor:
         fd = self._fd
-        if dims is None:
-            raise KilnTypeError(f"{op}: dims is required (the axes to reduce)")
         t = fd._tensor(x, op)
+        if dims is None:
+            # No dims: every axis, as torch's `x.sum()` and nvFuser's `ops.sum(x)` reduce.
+            dims = list(range(x.ndim))
         listed = _listed(dims)
         for d in (listed if isinstance(listed, (list, tuple)) else [listed]):
             # An axis past 64 bits is named as out of range for the tensor, not only as too big.
@@ -531,32 +532,32 @@ class Ops:
     def sum(self, x: Tensor, dims: Optional[Sequence[int]] = None, keepdim: bool = False,
             dtype: Optional[DataType] = None, *, axes: Optional[Sequence[int]] = None,
             keep_dim: Optional[bool] = None) -> Tensor:
-        """Sum over ``dims``. (``axes``/``keep_dim``: nvFuser's older names)."""
+        """Sum over ``dims``, every axis by default. (``axes``/``keep_dim``: nvFuser's older names)."""
         return self._reduce("sum", x, self._one_of("sum", dims, axes, "dims and axes"),
                             keepdim if keep_dim is None else keep_dim, dtype)
 
     def max(self, x: Tensor, dims: Optional[Sequence[int]] = None, keepdim: bool = False, *,
             axes: Optional[Sequence[int]] = None, keep_dim: Optional[bool] = None) -> Tensor:
-        """Max over ``dims``. (``axes``/``keep_dim``: nvFuser's older names)."""
+        """Max over ``dims``, every axis by default. (``axes``/``keep_dim``: nvFuser's older names)."""
         return self._reduce("max", x, self._one_of("max", dims, axes, "dims and axes"),
                             keepdim if keep_dim is None else keep_dim, None)
 
     def min(self, x: Tensor, dims: Optional[Sequence[int]] = None, keepdim: bool = False, *,
             axes: Optional[Sequence[int]] = None, keep_dim: Optional[bool] = None) -> Tensor:
-        """Min over ``dims``. (``axes``/``keep_dim``: nvFuser's older names)."""
+        """Min over ``dims``, every axis by default. (``axes``/``keep_dim``: nvFuser's older names)."""
         return self._reduce("min", x, self._one_of("min", dims, axes, "dims and axes"),
                             keepdim if keep_dim is None else keep_dim, None)
 
-    def prod(self, x: Tensor, dims: Sequence[int], keepdim: bool = False,
+    def prod(self, x: Tensor, dims: Optional[Sequence[int]] = None, keepdim: bool = False,
              dtype: Optional[DataType] = None) -> Tensor:
         """Product over ``dims``."""
         return self._reduce("prod", x, dims, keepdim, dtype)
 
-    def logsumexp(self, x: Tensor, dims: Sequence[int], keepdim: bool = False) -> Tensor:
+    def logsumexp(self, x: Tensor, dims: Optional[Sequence[int]] = None, keepdim: bool = False) -> Tensor:
         """``log(sum(exp(x)))`` over ``dims`` (floating point; half and bfloat16 accumulate in float)."""
         return self._reduce("logsumexp", x, dims, keepdim, None)
 
-    def var_mean(self, x: Tensor, dims: Sequence[int], correction: int = 1,
+    def var_mean(self, x: Tensor, dims: Optional[Sequence[int]] = None, correction: int = 1,
                  keepdim: bool = False) -> Tuple[Tensor, Tensor]:
         """``(var, mean)`` over ``dims``, dividing the squared deviations by ``N - correction``.
 
@@ -566,7 +567,7 @@ class Ops:
         standard deviation of 1e-2), and rounded once to ``x``'s type."""
         self._fd._tensor(x, "var_mean")
         rank = x.ndim
-        axes = self._axes(x, dims, "var_mean")
+        axes = self._axes(x, list(range(rank)) if dims is None else dims, "var_mean")
         if x.dtype.value not in ("Float", "Double", "Half", "BFloat16"):
             raise KilnTypeError(f"var_mean: {x.name} has dtype {x.dtype.name}; expected a floating type")
         n = self._count(x, axes, "var_mean")
@@ -622,11 +623,11 @@ class Ops:
             n = self.mul(n, self.size(x, d))
         return n
 
-    def mean(self, x: Tensor, dims: Sequence[int], keepdim: bool = False,
+    def mean(self, x: Tensor, dims: Optional[Sequence[int]] = None, keepdim: bool = False,
              dtype: Optional[DataType] = None) -> Tensor:
-        """Mean over ``dims``: the sum divided by the number of reduced elements."""
+        """Mean over ``dims`` (every axis by default): the sum divided by the number of reduced elements."""
         self._fd._tensor(x, "mean")
-        dims = _listed(dims)  # type: ignore[assignment]
+        dims = list(range(x.ndim)) if dims is None else _listed(dims)  # type: ignore[assignment]
         for d in ([dims] if not isinstance(dims, (list, tuple)) else dims):
             self._dim(x, d, "mean", "dims")
         dims = _ints(dims, "mean: dims")
@@ -644,8 +645,9 @@ class Ops:
         src = x if x.dtype == out else self.cast(x, out)
         return self.cast(self.div(self.sum(src, dims, keepdim, DataType.Float), n), out)
 
-    def var(self, x: Tensor, dims: Sequence[int], correction: int = 1, keepdim: bool = False) -> Tensor:
-        """Variance over ``dims`` (see ``var_mean``)."""
+    def var(self, x: Tensor, dims: Optional[Sequence[int]] = None, correction: int = 1,
+            keepdim: bool = False) -> Tensor:
+        """Variance over ``dims``, every axis by default (see ``var_mean``)."""
         return self.var_mean(x, dims, correction, keepdim)[0]
 
     def welford(self, x: Tensor, dims: Sequence[int]) -> Tuple[Tensor, Tensor, Tensor]:
