@@ -142,8 +142,6 @@ def test_slice_refusals() -> None:
             fd.ops.slice(x, [0], [1])
         with pytest.raises(KilnError, match="slice: axis 1 has stride 0"):
             fd.ops.slice(x, [0, 0], [1, 1], [1, 0])
-        with pytest.raises(KilnError, match="slice: axis 0 has start -1"):
-            fd.ops.slice(x, [-1, 0], [1, 1])
         fd.add_output(x)
 
 

@@ -369,10 +369,14 @@ impl Fusion {
     /// (`i + n`), as Python and PyTorch index; a runtime `i` whose sign is known only when
     /// the inputs are bound wraps by arithmetic (`i + n * [i < 0]`, the bracket as
     /// `-max(min(i, 0), -1)`, which no 64-bit `i` overflows).
+    /// An index computed from sizes alone (`size(x, 1) - 1`) is taken as it is: it is checked
+    /// to be in range when the inputs are bound, and its size arithmetic stays simple (a
+    /// width-one slice of a runtime size is still seen to have one element).
     fn wrap_index(&mut self, i: ValId, n: ValId) -> ValId {
         match self.scalars.as_int(i) {
             Some(v) if v >= 0 => i,
             Some(_) => self.scalars.add(n, i),
+            None if !self.holds_scalar_input(i) => i,
             None => {
                 let (zero, minus_one) = (self.scalars.int(0), self.scalars.int(-1));
                 let low = self.scalars.min(i, zero);
@@ -382,6 +386,14 @@ impl Fusion {
                 self.scalars.add(i, shift)
             }
         }
+    }
+
+    /// True when `v` reads a runtime scalar input of the fusion (a user's index), not only
+    /// sizes and constants.
+    fn holds_scalar_input(&self, v: ValId) -> bool {
+        let mut syms = rustc_hash::FxHashSet::default();
+        crate::lower::predicate::symbols(&self.scalars, v, &mut syms);
+        syms.iter().any(|s| matches!(s, Symbol::ScalarInput(_)))
     }
 
     /// `x[start:end:step]` on every axis; `end` past the size is clamped to it (`None`:
@@ -410,14 +422,22 @@ impl Fusion {
             // Negative starts and ends count from the end, and clamp at 0 past the start
             // (Python's and PyTorch's slices, nvFuser's since it normalizes them).
             let zero = self.scalars.int(0);
-            let first = if self.scalars.as_int(start[a]).is_some_and(|v| v >= 0) {
+            let sized = |sc: &Self, v: ValId| sc.scalars.as_int(v).is_none() && !sc.holds_scalar_input(v);
+            for (v, what) in [(Some(start[a]), "start"), (end[a], "end")] {
+                if let Some(v) = v.filter(|&v| sized(self, v)) {
+                    let holds = self.scalars.binary(ScalarOp::Le, zero, v);
+                    let what = format!("slice of {}: the {what} of axis {a} must be >= 0", self.tv_name(x));
+                    self.size_checks.push(SizeCheck { holds, values: vec![v], what });
+                }
+            }
+            let first = if self.scalars.as_int(start[a]).is_some_and(|v| v >= 0) || sized(self, start[a]) {
                 start[a]
             } else {
                 let w = self.wrap_index(start[a], n);
                 self.scalars.max(w, zero)
             };
             let hi = match end[a] {
-                Some(e) if self.scalars.as_int(e).is_some_and(|v| v >= 0) => self.scalars.min(e, n),
+                Some(e) if self.scalars.as_int(e).is_some_and(|v| v >= 0) || sized(self, e) => self.scalars.min(e, n),
                 Some(e) => {
                     let w = self.wrap_index(e, n);
                     let w = self.scalars.max(w, zero);

@@ -398,19 +398,38 @@ fn predicate(
     let overrun = split_bounds(f, ctx, tv, idx, skip_reductions);
     pred = f.scalars.binary(ScalarOp::And, pred, overrun);
     for l in stack {
-        let reduced = l.group.is_some_and(|g| f.ids[ctx.lg.groups[g].promoted].iter_type == IterType::Reduction);
+        // Reduced where the loop runs a reduction, or where `tv` reduces the axis it runs
+        // in it (a loop shared with readers of the result, promoted to their iteration
+        // axis): a Local result of a block reduction is held by every thread after the
+        // all-reduce, so its store is not guarded by that dimension's extent.
+        let reduced = l.group.is_some_and(|g| {
+            f.ids[ctx.lg.groups[g].promoted].iter_type == IterType::Reduction
+                || (ctx.lg.has(tv)
+                    && f.tvs[tv]
+                        .loop_domain
+                        .iter()
+                        .enumerate()
+                        .any(|(a, &id)| f.ids[id].iter_type == IterType::Reduction && ctx.lg.group(tv, a) == g))
+        });
         if skip_reductions && reduced {
             continue;
         }
         // A broadcast loop (extent one) on a thread or block dimension: every thread or block
         // computes the one element of an on-chip tensor for itself (its readers run that
         // dimension over a larger axis and read it there); only a Global write is made once.
-        let broadcast =
-            l.broadcast || l.group.is_some_and(|g| f.ids[ctx.lg.groups[g].promoted].iter_type == IterType::Broadcast);
+        // So does a loop of one iteration over a size-one axis for a Local tensor (a row of a
+        // `[1, N]` input whose row sum a wider padded row reads on every thread); its reads
+        // stay under the bounds of its logical indices.
+        let broadcast = l.broadcast
+            || l.group.is_some_and(|g| f.ids[ctx.lg.groups[g].promoted].iter_type == IterType::Broadcast)
+            || (f.scalars.as_int(l.extent) == Some(1)
+                && !reduced
+                && f.tvs[tv].memory == MemoryType::Local
+                && !f.tvs[tv].logical.iter().any(|&id| f.ids[id].iter_type == IterType::Reduction));
         if broadcast && f.tvs[tv].memory != crate::ir::MemoryType::Global {
             continue;
         }
-        if ctx.ragged.contains(&l.parallel) {
+        if ctx.ragged.contains(&l.parallel) && !one_local_value(f, tv) {
             let c = f.scalars.lt(l.index, l.extent);
             pred = f.scalars.binary(ScalarOp::And, pred, c);
         }
@@ -517,11 +536,26 @@ fn implied_outer_bound(sc: &crate::ir::Scalars, have: &[ValId], c: ValId) -> boo
     have.iter().any(|&h| matches!(sc.get(h), Val::Binary(ScalarOp::Lt, hx, p) if hx == x && key(&[p]) == want))
 }
 
+/// True when `tv` is a Local tensor of one element (every logical axis a broadcast): it
+/// holds the same value at every position of the loops that run it, so it is computed
+/// wherever any of its readers runs, not only where the consumer it is indexed through
+/// does. Readers whose extents differ along a shared loop (`x[:30] + m` beside
+/// `x + m.expand(31)`, `m` a `[1]` max) each find it computed at their own positions; its
+/// reads (index 0 of its operands) are in bounds at every position.
+fn one_local_value(f: &Fusion, tv: TvId) -> bool {
+    // (A reduction's result is not: idle threads must not add to it.)
+    f.tvs[tv].memory == MemoryType::Local
+        && f.tvs[tv].logical.iter().all(|&id| f.ids[id].iter_type == IterType::Broadcast)
+}
+
 /// The overrun bounds of the consumer whose loops run `tv`'s expr when `tv` is indexed
 /// through it (`inlined_reference`, along a chain of such consumers): `tv`'s indices come
 /// from the consumer's logical indices, which stay in range where the consumer's split
 /// loops overrun, so `tv` would be computed (or stored) at an aliasing element.
 fn reference_bounds(f: &mut Fusion, ctx: &Ctx, tv: TvId, stack: &[Enclosing]) -> Result<ValId> {
+    if one_local_value(f, tv) {
+        return Ok(f.scalars.boolean(true));
+    }
     let Some(d) = chain_end(f, ctx, tv) else { return Ok(f.scalars.boolean(true)) };
     let key = (d, stack.to_vec());
     if let Some(&v) = ctx.bounds.borrow().get(&key) {

@@ -70,15 +70,21 @@ pub fn kept_last_permute(f: &Fusion) -> Option<(ExprId, Vec<usize>)> {
     let l = f.no_reduction_logical(x);
     let data = |a: &usize| f.ids[l[*a]].iter_type != IterType::Broadcast;
     let last_in = (0..l.len()).rev().find(data);
-    let stored = stored_through(&output_order(f).ok()?, &perm);
+    let stored = stored_through(&output_order(f).ok()?, &perm)?;
     let last_out = stored.iter().rev().find(|a| data(a)).copied();
     (last_in == last_out).then_some((e, perm))
 }
 
 /// The permute's input axes in the outputs' stored order: stored axis `i` is input axis
-/// `perm[stored[i]]` (`perm` itself when the outputs are stored in logical order).
-fn stored_through(stored: &Option<Vec<usize>>, perm: &[usize]) -> Vec<usize> {
-    stored.as_ref().map_or_else(|| perm.to_vec(), |o| o.iter().map(|&i| perm[i]).collect())
+/// `perm[stored[i]]` (`perm` itself when the outputs are stored in logical order). None
+/// where the outputs' order has another rank than the permute (a broadcast after it adds
+/// axes): their stored order then says nothing about the permute's axes.
+fn stored_through(stored: &Option<Vec<usize>>, perm: &[usize]) -> Option<Vec<usize>> {
+    match stored {
+        None => Some(perm.to_vec()),
+        Some(o) if o.len() == perm.len() => Some(o.iter().map(|&i| perm[i]).collect()),
+        Some(_) => None,
+    }
 }
 
 /// The storage order of the fusion's outputs when it is not their logical order: the
@@ -298,7 +304,13 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
                 );
             }
         }
-        orient = super::moves_to(&stored_through(&stored, perm));
+        let Some(through) = stored_through(&stored, perm) else {
+            bail!(
+                "{}: an output of another rank than the permute is stored in another order; not covered by one pointwise kernel",
+                f.tv_name(f.exprs[*pe].output)
+            );
+        };
+        orient = super::moves_to(&through);
     }
     let downstream_orient: Vec<(i64, i64)> = stored.as_ref().map(|o| super::moves_to(o)).unwrap_or_default();
     let oriented = |f: &mut Fusion, t: TvId| -> Result<()> {
