@@ -93,3 +93,19 @@ def test_a_permute_then_a_new_axis_stored_in_any_order() -> None:
             fd.add_output(fd.ops.exp(y), stride_order=order)
         (got,) = fd.execute([a])
         _close(got, np.exp(a.astype(np.float64)).T[:, :, None])
+
+
+def test_a_no_op_cast_before_a_stepped_slice_and_a_normalization_lowers() -> None:
+    """Widening a reduction over a size-one broadcast axis whose readers are not all moved to
+    the widened copy once never ended (``fd.lower`` spun); each reduction is widened once."""
+    a = np.random.default_rng(3).uniform(-2, 2, (3, 1, 37, 37)).astype(np.float32)
+    with FusionDefinition() as fd:
+        x = fd.ops.cast(fd.define_tensor([-1, -1, -1, -1]), DataType.Float)
+        s = fd.ops.slice(x, [1, 0, 2, 0], [8, None, 37, None], [2, 1, 2, 1])
+        d = fd.ops.sub(s, fd.ops.broadcast_in_dim(fd.ops.sum(s, [0]), shape=[-1, -1, -1, -1],
+                                                  broadcast_dims=[1, 2, 3]))
+        fd.add_output(fd.ops.reshape(fd.ops.sum(d, [0], keepdim=True), [1, 1, -1, 37]))
+    (got,) = fd.execute([a])
+    s64 = a.astype(np.float64)[1:8:2, :, 2:37:2, :]
+    d64 = s64 - s64.sum(0, keepdims=True)
+    _close(got, d64.sum(0, keepdims=True).reshape(1, 1, -1, 37))

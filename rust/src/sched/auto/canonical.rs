@@ -3100,10 +3100,16 @@ pub fn reduce_through_broadcasts(f: &mut Fusion) -> Result<()> {
 /// (see the module docs), where a sibling reduction of the same axes iterates there.
 pub fn widen_broadcast_reductions(f: &mut Fusion) -> Result<()> {
     let mut changed = false;
+    // Each reduction is widened once: one whose readers are not all moved to the widened
+    // copy stays in the fusion, and widening it again would never end.
+    let mut widened: FxHashSet<ExprId> = FxHashSet::default();
     'again: loop {
         let reductions: Vec<ExprId> =
             f.topo_exprs().into_iter().filter(|&e| matches!(f.exprs[e].op, Op::Reduction { .. })).collect();
         for &e in &reductions {
+            if widened.contains(&e) {
+                continue;
+            }
             let Op::Reduction { op, .. } = f.exprs[e].op else { continue };
             let Some(t) = f.exprs[e].inputs[0].tensor() else { continue };
             let out = f.exprs[e].output;
@@ -3156,6 +3162,10 @@ pub fn widen_broadcast_reductions(f: &mut Fusion) -> Result<()> {
             let new = f.reduction(op, expanded, &dims, false, Some(f.tvs[out].dtype))?;
             f.tvs[t].uses.retain(|&u| u != e);
             widen_readers(f, out, new, &tracked)?;
+            widened.insert(e);
+            if let Some(d) = f.tvs[new].definition {
+                widened.insert(d);
+            }
             changed = true;
             continue 'again;
         }
