@@ -834,7 +834,7 @@ fn remapped_iota(
     extents: &[ValId],
 ) -> Result<Option<TvId>> {
     let dtype = f.tvs[x].dtype;
-    if !(dtype.is_integer() || dtype.is_float()) || dtype == DataType::Bool {
+    if !numeric_iota(dtype) {
         return Ok(None);
     }
     let xl = f.no_reduction_logical(x);
@@ -876,14 +876,19 @@ fn remapped_iota(
         (f.scalars.float(st.mul_add(b as f64, s0)), f.scalars.float(st * a as f64))
     };
     let made = f.source("remapped iota", &shape, Op::Iota { start: start2, step: step2 }, dtype)?;
+    Ok(Some(expanded_to(f, made, &shape, extents)?))
+}
+
+/// `made` (of `shape`, size one where it does not vary) expanded to the remap's `extents`
+/// (`where(true, v, v)`, which `read_through_expands` lets element-wise readers see
+/// through), so readers keep the shapes they had; `made` itself where the shapes agree.
+fn expanded_to(f: &mut Fusion, made: TvId, shape: &[ValId], extents: &[ValId]) -> Result<TvId> {
     if shape == extents {
-        return Ok(Some(made));
+        return Ok(made);
     }
-    // Expanded to the remap's shape (`where(true, v, v)`, which `read_through_expands`
-    // lets element-wise readers see through): readers keep the shapes they had.
     let yes = f.scalars.boolean(true);
     let all = f.full(extents, Operand::Scalar(yes), DataType::Bool)?;
-    Ok(Some(f.where_(Operand::Tensor(all), Operand::Tensor(made), Operand::Tensor(made))?))
+    f.where_(Operand::Tensor(all), Operand::Tensor(made), Operand::Tensor(made))
 }
 
 /// An iota `x` read at positions `index` that are not affine in one output position (the
@@ -902,7 +907,7 @@ fn indexed_iota(
     extents: &[ValId],
 ) -> Result<Option<TvId>> {
     let dtype = f.tvs[x].dtype;
-    if !(dtype.is_integer() || dtype.is_float()) || dtype == DataType::Bool {
+    if !numeric_iota(dtype) {
         return Ok(None);
     }
     let xl = f.no_reduction_logical(x);
@@ -968,13 +973,7 @@ fn index_values(
             let zero = f.scalars.int(0);
             let shape: Vec<ValId> = (0..extents.len()).map(|i| if i == k { extents[i] } else { one }).collect();
             let made = f.source("index iota", &shape, Op::Iota { start: zero, step: one }, DataType::Int)?;
-            if shape == extents {
-                Operand::Tensor(made)
-            } else {
-                let yes = f.scalars.boolean(true);
-                let all = f.full(extents, Operand::Scalar(yes), DataType::Bool)?;
-                Operand::Tensor(f.where_(Operand::Tensor(all), Operand::Tensor(made), Operand::Tensor(made))?)
-            }
+            Operand::Tensor(expanded_to(f, made, &shape, extents)?)
         }
         Val::Binary(op, l, r) => {
             let (Some(a), Some(b)) = (index_values(f, l, extents, memo)?, index_values(f, r, extents, memo)?) else {
@@ -1022,6 +1021,11 @@ fn index_values(
     };
     memo.insert(v, out);
     Ok(Some(out))
+}
+
+/// Whether an iota of `dtype` can be moved by arithmetic on its positions (not a boolean one).
+fn numeric_iota(dtype: DataType) -> bool {
+    (dtype.is_integer() || dtype.is_float()) && dtype != DataType::Bool
 }
 
 /// `(a, b)` with `v = a * sym + b`, where neither holds `sym`; None where `v` is not affine
