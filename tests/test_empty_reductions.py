@@ -94,3 +94,42 @@ def test_no_loop_over_the_other_axis_of_an_empty_input() -> None:
     program = str(fd.lower([np.empty((1 << 24, 0), np.float32)]))
     launches = [line for line in program.splitlines() if "LaunchKernel" in line]
     assert launches and all("inputs=[]" in line for line in launches), program
+
+
+@pytest.mark.parametrize("shape", [(3, 0), (3, 5), (0, 4), (1, 1)])
+def test_welford_over_an_empty_axis(shape: Any) -> None:
+    """welford's var_sum over no elements is 0 (a sum of nothing); its mean is NaN, as a mean
+    of nothing is, and its count 0."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], dtype=DataType.Float)
+        for t in fd.ops.welford(x, dims=[1]):
+            fd.add_output(t)
+    x = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
+    mean, var_sum, n = fd.execute([x])
+    xd = x.astype(np.float64)
+    assert n.tolist() == [shape[1]] * shape[0]
+    np.testing.assert_allclose(var_sum, ((xd - xd.mean(1, keepdims=True)) ** 2).sum(1) if shape[1] else
+                               np.zeros(shape[0]), rtol=1e-5, atol=1e-6)
+    if shape[1]:
+        np.testing.assert_allclose(mean, xd.mean(1), rtol=1e-5, atol=1e-6)
+    else:
+        assert np.isnan(mean).all()
+
+
+@pytest.mark.parametrize("n, m", [(0, 0), (0, 1), (0, 4), (1, 3), (5, 3)])
+def test_a_width_one_slice_broadcasts_against_an_empty_axis(n: int, m: int) -> None:
+    """``y[:1] + x`` broadcasts ``y[:1]`` over ``x`` as NumPy does, also when ``x`` is empty
+    (then ``y[:1]`` may be empty too); against a non-empty ``x`` an empty ``y`` is refused."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1], dtype=DataType.Float)
+        y = fd.define_tensor([-1], dtype=DataType.Float)
+        fd.add_output(fd.ops.add(fd.ops.slice(y, [0], [1]), x))
+        fd.add_output(fd.ops.mul(fd.ops.slice(x, [0], [1]), x))
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal(n).astype(np.float32)
+    y = rng.standard_normal(m).astype(np.float32)
+    a, b = fd.execute([x, y])
+    np.testing.assert_allclose(a, y[:1].astype(np.float64) + x, rtol=1e-6)
+    np.testing.assert_allclose(b, x[:1].astype(np.float64) * x, rtol=1e-6)
+    with pytest.raises(KilnError, match=r"axis 0 of T\d+ must have size one to broadcast against size i\d+"):
+        fd.execute([np.ones(3, np.float32), np.ones(0, np.float32)])

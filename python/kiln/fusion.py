@@ -657,7 +657,8 @@ class Ops:
         axes = self._axes(x, dims, "welford")
         var, mean = self.var_mean(x, axes, correction=0)
         n = self._count(x, axes, "welford")
-        var_sum = self.mul(var, self.cast(n, x.dtype))
+        # The sum of squared deviations over no elements is 0 (var is 0/0 there).
+        var_sum = self.where(self.gt(n, 0), self.mul(var, self.cast(n, x.dtype)), 0.0)
         count = self.full([self.size(mean, d) for d in range(mean.ndim)], n, DataType.Int)
         return mean, var_sum, count
 

@@ -383,11 +383,11 @@ impl Fusion {
 
     /// `t` with its axes `axes` (computed sizes of at most one) made broadcasts: squeezed
     /// (checked to be one when the inputs are bound) and broadcast back.
-    fn single_axes_as_broadcasts(&mut self, t: TvId, axes: &[usize]) -> Result<TvId> {
+    fn single_axes_as_broadcasts(&mut self, t: TvId, axes: &[(usize, ValId)]) -> Result<TvId> {
         let rank = self.no_reduction_logical(t).len();
-        let dims: Vec<i64> = axes.iter().map(|&a| a as i64).collect();
-        let squeezed = self.squeeze(t, &dims)?;
-        self.broadcast(squeezed, (0..rank).map(|a| axes.contains(&a)).collect())
+        let dims: Vec<i64> = axes.iter().map(|&(a, _)| a as i64).collect();
+        let squeezed = self.squeeze_against(t, &dims, axes)?;
+        self.broadcast(squeezed, (0..rank).map(|a| axes.iter().any(|&(b, _)| a == b)).collect())
     }
 
     /// Element-wise operands of one rank: an axis of a computed size of at most one meets
@@ -405,10 +405,11 @@ impl Fusion {
         }
         for (o, mine) in operands.iter_mut().filter(|o| o.tensor().is_some()).zip(&doms) {
             let Operand::Tensor(t) = *o else { continue };
-            let axes: Vec<usize> = (0..rank)
-                .filter(|&a| {
-                    self.computed_single(mine[a])
-                        && doms.iter().any(|d| {
+            let axes: Vec<(usize, ValId)> = (0..rank)
+                .filter(|&a| self.computed_single(mine[a]))
+                .filter_map(|a| {
+                    doms.iter()
+                        .find(|d| {
                             let other = &self.ids[d[a]];
                             other.iter_type == IterType::Iteration
                                 && !self.computed_single(d[a])
@@ -416,6 +417,7 @@ impl Fusion {
                                 // equal-size pair keeps a 0 that a squeeze would refuse.
                                 && self.scalars.as_int(other.extent).is_none_or(|n| n > 1)
                         })
+                        .map(|d| (a, self.ids[d[a]].extent))
                 })
                 .collect();
             if !axes.is_empty() {
@@ -808,7 +810,7 @@ impl Fusion {
         // An axis of a computed size of at most one (`x[:, :1]` of a runtime size) asked for
         // another size is expanded, as PyTorch's expand does (checked to be one at run time).
         if broadcast_dims.len() == inp.len() {
-            let axes: Vec<usize> = (0..inp.len())
+            let axes: Vec<(usize, ValId)> = (0..inp.len())
                 .filter(|&i| {
                     let d = broadcast_dims[i];
                     d >= 0
@@ -817,6 +819,9 @@ impl Fusion {
                         && shape[d as usize] != 1
                         && self.computed_single(inp[i])
                 })
+                .collect::<Vec<_>>()
+                .into_iter()
+                .map(|i| (i, self.scalars.int(shape[broadcast_dims[i] as usize])))
                 .collect();
             if !axes.is_empty() {
                 let b = self.single_axes_as_broadcasts(x, &axes)?;
@@ -910,6 +915,13 @@ impl Fusion {
 
     /// `x` without its axes `dims`, each of which must have size one.
     pub fn squeeze(&mut self, x: TvId, dims: &[i64]) -> Result<TvId> {
+        self.squeeze_against(x, dims, &[])
+    }
+
+    /// `squeeze`, where a squeezed axis `d` listed in `against` with an extent `e` may also
+    /// have size zero when `e` is zero: it is broadcast to an axis of extent `e` after, so no
+    /// element of it is read (`x[:1] + x` of an empty `x` is empty, as in NumPy).
+    fn squeeze_against(&mut self, x: TvId, dims: &[i64], against: &[(usize, ValId)]) -> Result<TvId> {
         let inp = self.no_reduction_logical(x);
         let mut removed = vec![false; inp.len()];
         for d in self.normalize_dims("squeeze", x, dims, inp.len())? {
@@ -939,10 +951,23 @@ impl Fusion {
             // that rewrites reading the squeezed tensor's source at index 0
             // (`canonical::squeeze_remaps`) keep the check.
             let one = self.scalars.int(1);
-            let holds = self.scalars.binary(ScalarOp::Eq, extent, one);
+            let (holds, what, values) = match against.iter().find(|&&(a, _)| a == d) {
+                Some(&(_, other)) => {
+                    let holds = self.one_or_both_empty(extent, other);
+                    let what = format!(
+                        "axis {d} of {} must have size one to broadcast against size {}, or both be empty",
+                        self.tv_name(x),
+                        self.scalars.render(other)
+                    );
+                    (holds, what, vec![extent, other])
+                }
+                None => {
+                    let holds = self.scalars.binary(ScalarOp::Eq, extent, one);
+                    (holds, format!("squeeze: axis {d} of {} must have size one", self.tv_name(x)), vec![extent])
+                }
+            };
             if !self.size_checks.iter().any(|c| c.holds == holds) {
-                let what = format!("squeeze: axis {d} of {} must have size one", self.tv_name(x));
-                self.size_checks.push(crate::ir::shape_ops::SizeCheck { holds, values: vec![extent], what });
+                self.size_checks.push(crate::ir::shape_ops::SizeCheck { holds, values, what });
             }
         }
         let mut logical = Vec::new();
@@ -956,6 +981,35 @@ impl Fusion {
         let out = self.new_tv(dt, MemoryType::Local, logical);
         self.add_expr(Op::Squeeze { removed }, smallvec![Operand::Tensor(x)], out);
         Ok(out)
+    }
+
+    /// "`extent` is one, or zero against an `other` of zero": `1 <= extent + (other == 0)`
+    /// for an extent of at most one.
+    fn one_or_both_empty(&mut self, extent: ValId, other: ValId) -> ValId {
+        let (zero, one) = (self.scalars.int(0), self.scalars.int(1));
+        let empty = self.scalars.binary(ScalarOp::Eq, other, zero);
+        let sum = self.scalars.binary(ScalarOp::Add, extent, empty);
+        self.scalars.binary(ScalarOp::Le, one, sum)
+    }
+
+    /// How binding checks a squeezed axis of a computed `extent`: `Some(true)` when it must be
+    /// one, `Some(false)` when it may also be zero because it is only broadcast against
+    /// empty axes then (`squeeze_against`), `None` when nothing checks it.
+    pub fn squeezed_extent_check(&mut self, extent: ValId) -> Option<bool> {
+        let one = self.scalars.int(1);
+        let eq = self.scalars.binary(ScalarOp::Eq, extent, one);
+        if self.size_checks.iter().any(|c| c.holds == eq) {
+            return Some(true);
+        }
+        let others: Vec<(ValId, ValId)> = self
+            .size_checks
+            .iter()
+            .filter_map(|c| match c.values[..] {
+                [e, other] if e == extent => Some((c.holds, other)),
+                _ => None,
+            })
+            .collect();
+        others.into_iter().any(|(holds, other)| self.one_or_both_empty(extent, other) == holds).then_some(false)
     }
 
     /// Select slices of `x` along `dim` at the positions in the 1-D integer `index`.

@@ -2715,14 +2715,19 @@ pub fn squeeze_remaps(f: &mut Fusion) -> Result<()> {
         }
         // A computed size that must be one (`x[:, k:k+1]`) is checked when the inputs are
         // bound (`Fusion::squeeze` records it), so reading index 0 is exact; an axis known
-        // to be one needs no check.
+        // to be one needs no check. One that may also be zero where its broadcast is empty
+        // reads index 0 only where it is one: nothing reads the value elsewhere.
         let one = f.scalars.int(1);
         let mut checked = true;
+        let mut guards = Vec::new();
         for (&gone, &id) in removed.iter().zip(&rl) {
             let ext = f.ids[id].extent;
             if gone && f.scalars.as_int(ext) != Some(1) {
-                let eq = f.scalars.binary(crate::ir::scalar::ScalarOp::Eq, ext, one);
-                checked &= f.size_checks.iter().any(|c| c.holds == eq);
+                match f.squeezed_extent_check(ext) {
+                    Some(true) => {}
+                    Some(false) => guards.push(f.scalars.binary(crate::ir::scalar::ScalarOp::Le, one, ext)),
+                    None => checked = false,
+                }
             }
         }
         if !checked {
@@ -2742,7 +2747,13 @@ pub fn squeeze_remaps(f: &mut Fusion) -> Result<()> {
             })
             .collect();
         let index: Vec<_> = index.iter().map(|&v| f.compose(v, &at)).collect();
-        let valid = valid.map(|v| f.compose(v, &at));
+        let mut valid = valid.map(|v| f.compose(v, &at));
+        for g in guards {
+            valid = Some(match valid {
+                Some(v) => f.scalars.binary(crate::ir::scalar::ScalarOp::And, v, g),
+                None => g,
+            });
+        }
         let extents: Vec<_> = f.no_reduction_logical(out).iter().map(|&id| f.ids[id].extent).collect();
         let moved = f.remap(y, name, &extents, index, valid)?;
         replace_tensor(f, out, moved);
