@@ -121,3 +121,21 @@ def test_viewed_iotas_match_numpy_in_one_kernel(n: int, dt: str, start: float, s
     want = a.astype(np.float64) + x0
     np.testing.assert_allclose(fd.execute([x0])[0], want, rtol=1e-6, atol=1e-6 * (1 + np.abs(a).max()))
     assert len(lowered_for(fd, [x0]).kernels) == 1
+
+
+def test_a_float_iota_moved_by_a_pad_slice_or_cat_keeps_its_values() -> None:
+    """A float iota read at shifted positions (a pad of 42, a slice from 3, a cat behind 5
+    ones) takes the value the iota has there, ``start + i * step`` in float, to within one
+    rounding: a start moved by ``42 * step`` first read 0 as -2.6e-7."""
+    with FusionDefinition() as fd:
+        it = fd.ops.iota(10, 0.5, -0.1, dtype=DataType.Float)
+        fd.add_output(fd.ops.pad(it, [42, 0]))
+        fd.add_output(fd.ops.slice(it, [3], [10]))
+        fd.add_output(fd.ops.cat([fd.ops.full([5], 1.0, DataType.Float), it], 0))
+    padded, sliced, cat = fd.execute([])
+    a = np.float32(0.5) + np.arange(10).astype(np.float32) * np.float32(-0.1)
+    tol = float(np.spacing(np.float32(0.5)))
+    np.testing.assert_allclose(padded, np.concatenate([np.zeros(42), a]), rtol=0, atol=tol)
+    np.testing.assert_allclose(sliced, a[3:], rtol=0, atol=tol)
+    np.testing.assert_allclose(cat, np.concatenate([np.ones(5), a]), rtol=0, atol=tol)
+    assert len(lowered_for(fd, []).kernels) == 1

@@ -820,9 +820,8 @@ fn branch_taken(
 /// along that output axis with the start and step moved by `b` and scaled by `a`, size one
 /// along the others. `cat([x + arange(W), x], 1)`, `arange(S)[1:]` or `F.pad(linspace(..),
 /// (0, 1))` then share their consumer's loops; a remap would read a Global copy of the iota.
-/// Integer iotas keep their values exactly; a float iota with `b != 0` or `a != 1` may
-/// differ in the last bit (its start and step are rounded once more), as a float
-/// `arange` computed another way would. Positions past a pad's or cat's guard took an
+/// Integer iotas keep their values exactly; a float iota with `b != 0` or `a != 1` is left
+/// to `indexed_iota`, which computes its position before its value. Positions past a pad's or cat's guard took an
 /// unspecified value before and take the iota's now. None where the positions are
 /// anything else or the iota is boolean.
 fn remapped_iota(
@@ -861,19 +860,10 @@ fn remapped_iota(
     } else if f.scalars.is_const(a, 1) && f.scalars.is_const(b, 0) {
         (start, step)
     } else {
-        // Scalar arithmetic is integer (index math): a float start and step move here, in
-        // f64, where they and the positions are constants.
-        let number = |v: Val| match v {
-            Val::Float(bits) => Some(f64::from_bits(bits)),
-            Val::Int(i) => Some(i as f64),
-            _ => None,
-        };
-        let (Some(s0), Some(st), Some(a), Some(b)) =
-            (number(f.scalars.get(start)), number(f.scalars.get(step)), f.scalars.as_int(a), f.scalars.as_int(b))
-        else {
-            return Ok(None);
-        };
-        (f.scalars.float(st.mul_add(b as f64, s0)), f.scalars.float(st * a as f64))
+        // A float start moved by `b * step` rounds differently from the iota's own
+        // `start + i * step` (an `arange(0.5, -0.5, -0.1)` padded by 42 read 4.7 - 0.1 * 47
+        // as -2.6e-7 for -7.5e-9): `indexed_iota` computes the position first, exactly.
+        return Ok(None);
     };
     let made = f.source("remapped iota", &shape, Op::Iota { start: start2, step: step2 }, dtype)?;
     Ok(Some(expanded_to(f, made, &shape, extents)?))
