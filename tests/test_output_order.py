@@ -250,3 +250,69 @@ def test_stored_orders_on_the_gpu(lib, shape):
     np.testing.assert_array_equal(got[1], -a)
     assert strides[0] == _strides(list(want.shape), [3, 1, 2, 0])
     assert strides[1] == _strides(list(shape), [0, 3, 2, 1])
+
+
+# -- stored orders on outputs reached through a view ------------------------------------------
+VIEWS = ["reshape", "slice", "select", "squeeze", "new_axis", "pad", "cat", "none"]
+
+
+@st.composite
+def _viewed_case(draw):
+    view = draw(st.sampled_from(VIEWS))
+    shape = [draw(st.sampled_from([1, 2, 3, 4, 6])) for _ in range(3)]
+    if view == "squeeze":
+        shape[1] = 1
+    normalized = draw(st.booleans())  # x - mean(x, -1): the view reads a reduction's result
+    from_input = draw(st.booleans()) and not normalized
+    out_rank = {"select": 2, "squeeze": 2, "new_axis": 4}.get(view, 3)
+    order = draw(st.permutations(list(range(out_rank))))
+    return view, shape, normalized, from_input, order
+
+
+def _view(fd, t, a, view, shape):
+    if view == "reshape":
+        new = [shape[2], shape[0], shape[1]]
+        return fd.ops.reshape(t, new), a.reshape(new)
+    if view == "slice":
+        return fd.ops.slice(t, [0, 0, shape[2] // 2], shape), a[:, :, shape[2] // 2:]
+    if view == "select":
+        return fd.ops.select(t, 1, shape[1] - 1), a[:, shape[1] - 1]
+    if view == "squeeze":
+        return fd.ops.squeeze(t, [1]), a[:, 0]
+    if view == "new_axis":
+        return fd.ops.broadcast_in_dim(t, [shape[0], 1, shape[1], shape[2]], [0, 2, 3]), a[:, None]
+    if view == "pad":
+        return fd.ops.pad(t, [1, 2]), np.pad(a, [(0, 0), (0, 0), (1, 2)])
+    if view == "cat":
+        return fd.ops.cat([t, t], 1), np.concatenate([a, a], 1)
+    return t, a
+
+
+@settings(max_examples=120, deadline=None)
+@given(_viewed_case())
+def test_outputs_through_views_keep_their_stored_order(case):
+    """A stored order on an output that is a reshape, slice, select, squeeze, new axis, pad or
+    cat of a computed tensor (or of an input) holds whatever the automatic path rewrites
+    (a reshape was handed back row-major: its element-wise ops moved before it)."""
+    view, shape, normalized, from_input, order = case
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([1 if n == 1 else -1 for n in shape])
+        xd = _rng(11).uniform(-1, 1, shape).astype(np.float32)
+        a = xd.astype(np.float64)
+        if from_input:
+            t = x
+        elif normalized:
+            t = fd.ops.sub(x, fd.ops.mean(x, dims=[2], keepdim=True))
+            a = a - a.mean(2, keepdims=True)
+        else:
+            t = fd.ops.mul(fd.ops.exp(x), 2.0)
+            a = np.exp(a) * 2.0
+        t, want = _view(fd, t, a, view, shape)
+        if from_input and view in ("none", "squeeze", "new_axis", "reshape", "select", "slice"):
+            t, want = fd.ops.add(t, 1.0), want + 1.0  # stride_order applies to computed outputs
+        fd.add_output(t, stride_order=order)
+    (out,) = fd.execute([xd])
+    assert out.shape == want.shape
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-6)
+    stored = [s for s, n in zip(out.strides, want.shape) if n > 1]  # (size-one axes: any stride)
+    assert stored == [s for s, n in zip(_strides(list(want.shape), order), want.shape) if n > 1]

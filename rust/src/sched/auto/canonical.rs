@@ -1768,6 +1768,16 @@ fn same_element_count(f: &mut Fusion, a: TvId, b: TvId) -> bool {
     f.size_checks.iter().any(|c| c.holds == eq)
 }
 
+/// True when `t` is stored row-major (no allocation domain, or its logical order): the
+/// host may hand it back as a view of another row-major shape. An output stored in a
+/// `stride_order` of its own is not.
+fn stored_row_major(f: &Fusion, t: TvId) -> bool {
+    f.tvs[t].allocation.as_ref().is_none_or(|a| {
+        let logical = f.no_reduction_logical(t);
+        a.iter().filter(|&&id| f.ids[id].iter_type != IterType::Reduction).eq(logical.iter())
+    })
+}
+
 /// Compute an output that reshapes a tensor computed from a reduction (GroupNorm's
 /// `reshape(normalize(reshape(x, [N, G, C/G, H, W])), [N, C, H, W]) * w + b`) at the
 /// reshape's source shape, and let the host hand it back reshaped (`Fusion::output_views`:
@@ -1795,7 +1805,7 @@ pub fn hoist_output_reshapes(f: &mut Fusion) -> Result<()> {
         if region.iter().any(|&d| !same_element_count(f, rt, f.exprs[d].output)) || !same_element_count(f, rt, o) {
             continue;
         }
-        if !after_reduction(f, y) || f.is_output(y) || (rt != o && f.is_output(rt)) {
+        if !after_reduction(f, y) || f.is_output(y) || (rt != o && f.is_output(rt)) || !stored_row_major(f, o) {
             continue;
         }
         let shape: Vec<ValId> = f.no_reduction_logical(y).iter().map(|&id| f.ids[id].extent).collect();
@@ -1951,6 +1961,9 @@ pub fn view_output_squeezes(f: &mut Fusion) -> Result<()> {
             }
             let start = f.exprs[e].output;
             let Some((cone, outputs)) = squeezed_cone(f, start) else { continue };
+            if !outputs.iter().all(|&o| stored_row_major(f, o)) {
+                continue;
+            }
             let mut moved: FxHashMap<TvId, TvId> = FxHashMap::default();
             moved.insert(start, t);
             for &d in &cone {
@@ -3515,7 +3528,10 @@ fn replace_tensor(f: &mut Fusion, old: TvId, new: TvId) {
             *o = out_new;
         }
     }
-    if f.stored_outputs.contains(&old) && out_new != old {
+    // An output keeps the order it is stored in: kiln's own (`stored_outputs`) or the
+    // user's `stride_order`.
+    let ordered = f.stored_outputs.contains(&old) || (f.is_output(out_new) && f.tvs[old].allocation.is_some());
+    if ordered && out_new != old {
         carry_storage(f, old, out_new);
     }
     let views = f.input_views.iter_mut().map(|(v, _)| v).chain(f.strided_views.iter_mut().map(|(v, _)| v));
@@ -3534,7 +3550,7 @@ fn replace_tensor(f: &mut Fusion, old: TvId, new: TvId) {
     }
 }
 
-/// Give `new`, which replaces stored output `old`, `old`'s storage order (a later rewrite
+/// Give `new`, which replaces output `old`, `old`'s storage order (a later rewrite
 /// that recomputes the output keeps where the host reads it).
 fn carry_storage(f: &mut Fusion, old: TvId, new: TvId) {
     let (lo, ln) = (f.no_reduction_logical(old), f.no_reduction_logical(new));
