@@ -156,3 +156,21 @@ def test_group_norm_over_a_batch_of_one_takes_one_kernel(n: int, c: int, h: int,
     want = (xr64 - xr64.mean(-1, keepdims=True)) / np.sqrt(xr64.var(-1, keepdims=True) + 1e-5)
     want = want.reshape(xs.shape)
     np.testing.assert_allclose(fd.execute([xs])[0], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape, perm", [((500, 1, 1), [0, 2, 1]), ((70, 1), [1, 0]),
+                                         ((3, 7, 1, 1), [0, 3, 2, 1]), ((1, 5, 1, 9), [2, 3, 0, 1])])
+def test_a_permute_of_runtime_ones_is_a_copy(shape, perm) -> None:
+    """A permute whose axes of a runtime size other than one keep their order moves no
+    element at those sizes: the pointwise schedule copies it (a 64x64 transpose tile held
+    one valid element), while the same fusion at sizes it does transpose gets the tiles."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1] * len(shape))
+        fd.add_output(fd.ops.permute(fd.ops.exp(x), perm))
+    for sizes in (shape, tuple(n if n != 1 else 33 for n in shape)):
+        a = np.random.default_rng(5).standard_normal(sizes).astype(np.float32)
+        (out,) = fd.execute([a])
+        np.testing.assert_allclose(out, np.exp(a.astype(np.float64)).transpose(perm), rtol=1e-6)
+        plan = fd._core.auto_program([list(sizes)])
+        moved = [a for a in perm if sizes[a] != 1] != sorted(a for a in perm if sizes[a] != 1)
+        assert plan.heuristic == ("transpose" if moved else "pointwise"), (sizes, plan.heuristic)

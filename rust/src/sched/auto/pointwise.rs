@@ -62,13 +62,25 @@ fn full_size(f: &Fusion, t: TvId, rank: usize) -> bool {
 /// `set_allocation_domain`) counts in that order: `[B, S, H, D] -> [B, H, S, D]` stored as
 /// `[B, S, H, D]` (a permuted view, as torch's `transpose` gives) is a plain copy.
 pub fn kept_last_permute(f: &Fusion) -> Option<(ExprId, Vec<usize>)> {
+    kept_last_permute_at(f, None)
+}
+
+/// `kept_last_permute` at the sizes of `cx` where given: an axis of size one there holds
+/// no data either (`[N, 1, 1] -> [N, 1, 1]` swapping runtime ones is a copy at those sizes).
+pub fn kept_last_permute_at(f: &Fusion, cx: Option<&Ctx>) -> Option<(ExprId, Vec<usize>)> {
     let found = single_permute(f);
     // Size-one (broadcast) axes hold no data: only the order of the others matters, so
     // `[N, 1] -> [1, N]` is a copy too.
     let (e, perm) = found?;
     let x = f.exprs[e].inputs[0].tensor()?;
     let l = f.no_reduction_logical(x);
-    let data = |a: &usize| f.ids[l[*a]].iter_type != IterType::Broadcast;
+    let sizes = match cx {
+        Some(cx) => Some(super::tensor_sizes(f, cx, x).ok()?),
+        None => None,
+    };
+    let data = |a: &usize| {
+        f.ids[l[*a]].iter_type != IterType::Broadcast && sizes.as_ref().is_none_or(|s| s.get(*a) != Some(&1))
+    };
     let last_in = (0..l.len()).rev().find(data);
     let stored = stored_through(&output_order(f).ok()?, &perm)?;
     let last_out = stored.iter().rev().find(|a| data(a)).copied();
@@ -200,7 +212,10 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
         return Ok(Heuristic::new(Params::Scalar));
     }
     let numel: i64 = sizes.iter().product();
-    let permute = if any_permute { single_permute(f) } else { kept_last_permute(f) };
+    let permute = if any_permute { single_permute(f) } else { kept_last_permute_at(f, Some(cx)) };
+    // A permute that keeps the last axis only at these sizes (it moves axes of size one)
+    // is indexed through the input's symbolic strides: no vectors across it.
+    let sized_only = !any_permute && permute.is_some() && kept_last_permute(f).is_none();
     // Every tensor iterates in the order the outputs are stored in, so the stores are
     // contiguous; the innermost stored axis carries the vectors.
     let stored = output_order(f)?;
@@ -225,7 +240,7 @@ fn schedule_with(f: &mut Fusion, cx: &Ctx, any_permute: bool) -> Result<Heuristi
     // Across a permute the flat order is not the memory order of the tensors before it: a
     // vector must stay within one row of the kept last axis.
     let innermost = stored.as_ref().map_or(rank - 1, |o| o[rank - 1]);
-    if any_permute || (permute.is_some() && sizes[innermost] % v != 0) {
+    if any_permute || sized_only || (permute.is_some() && sizes[innermost] % v != 0) {
         v = 1;
     }
     // Outputs stored with another innermost axis than their last: the tensors of the

@@ -102,12 +102,12 @@ impl Scheduler for Pointwise {
     fn name(&self) -> &'static str {
         "pointwise"
     }
-    fn accepts(&self, f: &Fusion, _: &Ctx) -> std::result::Result<(), String> {
+    fn accepts(&self, f: &Fusion, cx: &Ctx) -> std::result::Result<(), String> {
         let s = shape(f);
         if !s.reductions.is_empty() {
             return Err("the fusion has a reduction".into());
         }
-        if s.permutes > 0 && pointwise::kept_last_permute(f).is_none() {
+        if s.permutes > 0 && pointwise::kept_last_permute_at(f, Some(cx)).is_none() {
             return Err("a permute moves the last axis (or there are several)".into());
         }
         Ok(())

@@ -113,6 +113,11 @@ pub fn schedule(f: &mut Fusion, cx: &Ctx) -> Result<Heuristic> {
     // Batch axes: merged into one loop on BIDz.
     let o = usize::from(n > 2);
     let sizes = tensor_sizes(f, cx, out)?;
+    // The same for a runtime size of one (a permute of `[N, 1, 1]` swapping its ones moves no
+    // element): one valid element per 64x64 tile, where the pointwise schedule copies rows.
+    if sizes[qa] == 1 || sizes[n - 1] == 1 {
+        bail!("{}: a tile would span an axis of size one at these sizes", f.tv_name(out));
+    }
     let batch: i64 = batch_pos.iter().map(|&q| sizes[q]).product();
     // Tiles along x's last axis run on BIDy, whose grid dimension is limited too.
     let tiles_y = (sizes[qa] + 63) / 64;
