@@ -324,6 +324,17 @@ impl Fusion {
                         if e0.is_none() && e1.is_some() {
                             chosen = Some((t, id));
                         }
+                        // Of two runtime sizes, an input's own size wins over a computed one,
+                        // then the earlier one: the choice does not depend on the operand
+                        // order either (`w * x` read `x` through another size's reshape,
+                        // which then did not look like a reshape of `x`).
+                        if e0.is_none() && e1.is_none() {
+                            let (v0, v1) = (self.ids[id0].extent, self.ids[id].extent);
+                            let plain = |v| matches!(self.scalars.get(v), crate::ir::scalar::Val::Symbol(_));
+                            if (plain(v1), std::cmp::Reverse(v1)) > (plain(v0), std::cmp::Reverse(v0)) {
+                                chosen = Some((t, id));
+                            }
+                        }
                     }
                 }
             }

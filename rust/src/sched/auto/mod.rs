@@ -600,6 +600,19 @@ pub(crate) fn specialize_extents(f: &mut Fusion, ids: &[IterDomainId], extents: 
     key
 }
 
+/// Clear the L2 load hints a schedule set on tensors whose loads did not end up vectorized
+/// (the hints belong to vector loads): an operand order or a permute that leaves a cache
+/// unvectorized costs the hint, not the schedule.
+pub fn drop_unvectorized_hints(f: &mut Fusion) {
+    for t in f.tvs.keys().collect::<Vec<_>>() {
+        let vectorized = f.tvs[t].loop_domain.iter().any(|&id| f.ids[id].parallel == ParallelType::Vectorize);
+        if !vectorized {
+            f.tvs[t].evict_last_load = false;
+            f.tvs[t].streaming_load = false;
+        }
+    }
+}
+
 /// Lower inline positions until every tensor computed once serves all its consumers from
 /// one loop: past its inline position, a tensor that is inlined somewhere runs its own
 /// loops, closed before its consumer goes on (the loop nests of tensors that are not

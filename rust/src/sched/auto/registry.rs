@@ -335,6 +335,7 @@ pub fn schedule_fusion(out: &mut Fusion, cx: &Ctx) -> Result<Scheduled> {
         match s.schedule(&mut g, cx) {
             Ok(mut h) => {
                 super::settle_inlining(&mut g)?;
+                super::drop_unvectorized_hints(&mut g);
                 h.specialized.extend(specialized);
                 // A schedule that does not lower (or print) is one this scheduler cannot
                 // place after all: the next one may.
