@@ -11,6 +11,7 @@ was found by a random-program fuzzer; results are checked against NumPy in float
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from kiln import DataType, FusionDefinition
 
 
@@ -109,3 +110,24 @@ def test_a_no_op_cast_before_a_stepped_slice_and_a_normalization_lowers() -> Non
     s64 = a.astype(np.float64)[1:8:2, :, 2:37:2, :]
     d64 = s64 - s64.sum(0, keepdims=True)
     _close(got, d64.sum(0, keepdims=True).reshape(1, 1, -1, 37))
+
+
+@pytest.mark.parametrize("n", [128, 512, 1024, 2048, 513])
+@pytest.mark.parametrize("dt", ["float", "half"])
+def test_a_one_block_nest_beside_a_wider_one_reads_in_bounds(n: int, dt: str) -> None:
+    """``x - sum(x)`` (x of a static size that one block covers exactly) shares a kernel with
+    ``cat([x, x])``, which runs twice the blocks: the narrower nest's single block iteration
+    is a split of x's axis, not a size-one axis, so the extra blocks skip it instead of
+    reading x past its end (the interpreter reported x read at index n)."""
+    kdt, npdt = {"float": (DataType.Float, np.float32), "half": (DataType.Half, np.float16)}[dt]
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape=[-1], dtype=kdt)
+        s = fd.ops.broadcast_in_dim(fd.ops.sum(x, dims=[0]), shape=[n], broadcast_dims=[])
+        fd.add_output(fd.ops.cat([x, x], 0))
+        fd.add_output(fd.ops.sub(x, s))
+    a = np.random.default_rng(n).uniform(-1, 1, n).astype(npdt)
+    cat, centred = fd.execute([a])
+    ad = a.astype(np.float64)
+    np.testing.assert_array_equal(cat, np.concatenate([a, a]))
+    tol = 1e-5 if dt == "float" else 2e-2
+    np.testing.assert_allclose(centred.astype(np.float64), ad - ad.sum(), rtol=tol, atol=tol * max(1.0, abs(ad.sum())))

@@ -423,6 +423,7 @@ fn predicate(
         let broadcast = l.broadcast
             || l.group.is_some_and(|g| f.ids[ctx.lg.groups[g].promoted].iter_type == IterType::Broadcast)
             || (f.scalars.as_int(l.extent) == Some(1)
+                && l.group.is_some_and(|g| only_size_one(f, ctx.lg.groups[g].promoted))
                 && !reduced
                 && f.tvs[tv].memory == MemoryType::Local
                 && !f.tvs[tv].logical.iter().any(|&id| f.ids[id].iter_type == IterType::Reduction));
@@ -534,6 +535,16 @@ fn implied_outer_bound(sc: &crate::ir::Scalars, have: &[ValId], c: ValId) -> boo
         return false;
     }
     have.iter().any(|&h| matches!(sc.get(h), Val::Binary(ScalarOp::Lt, hx, p) if hx == x && key(&[p]) == want))
+}
+
+/// True when `id` is made from size-one axes only (a loop over it runs one iteration at
+/// every launch); not the outer part of a split of a larger axis, whose single iteration
+/// is one of several blocks' or threads' parts of it.
+fn only_size_one(f: &Fusion, id: IterDomainId) -> bool {
+    match f.ids[id].definition {
+        None => f.scalars.as_int(f.ids[id].extent) == Some(1),
+        Some(t) => f.transforms[t].inputs().iter().all(|&i| only_size_one(f, i)),
+    }
 }
 
 /// True when `tv` is a Local tensor of one element (every logical axis a broadcast): it
