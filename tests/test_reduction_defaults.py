@@ -8,7 +8,7 @@ from typing import Any, Callable, List, Tuple
 
 import numpy as np
 import pytest
-from kiln import FusionDefinition, KilnError
+from kiln import DataType, FusionDefinition, KilnError
 
 Ref = Callable[[np.ndarray, bool], np.ndarray]
 
@@ -57,6 +57,25 @@ def test_global_grad_norm_written_without_dims() -> None:
     np.testing.assert_allclose(got, a * min(1.0, 1.0 / (n + 1e-6)), rtol=1e-5, atol=1e-7)
 
 
-def test_a_rank_0_tensor_has_no_axis_to_reduce() -> None:
+@pytest.mark.parametrize("op", ["sum", "max", "min", "prod", "logsumexp", "mean"])
+@pytest.mark.parametrize("dt", ["float", "int"])
+def test_a_rank_0_tensor_reduces_to_its_value(op: str, dt: str) -> None:
+    """As ``torch.tensor(2.5).sum()``: every axis of a 0-d tensor is none, and the reduction
+    of its one value is that value (an integer sum or product in Int, as for other ranks)."""
+    kdt, v = {"float": (DataType.Float, np.float32(2.5)), "int": (DataType.Int32, np.int32(3))}[dt]
+    if dt == "int" and op in ("logsumexp", "mean"):
+        with pytest.raises(KilnError, match=rf"{op}: T0"), FusionDefinition() as fd:
+            getattr(fd.ops, op)(fd.define_tensor([], dtype=kdt))
+        return
+    with FusionDefinition() as fd:
+        fd.add_output(getattr(fd.ops, op)(fd.define_tensor([], dtype=kdt)))
+    (got,) = fd.execute([np.array(v)])
+    assert got.shape == ()
+    assert float(got) == float(v)
+    if dt == "int":
+        assert got.dtype == (np.int64 if op in ("sum", "prod") else np.int32)
+
+
+def test_an_explicit_empty_dims_list_is_refused() -> None:
     with pytest.raises(KilnError, match=r"sum: T0: no axes to reduce"), FusionDefinition() as fd:
-        fd.ops.sum(fd.define_tensor([]))
+        fd.ops.sum(fd.define_tensor([-1]), dims=[])

@@ -723,7 +723,7 @@ impl Fusion {
     ) -> Result<TvId> {
         let name = reduction_name(op);
         let inp = self.no_reduction_logical(x);
-        if dims.is_empty() {
+        if dims.is_empty() && !inp.is_empty() {
             bail!("{name}: {}: no axes to reduce; pass dims=[...]", self.tv_name(x));
         }
         let dims = self.normalize_dims(name, x, dims, inp.len())?;
@@ -732,6 +732,14 @@ impl Fusion {
             ReductionOp::Sum | ReductionOp::Prod if !in_dt.is_float() => DataType::Int,
             _ => in_dt,
         });
+        if inp.is_empty() {
+            // Every axis of a 0-d tensor is no axis: the reduction of its one value is that
+            // value (`torch.tensor(2.).sum()`), in the result's dtype.
+            if op.is_log_sum_exp() && !(in_dt.is_float() && out_dt.is_float()) {
+                bail!("{name}: {}: needs a floating-point tensor, got {}", self.tv_name(x), in_dt.enum_name());
+            }
+            return if out_dt == in_dt { self.set(x) } else { self.cast(Operand::Tensor(x), out_dt) };
+        }
         if op.is_log_sum_exp() && !(in_dt.is_float() && out_dt.is_float()) {
             bail!(
                 "{name}: {}: needs a floating-point tensor and result, got {} -> {}",
