@@ -308,3 +308,49 @@ def test_unswitch_of_a_symbolic_axis_names_the_unswitch() -> None:
     y.inline_at(-1)
     with pytest.raises(KilnError, match=rf"{y.name} is in Local memory .* its axis 1 .* is unswitched"):
         fd.execute([np.ones((4, 40), np.float32)])
+
+
+def test_an_integer_iota_refuses_a_fractional_start_or_step() -> None:
+    """``iota(4, 0, 0.5, Int)`` cut the step to 0 (all zeros): refused, integral floats kept."""
+    with pytest.raises(KilnTypeError, match=r"iota: step 0.5 is not an integer; an Int iota"), \
+            FusionDefinition() as fd:
+        fd.ops.iota(4, 0, 0.5, dtype=DataType.Int)
+    with pytest.raises(KilnTypeError, match=r"iota: step s\d+ is not an integer"), FusionDefinition() as fd:
+        fd.ops.iota(4, 0, fd.define_scalar(dtype=DataType.Double), dtype=DataType.Int)
+    with FusionDefinition() as fd:
+        fd.add_output(fd.ops.iota(4, 1.0, 2.0, dtype=DataType.Int32))
+        fd.add_output(fd.ops.iota(4, 1, 0.5, dtype=DataType.Float))
+    a, b = fd.execute([])
+    np.testing.assert_array_equal(a, [1, 3, 5, 7])
+    np.testing.assert_array_equal(b, [1.0, 1.5, 2.0, 2.5])
+
+
+def test_flags_and_bools_are_bools() -> None:
+    with pytest.raises(KilnTypeError, match=r"define_scalar: 2.5 is not a bool"), FusionDefinition() as fd:
+        fd.define_scalar(2.5, dtype=DataType.Bool)
+    with pytest.raises(KilnTypeError, match=r"broadcast: is_broadcast_dim\[0\]: expected a bool, got 'False'"), \
+            FusionDefinition() as fd:
+        fd.ops.broadcast(fd.define_tensor([-1]), ["False", False])
+
+
+def test_numpy_integers_as_slice_pad_and_select_positions() -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1])
+        fd.add_output(fd.ops.slice(x, [np.int64(1)], [np.int32(4)]))
+        fd.add_output(fd.ops.pad(x, [np.int64(1), np.int64(2)]))
+        fd.add_output(fd.ops.select(x, 0, np.int64(2)))
+    a = np.arange(6, dtype=np.float32)
+    s, p, e = fd.execute([a])
+    np.testing.assert_array_equal(s, a[1:4])
+    np.testing.assert_array_equal(p, np.pad(a, (1, 2)))
+    assert float(e) == 2.0
+
+
+def test_a_cache_of_a_tensor_nothing_reads_is_refused() -> None:
+    """``z.cache_after()`` of an output nothing reads made a copy nothing read, and the run
+    then failed on another tensor."""
+    with pytest.raises(KilnError, match=r"cache_after T\d+: nothing reads T\d+.*cache_before"), \
+            FusionDefinition() as fd:
+        z = fd.ops.exp(fd.define_tensor([-1]))
+        fd.add_output(z)
+        z.cache_after()

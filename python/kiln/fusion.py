@@ -229,6 +229,9 @@ class FusionDefinition:
         if dtype is not None:
             _check_dtype(dtype, "define_scalar")
             if dtype == DataType.Bool:
+                if value not in (0, 1):
+                    raise KilnTypeError(f"define_scalar: {value!r} is not a bool; a Bool constant takes "
+                                        f"True, False, 0 or 1")
                 value = bool(value)
             elif dtype in (DataType.Int, DataType.Int32):
                 if isinstance(value, float) and not value.is_integer():
@@ -706,7 +709,11 @@ class Ops:
     def broadcast(self, x: Tensor, is_broadcast_dim: Sequence[bool]) -> Tensor:
         """``x`` with new size-one axes where ``is_broadcast_dim`` is true (nvFuser's broadcast)."""
         self._fd._tensor(x, "broadcast")
-        flags = [bool(b) for b in _seq(is_broadcast_dim, "broadcast: is_broadcast_dim")]
+        flags = _seq(is_broadcast_dim, "broadcast: is_broadcast_dim")
+        for i, b in enumerate(flags):
+            if not isinstance(b, (bool, np.bool_)):
+                raise KilnTypeError(f"broadcast: is_broadcast_dim[{i}]: expected a bool, got {b!r}")
+        flags = [bool(b) for b in flags]
         kept = [i for i, b in enumerate(flags) if not b]
         if len(kept) != x.ndim:
             raise KilnError(f"broadcast: {x.name} has rank {x.ndim} but is_broadcast_dim {flags} keeps "
@@ -717,8 +724,8 @@ class Ops:
         """The scalar id of a position or size given as an int or an Int Scalar."""
         if isinstance(v, Scalar):
             return self._fd._operand(v, what)[1]
-        if isinstance(v, int) and not isinstance(v, bool):
-            return self._fd._const(v)._id
+        if _index(v) is not None:
+            return self._fd._const(_int(v, what))._id
         raise KilnTypeError(f"{what}: expected an int or an Int Scalar, got {v!r}")
 
     def slice(self, x: Tensor, start_indices: Sequence[Union[int, Scalar]],

@@ -1127,6 +1127,24 @@ impl Fusion {
         if dtype == DataType::Bool {
             bail_type!("iota: dtype Bool has no arithmetic sequence; expected an integer or floating type");
         }
+        if dtype.is_integer() {
+            // An integer sequence steps by integers: a fractional step would be cut to an
+            // integer before the first element (0.5 gave zeros).
+            for (what, v) in [("start", start), ("step", step)] {
+                let dt = self.scalars.dtype(v, &self.scalar_input_dtypes);
+                let integral = match self.scalars.get(v) {
+                    Val::Float(bits) => f64::from_bits(bits).fract() == 0.0,
+                    _ => !dt.is_float(),
+                };
+                if !integral {
+                    bail_type!(
+                        "iota: {what} {} is not an integer; an {} iota needs integer start and step (use a floating dtype)",
+                        self.scalars.render(v),
+                        dtype.enum_name()
+                    );
+                }
+            }
+        }
         self.source("iota", &[length], Op::Iota { start, step }, dtype)
     }
 
