@@ -130,4 +130,5 @@ def test_a_one_block_nest_beside_a_wider_one_reads_in_bounds(n: int, dt: str) ->
     ad = a.astype(np.float64)
     np.testing.assert_array_equal(cat, np.concatenate([a, a]))
     tol = 1e-5 if dt == "float" else 2e-2
-    np.testing.assert_allclose(centred.astype(np.float64), ad - ad.sum(), rtol=tol, atol=tol * max(1.0, abs(ad.sum())))
+    np.testing.assert_allclose(centred.astype(np.float64), ad - ad.sum(), rtol=tol,
+                               atol=tol * max(1.0, abs(ad.sum())))

@@ -328,8 +328,8 @@ def test_an_integer_iota_refuses_a_fractional_start_or_step() -> None:
 def test_flags_and_bools_are_bools() -> None:
     with pytest.raises(KilnTypeError, match=r"define_scalar: 2.5 is not a bool"), FusionDefinition() as fd:
         fd.define_scalar(2.5, dtype=DataType.Bool)
-    with pytest.raises(KilnTypeError, match=r"broadcast: is_broadcast_dim\[0\]: expected a bool, got 'False'"), \
-            FusionDefinition() as fd:
+    flag = r"broadcast: is_broadcast_dim\[0\]: expected a bool, got 'False'"
+    with pytest.raises(KilnTypeError, match=flag), FusionDefinition() as fd:
         fd.ops.broadcast(fd.define_tensor([-1]), ["False", False])
 
 
