@@ -413,12 +413,6 @@ DEFINITION_ERRORS = [
         id="select_float_index",
     ),
     pytest.param(
-        _def(lambda fd, x: fd.ops.select(x, 0, np.int64(1)), (3, 4)),
-        KilnTypeError,
-        (r"select",),
-        id="select_numpy_index",
-    ),
-    pytest.param(
         _def(lambda fd, x: fd.ops.select(x, -3, 1), (3, 4)),
         KilnError,
         (r"select", ax(-3), tv(0), r"rank 2"),
@@ -435,12 +429,6 @@ DEFINITION_ERRORS = [
         KilnTypeError,
         (r"pad: pad_widths", r"list"),
         id="pad_ndarray_widths",
-    ),
-    pytest.param(
-        _def(lambda fd, x: fd.ops.pad(x, [np.int64(1), 1]), (3, 4)),
-        KilnTypeError,
-        (r"pad",),
-        id="pad_numpy_int_width",
     ),
     pytest.param(
         _def(lambda fd, x: fd.ops.pad(x, [None, 1]), (3, 4)),
@@ -849,7 +837,7 @@ def test_0d_shape_ops_with_empty_arguments() -> None:
     for g in got:
         close(np.asarray(g).reshape(-1), [2.5])
     expect(_def(lambda fd, x: fd.ops.reshape(x, [2]), ()), KilnError, tv(0), r"1 elements", r"\[2\]")
-    expect(_def(lambda fd, x: fd.ops.sum(x, []), ()), KilnError, tv(0), r"no axes")
+    expect(_def(lambda fd, x: fd.ops.sum(x, []), (3,)), KilnError, tv(0), r"no axes")
 
 
 def test_re_entering_a_fusion_after_a_refused_op() -> None:

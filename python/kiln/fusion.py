@@ -194,8 +194,9 @@ class FusionDefinition:
             if not -1 <= s < 2**63:
                 raise KilnError(f"define_tensor {name}: axis {axis} has size {s}; expected -1 (symbolic), "
                                 f"1 (broadcast) or a size in [0, 2**63)")
-        if is_bool(contiguity):  # one flag for every axis, as set_allocation_domain takes
-            contiguity = [contiguity] * len(shape)
+        if is_bool(contiguity):  # one flag for every axis, as set_allocation_domain takes;
+            # a broadcast (size-one) axis has no stride to describe, as nvFuser's frontend says
+            contiguity = [None if s == 1 else contiguity for s in shape]
         if contiguity is not None and (not isinstance(contiguity, (list, tuple))
                                        or not all(is_flag(c) for c in contiguity)):
             raise KilnTypeError(f"define_tensor {name}: contiguity must be a bool or a list of bools "
@@ -316,6 +317,8 @@ class FusionDefinition:
             from .execute import lowered_for  # noqa: PLC0415
 
             low = lowered_for(self, inputs, args)
+        # The launch and memory limits for these sizes, which execute would refuse.
+        low.plan(inputs)
         for kernel in low.kernels:
             for name, text in kernel.pass_dumps:
                 print(f"// kernel IR after {name}\n{text}")
@@ -887,6 +890,16 @@ class Ops:
         if len(shape) != x.ndim:
             raise KilnError(f"expand: {x.name} has rank {x.ndim} but shape {list(shape)} has {len(shape)} "
                             f"entries; expected one per axis")
+        for axis, (want, have) in enumerate(zip(shape, x.shape)):
+            if isinstance(want, Scalar):
+                continue
+            n = _int(want, f"expand: shape[{axis}]")
+            if n < -1:
+                raise KilnError(f"expand: {x.name} axis {axis}: size {n}; expected -1 (keep the size) or a "
+                                f"size >= 0")
+            if n not in (-1, have) and isinstance(have, int) and have not in (-1, 1):
+                raise KilnError(f"expand: {x.name} axis {axis} has size {have}, not one; only a size-one "
+                                f"axis expands (asked for {n})")
         return self.broadcast_in_dim(x, shape, list(range(x.ndim)))
 
     def index_select(self, x: Tensor, index: Tensor, dim: int) -> Tensor:

@@ -309,11 +309,6 @@ impl Fusion {
     /// A copy of `tv` that `tv`'s consumers read instead (a read cache).
     pub fn cache_after(&mut self, tv: TvId) -> Result<TvId> {
         let uses = self.tvs[tv].uses.clone();
-        if uses.is_empty() {
-            let name = self.tv_name(tv);
-            let hint = if self.is_output(tv) { "; cache_before() stages an output's store" } else { "" };
-            bail!("cache_after {name}: nothing reads {name}, so a copy of it would have no reader{hint}");
-        }
         self.cache_after_uses(tv, uses)
     }
 
