@@ -220,8 +220,8 @@ class ScheduleMixin:
             n = len(self._fd._core.tv_loop(self._id))
             b = a + 1 if a >= 0 else a + 1 + n
             if b == n:
-                raise KilnError(f"{self.name}: merge({a}): axis {a} is the last of its {n} loop axes (there is no "
-                                f"axis {n}); merge(a) merges axis a with axis a + 1")
+                raise KilnError(f"{self.name}: merge({a}): axis {a} is the last of its {n} loop axes "
+                                f"(there is no axis {n}); merge(a) merges axis a with axis a + 1")
         self._fd._core.merge(self._id, a, _int(b, "axis", self.name))
 
     def reorder(self, moves: Dict[int, int]) -> None:
