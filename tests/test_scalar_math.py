@@ -136,3 +136,17 @@ def test_full_refuses_a_ranked_fill_value_by_name() -> None:
         with pytest.raises(KilnError, match=r"full: the fill value T0 has rank 2; expected a scalar"):
             fd.ops.full([2], x, DataType.Float)
         fd.add_output(x)
+
+
+def test_a_float_scalar_input_is_rounded_to_float_once_wherever_it_is_read() -> None:
+    """A ``Float`` scalar input is a 32-bit kernel parameter: an iota's start and a fill read
+    the same rounded value (the interpreter read an iota's start at double precision)."""
+    with FusionDefinition() as fd:
+        s = fd.define_scalar(dtype=DataType.Float)
+        fd.add_output(fd.ops.iota(2, s, 1.0, DataType.Double))
+        fd.add_output(fd.ops.full([2], s, DataType.Double))
+        fd.add_output(fd.ops.add(fd.ops.full([2], 0.0, DataType.Double), s))
+    it, fu, ad = fd.execute([0.001])
+    r = float(np.float32(0.001))
+    assert it[0] == r and fu[0] == r and ad[0] == r
+    assert it[1] == r + 1.0

@@ -213,9 +213,15 @@ pub fn execute_stats(kernel: &Kernel, inputs: Vec<HostValue>) -> Result<(Vec<Hos
         scalars: bound
             .scalars
             .iter()
-            .map(|s| match *s {
+            .enumerate()
+            .map(|(n, s)| match *s {
                 ScalarArg::Bool(x) => ScalarValue::Bool(x),
                 ScalarArg::Int(x) => ScalarValue::Int(x),
+                // A Float scalar input is a `float` kernel parameter on the GPU: rounded once
+                // when it is passed, whatever reads it (an iota's start as well as a sum).
+                ScalarArg::Float(x) if f.scalar_input_dtypes.get(n) == Some(&DataType::Float) => {
+                    ScalarValue::Float(f64::from(x as f32))
+                }
                 ScalarArg::Float(x) => ScalarValue::Float(x),
             })
             .collect(),
