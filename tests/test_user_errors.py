@@ -345,3 +345,22 @@ def test_numpy_integers_as_slice_pad_and_select_positions() -> None:
     np.testing.assert_array_equal(p, np.pad(a, (1, 2)))
     assert float(e) == 2.0
 
+
+
+@pytest.mark.parametrize("pt, word", [(ParallelType.Unroll, "unrolled"),
+                                      (ParallelType.Unswitch, "unswitched")])
+def test_an_unrolled_or_unswitched_runtime_axis_is_named(pt: ParallelType, word: str) -> None:
+    """Only the output scheduled, ``[BIDx, Unroll|Unswitch(ceilDiv(n, 4)), TIDx]``: the untouched
+    producer that follows it needs registers for every iteration of that runtime-sized loop;
+    the error names the unrolled or unswitched axis, not only the producer's allocation."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        z = fd.ops.neg(fd.ops.exp(x))
+        fd.add_output(z)
+    z.split(1, 4)
+    z.axis(0).parallelize(ParallelType.BIDx)
+    z.axis(1).parallelize(pt)
+    z.axis(2).parallelize(ParallelType.TIDx)
+    named = rf"T1 is in Local memory.*axis 1 \(i\w+\{{ceilDiv\(i1, 4\)\}}\) is {word}"
+    with pytest.raises(KilnError, match=named):
+        fd.execute([np.ones((3, 11), np.float32)])

@@ -570,12 +570,48 @@ impl Gen<'_> {
                             // (one copy serves both versions of the loop body): inlining further
                             // cannot help then.
                             let ld = &self.f.tvs[tv].loop_domain;
-                            let hint = match ld.iter().position(|&id| self.f.ids[id].parallel == ParallelType::Unswitch) {
-                                Some(u) => format!(
+                            // So does an unrolled one: each unrolled iteration keeps its own
+                            // registers, allocated together above the loop.
+                            let hoisting = ld.iter().position(|&id| {
+                                matches!(self.f.ids[id].parallel, ParallelType::Unswitch | ParallelType::Unroll)
+                            });
+                            let hint = match hoisting {
+                                Some(u) if self.f.ids[ld[u]].parallel == ParallelType::Unswitch => format!(
                                     "; its axis {u} ({}) is unswitched, which places the allocation outside that loop: unswitch an axis that is constant, with constant axes inside it (a split by 1, as the automatic schedules make), or leave Unswitch out",
                                     self.f.id_label(ld[u])
                                 ),
-                                None => "; inline it further or make the allocated axes constant".to_string(),
+                                Some(u) => format!(
+                                    "; its axis {u} ({}) is unrolled, which places the allocation outside that loop: unroll an axis of constant extent (split by a constant and unroll the inner part), or leave Unroll out",
+                                    self.f.id_label(ld[u])
+                                ),
+                                None => {
+                                    // A tensor that follows its consumer's schedule stops before
+                                    // the consumer's unswitched or unrolled axis of that extent.
+                                    let hoister = self.f.tvs.keys().find_map(|t| {
+                                        let l = &self.f.tvs[t].loop_domain;
+                                        l.iter().position(|&id| {
+                                            matches!(
+                                                self.f.ids[id].parallel,
+                                                ParallelType::Unswitch | ParallelType::Unroll
+                                            ) && a.shape.contains(&self.f.ids[id].extent)
+                                        })
+                                        .map(|u| (t, u))
+                                    });
+                                    match hoister {
+                                        Some((t, u)) => format!(
+                                            "; it follows {}, whose axis {u} ({}) is {} over a runtime extent, which places the allocation outside that loop: split that axis by a constant and parallelize the inner part, or leave {:?} out",
+                                            self.f.tv_name(t),
+                                            self.f.id_label(self.f.tvs[t].loop_domain[u]),
+                                            if self.f.ids[self.f.tvs[t].loop_domain[u]].parallel == ParallelType::Unroll {
+                                                "unrolled"
+                                            } else {
+                                                "unswitched"
+                                            },
+                                            self.f.ids[self.f.tvs[t].loop_domain[u]].parallel
+                                        ),
+                                        None => "; inline it further or make the allocated axes constant".to_string(),
+                                    }
+                                }
                             };
                             bail!(
                                 "{name} is in Local memory but its allocation [{}] is not a constant size{hint}",
