@@ -479,3 +479,39 @@ def test_a_long_rows_tile_issues_its_loads_before_its_math(name: str) -> None:
     assert tiles, f"{name}: no unswitched tile with loads and accumulations"
     for last_load, first_acc in tiles:
         assert last_load < first_acc, f"{name}: a load at line {last_load} after math at line {first_acc}"
+
+
+@pytest.mark.parametrize("shape, axis", [((2, 2, 2), 0), ((7, 3, 3), 0), ((5, 4, 6), 0), ((3, 5, 5), 2),
+                                         ((1, 4, 4), 0), ((4, 9, 9), 1)])
+@pytest.mark.parametrize("mask", ["triu", "tril", "cond_on_last_two"])
+@pytest.mark.parametrize("term", ["plus", "minus", "from"])
+def test_a_masked_sum_with_a_mask_broadcast_along_the_reduced_axis(shape: Tuple[int, ...], axis: int,
+                                                                   mask: str, term: str) -> None:
+    """``sum(triu(x + r), 0)`` of a 3-D ``x``, ``r`` a per-row term broadcast over the reduced
+    axis: the term taken out of the masked sum is counted once per masked element of every
+    reduced row, though the mask itself (``triu`` of the last two axes) is a broadcast along
+    that axis (the count summed one row: ``[[8, 12], [0, 20]]`` for ``[[12, 18], [0, 30]]``)."""
+    x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape) / 7.0
+    keep = [a for a in range(3) if a != axis]
+    with FusionDefinition() as fd:
+        t = fd.define_tensor([-1, -1, -1])
+        r = fd.ops.broadcast_in_dim(fd.ops.sum(t, dims=[axis]), [-1, -1, -1], keep)
+        v = {"plus": fd.ops.add(t, r), "minus": fd.ops.sub(t, r), "from": fd.ops.sub(r, t)}[term]
+        if mask == "triu":
+            m = fd.ops.triu(v)
+        elif mask == "tril":
+            m = fd.ops.tril(v) if hasattr(fd.ops, "tril") else fd.ops.triu(v, 1)
+        else:
+            cond = fd.ops.broadcast_in_dim(fd.ops.gt(fd.ops.sum(t, dims=[0]), 10.0), [-1, -1, -1], [1, 2])
+            m = fd.ops.where(cond, v, 0.0)
+        fd.add_output(fd.ops.sum(m, dims=[axis]))
+    xd = x.astype(np.float64)
+    rd = np.expand_dims(xd.sum(axis), axis)
+    vd = {"plus": xd + rd, "minus": xd - rd, "from": rd - xd}[term]
+    if mask == "triu":
+        md = np.triu(vd)
+    elif mask == "tril":
+        md = np.tril(vd) if hasattr(fd.ops, "tril") else np.triu(vd, 1)
+    else:
+        md = np.where((xd.sum(0) > 10.0)[None], vd, 0.0)
+    np.testing.assert_allclose(fd.execute([x])[0], md.sum(axis), rtol=1e-5, atol=1e-4)

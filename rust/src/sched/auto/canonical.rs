@@ -2787,7 +2787,13 @@ pub fn hoist_row_terms(f: &mut Fusion, long_row: &dyn Fn(&Fusion, ExprId) -> boo
             }
             let dims: Vec<i64> = reduced_axes(f, e).into_iter().map(|a| a as i64).collect();
             let dt = f.tvs[f.exprs[e].output].dtype;
-            let (one, zero) = (Operand::Scalar(f.scalars.float(1.0)), Operand::Scalar(f.scalars.float(0.0)));
+            // The count runs over the masked tensor's shape, not the condition's: a mask that
+            // is a broadcast along a reduced axis (`triu` of a 3-D tensor reduced over its
+            // batch) counts every row of that axis, not one.
+            let shape: Vec<ValId> = f.no_reduction_logical(m.masked).iter().map(|&id| f.ids[id].extent).collect();
+            let unit = f.scalars.float(1.0);
+            let one = Operand::Tensor(f.full(&shape, Operand::Scalar(unit), DataType::Float)?);
+            let zero = Operand::Scalar(f.scalars.float(0.0));
             let (kept, ind) = if m.value_first {
                 (f.where_(m.cond, Operand::Tensor(m.a), m.zero)?, f.where_(m.cond, one, zero)?)
             } else {
