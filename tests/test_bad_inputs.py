@@ -826,6 +826,17 @@ CRASH_CASES = {
         "a = np.zeros((5, 7), np.float32)[::-1]\n"
         "expect_error(lambda: fd.execute([a]))",
         "KILN_ERROR"),
+    "interpreter_out_of_memory": (
+        # Buffers past the memory the process may have (an address-space limit here; the
+        # machine's available memory otherwise): a KilnError, not an abort of the process.
+        "import resource\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))\n"
+        "with FusionDefinition() as fd:\n"
+        "    x = fd.define_tensor(shape=[-1], dtype=DataType.Double)\n"
+        "    a, b, c = (fd.ops.broadcast_in_dim(x, [1] * d + [-1] + [1] * (2 - d), [d]) for d in range(3))\n"
+        "    fd.add_output(fd.ops.add(fd.ops.add(a, b), c))\n"
+        "expect_error(lambda: fd.execute([np.ones(1000)]))",
+        "KILN_ERROR"),
     "define_tensor_2_64_elements": (
         "with FusionDefinition() as fd:\n"
         "    x = fd.define_tensor(shape=[2**62, 4], dtype=F)\n"

@@ -9,7 +9,7 @@ use crate::bail_internal;
 use crate::error::{KilnError, Result};
 use crate::interp::mbarrier::{Arrival, BarKey, Barriers};
 use crate::interp::prog::{coord, EvalEnv, Evaluator, Prog, Reg};
-use crate::interp::values::{self, Col, Data, ScalarValue};
+use crate::interp::values::{self, Col, ScalarValue};
 use crate::interp::{Bindings, Buffer, Stats};
 use crate::ir::dtype::{promote, PromotionOperand};
 use crate::ir::scalar::Val;
@@ -840,7 +840,20 @@ impl Mem<'_> {
         }
         let len = self.caller[i].data.len();
         let epoch = self.epoch;
-        let cells = self.global_writers.entry(i).or_insert_with(|| vec![(-1, 0); len]);
+        if !self.global_writers.contains_key(&i) {
+            // The race table is 16 bytes per element: allocated fallibly, as a failed
+            // allocation would abort the process.
+            let mut table = Vec::new();
+            table.try_reserve_exact(len).map_err(|_| {
+                KilnError::value(format!(
+                    "kernel {kname}: the CPU interpreter cannot allocate the race table of {} ({len} elements; out of memory, run it on a GPU)",
+                    slot.name
+                ))
+            })?;
+            table.resize(len, (-1, 0));
+            self.global_writers.insert(i, table);
+        }
+        let cells = self.global_writers.get_mut(&i).expect("inserted above");
         for (&l, &p) in lanes.iter().zip(phys) {
             let Some(c) = cells.get_mut(p) else { continue };
             if write {
@@ -1498,7 +1511,7 @@ impl Exec<'_, '_> {
                     ))
                 })?;
                 // Fresh (uninitialised) memory every time the Allocate runs.
-                let fresh = Buffer { data: Data::zeros(a.dtype, n), written: Some(vec![false; n]) };
+                let fresh = Buffer::try_unwritten(a.dtype, n, &name)?;
                 let races = (a.memory == MemoryType::Shared).then(|| vec![CLEAN; n]);
                 let asyncs = (a.memory == MemoryType::Shared).then(|| vec![None; n]);
                 let cp = (a.memory == MemoryType::Shared && self.mem.async_tvs.contains(&tv)).then(|| vec![None; n]);

@@ -45,6 +45,14 @@ impl Buffer {
         Buffer { data: Data::zeros(dtype, n), written: Some(vec![false; n]) }
     }
 
+    /// `unwritten`, or an error naming `what` where the memory cannot be had.
+    pub fn try_unwritten(dtype: DataType, n: usize, what: &str) -> Result<Self> {
+        let Data::Bool(written) = Data::try_zeros(DataType::Bool, n, what)? else {
+            unreachable!("a Bool buffer holds bools")
+        };
+        Ok(Buffer { data: Data::try_zeros(dtype, n, what)?, written: Some(written) })
+    }
+
     /// Number of elements never written (0 when fully initialised).
     pub fn unwritten_count(&self) -> usize {
         self.written.as_ref().map_or(0, |w| w.iter().filter(|&&x| !x).count())
@@ -154,6 +162,42 @@ impl HostTensor {
 /// the CPU, so anything larger is out of its reach (and would exhaust host memory).
 pub const MAX_HOST_ELEMENTS: i64 = 1 << 31;
 
+/// The memory the interpreter's buffers of one kernel may take: what the machine has
+/// available when the kernel starts. Past it the allocations would fail (aborting the
+/// process) or push the machine into swap; the kernel is refused instead.
+struct MemoryBudget {
+    left: u64,
+    used: u64,
+}
+
+impl MemoryBudget {
+    fn of_this_machine() -> Self {
+        // Linux: MemAvailable in /proc/meminfo (kB); elsewhere no limit but the allocator's.
+        let avail = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemAvailable:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<u64>().ok())
+                .map(|kb| kb.saturating_mul(1024))
+        });
+        MemoryBudget { left: avail.unwrap_or(u64::MAX), used: 0 }
+    }
+
+    /// Take `n` elements of `dtype` for buffer `what`, with their written flags and the
+    /// 16 bytes per element of the race checks on Global memory.
+    fn take(&mut self, what: &str, n: usize, dtype: DataType) -> Result<()> {
+        let bytes = (n as u64).saturating_mul(dtype.size_bytes() as u64 + 17);
+        self.used = self.used.saturating_add(bytes);
+        if self.used > self.left {
+            return Err(KilnError::value(format!(
+                "{what}: the CPU interpreter needs {} bytes for this kernel's buffers so far, more than the {} bytes of memory available (run it on a GPU, or with smaller inputs)",
+                self.used, self.left
+            )));
+        }
+        Ok(())
+    }
+}
+
 fn host_elements(name: String, n: i64) -> Result<usize> {
     if !(0..=MAX_HOST_ELEMENTS).contains(&n) {
         return Err(KilnError::value(format!(
@@ -257,6 +301,7 @@ pub fn execute_stats(kernel: &Kernel, inputs: Vec<HostValue>) -> Result<(Vec<Hos
     }
 
     // Outputs: contiguous in allocation order, viewed in logical order.
+    let mut budget = MemoryBudget::of_this_machine();
     let mut views: Vec<(Vec<usize>, Vec<i64>)> = Vec::new();
     let mut buffers: Vec<Buffer> = tensors.into_iter().map(|(_, t)| Buffer::new(t.data)).collect();
     for &tv in &f.outputs {
@@ -288,7 +333,9 @@ pub fn execute_stats(kernel: &Kernel, inputs: Vec<HostValue>) -> Result<(Vec<Hos
             shape.push(ext[p] as usize);
             vstrides.push(strides[p]);
         }
-        buffers.push(Buffer::unwritten(t.dtype, host_elements(f.tv_name(tv), acc)?));
+        let n = host_elements(f.tv_name(tv), acc)?;
+        budget.take(&f.tv_name(tv), n, t.dtype)?;
+        buffers.push(Buffer::try_unwritten(t.dtype, n, &f.tv_name(tv))?);
         views.push((shape, vstrides));
     }
     for g in &kernel.summary.global_allocations {
@@ -310,7 +357,12 @@ pub fn execute_stats(kernel: &Kernel, inputs: Vec<HostValue>) -> Result<(Vec<Hos
             }
         }
         let n = host_elements(g.name.clone(), n)?;
-        buffers.push(if g.zero_init { Buffer::new(Data::zeros(g.dtype, n)) } else { Buffer::unwritten(g.dtype, n) });
+        budget.take(&g.name, n, g.dtype)?;
+        buffers.push(if g.zero_init {
+            Buffer::new(Data::try_zeros(g.dtype, n, &g.name)?)
+        } else {
+            Buffer::try_unwritten(g.dtype, n, &g.name)?
+        });
     }
     // A kernel with no element to write does not run (the GPU plan does not launch it).
     let nothing_to_write = views.iter().all(|(shape, _)| shape.contains(&0));

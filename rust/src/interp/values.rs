@@ -42,6 +42,31 @@ impl ScalarValue {
 
 impl Data {
     /// Zero-filled storage of `n` elements.
+    /// `zeros`, or an error naming `what` where the memory cannot be had (a failed allocation
+    /// would abort the process).
+    pub fn try_zeros(dtype: DataType, n: usize, what: &str) -> crate::Result<Data> {
+        fn filled<T: Clone>(v: T, n: usize, what: &str) -> crate::Result<Vec<T>> {
+            let mut out = Vec::new();
+            out.try_reserve_exact(n).map_err(|_| {
+                crate::KilnError::value(format!(
+                    "{what}: the CPU interpreter cannot allocate {n} elements (out of memory; run it on a GPU)"
+                ))
+            })?;
+            out.resize(n, v);
+            Ok(out)
+        }
+        Ok(match dtype {
+            DataType::Bool => Data::Bool(filled(false, n, what)?),
+            DataType::Int32 => Data::I32(filled(0, n, what)?),
+            DataType::Int => Data::I64(filled(0, n, what)?),
+            DataType::Half => Data::F16(filled(f16::ZERO, n, what)?),
+            DataType::BFloat16 => Data::BF16(filled(bf16::ZERO, n, what)?),
+            DataType::Float => Data::F32(filled(0.0, n, what)?),
+            DataType::Double => Data::F64(filled(0.0, n, what)?),
+        })
+    }
+
+    /// `n` zeros of `dtype`.
     pub fn zeros(dtype: DataType, n: usize) -> Data {
         match dtype {
             DataType::Bool => Data::Bool(vec![false; n]),
