@@ -840,20 +840,22 @@ impl Mem<'_> {
         }
         let len = self.caller[i].data.len();
         let epoch = self.epoch;
-        if !self.global_writers.contains_key(&i) {
-            // The race table is 16 bytes per element: allocated fallibly, as a failed
-            // allocation would abort the process.
-            let mut table = Vec::new();
-            table.try_reserve_exact(len).map_err(|_| {
-                KilnError::value(format!(
-                    "kernel {kname}: the CPU interpreter cannot allocate the race table of {} ({len} elements; out of memory, run it on a GPU)",
-                    slot.name
-                ))
-            })?;
-            table.resize(len, (-1, 0));
-            self.global_writers.insert(i, table);
-        }
-        let cells = self.global_writers.get_mut(&i).expect("inserted above");
+        let cells = match self.global_writers.entry(i) {
+            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                // The race table is 16 bytes per element: allocated fallibly, as a failed
+                // allocation would abort the process.
+                let mut table = Vec::new();
+                table.try_reserve_exact(len).map_err(|_| {
+                    KilnError::value(format!(
+                        "kernel {kname}: the CPU interpreter cannot allocate the race table of {} ({len} elements; out of memory, run it on a GPU)",
+                        slot.name
+                    ))
+                })?;
+                table.resize(len, (-1, 0));
+                v.insert(table)
+            }
+        };
         for (&l, &p) in lanes.iter().zip(phys) {
             let Some(c) = cells.get_mut(p) else { continue };
             if write {
