@@ -364,3 +364,18 @@ def test_an_unrolled_or_unswitched_runtime_axis_is_named(pt: ParallelType, word:
     named = rf"T1 is in Local memory.*axis 1 \(i\w+\{{ceilDiv\(i1, 4\)\}}\) is {word}"
     with pytest.raises(KilnError, match=named):
         fd.execute([np.ones((3, 11), np.float32)])
+
+
+def test_an_output_no_gpu_holds_is_refused_by_its_size() -> None:
+    """``full([2**62])`` and an expand to ``[2**31, 2**31]``: the error gives the output's
+    shape and bytes, not the schedulers' refusals of its grid."""
+    with FusionDefinition() as fd:
+        fd.add_output(fd.ops.full([2**62], 1.0, DataType.Float))
+    huge = r"T\d+: its shape \[4611686018427387904\] \(float\) needs 2\^63 or more bytes"
+    with pytest.raises(KilnError, match=huge):
+        fd.execute([])
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([1, 1])
+        fd.add_output(fd.ops.expand(x, [2**31, 2**31]))
+    with pytest.raises(KilnError, match=r"its shape \[2147483648, 2147483648\].*more than any GPU holds"):
+        fd.execute([np.ones((1, 1), np.float32)])

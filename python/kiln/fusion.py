@@ -317,8 +317,6 @@ class FusionDefinition:
             from .execute import lowered_for  # noqa: PLC0415
 
             low = lowered_for(self, inputs, args)
-        # The launch and memory limits for these sizes, which execute would refuse.
-        low.plan(inputs)
         for kernel in low.kernels:
             for name, text in kernel.pass_dumps:
                 print(f"// kernel IR after {name}\n{text}")

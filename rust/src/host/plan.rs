@@ -127,7 +127,7 @@ impl Region {
 
 /// The largest buffer a plan allocates (128 TiB, past any GPU's memory): a size that asks
 /// for more is an error naming the tensor, not a launch that fails on its grid.
-const MAX_BUFFER_BYTES: i64 = 1 << 47;
+pub(crate) const MAX_BUFFER_BYTES: i64 = 1 << 47;
 
 /// Evaluate `p` for concrete inputs: one call, no symbolic work left for the caller.
 pub fn plan_program(p: &HostProgram, inputs: &[InputDesc], scalars: &[ScalarArg]) -> Result<ProgramPlan> {

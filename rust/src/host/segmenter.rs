@@ -97,6 +97,29 @@ pub fn auto_program_strided(
     device: DeviceProps,
 ) -> Result<(HostProgram, Heuristic)> {
     let cx = Ctx { extents: extent_values(f, inputs)?, scalars: scalars.to_vec(), device };
+    // An output no GPU can hold is refused by its size, before the schedulers refuse its
+    // grid (`full([2**62])`, an expand to [2**31, 2**31]).
+    for &o in &f.outputs {
+        let Ok(all) = crate::sched::auto::tensor_sizes(f, &cx, o) else { continue };
+        let sizes: Vec<i64> = f.tvs[o]
+            .logical
+            .iter()
+            .zip(all)
+            .filter(|(&id, _)| f.ids[id].iter_type != crate::ir::IterType::Reduction)
+            .map(|(_, n)| n)
+            .collect();
+        let elements = sizes.iter().fold(1i64, |a, &n| a.saturating_mul(n.max(0)));
+        let bytes = elements.saturating_mul(f.tvs[o].dtype.size_bytes() as i64);
+        if bytes > crate::host::plan::MAX_BUFFER_BYTES {
+            let (axis, size) = sizes.iter().copied().enumerate().max_by_key(|&(_, s)| s).unwrap_or((0, 0));
+            crate::bail!(
+                "{}: its shape {sizes:?} ({}) needs {} bytes, more than any GPU holds (at most 2^47 here); axis {axis} has size {size}",
+                f.tv_name(o),
+                f.tvs[o].dtype,
+                if bytes == i64::MAX { "2^63 or more".to_string() } else { bytes.to_string() }
+            );
+        }
+    }
     let mut g = f.clone();
     g.aligned_bases = aligned_bases;
     if g.user_tvs == 0 {
