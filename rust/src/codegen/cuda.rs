@@ -571,47 +571,37 @@ impl Gen<'_> {
                             // cannot help then.
                             let ld = &self.f.tvs[tv].loop_domain;
                             // So does an unrolled one: each unrolled iteration keeps its own
-                            // registers, allocated together above the loop.
-                            let hoisting = ld.iter().position(|&id| {
+                            // registers, allocated together above the loop. The axis is the
+                            // tensor's own, or one of the consumer it follows (a tensor left to
+                            // its consumer's schedule stops before that axis).
+                            let hoists = |id: crate::ir::IterDomainId| {
                                 matches!(self.f.ids[id].parallel, ParallelType::Unswitch | ParallelType::Unroll)
-                            });
-                            let hint = match hoisting {
-                                Some(u) if self.f.ids[ld[u]].parallel == ParallelType::Unswitch => format!(
-                                    "; its axis {u} ({}) is unswitched, which places the allocation outside that loop: unswitch an axis that is constant, with constant axes inside it (a split by 1, as the automatic schedules make), or leave Unswitch out",
-                                    self.f.id_label(ld[u])
-                                ),
-                                Some(u) => format!(
-                                    "; its axis {u} ({}) is unrolled, which places the allocation outside that loop: unroll an axis of constant extent (split by a constant and unroll the inner part), or leave Unroll out",
-                                    self.f.id_label(ld[u])
-                                ),
-                                None => {
-                                    // A tensor that follows its consumer's schedule stops before
-                                    // the consumer's unswitched or unrolled axis of that extent.
-                                    let hoister = self.f.tvs.keys().find_map(|t| {
-                                        let l = &self.f.tvs[t].loop_domain;
-                                        l.iter().position(|&id| {
-                                            matches!(
-                                                self.f.ids[id].parallel,
-                                                ParallelType::Unswitch | ParallelType::Unroll
-                                            ) && a.shape.contains(&self.f.ids[id].extent)
-                                        })
+                            };
+                            let own = ld.iter().position(|&id| hoists(id)).map(|u| (tv, u));
+                            let hoister = own.or_else(|| {
+                                self.f.tvs.keys().find_map(|t| {
+                                    let l = &self.f.tvs[t].loop_domain;
+                                    l.iter()
+                                        .position(|&id| hoists(id) && a.shape.contains(&self.f.ids[id].extent))
                                         .map(|u| (t, u))
-                                    });
-                                    match hoister {
-                                        Some((t, u)) => format!(
-                                            "; it follows {}, whose axis {u} ({}) is {} over a runtime extent, which places the allocation outside that loop: split that axis by a constant and parallelize the inner part, or leave {:?} out",
-                                            self.f.tv_name(t),
-                                            self.f.id_label(self.f.tvs[t].loop_domain[u]),
-                                            if self.f.ids[self.f.tvs[t].loop_domain[u]].parallel == ParallelType::Unroll {
-                                                "unrolled"
-                                            } else {
-                                                "unswitched"
-                                            },
-                                            self.f.ids[self.f.tvs[t].loop_domain[u]].parallel
-                                        ),
-                                        None => "; inline it further or make the allocated axes constant".to_string(),
-                                    }
+                                })
+                            });
+                            let hint = match hoister {
+                                Some((t, u)) => {
+                                    let id = self.f.tvs[t].loop_domain[u];
+                                    let (done, pt, fix) = if self.f.ids[id].parallel == ParallelType::Unswitch {
+                                        ("unswitched", "Unswitch", "unswitch an axis that is constant, with constant axes inside it (a split by 1, as the automatic schedules make)")
+                                    } else {
+                                        ("unrolled", "Unroll", "unroll an axis of constant extent (split by a constant and unroll the inner part)")
+                                    };
+                                    let whose = if t == tv {
+                                        "its".to_string()
+                                    } else {
+                                        format!("it follows {}, whose", self.f.tv_name(t))
+                                    };
+                                    format!("; {whose} axis {u} ({}) is {done}, which places the allocation outside that loop: {fix}, or leave {pt} out", self.f.id_label(id))
                                 }
+                                None => "; inline it further or make the allocated axes constant".to_string(),
                             };
                             bail!(
                                 "{name} is in Local memory but its allocation [{}] is not a constant size{hint}",

@@ -127,7 +127,21 @@ impl Region {
 
 /// The largest buffer a plan allocates (128 TiB, past any GPU's memory): a size that asks
 /// for more is an error naming the tensor, not a launch that fails on its grid.
-pub(crate) const MAX_BUFFER_BYTES: i64 = 1 << 47;
+const MAX_BUFFER_BYTES: i64 = 1 << 47;
+
+/// Refuse a buffer `name` of `sizes` elements of `dtype` that no GPU can hold.
+pub(crate) fn check_buffer_size(name: &str, sizes: &[i64], dtype: DataType) -> Result<()> {
+    let elements = sizes.iter().fold(1i64, |a, &s| a.saturating_mul(s.max(0)));
+    let bytes = elements.saturating_mul(dtype.size_bytes() as i64);
+    if bytes <= MAX_BUFFER_BYTES {
+        return Ok(());
+    }
+    let (axis, size) = sizes.iter().copied().enumerate().max_by_key(|&(_, s)| s).unwrap_or((0, 0));
+    Err(KilnError::value(format!(
+        "{name}: its shape {sizes:?} ({dtype}) needs {} bytes, more than any GPU holds (at most 2^47 here); axis {axis} has size {size}",
+        if bytes == i64::MAX { "2^63 or more".to_string() } else { bytes.to_string() },
+    )))
+}
 
 /// Evaluate `p` for concrete inputs: one call, no symbolic work left for the caller.
 pub fn plan_program(p: &HostProgram, inputs: &[InputDesc], scalars: &[ScalarArg]) -> Result<ProgramPlan> {
@@ -245,14 +259,8 @@ fn buffer_alloc(
     };
     let elements = sizes.iter().fold(1i64, |a, &s| a.saturating_mul(s));
     let bytes = elements.saturating_mul(hb.dtype.size_bytes() as i64);
-    if bytes > MAX_BUFFER_BYTES && !matches!(place, Place::Input(_)) {
-        let (axis, size) = sizes.iter().copied().enumerate().max_by_key(|&(_, s)| s).unwrap_or((0, 0));
-        return Err(KilnError::value(format!(
-            "{}: its shape {sizes:?} ({}) needs {} bytes, more than any GPU holds (at most 2^47 here); axis {axis} has size {size}",
-            hb.name,
-            hb.dtype,
-            if bytes == i64::MAX { "2^63 or more".to_string() } else { bytes.to_string() },
-        )));
+    if !matches!(place, Place::Input(_)) {
+        check_buffer_size(&hb.name, &sizes, hb.dtype)?;
     }
     Ok(BufferAlloc {
         name: hb.name.clone(),
@@ -260,7 +268,7 @@ fn buffer_alloc(
         sizes,
         layout,
         elements,
-        bytes: elements.saturating_mul(hb.dtype.size_bytes() as i64),
+        bytes,
         zero_init: hb.zero_init,
         resets_to_zero: hb.resets_to_zero,
         place,

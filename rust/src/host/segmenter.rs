@@ -108,17 +108,7 @@ pub fn auto_program_strided(
             .filter(|(&id, _)| f.ids[id].iter_type != crate::ir::IterType::Reduction)
             .map(|(_, n)| n)
             .collect();
-        let elements = sizes.iter().fold(1i64, |a, &n| a.saturating_mul(n.max(0)));
-        let bytes = elements.saturating_mul(f.tvs[o].dtype.size_bytes() as i64);
-        if bytes > crate::host::plan::MAX_BUFFER_BYTES {
-            let (axis, size) = sizes.iter().copied().enumerate().max_by_key(|&(_, s)| s).unwrap_or((0, 0));
-            crate::bail!(
-                "{}: its shape {sizes:?} ({}) needs {} bytes, more than any GPU holds (at most 2^47 here); axis {axis} has size {size}",
-                f.tv_name(o),
-                f.tvs[o].dtype,
-                if bytes == i64::MAX { "2^63 or more".to_string() } else { bytes.to_string() }
-            );
-        }
+        crate::host::plan::check_buffer_size(&f.tv_name(o), &sizes, f.tvs[o].dtype)?;
     }
     let mut g = f.clone();
     g.aligned_bases = aligned_bases;
