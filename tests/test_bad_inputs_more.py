@@ -24,6 +24,7 @@ from error_util import ax, close, expect, f64, inp, rnd, run_child, tv
 from kiln import (
     DataType,
     FusionDefinition,
+    IterDomain,
     KilnError,
     KilnTypeError,
     MemoryType,
@@ -2017,6 +2018,9 @@ def test_axis_handles_that_went_stale_or_belong_elsewhere() -> None:
     old = z.axis(1)
     z.split(1, 4)
     expect(lambda: old.parallelize(PT.TIDx), KilnError, tv(2), r"no longer a loop axis")
+    # another tensor's axis wrapped as z's: the error names the tensor that owns it
+    other = IterDomain(z, y.axis(0)._id)
+    expect(lambda: other.parallelize(PT.TIDx), KilnError, tv(2), r"not an axis of T2", tv(1))
     expect(
         lambda: z.set_allocation_domain([y.axis(0), z.axis(1)], [True, True]),
         KilnError,

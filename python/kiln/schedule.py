@@ -104,6 +104,12 @@ class IterDomain:
         loop = t._fd._core.tv_loop(t._id)
         if self._id not in loop:
             label = self._info().label
+            core = t._fd._core
+            owner = next((n for n in range(core.num_tensors)
+                          if n != t._id and self._id in core.tv_loop(n)), None)
+            if owner is not None:
+                raise KilnError(f"{t.name}: {label} is not an axis of {t.name}; it is a loop axis of "
+                                f"T{owner}")
             raise KilnError(f"{t.name}: {label} is no longer a loop axis (it was split or merged)")
         t._fd._core.parallelize(t._id, loop.index(self._id), pt.value)
 
