@@ -97,12 +97,6 @@ DEFINITION_ERRORS = [
         id="squeeze_size_3",
     ),
     pytest.param(
-        _def(lambda fd, x: fd.ops.squeeze(x, [0])),
-        KilnError,
-        (tv(0), ax(0), r"size-one"),
-        id="squeeze_symbolic_axis",
-    ),
-    pytest.param(
         _def(lambda fd, x: fd.ops.squeeze(x, [4]), (1, -1)),
         KilnError,
         (tv(0), ax(4)),

@@ -84,9 +84,42 @@ def test_squeeze_of_a_sized_axis_is_an_error() -> None:
         x = fd.define_tensor([-1, 3])
         with pytest.raises(KilnError, match="squeeze: axis 1 of T0 has size 3; only size-one axes"):
             fd.ops.squeeze(x, [1])
-        with pytest.raises(KilnError, match="squeeze: axis 0 of T0 has size i0; only size-one axes"):
-            fd.ops.squeeze(x, [0])
         fd.add_output(x)
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2])
+@pytest.mark.parametrize("then", ["exp", "row_sum", "softmax"])
+def test_squeeze_of_a_runtime_size_is_checked_when_it_runs(axis: int, then: str) -> None:
+    # nvFuser (and Thunder, which defines every size as -1) squeezes an input's runtime size:
+    # it must be one when the fusion runs, and another size is refused before any kernel.
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1])
+        s = fd.ops.squeeze(x, [axis])
+        if then == "exp":
+            y = fd.ops.exp(s)
+        elif then == "row_sum":
+            y = fd.ops.sum(s, [1])
+        else:
+            m = fd.ops.broadcast(fd.ops.max(s, [1]), [False, True])
+            e = fd.ops.exp(fd.ops.sub(s, m))
+            y = fd.ops.div(e, fd.ops.broadcast(fd.ops.sum(e, [1]), [False, True]))
+        fd.add_output(y)
+    shape = [5, 7, 6]
+    shape[axis] = 1
+    a = np.random.default_rng(axis).standard_normal(shape).astype(np.float32)
+    s64 = np.squeeze(a.astype(np.float64), axis)
+    if then == "exp":
+        want = np.exp(s64)
+    elif then == "row_sum":
+        want = s64.sum(1)
+    else:
+        e = np.exp(s64 - s64.max(1, keepdims=True))
+        want = e / e.sum(1, keepdims=True)
+    (got,) = fd.execute([a])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    shape[axis] = 3
+    with pytest.raises(KilnError, match=rf"squeeze: axis {axis} of T0 must have size one"):
+        fd.execute([np.ones(shape, np.float32)])
 
 
 def test_broadcast_and_expand_check_their_ranks() -> None:

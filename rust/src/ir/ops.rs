@@ -945,13 +945,11 @@ impl Fusion {
         let mut removed = vec![false; inp.len()];
         for d in self.normalize_dims("squeeze", x, dims, inp.len())? {
             let id = &self.ids[inp[d]];
-            // A computed size that can be one (`x[:, k:k+1]` of a runtime size is
-            // `min(n, k + 1) - min(n, k)`, as Thunder writes `x[:, k]`) is taken, and checked
-            // to be one before a kernel runs (`lower::size_constraints`); an input's own
-            // runtime size is not.
-            let computed = !matches!(self.scalars.get(id.extent), crate::ir::scalar::Val::Symbol(_));
-            let may_be_one =
-                computed && self.scalars.as_int(id.extent).is_none() && self.scalars.range(id.extent).0 <= 1;
+            // A runtime size that can be one (an input's `-1` axis, or `x[:, k:k+1]` of a
+            // runtime size, `min(n, k + 1) - min(n, k)`, as Thunder writes `x[:, k]`) is taken,
+            // and checked to be one before a kernel runs (`lower::size_constraints`), as
+            // nvFuser checks a squeezed symbolic axis when it concretizes the fusion.
+            let may_be_one = self.scalars.as_int(id.extent).is_none() && self.scalars.range(id.extent).0 <= 1;
             if id.iter_type != IterType::Broadcast && self.scalars.as_int(id.extent) != Some(1) && !may_be_one {
                 bail!(
                     "squeeze: axis {d} of {} has size {}; only size-one axes can be squeezed",
