@@ -353,3 +353,24 @@ def test_inline_most_stops_before_a_broadcast_its_consumers_run_differently(seco
     x64 = x.astype(np.float64)
     np.testing.assert_allclose(g1, y - x64[:, None], rtol=1e-6)
     np.testing.assert_allclose(g2, -x64 if second == "reduce" else z - x64[:, None], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("cols,split", [(7, 3), (9, 3), (10, 4), (100, 7)])
+def test_an_unswitched_loop_around_a_grid_reduction_keeps_one_arm(cols: int, split: int) -> None:
+    # The reduced axis split raggedly and its outer part on BIDx, an unswitched loop over the
+    # rows around it: a bounds check that depends on blockIdx would send blocks into two arms,
+    # each with its own grid reduction, so the loop keeps its per-statement checks instead.
+    a = np.random.default_rng(cols).uniform(-1, 1, [32, cols]).astype(np.float32)
+    with FusionDefinition() as fd:
+        t0 = fd.define_tensor(shape=[32, cols], dtype=DataType.Float)
+        t2 = fd.ops.sum(t0, dims=[1])
+        fd.add_output(t2)
+    t2.split(1, split)
+    t2.reorder({0: 1, 1: 0, 2: 2})
+    t2.axis(0).parallelize(ParallelType.BIDx)
+    t2.axis(1).parallelize(ParallelType.Unswitch)
+    t2.set_serial_grid_reduction()
+    (got,) = fd.execute([a])
+    np.testing.assert_allclose(got, a.astype(np.float64).sum(1), rtol=1e-5, atol=1e-5)
+    ir = fd.lower([a]).kernels[0].kernel_ir
+    assert ir.count("parallel reduction") == 1, ir

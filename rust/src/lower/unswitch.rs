@@ -106,6 +106,14 @@ fn unswitch(f: &mut Fusion, lg: &LoopGraph, l: &ForLoop, assumed: &[ValId]) -> O
     if barrier_inside && mentions(sc, cond, &threads) {
         return None;
     }
+    // Likewise across blocks: a grid reduction is one synchronization of every block, so
+    // blocks must not reach it from two arms.
+    let blocks: FxHashSet<Symbol> =
+        [ParallelType::BIDx, ParallelType::BIDy, ParallelType::BIDz].into_iter().map(Symbol::ParallelIndex).collect();
+    if grid_reduction_inside(f, lg, &l.body) && mentions(&f.scalars, cond, &blocks) {
+        return None;
+    }
+    let sc = &mut f.scalars;
     let mut plain = l.clone();
     plain.parallel = ParallelType::Serial;
     let mut fast = vec![Node::Loop(plain.clone())];
@@ -160,6 +168,22 @@ fn invariant_bounds(f: &mut Fusion, lg: &LoopGraph, l: &ForLoop, assumed: &[ValI
 
 /// True when `body` holds only loops, Local allocations and statements that emit no
 /// barrier (no syncs, inits, or block and grid reductions).
+/// True when `body` holds a reduction across blocks (a reduced axis on BIDx, BIDy or BIDz).
+fn grid_reduction_inside(f: &Fusion, lg: &LoopGraph, body: &[Node]) -> bool {
+    body.iter().any(|n| match n {
+        Node::Loop(l) => grid_reduction_inside(f, lg, &l.body),
+        Node::If(i) => grid_reduction_inside(f, lg, &i.then) || grid_reduction_inside(f, lg, &i.otherwise),
+        Node::Expr { expr, .. } | Node::ReduceAccumulator { acc: crate::kernel::Accumulator { expr, .. }, .. } => {
+            let e = &f.exprs[*expr];
+            matches!(e.op, Op::Reduction { .. })
+                && f.tvs[e.output].loop_domain.iter().enumerate().any(|(a, &id)| {
+                    f.ids[id].iter_type == IterType::Reduction && lg.groups[lg.group(e.output, a)].parallel.is_block()
+                })
+        }
+        _ => false,
+    })
+}
+
 fn only_local_statements(f: &Fusion, lg: &LoopGraph, body: &[Node]) -> bool {
     body.iter().all(|n| match n {
         Node::Loop(l) => only_local_statements(f, lg, &l.body),
