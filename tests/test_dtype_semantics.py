@@ -244,3 +244,31 @@ def test_zero_dim_math_keeps_the_ranked_dtype_through_shape_ops(after: str, rank
     want_written = fd.execute([a, s_val], as_written=True)[0]
     assert got.dtype == np_ranked and want_written.dtype == np_ranked
     np.testing.assert_allclose(got.astype(np.float64), ref, rtol=1e-3 if ranked == DataType.Half else 1e-6)
+
+
+def _narrow_value(x: float, dtype: DataType) -> float:
+    """``x`` rounded to half or bfloat16 (bfloat16: round to nearest even on the float bits)."""
+    if dtype == DataType.Half:
+        with np.errstate(over="ignore"):
+            return float(np.float16(x))
+    bits = int(np.array(x, np.float32).view(np.uint32))
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return float(np.array(bits, np.uint32).view(np.float32))
+
+
+@pytest.mark.parametrize("dtype", [DataType.Half, DataType.BFloat16])
+@pytest.mark.parametrize("value", [0.001, 0.1, 1 / 3, 1000.7, 70000.0, -3])
+@pytest.mark.parametrize("runtime", [False, True])
+def test_a_narrow_fill_holds_its_dtypes_value(dtype: DataType, value: float, runtime: bool) -> None:
+    # torch.full(..., value, dtype=half) holds half(value): an intermediate fill read by float
+    # math divides by that, not by the float constant (the rest of the half math stays float)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1])
+        v = fd.define_scalar(dtype=DataType.Double) if runtime else value
+        fd.add_output(fd.ops.truediv(x, fd.ops.full([1], v, dtype)))
+    a = np.array([-2.0, 1.0, 3.0], np.float32)
+    args = [a, value] if runtime else [a]
+    (got,) = fd.execute(args)
+    with np.errstate(divide="ignore"):
+        want = a.astype(np.float64) / _narrow_value(value, dtype)
+    np.testing.assert_allclose(got, want, rtol=1e-6)

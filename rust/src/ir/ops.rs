@@ -1114,6 +1114,27 @@ impl Fusion {
             bail_type!("full: the fill value must be a scalar, got {}", self.describe(value));
         };
         self.check_scalar_fits("full", value, dtype)?;
+        // Half and bfloat16 values are computed in float between the places they are stored
+        // or cast, but a fill value is a value of the tensor's dtype (torch.full(..., 0.001,
+        // dtype=half) holds 0.0010004): a constant is rounded here, a runtime scalar by a cast.
+        if matches!(dtype, DataType::Half | DataType::BFloat16) {
+            let constant = match self.scalars.get(v) {
+                Val::Float(bits) => Some(f64::from_bits(bits)),
+                Val::Int(i) => Some(i as f64),
+                _ => None,
+            };
+            let Some(x) = constant else {
+                let t = self.source("full", shape, Op::Full { value: v }, DataType::Float)?;
+                return self.cast(Operand::Tensor(t), dtype);
+            };
+            let rounded = if dtype == DataType::Half {
+                half::f16::from_f64(x).to_f64()
+            } else {
+                half::bf16::from_f64(x).to_f64()
+            };
+            let r = self.scalars.float(rounded);
+            return self.source("full", shape, Op::Full { value: r }, dtype);
+        }
         self.source("full", shape, Op::Full { value: v }, dtype)
     }
 
