@@ -272,3 +272,16 @@ def test_a_narrow_fill_holds_its_dtypes_value(dtype: DataType, value: float, run
     with np.errstate(divide="ignore"):
         want = a.astype(np.float64) / _narrow_value(value, dtype)
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [DataType.Half, DataType.BFloat16])
+def test_a_narrow_iota_holds_its_dtypes_values(dtype: DataType) -> None:
+    # torch.arange(0.1, ..., 0.1, dtype=half): each element a half value, read by float math
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1])
+        fd.add_output(fd.ops.truediv(x, fd.ops.iota(fd.ops.size(x, 0), 0.1, 0.1, dtype)))
+    a = np.full(37, 3.0, np.float32)
+    (got,) = fd.execute([a])
+    pos = np.float32(0.1) + np.arange(37, dtype=np.float32) * np.float32(0.1)
+    want = 3.0 / np.array([_narrow_value(float(v), dtype) for v in pos])
+    np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -1164,6 +1164,12 @@ impl Fusion {
                 }
             }
         }
+        if matches!(dtype, DataType::Half | DataType::BFloat16) {
+            // Each element is a value of the narrow dtype (torch.arange(..., dtype=half)), as
+            // a narrow `full` holds: computed in float, rounded once.
+            let t = self.source("iota", &[length], Op::Iota { start, step }, DataType::Float)?;
+            return self.cast(Operand::Tensor(t), dtype);
+        }
         self.source("iota", &[length], Op::Iota { start, step }, dtype)
     }
 
