@@ -374,3 +374,65 @@ def test_an_unswitched_loop_around_a_grid_reduction_keeps_one_arm(cols: int, spl
     np.testing.assert_allclose(got, a.astype(np.float64).sum(1), rtol=1e-5, atol=1e-5)
     ir = fd.lower([a]).kernels[0].kernel_ir
     assert ir.count("parallel reduction") == 1, ir
+
+
+@pytest.mark.parametrize("reduced_on", [None, ParallelType.TIDx, ParallelType.TIDy])
+@pytest.mark.parametrize("factor", [2, 3])
+@pytest.mark.parametrize("reduced_first", [True, False])
+def test_a_kept_size_one_axis_split_inside_the_reduced_loop_adds_once(
+    reduced_on: Any, factor: int, reduced_first: bool
+) -> None:
+    # sum over the rows of [31, 1]: the kept size-one axis split by a factor runs `factor`
+    # iterations; inside the reduced loop (after the one init) only the first may add to the
+    # result, outside it each iteration starts from its own init.
+    a = np.random.default_rng(factor).uniform(-1, 1, [31, 1]).astype(np.float32)
+    with FusionDefinition() as fd:
+        t0 = fd.define_tensor(shape=[31, 1], dtype=DataType.Float)
+        t1 = fd.ops.sum(t0, dims=[0])
+        t2 = fd.ops.broadcast_in_dim(t1, shape=[-1, -1], broadcast_dims=[1])
+        t3 = fd.ops.add(t2, fd.ops.mul(t2, -1.5))
+        fd.add_output(t3)
+    for t in (t1, t2, t3):
+        t.split(1, factor)
+        if not reduced_first:
+            t.reorder({0: 2, 1: 0, 2: 1})
+    if reduced_on is not None:
+        for t in (t1, t2, t3):
+            t.axis(0 if reduced_first else 2).parallelize(reduced_on)
+    t1.inline_at(-1)
+    t2.inline_at(-1)
+    (got,) = fd.execute([a])
+    np.testing.assert_allclose(got, -0.5 * a.astype(np.float64).sum(0, keepdims=True), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("factor", [2, 3, 4])
+@pytest.mark.parametrize("reduced_on", [ParallelType.TIDy, ParallelType.TIDx])
+def test_a_sibling_reduction_keeping_a_split_size_one_axis_adds_once(factor: int, reduced_on: Any) -> None:
+    # Two reductions of one cached input inlined in one nest: the total over both axes, and
+    # the column sum that keeps the size-one axis. That axis's loop (split by `factor`) runs
+    # inside the rows' block reduction, after the column sum's init: the block reduction
+    # added the whole column `factor` times.
+    a0 = np.random.default_rng(factor).uniform(-1, 1, [31, 1]).astype(np.float32)
+    with FusionDefinition() as fd:
+        t0 = fd.define_tensor(shape=[31, 1], dtype=DataType.Float)
+        t2 = fd.ops.sum(t0, dims=[0, 1], keepdim=True)
+        t1 = Tensor(fd, 1)  # the reduction under the keepdim broadcast
+        t3 = fd.ops.mul(t2, -1.5)
+        t4 = fd.ops.sum(t0, dims=[0])
+        t5 = fd.ops.broadcast_in_dim(t4, shape=[-1, -1], broadcast_dims=[1])
+        t6 = fd.ops.add(t5, t3)
+        fd.add_output(t6)
+        fd.add_output(t1)
+    t7 = t0.cache_after()
+    for t in (t1, t2, t3, t4, t5, t6, t7):
+        t.split(1, factor)
+        t.axis(0).parallelize(reduced_on)
+    t7.inline_at(3)
+    t3.inline_at(-1)
+    t2.inline_at(1)
+    t4.inline_at(-1)
+    t1.inline_at(-1)
+    got6, got1 = fd.execute([a0])
+    total = a0.astype(np.float64).sum()
+    np.testing.assert_allclose(got6, [[-0.5 * total]], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got1, total, rtol=1e-5, atol=1e-5)

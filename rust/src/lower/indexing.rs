@@ -938,6 +938,21 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
                 }
             }
         }
+        // A loop over a kept broadcast axis inside the reduction's first reduced loop (a
+        // size-one axis split by a factor, or shared with a reader that expands it) runs
+        // after the one init of the result (`placement::init_position` re-inits only in
+        // the loops outside the reduced ones): each of its iterations would add the input to
+        // the one element again, so only its first contributes.
+        let ld = f.tvs[c].loop_domain.clone();
+        let first_reduced = ld.iter().position(|&id| f.ids[id].iter_type == IterType::Reduction);
+        for &id in first_reduced.map_or(&[][..], |r| &ld[r + 1..]) {
+            if f.ids[id].iter_type == IterType::Broadcast {
+                if let Some(&i) = cidx.get(&id) {
+                    let first = f.scalars.binary(ScalarOp::Eq, i, zero);
+                    pred = f.scalars.binary(ScalarOp::And, pred, first);
+                }
+            }
+        }
     }
     // A Global/Shared tensor that does not use a launched thread or block dimension is
     // computed redundantly along it: only index 0 of that dimension writes (of a block
