@@ -231,7 +231,7 @@ def test_scalar_size_that_disagrees_with_the_input_is_an_error() -> None:
         fd.add_output(fd.ops.broadcast_in_dim(x, [2, s], [1]))
     (out,) = fd.execute([np.ones(4, np.float32), 4])
     assert out.shape == (2, 4)
-    with pytest.raises(KilnError, match="must be equal"):
+    with pytest.raises(KilnError, match=r"broadcast_in_dim: \[s0\] must be the shape of T0, axis 0 differs"):
         fd.execute([np.ones(4, np.float32), 5])
 
 
@@ -305,3 +305,21 @@ def test_squeeze_of_a_one_wide_slice_of_a_runtime_size(k: int) -> None:
     np.testing.assert_allclose(total, np.exp(a[:, k].astype(np.float64)).sum(), rtol=1e-5)
     with pytest.raises(KilnError, match=r"squeeze: axis 1 of T\d+ must have size one \(.* = 0 for these"):
         fd.execute([np.zeros((7, k), np.float32)])
+
+
+@pytest.mark.parametrize("op", ["expand", "broadcast_in_dim"])
+def test_a_scalar_size_that_disagrees_names_the_op_the_tensor_and_the_axis(op: str) -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 1])
+        s = fd.define_scalar(dtype=DataType.Int)
+        if op == "expand":
+            y = fd.ops.expand(x, [s, s])
+        else:
+            y = fd.ops.broadcast_in_dim(x, [s, s], [0, 1])
+        fd.add_output(fd.ops.mul(y, 2.0))
+    a = np.arange(5, dtype=np.float32).reshape(5, 1)
+    (got,) = fd.execute([a, 5])
+    np.testing.assert_array_equal(got, np.broadcast_to(2 * a, (5, 5)))
+    with pytest.raises(KilnError, match=rf"{op}: \[s0, -1\] must be the shape of T0, axis 0 differs "
+                                        r"\(i0 = 3, s0 = 5"):
+        fd.execute([np.ones((3, 1), np.float32), 5])

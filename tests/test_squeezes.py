@@ -138,6 +138,55 @@ def test_box_overlap_of_column_slices_is_one_kernel() -> None:
     assert len(fd.lower([x, y]).kernels) == 1
 
 
+@pytest.mark.parametrize("op", ["cast", "neg", "exp"])
+@pytest.mark.parametrize("dtype", [DataType.Half, DataType.Float])
+def test_squeezed_column_slices_of_a_computed_tensor_are_one_kernel(op: str, dtype: DataType) -> None:
+    # torchvision's box_iou on fp16 boxes: the columns are squeezed one-wide slices of the boxes
+    # cast to float; the slice moves through the cast to the input, and the squeeze after it
+    # sinks to it too, so the per-box areas and the pairwise terms share one kernel.
+    n, m = 20, 15
+    with FusionDefinition() as fd:
+        o = fd.ops
+        b1, b2 = fd.define_tensor([-1, -1], dtype), fd.define_tensor([-1, -1], dtype)
+
+        def pre(t: Any) -> Any:
+            t = o.cast(t, DataType.Float)
+            return t if op == "cast" else getattr(o, op)(t)
+
+        b1, b2 = pre(b1), pre(b2)
+
+        def col(t: Any, c: int) -> Any:
+            return o.squeeze(o.slice(t, [0, c], [o.size(t, 0), c + 1]), [1])
+
+        def area(t: Any) -> Any:
+            return o.mul(o.sub(col(t, 2), col(t, 0)), o.sub(col(t, 3), col(t, 1)))
+
+        big1 = o.broadcast_in_dim(b1, [n, m, 4], [0, 2])
+        big2 = o.broadcast_in_dim(b2, [n, m, 4], [1, 2])
+        lo = o.select(o.maximum(big1, big2), 2, 0)
+        s = o.add(o.broadcast_in_dim(area(b1), [n, m], [0]), o.broadcast_in_dim(area(b2), [n, m], [1]))
+        fd.add_output(o.div(lo, s))
+    np_dt = np.float16 if dtype == DataType.Half else np.float32
+    rng = np.random.default_rng(11)
+
+    def boxes(k: int) -> np.ndarray:
+        # corners (x0, y0, x0 + w, y0 + h): the areas stay positive through every op here
+        xy = rng.random((k, 2))
+        return np.concatenate([xy, xy + rng.random((k, 2)) + 0.1], 1).astype(np_dt)
+
+    x, y = boxes(n), boxes(m)
+    (got,) = fd.execute([x, y])
+    f = {"cast": lambda t: t, "neg": np.negative, "exp": np.exp}[op]
+    xd, yd = f(x.astype(np.float64)), f(y.astype(np.float64))
+
+    def area_np(t: np.ndarray) -> np.ndarray:
+        return (t[:, 2] - t[:, 0]) * (t[:, 3] - t[:, 1])
+
+    want = np.maximum(xd[:, None, 0], yd[None, :, 0]) / (area_np(xd)[:, None] + area_np(yd)[None, :])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert len(fd.lower([x, y]).kernels) == 1
+
+
 @pytest.mark.parametrize("cols", [7, 1000])
 def test_squeezed_statistics_of_a_layernorm_stay_in_its_kernel(cols: int) -> None:
     # Apex-style LayerNorm returning its mean and inverse deviation squeezed: the squeezes of

@@ -668,7 +668,8 @@ class Ops:
 
     def broadcast_in_dim(self, x: Tensor, shape: Optional[Sequence[Union[int, Scalar]]] = None,
                          broadcast_dims: Sequence[int] = (), *,
-                         output_shape: Optional[Sequence[Union[int, Scalar]]] = None) -> Tensor:
+                         output_shape: Optional[Sequence[Union[int, Scalar]]] = None,
+                         _op: str = "broadcast_in_dim") -> Tensor:
         """Place input axis ``i`` at output axis ``broadcast_dims[i]``; other axes are broadcasts
         (``output_shape``: nvFuser's older name of ``shape``)."""
         fd = self._fd
@@ -690,7 +691,13 @@ class Ops:
         # Scalar sizes (nvFuser's `fd.define_scalar` or `fd.ops.size` entries): broadcast with
         # those axes as they are, then expand them like the core expands static sizes, by
         # selecting under an all-true mask of the asked sizes (size one, a broadcast that
-        # asks nothing, on the other axes).
+        # asks nothing, on the other axes). An input axis that is not a size-one broadcast
+        # keeps its size: checked against the Scalar in the op's own terms first.
+        if len(dims) == x.ndim and all(0 <= d < len(shape) for d in dims):
+            wanted = [shape[d]._id if isinstance(shape[d], Scalar) and have != 1 else None
+                      for d, have in zip(dims, x.shape)]
+            if any(w is not None for w in wanted):
+                fd._core.require_shape(t, wanted, _op)
         out = fd._core.broadcast_in_dim(
             t, [-1 if isinstance(s, Scalar) else _int(s, "broadcast_in_dim: shape") for s in shape], dims)
         sizes = [s._id if isinstance(s, Scalar) else fd._const(1)._id for s in shape]
@@ -898,7 +905,7 @@ class Ops:
             if n not in (-1, have) and isinstance(have, int) and have not in (-1, 1):
                 raise KilnError(f"expand: {x.name} axis {axis} has size {have}, not one; only a size-one "
                                 f"axis expands (asked for {n})")
-        return self.broadcast_in_dim(x, shape, list(range(x.ndim)))
+        return self.broadcast_in_dim(x, shape, list(range(x.ndim)), _op="expand")
 
     def index_select(self, x: Tensor, index: Tensor, dim: int) -> Tensor:
         """Rows of ``x`` along ``dim`` at positions ``index`` (1-D, integer; a 0-d index

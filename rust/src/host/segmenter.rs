@@ -140,6 +140,10 @@ fn plan_canonical(mut g: Fusion, cx: &Ctx) -> Result<(HostProgram, Heuristic)> {
     crate::sched::auto::canonical::view_output_squeezes(&mut g)?;
     crate::sched::auto::canonical::hoist_output_reshapes(&mut g)?;
     let pinned = crate::sched::auto::canonical::sink_remaps_at(&mut g, Some(&cx.extents))?;
+    // A remap moved through an op (`squeeze(slice(cast(x)))` becomes
+    // `squeeze(cast(slice(x)))`) leaves a squeeze over that op again: sunk too, it meets
+    // the remap, which reads its one position (`squeeze_remaps`).
+    crate::sched::auto::canonical::sink_squeezes(&mut g)?;
     let (program, mut h) = plan_sunk(g, &cx)?;
     h.specialized.extend(pinned);
     Ok((program, h))
