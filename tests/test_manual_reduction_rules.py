@@ -436,3 +436,36 @@ def test_a_sibling_reduction_keeping_a_split_size_one_axis_adds_once(factor: int
     total = a0.astype(np.float64).sum()
     np.testing.assert_allclose(got6, [[-0.5 * total]], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got1, total, rtol=1e-5, atol=1e-5)
+
+
+def test_a_discarded_read_of_a_value_thread_0_stored_is_not_a_race() -> None:
+    # The keepdim sum `t6` is an output (Global, stored by thread 0) that a one-value product
+    # reads back; every thread computes that product (a register value is computed wherever
+    # a reader may run), but only thread 0's enters the next sum. The other threads' reads
+    # race with the store on the GPU and are discarded, like an uninitialized register's: the
+    # interpreter poisons them rather than refusing the kernel.
+    rng = np.random.default_rng(21650)
+    a0, a1 = rng.uniform(-1, 1, [128]).astype(np.float32), rng.uniform(-1, 1, [128]).astype(np.float32)
+    with FusionDefinition() as fd:
+        t0 = fd.define_tensor(shape=[-1], dtype=DataType.Float)
+        t1 = fd.define_tensor(shape=[-1], dtype=DataType.Float)
+        t3 = fd.ops.max(t1, dims=[0], keepdim=True)
+        t2 = Tensor(fd, 2)
+        t4 = fd.ops.mul(t3, 0.5)
+        t6 = fd.ops.sum(t4, dims=[0], keepdim=True)
+        t5 = Tensor(fd, 5)
+        t7 = fd.ops.mul(t4, t6)
+        t9 = fd.ops.sum(t7, dims=[0], keepdim=True)
+        t8 = Tensor(fd, 8)
+        t10 = fd.ops.mul(t9, 1.0)
+        fd.add_output(t10)
+        fd.add_output(t6)
+    for t in (t2, t3, t4, t5, t6, t8, t9, t10):
+        t.axis(0).parallelize(ParallelType.TIDx)
+    t2.inline_at(0)
+    t5.inline_at(-1)
+    t3.inline_at(-1)
+    got10, got6 = fd.execute([a0, a1])
+    m = 0.5 * a1.astype(np.float64).max()
+    np.testing.assert_allclose(got6, [m], rtol=1e-6)
+    np.testing.assert_allclose(got10, [m * m], rtol=1e-6)

@@ -712,7 +712,13 @@ impl Mem<'_> {
             }
         }
         self.race_check(ctx, kname, &slot, lanes, &phys, false)?;
-        self.global_check(ctx, kname, &slot, lanes, &phys, false)?;
+        // A racy Global read by a lane whose value is never used (a one-value register
+        // computed on every thread, read back by thread 0 alone) is harmless on the GPU, like
+        // an uninitialized register: where `lenient`, the lane is poisoned with the race.
+        for (i, what) in self.global_check(ctx, kname, &slot, lanes, &phys, false, lenient)? {
+            let pz = poison.get_or_insert_with(|| Poison { lanes: vec![false; phys.len()], what });
+            pz.lanes[i] = true;
+        }
         Ok((self.buf(slot.loc).data.gather(&phys), poison))
     }
 
@@ -803,7 +809,7 @@ impl Mem<'_> {
         }
         let phys = self.phys(ctx, kname, &slot, lanes, offs, "write")?;
         self.race_check(ctx, kname, &slot, lanes, &phys, true)?;
-        self.global_check(ctx, kname, &slot, lanes, &phys, true)?;
+        self.global_check(ctx, kname, &slot, lanes, &phys, true, false)?;
         if let (Loc::Own(i), true) = (slot.loc, self.async_tvs.contains(&tv)) {
             if let Some(Some(cp)) = self.cp_marks.get_mut(i) {
                 for (&l, &p) in lanes.iter().zip(&phys) {
@@ -825,6 +831,8 @@ impl Mem<'_> {
     /// A Global element read by one thread after another thread wrote it in this kernel,
     /// from another block or without a barrier between, is a race on the GPU (the
     /// interpreter's statement-by-statement order would hide it).
+    /// Where `lenient`, a racy read is returned (its lane and the race) instead of refused.
+    #[allow(clippy::too_many_arguments)]
     fn global_check(
         &mut self,
         ctx: &Ctx,
@@ -833,10 +841,12 @@ impl Mem<'_> {
         lanes: &[u32],
         phys: &[usize],
         write: bool,
-    ) -> Result<()> {
-        let Loc::Caller(i) = slot.loc else { return Ok(()) };
+        lenient: bool,
+    ) -> Result<Vec<(usize, String)>> {
+        let mut racy = Vec::new();
+        let Loc::Caller(i) = slot.loc else { return Ok(racy) };
         if slot.memory != MemoryType::Global || i >= self.checked_globals {
-            return Ok(());
+            return Ok(racy);
         }
         let len = self.caller[i].data.len();
         let epoch = self.epoch;
@@ -856,7 +866,7 @@ impl Mem<'_> {
                 v.insert(table)
             }
         };
-        for (&l, &p) in lanes.iter().zip(phys) {
+        for (k, (&l, &p)) in lanes.iter().zip(phys).enumerate() {
             let Some(c) = cells.get_mut(p) else { continue };
             if write {
                 *c = (l as i64, epoch);
@@ -873,15 +883,19 @@ impl Mem<'_> {
                 } else {
                     "with no barrier between"
                 };
-                return Err(KilnError::value(format!(
-                    "kernel {kname}: Global memory race on {} at index {p}: {} reads it after {} wrote it in this kernel, {why}",
+                let what = format!(
+                    "Global memory race on {} at index {p}: {} reads it after {} wrote it in this kernel, {why}",
                     slot.name,
                     ctx.thread(l),
                     ctx.thread(w as u32)
-                )));
+                );
+                if !lenient {
+                    return Err(KilnError::value(format!("kernel {kname}: {what}")));
+                }
+                racy.push((k, what));
             }
         }
-        Ok(())
+        Ok(racy)
     }
 
     fn reset_races(&mut self) {
