@@ -447,7 +447,7 @@ def test_a_discarded_read_of_a_value_thread_0_stored_is_not_a_race() -> None:
     rng = np.random.default_rng(21650)
     a0, a1 = rng.uniform(-1, 1, [128]).astype(np.float32), rng.uniform(-1, 1, [128]).astype(np.float32)
     with FusionDefinition() as fd:
-        t0 = fd.define_tensor(shape=[-1], dtype=DataType.Float)
+        fd.define_tensor(shape=[-1], dtype=DataType.Float)  # an unused input
         t1 = fd.define_tensor(shape=[-1], dtype=DataType.Float)
         t3 = fd.ops.max(t1, dims=[0], keepdim=True)
         t2 = Tensor(fd, 2)
