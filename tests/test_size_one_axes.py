@@ -174,3 +174,28 @@ def test_a_permute_of_runtime_ones_is_a_copy(shape, perm) -> None:
         plan = fd._core.auto_program([list(sizes)])
         moved = [a for a in perm if sizes[a] != 1] != sorted(a for a in perm if sizes[a] != 1)
         assert plan.heuristic == ("transpose" if moved else "pointwise"), (sizes, plan.heuristic)
+
+
+@pytest.mark.parametrize("shape,perm", [((4, 1), (1, 0)), ((3, 1, 5), (1, 2, 0)), ((1, 3, 5), (2, 0, 1)),
+                                        ((3, 5, 1), (2, 1, 0))])
+@pytest.mark.parametrize("readers", [2, 3])
+def test_a_permuted_broadcast_read_by_several_readers_that_expand_it(shape: tuple, perm: tuple,
+                                                                     readers: int) -> None:
+    # Each reader that expands the permuted size-one axis gets its own copy of the permute.
+    out_shape = [shape[a] for a in perm]
+    wide = [s if s != 1 else 2 for s in out_shape]
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([1 if s == 1 else -1 for s in shape])
+        y = fd.define_tensor([-1] * len(shape))
+        p = fd.ops.permute(x, list(perm))
+        ops = [fd.ops.add, fd.ops.mul, fd.ops.sub][:readers]
+        for op in ops:
+            fd.add_output(op(p, y))
+    rng = np.random.default_rng(len(shape) + readers)
+    a = rng.standard_normal(shape).astype(np.float32)
+    b = rng.standard_normal(wide).astype(np.float32)
+    got = fd.execute([a, b])
+    pa = a.astype(np.float64).transpose(perm)
+    wants = [pa + b, pa * b, pa - b][:readers]
+    for g, w in zip(got, wants):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)

@@ -3704,7 +3704,8 @@ fn clone_chain(f: &mut Fusion, t: TvId, memo: &mut FxHashMap<TvId, TvId>) -> Res
 }
 
 /// A new tensor of `dtype` computed by `op` from `operands`, as the op's builder makes it
-/// (element-wise ops, broadcasts, squeezes, copies and gathers; the others are not replayed).
+/// (element-wise ops, broadcasts, squeezes, permutes, copies and gathers; the others are not
+/// replayed).
 /// `dtype` is that of the tensor whose definition is replayed: a 0-d operand (`sqrt(s)` of a
 /// Double scalar beside a Float tensor) takes no part in type promotion, but once it is
 /// remade at its readers' rank (moved through a remap or a squeeze) the builder would
@@ -3736,10 +3737,13 @@ fn replay_promoted(f: &mut Fusion, op: Op, operands: &[Operand]) -> Result<TvId>
             let dims: Vec<i64> = (0..removed.len()).filter(|&a| removed[a]).map(|a| a as i64).collect();
             f.squeeze(tensor(0)?, &dims)?
         }
+        Op::Permute { perm } => {
+            let dims: Vec<i64> = perm.iter().map(|&a| a as i64).collect();
+            f.permute(tensor(0)?, &dims)?
+        }
         Op::Remap { .. }
         | Op::Mask { .. }
         | Op::Reduction { .. }
-        | Op::Permute { .. }
         | Op::Full { .. }
         | Op::Iota { .. }
         | Op::Random { .. } => {
