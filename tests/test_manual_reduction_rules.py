@@ -469,3 +469,31 @@ def test_a_discarded_read_of_a_value_thread_0_stored_is_not_a_race() -> None:
     m = 0.5 * a1.astype(np.float64).max()
     np.testing.assert_allclose(got6, [m], rtol=1e-6)
     np.testing.assert_allclose(got10, [m * m], rtol=1e-6)
+
+
+def test_a_kept_size_one_axis_on_a_thread_dimension_reduces_in_every_thread() -> None:
+    # The row sums of [85, 8, 1] kept in registers, the kept size-one axis split and merged
+    # into a TIDx loop of one iteration inside the reduced loop: every thread holds its own
+    # copy of the sums and computes all of them (only a serial loop over that axis would add
+    # the rows twice), then each thread negates its own row.
+    a0 = np.random.default_rng(57600).uniform(-1, 1, [85, 8, 1]).astype(np.float32)
+    with FusionDefinition() as fd:
+        t0 = fd.define_tensor(shape=[85, 8, 1], dtype=DataType.Float)
+        t3 = fd.ops.sum(t0, dims=[1])
+        t4 = fd.ops.neg(t3)
+        fd.add_output(t4)
+    t5 = t0.cache_after()
+    t3.set_memory_type(MemoryType.Local)
+    t3.split(0, 1)
+    t3.split(3, 3, inner_split=False)
+    t3.merge(2)
+    t3.merge(0)
+    t3.axis(0).parallelize(ParallelType.Unswitch)
+    t3.axis(2).parallelize(ParallelType.TIDx)
+    t4.split(1, 2)
+    t4.axis(0).parallelize(ParallelType.TIDx)
+    t5.merge(0)
+    t5.merge(0)
+    t3.inline_at(-1)
+    (got,) = fd.execute([a0])
+    np.testing.assert_allclose(got, -a0.astype(np.float64).sum(1), rtol=1e-5, atol=1e-5)

@@ -906,7 +906,12 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
     }
     let mut pred = predicate(f, ctx, c, &cidx, stack, false);
     let mut write_pred = predicate(f, ctx, c, &cidx, stack, true);
-    let overrun = reference_bounds(f, ctx, c, stack)?;
+    // A Local source (a mask, a fill, an iota) reads no memory: computed at every position
+    // of its loops, it holds a value for each of its readers, also for one that runs those
+    // loops over more positions than the consumer it is indexed through (a pad's column
+    // mask read by a `cat` of the padded rows and by their sum, in one flattened loop).
+    let free_source = f.exprs[e].op.is_source() && f.tvs[c].memory == MemoryType::Local;
+    let overrun = if free_source { f.scalars.boolean(true) } else { reference_bounds(f, ctx, c, stack)? };
     pred = and_new(&mut f.scalars, pred, overrun);
     write_pred = and_new(&mut f.scalars, write_pred, overrun);
     if let Some(bound) = own_logical_bounds(f, ctx, e, c, &cidx) {
@@ -919,7 +924,9 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
         // reader of the same loops (a `[1, 1]` output beside the `[N, M]` one that
         // concretizes it) reads it under them too.
         let fully = f.tvs[p].inline_pos >= f.tvs[p].loop_domain.len();
-        if fully && inlined_reference(f, ctx.lg, &ctx.partial, p).is_some_and(|(r, _)| r != e) {
+        let source =
+            f.tvs[p].memory == MemoryType::Local && f.tvs[p].definition.is_some_and(|d| f.exprs[d].op.is_source());
+        if fully && !source && inlined_reference(f, ctx.lg, &ctx.partial, p).is_some_and(|(r, _)| r != e) {
             let theirs = reference_bounds(f, ctx, p, stack)?;
             pred = and_new(&mut f.scalars, pred, theirs);
             write_pred = and_new(&mut f.scalars, write_pred, theirs);
@@ -943,10 +950,13 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
         // after the one init of the result (`placement::init_position` re-inits only in
         // the loops outside the reduced ones): each of its iterations would add the input to
         // the one element again, so only its first contributes.
+        // (A loop on a thread or block dimension runs each iteration in its own thread or
+        // block, which holds its own copy of a Local result: each computes the whole of it.)
         let ld = f.tvs[c].loop_domain.clone();
         let first_reduced = ld.iter().position(|&id| f.ids[id].iter_type == IterType::Reduction);
-        for &id in first_reduced.map_or(&[][..], |r| &ld[r + 1..]) {
-            if f.ids[id].iter_type == IterType::Broadcast {
+        for (a, &id) in ld.iter().enumerate().skip(first_reduced.map_or(ld.len(), |r| r + 1)) {
+            let parallel = ctx.lg.groups[ctx.lg.group(c, a)].parallel;
+            if f.ids[id].iter_type == IterType::Broadcast && !parallel.is_thread_or_block() {
                 if let Some(&i) = cidx.get(&id) {
                     let first = f.scalars.binary(ScalarOp::Eq, i, zero);
                     pred = f.scalars.binary(ScalarOp::And, pred, first);
