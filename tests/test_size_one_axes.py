@@ -11,7 +11,7 @@ from typing import Callable, List
 
 import numpy as np
 import pytest
-from kiln import FusionDefinition
+from kiln import DataType, FusionDefinition
 
 
 def _layernorm(fd: FusionDefinition, x, n: int):  # noqa: ANN001 - definition handles
@@ -199,3 +199,22 @@ def test_a_permuted_broadcast_read_by_several_readers_that_expand_it(shape: tupl
     wants = [pa + b, pa * b, pa - b][:readers]
     for g, w in zip(got, wants):
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [[1, 1], [1, 1, 1], [3, 1], [1, 4]])
+def test_a_broadcast_scalar_expression_summed_twice(shape: List[int]) -> None:
+    # `s + 1.0` (math on a runtime scalar alone) broadcast to `shape`, its row sums read by
+    # their total and by the difference: each reader's copy of the scalar math keeps the
+    # rank it was made at.
+    rank = len(shape)
+    with FusionDefinition() as fd:
+        o = fd.ops
+        s = fd.define_scalar(dtype=DataType.Double)
+        b = o.broadcast_in_dim(o.add(s, 1.0), shape, [])
+        r = o.sum(b, dims=[rank - 1])
+        fd.add_output(o.sub(r, o.sum(r, dims=[0], keepdim=True)))
+        fd.add_output(o.mul(r, 2.0))
+    got_d, got_2 = fd.execute([0.5])
+    r_np = np.full(shape, 1.5).sum(rank - 1)
+    np.testing.assert_allclose(got_d, r_np - r_np.sum(0, keepdims=True))
+    np.testing.assert_allclose(got_2, 2 * r_np)

@@ -3771,16 +3771,21 @@ fn recompute_expr(f: &mut Fusion, t: TvId) -> Result<TvId> {
         let extents: Vec<_> = f.no_reduction_logical(t).iter().map(|&id| f.ids[id].extent).collect();
         return f.remap(x, name, &extents, index.clone(), *valid);
     }
-    if !f.tvs[t].logical.is_empty() && operands.iter().all(|o| o.tensor().is_none()) {
-        // Math on scalars alone made at `t`'s rank (`log(float(x.size(-1)))` beside `x`):
-        // replayed, it would be a 0-d tensor that no loop of `t`'s readers computes.
+    replay_as(f, t, op, &operands)
+}
+
+/// [`replay`] of `t`'s definition `op` on `operands`, at `t`'s rank: math on scalars alone
+/// made at a rank (`log(float(x.size(-1)))` beside `x`, a broadcast scalar's sum) would
+/// replay as a 0-d tensor that no loop of `t`'s readers computes.
+fn replay_as(f: &mut Fusion, t: TvId, op: Op, operands: &[Operand]) -> Result<TvId> {
+    if !f.tvs[t].logical.is_empty() && op.is_elementwise() && operands.iter().all(|o| o.tensor().is_none()) {
         let logical: Vec<_> =
             f.tvs[t].logical.clone().into_iter().map(|id| f.new_id(f.ids[id].extent, f.ids[id].iter_type)).collect();
         let out = f.new_tv(f.tvs[t].dtype, crate::ir::MemoryType::Local, logical);
-        f.add_expr(op, operands, out);
+        f.add_expr(op, operands.iter().copied().collect(), out);
         return Ok(out);
     }
-    replay(f, op, &operands, f.tvs[t].dtype)
+    replay(f, op, operands, f.tvs[t].dtype)
 }
 
 /// Give each reader that concretizes a shared broadcast its own copy (see the module docs).
@@ -3850,7 +3855,7 @@ fn clone_prologue(f: &mut Fusion, t: TvId, memo: &mut FxHashMap<TvId, TvId>) -> 
             s => s,
         });
     }
-    let c = replay(f, op, &operands, f.tvs[t].dtype)?;
+    let c = replay_as(f, t, op, &operands)?;
     memo.insert(t, c);
     Ok(c)
 }
