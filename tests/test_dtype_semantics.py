@@ -285,3 +285,23 @@ def test_a_narrow_iota_holds_its_dtypes_values(dtype: DataType) -> None:
     pos = np.float32(0.1) + np.arange(37, dtype=np.float32) * np.float32(0.1)
     want = 3.0 / np.array([_narrow_value(float(v), dtype) for v in pos])
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("op", ["eq", "ne", "lt", "le", "gt", "ge"])
+def test_a_comparison_with_a_0d_tensor_is_made_in_the_promoted_type(op: str) -> None:
+    # A 0-d tensor takes part as a scalar (PyTorch): Int 0-d beside Int32 values compares as
+    # Int32 (2**32 - 5 wraps to -5, as `add` reads it), Double 0-d beside Float as Float.
+    ops = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal,
+           "gt": np.greater, "ge": np.greater_equal}
+    with FusionDefinition() as fd:
+        s = fd.define_tensor(shape=[], dtype=DataType.Int)
+        x = fd.define_tensor(shape=[-1], dtype=DataType.Int32)
+        d = fd.define_tensor(shape=[], dtype=DataType.Double)
+        y = fd.define_tensor(shape=[-1], dtype=DataType.Float)
+        fd.add_output(getattr(fd.ops, op)(x, s))
+        fd.add_output(getattr(fd.ops, op)(y, d))
+    xs = np.array([-5, 0, -6], np.int32)
+    ys = np.array([0.1, 0.0999, 0.1001], np.float32)
+    got_i, got_f = fd.execute([np.array(2**32 - 5), xs, np.array(0.1), ys])
+    np.testing.assert_array_equal(got_i, ops[op](xs, np.int32(-5)))
+    np.testing.assert_array_equal(got_f, ops[op](ys, np.float32(0.1)))

@@ -477,6 +477,17 @@ impl Fusion {
                 }
             };
             (round(a)?, round(b)?)
+        } else if op.is_comparison() {
+            // A comparison is made in the promoted type: a 0-d tensor takes part as a scalar
+            // (an Int 0-d beside Int32 values is compared as Int32, a Double 0-d beside Float
+            // values as Float), as the arithmetic ops read it and PyTorch compares.
+            let mut to_promoted = |o: Operand| -> Result<Operand> {
+                match o {
+                    Operand::Tensor(t) if self.tvs[t].dtype != promoted => Ok(Operand::Tensor(self.cast(o, promoted)?)),
+                    o => Ok(o),
+                }
+            };
+            (to_promoted(a)?, to_promoted(b)?)
         } else {
             (a, b)
         };
