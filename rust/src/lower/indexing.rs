@@ -547,6 +547,12 @@ fn only_size_one(f: &Fusion, id: IterDomainId) -> bool {
     }
 }
 
+/// True when `tv` is a Local mask, fill, iota or random tensor: it reads no memory, so it
+/// may be computed at any position of its loops.
+fn local_source(f: &Fusion, tv: TvId) -> bool {
+    f.tvs[tv].memory == MemoryType::Local && f.tvs[tv].definition.is_some_and(|d| f.exprs[d].op.is_source())
+}
+
 /// True when `tv` is a Local tensor of one element (every logical axis a broadcast): it
 /// holds the same value at every position of the loops that run it, so it is computed
 /// wherever any of its readers runs, not only where the consumer it is indexed through
@@ -910,8 +916,7 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
     // of its loops, it holds a value for each of its readers, also for one that runs those
     // loops over more positions than the consumer it is indexed through (a pad's column
     // mask read by a `cat` of the padded rows and by their sum, in one flattened loop).
-    let free_source = f.exprs[e].op.is_source() && f.tvs[c].memory == MemoryType::Local;
-    let overrun = if free_source { f.scalars.boolean(true) } else { reference_bounds(f, ctx, c, stack)? };
+    let overrun = if local_source(f, c) { f.scalars.boolean(true) } else { reference_bounds(f, ctx, c, stack)? };
     pred = and_new(&mut f.scalars, pred, overrun);
     write_pred = and_new(&mut f.scalars, write_pred, overrun);
     if let Some(bound) = own_logical_bounds(f, ctx, e, c, &cidx) {
@@ -924,9 +929,7 @@ fn index_expr(f: &mut Fusion, ctx: &mut Ctx, e: ExprId, stack: &[Enclosing]) -> 
         // reader of the same loops (a `[1, 1]` output beside the `[N, M]` one that
         // concretizes it) reads it under them too.
         let fully = f.tvs[p].inline_pos >= f.tvs[p].loop_domain.len();
-        let source =
-            f.tvs[p].memory == MemoryType::Local && f.tvs[p].definition.is_some_and(|d| f.exprs[d].op.is_source());
-        if fully && !source && inlined_reference(f, ctx.lg, &ctx.partial, p).is_some_and(|(r, _)| r != e) {
+        if fully && !local_source(f, p) && inlined_reference(f, ctx.lg, &ctx.partial, p).is_some_and(|(r, _)| r != e) {
             let theirs = reference_bounds(f, ctx, p, stack)?;
             pred = and_new(&mut f.scalars, pred, theirs);
             write_pred = and_new(&mut f.scalars, write_pred, theirs);
